@@ -1,0 +1,186 @@
+//! Event Hubs emulator over AMQP 1.0.
+//!
+//! It serves the protocol the service speaks, so the Rust SDK and the other official SDKs work
+//! against it unmodified with an ordinary emulator connection string
+//! (`Endpoint=sb://127.0.0.1:5672;SharedAccessKeyName=…;SharedAccessKey=…;UseDevelopmentEmulator=true`):
+//! SASL ANONYMOUS, CBS `put-token` with verified SAS tokens, `$management` READ, receivers with
+//! selector filters and owner-level (epoch) arbitration, hub- and partition-level senders with
+//! single and batched events. `EMULATOR_NOTES.md` §1, §6 and §9 (in the shared design notes)
+//! list the details each SDK depends on.
+//!
+//! - [`store`]: hubs, partitions and their (optionally durable) logs.
+//! - [`selector`]: start positions from the receivers' selector filters.
+//! - `server`: connections, sessions and links.
+//! - [`wire`]: the transport shim (full-length performatives, held-back frames, quick ACKs).
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::azure::SasKey;
+use crate::emulator::Faults;
+
+pub mod selector;
+mod server;
+pub mod store;
+pub mod wire;
+
+pub use server::MAX_MESSAGE_SIZE;
+pub use store::{EventStore, HubSpec};
+
+/// How to run the Event Hubs emulator.
+#[derive(Debug, Clone)]
+pub struct EventHubsConfig {
+    /// Address to listen on; port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// The hubs to serve.
+    pub hubs: Vec<HubSpec>,
+    /// Where to keep the partition logs; `None` keeps them in memory.
+    pub data_dir: Option<PathBuf>,
+    /// The SAS key tokens must be signed with.
+    pub key: SasKey,
+    /// Accept any non-empty token (for Entra ID style JWTs) instead of verifying SAS tokens.
+    pub accept_any_token: bool,
+}
+
+impl Default for EventHubsConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            hubs: vec![HubSpec::new("hub", 4)],
+            data_dir: None,
+            key: SasKey::new(super::DEFAULT_KEY_NAME, super::DEFAULT_KEY),
+            accept_any_token: false,
+        }
+    }
+}
+
+/// State shared by every connection of one emulator.
+#[derive(Debug)]
+struct Shared {
+    store: EventStore,
+    key: SasKey,
+    accept_any_token: bool,
+    faults: Arc<Faults>,
+}
+
+/// A running Event Hubs emulator. Dropping it stops it.
+#[derive(Debug)]
+pub struct EventHubsEmulator {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+/// The socket options every official client needs: `TCP_MAXSEG` 16384 on the listener (the
+/// Python SDK writes back the MSS it reads, and the loopback default makes that fail).
+fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    #[cfg(target_os = "linux")]
+    let _ = socket.set_mss(16_384);
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    TcpListener::from_std(socket.into())
+}
+
+impl EventHubsEmulator {
+    /// Opens the store and starts listening.
+    pub async fn start(config: EventHubsConfig) -> io::Result<Self> {
+        let store = EventStore::open(&config.hubs, config.data_dir.as_deref())?;
+        let listener = listener(config.listen)?;
+        let addr = listener.local_addr()?;
+        let shutdown = CancellationToken::new();
+        let shared = Arc::new(Shared {
+            store,
+            key: config.key,
+            accept_any_token: config.accept_any_token,
+            faults: Arc::new(Faults::new(shutdown.clone())),
+        });
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), shutdown.clone()));
+        Ok(Self {
+            addr,
+            shared,
+            shutdown,
+            task: Some(task),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The emulator connection string for its SAS key:
+    /// `Endpoint=sb://HOST:PORT;SharedAccessKeyName=…;SharedAccessKey=…;UseDevelopmentEmulator=true`.
+    pub fn connection_string(&self) -> String {
+        connection_string(self.addr, &self.shared.key)
+    }
+
+    /// The fault injection handle.
+    pub fn faults(&self) -> &Arc<Faults> {
+        &self.shared.faults
+    }
+
+    /// The hubs and their events.
+    pub fn store(&self) -> &EventStore {
+        &self.shared.store
+    }
+
+    /// Stops listening and drops every connection.
+    pub async fn shutdown(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for EventHubsEmulator {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The emulator connection string for `addr` and `key`.
+pub fn connection_string(addr: SocketAddr, key: &SasKey) -> String {
+    // The key is part of the string by design: this is what a user pastes into a client.
+    format!(
+        "Endpoint=sb://{addr};SharedAccessKeyName={};SharedAccessKey={};UseDevelopmentEmulator=true",
+        key.name(),
+        key.secret()
+    )
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, shutdown: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.cancelled() => return,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                if shared.faults.refusing() {
+                    drop(stream);
+                    continue;
+                }
+                tokio::spawn(server::serve_connection(stream, shared.clone()));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "eventhubs emulator: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Fault injection shared by the emulators: refuse connections for a period, delay every
+//! response, drop every live connection, answer with an error status for a period.
+//!
+//! Tests drive it through the Rust API on a running emulator; the `hubguard emulator` process
+//! will expose the same through its admin endpoint. Time is `tokio::time`, so tests that pause
+//! the clock control faults too.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The faults in force on one emulator.
+#[derive(Debug)]
+pub struct Faults {
+    state: Mutex<FaultState>,
+    shutdown: CancellationToken,
+}
+
+#[derive(Debug)]
+struct FaultState {
+    refuse_until: Option<Instant>,
+    error_until: Option<(Instant, u16)>,
+    delay: Duration,
+    connections: CancellationToken,
+    dropped: u64,
+}
+
+impl Faults {
+    /// Faults for an emulator whose connections all end when `shutdown` is cancelled.
+    pub fn new(shutdown: CancellationToken) -> Self {
+        Self {
+            state: Mutex::new(FaultState {
+                refuse_until: None,
+                error_until: None,
+                delay: Duration::ZERO,
+                connections: shutdown.child_token(),
+                dropped: 0,
+            }),
+            shutdown,
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Close every new connection at once for `period`.
+    pub fn refuse_connections_for(&self, period: Duration) {
+        self.state().refuse_until = Some(Instant::now() + period);
+    }
+
+    /// Whether new connections are being refused now.
+    pub fn refusing(&self) -> bool {
+        self.state().refuse_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Add `delay` of latency to every response (zero turns it off).
+    pub fn set_delay(&self, delay: Duration) {
+        self.state().delay = delay;
+    }
+
+    /// The latency currently added to responses.
+    pub fn delay(&self) -> Duration {
+        self.state().delay
+    }
+
+    /// Answer every request with `status` for `period` (for the HTTP emulators; the AMQP
+    /// emulator answers management and CBS requests with it).
+    pub fn error_status_for(&self, status: u16, period: Duration) {
+        self.state().error_until = Some((Instant::now() + period, status));
+    }
+
+    /// The error status in force now, if any.
+    pub fn error_status(&self) -> Option<u16> {
+        self.state()
+            .error_until
+            .filter(|(t, _)| Instant::now() < *t)
+            .map(|(_, s)| s)
+    }
+
+    /// Drop every live connection now (new connections are accepted as usual).
+    pub fn drop_connections(&self) {
+        let mut st = self.state();
+        st.connections.cancel();
+        st.connections = self.shutdown.child_token();
+        st.dropped += 1;
+    }
+
+    /// How many times [`drop_connections`](Self::drop_connections) ran.
+    pub fn drops(&self) -> u64 {
+        self.state().dropped
+    }
+
+    /// A token cancelled when the connection it is given to must be dropped.
+    pub fn connection_token(&self) -> CancellationToken {
+        self.state().connections.child_token()
+    }
+
+    /// Remove every fault.
+    pub fn clear(&self) {
+        let mut st = self.state();
+        st.refuse_until = None;
+        st.error_until = None;
+        st.delay = Duration::ZERO;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn periods_expire_on_the_injected_clock() {
+        let f = Faults::new(CancellationToken::new());
+        f.refuse_connections_for(Duration::from_secs(30));
+        f.error_status_for(503, Duration::from_secs(10));
+        assert!(f.refusing());
+        assert_eq!(f.error_status(), Some(503));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(f.error_status(), None);
+        assert!(f.refusing());
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(!f.refusing());
+    }
+
+    #[test]
+    fn drop_cancels_live_connections_only() {
+        let shutdown = CancellationToken::new();
+        let f = Faults::new(shutdown.clone());
+        let before = f.connection_token();
+        f.drop_connections();
+        let after = f.connection_token();
+        assert!(before.is_cancelled());
+        assert!(!after.is_cancelled());
+        shutdown.cancel();
+        assert!(after.is_cancelled());
+        assert_eq!(f.drops(), 1);
+    }
+}
