@@ -1,1 +1,8 @@
-fn main(){}
+//! hubguard's integration tests: the real Azure SDK crates over loopback against the
+//! in-process emulators. One binary, so linking happens once.
+
+mod cli;
+mod common;
+mod eventhubs_amqp;
+mod eventhubs_processor;
+mod eventhubs_sdk;

@@ -1,0 +1,118 @@
+//! Shared helpers: start an emulator on port 0, open real SDK clients against it, and put a
+//! deadline on every await so a hang fails the test instead of stalling the run.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_messaging_eventhubs::models::ReceivedEventData;
+use azure_messaging_eventhubs::{
+    ConsumerClient, EventReceiver, OpenReceiverOptions, ProducerClient, StartLocation,
+    StartPosition,
+};
+use futures::StreamExt;
+use hubguard::azure::ConnectionString;
+use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
+
+/// The deadline for any single step of a test.
+pub const STEP: Duration = Duration::from_secs(30);
+
+/// Awaits `f` or panics naming `what` after [`STEP`].
+pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(STEP, f).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no answer within {STEP:?}"),
+    }
+}
+
+/// Starts an emulator with the given hubs on a free port (memory only).
+pub async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
+    emulator_with(EventHubsConfig {
+        hubs: hubs.iter().map(|(n, p)| HubSpec::new(*n, *p)).collect(),
+        ..Default::default()
+    })
+    .await
+}
+
+/// Starts an emulator with a full configuration.
+pub async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
+    EventHubsEmulator::start(config).await.expect("emulator starts")
+}
+
+/// The emulator's connection string, parsed.
+pub fn conn(emu: &EventHubsEmulator) -> ConnectionString {
+    emu.connection_string().parse().expect("valid connection string")
+}
+
+/// A producer for `hub`, authenticated by the connection string's key.
+pub async fn producer(cs: &ConnectionString, hub: &str) -> ProducerClient {
+    within(
+        "open producer",
+        ProducerClient::builder()
+            .with_custom_endpoint(cs.custom_endpoint().unwrap())
+            .open(&cs.namespace(), hub, Arc::new(cs.credential(Some(hub)))),
+    )
+    .await
+    .expect("producer opens")
+}
+
+/// A consumer for `hub` in `$Default`.
+pub async fn consumer(cs: &ConnectionString, hub: &str) -> ConsumerClient {
+    consumer_in(cs, hub, None).await
+}
+
+/// A consumer for `hub` in a consumer group.
+pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) -> ConsumerClient {
+    let mut b = ConsumerClient::builder().with_custom_endpoint(cs.custom_endpoint().unwrap());
+    if let Some(g) = group {
+        b = b.with_consumer_group(g.to_string());
+    }
+    within(
+        "open consumer",
+        b.open(&cs.namespace(), hub.to_string(), Arc::new(cs.credential(Some(hub)))),
+    )
+    .await
+    .expect("consumer opens")
+}
+
+/// Opens a receiver on `partition` starting at `location`.
+pub async fn receiver(
+    consumer: &ConsumerClient,
+    partition: &str,
+    location: StartLocation,
+    inclusive: bool,
+) -> EventReceiver {
+    within(
+        "open receiver",
+        consumer.open_receiver_on_partition(
+            partition.to_string(),
+            Some(OpenReceiverOptions {
+                start_position: Some(StartPosition { location, inclusive }),
+                ..Default::default()
+            }),
+        ),
+    )
+    .await
+    .expect("receiver opens")
+}
+
+/// Receives exactly `n` events (each within [`STEP`]).
+pub async fn take(receiver: &EventReceiver, n: usize) -> Vec<ReceivedEventData> {
+    let stream = receiver.stream_events();
+    futures::pin_mut!(stream);
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let next = within(&format!("event {} of {n}", out.len() + 1), stream.next()).await;
+        match next {
+            Some(Ok(ev)) => out.push(ev),
+            Some(Err(e)) => panic!("receive failed after {} events: {e:?}", out.len()),
+            None => panic!("stream ended after {} events", out.len()),
+        }
+    }
+    out
+}
+
+/// The body of an event as text.
+pub fn body(ev: &ReceivedEventData) -> String {
+    String::from_utf8(ev.event_data().body().expect("one data section").to_vec()).expect("utf-8 body")
+}

@@ -1,0 +1,466 @@
+//! The Event Hubs emulator through the real `azure_messaging_eventhubs` 0.15 clients.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+use azure_messaging_eventhubs::{
+    ConsumerClient, EventDataBatchOptions, ProducerClient, SendEventOptions, StartLocation,
+};
+use hubguard::azure::SasKey;
+use hubguard::emulator::eventhubs::{EventHubsConfig, HubSpec};
+
+use crate::common::*;
+
+fn event(body: &str) -> EventData {
+    EventData::builder().with_body(body.as_bytes().to_vec()).build()
+}
+
+async fn send_batch(p: &ProducerClient, bodies: &[String], partition: Option<&str>, key: Option<&str>) {
+    let batch = within(
+        "create batch",
+        p.create_batch(Some(EventDataBatchOptions {
+            partition_id: partition.map(String::from),
+            partition_key: key.map(String::from),
+            ..Default::default()
+        })),
+    )
+    .await
+    .expect("batch");
+    for b in bodies {
+        assert!(batch.try_add_event_data(event(b), None).unwrap(), "event fits");
+    }
+    within("send batch", p.send_batch(batch, None)).await.expect("batch accepted");
+}
+
+#[tokio::test]
+async fn management_reports_hub_and_partition_properties() {
+    let emu = emulator(&[("orders", 3)]).await;
+    let cs = conn(&emu);
+    let c = consumer(&cs, "orders").await;
+    let hub = within("hub props", c.get_eventhub_properties()).await.unwrap();
+    assert_eq!(hub.name, "orders");
+    assert_eq!(hub.partition_ids, vec!["0", "1", "2"]);
+    let p = within("partition props", c.get_partition_properties("1")).await.unwrap();
+    assert!(p.is_empty);
+    assert_eq!(p.last_enqueued_sequence_number, -1);
+
+    let prod = producer(&cs, "orders").await;
+    send_batch(&prod, &["a".into(), "b".into()], Some("1"), None).await;
+    let p = within("partition props", c.get_partition_properties("1")).await.unwrap();
+    assert!(!p.is_empty);
+    assert_eq!(p.beginning_sequence_number, 0);
+    assert_eq!(p.last_enqueued_sequence_number, 1);
+    let stored = emu.store().hub("orders").unwrap().partitions[1].events_from(1, 1);
+    assert_eq!(p.last_enqueued_offset, stored[0].offset.to_string());
+    within("close producer", prod.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn single_and_batched_sends_arrive_complete_in_order_with_annotations() {
+    let emu = emulator(&[("hub", 4)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+
+    // Single events to an explicit partition, with properties and a content type.
+    for i in 0..5 {
+        let ev = EventData::builder()
+            .with_body(format!("single-{i}").into_bytes())
+            .with_content_type("application/json".into())
+            .with_message_id(format!("mid-{i}"))
+            .add_property("n".into(), AmqpSimpleValue::Int(i))
+            .add_property("who".into(), AmqpSimpleValue::String("test".into()))
+            .build();
+        within(
+            "send event",
+            prod.send_event(ev, Some(SendEventOptions { partition_id: Some("2".into()) })),
+        )
+        .await
+        .expect("event accepted");
+    }
+    // A batch to an explicit partition.
+    let batch: Vec<String> = (0..50).map(|i| format!("batch-{i}")).collect();
+    send_batch(&prod, &batch, Some("2"), None).await;
+    // A batch with a partition key goes to one partition, key annotated.
+    let keyed: Vec<String> = (0..20).map(|i| format!("keyed-{i}")).collect();
+    send_batch(&prod, &keyed, None, Some("customer-42")).await;
+    send_batch(&prod, &keyed, None, Some("customer-42")).await;
+
+    let c = consumer(&cs, "hub").await;
+    let r = receiver(&c, "2", StartLocation::Earliest, false).await;
+    let got = take(&r, 55).await;
+    for (i, ev) in got.iter().enumerate() {
+        assert_eq!(ev.sequence_number(), Some(i as i64));
+        assert!(ev.offset().as_deref().unwrap().parse::<i64>().is_ok());
+        assert!(ev.enqueued_time().is_some());
+    }
+    assert_eq!(body(&got[0]), "single-0");
+    assert_eq!(got[0].event_data().content_type(), Some("application/json"));
+    let props = got[3].event_data().properties().unwrap();
+    assert_eq!(props.get("n"), Some(&AmqpSimpleValue::Int(3)));
+    assert_eq!(props.get("who"), Some(&AmqpSimpleValue::String("test".into())));
+    let bodies: Vec<String> = got[5..].iter().map(body).collect();
+    assert_eq!(bodies, batch);
+    // Offsets strictly increase and differ from sequence numbers (they are byte positions).
+    assert!(got.windows(2).all(|w| {
+        w[0].offset().as_deref().unwrap().parse::<i64>().unwrap()
+            < w[1].offset().as_deref().unwrap().parse::<i64>().unwrap()
+    }));
+    assert_ne!(got[3].offset().as_deref(), Some("3"));
+    within("close receiver", r.close()).await.unwrap();
+
+    // The keyed events all landed, in order, on one partition, with the key annotated.
+    let hub = emu.store().hub("hub").unwrap();
+    let keyed_partition = (0..4)
+        .find(|p| hub.partitions[*p].events_from(0, 100).iter().any(|e| {
+            hubguard::emulator::eventhubs::store::partition_key_of(&e.message).as_deref() == Some("customer-42")
+        }))
+        .expect("keyed events stored");
+    let r = receiver(&c, &keyed_partition.to_string(), StartLocation::Earliest, false).await;
+    let total = hub.partitions[keyed_partition].len();
+    let got = take(&r, total).await;
+    let keyed_got: Vec<_> = got.iter().filter(|e| e.partition_key().as_deref() == Some("customer-42")).collect();
+    assert_eq!(keyed_got.len(), 40);
+    let expected: Vec<String> = keyed.iter().chain(keyed.iter()).cloned().collect();
+    assert_eq!(keyed_got.iter().map(|e| body(e)).collect::<Vec<_>>(), expected);
+    within("close receiver", r.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+    within("close producer", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn hub_level_sends_without_key_spread_round_robin() {
+    let emu = emulator(&[("hub", 4)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    for i in 0..8 {
+        within("send", prod.send_event(event(&format!("e{i}")), None)).await.unwrap();
+    }
+    let hub = emu.store().hub("hub").unwrap();
+    let lens: Vec<usize> = hub.partitions.iter().map(|p| p.len()).collect();
+    assert_eq!(lens, vec![2, 2, 2, 2]);
+    within("close", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn every_start_position_inclusive_and_exclusive() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    let bodies: Vec<String> = (0..10).map(|i| format!("ev-{i}")).collect();
+    send_batch(&prod, &bodies[..5], Some("0"), None).await;
+    tokio::time::sleep(Duration::from_millis(5)).await; // distinct enqueued times for the time filter
+    send_batch(&prod, &bodies[5..], Some("0"), None).await;
+    let stored = emu.store().hub("hub").unwrap().partitions[0].events_from(0, 10);
+    let c = consumer(&cs, "hub").await;
+
+    let first_body = |loc: StartLocation, inclusive: bool| {
+        let c = &c;
+        async move {
+            let r = receiver(c, "0", loc, inclusive).await;
+            let ev = take(&r, 1).await;
+            within("close receiver", r.close()).await.unwrap();
+            body(&ev[0])
+        }
+    };
+    assert_eq!(first_body(StartLocation::Earliest, false).await, "ev-0");
+    assert_eq!(first_body(StartLocation::SequenceNumber(3), false).await, "ev-4");
+    assert_eq!(first_body(StartLocation::SequenceNumber(3), true).await, "ev-3");
+    let off = stored[6].offset.to_string();
+    assert_eq!(first_body(StartLocation::Offset(off.clone()), false).await, "ev-7");
+    assert_eq!(first_body(StartLocation::Offset(off), true).await, "ev-6");
+    let t5 = std::time::UNIX_EPOCH + Duration::from_millis(stored[5].enqueued_ms as u64);
+    assert_eq!(first_body(StartLocation::EnqueuedTime(t5), true).await, "ev-5");
+    let t4 = std::time::UNIX_EPOCH + Duration::from_millis(stored[4].enqueued_ms as u64);
+    assert_eq!(first_body(StartLocation::EnqueuedTime(t4), false).await, "ev-5");
+
+    // Latest: only events enqueued after the receiver attached (live tailing).
+    let r = receiver(&c, "0", StartLocation::Latest, false).await;
+    // The link attaches lazily on the first read; give it a moment by reading concurrently.
+    let reader = async { take(&r, 2).await };
+    let writer = async {
+        // Wait until the receiver is attached before sending.
+        let hub = emu.store().hub("hub").unwrap();
+        let deadline = Instant::now() + STEP;
+        while hub.receiver_count("$Default", 0) == 0 {
+            assert!(Instant::now() < deadline, "receiver never attached");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        send_batch(&prod, &["live-1".into(), "live-2".into()], Some("0"), None).await;
+    };
+    let (got, ()) = tokio::join!(reader, writer);
+    assert_eq!(got.iter().map(body).collect::<Vec<_>>(), vec!["live-1", "live-2"]);
+    assert_eq!(got[0].sequence_number(), Some(10));
+    within("close receiver", r.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+    within("close producer", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn wrong_sas_key_is_refused_with_a_clear_error() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let bad = Arc::new(hubguard::azure::SasCredential::new(
+        SasKey::new(cs.key.name(), "not-the-key"),
+        format!("sb://{}/hub", cs.namespace()),
+    ));
+    let c = within(
+        "open",
+        ConsumerClient::builder()
+            .with_custom_endpoint(cs.custom_endpoint().unwrap())
+            .open(&cs.namespace(), "hub".into(), bad),
+    )
+    .await;
+    let err = match c {
+        Err(e) => format!("{e:?}"),
+        Ok(c) => {
+            let r = within("properties", c.get_eventhub_properties()).await;
+            let e = format!("{:?}", r.expect_err("a wrong key must be refused"));
+            within("close", c.close()).await.unwrap();
+            e
+        }
+    };
+    assert!(err.contains("401"), "error should carry status 401: {err}");
+    assert!(!err.contains("not-the-key"), "the key never appears in errors");
+
+    // A token for another hub is refused too (wrong audience).
+    let other = Arc::new(cs.credential(Some("otherhub")));
+    let c = within(
+        "open",
+        ProducerClient::builder()
+            .with_custom_endpoint(cs.custom_endpoint().unwrap())
+            .open(&cs.namespace(), "hub", other),
+    )
+    .await;
+    if let Ok(p) = c {
+        let r = within("send", p.send_event(event("x"), None)).await;
+        assert!(r.is_err(), "a token for another hub must not allow sending");
+        let _ = within("close", p.close()).await;
+    }
+    assert_eq!(emu.store().hub("hub").unwrap().partitions[0].len(), 0);
+}
+
+#[tokio::test]
+async fn unknown_hub_and_partition_are_not_found() {
+    let emu = emulator_with(EventHubsConfig {
+        hubs: vec![HubSpec::new("hub", 2)],
+        ..Default::default()
+    })
+    .await;
+    let cs = conn(&emu);
+    let c = consumer(&cs, "hub").await;
+    let err = within("partition 7", c.get_partition_properties("7")).await.unwrap_err();
+    assert!(format!("{err:?}").contains("404"), "{err:?}");
+    let r = within(
+        "open receiver on 7",
+        c.open_receiver_on_partition("7".into(), None),
+    )
+    .await;
+    let failed = match r {
+        Err(e) => format!("{e:?}"),
+        Ok(r) => {
+            let stream = r.stream_events();
+            futures::pin_mut!(stream);
+            let e = within("read from 7", futures::StreamExt::next(&mut stream)).await;
+            format!("{e:?}")
+        }
+    };
+    assert!(failed.to_lowercase().contains("not-found") || failed.contains("NotFound") || failed.contains("could not be found"), "{failed}");
+    within("close", c.close()).await.unwrap();
+
+    let nohub = consumer(&cs, "nohub").await;
+    let err = within("props of unknown hub", nohub.get_eventhub_properties()).await.unwrap_err();
+    assert!(format!("{err:?}").contains("404"), "{err:?}");
+    within("close", nohub.close()).await.unwrap();
+
+    let unknown_cg = consumer_in(&cs, "hub", Some("nobody")).await;
+    let r = within("open receiver in unknown group", unknown_cg.open_receiver_on_partition("0".into(), None)).await;
+    let failed = match r {
+        Err(e) => format!("{e:?}"),
+        Ok(r) => {
+            let stream = r.stream_events();
+            futures::pin_mut!(stream);
+            format!("{:?}", within("read", futures::StreamExt::next(&mut stream)).await)
+        }
+    };
+    assert!(failed.contains("could not be found") || failed.to_lowercase().contains("not-found") || failed.contains("NotFound"), "{failed}");
+    within("close", unknown_cg.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn restart_on_the_same_data_dir_keeps_events_and_sequence_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || EventHubsConfig {
+        hubs: vec![HubSpec::new("hub", 2)],
+        data_dir: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
+    let emu = emulator_with(config()).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    let bodies: Vec<String> = (0..30).map(|i| format!("durable-{i}")).collect();
+    send_batch(&prod, &bodies, Some("1"), None).await;
+    within("close", prod.close()).await.unwrap();
+    emu.shutdown().await;
+
+    let emu = emulator_with(config()).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    send_batch(&prod, &["after-restart".into()], Some("1"), None).await;
+    let c = consumer(&cs, "hub").await;
+    let r = receiver(&c, "1", StartLocation::Earliest, false).await;
+    let got = take(&r, 31).await;
+    let mut expected = bodies.clone();
+    expected.push("after-restart".into());
+    assert_eq!(got.iter().map(body).collect::<Vec<_>>(), expected);
+    assert_eq!(got.iter().map(|e| e.sequence_number().unwrap()).collect::<Vec<_>>(), (0..31).collect::<Vec<_>>());
+    within("close receiver", r.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+    within("close producer", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn dropped_connections_mid_stream_lose_and_reorder_nothing() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    let bodies: Vec<String> = (0..300).map(|i| format!("ev-{i:03}")).collect();
+    send_batch(&prod, &bodies[..100], Some("0"), None).await;
+    let c = consumer(&cs, "hub").await;
+    let r = receiver(&c, "0", StartLocation::Earliest, false).await;
+    let mut got = take(&r, 40).await;
+    emu.faults().drop_connections();
+    // The producer recovers too.
+    within("send after drop", async {
+        loop {
+            let batch = prod.create_batch(Some(EventDataBatchOptions { partition_id: Some("0".into()), ..Default::default() })).await;
+            if let Ok(batch) = batch {
+                for b in &bodies[100..] {
+                    batch.try_add_event_data(event(b), None).unwrap();
+                }
+                if prod.send_batch(batch, None).await.is_ok() {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    // The receiver resumes after the last event it saw; anything seen twice is a duplicate
+    // (allowed), anything missing or out of order is a failure.
+    {
+    let stream = r.stream_events();
+    futures::pin_mut!(stream);
+    while got.last().and_then(|e| e.sequence_number()) != Some(299) {
+        match within("receive after drop", futures::StreamExt::next(&mut stream)).await {
+            Some(Ok(ev)) => got.push(ev),
+            Some(Err(e)) => panic!("receiver did not recover: {e:?}"),
+            None => panic!("stream ended"),
+        }
+    }
+    let mut seqs: Vec<i64> = got.iter().map(|e| e.sequence_number().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[1] > w[0] || w[1] <= w[0]), "sanity");
+    let before = seqs.len();
+    seqs.dedup();
+    let mut sorted = seqs.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted, (0..300).collect::<Vec<_>>(), "every event arrives");
+    assert!(before >= 300);
+    assert_eq!(emu.faults().drops(), 1);
+    }
+    within("close receiver", r.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+    within("close producer", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn refused_connections_recover_when_the_period_ends() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    emu.faults().refuse_connections_for(Duration::from_millis(300));
+    let started = Instant::now();
+    let ns = cs.namespace();
+    let prod = ProducerClient::builder()
+        .with_custom_endpoint(cs.custom_endpoint().unwrap())
+        .open(&ns, "hub", Arc::new(cs.credential(Some("hub"))));
+    let prod = within("open while refused", async {
+        match prod.await {
+            Ok(p) => p,
+            Err(_) => loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if let Ok(p) = ProducerClient::builder()
+                    .with_custom_endpoint(cs.custom_endpoint().unwrap())
+                    .open(&cs.namespace(), "hub", Arc::new(cs.credential(Some("hub"))))
+                    .await
+                {
+                    break p;
+                }
+            },
+        }
+    })
+    .await;
+    within("send after refusal", prod.send_event(event("late"), None)).await.unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(emu.store().hub("hub").unwrap().partitions[0].len(), 1);
+    within("close", prod.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn delayed_responses_slow_but_do_not_break_clients() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let c = consumer(&cs, "hub").await;
+    within("warm up", c.get_eventhub_properties()).await.unwrap();
+    emu.faults().set_delay(Duration::from_millis(200));
+    let t = Instant::now();
+    within("delayed props", c.get_partition_properties("0")).await.unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(200), "the delay applies");
+    emu.faults().clear();
+    within("close", c.close()).await.unwrap();
+}
+
+#[tokio::test]
+async fn every_client_closes_promptly() {
+    let emu = emulator(&[("hub", 2)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    send_batch(&prod, &["x".into()], Some("0"), None).await;
+    let c = consumer(&cs, "hub").await;
+    let r_busy = receiver(&c, "0", StartLocation::Earliest, false).await;
+    take(&r_busy, 1).await;
+    let r_idle = receiver(&c, "1", StartLocation::Latest, false).await;
+    let limit = Duration::from_secs(2);
+    for (what, fut) in [
+        ("receiver with events", Box::pin(r_busy.close()) as std::pin::Pin<Box<dyn std::future::Future<Output = azure_messaging_eventhubs::Result<()>>>>),
+        ("idle receiver", Box::pin(r_idle.close())),
+        ("consumer", Box::pin(c.close())),
+        ("producer", Box::pin(prod.close())),
+    ] {
+        let t = Instant::now();
+        tokio::time::timeout(limit, fut)
+            .await
+            .unwrap_or_else(|_| panic!("{what} close hung"))
+            .unwrap_or_else(|e| panic!("{what} close failed: {e:?}"));
+        assert!(t.elapsed() < limit);
+    }
+}
+
+#[tokio::test]
+async fn two_hundred_connect_read_close_cycles_without_a_hang() {
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    send_batch(&prod, &["a".into(), "b".into(), "c".into()], Some("0"), None).await;
+    within("close producer", prod.close()).await.unwrap();
+    for i in 0..200 {
+        let c = consumer(&cs, "hub").await;
+        within(&format!("cycle {i}: props"), c.get_partition_properties("0")).await.unwrap_or_else(|e| panic!("cycle {i}: {e:?}"));
+        let r = receiver(&c, "0", StartLocation::Earliest, false).await;
+        let got = take(&r, 3).await;
+        assert_eq!(body(&got[2]), "c", "cycle {i}");
+        within(&format!("cycle {i}: close receiver"), r.close()).await.unwrap_or_else(|e| panic!("cycle {i}: {e:?}"));
+        within(&format!("cycle {i}: close consumer"), c.close()).await.unwrap_or_else(|e| panic!("cycle {i}: {e:?}"));
+    }
+}
