@@ -51,7 +51,7 @@ pub struct Throughput {
 
 /// Runs the benchmark and prints it.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    if args.events == 0 || args.partitions.iter().any(|p| *p == 0) {
+    if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
     let mut results = Vec::new();
@@ -63,17 +63,34 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .iter()
             .flat_map(|r| {
                 [
-                    format!("\"eventhubs_produce_per_s_p{}\":{:.0}", r.partitions, r.produce_per_s),
-                    format!("\"eventhubs_consume_per_s_p{}\":{:.0}", r.partitions, r.consume_per_s),
+                    format!(
+                        "\"eventhubs_produce_per_s_p{}\":{:.0}",
+                        r.partitions, r.produce_per_s
+                    ),
+                    format!(
+                        "\"eventhubs_consume_per_s_p{}\":{:.0}",
+                        r.partitions, r.consume_per_s
+                    ),
                 ]
             })
             .collect();
-        println!("{{\"events\":{},\"event_bytes\":{},{}}}", args.events, args.size, fields.join(","));
+        println!(
+            "{{\"events\":{},\"event_bytes\":{},{}}}",
+            args.events,
+            args.size,
+            fields.join(",")
+        );
     } else {
         println!("Event Hubs emulator through azure_messaging_eventhubs 0.15 ({} events of {} B, batched sends)", args.events, args.size);
-        println!("{:>10} {:>16} {:>16}", "partitions", "produce ev/s", "consume ev/s");
+        println!(
+            "{:>10} {:>16} {:>16}",
+            "partitions", "produce ev/s", "consume ev/s"
+        );
         for r in &results {
-            println!("{:>10} {:>16.0} {:>16.0}", r.partitions, r.produce_per_s, r.consume_per_s);
+            println!(
+                "{:>10} {:>16.0} {:>16.0}",
+                r.partitions, r.produce_per_s, r.consume_per_s
+            );
         }
     }
     Ok(())
@@ -81,7 +98,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 /// Produces `events` events of `size` bytes spread over `partitions` partitions in batches,
 /// then consumes them all with one receiver per partition.
-pub async fn eventhubs_throughput(partitions: usize, events: usize, size: usize) -> anyhow::Result<Throughput> {
+pub async fn eventhubs_throughput(
+    partitions: usize,
+    events: usize,
+    size: usize,
+) -> anyhow::Result<Throughput> {
     let emulator = EventHubsEmulator::start(EventHubsConfig {
         hubs: vec![HubSpec::new("bench", partitions)],
         ..Default::default()
@@ -92,7 +113,11 @@ pub async fn eventhubs_throughput(partitions: usize, events: usize, size: usize)
     let endpoint = cs.custom_endpoint().context("emulator endpoint")?;
     let producer = ProducerClient::builder()
         .with_custom_endpoint(endpoint.clone())
-        .open(&cs.namespace(), "bench", Arc::new(cs.credential(Some("bench"))))
+        .open(
+            &cs.namespace(),
+            "bench",
+            Arc::new(cs.credential(Some("bench"))),
+        )
         .await
         .context("opening the producer")?;
     let body = vec![b'x'; size];
@@ -126,7 +151,11 @@ pub async fn eventhubs_throughput(partitions: usize, events: usize, size: usize)
     let consumer = Arc::new(
         ConsumerClient::builder()
             .with_custom_endpoint(endpoint)
-            .open(&cs.namespace(), "bench".into(), Arc::new(cs.credential(Some("bench"))))
+            .open(
+                &cs.namespace(),
+                "bench".into(),
+                Arc::new(cs.credential(Some("bench"))),
+            )
             .await
             .context("opening the consumer")?,
     );

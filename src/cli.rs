@@ -59,7 +59,10 @@ pub struct EmulatorArgs {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -103,9 +106,12 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         key: SasKey::new(args.key_name, args.key),
         accept_any_token: args.accept_any_token,
     };
-    let eventhubs = EventHubsEmulator::start(config)
-        .await
-        .with_context(|| format!("cannot start the Event Hubs emulator on {}:{}", args.host, args.eventhubs_port))?;
+    let eventhubs = EventHubsEmulator::start(config).await.with_context(|| {
+        format!(
+            "cannot start the Event Hubs emulator on {}:{}",
+            args.host, args.eventhubs_port
+        )
+    })?;
     println!("eventhubs: {}", eventhubs.connection_string());
     for hub in &hubs {
         let mut groups = vec!["$Default".to_string()];

@@ -143,7 +143,10 @@ mod tests {
             .unwrap();
         assert_eq!(cs.host, "127.0.0.1");
         assert_eq!(cs.port, Some(5673));
-        assert_eq!(cs.custom_endpoint().as_deref(), Some("amqp://127.0.0.1:5673"));
+        assert_eq!(
+            cs.custom_endpoint().as_deref(),
+            Some("amqp://127.0.0.1:5673")
+        );
         assert_eq!(cs.namespace(), "127.0.0.1:5673");
         assert!(!format!("{cs:?}").contains("s3cret"));
     }
@@ -161,12 +164,18 @@ mod tests {
 
     #[test]
     fn errors_name_the_problem_without_the_secret() {
-        let e = "Endpoint=sb://h;SharedAccessKeyName=k".parse::<ConnectionString>().unwrap_err();
+        let e = "Endpoint=sb://h;SharedAccessKeyName=k"
+            .parse::<ConnectionString>()
+            .unwrap_err();
         assert_eq!(e, ConnectionStringError::Missing("SharedAccessKey"));
-        let e = "SharedAccessKey=topsecret;Endpoint=h".parse::<ConnectionString>().unwrap_err();
+        let e = "SharedAccessKey=topsecret;Endpoint=h"
+            .parse::<ConnectionString>()
+            .unwrap_err();
         assert!(matches!(e, ConnectionStringError::BadEndpoint(_)));
         assert!(!e.to_string().contains("topsecret"));
-        let e = "Endpoint=sb://h;garbage".parse::<ConnectionString>().unwrap_err();
+        let e = "Endpoint=sb://h;garbage"
+            .parse::<ConnectionString>()
+            .unwrap_err();
         assert_eq!(e, ConnectionStringError::Malformed(2));
     }
 }

@@ -138,10 +138,13 @@ struct ParsedToken {
 
 impl ParsedToken {
     fn parse(token: &str) -> Result<Self, SasError> {
-        let rest = token
-            .trim()
-            .strip_prefix("SharedAccessSignature ")
-            .ok_or(SasError::Malformed("missing 'SharedAccessSignature' prefix"))?;
+        let rest =
+            token
+                .trim()
+                .strip_prefix("SharedAccessSignature ")
+                .ok_or(SasError::Malformed(
+                    "missing 'SharedAccessSignature' prefix",
+                ))?;
         let (mut sr, mut sig, mut se, mut skn) = (None, None, None, None);
         for pair in rest.split('&') {
             let (k, v) = pair
@@ -156,7 +159,11 @@ impl ParsedToken {
             }
         }
         let sr_raw = sr.ok_or(SasError::Malformed("missing sr"))?;
-        let decode = |v: &str| percent_decode_str(&v.replace('+', " ")).decode_utf8_lossy().into_owned();
+        let decode = |v: &str| {
+            percent_decode_str(&v.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned()
+        };
         Ok(Self {
             sr_raw: sr_raw.to_string(),
             resource: decode(sr_raw),
@@ -271,46 +278,75 @@ mod tests {
     #[test]
     fn tokens_match_known_vectors() {
         assert_eq!(
-            key1().token("sb://mynamespace.servicebus.windows.net/myhub", 1_700_000_000),
+            key1().token(
+                "sb://mynamespace.servicebus.windows.net/myhub",
+                1_700_000_000
+            ),
             VECTOR_1
         );
-        assert_eq!(key2().token("sb://127.0.0.1:5672/hub", 4_102_444_800), VECTOR_2);
+        assert_eq!(
+            key2().token("sb://127.0.0.1:5672/hub", 4_102_444_800),
+            VECTOR_2
+        );
     }
 
     #[test]
     fn verify_accepts_known_vector_and_refuses_tampering() {
         let at = UNIX_EPOCH + Duration::from_secs(1_600_000_000);
-        let aud = "amqps://mynamespace.servicebus.windows.net/myhub/ConsumerGroups/$Default/Partitions/0";
+        let aud =
+            "amqps://mynamespace.servicebus.windows.net/myhub/ConsumerGroups/$Default/Partitions/0";
         assert_eq!(key1().verify(VECTOR_1, aud, at), Ok(1_700_000_000));
         // Wrong key (same name).
         let wrong = SasKey::new("RootManageSharedAccessKey", "not-the-key");
         assert_eq!(wrong.verify(VECTOR_1, aud, at), Err(SasError::BadSignature));
         // Wrong key name.
-        assert_eq!(key2().verify(VECTOR_1, aud, at), Err(SasError::UnknownKeyName));
+        assert_eq!(
+            key2().verify(VECTOR_1, aud, at),
+            Err(SasError::UnknownKeyName)
+        );
         // Expired.
         let later = UNIX_EPOCH + Duration::from_secs(1_700_000_001);
         assert_eq!(key1().verify(VECTOR_1, aud, later), Err(SasError::Expired));
         // Another hub.
         assert!(matches!(
-            key1().verify(VECTOR_1, "amqps://mynamespace.servicebus.windows.net/otherhub", at),
+            key1().verify(
+                VECTOR_1,
+                "amqps://mynamespace.servicebus.windows.net/otherhub",
+                at
+            ),
             Err(SasError::WrongAudience(_))
         ));
         // A modified expiry invalidates the signature.
         let tampered = VECTOR_1.replace("se=1700000000", "se=1800000000");
-        assert_eq!(key1().verify(&tampered, aud, at), Err(SasError::BadSignature));
-        assert!(matches!(key1().verify("Bearer abc", aud, at), Err(SasError::Malformed(_))));
+        assert_eq!(
+            key1().verify(&tampered, aud, at),
+            Err(SasError::BadSignature)
+        );
+        assert!(matches!(
+            key1().verify("Bearer abc", aud, at),
+            Err(SasError::Malformed(_))
+        ));
     }
 
     #[test]
     fn audience_matching_is_by_segment_and_case_insensitive() {
-        assert!(audience_covers("sb://h:1/hub", "amqps://ns/HUB/ConsumerGroups/$Default/Partitions/3"));
+        assert!(audience_covers(
+            "sb://h:1/hub",
+            "amqps://ns/HUB/ConsumerGroups/$Default/Partitions/3"
+        ));
         assert!(audience_covers("sb://h:1/", "amqps://ns/hub/$management"));
         assert!(audience_covers(
             "sb://127.0.0.1:5672/hub/consumergroups/$Default",
             "amqps://127.0.0.1:5672/hub/ConsumerGroups/$Default/Partitions/0"
         ));
-        assert!(!audience_covers("sb://h/hub", "amqps://ns/hub2/Partitions/0"));
-        assert!(!audience_covers("sb://h/hub/Partitions/1", "amqps://ns/hub/Partitions/0"));
+        assert!(!audience_covers(
+            "sb://h/hub",
+            "amqps://ns/hub2/Partitions/0"
+        ));
+        assert!(!audience_covers(
+            "sb://h/hub/Partitions/1",
+            "amqps://ns/hub/Partitions/0"
+        ));
     }
 
     #[tokio::test]
@@ -323,7 +359,11 @@ mod tests {
             .verify(&secret, "amqps://x/hub/$management", now)
             .unwrap();
         assert_eq!(se as i64, token.expires_on.unix_timestamp());
-        assert!(token.expires_on > azure_core::time::OffsetDateTime::now_utc() + azure_core::time::Duration::minutes(59));
+        assert!(
+            token.expires_on
+                > azure_core::time::OffsetDateTime::now_utc()
+                    + azure_core::time::Duration::minutes(59)
+        );
         assert!(!format!("{cred:?}").contains("SAS_KEY_VALUE"));
     }
 }

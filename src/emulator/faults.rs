@@ -53,7 +53,9 @@ impl Faults {
 
     /// Whether new connections are being refused now.
     pub fn refusing(&self) -> bool {
-        self.state().refuse_until.is_some_and(|t| Instant::now() < t)
+        self.state()
+            .refuse_until
+            .is_some_and(|t| Instant::now() < t)
     }
 
     /// Add `delay` of latency to every response (zero turns it off).

@@ -12,21 +12,51 @@ use crate::common::*;
 async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_hubguard"))
-        .args(["emulator", "--eventhubs-port", "0", "--hub", "orders:2", "--hub", "audit:1:ops", "--data-dir"])
+        .args([
+            "emulator",
+            "--eventhubs-port",
+            "0",
+            "--hub",
+            "orders:2",
+            "--hub",
+            "audit:1:ops",
+            "--data-dir",
+        ])
         .arg(dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("hubguard runs");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let cs_text = line.trim().strip_prefix("eventhubs: ").expect("eventhubs line first").to_string();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let cs_text = line
+        .trim()
+        .strip_prefix("eventhubs: ")
+        .expect("eventhubs line first")
+        .to_string();
     assert!(cs_text.starts_with("Endpoint=sb://127.0.0.1:"), "{cs_text}");
-    assert!(cs_text.ends_with(";UseDevelopmentEmulator=true"), "{cs_text}");
+    assert!(
+        cs_text.ends_with(";UseDevelopmentEmulator=true"),
+        "{cs_text}"
+    );
     let cs: ConnectionString = cs_text.parse().unwrap();
 
     let prod = producer(&cs, "orders").await;
-    within("send", prod.send_event(azure_messaging_eventhubs::models::EventData::builder().with_body(b"hello".to_vec()).build(), Some(azure_messaging_eventhubs::SendEventOptions { partition_id: Some("1".into()) }))).await.unwrap();
+    within(
+        "send",
+        prod.send_event(
+            azure_messaging_eventhubs::models::EventData::builder()
+                .with_body(b"hello".to_vec())
+                .build(),
+            Some(azure_messaging_eventhubs::SendEventOptions {
+                partition_id: Some("1".into()),
+            }),
+        ),
+    )
+    .await
+    .unwrap();
     within("close", prod.close()).await.unwrap();
     let c = consumer_in(&cs, "audit", Some("ops")).await;
     let props = within("props", c.get_eventhub_properties()).await.unwrap();
@@ -40,7 +70,13 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
 
     let pid = child.id().to_string();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let status = within("exit on SIGTERM", tokio::task::spawn_blocking(move || child.wait())).await.unwrap().unwrap();
+    let status = within(
+        "exit on SIGTERM",
+        tokio::task::spawn_blocking(move || child.wait()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
     assert!(status.success(), "clean exit: {status:?}");
     assert!(dir.path().join("eventhubs/orders/1.log").exists());
 }
@@ -53,5 +89,8 @@ fn bad_hub_spec_is_refused_with_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--hub") && err.contains("partition count"), "{err}");
+    assert!(
+        err.contains("--hub") && err.contains("partition count"),
+        "{err}"
+    );
 }

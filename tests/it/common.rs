@@ -36,12 +36,16 @@ pub async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
 
 /// Starts an emulator with a full configuration.
 pub async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
-    EventHubsEmulator::start(config).await.expect("emulator starts")
+    EventHubsEmulator::start(config)
+        .await
+        .expect("emulator starts")
 }
 
 /// The emulator's connection string, parsed.
 pub fn conn(emu: &EventHubsEmulator) -> ConnectionString {
-    emu.connection_string().parse().expect("valid connection string")
+    emu.connection_string()
+        .parse()
+        .expect("valid connection string")
 }
 
 /// A producer for `hub`, authenticated by the connection string's key.
@@ -69,7 +73,11 @@ pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) 
     }
     within(
         "open consumer",
-        b.open(&cs.namespace(), hub.to_string(), Arc::new(cs.credential(Some(hub)))),
+        b.open(
+            &cs.namespace(),
+            hub.to_string(),
+            Arc::new(cs.credential(Some(hub))),
+        ),
     )
     .await
     .expect("consumer opens")
@@ -87,7 +95,10 @@ pub async fn receiver(
         consumer.open_receiver_on_partition(
             partition.to_string(),
             Some(OpenReceiverOptions {
-                start_position: Some(StartPosition { location, inclusive }),
+                start_position: Some(StartPosition {
+                    location,
+                    inclusive,
+                }),
                 ..Default::default()
             }),
         ),
@@ -114,5 +125,6 @@ pub async fn take(receiver: &EventReceiver, n: usize) -> Vec<ReceivedEventData> 
 
 /// The body of an event as text.
 pub fn body(ev: &ReceivedEventData) -> String {
-    String::from_utf8(ev.event_data().body().expect("one data section").to_vec()).expect("utf-8 body")
+    String::from_utf8(ev.event_data().body().expect("one data section").to_vec())
+        .expect("utf-8 body")
 }

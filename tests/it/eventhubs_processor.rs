@@ -10,14 +10,17 @@ use std::time::{Duration, Instant};
 use azure_messaging_eventhubs::models::{EventData, StartPositions};
 use azure_messaging_eventhubs::processor::PartitionClient;
 use azure_messaging_eventhubs::{
-    CheckpointStore, ConsumerClient, EventDataBatchOptions, EventProcessor, InMemoryCheckpointStore,
-    ProducerClient, StartLocation, StartPosition,
+    CheckpointStore, ConsumerClient, EventDataBatchOptions, EventProcessor,
+    InMemoryCheckpointStore, ProducerClient, StartLocation, StartPosition,
 };
 use futures::StreamExt;
 use hubguard::azure::ConnectionString;
 use tokio::task::LocalSet;
 
 use crate::common::*;
+
+/// Events each replica read: owner → {(partition, sequence number)}.
+type Received = Rc<std::cell::RefCell<BTreeMap<&'static str, BTreeSet<(String, i64)>>>>;
 
 async fn fill(prod: &ProducerClient, partitions: usize, per_partition: usize, tag: &str) {
     for p in 0..partitions {
@@ -31,7 +34,9 @@ async fn fill(prod: &ProducerClient, partitions: usize, per_partition: usize, ta
         .await
         .unwrap();
         for i in 0..per_partition {
-            let ev = EventData::builder().with_body(format!("{tag}-{p}-{i}").into_bytes()).build();
+            let ev = EventData::builder()
+                .with_body(format!("{tag}-{p}-{i}").into_bytes())
+                .build();
             assert!(batch.try_add_event_data(ev, None).unwrap());
         }
         within("send", prod.send_batch(batch, None)).await.unwrap();
@@ -48,7 +53,11 @@ async fn processor(
         ConsumerClient::builder()
             .with_custom_endpoint(cs.custom_endpoint().unwrap())
             .with_application_id(owner.to_string())
-            .open(&cs.namespace(), "hub".into(), Arc::new(cs.credential(Some("hub")))),
+            .open(
+                &cs.namespace(),
+                "hub".into(),
+                Arc::new(cs.credential(Some("hub"))),
+            ),
     )
     .await
     .unwrap();
@@ -87,13 +96,19 @@ async fn read_and_checkpoint(pc: &PartitionClient, n: usize) -> Vec<i64> {
         }
     }
     if let Some(ev) = last {
-        within("checkpoint", pc.update_checkpoint(&ev)).await.unwrap();
+        within("checkpoint", pc.update_checkpoint(&ev))
+            .await
+            .unwrap();
     }
     seqs
 }
 
 /// Shuts a processor down in the order that releases everything (PROCESSOR_NOTES.md).
-async fn stop(processor: Arc<EventProcessor>, runner: tokio::task::JoinHandle<()>, clients: Vec<Arc<PartitionClient>>) {
+async fn stop(
+    processor: Arc<EventProcessor>,
+    runner: tokio::task::JoinHandle<()>,
+    clients: Vec<Arc<PartitionClient>>,
+) {
     within("shutdown", processor.shutdown()).await.unwrap();
     within("run returns", runner).await.unwrap();
     for pc in clients {
@@ -125,19 +140,31 @@ async fn processor_claims_every_partition_and_resumes_from_checkpoints() {
             let mut clients = Vec::new();
             let mut seen = BTreeMap::new();
             for _ in 0..4 {
-                let pc = within("next partition client", p1.next_partition_client()).await.unwrap();
+                let pc = within("next partition client", p1.next_partition_client())
+                    .await
+                    .unwrap();
                 let seqs = read_and_checkpoint(&pc, 6).await;
                 seen.insert(pc.get_partition_id().to_string(), seqs);
                 clients.push(pc);
             }
-            assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), vec!["0", "1", "2", "3"]);
+            assert_eq!(
+                seen.keys().cloned().collect::<Vec<_>>(),
+                vec!["0", "1", "2", "3"]
+            );
             assert!(seen.values().all(|s| *s == (0..6).collect::<Vec<_>>()));
             stop(p1, run, clients).await;
 
             // The checkpoints hold offsets and sequence numbers.
-            let cps = within("list checkpoints", store.list_checkpoints(&cs.namespace(), "hub", "$Default")).await.unwrap();
+            let cps = within(
+                "list checkpoints",
+                store.list_checkpoints(&cs.host, "hub", "$Default"),
+            )
+            .await
+            .unwrap();
             assert_eq!(cps.len(), 4);
-            assert!(cps.iter().all(|c| c.sequence_number == Some(5) && c.offset.is_some()));
+            assert!(cps
+                .iter()
+                .all(|c| c.sequence_number == Some(5) && c.offset.is_some()));
 
             // Second run, same owner: resumes right after the checkpoint.
             let p2 = processor(&cs, "replica-a", store.clone()).await;
@@ -149,9 +176,16 @@ async fn processor_claims_every_partition_and_resumes_from_checkpoints() {
             };
             let mut clients = Vec::new();
             for _ in 0..4 {
-                let pc = within("next partition client", p2.next_partition_client()).await.unwrap();
+                let pc = within("next partition client", p2.next_partition_client())
+                    .await
+                    .unwrap();
                 let seqs = read_and_checkpoint(&pc, 4).await;
-                assert_eq!(seqs, vec![6, 7, 8, 9], "partition {} resumes after its checkpoint", pc.get_partition_id());
+                assert_eq!(
+                    seqs,
+                    vec![6, 7, 8, 9],
+                    "partition {} resumes after its checkpoint",
+                    pc.get_partition_id()
+                );
                 clients.push(pc);
             }
             stop(p2, run, clients).await;
@@ -169,7 +203,7 @@ async fn two_processors_split_the_partitions() {
 
     LocalSet::new()
         .run_until(async {
-            let received: Rc<std::cell::RefCell<BTreeMap<&'static str, BTreeSet<(String, i64)>>>> = Default::default();
+            let received: Received = Default::default();
             let mut runs = Vec::new();
             let mut processors = Vec::new();
             for owner in ["replica-a", "replica-b"] {
@@ -191,7 +225,10 @@ async fn two_processors_split_the_partitions() {
                                 let stream = pc.stream_events();
                                 futures::pin_mut!(stream);
                                 while let Some(Ok(ev)) = stream.next().await {
-                                    received.borrow_mut().entry(owner).or_default().insert((pc.get_partition_id().to_string(), ev.sequence_number().unwrap()));
+                                    received.borrow_mut().entry(owner).or_default().insert((
+                                        pc.get_partition_id().to_string(),
+                                        ev.sequence_number().unwrap(),
+                                    ));
                                 }
                             });
                         }
@@ -203,15 +240,23 @@ async fn two_processors_split_the_partitions() {
             // Wait (bounded) until the ownerships settle at two partitions per replica.
             let deadline = Instant::now() + STEP;
             loop {
-                let owners = store.list_ownerships(&cs.namespace(), "hub", "$Default").await.unwrap();
+                let owners = store
+                    .list_ownerships(&cs.host, "hub", "$Default")
+                    .await
+                    .unwrap();
                 let mut per_owner: BTreeMap<String, usize> = BTreeMap::new();
                 for o in &owners {
-                    *per_owner.entry(o.owner_id.clone().unwrap_or_default()).or_default() += 1;
+                    *per_owner
+                        .entry(o.owner_id.clone().unwrap_or_default())
+                        .or_default() += 1;
                 }
                 if per_owner.len() == 2 && per_owner.values().all(|n| *n == 2) {
                     break;
                 }
-                assert!(Instant::now() < deadline, "ownership never split: {per_owner:?}");
+                assert!(
+                    Instant::now() < deadline,
+                    "ownership never split: {per_owner:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
 
@@ -219,16 +264,20 @@ async fn two_processors_split_the_partitions() {
             fill(&prod, 4, 5, "split").await;
             let deadline = Instant::now() + STEP;
             loop {
-                let all: BTreeSet<(String, i64)> = received.borrow().values().flatten().cloned().collect();
+                let all: BTreeSet<(String, i64)> =
+                    received.borrow().values().flatten().cloned().collect();
                 if all.len() == 20 {
                     break;
                 }
-                assert!(Instant::now() < deadline, "only {} of 20 events read", all.len());
+                assert!(
+                    Instant::now() < deadline,
+                    "only {} of 20 events read",
+                    all.len()
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            let r = received.borrow();
-            assert_eq!(r.len(), 2, "both replicas read events");
-            drop(r);
+            let readers = received.borrow().len();
+            assert_eq!(readers, 2, "both replicas read events");
             for ((p, dispatcher), run) in processors.into_iter().zip(runs) {
                 dispatcher.abort();
                 within("shutdown", p.shutdown()).await.unwrap();

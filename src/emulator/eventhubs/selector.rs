@@ -40,7 +40,10 @@ pub struct SelectorError(pub String);
 /// Parses `amqp.annotation.<x-opt-…> (>|>=) '<value>'`, tolerating any spacing.
 pub fn parse(expr: &str) -> Result<StartPosition, SelectorError> {
     let bad = || SelectorError(expr.to_string());
-    let rest = expr.trim().strip_prefix("amqp.annotation.").ok_or_else(bad)?;
+    let rest = expr
+        .trim()
+        .strip_prefix("amqp.annotation.")
+        .ok_or_else(bad)?;
     let name_end = rest
         .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
         .ok_or_else(bad)?;
@@ -87,20 +90,38 @@ mod tests {
 
     #[test]
     fn parses_every_form_both_sdks_send() {
-        assert_eq!(parse("amqp.annotation.x-opt-offset >'-1'"), Ok(StartPosition::Earliest));
-        assert_eq!(parse("amqp.annotation.x-opt-offset > '-1'"), Ok(StartPosition::Earliest));
-        assert_eq!(parse("amqp.annotation.x-opt-offset > '@latest'"), Ok(StartPosition::Latest));
+        assert_eq!(
+            parse("amqp.annotation.x-opt-offset >'-1'"),
+            Ok(StartPosition::Earliest)
+        );
+        assert_eq!(
+            parse("amqp.annotation.x-opt-offset > '-1'"),
+            Ok(StartPosition::Earliest)
+        );
+        assert_eq!(
+            parse("amqp.annotation.x-opt-offset > '@latest'"),
+            Ok(StartPosition::Latest)
+        );
         assert_eq!(
             parse("amqp.annotation.x-opt-offset >='1234'"),
-            Ok(StartPosition::Offset { offset: 1234, inclusive: true })
+            Ok(StartPosition::Offset {
+                offset: 1234,
+                inclusive: true
+            })
         );
         assert_eq!(
             parse("amqp.annotation.x-opt-sequence-number >'7'"),
-            Ok(StartPosition::SequenceNumber { sequence_number: 7, inclusive: false })
+            Ok(StartPosition::SequenceNumber {
+                sequence_number: 7,
+                inclusive: false
+            })
         );
         assert_eq!(
             parse("amqp.annotation.x-opt-enqueued-time >= '1700000000000'"),
-            Ok(StartPosition::EnqueuedTime { millis: 1_700_000_000_000, inclusive: true })
+            Ok(StartPosition::EnqueuedTime {
+                millis: 1_700_000_000_000,
+                inclusive: true
+            })
         );
     }
 

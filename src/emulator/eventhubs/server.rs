@@ -9,14 +9,14 @@ use fe2o3_amqp::acceptor::{
     ConnectionAcceptor, LinkAcceptor, LinkEndpoint, ListenerSessionHandle, SaslAnonymousMechanism,
     SessionAcceptor, SupportedReceiverSettleModes, SupportedSenderSettleModes,
 };
+use fe2o3_amqp::link::delivery::DeliveryInfo;
 use fe2o3_amqp::types::definitions::{
-    AmqpError, Error as AmqpErrorBody, ErrorCondition, Fields, LinkError, ReceiverSettleMode,
-    Role, SenderSettleMode,
+    AmqpError, Error as AmqpErrorBody, ErrorCondition, Fields, LinkError, ReceiverSettleMode, Role,
+    SenderSettleMode,
 };
 use fe2o3_amqp::types::messaging::{
     AmqpValue, ApplicationProperties, Body, Message, Properties, Source, Target, TargetArchetype,
 };
-use fe2o3_amqp::link::delivery::DeliveryInfo;
 use fe2o3_amqp::types::performatives::Attach;
 use fe2o3_amqp::types::primitives::{Array, OrderedMap, SimpleValue, Symbol, Timestamp, Value};
 use fe2o3_amqp::{Receiver, Sendable, Sender};
@@ -104,7 +104,11 @@ impl ReplyLinks {
                         Some(r) => l.address == r,
                         None => l.node.eq_ignore_ascii_case(node),
                     })
-                    .or_else(|| links.iter().find(|l| l.node.eq_ignore_ascii_case(node) && !l.tx.is_closed()));
+                    .or_else(|| {
+                        links
+                            .iter()
+                            .find(|l| l.node.eq_ignore_ascii_case(node) && !l.tx.is_closed())
+                    });
                 if let Some(l) = found {
                     return Some(l.tx.clone());
                 }
@@ -159,7 +163,10 @@ pub(super) async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
     let _ = conn.close().await;
 }
 
-fn link_acceptor() -> LinkAcceptor<fn(Source) -> Option<Source>, fn(Target) -> Option<Target>> {
+/// The link acceptor type with no dynamic-node handlers.
+type Links = LinkAcceptor<fn(Source) -> Option<Source>, fn(Target) -> Option<Target>>;
+
+fn link_acceptor() -> Links {
     // Settle modes that serve every SDK: Rust asks mixed/first and gets them echoed; Python
     // asks unsettled (receivers) and second (producers) and gets settled/first.
     LinkAcceptor::builder()
@@ -250,7 +257,11 @@ fn original_segments(address: &str) -> Vec<String> {
         .unwrap_or("")
         .split('/')
         .filter(|s| !s.is_empty())
-        .map(|s| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .map(|s| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
         .collect();
     if orig.len() == lower.len() {
         orig
@@ -262,10 +273,14 @@ fn original_segments(address: &str) -> Vec<String> {
 fn parse_consumer(shared: &Shared, address: &str) -> Result<ConsumerAddress, String> {
     let segs = original_segments(address);
     let [hub, cgs, cg, parts, pid] = segs.as_slice() else {
-        return Err(format!("'{address}' is not a partition of a consumer group"));
+        return Err(format!(
+            "'{address}' is not a partition of a consumer group"
+        ));
     };
     if !cgs.eq_ignore_ascii_case("consumergroups") || !parts.eq_ignore_ascii_case("partitions") {
-        return Err(format!("'{address}' is not a partition of a consumer group"));
+        return Err(format!(
+            "'{address}' is not a partition of a consumer group"
+        ));
     }
     let hub = shared
         .store
@@ -296,7 +311,11 @@ fn parse_producer(shared: &Shared, address: &str) -> Result<ProducerAddress, Str
     let (hub, pid) = match segs.as_slice() {
         [hub] => (hub, None),
         [hub, parts, pid] if parts.eq_ignore_ascii_case("partitions") => (hub, Some(pid)),
-        _ => return Err(format!("'{address}' is not an event hub or one of its partitions")),
+        _ => {
+            return Err(format!(
+                "'{address}' is not an event hub or one of its partitions"
+            ))
+        }
     };
     let hub = shared
         .store
@@ -305,7 +324,10 @@ fn parse_producer(shared: &Shared, address: &str) -> Result<ProducerAddress, Str
     let partition = match pid {
         None => None,
         Some(pid) => Some(hub.partition_index(pid).ok_or_else(|| {
-            format!("Partition '{pid}' of entity '{}' could not be found.", hub.name)
+            format!(
+                "Partition '{pid}' of entity '{}' could not be found.",
+                hub.name
+            )
         })?),
     };
     Ok(ProducerAddress { hub, partition })
@@ -338,7 +360,13 @@ async fn serve_session(
         match (role, link) {
             (Role::Sender, LinkEndpoint::Receiver(r)) => {
                 if target == CBS || target == MANAGEMENT {
-                    tokio::spawn(serve_requests(r, target, replies.clone(), shared.clone(), auth.clone()));
+                    tokio::spawn(serve_requests(
+                        r,
+                        target,
+                        replies.clone(),
+                        shared.clone(),
+                        auth.clone(),
+                    ));
                 } else {
                     tokio::spawn(serve_producer(r, target, shared.clone(), auth.clone()));
                 }
@@ -354,14 +382,25 @@ async fn serve_session(
                     replies.changed.notify_waiters();
                     tokio::spawn(serve_replies(s, rx));
                 } else {
-                    tokio::spawn(serve_consumer(s, source, selector, epoch, shared.clone(), auth.clone()));
+                    tokio::spawn(serve_consumer(
+                        s,
+                        source,
+                        selector,
+                        epoch,
+                        shared.clone(),
+                        auth.clone(),
+                    ));
                 }
             }
             (_, LinkEndpoint::Sender(s)) => {
-                let _ = s.close_with_error(error(AmqpError::NotAllowed, "unexpected link role")).await;
+                let _ = s
+                    .close_with_error(error(AmqpError::NotAllowed, "unexpected link role"))
+                    .await;
             }
             (_, LinkEndpoint::Receiver(r)) => {
-                let _ = r.close_with_error(error(AmqpError::NotAllowed, "unexpected link role")).await;
+                let _ = r
+                    .close_with_error(error(AmqpError::NotAllowed, "unexpected link role"))
+                    .await;
             }
         }
     }
@@ -385,20 +424,24 @@ async fn serve_replies(mut sender: Sender, mut rx: mpsc::UnboundedReceiver<Msg>)
 }
 
 fn string_prop(msg: &Msg, key: &str) -> Option<String> {
-    msg.application_properties.as_ref().and_then(|a| match a.0.get(key) {
-        Some(SimpleValue::String(s)) => Some(s.clone()),
-        Some(SimpleValue::Symbol(s)) => Some(s.0.clone()),
-        _ => None,
-    })
+    msg.application_properties
+        .as_ref()
+        .and_then(|a| match a.0.get(key) {
+            Some(SimpleValue::String(s)) => Some(s.clone()),
+            Some(SimpleValue::Symbol(s)) => Some(s.0.clone()),
+            _ => None,
+        })
 }
 
 fn expiration_prop(msg: &Msg) -> Option<u64> {
-    msg.application_properties.as_ref().and_then(|a| match a.0.get("expiration") {
-        Some(SimpleValue::Timestamp(t)) => u64::try_from(t.milliseconds() / 1000).ok(),
-        Some(SimpleValue::Long(s)) => u64::try_from(*s).ok(),
-        Some(SimpleValue::Ulong(s)) => Some(*s),
-        _ => None,
-    })
+    msg.application_properties
+        .as_ref()
+        .and_then(|a| match a.0.get("expiration") {
+            Some(SimpleValue::Timestamp(t)) => u64::try_from(t.milliseconds() / 1000).ok(),
+            Some(SimpleValue::Long(s)) => u64::try_from(*s).ok(),
+            Some(SimpleValue::Ulong(s)) => Some(*s),
+            _ => None,
+        })
 }
 
 fn token_body(msg: &Msg) -> Option<String> {
@@ -409,7 +452,12 @@ fn token_body(msg: &Msg) -> Option<String> {
 }
 
 /// Checks a token for `audience`; `Ok(expiry)` or a description of the refusal.
-fn check_token(shared: &Shared, token: &str, audience: &str, requested_expiry: Option<u64>) -> Result<u64, String> {
+fn check_token(
+    shared: &Shared,
+    token: &str,
+    audience: &str,
+    requested_expiry: Option<u64>,
+) -> Result<u64, String> {
     if shared.accept_any_token {
         if token.is_empty() {
             return Err("empty token".into());
@@ -428,7 +476,10 @@ fn check_token(shared: &Shared, token: &str, audience: &str, requested_expiry: O
 
 fn reply(request: &Msg, status: i32, description: &str, body: Value) -> Msg {
     let props = Properties {
-        correlation_id: request.properties.as_ref().and_then(|p| p.message_id.clone()),
+        correlation_id: request
+            .properties
+            .as_ref()
+            .and_then(|p| p.message_id.clone()),
         ..Default::default()
     };
     Message::builder()
@@ -436,7 +487,10 @@ fn reply(request: &Msg, status: i32, description: &str, body: Value) -> Msg {
         .application_properties(
             ApplicationProperties::builder()
                 .insert("status-code", SimpleValue::Int(status))
-                .insert("status-description", SimpleValue::String(description.into()))
+                .insert(
+                    "status-description",
+                    SimpleValue::String(description.into()),
+                )
                 .build(),
         )
         .body(Body::Value(AmqpValue(body)))
@@ -482,7 +536,12 @@ fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Ms
         return reply(request, 400, "unsupported CBS operation", Value::Null);
     }
     let (Some(audience), Some(token)) = (string_prop(request, "name"), token_body(request)) else {
-        return reply(request, 400, "put-token needs a name and a token", Value::Null);
+        return reply(
+            request,
+            400,
+            "put-token needs a name and a token",
+            Value::Null,
+        );
     };
     match check_token(shared, &token, &audience, expiration_prop(request)) {
         Ok(expiry) => {
@@ -499,7 +558,12 @@ fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Ms
 fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Msg {
     let operation = string_prop(request, "operation").unwrap_or_default();
     if operation != "READ" {
-        return reply(request, 400, "unsupported management operation", Value::Null);
+        return reply(
+            request,
+            400,
+            "unsupported management operation",
+            Value::Null,
+        );
     }
     let name = string_prop(request, "name").unwrap_or_default();
     let Some(hub) = shared.store.hub(&name) else {
@@ -516,7 +580,12 @@ fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> M
         None => auth.covers(&audience),
     };
     if !authorised {
-        return reply(request, 401, "Unauthorized: no valid token for the entity", Value::Null);
+        return reply(
+            request,
+            401,
+            "Unauthorized: no valid token for the entity",
+            Value::Null,
+        );
     }
     let s = |x: &str| Value::String(x.to_string());
     let mut m: OrderedMap<Value, Value> = OrderedMap::new();
@@ -525,8 +594,14 @@ fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> M
             let ids: Vec<Value> = hub.partitions.iter().map(|p| s(&p.id)).collect();
             m.insert(s("name"), s(&hub.name));
             m.insert(s("type"), s("com.microsoft:eventhub"));
-            m.insert(s("created_at"), Value::Timestamp(Timestamp::from_milliseconds(hub.created_ms)));
-            m.insert(s("partition_count"), Value::Int(hub.partitions.len() as i32));
+            m.insert(
+                s("created_at"),
+                Value::Timestamp(Timestamp::from_milliseconds(hub.created_ms)),
+            );
+            m.insert(
+                s("partition_count"),
+                Value::Int(hub.partitions.len() as i32),
+            );
             m.insert(s("partition_ids"), Value::Array(Array::from(ids)));
         }
         Some("com.microsoft:partition") => {
@@ -535,7 +610,10 @@ fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> M
                 return reply(
                     request,
                     404,
-                    &format!("Partition '{pid}' of entity '{}' could not be found.", hub.name),
+                    &format!(
+                        "Partition '{pid}' of entity '{}' could not be found.",
+                        hub.name
+                    ),
                     Value::Null,
                 );
             };
@@ -543,8 +621,14 @@ fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> M
             m.insert(s("name"), s(&hub.name));
             m.insert(s("type"), s("com.microsoft:partition"));
             m.insert(s("partition"), s(&pid));
-            m.insert(s("begin_sequence_number"), Value::Long(info.begin_sequence_number));
-            m.insert(s("last_enqueued_sequence_number"), Value::Long(info.last_sequence_number));
+            m.insert(
+                s("begin_sequence_number"),
+                Value::Long(info.begin_sequence_number),
+            );
+            m.insert(
+                s("last_enqueued_sequence_number"),
+                Value::Long(info.last_sequence_number),
+            );
             m.insert(s("last_enqueued_sequence_number_epoch"), Value::Long(0));
             m.insert(s("last_enqueued_offset"), s(&info.last_offset));
             m.insert(
@@ -569,24 +653,35 @@ fn events_of(format: Option<u32>, envelope: Msg) -> Result<(Vec<Msg>, Option<Str
     };
     let mut events = Vec::new();
     for (i, data) in sections.into_iter().enumerate() {
-        let event = store::decode(&data.0).map_err(|e| format!("batch section {i} is not an AMQP message: {e}"))?;
+        let event = store::decode(&data.0)
+            .map_err(|e| format!("batch section {i} is not an AMQP message: {e}"))?;
         events.push(event);
     }
     let key = envelope_key.or_else(|| events.first().and_then(store::partition_key_of));
     Ok((events, key))
 }
 
-async fn serve_producer(mut receiver: Receiver, address: String, shared: Arc<Shared>, auth: Arc<ConnectionAuth>) {
+async fn serve_producer(
+    mut receiver: Receiver,
+    address: String,
+    shared: Arc<Shared>,
+    auth: Arc<ConnectionAuth>,
+) {
     let target = match parse_producer(&shared, &address) {
         Ok(t) => t,
         Err(why) => {
-            let _ = receiver.close_with_error(error(AmqpError::NotFound, why)).await;
+            let _ = receiver
+                .close_with_error(error(AmqpError::NotFound, why))
+                .await;
             return;
         }
     };
     if !shared.accept_any_token && !auth.covers(&address) {
         let _ = receiver
-            .close_with_error(error(AmqpError::UnauthorizedAccess, format!("Unauthorized access to '{address}': put a token first")))
+            .close_with_error(error(
+                AmqpError::UnauthorizedAccess,
+                format!("Unauthorized access to '{address}': put a token first"),
+            ))
             .await;
         return;
     }
@@ -601,7 +696,9 @@ async fn serve_producer(mut receiver: Receiver, address: String, shared: Arc<Sha
         let format = *delivery.message_format();
         let info = DeliveryInfo::from(&delivery);
         let outcome = events_of(format, delivery.into_message()).and_then(|(events, key)| {
-            let partition = target.partition.unwrap_or_else(|| target.hub.route(key.as_deref()));
+            let partition = target
+                .partition
+                .unwrap_or_else(|| target.hub.route(key.as_deref()));
             target.hub.partitions[partition]
                 .append(events, key.as_deref())
                 .map_err(|e| format!("the event could not be stored: {e}"))
@@ -610,7 +707,9 @@ async fn serve_producer(mut receiver: Receiver, address: String, shared: Arc<Sha
             Ok(()) => receiver.accept(info).await,
             Err(why) => {
                 tracing::info!(address, reason = %why, "eventhubs emulator: event rejected");
-                receiver.reject(info, error(AmqpError::DecodeError, why)).await
+                receiver
+                    .reject(info, error(AmqpError::DecodeError, why))
+                    .await
             }
         };
         if disposed.is_err() {
@@ -631,13 +730,18 @@ async fn serve_consumer(
     let source = match parse_consumer(&shared, &address) {
         Ok(s) => s,
         Err(why) => {
-            let _ = sender.close_with_error(error(AmqpError::NotFound, why)).await;
+            let _ = sender
+                .close_with_error(error(AmqpError::NotFound, why))
+                .await;
             return;
         }
     };
     if !shared.accept_any_token && !auth.covers(&address) {
         let _ = sender
-            .close_with_error(error(AmqpError::UnauthorizedAccess, format!("Unauthorized access to '{address}': put a token first")))
+            .close_with_error(error(
+                AmqpError::UnauthorizedAccess,
+                format!("Unauthorized access to '{address}': put a token first"),
+            ))
             .await;
         return;
     }
@@ -645,17 +749,25 @@ async fn serve_consumer(
         None => StartPosition::Latest,
         Some(Ok(p)) => p,
         Some(Err(e)) => {
-            let _ = sender.close_with_error(error(custom("com.microsoft:argument-error"), e.to_string())).await;
+            let _ = sender
+                .close_with_error(error(custom("com.microsoft:argument-error"), e.to_string()))
+                .await;
             return;
         }
     };
-    let (_lease, mut evicted) = match source.hub.admit_receiver(&source.consumer_group, source.partition, epoch) {
-        Ok(x) => x,
-        Err(stolen) => {
-            let _ = sender.close_with_error(error(LinkError::Stolen, stolen.0)).await;
-            return;
-        }
-    };
+    let (_lease, mut evicted) =
+        match source
+            .hub
+            .admit_receiver(&source.consumer_group, source.partition, epoch)
+        {
+            Ok(x) => x,
+            Err(stolen) => {
+                let _ = sender
+                    .close_with_error(error(LinkError::Stolen, stolen.0))
+                    .await;
+                return;
+            }
+        };
     let partition = &source.hub.partitions[source.partition];
     let mut tail = partition.subscribe();
     let mut next = partition.start_index(start);

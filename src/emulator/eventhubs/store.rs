@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use fe2o3_amqp_types::messaging::message::__private::{Deserializable, Serializable};
 use fe2o3_amqp_types::messaging::annotations::OwnedKey;
+use fe2o3_amqp_types::messaging::message::__private::{Deserializable, Serializable};
 use fe2o3_amqp_types::messaging::{Body, Message, MessageAnnotations};
 use fe2o3_amqp_types::primitives::{Symbol, Timestamp, Value};
 use tokio::sync::{oneshot, watch};
@@ -59,7 +59,9 @@ impl std::str::FromStr for HubSpec {
         let mut parts = s.splitn(3, ':');
         let name = parts.next().unwrap_or_default().trim();
         if name.is_empty() || name.contains('/') {
-            return Err(format!("hub name must be non-empty and contain no '/': {s:?}"));
+            return Err(format!(
+                "hub name must be non-empty and contain no '/': {s:?}"
+            ));
         }
         let partitions = match parts.next() {
             None => 4,
@@ -154,7 +156,8 @@ fn annotate(msg: &mut Msg, seq: i64, offset: i64, enqueued_ms: i64, key: Option<
         .message_annotations
         .get_or_insert_with(|| MessageAnnotations(Default::default()));
     let k = |s: &str| OwnedKey::Symbol(Symbol::from(s));
-    ann.0.insert(k(annotation::SEQUENCE_NUMBER), Value::Long(seq));
+    ann.0
+        .insert(k(annotation::SEQUENCE_NUMBER), Value::Long(seq));
     ann.0
         .insert(k(annotation::OFFSET), Value::String(offset.to_string()));
     ann.0.insert(
@@ -162,7 +165,10 @@ fn annotate(msg: &mut Msg, seq: i64, offset: i64, enqueued_ms: i64, key: Option<
         Value::Timestamp(Timestamp::from_milliseconds(enqueued_ms)),
     );
     if let Some(key) = key {
-        let present = ann.0.iter().any(|(k, _)| matches!(k, OwnedKey::Symbol(s) if s.0 == annotation::PARTITION_KEY));
+        let present = ann
+            .0
+            .iter()
+            .any(|(k, _)| matches!(k, OwnedKey::Symbol(s) if s.0 == annotation::PARTITION_KEY));
         if !present {
             ann.0
                 .insert(k(annotation::PARTITION_KEY), Value::String(key.to_string()));
@@ -188,7 +194,8 @@ pub fn partition_key_of(msg: &Msg) -> Option<String> {
 }
 
 fn encode(msg: &Msg) -> io::Result<Vec<u8>> {
-    serde_amqp::to_vec(&Serializable(msg)).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    serde_amqp::to_vec(&Serializable(msg))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Decodes one AMQP-encoded message (an inner section of a batch, or a log record).
@@ -209,7 +216,8 @@ impl Partition {
             f.read_to_end(&mut data)?;
             let mut pos = 0usize;
             while pos + 4 <= data.len() {
-                let len = u32::from_le_bytes(data[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+                let len =
+                    u32::from_le_bytes(data[pos..pos + 4].try_into().expect("4 bytes")) as usize;
                 let Some(record) = data.get(pos + 4..pos + 4 + len) else {
                     break;
                 };
@@ -255,12 +263,12 @@ impl Partition {
     /// data directory.
     pub fn append(&self, messages: Vec<Msg>, key: Option<&str>) -> io::Result<()> {
         let mut log = self.log.write().unwrap_or_else(|p| p.into_inner());
-        let mut seq = log.events.last().map_or(0, |e| e.sequence_number + 1);
+        let first_seq = log.events.last().map_or(0, |e| e.sequence_number + 1);
         let mut offset = log.next_offset;
         let mut enq = now_ms().max(log.events.last().map_or(0, |e| e.enqueued_ms));
         let mut records = Vec::new();
         let mut added = Vec::with_capacity(messages.len());
-        for mut msg in messages {
+        for (seq, mut msg) in (first_seq..).zip(messages) {
             let own_key = partition_key_of(&msg);
             annotate(&mut msg, seq, offset, enq, own_key.as_deref().or(key));
             let bytes = encode(&msg)?;
@@ -273,7 +281,6 @@ impl Partition {
                 message: Arc::new(msg),
             });
             offset += 4 + bytes.len() as i64;
-            seq += 1;
             enq = enq.max(now_ms());
         }
         if let Some(f) = log.file.as_mut() {
@@ -314,9 +321,13 @@ impl Partition {
         match start {
             StartPosition::Earliest => 0,
             StartPosition::Latest => ev.len(),
-            StartPosition::Offset { offset, inclusive } => {
-                first(&|e| if inclusive { e.offset >= offset } else { e.offset > offset })
-            }
+            StartPosition::Offset { offset, inclusive } => first(&|e| {
+                if inclusive {
+                    e.offset >= offset
+                } else {
+                    e.offset > offset
+                }
+            }),
             StartPosition::SequenceNumber {
                 sequence_number: n,
                 inclusive,
@@ -383,7 +394,10 @@ pub struct ReceiverLease {
 
 impl std::fmt::Debug for ReceiverLease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReceiverLease").field("key", &self.key).field("id", &self.id).finish()
+        f.debug_struct("ReceiverLease")
+            .field("key", &self.key)
+            .field("id", &self.id)
+            .finish()
     }
 }
 
@@ -437,7 +451,11 @@ impl Hub {
 
     /// Whether the consumer group exists (case-insensitive; `$Default` always does).
     pub fn has_consumer_group(&self, cg: &str) -> bool {
-        cg.eq_ignore_ascii_case("$default") || self.consumer_groups.iter().any(|c| c.eq_ignore_ascii_case(cg))
+        cg.eq_ignore_ascii_case("$default")
+            || self
+                .consumer_groups
+                .iter()
+                .any(|c| c.eq_ignore_ascii_case(cg))
     }
 
     /// The consumer groups, `$Default` first.
@@ -513,7 +531,8 @@ impl Hub {
     /// Number of receivers currently attached to (`cg`, `partition`).
     pub fn receiver_count(&self, cg: &str, partition: usize) -> usize {
         let all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
-        all.get(&(cg.to_ascii_lowercase(), partition)).map_or(0, Vec::len)
+        all.get(&(cg.to_ascii_lowercase(), partition))
+            .map_or(0, Vec::len)
     }
 }
 
@@ -537,7 +556,12 @@ impl EventStore {
                 None => None,
             };
             let partitions = (0..spec.partitions)
-                .map(|i| Partition::open(i.to_string(), dir.as_ref().map(|d| d.join(format!("{i}.log")))))
+                .map(|i| {
+                    Partition::open(
+                        i.to_string(),
+                        dir.as_ref().map(|d| d.join(format!("{i}.log"))),
+                    )
+                })
                 .collect::<io::Result<Vec<_>>>()?;
             let hub = Hub {
                 name: spec.name.clone(),
@@ -548,7 +572,10 @@ impl EventStore {
                 receivers: Mutex::new(HashMap::new()),
                 next_receiver: AtomicU64::new(0),
             };
-            if hubs.insert(spec.name.to_ascii_lowercase(), Arc::new(hub)).is_some() {
+            if hubs
+                .insert(spec.name.to_ascii_lowercase(), Arc::new(hub))
+                .is_some()
+            {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!("hub {} is configured twice", spec.name),
@@ -576,17 +603,25 @@ mod tests {
 
     fn msg(body: &str) -> Msg {
         Message::builder()
-            .body(Body::Data(vec![Data(body.as_bytes().to_vec().into())].into()))
+            .body(Body::Data(
+                vec![Data(body.as_bytes().to_vec().into())].into(),
+            ))
             .build()
     }
 
     #[test]
     fn hub_spec_parses_and_names_errors() {
-        assert_eq!("orders:8".parse::<HubSpec>().unwrap(), HubSpec::new("orders", 8));
+        assert_eq!(
+            "orders:8".parse::<HubSpec>().unwrap(),
+            HubSpec::new("orders", 8)
+        );
         let s: HubSpec = "h:2:audit, billing".parse().unwrap();
         assert_eq!(s.consumer_groups, vec!["audit", "billing"]);
         assert_eq!("h".parse::<HubSpec>().unwrap().partitions, 4);
-        assert!("h:0".parse::<HubSpec>().unwrap_err().contains("partition count"));
+        assert!("h:0"
+            .parse::<HubSpec>()
+            .unwrap_err()
+            .contains("partition count"));
         assert!(":3".parse::<HubSpec>().is_err());
     }
 
@@ -594,17 +629,39 @@ mod tests {
     fn offsets_are_byte_positions_and_positions_resolve() {
         let store = EventStore::open(&[HubSpec::new("h", 1)], None).unwrap();
         let p = &store.hub("H").unwrap().partitions[0];
-        p.append(vec![msg("a"), msg("bb"), msg("ccc")], None).unwrap();
+        p.append(vec![msg("a"), msg("bb"), msg("ccc")], None)
+            .unwrap();
         let ev = p.events_from(0, 10);
-        assert_eq!(ev.iter().map(|e| e.sequence_number).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(
+            ev.iter().map(|e| e.sequence_number).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
         assert_eq!(ev[0].offset, 0);
         assert!(ev[1].offset > ev[0].offset && ev[2].offset > ev[1].offset);
         assert_eq!(p.start_index(StartPosition::Earliest), 0);
         assert_eq!(p.start_index(StartPosition::Latest), 3);
         let o1 = ev[1].offset;
-        assert_eq!(p.start_index(StartPosition::Offset { offset: o1, inclusive: true }), 1);
-        assert_eq!(p.start_index(StartPosition::Offset { offset: o1, inclusive: false }), 2);
-        assert_eq!(p.start_index(StartPosition::SequenceNumber { sequence_number: 0, inclusive: false }), 1);
+        assert_eq!(
+            p.start_index(StartPosition::Offset {
+                offset: o1,
+                inclusive: true
+            }),
+            1
+        );
+        assert_eq!(
+            p.start_index(StartPosition::Offset {
+                offset: o1,
+                inclusive: false
+            }),
+            2
+        );
+        assert_eq!(
+            p.start_index(StartPosition::SequenceNumber {
+                sequence_number: 0,
+                inclusive: false
+            }),
+            1
+        );
         assert_eq!(p.info().last_offset, ev[2].offset.to_string());
     }
 
@@ -615,7 +672,9 @@ mod tests {
         {
             let store = EventStore::open(&specs, Some(dir.path())).unwrap();
             let hub = store.hub("h").unwrap();
-            hub.partitions[1].append(vec![msg("x"), msg("y")], Some("k")).unwrap();
+            hub.partitions[1]
+                .append(vec![msg("x"), msg("y")], Some("k"))
+                .unwrap();
         }
         let path = dir.path().join("eventhubs/h/1.log");
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
@@ -630,7 +689,10 @@ mod tests {
         p.append(vec![msg("z")], None).unwrap();
         let ev = p.events_from(0, 10);
         assert_eq!(ev[2].sequence_number, 2);
-        assert_eq!(ev[2].offset, log_len, "the offset is the record's byte position");
+        assert_eq!(
+            ev[2].offset, log_len,
+            "the offset is the record's byte position"
+        );
     }
 
     #[tokio::test]
@@ -639,7 +701,10 @@ mod tests {
         let hub = store.hub("h").unwrap();
         let (plain, mut plain_evicted) = hub.admit_receiver("$Default", 0, None).unwrap();
         let (e5, mut e5_evicted) = hub.admit_receiver("$default", 0, Some(5)).unwrap();
-        assert!(plain_evicted.try_recv().is_ok(), "epoch receiver evicts non-epoch ones");
+        assert!(
+            plain_evicted.try_recv().is_ok(),
+            "epoch receiver evicts non-epoch ones"
+        );
         assert!(hub.admit_receiver("$Default", 0, None).is_err());
         assert!(hub.admit_receiver("$Default", 0, Some(4)).is_err());
         let (_e5b, _) = hub.admit_receiver("$Default", 0, Some(5)).unwrap();

@@ -172,7 +172,10 @@ impl Wire {
     }
 
     fn aborted() -> io::Error {
-        io::Error::new(io::ErrorKind::ConnectionAborted, "connection dropped by the emulator")
+        io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "connection dropped by the emulator",
+        )
     }
 
     /// Splits what the engine wrote into frames and queues them with their release times.
@@ -305,10 +308,8 @@ impl AsyncWrite for Wire {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if !this.token.is_cancelled() {
-            if let Poll::Pending = this.poll_drain(cx) {
-                return Poll::Pending;
-            }
+        if !this.token.is_cancelled() && this.poll_drain(cx).is_pending() {
+            return Poll::Pending;
         }
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
@@ -335,14 +336,20 @@ mod tests {
             &padded[8..],
             &[0x00, 0x53, 0x16, 0xc0, 0x05, 0x03, 0x52, 0x01, 0x40, 0x40]
         );
-        assert_eq!(u32::from_be_bytes(padded[..4].try_into().unwrap()) as usize, padded.len());
+        assert_eq!(
+            u32::from_be_bytes(padded[..4].try_into().unwrap()) as usize,
+            padded.len()
+        );
     }
 
     #[test]
     fn empty_list_end_is_padded_and_payload_kept() {
         let f = frame(&[0x00, 0x53, 0x17, 0x45, 0xAA, 0xBB]);
         let padded = pad_performative(f);
-        assert_eq!(&padded[8..], &[0x00, 0x53, 0x17, 0xc0, 0x02, 0x01, 0x40, 0xAA, 0xBB]);
+        assert_eq!(
+            &padded[8..],
+            &[0x00, 0x53, 0x17, 0xc0, 0x02, 0x01, 0x40, 0xAA, 0xBB]
+        );
     }
 
     #[test]
