@@ -6,3 +6,4 @@ mod common;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
+mod interop;

@@ -1,0 +1,61 @@
+//! Other official SDKs against the emulator: the service's protocol, not only what the Rust
+//! crate checks. Runs the official Python Event Hubs SDK (`tests/interop/python_eventhubs.py`)
+//! when it is installed; `.ci/run` installs it and sets `HUBGUARD_REQUIRE_INTEROP=1`, which
+//! turns a missing SDK into a failure.
+
+use std::time::Duration;
+
+use azure_messaging_eventhubs::StartLocation;
+
+use crate::common::*;
+
+fn python_sdk_available() -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", "import azure.eventhub"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_sdk_produces_and_consumes() {
+    if !python_sdk_available() {
+        assert!(
+            std::env::var("HUBGUARD_REQUIRE_INTEROP").is_err(),
+            "HUBGUARD_REQUIRE_INTEROP is set but the Python SDK is missing (pip install azure-eventhub==5.15.1)"
+        );
+        eprintln!("skipped: the official Python Event Hubs SDK is not installed (pip install azure-eventhub==5.15.1)");
+        return;
+    }
+    let emu = emulator(&[("pyhub", 2)]).await;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/interop/python_eventhubs.py"
+    );
+    let run = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(emu.connection_string())
+        .arg("pyhub")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the Python SDK finishes within 120 s")
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("PYTHON INTEROP OK"),
+        "python SDK failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+
+    // What Python produced, the Rust SDK reads back identically.
+    let cs = conn(&emu);
+    let c = consumer(&cs, "pyhub").await;
+    let r = receiver(&c, "0", StartLocation::Earliest, false).await;
+    let got = take(&r, 21).await;
+    assert_eq!(body(&got[0]), "py-single");
+    assert_eq!(body(&got[20]), "py-batch-19");
+    within("close receiver", r.close()).await.unwrap();
+    within("close consumer", c.close()).await.unwrap();
+}
