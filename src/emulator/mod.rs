@@ -3,10 +3,17 @@
 //!
 //! - [`eventhubs`]: Event Hubs over AMQP 1.0 (CBS, `$management`, partitioned receive with
 //!   selector filters and owner-level arbitration, partitioned and batched send).
+//! - [`servicebus`]: Service Bus over its REST API (scheduled messages, duplicate detection,
+//!   peek-lock, delivery counts, dead-lettering).
 //! - [`faults`]: fault injection (refuse, delay, drop connections, error status).
+//! - [`clock`]: the emulators' clock, which tests advance instead of sleeping.
+//! - [`http`]: the serve loop and fault plumbing the REST emulators share.
 
+pub mod clock;
 pub mod eventhubs;
 pub mod faults;
+pub mod http;
+pub mod servicebus;
 
 pub use faults::Faults;
 

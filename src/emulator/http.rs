@@ -1,0 +1,136 @@
+//! What the REST emulators share: a listener that honours connection faults (refuse, drop),
+//! a middleware for response faults (delay, error status), and the serve loop.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::Faults;
+
+/// A TCP stream that fails every read and write once its token is cancelled, so
+/// [`Faults::drop_connections`] cuts keep-alive connections too.
+pub struct Killable {
+    inner: TcpStream,
+    token: CancellationToken,
+    killed: Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+impl Killable {
+    fn new(inner: TcpStream, token: CancellationToken) -> Self {
+        Self {
+            inner,
+            killed: Box::pin(token.clone().cancelled_owned()),
+            token,
+        }
+    }
+
+    fn aborted() -> io::Error {
+        io::Error::new(io::ErrorKind::ConnectionAborted, "connection dropped by the emulator")
+    }
+}
+
+impl AsyncRead for Killable {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if self.killed.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(Self::aborted()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Killable {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        if self.token.is_cancelled() {
+            return Poll::Ready(Err(Self::aborted()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+use std::future::Future as _;
+
+/// A listener that closes new connections while refusing and hands out killable streams.
+pub struct FaultyListener {
+    inner: TcpListener,
+    faults: Arc<Faults>,
+}
+
+impl axum::serve::Listener for FaultyListener {
+    type Io = Killable;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.inner.accept().await {
+                Ok((stream, addr)) => {
+                    if self.faults.refusing() {
+                        drop(stream);
+                        continue;
+                    }
+                    let _ = stream.set_nodelay(true);
+                    return (Killable::new(stream, self.faults.connection_token()), addr);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "emulator: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
+/// Applies response faults: an injected error status answers at once (with the service's
+/// error body shape left to the client), an injected delay postpones the answer.
+pub async fn fault_layer(State(faults): State<Arc<Faults>>, request: Request, next: Next) -> Response {
+    let delay = faults.delay();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    if let Some(status) = faults.error_status() {
+        let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        return (status, [("x-ms-error-code", "InjectedFault")], "injected fault").into_response();
+    }
+    next.run(request).await
+}
+
+/// Binds `listen` and serves `router` with fault injection until `shutdown` is cancelled.
+pub async fn serve(
+    listen: SocketAddr,
+    router: Router,
+    faults: Arc<Faults>,
+    shutdown: CancellationToken,
+) -> io::Result<(SocketAddr, JoinHandle<()>)> {
+    let inner = TcpListener::bind(listen).await?;
+    let addr = inner.local_addr()?;
+    let router = router.layer(axum::middleware::from_fn_with_state(faults.clone(), fault_layer));
+    let listener = FaultyListener { inner, faults };
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+    });
+    Ok((addr, task))
+}

@@ -1,0 +1,756 @@
+//! The Service Bus broker model: queues with scheduled messages, duplicate detection,
+//! peek-lock, delivery counts, time to live and a dead-letter sub-queue — the service's
+//! semantics, independent of HTTP. Every time comes from the emulator [`Clock`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::emulator::clock::Clock;
+
+/// Configuration of one queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueSpec {
+    /// The queue's name.
+    pub name: String,
+    /// How long a peek-lock holds a message.
+    pub lock_duration: Duration,
+    /// Deliveries after which a message is dead-lettered.
+    pub max_delivery_count: u32,
+    /// Duplicate detection window (`None` turns detection off).
+    pub duplicate_detection_window: Option<Duration>,
+    /// The entity's default (and maximum) message time to live.
+    pub default_ttl: Option<Duration>,
+    /// Dead-letter expired messages instead of discarding them.
+    pub dead_letter_on_expiration: bool,
+}
+
+impl QueueSpec {
+    /// A queue with the service's defaults: 60 s locks, 10 deliveries, 10 minute duplicate
+    /// detection, unlimited TTL.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            lock_duration: Duration::from_secs(60),
+            max_delivery_count: 10,
+            duplicate_detection_window: Some(Duration::from_secs(600)),
+            default_ttl: None,
+            dead_letter_on_expiration: false,
+        }
+    }
+}
+
+/// A message as stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StoredMessage {
+    /// Sequence number in its entity, from 1.
+    pub sequence_number: i64,
+    /// MessageId (generated when the sender gave none).
+    pub message_id: String,
+    /// Body bytes.
+    pub body: Vec<u8>,
+    /// `Content-Type` of the send.
+    pub content_type: Option<String>,
+    /// CorrelationId.
+    pub correlation_id: Option<String>,
+    /// Label (subject).
+    pub label: Option<String>,
+    /// Time to live as sent, in seconds.
+    pub time_to_live: Option<f64>,
+    /// When it was sent (ms since the epoch, emulator clock).
+    pub sent_at_ms: i64,
+    /// When it becomes visible (the scheduled enqueue time, else the send time).
+    pub enqueued_at_ms: i64,
+    /// Whether it was sent with a ScheduledEnqueueTimeUtc.
+    pub scheduled: bool,
+    /// Custom properties (lower-cased names).
+    pub properties: Vec<(String, String)>,
+    /// Deliveries so far.
+    pub delivery_count: u32,
+    /// Dead-letter reason and description, on the dead-letter sub-queue.
+    pub dead_letter: Option<(String, String)>,
+    #[serde(skip)]
+    lock: Option<Lock>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Lock {
+    token: String,
+    until: SystemTime,
+}
+
+/// What a sender provides.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NewMessage {
+    /// MessageId, if the sender set one.
+    pub message_id: Option<String>,
+    /// Body bytes.
+    pub body: Vec<u8>,
+    /// Content type.
+    pub content_type: Option<String>,
+    /// CorrelationId.
+    pub correlation_id: Option<String>,
+    /// Label.
+    pub label: Option<String>,
+    /// Time to live in seconds.
+    pub time_to_live: Option<f64>,
+    /// ScheduledEnqueueTimeUtc.
+    pub scheduled_enqueue_time: Option<SystemTime>,
+    /// Custom properties.
+    pub properties: Vec<(String, String)>,
+}
+
+/// A locked message handed to a receiver.
+#[derive(Debug, Clone)]
+pub struct Locked {
+    /// The message (delivery count already incremented).
+    pub message: StoredMessage,
+    /// The lock token.
+    pub lock_token: String,
+    /// Until when the lock holds.
+    pub locked_until: SystemTime,
+}
+
+/// Counters of one queue, for tests and the demo.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Counters {
+    /// Visible now (or after a lock ends).
+    pub active: u64,
+    /// Scheduled for later.
+    pub scheduled: u64,
+    /// Currently locked.
+    pub locked: u64,
+    /// In the dead-letter sub-queue.
+    pub dead_lettered: u64,
+    /// Sends dropped by duplicate detection.
+    pub duplicates_dropped: u64,
+    /// Accepted sends (duplicates included).
+    pub sends: u64,
+    /// Completed messages.
+    pub completes: u64,
+    /// Abandoned locks.
+    pub abandons: u64,
+    /// Messages discarded by time to live.
+    pub expired: u64,
+}
+
+/// Which entity of a queue a request addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entity {
+    /// The queue itself.
+    Main,
+    /// Its `$DeadLetterQueue`.
+    DeadLetter,
+}
+
+/// Why an operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BrokerError {
+    /// No such queue.
+    #[error("the messaging entity '{0}' could not be found")]
+    EntityNotFound(String),
+    /// The lock token is unknown, stale or expired.
+    #[error("the lock supplied is invalid: it expired, or the message was already removed")]
+    LockLost,
+    /// The operation is not allowed on that entity.
+    #[error("{0}")]
+    NotAllowed(&'static str),
+    /// The journal could not be written.
+    #[error("storage failure: {0}")]
+    Storage(String),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum JournalRecord {
+    Send { entity: u8, message: StoredMessage },
+    Remove { entity: u8, sequence_number: i64 },
+    DeadLetter { sequence_number: i64, reason: String, description: String },
+    Delivered { entity: u8, sequence_number: i64, count: u32 },
+}
+
+fn entity_code(e: Entity) -> u8 {
+    match e {
+        Entity::Main => 0,
+        Entity::DeadLetter => 1,
+    }
+}
+
+#[derive(Debug, Default)]
+struct Store {
+    messages: BTreeMap<i64, StoredMessage>,
+    next_sequence: i64,
+}
+
+impl Store {
+    fn push(&mut self, mut m: StoredMessage) -> i64 {
+        self.next_sequence = self.next_sequence.max(1);
+        m.sequence_number = self.next_sequence;
+        self.next_sequence += 1;
+        let seq = m.sequence_number;
+        self.messages.insert(seq, m);
+        seq
+    }
+}
+
+#[derive(Debug)]
+struct QueueState {
+    spec: QueueSpec,
+    main: Store,
+    dlq: Store,
+    seen_ids: HashMap<String, i64>,
+    counters: Counters,
+    journal: Option<File>,
+}
+
+/// One queue; its state behind a mutex, its waiters behind a notify.
+#[derive(Debug)]
+pub struct Queue {
+    state: Mutex<QueueState>,
+    changed: Notify,
+}
+
+fn ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+fn at(ms: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// When a message expires: its time to live (capped by the entity's) after it was enqueued.
+fn expires_at(default_ttl: Option<Duration>, m: &StoredMessage) -> Option<SystemTime> {
+    let ttl = m
+        .time_to_live
+        .filter(|t| t.is_finite() && *t > 0.0 && *t < 1e11)
+        .map(Duration::from_secs_f64);
+    let ttl = match (ttl, default_ttl) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }?;
+    Some(at(m.enqueued_at_ms) + ttl)
+}
+
+impl QueueState {
+    fn store(&mut self, e: Entity) -> &mut Store {
+        match e {
+            Entity::Main => &mut self.main,
+            Entity::DeadLetter => &mut self.dlq,
+        }
+    }
+
+    fn write(&mut self, record: &JournalRecord) -> Result<(), BrokerError> {
+        if let Some(f) = self.journal.as_mut() {
+            let mut line = serde_json::to_vec(record).map_err(|e| BrokerError::Storage(e.to_string()))?;
+            line.push(b'\n');
+            f.write_all(&line).map_err(|e| BrokerError::Storage(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn move_to_dead_letter(&mut self, seq: i64, reason: &str, description: &str) -> Result<(), BrokerError> {
+        self.write(&JournalRecord::DeadLetter {
+            sequence_number: seq,
+            reason: reason.into(),
+            description: description.into(),
+        })?;
+        if let Some(mut m) = self.main.messages.remove(&seq) {
+            m.lock = None;
+            m.dead_letter = Some((reason.into(), description.into()));
+            self.dlq.push(m);
+        }
+        Ok(())
+    }
+
+    /// Applies what time has done: ended locks (dead-lettering at the delivery limit) and
+    /// expired messages.
+    fn settle_time(&mut self, now: SystemTime) -> Result<(), BrokerError> {
+        let max = self.spec.max_delivery_count;
+        let default_ttl = self.spec.default_ttl;
+        let mut to_dlq = Vec::new();
+        let mut expired = Vec::new();
+        for (seq, m) in self.main.messages.iter_mut() {
+            if m.lock.as_ref().is_some_and(|l| l.until <= now) {
+                m.lock = None;
+                if m.delivery_count >= max {
+                    to_dlq.push(*seq);
+                    continue;
+                }
+            }
+            if m.lock.is_none() {
+                if let Some(exp) = expires_at(default_ttl, m) {
+                    if exp <= now {
+                        expired.push(*seq);
+                    }
+                }
+            }
+        }
+        for seq in to_dlq {
+            self.move_to_dead_letter(seq, "MaxDeliveryCountExceeded", &format!("Message could not be consumed after {max} delivery attempts."))?;
+        }
+        for seq in expired {
+            if self.spec.dead_letter_on_expiration {
+                self.move_to_dead_letter(seq, "TTLExpiredException", "The message expired and was dead lettered.")?;
+            } else {
+                self.write(&JournalRecord::Remove { entity: 0, sequence_number: seq })?;
+                self.main.messages.remove(&seq);
+            }
+            self.counters.expired += 1;
+        }
+        Ok(())
+    }
+
+    /// The next moment something becomes visible (a scheduled message comes due or a lock
+    /// ends), if any.
+    fn next_change(&self, e: Entity) -> Option<SystemTime> {
+        let store = match e {
+            Entity::Main => &self.main,
+            Entity::DeadLetter => &self.dlq,
+        };
+        store
+            .messages
+            .values()
+            .filter_map(|m| match &m.lock {
+                Some(l) => Some(l.until),
+                None => Some(at(m.enqueued_at_ms)),
+            })
+            .min()
+    }
+}
+
+impl Queue {
+    fn open(spec: QueueSpec, journal: Option<PathBuf>, now: SystemTime) -> io::Result<Self> {
+        let mut st = QueueState {
+            spec,
+            main: Store::default(),
+            dlq: Store::default(),
+            seen_ids: HashMap::new(),
+            counters: Counters::default(),
+            journal: None,
+        };
+        if let Some(path) = journal {
+            if path.exists() {
+                let reader = BufReader::new(File::open(&path)?);
+                for line in reader.lines() {
+                    let line = line?;
+                    let Ok(record) = serde_json::from_str::<JournalRecord>(&line) else {
+                        tracing::warn!(path = %path.display(), "service bus emulator: ignoring a torn journal record");
+                        break;
+                    };
+                    match record {
+                        JournalRecord::Send { entity, message } => {
+                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
+                            store.next_sequence = store.next_sequence.max(message.sequence_number + 1);
+                            if entity == 0 {
+                                st.seen_ids.insert(message.message_id.clone(), message.sent_at_ms);
+                            }
+                            store.messages.insert(message.sequence_number, message);
+                        }
+                        JournalRecord::Remove { entity, sequence_number } => {
+                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
+                            store.messages.remove(&sequence_number);
+                        }
+                        JournalRecord::DeadLetter { sequence_number, reason, description } => {
+                            if let Some(mut m) = st.main.messages.remove(&sequence_number) {
+                                m.dead_letter = Some((reason, description));
+                                st.dlq.push(m);
+                            }
+                        }
+                        JournalRecord::Delivered { entity, sequence_number, count } => {
+                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
+                            if let Some(m) = store.messages.get_mut(&sequence_number) {
+                                m.delivery_count = count;
+                            }
+                        }
+                    }
+                }
+                // Rewrite the journal as the current state (compaction).
+                let tmp = path.with_extension("journal.tmp");
+                {
+                    let mut f = File::create(&tmp)?;
+                    for (entity, store) in [(0u8, &st.main), (1u8, &st.dlq)] {
+                        for m in store.messages.values() {
+                            let rec = JournalRecord::Send { entity, message: m.clone() };
+                            let mut line = serde_json::to_vec(&rec).map_err(io::Error::other)?;
+                            line.push(b'\n');
+                            f.write_all(&line)?;
+                        }
+                    }
+                    f.sync_all()?;
+                }
+                fs::rename(&tmp, &path)?;
+                let _ = now;
+            }
+            st.journal = Some(OpenOptions::new().create(true).append(true).open(&path)?);
+        }
+        Ok(Self {
+            state: Mutex::new(st),
+            changed: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Accepts a send. Returns `false` when duplicate detection dropped it.
+    pub fn send(&self, new: NewMessage, now: SystemTime) -> Result<bool, BrokerError> {
+        let mut st = self.lock();
+        st.counters.sends += 1;
+        let message_id = new
+            .message_id
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        if let Some(window) = st.spec.duplicate_detection_window {
+            let now_ms = ms(now);
+            let window_ms = window.as_millis() as i64;
+            st.seen_ids.retain(|_, seen| now_ms - *seen < window_ms);
+            if st.seen_ids.contains_key(&message_id) {
+                st.counters.duplicates_dropped += 1;
+                return Ok(false);
+            }
+            st.seen_ids.insert(message_id.clone(), now_ms);
+        }
+        let enqueued = new.scheduled_enqueue_time.filter(|t| *t > now).unwrap_or(now);
+        let message = StoredMessage {
+            sequence_number: 0,
+            message_id,
+            body: new.body,
+            content_type: new.content_type,
+            correlation_id: new.correlation_id,
+            label: new.label,
+            time_to_live: new.time_to_live,
+            sent_at_ms: ms(now),
+            enqueued_at_ms: ms(enqueued),
+            scheduled: new.scheduled_enqueue_time.is_some(),
+            properties: new.properties,
+            delivery_count: 0,
+            dead_letter: None,
+            lock: None,
+        };
+        let seq = st.main.push(message.clone());
+        let mut journaled = message;
+        journaled.sequence_number = seq;
+        if let Err(e) = st.write(&JournalRecord::Send { entity: 0, message: journaled }) {
+            st.main.messages.remove(&seq);
+            return Err(e);
+        }
+        drop(st);
+        self.changed.notify_waiters();
+        Ok(true)
+    }
+
+    /// Locks the first visible message, if any.
+    pub fn try_lock(&self, entity: Entity, now: SystemTime) -> Result<Option<Locked>, BrokerError> {
+        let mut st = self.lock();
+        st.settle_time(now)?;
+        let lock_duration = st.spec.lock_duration;
+        let store = st.store(entity);
+        let Some(m) = store
+            .messages
+            .values_mut()
+            .find(|m| m.lock.is_none() && at(m.enqueued_at_ms) <= now)
+        else {
+            return Ok(None);
+        };
+        m.delivery_count += 1;
+        let token = uuid::Uuid::new_v4().to_string();
+        let until = now + lock_duration;
+        m.lock = Some(Lock { token: token.clone(), until });
+        let locked = Locked {
+            message: m.clone(),
+            lock_token: token,
+            locked_until: until,
+        };
+        let rec = JournalRecord::Delivered {
+            entity: entity_code(entity),
+            sequence_number: locked.message.sequence_number,
+            count: locked.message.delivery_count,
+        };
+        st.write(&rec)?;
+        Ok(Some(locked))
+    }
+
+    /// Removes the first visible message (receive-and-delete).
+    pub fn take(&self, entity: Entity, now: SystemTime) -> Result<Option<StoredMessage>, BrokerError> {
+        let mut st = self.lock();
+        st.settle_time(now)?;
+        let store = st.store(entity);
+        let Some(seq) = store
+            .messages
+            .values()
+            .find(|m| m.lock.is_none() && at(m.enqueued_at_ms) <= now)
+            .map(|m| m.sequence_number)
+        else {
+            return Ok(None);
+        };
+        st.write(&JournalRecord::Remove { entity: entity_code(entity), sequence_number: seq })?;
+        let m = st.store(entity).messages.remove(&seq);
+        Ok(m)
+    }
+
+    fn with_lock<T>(
+        &self,
+        entity: Entity,
+        id: &str,
+        token: &str,
+        now: SystemTime,
+        op: impl FnOnce(&mut QueueState, i64) -> Result<T, BrokerError>,
+    ) -> Result<T, BrokerError> {
+        let mut st = self.lock();
+        let seq = st
+            .store(entity)
+            .messages
+            .values()
+            .find(|m| {
+                (m.sequence_number.to_string() == id || m.message_id == id)
+                    && m.lock.as_ref().is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
+            })
+            .map(|m| m.sequence_number)
+            .ok_or(BrokerError::LockLost)?;
+        op(&mut st, seq)
+    }
+
+    /// Completes a locked message.
+    pub fn complete(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<(), BrokerError> {
+        self.with_lock(entity, id, token, now, |st, seq| {
+            st.write(&JournalRecord::Remove { entity: entity_code(entity), sequence_number: seq })?;
+            st.store(entity).messages.remove(&seq);
+            st.counters.completes += 1;
+            Ok(())
+        })
+    }
+
+    /// Abandons a lock: the message is visible again, or dead-lettered at the delivery limit.
+    pub fn abandon(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<(), BrokerError> {
+        self.with_lock(entity, id, token, now, |st, seq| {
+            st.counters.abandons += 1;
+            let max = st.spec.max_delivery_count;
+            let m = st.store(entity).messages.get_mut(&seq).expect("found under lock");
+            m.lock = None;
+            if entity == Entity::Main && m.delivery_count >= max {
+                st.move_to_dead_letter(seq, "MaxDeliveryCountExceeded", &format!("Message could not be consumed after {max} delivery attempts."))?;
+            }
+            Ok(())
+        })?;
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Renews a lock; returns the new locked-until time.
+    pub fn renew(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<SystemTime, BrokerError> {
+        self.with_lock(entity, id, token, now, |st, seq| {
+            let until = now + st.spec.lock_duration;
+            let m = st.store(entity).messages.get_mut(&seq).expect("found under lock");
+            if let Some(l) = m.lock.as_mut() {
+                l.until = until;
+            }
+            Ok(until)
+        })
+    }
+
+    /// When something next becomes visible in `entity`.
+    pub fn next_change(&self, entity: Entity) -> Option<SystemTime> {
+        self.lock().next_change(entity)
+    }
+
+    /// Resolves when a send or an abandon changed the queue.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// The queue's counters at `now`.
+    pub fn counters(&self, now: SystemTime) -> Counters {
+        let mut st = self.lock();
+        let _ = st.settle_time(now);
+        let mut c = st.counters;
+        c.active = 0;
+        c.scheduled = 0;
+        c.locked = 0;
+        for m in st.main.messages.values() {
+            if m.lock.is_some() {
+                c.locked += 1;
+            } else if at(m.enqueued_at_ms) > now {
+                c.scheduled += 1;
+            } else {
+                c.active += 1;
+            }
+        }
+        c.dead_lettered = st.dlq.messages.len() as u64;
+        c
+    }
+
+    /// The queue's configuration.
+    pub fn spec(&self) -> QueueSpec {
+        self.lock().spec.clone()
+    }
+
+    /// Every message of `entity` (for tests and the demo's verification).
+    pub fn messages(&self, entity: Entity) -> Vec<StoredMessage> {
+        let mut st = self.lock();
+        st.store(entity).messages.values().cloned().collect()
+    }
+}
+
+/// All queues of one emulator.
+#[derive(Debug)]
+pub struct Broker {
+    queues: HashMap<String, Arc<Queue>>,
+    /// The emulator's clock.
+    pub clock: Arc<Clock>,
+}
+
+impl Broker {
+    /// Opens the queues (replaying journals under `data_dir/servicebus/`).
+    pub fn open(specs: &[QueueSpec], data_dir: Option<&Path>, clock: Arc<Clock>) -> io::Result<Self> {
+        let dir = match data_dir {
+            Some(d) => {
+                let dir = d.join("servicebus");
+                fs::create_dir_all(&dir)?;
+                Some(dir)
+            }
+            None => None,
+        };
+        let mut queues = HashMap::new();
+        for spec in specs {
+            let journal = dir.as_ref().map(|d| d.join(format!("{}.journal", spec.name.to_ascii_lowercase())));
+            let q = Queue::open(spec.clone(), journal, clock.now())?;
+            if queues.insert(spec.name.to_ascii_lowercase(), Arc::new(q)).is_some() {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("queue {} is configured twice", spec.name)));
+            }
+        }
+        Ok(Self { queues, clock })
+    }
+
+    /// The queue called `name` (case-insensitive).
+    pub fn queue(&self, name: &str) -> Option<Arc<Queue>> {
+        self.queues.get(&name.to_ascii_lowercase()).cloned()
+    }
+
+    /// Names of all queues.
+    pub fn queue_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.queues.values().map(|q| q.spec().name).collect();
+        v.sort();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(spec: QueueSpec) -> Queue {
+        Queue::open(spec, None, SystemTime::now()).unwrap()
+    }
+
+    fn msg(id: &str) -> NewMessage {
+        NewMessage { message_id: Some(id.into()), body: b"x".to_vec(), ..Default::default() }
+    }
+
+    #[test]
+    fn scheduled_message_is_invisible_until_due() {
+        let q = queue(QueueSpec::new("q"));
+        let t0 = SystemTime::now();
+        let due = t0 + Duration::from_secs(30);
+        q.send(NewMessage { scheduled_enqueue_time: Some(due), ..msg("a") }, t0).unwrap();
+        assert!(q.try_lock(Entity::Main, t0).unwrap().is_none());
+        assert_eq!(q.counters(t0).scheduled, 1);
+        assert_eq!(q.next_change(Entity::Main), Some(at(ms(due))));
+        let l = q.try_lock(Entity::Main, due).unwrap().unwrap();
+        assert_eq!(l.message.enqueued_at_ms, ms(due));
+    }
+
+    #[test]
+    fn duplicates_inside_the_window_are_dropped() {
+        let q = queue(QueueSpec::new("q"));
+        let t0 = SystemTime::now();
+        assert!(q.send(msg("a"), t0).unwrap());
+        assert!(!q.send(msg("a"), t0 + Duration::from_secs(599)).unwrap());
+        assert!(q.send(msg("a"), t0 + Duration::from_secs(601)).unwrap());
+        let c = q.counters(t0);
+        assert_eq!((c.sends, c.duplicates_dropped), (3, 1));
+    }
+
+    #[test]
+    fn abandon_at_max_delivery_dead_letters() {
+        let mut spec = QueueSpec::new("q");
+        spec.max_delivery_count = 2;
+        let q = queue(spec);
+        let t = SystemTime::now();
+        q.send(msg("a"), t).unwrap();
+        for expected in 1..=2 {
+            let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+            assert_eq!(l.message.delivery_count, expected);
+            q.abandon(Entity::Main, &l.message.sequence_number.to_string(), &l.lock_token, t).unwrap();
+        }
+        assert!(q.try_lock(Entity::Main, t).unwrap().is_none());
+        let d = q.try_lock(Entity::DeadLetter, t).unwrap().unwrap();
+        assert_eq!(d.message.dead_letter.as_ref().unwrap().0, "MaxDeliveryCountExceeded");
+    }
+
+    #[test]
+    fn lock_expiry_releases_and_stale_locks_are_refused() {
+        let q = queue(QueueSpec::new("q"));
+        let t = SystemTime::now();
+        q.send(msg("a"), t).unwrap();
+        let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+        let id = l.message.sequence_number.to_string();
+        assert!(q.try_lock(Entity::Main, t).unwrap().is_none());
+        let later = t + Duration::from_secs(61);
+        let again = q.try_lock(Entity::Main, later).unwrap().unwrap();
+        assert_eq!(again.message.delivery_count, 2);
+        assert_eq!(q.complete(Entity::Main, &id, &l.lock_token, later), Err(BrokerError::LockLost));
+        assert_eq!(q.renew(Entity::Main, &id, &again.lock_token, later), Ok(later + Duration::from_secs(60)));
+        q.complete(Entity::Main, &id, &again.lock_token, later).unwrap();
+        assert_eq!(q.complete(Entity::Main, &id, &again.lock_token, later), Err(BrokerError::LockLost));
+    }
+
+    #[test]
+    fn ttl_discards_or_dead_letters() {
+        let mut spec = QueueSpec::new("q");
+        spec.dead_letter_on_expiration = true;
+        let q = queue(spec);
+        let t = SystemTime::now();
+        q.send(NewMessage { time_to_live: Some(5.0), ..msg("a") }, t).unwrap();
+        assert!(q.try_lock(Entity::Main, t + Duration::from_secs(6)).unwrap().is_none());
+        let d = q.try_lock(Entity::DeadLetter, t + Duration::from_secs(6)).unwrap().unwrap();
+        assert_eq!(d.message.dead_letter.unwrap().0, "TTLExpiredException");
+    }
+
+    #[test]
+    fn journal_replays_state_across_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(Clock::default());
+        let specs = [QueueSpec::new("retries")];
+        let t = clock.now();
+        {
+            let b = Broker::open(&specs, Some(dir.path()), clock.clone()).unwrap();
+            let q = b.queue("retries").unwrap();
+            q.send(msg("a"), t).unwrap();
+            q.send(NewMessage { scheduled_enqueue_time: Some(t + Duration::from_secs(3600)), ..msg("b") }, t).unwrap();
+            q.send(msg("c"), t).unwrap();
+            let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+            q.complete(Entity::Main, &l.message.sequence_number.to_string(), &l.lock_token, t).unwrap();
+            let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+            assert_eq!(l.message.message_id, "c");
+        }
+        let b = Broker::open(&specs, Some(dir.path()), clock).unwrap();
+        let q = b.queue("RETRIES").unwrap();
+        let ids: Vec<String> = q.messages(Entity::Main).into_iter().map(|m| m.message_id).collect();
+        assert_eq!(ids, vec!["b", "c"]);
+        // The lock did not survive the restart, the delivery count did.
+        let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+        assert_eq!((l.message.message_id.as_str(), l.message.delivery_count), ("c", 2));
+        // Duplicate detection remembers ids across the restart.
+        assert!(!q.send(msg("a"), t).unwrap());
+        // Sequence numbers continue.
+        q.send(msg("d"), t).unwrap();
+        assert_eq!(q.messages(Entity::Main).last().unwrap().sequence_number, 4);
+    }
+}
