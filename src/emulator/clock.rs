@@ -58,7 +58,9 @@ pub fn parse_http_date(s: &str) -> Option<SystemTime> {
         .or_else(|| s.strip_suffix(" UT"))
         .map(|head| format!("{head} +0000"))
         .unwrap_or_else(|| s.to_string());
-    OffsetDateTime::parse(&normalised, &Rfc2822).ok().map(SystemTime::from)
+    OffsetDateTime::parse(&normalised, &Rfc2822)
+        .ok()
+        .map(SystemTime::from)
 }
 
 #[cfg(test)]

@@ -36,12 +36,19 @@ impl Killable {
     }
 
     fn aborted() -> io::Error {
-        io::Error::new(io::ErrorKind::ConnectionAborted, "connection dropped by the emulator")
+        io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "connection dropped by the emulator",
+        )
     }
 }
 
 impl AsyncRead for Killable {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if self.killed.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(Self::aborted()));
         }
@@ -50,7 +57,11 @@ impl AsyncRead for Killable {
 }
 
 impl AsyncWrite for Killable {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         if self.token.is_cancelled() {
             return Poll::Ready(Err(Self::aborted()));
         }
@@ -104,14 +115,24 @@ impl axum::serve::Listener for FaultyListener {
 
 /// Applies response faults: an injected error status answers at once (with the service's
 /// error body shape left to the client), an injected delay postpones the answer.
-pub async fn fault_layer(State(faults): State<Arc<Faults>>, request: Request, next: Next) -> Response {
+pub async fn fault_layer(
+    State(faults): State<Arc<Faults>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let delay = faults.delay();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
     if let Some(status) = faults.error_status() {
-        let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
-        return (status, [("x-ms-error-code", "InjectedFault")], "injected fault").into_response();
+        let status = axum::http::StatusCode::from_u16(status)
+            .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        return (
+            status,
+            [("x-ms-error-code", "InjectedFault")],
+            "injected fault",
+        )
+            .into_response();
     }
     next.run(request).await
 }
@@ -125,7 +146,10 @@ pub async fn serve(
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
     let inner = TcpListener::bind(listen).await?;
     let addr = inner.local_addr()?;
-    let router = router.layer(axum::middleware::from_fn_with_state(faults.clone(), fault_layer));
+    let router = router.layer(axum::middleware::from_fn_with_state(
+        faults.clone(),
+        fault_layer,
+    ));
     let listener = FaultyListener { inner, faults };
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router)

@@ -7,3 +7,4 @@ mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
+mod servicebus;

@@ -168,10 +168,24 @@ pub enum BrokerError {
 
 #[derive(Debug, Serialize, Deserialize)]
 enum JournalRecord {
-    Send { entity: u8, message: StoredMessage },
-    Remove { entity: u8, sequence_number: i64 },
-    DeadLetter { sequence_number: i64, reason: String, description: String },
-    Delivered { entity: u8, sequence_number: i64, count: u32 },
+    Send {
+        entity: u8,
+        message: StoredMessage,
+    },
+    Remove {
+        entity: u8,
+        sequence_number: i64,
+    },
+    DeadLetter {
+        sequence_number: i64,
+        reason: String,
+        description: String,
+    },
+    Delivered {
+        entity: u8,
+        sequence_number: i64,
+        count: u32,
+    },
 }
 
 fn entity_code(e: Entity) -> u8 {
@@ -247,14 +261,21 @@ impl QueueState {
 
     fn write(&mut self, record: &JournalRecord) -> Result<(), BrokerError> {
         if let Some(f) = self.journal.as_mut() {
-            let mut line = serde_json::to_vec(record).map_err(|e| BrokerError::Storage(e.to_string()))?;
+            let mut line =
+                serde_json::to_vec(record).map_err(|e| BrokerError::Storage(e.to_string()))?;
             line.push(b'\n');
-            f.write_all(&line).map_err(|e| BrokerError::Storage(e.to_string()))?;
+            f.write_all(&line)
+                .map_err(|e| BrokerError::Storage(e.to_string()))?;
         }
         Ok(())
     }
 
-    fn move_to_dead_letter(&mut self, seq: i64, reason: &str, description: &str) -> Result<(), BrokerError> {
+    fn move_to_dead_letter(
+        &mut self,
+        seq: i64,
+        reason: &str,
+        description: &str,
+    ) -> Result<(), BrokerError> {
         self.write(&JournalRecord::DeadLetter {
             sequence_number: seq,
             reason: reason.into(),
@@ -292,13 +313,24 @@ impl QueueState {
             }
         }
         for seq in to_dlq {
-            self.move_to_dead_letter(seq, "MaxDeliveryCountExceeded", &format!("Message could not be consumed after {max} delivery attempts."))?;
+            self.move_to_dead_letter(
+                seq,
+                "MaxDeliveryCountExceeded",
+                &format!("Message could not be consumed after {max} delivery attempts."),
+            )?;
         }
         for seq in expired {
             if self.spec.dead_letter_on_expiration {
-                self.move_to_dead_letter(seq, "TTLExpiredException", "The message expired and was dead lettered.")?;
+                self.move_to_dead_letter(
+                    seq,
+                    "TTLExpiredException",
+                    "The message expired and was dead lettered.",
+                )?;
             } else {
-                self.write(&JournalRecord::Remove { entity: 0, sequence_number: seq })?;
+                self.write(&JournalRecord::Remove {
+                    entity: 0,
+                    sequence_number: seq,
+                })?;
                 self.main.messages.remove(&seq);
             }
             self.counters.expired += 1;
@@ -345,25 +377,50 @@ impl Queue {
                     };
                     match record {
                         JournalRecord::Send { entity, message } => {
-                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
-                            store.next_sequence = store.next_sequence.max(message.sequence_number + 1);
+                            let store = if entity == 0 {
+                                &mut st.main
+                            } else {
+                                &mut st.dlq
+                            };
+                            store.next_sequence =
+                                store.next_sequence.max(message.sequence_number + 1);
                             if entity == 0 {
-                                st.seen_ids.insert(message.message_id.clone(), message.sent_at_ms);
+                                st.seen_ids
+                                    .insert(message.message_id.clone(), message.sent_at_ms);
                             }
                             store.messages.insert(message.sequence_number, message);
                         }
-                        JournalRecord::Remove { entity, sequence_number } => {
-                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
+                        JournalRecord::Remove {
+                            entity,
+                            sequence_number,
+                        } => {
+                            let store = if entity == 0 {
+                                &mut st.main
+                            } else {
+                                &mut st.dlq
+                            };
                             store.messages.remove(&sequence_number);
                         }
-                        JournalRecord::DeadLetter { sequence_number, reason, description } => {
+                        JournalRecord::DeadLetter {
+                            sequence_number,
+                            reason,
+                            description,
+                        } => {
                             if let Some(mut m) = st.main.messages.remove(&sequence_number) {
                                 m.dead_letter = Some((reason, description));
                                 st.dlq.push(m);
                             }
                         }
-                        JournalRecord::Delivered { entity, sequence_number, count } => {
-                            let store = if entity == 0 { &mut st.main } else { &mut st.dlq };
+                        JournalRecord::Delivered {
+                            entity,
+                            sequence_number,
+                            count,
+                        } => {
+                            let store = if entity == 0 {
+                                &mut st.main
+                            } else {
+                                &mut st.dlq
+                            };
                             if let Some(m) = store.messages.get_mut(&sequence_number) {
                                 m.delivery_count = count;
                             }
@@ -376,7 +433,10 @@ impl Queue {
                     let mut f = File::create(&tmp)?;
                     for (entity, store) in [(0u8, &st.main), (1u8, &st.dlq)] {
                         for m in store.messages.values() {
-                            let rec = JournalRecord::Send { entity, message: m.clone() };
+                            let rec = JournalRecord::Send {
+                                entity,
+                                message: m.clone(),
+                            };
                             let mut line = serde_json::to_vec(&rec).map_err(io::Error::other)?;
                             line.push(b'\n');
                             f.write_all(&line)?;
@@ -417,7 +477,10 @@ impl Queue {
             }
             st.seen_ids.insert(message_id.clone(), now_ms);
         }
-        let enqueued = new.scheduled_enqueue_time.filter(|t| *t > now).unwrap_or(now);
+        let enqueued = new
+            .scheduled_enqueue_time
+            .filter(|t| *t > now)
+            .unwrap_or(now);
         let message = StoredMessage {
             sequence_number: 0,
             message_id,
@@ -437,7 +500,10 @@ impl Queue {
         let seq = st.main.push(message.clone());
         let mut journaled = message;
         journaled.sequence_number = seq;
-        if let Err(e) = st.write(&JournalRecord::Send { entity: 0, message: journaled }) {
+        if let Err(e) = st.write(&JournalRecord::Send {
+            entity: 0,
+            message: journaled,
+        }) {
             st.main.messages.remove(&seq);
             return Err(e);
         }
@@ -462,7 +528,10 @@ impl Queue {
         m.delivery_count += 1;
         let token = uuid::Uuid::new_v4().to_string();
         let until = now + lock_duration;
-        m.lock = Some(Lock { token: token.clone(), until });
+        m.lock = Some(Lock {
+            token: token.clone(),
+            until,
+        });
         let locked = Locked {
             message: m.clone(),
             lock_token: token,
@@ -478,7 +547,11 @@ impl Queue {
     }
 
     /// Removes the first visible message (receive-and-delete).
-    pub fn take(&self, entity: Entity, now: SystemTime) -> Result<Option<StoredMessage>, BrokerError> {
+    pub fn take(
+        &self,
+        entity: Entity,
+        now: SystemTime,
+    ) -> Result<Option<StoredMessage>, BrokerError> {
         let mut st = self.lock();
         st.settle_time(now)?;
         let store = st.store(entity);
@@ -490,7 +563,10 @@ impl Queue {
         else {
             return Ok(None);
         };
-        st.write(&JournalRecord::Remove { entity: entity_code(entity), sequence_number: seq })?;
+        st.write(&JournalRecord::Remove {
+            entity: entity_code(entity),
+            sequence_number: seq,
+        })?;
         let m = st.store(entity).messages.remove(&seq);
         Ok(m)
     }
@@ -510,7 +586,9 @@ impl Queue {
             .values()
             .find(|m| {
                 (m.sequence_number.to_string() == id || m.message_id == id)
-                    && m.lock.as_ref().is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
+                    && m.lock
+                        .as_ref()
+                        .is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
             })
             .map(|m| m.sequence_number)
             .ok_or(BrokerError::LockLost)?;
@@ -518,9 +596,18 @@ impl Queue {
     }
 
     /// Completes a locked message.
-    pub fn complete(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<(), BrokerError> {
+    pub fn complete(
+        &self,
+        entity: Entity,
+        id: &str,
+        token: &str,
+        now: SystemTime,
+    ) -> Result<(), BrokerError> {
         self.with_lock(entity, id, token, now, |st, seq| {
-            st.write(&JournalRecord::Remove { entity: entity_code(entity), sequence_number: seq })?;
+            st.write(&JournalRecord::Remove {
+                entity: entity_code(entity),
+                sequence_number: seq,
+            })?;
             st.store(entity).messages.remove(&seq);
             st.counters.completes += 1;
             Ok(())
@@ -528,14 +615,28 @@ impl Queue {
     }
 
     /// Abandons a lock: the message is visible again, or dead-lettered at the delivery limit.
-    pub fn abandon(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<(), BrokerError> {
+    pub fn abandon(
+        &self,
+        entity: Entity,
+        id: &str,
+        token: &str,
+        now: SystemTime,
+    ) -> Result<(), BrokerError> {
         self.with_lock(entity, id, token, now, |st, seq| {
             st.counters.abandons += 1;
             let max = st.spec.max_delivery_count;
-            let m = st.store(entity).messages.get_mut(&seq).expect("found under lock");
+            let m = st
+                .store(entity)
+                .messages
+                .get_mut(&seq)
+                .expect("found under lock");
             m.lock = None;
             if entity == Entity::Main && m.delivery_count >= max {
-                st.move_to_dead_letter(seq, "MaxDeliveryCountExceeded", &format!("Message could not be consumed after {max} delivery attempts."))?;
+                st.move_to_dead_letter(
+                    seq,
+                    "MaxDeliveryCountExceeded",
+                    &format!("Message could not be consumed after {max} delivery attempts."),
+                )?;
             }
             Ok(())
         })?;
@@ -544,10 +645,20 @@ impl Queue {
     }
 
     /// Renews a lock; returns the new locked-until time.
-    pub fn renew(&self, entity: Entity, id: &str, token: &str, now: SystemTime) -> Result<SystemTime, BrokerError> {
+    pub fn renew(
+        &self,
+        entity: Entity,
+        id: &str,
+        token: &str,
+        now: SystemTime,
+    ) -> Result<SystemTime, BrokerError> {
         self.with_lock(entity, id, token, now, |st, seq| {
             let until = now + st.spec.lock_duration;
-            let m = st.store(entity).messages.get_mut(&seq).expect("found under lock");
+            let m = st
+                .store(entity)
+                .messages
+                .get_mut(&seq)
+                .expect("found under lock");
             if let Some(l) = m.lock.as_mut() {
                 l.until = until;
             }
@@ -608,7 +719,11 @@ pub struct Broker {
 
 impl Broker {
     /// Opens the queues (replaying journals under `data_dir/servicebus/`).
-    pub fn open(specs: &[QueueSpec], data_dir: Option<&Path>, clock: Arc<Clock>) -> io::Result<Self> {
+    pub fn open(
+        specs: &[QueueSpec],
+        data_dir: Option<&Path>,
+        clock: Arc<Clock>,
+    ) -> io::Result<Self> {
         let dir = match data_dir {
             Some(d) => {
                 let dir = d.join("servicebus");
@@ -619,10 +734,18 @@ impl Broker {
         };
         let mut queues = HashMap::new();
         for spec in specs {
-            let journal = dir.as_ref().map(|d| d.join(format!("{}.journal", spec.name.to_ascii_lowercase())));
+            let journal = dir
+                .as_ref()
+                .map(|d| d.join(format!("{}.journal", spec.name.to_ascii_lowercase())));
             let q = Queue::open(spec.clone(), journal, clock.now())?;
-            if queues.insert(spec.name.to_ascii_lowercase(), Arc::new(q)).is_some() {
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("queue {} is configured twice", spec.name)));
+            if queues
+                .insert(spec.name.to_ascii_lowercase(), Arc::new(q))
+                .is_some()
+            {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("queue {} is configured twice", spec.name),
+                ));
             }
         }
         Ok(Self { queues, clock })
@@ -650,7 +773,11 @@ mod tests {
     }
 
     fn msg(id: &str) -> NewMessage {
-        NewMessage { message_id: Some(id.into()), body: b"x".to_vec(), ..Default::default() }
+        NewMessage {
+            message_id: Some(id.into()),
+            body: b"x".to_vec(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -658,7 +785,14 @@ mod tests {
         let q = queue(QueueSpec::new("q"));
         let t0 = SystemTime::now();
         let due = t0 + Duration::from_secs(30);
-        q.send(NewMessage { scheduled_enqueue_time: Some(due), ..msg("a") }, t0).unwrap();
+        q.send(
+            NewMessage {
+                scheduled_enqueue_time: Some(due),
+                ..msg("a")
+            },
+            t0,
+        )
+        .unwrap();
         assert!(q.try_lock(Entity::Main, t0).unwrap().is_none());
         assert_eq!(q.counters(t0).scheduled, 1);
         assert_eq!(q.next_change(Entity::Main), Some(at(ms(due))));
@@ -687,11 +821,20 @@ mod tests {
         for expected in 1..=2 {
             let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
             assert_eq!(l.message.delivery_count, expected);
-            q.abandon(Entity::Main, &l.message.sequence_number.to_string(), &l.lock_token, t).unwrap();
+            q.abandon(
+                Entity::Main,
+                &l.message.sequence_number.to_string(),
+                &l.lock_token,
+                t,
+            )
+            .unwrap();
         }
         assert!(q.try_lock(Entity::Main, t).unwrap().is_none());
         let d = q.try_lock(Entity::DeadLetter, t).unwrap().unwrap();
-        assert_eq!(d.message.dead_letter.as_ref().unwrap().0, "MaxDeliveryCountExceeded");
+        assert_eq!(
+            d.message.dead_letter.as_ref().unwrap().0,
+            "MaxDeliveryCountExceeded"
+        );
     }
 
     #[test]
@@ -705,10 +848,20 @@ mod tests {
         let later = t + Duration::from_secs(61);
         let again = q.try_lock(Entity::Main, later).unwrap().unwrap();
         assert_eq!(again.message.delivery_count, 2);
-        assert_eq!(q.complete(Entity::Main, &id, &l.lock_token, later), Err(BrokerError::LockLost));
-        assert_eq!(q.renew(Entity::Main, &id, &again.lock_token, later), Ok(later + Duration::from_secs(60)));
-        q.complete(Entity::Main, &id, &again.lock_token, later).unwrap();
-        assert_eq!(q.complete(Entity::Main, &id, &again.lock_token, later), Err(BrokerError::LockLost));
+        assert_eq!(
+            q.complete(Entity::Main, &id, &l.lock_token, later),
+            Err(BrokerError::LockLost)
+        );
+        assert_eq!(
+            q.renew(Entity::Main, &id, &again.lock_token, later),
+            Ok(later + Duration::from_secs(60))
+        );
+        q.complete(Entity::Main, &id, &again.lock_token, later)
+            .unwrap();
+        assert_eq!(
+            q.complete(Entity::Main, &id, &again.lock_token, later),
+            Err(BrokerError::LockLost)
+        );
     }
 
     #[test]
@@ -717,9 +870,22 @@ mod tests {
         spec.dead_letter_on_expiration = true;
         let q = queue(spec);
         let t = SystemTime::now();
-        q.send(NewMessage { time_to_live: Some(5.0), ..msg("a") }, t).unwrap();
-        assert!(q.try_lock(Entity::Main, t + Duration::from_secs(6)).unwrap().is_none());
-        let d = q.try_lock(Entity::DeadLetter, t + Duration::from_secs(6)).unwrap().unwrap();
+        q.send(
+            NewMessage {
+                time_to_live: Some(5.0),
+                ..msg("a")
+            },
+            t,
+        )
+        .unwrap();
+        assert!(q
+            .try_lock(Entity::Main, t + Duration::from_secs(6))
+            .unwrap()
+            .is_none());
+        let d = q
+            .try_lock(Entity::DeadLetter, t + Duration::from_secs(6))
+            .unwrap()
+            .unwrap();
         assert_eq!(d.message.dead_letter.unwrap().0, "TTLExpiredException");
     }
 
@@ -733,20 +899,40 @@ mod tests {
             let b = Broker::open(&specs, Some(dir.path()), clock.clone()).unwrap();
             let q = b.queue("retries").unwrap();
             q.send(msg("a"), t).unwrap();
-            q.send(NewMessage { scheduled_enqueue_time: Some(t + Duration::from_secs(3600)), ..msg("b") }, t).unwrap();
+            q.send(
+                NewMessage {
+                    scheduled_enqueue_time: Some(t + Duration::from_secs(3600)),
+                    ..msg("b")
+                },
+                t,
+            )
+            .unwrap();
             q.send(msg("c"), t).unwrap();
             let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
-            q.complete(Entity::Main, &l.message.sequence_number.to_string(), &l.lock_token, t).unwrap();
+            q.complete(
+                Entity::Main,
+                &l.message.sequence_number.to_string(),
+                &l.lock_token,
+                t,
+            )
+            .unwrap();
             let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
             assert_eq!(l.message.message_id, "c");
         }
         let b = Broker::open(&specs, Some(dir.path()), clock).unwrap();
         let q = b.queue("RETRIES").unwrap();
-        let ids: Vec<String> = q.messages(Entity::Main).into_iter().map(|m| m.message_id).collect();
+        let ids: Vec<String> = q
+            .messages(Entity::Main)
+            .into_iter()
+            .map(|m| m.message_id)
+            .collect();
         assert_eq!(ids, vec!["b", "c"]);
         // The lock did not survive the restart, the delivery count did.
         let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
-        assert_eq!((l.message.message_id.as_str(), l.message.delivery_count), ("c", 2));
+        assert_eq!(
+            (l.message.message_id.as_str(), l.message.delivery_count),
+            ("c", 2)
+        );
         // Duplicate detection remembers ids across the restart.
         assert!(!q.send(msg("a"), t).unwrap());
         // Sequence numbers continue.

@@ -97,7 +97,8 @@ impl ServiceBusEmulator {
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
         let router = Router::new().fallback(handle).with_state(shared.clone());
-        let (addr, task) = super::http::serve(config.listen, router, faults.clone(), shutdown.clone()).await?;
+        let (addr, task) =
+            super::http::serve(config.listen, router, faults.clone(), shutdown.clone()).await?;
         Ok(Self {
             addr,
             shared,
@@ -184,13 +185,19 @@ fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response 
     (
         status,
         [("content-type", "application/xml; charset=utf-8")],
-        format!("<Error><Code>{}</Code><Detail>{code}: {}</Detail></Error>", status.as_u16(), xml_escape(&detail)),
+        format!(
+            "<Error><Code>{}</Code><Detail>{code}: {}</Detail></Error>",
+            status.as_u16(),
+            xml_escape(&detail)
+        ),
     )
         .into_response()
 }
 
 fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// JSON with every non-ASCII character escaped, because the legacy client drops response
@@ -215,9 +222,20 @@ fn ascii_json(value: &serde_json::Value) -> String {
 fn is_plumbing(name: &str) -> bool {
     matches!(
         name,
-        "authorization" | "content-length" | "content-type" | "brokerproperties" | "host" | "user-agent"
-            | "accept" | "accept-encoding" | "connection" | "transfer-encoding" | "x-ms-version"
-            | "x-ms-client-request-id" | "traceparent" | "expect"
+        "authorization"
+            | "content-length"
+            | "content-type"
+            | "brokerproperties"
+            | "host"
+            | "user-agent"
+            | "accept"
+            | "accept-encoding"
+            | "connection"
+            | "transfer-encoding"
+            | "x-ms-version"
+            | "x-ms-client-request-id"
+            | "traceparent"
+            | "expect"
     )
 }
 
@@ -225,27 +243,45 @@ fn parse_entity(path: &str) -> Option<(String, Entity, Vec<String>)> {
     let segs: Vec<String> = path
         .split('/')
         .filter(|s| !s.is_empty())
-        .map(|s| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .map(|s| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
         .collect();
-    let messages = segs.iter().position(|s| s.eq_ignore_ascii_case("messages"))?;
+    let messages = segs
+        .iter()
+        .position(|s| s.eq_ignore_ascii_case("messages"))?;
     let entity = &segs[..messages];
     let rest = segs[messages + 1..].to_vec();
     match entity {
         [q] => Some((q.clone(), Entity::Main, rest)),
-        [q, dlq] if dlq.eq_ignore_ascii_case("$DeadLetterQueue") => Some((q.clone(), Entity::DeadLetter, rest)),
+        [q, dlq] if dlq.eq_ignore_ascii_case("$DeadLetterQueue") => {
+            Some((q.clone(), Entity::DeadLetter, rest))
+        }
         _ => None,
     }
 }
 
 fn authorise(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<(), Response> {
     let Some(token) = headers.get("authorization").and_then(|v| v.to_str().ok()) else {
-        return Err(error(StatusCode::UNAUTHORIZED, "40100", "Unauthorized: the request carries no Authorization header"));
+        return Err(error(
+            StatusCode::UNAUTHORIZED,
+            "40100",
+            "Unauthorized: the request carries no Authorization header",
+        ));
     };
     shared
         .key
         .verify(token, uri.path(), shared.broker.clock.now())
         .map(|_| ())
-        .map_err(|e| error(StatusCode::UNAUTHORIZED, "40100", format!("Unauthorized: {e}")))
+        .map_err(|e| {
+            error(
+                StatusCode::UNAUTHORIZED,
+                "40100",
+                format!("Unauthorized: {e}"),
+            )
+        })
 }
 
 async fn handle(
@@ -260,17 +296,32 @@ async fn handle(
         return r;
     }
     let Some((name, entity, rest)) = parse_entity(uri.path()) else {
-        return error(StatusCode::NOT_FOUND, "40400", format!("No such endpoint: {}", uri.path()));
+        return error(
+            StatusCode::NOT_FOUND,
+            "40400",
+            format!("No such endpoint: {}", uri.path()),
+        );
     };
     let Some(queue) = shared.broker.queue(&name) else {
-        return error(StatusCode::NOT_FOUND, "40400", format!("The messaging entity '{name}' could not be found."));
+        return error(
+            StatusCode::NOT_FOUND,
+            "40400",
+            format!("The messaging entity '{name}' could not be found."),
+        );
     };
     let now = shared.broker.clock.now();
-    let host = headers.get("host").and_then(|h| h.to_str().ok()).unwrap_or("localhost").to_string();
+    let host = headers
+        .get("host")
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost")
+        .to_string();
     let result = match (method.clone(), rest.as_slice()) {
         (Method::POST, []) if entity == Entity::Main => send(&queue, &headers, body, now),
         (Method::POST, [head]) if head.eq_ignore_ascii_case("head") => {
-            let wait = query.timeout.map(Duration::from_secs).unwrap_or(shared.default_receive_wait);
+            let wait = query
+                .timeout
+                .map(Duration::from_secs)
+                .unwrap_or(shared.default_receive_wait);
             return peek_lock(&shared, &queue, entity, wait, &host, &name).await;
         }
         (Method::DELETE, [head]) if head.eq_ignore_ascii_case("head") => {
@@ -280,10 +331,16 @@ async fn handle(
                 Err(e) => broker_error(e),
             };
         }
-        (Method::DELETE, [id, token]) => queue.complete(entity, id, token, now).map(|_| StatusCode::OK),
-        (Method::PUT, [id, token]) => queue.abandon(entity, id, token, now).map(|_| StatusCode::OK),
+        (Method::DELETE, [id, token]) => queue
+            .complete(entity, id, token, now)
+            .map(|_| StatusCode::OK),
+        (Method::PUT, [id, token]) => queue
+            .abandon(entity, id, token, now)
+            .map(|_| StatusCode::OK),
         (Method::POST, [id, token]) => queue.renew(entity, id, token, now).map(|_| StatusCode::OK),
-        _ => Err(BrokerError::NotAllowed("operation not supported on this entity")),
+        _ => Err(BrokerError::NotAllowed(
+            "operation not supported on this entity",
+        )),
     };
     match result {
         Ok(status) => status.into_response(),
@@ -300,14 +357,21 @@ fn broker_error(e: BrokerError) -> Response {
     }
 }
 
-fn send(queue: &Queue, headers: &HeaderMap, body: Bytes, now: SystemTime) -> Result<StatusCode, BrokerError> {
+fn send(
+    queue: &Queue,
+    headers: &HeaderMap,
+    body: Bytes,
+    now: SystemTime,
+) -> Result<StatusCode, BrokerError> {
     let props: SentBrokerProperties = match headers.get("brokerproperties") {
         Some(v) => serde_json::from_slice(v.as_bytes())
             .map_err(|_| BrokerError::NotAllowed("BrokerProperties is not valid JSON"))?,
         None => SentBrokerProperties::default(),
     };
     let scheduled = match props.scheduled_enqueue_time_utc.as_deref() {
-        Some(s) => Some(parse_http_date(s).ok_or(BrokerError::NotAllowed("ScheduledEnqueueTimeUtc is not an RFC 2822 date"))?),
+        Some(s) => Some(parse_http_date(s).ok_or(BrokerError::NotAllowed(
+            "ScheduledEnqueueTimeUtc is not an RFC 2822 date",
+        ))?),
         None => None,
     };
     let properties = headers
@@ -315,7 +379,11 @@ fn send(queue: &Queue, headers: &HeaderMap, body: Bytes, now: SystemTime) -> Res
         .filter(|(n, _)| !is_plumbing(n.as_str()))
         .map(|(n, v)| {
             let raw = String::from_utf8_lossy(v.as_bytes()).into_owned();
-            let value = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')).map(String::from).unwrap_or(raw);
+            let value = raw
+                .strip_prefix('"')
+                .and_then(|r| r.strip_suffix('"'))
+                .map(String::from)
+                .unwrap_or(raw);
             (n.as_str().to_string(), value)
         })
         .collect();
@@ -323,7 +391,10 @@ fn send(queue: &Queue, headers: &HeaderMap, body: Bytes, now: SystemTime) -> Res
         NewMessage {
             message_id: props.message_id,
             body: body.to_vec(),
-            content_type: headers.get("content-type").and_then(|v| v.to_str().ok()).map(String::from),
+            content_type: headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .map(String::from),
             correlation_id: props.correlation_id,
             label: props.label,
             time_to_live: props.time_to_live,
@@ -335,7 +406,14 @@ fn send(queue: &Queue, headers: &HeaderMap, body: Bytes, now: SystemTime) -> Res
     Ok(StatusCode::CREATED)
 }
 
-async fn peek_lock(shared: &Shared, queue: &Arc<Queue>, entity: Entity, wait: Duration, host: &str, name: &str) -> Response {
+async fn peek_lock(
+    shared: &Shared,
+    queue: &Arc<Queue>,
+    entity: Entity,
+    wait: Duration,
+    host: &str,
+    name: &str,
+) -> Response {
     let clock = &shared.broker.clock;
     let deadline = tokio::time::Instant::now() + wait;
     loop {
@@ -352,7 +430,12 @@ async fn peek_lock(shared: &Shared, queue: &Arc<Queue>, entity: Entity, wait: Du
                     "http://{host}/{entity_path}/messages/{}/{}",
                     locked.message.sequence_number, locked.lock_token
                 );
-                return message_response(StatusCode::CREATED, &locked.message, Some(&locked), Some(location));
+                return message_response(
+                    StatusCode::CREATED,
+                    &locked.message,
+                    Some(&locked),
+                    Some(location),
+                );
             }
             Ok(None) => {}
             Err(e) => return broker_error(e),
@@ -373,7 +456,12 @@ async fn peek_lock(shared: &Shared, queue: &Arc<Queue>, entity: Entity, wait: Du
     }
 }
 
-fn message_response(status: StatusCode, m: &StoredMessage, locked: Option<&Locked>, location: Option<String>) -> Response {
+fn message_response(
+    status: StatusCode,
+    m: &StoredMessage,
+    locked: Option<&Locked>,
+    location: Option<String>,
+) -> Response {
     let mut bp = serde_json::json!({
         "DeliveryCount": m.delivery_count,
         "EnqueuedSequenceNumber": m.sequence_number.min(i64::from(i32::MAX)),
@@ -388,8 +476,14 @@ fn message_response(status: StatusCode, m: &StoredMessage, locked: Option<&Locke
         obj.insert("LockToken".into(), l.lock_token.clone().into());
         obj.insert("LockedUntilUtc".into(), http_date(l.locked_until).into());
     } else {
-        obj.insert("LockToken".into(), "00000000-0000-0000-0000-000000000000".into());
-        obj.insert("LockedUntilUtc".into(), http_date(SystemTime::UNIX_EPOCH).into());
+        obj.insert(
+            "LockToken".into(),
+            "00000000-0000-0000-0000-000000000000".into(),
+        );
+        obj.insert(
+            "LockedUntilUtc".into(),
+            http_date(SystemTime::UNIX_EPOCH).into(),
+        );
     }
     if let Some(c) = &m.correlation_id {
         obj.insert("CorrelationId".into(), c.clone().into());
@@ -400,7 +494,10 @@ fn message_response(status: StatusCode, m: &StoredMessage, locked: Option<&Locke
     if m.scheduled {
         obj.insert(
             "ScheduledEnqueueTimeUtc".into(),
-            http_date(SystemTime::UNIX_EPOCH + Duration::from_millis(m.enqueued_at_ms.max(0) as u64)).into(),
+            http_date(
+                SystemTime::UNIX_EPOCH + Duration::from_millis(m.enqueued_at_ms.max(0) as u64),
+            )
+            .into(),
         );
     }
     let mut headers = HeaderMap::new();
@@ -410,11 +507,18 @@ fn message_response(status: StatusCode, m: &StoredMessage, locked: Option<&Locke
     if let Some(loc) = location.and_then(|l| HeaderValue::from_str(&l).ok()) {
         headers.insert("location", loc);
     }
-    if let Some(ct) = m.content_type.as_deref().and_then(|c| HeaderValue::from_str(c).ok()) {
+    if let Some(ct) = m
+        .content_type
+        .as_deref()
+        .and_then(|c| HeaderValue::from_str(c).ok())
+    {
         headers.insert("content-type", ct);
     }
     for (k, v) in &m.properties {
-        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(k.as_bytes()), HeaderValue::from_str(v)) {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
             if v.to_str().is_ok() {
                 headers.insert(n, v);
             }

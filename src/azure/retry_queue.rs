@@ -1,0 +1,528 @@
+//! The retry queue: hubguard's own view of Azure Service Bus, where retries wait as scheduled
+//! messages. [`RetryQueue`] is the trait the pipeline uses; [`ServiceBusRetryQueue`]
+//! implements it on `azure_messaging_servicebus` 0.21 (the only published crate; REST based,
+//! on the legacy `azure_core` 0.21) and turns what that crate hides into typed errors:
+//! its peek-lock answers `Ok` on 401/404/500 (`EMULATOR_NOTES.md` §8), its scheduled times are
+//! truncated to whole seconds, and it has no deadlines. Every call here has one.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use azure_core_legacy::headers::Headers;
+use azure_core_legacy::{HttpClient, Request, Response};
+use azure_messaging_servicebus::service_bus::{
+    PeekLockResponse, QueueClient, SendMessageOptions, SettableBrokerProperties,
+};
+
+use super::ConnectionString;
+
+/// Why a retry-queue call failed. Callers branch on it: [`Unavailable`](Self::Unavailable)
+/// and [`Timeout`](Self::Timeout) are transient, the rest need an operator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RetryQueueError {
+    /// The key was refused (401/403).
+    #[error("Service Bus refused the credentials (status {0})")]
+    Unauthorized(u16),
+    /// The queue does not exist (404/410).
+    #[error("Service Bus queue not found (status {0})")]
+    EntityNotFound(u16),
+    /// The lock was lost: it expired, or the message was settled already (404 on a lock).
+    #[error("the message lock was lost (expired or already settled)")]
+    LockLost,
+    /// Service Bus answered with another error status (5xx, 429, …).
+    #[error("Service Bus is unavailable (status {0})")]
+    Unavailable(u16),
+    /// The connection failed.
+    #[error("Service Bus could not be reached: {0}")]
+    Transport(String),
+    /// No answer within the deadline.
+    #[error("Service Bus did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The answer could not be understood.
+    #[error("Service Bus answered something unexpected: {0}")]
+    Protocol(String),
+}
+
+impl RetryQueueError {
+    /// Whether trying again later may succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Self::Unavailable(_) | Self::Transport(_) | Self::Timeout(_)
+        )
+    }
+}
+
+/// A message to schedule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutgoingMessage {
+    /// MessageId (Service Bus drops a repeat inside the duplicate-detection window).
+    pub message_id: String,
+    /// CorrelationId.
+    pub correlation_id: Option<String>,
+    /// Label (subject).
+    pub label: Option<String>,
+    /// Body text (binary payloads are the caller's to encode).
+    pub body: String,
+    /// Content type of the body.
+    pub content_type: Option<String>,
+    /// When the message becomes visible (a time in the past: at once). Rounded *up* to a
+    /// whole second, because the protocol carries whole seconds: a retry never comes due early.
+    pub due: SystemTime,
+    /// Time to live.
+    pub time_to_live: Option<Duration>,
+    /// Custom properties (names are lower-cased on the wire; values ASCII).
+    pub properties: Vec<(String, String)>,
+}
+
+/// A received, locked message.
+pub struct ReceivedMessage {
+    /// MessageId.
+    pub message_id: String,
+    /// CorrelationId.
+    pub correlation_id: Option<String>,
+    /// Label.
+    pub label: Option<String>,
+    /// Body text.
+    pub body: String,
+    /// Deliveries so far, this one included.
+    pub delivery_count: u32,
+    /// Sequence number in the queue.
+    pub sequence_number: i64,
+    /// When it was enqueued (for a scheduled message: its scheduled time).
+    pub enqueued_at: Option<SystemTime>,
+    /// Until when the lock holds.
+    pub locked_until: SystemTime,
+    /// Custom properties (lower-cased names).
+    pub properties: HashMap<String, String>,
+    lock: Box<dyn MessageLock>,
+}
+
+impl fmt::Debug for ReceivedMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReceivedMessage")
+            .field("message_id", &self.message_id)
+            .field("sequence_number", &self.sequence_number)
+            .field("delivery_count", &self.delivery_count)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settles a received message.
+#[async_trait]
+pub trait MessageLock: Send + Sync {
+    /// Removes the message.
+    async fn complete(&self) -> Result<(), RetryQueueError>;
+    /// Releases the lock; the message is delivered again (or dead-lettered at the limit).
+    async fn abandon(&self) -> Result<(), RetryQueueError>;
+    /// Extends the lock; returns the new expiry.
+    async fn renew(&self) -> Result<SystemTime, RetryQueueError>;
+}
+
+impl ReceivedMessage {
+    /// Builds a received message (for [`RetryQueue`] implementations).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        message_id: String,
+        correlation_id: Option<String>,
+        label: Option<String>,
+        body: String,
+        delivery_count: u32,
+        sequence_number: i64,
+        enqueued_at: Option<SystemTime>,
+        locked_until: SystemTime,
+        properties: HashMap<String, String>,
+        lock: Box<dyn MessageLock>,
+    ) -> Self {
+        Self {
+            message_id,
+            correlation_id,
+            label,
+            body,
+            delivery_count,
+            sequence_number,
+            enqueued_at,
+            locked_until,
+            properties,
+            lock,
+        }
+    }
+
+    /// Removes the message from the queue.
+    pub async fn complete(&self) -> Result<(), RetryQueueError> {
+        self.lock.complete().await
+    }
+
+    /// Releases the lock so Service Bus delivers the message again.
+    pub async fn abandon(&self) -> Result<(), RetryQueueError> {
+        self.lock.abandon().await
+    }
+
+    /// Extends the lock; updates [`locked_until`](Self::locked_until).
+    pub async fn renew(&mut self) -> Result<(), RetryQueueError> {
+        self.locked_until = self.lock.renew().await?;
+        Ok(())
+    }
+}
+
+/// The retry queue the pipeline uses.
+#[async_trait]
+pub trait RetryQueue: Send + Sync {
+    /// Schedules `message` for its due time. `Ok` means Service Bus accepted it durably.
+    async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError>;
+    /// Waits up to `wait` for a visible message and locks it.
+    async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError>;
+}
+
+/// An `HttpClient` for the legacy crate that sends every request (and every lock `Location`)
+/// to a fixed endpoint, e.g. the local emulator, instead of `https://{ns}.servicebus.windows.net`.
+#[derive(Debug)]
+pub struct RedirectingHttpClient {
+    scheme: String,
+    host: String,
+    port: Option<u16>,
+    inner: Arc<dyn HttpClient>,
+}
+
+impl RedirectingHttpClient {
+    /// Sends to `scheme://host[:port]`.
+    pub fn new(scheme: &str, host: &str, port: Option<u16>) -> Self {
+        Self {
+            scheme: scheme.into(),
+            host: host.into(),
+            port,
+            inner: azure_core_legacy::new_http_client(),
+        }
+    }
+}
+
+#[async_trait]
+impl HttpClient for RedirectingHttpClient {
+    async fn execute_request(&self, request: &Request) -> azure_core_legacy::Result<Response> {
+        let mut req = request.clone();
+        let url = req.url_mut();
+        let invalid = |what: &str| {
+            azure_core_legacy::Error::message(
+                azure_core_legacy::error::ErrorKind::Other,
+                format!("cannot redirect the request: bad {what}"),
+            )
+        };
+        url.set_scheme(&self.scheme)
+            .map_err(|_| invalid("scheme"))?;
+        url.set_host(Some(&self.host))
+            .map_err(|_| invalid("host"))?;
+        url.set_port(self.port).map_err(|_| invalid("port"))?;
+        self.inner.execute_request(&req).await
+    }
+}
+
+/// Options of [`ServiceBusRetryQueue`].
+#[derive(Debug, Clone)]
+pub struct ServiceBusOptions {
+    /// Deadline of every call (a peek-lock gets its wait on top).
+    pub deadline: Duration,
+}
+
+impl Default for ServiceBusOptions {
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// [`RetryQueue`] on a Service Bus queue.
+pub struct ServiceBusRetryQueue {
+    client: QueueClient,
+    queue: String,
+    options: ServiceBusOptions,
+}
+
+impl fmt::Debug for ServiceBusRetryQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServiceBusRetryQueue")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServiceBusRetryQueue {
+    /// A retry queue on `queue` of the namespace in `connection`. With
+    /// `UseDevelopmentEmulator=true` requests go over plain HTTP to the endpoint's host and
+    /// port; otherwise to `https://{namespace}.servicebus.windows.net`.
+    pub fn new(
+        connection: &ConnectionString,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let (namespace, http): (String, Arc<dyn HttpClient>) =
+            if connection.use_development_emulator {
+                (
+                    "emulator".into(),
+                    Arc::new(RedirectingHttpClient::new(
+                        "http",
+                        &connection.host,
+                        connection.port,
+                    )),
+                )
+            } else {
+                let ns = connection
+                    .host
+                    .strip_suffix(".servicebus.windows.net")
+                    .ok_or_else(|| {
+                        RetryQueueError::Protocol(format!(
+                            "{} is not a *.servicebus.windows.net namespace",
+                            connection.host
+                        ))
+                    })?;
+                (ns.to_string(), azure_core_legacy::new_http_client())
+            };
+        let client = QueueClient::new(
+            http,
+            namespace,
+            queue,
+            connection.key.name(),
+            connection.key.secret().to_string(),
+        )
+        .map_err(|e| RetryQueueError::Protocol(e.to_string()))?;
+        Ok(Self {
+            client,
+            queue: queue.into(),
+            options,
+        })
+    }
+
+    async fn deadline<T>(
+        &self,
+        extra: Duration,
+        f: impl std::future::Future<Output = Result<T, RetryQueueError>>,
+    ) -> Result<T, RetryQueueError> {
+        let limit = self.options.deadline + extra;
+        tokio::time::timeout(limit, f)
+            .await
+            .unwrap_or(Err(RetryQueueError::Timeout(limit)))
+    }
+}
+
+fn status_error(status: u16) -> RetryQueueError {
+    match status {
+        401 | 403 => RetryQueueError::Unauthorized(status),
+        404 | 410 => RetryQueueError::EntityNotFound(status),
+        _ => RetryQueueError::Unavailable(status),
+    }
+}
+
+fn classify(e: &azure_core_legacy::Error) -> RetryQueueError {
+    match e.kind() {
+        azure_core_legacy::error::ErrorKind::HttpResponse { status, .. } => {
+            status_error(u16::from(*status))
+        }
+        azure_core_legacy::error::ErrorKind::Io => RetryQueueError::Transport(e.to_string()),
+        _ => {
+            // Connection failures surface as wrapped reqwest errors.
+            RetryQueueError::Transport(e.to_string())
+        }
+    }
+}
+
+fn lock_error(e: &azure_core_legacy::Error) -> RetryQueueError {
+    match classify(e) {
+        RetryQueueError::EntityNotFound(_) => RetryQueueError::LockLost,
+        other => other,
+    }
+}
+
+/// Rounds up to the next whole second (the wire format has no fractions).
+fn ceil_to_second(t: SystemTime) -> SystemTime {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = if d.subsec_nanos() > 0 {
+        d.as_secs() + 1
+    } else {
+        d.as_secs()
+    };
+    UNIX_EPOCH + Duration::from_secs(secs)
+}
+
+/// Every response header, kept for parsing the raw `brokerproperties` and custom properties.
+struct RawHeaders(Vec<(String, String)>);
+
+impl TryFrom<Headers> for RawHeaders {
+    type Error = std::convert::Infallible;
+    fn try_from(h: Headers) -> Result<Self, Self::Error> {
+        Ok(Self(
+            h.iter()
+                .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
+                .collect(),
+        ))
+    }
+}
+
+/// The fields of `BrokerProperties` the legacy crate does not expose.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ExtraBrokerProperties {
+    correlation_id: Option<String>,
+    label: Option<String>,
+}
+
+const PLUMBING: &[&str] = &[
+    "brokerproperties",
+    "location",
+    "content-type",
+    "content-length",
+    "date",
+    "server",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "strict-transport-security",
+    "deadletterreason",
+    "deadlettererrordescription",
+];
+
+struct ServiceBusLock {
+    response: PeekLockResponse,
+    lock_duration_hint: Duration,
+    deadline: Duration,
+}
+
+#[async_trait]
+impl MessageLock for ServiceBusLock {
+    async fn complete(&self) -> Result<(), RetryQueueError> {
+        match tokio::time::timeout(self.deadline, self.response.delete_message()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    async fn abandon(&self) -> Result<(), RetryQueueError> {
+        match tokio::time::timeout(self.deadline, self.response.unlock_message()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            Ok(Ok(())) => Ok(()),
+        }
+    }
+
+    async fn renew(&self) -> Result<SystemTime, RetryQueueError> {
+        let started = SystemTime::now();
+        match tokio::time::timeout(self.deadline, self.response.renew_message_lock()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            // The crate does not return the new expiry: count from before the request.
+            Ok(Ok(())) => Ok(started + self.lock_duration_hint),
+        }
+    }
+}
+
+#[async_trait]
+impl RetryQueue for ServiceBusRetryQueue {
+    async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError> {
+        // A due time in the past means "now": send unscheduled rather than rounding it up.
+        let scheduled = (message.due > SystemTime::now())
+            .then(|| time::OffsetDateTime::from(ceil_to_second(message.due)));
+        let options = SendMessageOptions {
+            content_type: message.content_type,
+            broker_properties: Some(SettableBrokerProperties {
+                message_id: Some(message.message_id),
+                correlation_id: message.correlation_id,
+                label: message.label,
+                time_to_live: message.time_to_live,
+                scheduled_enqueue_time_utc: scheduled,
+                ..Default::default()
+            }),
+            custom_properties: (!message.properties.is_empty())
+                .then(|| message.properties.into_iter().collect()),
+        };
+        self.deadline(Duration::ZERO, async {
+            self.client
+                .send_message(&message.body, Some(options))
+                .await
+                .map_err(|e| classify(&e))
+        })
+        .await
+    }
+
+    async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        let deadline = self.options.deadline;
+        self.deadline(wait, async {
+            // The protocol's timeout is in whole seconds; round up so short waits still wait.
+            let secs = Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0));
+            let response = self
+                .client
+                .peek_lock_message2(Some(secs))
+                .await
+                .map_err(|e| classify(&e))?;
+            let status = u16::from(*response.status());
+            match status {
+                204 => return Ok(None),
+                200 | 201 => {}
+                other => return Err(status_error(other)),
+            }
+            let bp = response.broker_properties().ok_or_else(|| {
+                RetryQueueError::Protocol("a locked message without BrokerProperties".into())
+            })?;
+            let RawHeaders(headers) = response
+                .custom_properties::<RawHeaders>()
+                .unwrap_or(RawHeaders(Vec::new()));
+            let extra: ExtraBrokerProperties = headers
+                .iter()
+                .find(|(k, _)| k == "brokerproperties")
+                .and_then(|(_, v)| serde_json::from_str(v).ok())
+                .unwrap_or_default();
+            let properties = headers
+                .into_iter()
+                .filter(|(k, _)| !PLUMBING.contains(&k.as_str()))
+                .collect();
+            let locked_until = SystemTime::from(bp.locked_until_utc);
+            let lock_duration_hint = locked_until
+                .duration_since(SystemTime::now())
+                .unwrap_or(Duration::from_secs(30));
+            Ok(Some(ReceivedMessage {
+                message_id: bp.message_id.clone(),
+                correlation_id: extra.correlation_id,
+                label: extra.label,
+                body: response.body(),
+                delivery_count: u32::try_from(bp.delivery_count).unwrap_or(0),
+                sequence_number: bp.sequence_number,
+                enqueued_at: bp.enqueued_time_utc.map(SystemTime::from),
+                locked_until,
+                properties,
+                lock: Box::new(ServiceBusLock {
+                    response,
+                    lock_duration_hint,
+                    deadline,
+                }),
+            }))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn due_times_round_up_never_down() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_700_000_000_001);
+        assert_eq!(
+            ceil_to_second(t),
+            UNIX_EPOCH + Duration::from_secs(1_700_000_001)
+        );
+        let whole = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        assert_eq!(ceil_to_second(whole), whole);
+    }
+
+    #[test]
+    fn statuses_map_to_typed_errors() {
+        assert_eq!(status_error(401), RetryQueueError::Unauthorized(401));
+        assert_eq!(status_error(410), RetryQueueError::EntityNotFound(410));
+        assert!(status_error(503).is_transient());
+        assert!(!RetryQueueError::Unauthorized(401).is_transient());
+    }
+}

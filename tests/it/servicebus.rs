@@ -1,0 +1,337 @@
+//! The Service Bus emulator through hubguard's retry queue, which drives the real
+//! `azure_messaging_servicebus` 0.21 crate over HTTP. The emulator's clock is advanced
+//! instead of sleeping for due times, lock expiry and duplicate windows.
+
+use std::time::{Duration, SystemTime};
+
+use hubguard::azure::retry_queue::ServiceBusOptions;
+use hubguard::azure::{
+    ConnectionString, OutgoingMessage, RetryQueue, RetryQueueError, ServiceBusRetryQueue,
+};
+use hubguard::emulator::servicebus::{QueueSpec, ServiceBusConfig, ServiceBusEmulator};
+
+use crate::common::within;
+
+async fn emulator_with(
+    queues: Vec<QueueSpec>,
+    data_dir: Option<std::path::PathBuf>,
+) -> ServiceBusEmulator {
+    ServiceBusEmulator::start(ServiceBusConfig {
+        queues,
+        data_dir,
+        ..Default::default()
+    })
+    .await
+    .expect("service bus emulator starts")
+}
+
+fn queue_client(emu: &ServiceBusEmulator, queue: &str) -> ServiceBusRetryQueue {
+    let cs: ConnectionString = emu.connection_string().parse().unwrap();
+    ServiceBusRetryQueue::new(
+        &cs,
+        queue,
+        ServiceBusOptions {
+            deadline: Duration::from_secs(5),
+        },
+    )
+    .unwrap()
+}
+
+fn message(id: &str, due: SystemTime) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: id.into(),
+        correlation_id: Some(format!("corr-{id}")),
+        label: Some("order.created".into()),
+        body: format!("{{\"id\":\"{id}\",\"text\":\"grüße\"}}"),
+        content_type: Some("application/json".into()),
+        due,
+        time_to_live: None,
+        properties: vec![
+            ("attempt".into(), "2".into()),
+            ("idempotency-key".into(), id.into()),
+        ],
+    }
+}
+
+#[tokio::test]
+async fn scheduled_message_is_invisible_before_due_and_delivered_after() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let due = SystemTime::now() + Duration::from_secs(30);
+    within("schedule", q.schedule(message("m1", due)))
+        .await
+        .unwrap();
+    assert_eq!(emu.counters("retries").unwrap().scheduled, 1);
+    assert!(within("receive before due", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+
+    emu.clock().advance(Duration::from_secs(31));
+    let m = within("receive after due", q.receive(Duration::from_secs(2)))
+        .await
+        .unwrap()
+        .expect("due message");
+    assert_eq!(m.message_id, "m1");
+    assert_eq!(m.correlation_id.as_deref(), Some("corr-m1"));
+    assert_eq!(m.label.as_deref(), Some("order.created"));
+    assert_eq!(m.body, "{\"id\":\"m1\",\"text\":\"grüße\"}");
+    assert_eq!(m.delivery_count, 1);
+    assert_eq!(m.properties.get("attempt").map(String::as_str), Some("2"));
+    assert_eq!(
+        m.properties.get("idempotency-key").map(String::as_str),
+        Some("m1")
+    );
+    let enqueued = m.enqueued_at.expect("enqueued time");
+    assert!(
+        enqueued >= due - Duration::from_millis(1),
+        "never delivered before its due time"
+    );
+    assert!(
+        enqueued <= due + Duration::from_secs(1),
+        "scheduled time kept to the second"
+    );
+    within("complete", m.complete()).await.unwrap();
+    let c = emu.counters("retries").unwrap();
+    assert_eq!((c.active, c.scheduled, c.locked, c.completes), (0, 0, 0, 1));
+}
+
+#[tokio::test]
+async fn a_long_poll_wakes_for_a_message_that_comes_due() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let due = SystemTime::now() + Duration::from_millis(1500);
+    within("schedule", q.schedule(message("soon", due)))
+        .await
+        .unwrap();
+    let m = within("long poll", q.receive(Duration::from_secs(10)))
+        .await
+        .unwrap()
+        .expect("arrives while polling");
+    assert!(
+        SystemTime::now() >= due,
+        "not before its (rounded-up) due time"
+    );
+    within("complete", m.complete()).await.unwrap();
+}
+
+#[tokio::test]
+async fn duplicate_message_ids_are_dropped_inside_the_window_only() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let now = SystemTime::now();
+    within("first", q.schedule(message("dup", now)))
+        .await
+        .unwrap();
+    within("duplicate", q.schedule(message("dup", now)))
+        .await
+        .unwrap();
+    let c = emu.counters("retries").unwrap();
+    assert_eq!((c.sends, c.duplicates_dropped, c.active), (2, 1, 1));
+    emu.clock().advance(Duration::from_secs(601));
+    within("after the window", q.schedule(message("dup", now)))
+        .await
+        .unwrap();
+    assert_eq!(emu.counters("retries").unwrap().active, 2);
+}
+
+#[tokio::test]
+async fn peek_lock_complete_abandon_renew_expiry_and_dead_lettering() {
+    let mut spec = QueueSpec::new("retries");
+    spec.max_delivery_count = 3;
+    let emu = emulator_with(vec![spec], None).await;
+    let q = queue_client(&emu, "retries");
+    let now = SystemTime::now();
+    within("send", q.schedule(message("a", now))).await.unwrap();
+
+    // Abandon: delivered again with a higher delivery count.
+    let m1 = within("lock 1", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(within("locked: nothing else", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+    within("abandon", m1.abandon()).await.unwrap();
+    let mut m2 = within("lock 2", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m2.delivery_count, 2);
+    // The first lock is stale now.
+    assert_eq!(
+        within("stale complete", m1.complete()).await,
+        Err(RetryQueueError::LockLost)
+    );
+    within("renew", m2.renew()).await.unwrap();
+
+    // Lock expiry makes it visible again; the expired lock cannot complete.
+    emu.clock().advance(Duration::from_secs(61));
+    let m3 = within("lock 3", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m3.delivery_count, 3);
+    assert_eq!(
+        within("expired complete", m2.complete()).await,
+        Err(RetryQueueError::LockLost)
+    );
+
+    // The third delivery was the last: abandoning dead-letters it with a reason.
+    within("abandon at max", m3.abandon()).await.unwrap();
+    assert!(within("gone", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+    let c = emu.counters("retries").unwrap();
+    assert_eq!((c.dead_lettered, c.abandons), (1, 2));
+    let dlq = queue_client(&emu, "retries/$DeadLetterQueue");
+    let d = within("dead letter", dlq.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .expect("dead-lettered message");
+    assert_eq!(d.message_id, "a");
+    assert_eq!(d.properties.get("attempt").map(String::as_str), Some("2"));
+    within("complete dead letter", d.complete()).await.unwrap();
+    assert_eq!(emu.counters("retries").unwrap().dead_lettered, 0);
+}
+
+#[tokio::test]
+async fn wrong_key_and_unknown_queue_are_typed_errors() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let mut cs: ConnectionString = emu.connection_string().parse().unwrap();
+    cs.key = hubguard::azure::SasKey::new(cs.key.name(), "wrong-key");
+    let bad = ServiceBusRetryQueue::new(&cs, "retries", ServiceBusOptions::default()).unwrap();
+    let e = within("send", bad.schedule(message("x", SystemTime::now())))
+        .await
+        .unwrap_err();
+    assert_eq!(e, RetryQueueError::Unauthorized(401));
+    assert!(!e.to_string().contains("wrong-key"));
+    assert_eq!(
+        within("receive", bad.receive(Duration::ZERO))
+            .await
+            .unwrap_err(),
+        RetryQueueError::Unauthorized(401)
+    );
+    assert_eq!(emu.counters("retries").unwrap().sends, 0);
+
+    let missing = queue_client(&emu, "nope");
+    assert_eq!(
+        within("send", missing.schedule(message("x", SystemTime::now())))
+            .await
+            .unwrap_err(),
+        RetryQueueError::EntityNotFound(404)
+    );
+    assert_eq!(
+        within("receive", missing.receive(Duration::ZERO))
+            .await
+            .unwrap_err(),
+        RetryQueueError::EntityNotFound(404)
+    );
+}
+
+#[tokio::test]
+async fn every_fault_kind_surfaces_as_the_right_error() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let now = SystemTime::now();
+
+    emu.faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    assert_eq!(
+        within("503", q.schedule(message("a", now)))
+            .await
+            .unwrap_err(),
+        RetryQueueError::Unavailable(503)
+    );
+    assert_eq!(
+        within("503 receive", q.receive(Duration::ZERO))
+            .await
+            .unwrap_err(),
+        RetryQueueError::Unavailable(503)
+    );
+    emu.faults().clear();
+
+    emu.faults()
+        .refuse_connections_for(Duration::from_secs(3600));
+    emu.faults().drop_connections(); // close the pooled keep-alive connections too
+    let e = within("refused", q.schedule(message("b", now)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RetryQueueError::Transport(_)), "{e:?}");
+    assert!(e.is_transient());
+    emu.faults().clear();
+
+    let slow = ServiceBusRetryQueue::new(
+        &emu.connection_string().parse().unwrap(),
+        "retries",
+        ServiceBusOptions {
+            deadline: Duration::from_millis(300),
+        },
+    )
+    .unwrap();
+    emu.faults().set_delay(Duration::from_secs(5));
+    assert_eq!(
+        within("slow", slow.schedule(message("c", now)))
+            .await
+            .unwrap_err(),
+        RetryQueueError::Timeout(Duration::from_millis(300))
+    );
+    emu.faults().clear();
+
+    // After the faults, everything works and nothing was half-accepted.
+    within("healthy", q.schedule(message("d", now)))
+        .await
+        .unwrap();
+    let ids: Vec<String> = emu
+        .queue("retries")
+        .unwrap()
+        .messages(hubguard::emulator::servicebus::broker::Entity::Main)
+        .into_iter()
+        .map(|m| m.message_id)
+        .collect();
+    assert!(ids.contains(&"d".to_string()));
+    assert!(!ids.contains(&"a".to_string()) && !ids.contains(&"b".to_string()));
+}
+
+#[tokio::test]
+async fn restart_on_the_same_data_dir_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let emu = emulator_with(
+        vec![QueueSpec::new("retries")],
+        Some(dir.path().to_path_buf()),
+    )
+    .await;
+    let q = queue_client(&emu, "retries");
+    let later = SystemTime::now() + Duration::from_secs(3600);
+    for i in 0..5 {
+        within("schedule", q.schedule(message(&format!("r{i}"), later)))
+            .await
+            .unwrap();
+    }
+    within("send now", q.schedule(message("now", SystemTime::now())))
+        .await
+        .unwrap();
+    emu.shutdown().await;
+
+    let emu = emulator_with(
+        vec![QueueSpec::new("retries")],
+        Some(dir.path().to_path_buf()),
+    )
+    .await;
+    let c = emu.counters("retries").unwrap();
+    assert_eq!((c.scheduled, c.active), (5, 1));
+    let q = queue_client(&emu, "retries");
+    // Duplicate detection survives too.
+    within("duplicate after restart", q.schedule(message("r0", later)))
+        .await
+        .unwrap();
+    assert_eq!(emu.counters("retries").unwrap().scheduled, 5);
+    let m = within("receive", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.message_id, "now");
+    within("complete", m.complete()).await.unwrap();
+}
