@@ -5,10 +5,13 @@
 //!   selector filters and owner-level arbitration, partitioned and batched send).
 //! - [`servicebus`]: Service Bus over its REST API (scheduled messages, duplicate detection,
 //!   peek-lock, delivery counts, dead-lettering).
+//! - [`blob`]: Blob storage over its REST API (the subset checkpoints, ownership and the
+//!   ledger use: conditional writes, metadata, listing, ranged reads).
 //! - [`faults`]: fault injection (refuse, delay, drop connections, error status).
 //! - [`clock`]: the emulators' clock, which tests advance instead of sleeping.
 //! - [`http`]: the serve loop and fault plumbing the REST emulators share.
 
+pub mod blob;
 pub mod clock;
 pub mod eventhubs;
 pub mod faults;

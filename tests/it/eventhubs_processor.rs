@@ -121,11 +121,16 @@ async fn stop(
 
 #[tokio::test]
 async fn processor_claims_every_partition_and_resumes_from_checkpoints() {
+    claim_and_resume(Arc::new(InMemoryCheckpointStore::new())).await;
+}
+
+/// A processor claims every partition, reads and checkpoints; a second run with the same
+/// owner id resumes right after the checkpoints. Used with every checkpoint store.
+pub(crate) async fn claim_and_resume(store: Arc<dyn CheckpointStore + Send + Sync>) {
     let emu = emulator(&[("hub", 4)]).await;
     let cs = conn(&emu);
     let prod = producer(&cs, "hub").await;
     fill(&prod, 4, 10, "a").await;
-    let store: Arc<dyn CheckpointStore + Send + Sync> = Arc::new(InMemoryCheckpointStore::new());
 
     LocalSet::new()
         .run_until(async {

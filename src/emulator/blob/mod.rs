@@ -1,0 +1,555 @@
+//! Blob storage emulator: the REST subset the official `BlobCheckpointStore` and hubguard's
+//! record store (ledger, breaker) use, path-style `/{account}/{container}/{blob}`, behaving as
+//! the service documents each operation (`EMULATOR_NOTES.md` §3, §7, §9.9):
+//!
+//! - containers: create (201/409), properties (200/404), delete (202), list blobs
+//!   (`prefix`, `marker`, `maxresults`, `include=metadata`);
+//! - blobs: Put Blob (201), Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
+//!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202);
+//! - `If-Match` → 412 `ConditionNotMet`, `If-None-Match: *` → 409 `BlobAlreadyExists` on
+//!   Put Blob (412 elsewhere), 404 `BlobNotFound`/`ContainerNotFound`, with `x-ms-error-code`
+//!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write.
+//!
+//! Anonymous requests are accepted, and so is a SAS in the query string.
+
+pub mod store;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use self::store::{Blob, BlobError, BlobStore, Conditions};
+use crate::emulator::clock::{http_date, Clock};
+use crate::emulator::Faults;
+
+/// The storage account name the emulator serves (Azurite's well-known development account).
+pub const DEFAULT_ACCOUNT: &str = "devstoreaccount1";
+/// The container created by default.
+pub const DEFAULT_CONTAINER: &str = "hubguard";
+/// The API version the emulator reports.
+const VERSION: &str = "2026-04-06";
+
+/// How to run the blob emulator.
+#[derive(Debug, Clone)]
+pub struct BlobConfig {
+    /// Address to listen on; port 0 picks a free one.
+    pub listen: SocketAddr,
+    /// The account name in request paths.
+    pub account: String,
+    /// Containers created at start (if absent).
+    pub containers: Vec<String>,
+    /// Where to keep blobs; `None` keeps them in memory.
+    pub data_dir: Option<PathBuf>,
+}
+
+impl Default for BlobConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            account: DEFAULT_ACCOUNT.into(),
+            containers: vec![DEFAULT_CONTAINER.into()],
+            data_dir: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    account: String,
+    store: BlobStore,
+    clock: Arc<Clock>,
+}
+
+/// A running blob emulator. Dropping it stops it.
+#[derive(Debug)]
+pub struct BlobEmulator {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    faults: Arc<Faults>,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl BlobEmulator {
+    /// Opens the store and starts listening.
+    pub async fn start(config: BlobConfig) -> io::Result<Self> {
+        let clock = Arc::new(Clock::default());
+        let store = BlobStore::open(&config.containers, config.data_dir.as_deref(), clock.now())?;
+        let shared = Arc::new(Shared {
+            account: config.account,
+            store,
+            clock,
+        });
+        let shutdown = CancellationToken::new();
+        let faults = Arc::new(Faults::new(shutdown.clone()));
+        let router = Router::new().fallback(handle).with_state(shared.clone());
+        let (addr, task) =
+            super::http::serve(config.listen, router, faults.clone(), shutdown.clone()).await?;
+        Ok(Self {
+            addr,
+            shared,
+            faults,
+            shutdown,
+            task: Some(task),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://HOST:PORT/{account}`: append `/{container}` for a container URL.
+    pub fn account_url(&self) -> String {
+        format!("http://{}/{}", self.addr, self.shared.account)
+    }
+
+    /// The URL of a container (no trailing slash, as the SDK needs).
+    pub fn container_url(&self, container: &str) -> String {
+        format!("{}/{container}", self.account_url())
+    }
+
+    /// The fault injection handle.
+    pub fn faults(&self) -> &Arc<Faults> {
+        &self.faults
+    }
+
+    /// The stored blobs, for inspection.
+    pub fn store(&self) -> &BlobStore {
+        &self.shared.store
+    }
+
+    /// Stops listening and drops every connection.
+    pub async fn shutdown(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for BlobEmulator {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn error_code(e: &BlobError) -> (StatusCode, &'static str) {
+    match e {
+        BlobError::ContainerNotFound => (StatusCode::NOT_FOUND, "ContainerNotFound"),
+        BlobError::BlobNotFound => (StatusCode::NOT_FOUND, "BlobNotFound"),
+        BlobError::ContainerAlreadyExists => (StatusCode::CONFLICT, "ContainerAlreadyExists"),
+        BlobError::BlobAlreadyExists => (StatusCode::CONFLICT, "BlobAlreadyExists"),
+        BlobError::ConditionNotMet => (StatusCode::PRECONDITION_FAILED, "ConditionNotMet"),
+        BlobError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
+    }
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&apos;")
+}
+
+fn common_headers(h: &mut HeaderMap, now: std::time::SystemTime) {
+    h.insert("x-ms-version", HeaderValue::from_static(VERSION));
+    if let Ok(v) = HeaderValue::from_str(&uuid::Uuid::new_v4().to_string()) {
+        h.insert("x-ms-request-id", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&http_date(now)) {
+        h.insert("date", v);
+    }
+}
+
+fn error_response(
+    code: StatusCode,
+    name: &str,
+    message: &str,
+    head: bool,
+    now: std::time::SystemTime,
+) -> Response {
+    let mut h = HeaderMap::new();
+    common_headers(&mut h, now);
+    if let Ok(v) = HeaderValue::from_str(name) {
+        h.insert("x-ms-error-code", v);
+    }
+    if head {
+        return (code, h).into_response();
+    }
+    h.insert("content-type", HeaderValue::from_static("application/xml"));
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"utf-8\"?><Error><Code>{name}</Code><Message>{}</Message></Error>",
+        xml_escape(message)
+    );
+    (code, h, body).into_response()
+}
+
+fn blob_error(e: BlobError, head: bool, now: std::time::SystemTime) -> Response {
+    let (status, name) = error_code(&e);
+    error_response(status, name, &e.to_string(), head, now)
+}
+
+fn query_map(uri: &Uri) -> BTreeMap<String, String> {
+    uri.query()
+        .map(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .map(|(k, v)| (k.to_ascii_lowercase(), v.into_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn conditions(h: &HeaderMap) -> Conditions {
+    let get = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).map(String::from);
+    Conditions {
+        if_match: get("if-match"),
+        if_none_match: get("if-none-match"),
+    }
+}
+
+fn metadata(h: &HeaderMap) -> BTreeMap<String, String> {
+    h.iter()
+        .filter_map(|(k, v)| {
+            k.as_str().strip_prefix("x-ms-meta-").map(|name| {
+                (
+                    name.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+        })
+        .collect()
+}
+
+fn write_headers(h: &mut HeaderMap, etag: &str, last_modified: std::time::SystemTime) {
+    if let Ok(v) = HeaderValue::from_str(&format!("\"{etag}\"")) {
+        h.insert("etag", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&http_date(last_modified)) {
+        h.insert("last-modified", v);
+    }
+}
+
+fn blob_headers(h: &mut HeaderMap, b: &Blob) {
+    write_headers(h, &b.etag, b.last_modified);
+    if let Ok(v) = HeaderValue::from_str(&b.content_type) {
+        h.insert("content-type", v);
+    }
+    h.insert("x-ms-blob-type", HeaderValue::from_static("BlockBlob"));
+    h.insert("accept-ranges", HeaderValue::from_static("bytes"));
+    h.insert("x-ms-lease-state", HeaderValue::from_static("available"));
+    h.insert("x-ms-lease-status", HeaderValue::from_static("unlocked"));
+    h.insert("x-ms-server-encrypted", HeaderValue::from_static("true"));
+    if let Ok(v) = HeaderValue::from_str(&http_date(b.created)) {
+        h.insert("x-ms-creation-time", v);
+    }
+    for (k, v) in &b.metadata {
+        if let (Ok(name), Ok(value)) = (
+            axum::http::HeaderName::from_bytes(format!("x-ms-meta-{k}").as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            h.insert(name, value);
+        }
+    }
+}
+
+/// Parses `bytes=START-[END]` into an inclusive range clipped to `len`.
+fn parse_range(spec: &str, len: u64) -> Option<Result<(u64, u64), ()>> {
+    let r = spec.trim().strip_prefix("bytes=")?;
+    let (start, end) = r.split_once('-')?;
+    let start: u64 = start.trim().parse().ok()?;
+    let end: Option<u64> = match end.trim() {
+        "" => None,
+        e => Some(e.parse().ok()?),
+    };
+    if start >= len {
+        return Some(Err(()));
+    }
+    let end = end.unwrap_or(u64::MAX).min(len - 1);
+    if end < start {
+        return Some(Err(()));
+    }
+    Some(Ok((start, end)))
+}
+
+async fn handle(
+    State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let now = shared.clock.now();
+    let head = method == Method::HEAD;
+    let raw = uri.path().trim_start_matches('/');
+    let (account, rest) = raw.split_once('/').unwrap_or((raw, ""));
+    if account != shared.account {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "InvalidUri",
+            &format!("unknown account '{account}'"),
+            head,
+            now,
+        );
+    }
+    let (container, blob) = match rest.split_once('/') {
+        Some((c, b)) => (
+            c,
+            Some(
+                percent_encoding::percent_decode_str(b)
+                    .decode_utf8_lossy()
+                    .into_owned(),
+            ),
+        ),
+        None => (rest, None),
+    };
+    let container = percent_encoding::percent_decode_str(container)
+        .decode_utf8_lossy()
+        .into_owned();
+    let q = query_map(&uri);
+    let restype = q.get("restype").map(String::as_str);
+    let comp = q.get("comp").map(String::as_str);
+    let mut h = HeaderMap::new();
+    common_headers(&mut h, now);
+    let store = &shared.store;
+    let result: Result<Response, BlobError> = match (method.clone(), blob.as_deref(), restype, comp)
+    {
+        // Containers.
+        (Method::PUT, None, Some("container"), None) => {
+            store.create_container(&container, now).map(|c| {
+                write_headers(&mut h, &c.etag, c.last_modified);
+                (StatusCode::CREATED, h).into_response()
+            })
+        }
+        (Method::GET | Method::HEAD, None, Some("container"), None) => {
+            store.container(&container).map(|(etag, lm)| {
+                write_headers(&mut h, &etag, lm);
+                h.insert("x-ms-lease-state", HeaderValue::from_static("available"));
+                h.insert("x-ms-lease-status", HeaderValue::from_static("unlocked"));
+                h.insert(
+                    "x-ms-has-immutability-policy",
+                    HeaderValue::from_static("false"),
+                );
+                h.insert("x-ms-has-legal-hold", HeaderValue::from_static("false"));
+                (StatusCode::OK, h).into_response()
+            })
+        }
+        (Method::DELETE, None, Some("container"), None) => store
+            .delete_container(&container)
+            .map(|_| (StatusCode::ACCEPTED, h).into_response()),
+        (Method::GET, None, Some("container"), Some("list")) => list(&shared, &container, &q, h),
+        // Blobs.
+        (Method::PUT, Some(name), None, None) => {
+            let content_type = headers
+                .get("x-ms-blob-content-type")
+                .or_else(|| headers.get("content-type"))
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/octet-stream")
+                .to_string();
+            store
+                .put(
+                    &container,
+                    name,
+                    body,
+                    content_type,
+                    metadata(&headers),
+                    &conditions(&headers),
+                    now,
+                )
+                .map(|b| {
+                    write_headers(&mut h, &b.etag, b.last_modified);
+                    h.insert(
+                        "x-ms-request-server-encrypted",
+                        HeaderValue::from_static("true"),
+                    );
+                    (StatusCode::CREATED, h).into_response()
+                })
+        }
+        (Method::PUT, Some(name), None, Some("metadata")) => store
+            .set_metadata(
+                &container,
+                name,
+                metadata(&headers),
+                &conditions(&headers),
+                now,
+            )
+            .map(|b| {
+                write_headers(&mut h, &b.etag, b.last_modified);
+                h.insert(
+                    "x-ms-request-server-encrypted",
+                    HeaderValue::from_static("true"),
+                );
+                (StatusCode::OK, h).into_response()
+            }),
+        (Method::GET | Method::HEAD, Some(name), None, None) => store
+            .get(&container, name)
+            .and_then(|b| get_blob(&b, &headers, head, h, now)),
+        (Method::DELETE, Some(name), None, None) => store
+            .delete(&container, name, &conditions(&headers))
+            .map(|_| (StatusCode::ACCEPTED, h).into_response()),
+        _ => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "UnsupportedHttpVerb",
+                &format!("{method} {} is not supported by this emulator", uri.path()),
+                head,
+                now,
+            )
+        }
+    };
+    result.unwrap_or_else(|e| blob_error(e, head, now))
+}
+
+fn get_blob(
+    b: &Blob,
+    req: &HeaderMap,
+    head: bool,
+    mut h: HeaderMap,
+    now: std::time::SystemTime,
+) -> Result<Response, BlobError> {
+    let len = b.content.len() as u64;
+    blob_headers(&mut h, b);
+    let range = req
+        .get("x-ms-range")
+        .or_else(|| req.get("range"))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| parse_range(s, len));
+    match range {
+        Some(Err(())) => {
+            let mut r = error_response(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "InvalidRange",
+                "The range specified is invalid for the current size of the resource.",
+                head,
+                now,
+            );
+            if let Ok(v) = HeaderValue::from_str(&format!("bytes */{len}")) {
+                r.headers_mut().insert("content-range", v);
+            }
+            Ok(r)
+        }
+        Some(Ok((start, end))) => {
+            if let Ok(v) = HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")) {
+                h.insert("content-range", v);
+            }
+            h.insert("content-length", HeaderValue::from(end - start + 1));
+            let body = if head {
+                Bytes::new()
+            } else {
+                b.content.slice(start as usize..=end as usize)
+            };
+            Ok((StatusCode::PARTIAL_CONTENT, h, body).into_response())
+        }
+        None => {
+            h.insert("content-length", HeaderValue::from(len));
+            let body = if head {
+                Bytes::new()
+            } else {
+                b.content.clone()
+            };
+            Ok((StatusCode::OK, h, body).into_response())
+        }
+    }
+}
+
+fn list(
+    shared: &Shared,
+    container: &str,
+    q: &BTreeMap<String, String>,
+    mut h: HeaderMap,
+) -> Result<Response, BlobError> {
+    let prefix = q.get("prefix").map(String::as_str).unwrap_or("");
+    let marker = q
+        .get("marker")
+        .map(String::as_str)
+        .filter(|m| !m.is_empty());
+    let max: usize = q
+        .get("maxresults")
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(5000)
+        .clamp(1, 5000);
+    let with_metadata = q
+        .get("include")
+        .is_some_and(|i| i.split(',').any(|x| x.trim() == "metadata"));
+    let (page, next) = shared.store.list(container, prefix, marker, max)?;
+    let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?>");
+    xml.push_str(&format!(
+        "<EnumerationResults ServiceEndpoint=\"http://localhost/{}/\" ContainerName=\"{}\">",
+        xml_escape(&shared.account),
+        xml_escape(container)
+    ));
+    xml.push_str(&format!("<Prefix>{}</Prefix>", xml_escape(prefix)));
+    if let Some(m) = marker {
+        xml.push_str(&format!("<Marker>{}</Marker>", xml_escape(m)));
+    }
+    if q.contains_key("maxresults") {
+        xml.push_str(&format!("<MaxResults>{max}</MaxResults>"));
+    }
+    xml.push_str("<Blobs>");
+    for (name, b) in &page {
+        xml.push_str(&format!(
+            "<Blob><Name>{}</Name><Properties>",
+            xml_escape(name)
+        ));
+        xml.push_str(&format!(
+            "<Creation-Time>{}</Creation-Time>",
+            http_date(b.created)
+        ));
+        xml.push_str(&format!(
+            "<Last-Modified>{}</Last-Modified>",
+            http_date(b.last_modified)
+        ));
+        xml.push_str(&format!("<Etag>\"{}\"</Etag>", b.etag));
+        xml.push_str(&format!(
+            "<Content-Length>{}</Content-Length>",
+            b.content.len()
+        ));
+        xml.push_str(&format!(
+            "<Content-Type>{}</Content-Type>",
+            xml_escape(&b.content_type)
+        ));
+        xml.push_str("<BlobType>BlockBlob</BlobType><LeaseStatus>unlocked</LeaseStatus><LeaseState>available</LeaseState><ServerEncrypted>true</ServerEncrypted>");
+        xml.push_str("</Properties>");
+        if with_metadata {
+            xml.push_str("<Metadata>");
+            for (k, v) in &b.metadata {
+                xml.push_str(&format!("<{k}>{}</{k}>", xml_escape(v)));
+            }
+            xml.push_str("</Metadata>");
+        }
+        xml.push_str("</Blob>");
+    }
+    xml.push_str("</Blobs>");
+    match next {
+        Some(n) => xml.push_str(&format!("<NextMarker>{}</NextMarker>", xml_escape(&n))),
+        None => xml.push_str("<NextMarker />"),
+    }
+    xml.push_str("</EnumerationResults>");
+    h.insert("content-type", HeaderValue::from_static("application/xml"));
+    Ok((StatusCode::OK, h, xml).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_follow_rfc_7233() {
+        assert_eq!(parse_range("bytes=0-33554431", 10), Some(Ok((0, 9))));
+        assert_eq!(parse_range("bytes=2-4", 10), Some(Ok((2, 4))));
+        assert_eq!(parse_range("bytes=5-", 10), Some(Ok((5, 9))));
+        assert_eq!(parse_range("bytes=0-10", 0), Some(Err(())));
+        assert_eq!(parse_range("items=0-1", 10), None);
+    }
+}

@@ -1,0 +1,399 @@
+//! Blob-facing behaviour — hubguard's record store and the official `BlobCheckpointStore` —
+//! against our blob emulator and, when it is installed, against Azurite, Microsoft's own
+//! emulator: where the two disagree, Azurite is right. `.ci/run` installs Azurite and sets
+//! `HUBGUARD_REQUIRE_AZURITE=1`, so CI never skips it.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use azure_core::Bytes;
+use azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore;
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use hubguard::azure::{BlobRecordStore, RecordStore, StoreError};
+use hubguard::emulator::blob::{BlobConfig, BlobEmulator};
+use sha2::Sha256;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::common::within;
+
+/// Azurite's well-known development account key (public, development only).
+const AZURITE_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+const ACCOUNT: &str = "devstoreaccount1";
+
+/// Where blob tests run.
+pub(crate) enum Backend {
+    Ours(BlobEmulator),
+    Azurite {
+        port: u16,
+        _child: tokio::process::Child,
+    },
+}
+
+impl Backend {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Backend::Ours(_) => "hubguard blob emulator",
+            Backend::Azurite { .. } => "Azurite",
+        }
+    }
+
+    /// A URL for `container` that the SDK can use (with an account SAS for Azurite).
+    pub(crate) fn container_url(&self, container: &str) -> String {
+        match self {
+            Backend::Ours(e) => e.container_url(container),
+            Backend::Azurite { port, .. } => format!(
+                "http://127.0.0.1:{port}/{ACCOUNT}/{container}?{}",
+                account_sas()
+            ),
+        }
+    }
+}
+
+fn account_sas() -> String {
+    let (sv, sp, ss, srt, se) = ("2021-08-06", "rwdlac", "b", "sco", "2099-01-01T00:00:00Z");
+    let to_sign = format!("{ACCOUNT}\n{sp}\n{ss}\n{srt}\n\n{se}\n\n\n{sv}\n\n");
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(AZURITE_KEY)
+        .unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(to_sign.as_bytes());
+    let sig = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    url::form_urlencoded::Serializer::new(String::new())
+        .append_pair("sv", sv)
+        .append_pair("ss", ss)
+        .append_pair("srt", srt)
+        .append_pair("sp", sp)
+        .append_pair("se", se)
+        .append_pair("sig", &sig)
+        .finish()
+}
+
+fn azurite_binary() -> Option<String> {
+    if let Ok(p) = std::env::var("HUBGUARD_AZURITE_BLOB") {
+        return Some(p);
+    }
+    std::process::Command::new("azurite-blob")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| "azurite-blob".to_string())
+}
+
+async fn start_azurite(bin: &str) -> Backend {
+    let mut child = tokio::process::Command::new(bin)
+        .args([
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            "0",
+            "--inMemoryPersistence",
+            "--disableTelemetry",
+            "--skipApiVersionCheck",
+            "--loose",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("azurite-blob starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = within("azurite listening", async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(rest) = line.split("listens on http://127.0.0.1:").nth(1) {
+                return rest.trim().parse::<u16>().expect("port");
+            }
+        }
+        panic!("azurite exited before listening")
+    })
+    .await;
+    // Keep draining stdout so Azurite never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Backend::Azurite {
+        port,
+        _child: child,
+    }
+}
+
+/// Our emulator always; Azurite too when installed (required when `HUBGUARD_REQUIRE_AZURITE`).
+pub(crate) async fn backends() -> Vec<Backend> {
+    let ours = BlobEmulator::start(BlobConfig::default())
+        .await
+        .expect("blob emulator starts");
+    let mut v = vec![Backend::Ours(ours)];
+    match azurite_binary() {
+        Some(bin) => v.push(start_azurite(&bin).await),
+        None => {
+            assert!(
+                std::env::var("HUBGUARD_REQUIRE_AZURITE").is_err(),
+                "HUBGUARD_REQUIRE_AZURITE is set but azurite-blob was not found (set HUBGUARD_AZURITE_BLOB)"
+            );
+            eprintln!(
+                "note: Azurite not installed; blob tests ran against the hubguard emulator only"
+            );
+        }
+    }
+    v
+}
+
+/// Creates `container` on the backend and returns a record store on it.
+pub(crate) async fn record_store(b: &Backend, container: &str) -> BlobRecordStore {
+    let store =
+        BlobRecordStore::new(&b.container_url(container), None, Duration::from_secs(10)).unwrap();
+    match within("create container", store.container_client().create(None)).await {
+        Ok(_) => {}
+        Err(e) if e.http_status() == Some(azure_core::http::StatusCode::Conflict) => {}
+        Err(e) => panic!("{}: cannot create container: {e:?}", b.name()),
+    }
+    store
+}
+
+/// A plain SDK container client for the official checkpoint store.
+fn container_client(b: &Backend, container: &str) -> azure_storage_blob::BlobContainerClient {
+    azure_storage_blob::BlobContainerClient::new(
+        url::Url::parse(&b.container_url(container)).unwrap(),
+        None,
+        None,
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_store_compare_and_swap_on_every_backend() {
+    for b in backends().await {
+        let s = record_store(&b, "ledger").await;
+        let who = b.name();
+        let key = "ledger/hub/orders%2F42 é/record";
+        assert_eq!(
+            within("read missing", s.read(key)).await.unwrap(),
+            None,
+            "{who}"
+        );
+        let e1 = within(
+            "create",
+            s.create(key, Bytes::from_static(b"{\"attempt\":1}")),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            within("create again", s.create(key, Bytes::from_static(b"{}"))).await,
+            Err(StoreError::Conflict),
+            "{who}"
+        );
+        let r = within("read", s.read(key)).await.unwrap().expect("exists");
+        assert_eq!(&r.body[..], b"{\"attempt\":1}", "{who}");
+        assert_eq!(r.etag.trim_matches('"'), e1.trim_matches('"'), "{who}");
+        let e2 = within(
+            "update",
+            s.update(key, Bytes::from_static(b"{\"attempt\":2}"), &r.etag),
+        )
+        .await
+        .unwrap();
+        assert_ne!(e1, e2, "{who}");
+        assert_eq!(
+            within(
+                "stale update",
+                s.update(key, Bytes::from_static(b"{}"), &r.etag)
+            )
+            .await,
+            Err(StoreError::Conflict),
+            "{who}"
+        );
+        assert_eq!(
+            within(
+                "update missing",
+                s.update("nope", Bytes::from_static(b"{}"), &e2)
+            )
+            .await,
+            Err(StoreError::Conflict),
+            "{who}"
+        );
+        within(
+            "other",
+            s.create("ledger/hub/other", Bytes::from_static(b"x")),
+        )
+        .await
+        .unwrap();
+        within("outside", s.create("breaker/x", Bytes::from_static(b"x")))
+            .await
+            .unwrap();
+        let listed = within("list", s.list("ledger/")).await.unwrap();
+        let mut keys: Vec<&str> = listed.iter().map(|l| l.key.as_str()).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            vec!["ledger/hub/orders%2F42 é/record", "ledger/hub/other"],
+            "{who}"
+        );
+        assert!(listed.iter().all(|l| l.last_modified.is_some()), "{who}");
+        assert_eq!(
+            within("stale delete", s.delete(key, &e1)).await,
+            Err(StoreError::Conflict),
+            "{who}"
+        );
+        within("delete", s.delete(key, &e2)).await.unwrap();
+        assert_eq!(
+            within("read deleted", s.read(key)).await.unwrap(),
+            None,
+            "{who}"
+        );
+        // A larger record round-trips intact (ranged reads).
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        within("big", s.create("ledger/big", Bytes::from(big.clone())))
+            .await
+            .unwrap();
+        assert_eq!(
+            within("read big", s.read("ledger/big"))
+                .await
+                .unwrap()
+                .unwrap()
+                .body
+                .to_vec(),
+            big,
+            "{who}"
+        );
+        // A missing container is an operator problem, not "not found".
+        let missing = BlobRecordStore::new(
+            &b.container_url("no-such-container"),
+            None,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(
+            matches!(
+                within("missing container", missing.create("k", Bytes::new())).await,
+                Err(StoreError::Misconfigured(_))
+            ),
+            "{who}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_checkpoint_store_runs_a_processor_on_every_backend() {
+    for b in backends().await {
+        const CONTAINER: &str = "checkpoints";
+        let s = record_store(&b, CONTAINER).await;
+        let _ = &s;
+        let store = BlobCheckpointStore::new(container_client(&b, CONTAINER));
+        eprintln!("processor on {}", b.name());
+        crate::eventhubs_processor::claim_and_resume(store).await;
+    }
+}
+
+#[tokio::test]
+async fn ownership_claims_conflict_like_the_service() {
+    use azure_messaging_eventhubs::models::Ownership;
+    use azure_messaging_eventhubs::CheckpointStore;
+    for b in backends().await {
+        const CONTAINER: &str = "owners";
+        let s = record_store(&b, CONTAINER).await;
+        let _ = &s;
+        let store = BlobCheckpointStore::new(container_client(&b, CONTAINER));
+        let fresh = |owner: &str| Ownership {
+            fully_qualified_namespace: "ns".into(),
+            event_hub_name: "hub".into(),
+            consumer_group: "$Default".into(),
+            partition_id: "0".into(),
+            owner_id: Some(owner.into()),
+            ..Default::default()
+        };
+        let won = within("claim", store.claim_ownership(&[fresh("a")]))
+            .await
+            .unwrap();
+        assert_eq!(won.len(), 1, "{}", b.name());
+        // A second claim without the ETag loses; with a stale ETag too.
+        let lost = within("claim again", store.claim_ownership(&[fresh("b")])).await;
+        assert!(
+            lost.map(|v| v.is_empty()).unwrap_or(true),
+            "{}: a blind second claim must lose",
+            b.name()
+        );
+        let mut renewed = won[0].clone();
+        let again = within("renew", store.claim_ownership(&[renewed.clone()]))
+            .await
+            .unwrap();
+        assert_eq!(again.len(), 1, "{}", b.name());
+        renewed.owner_id = Some("b".into());
+        let stale = within("stale", store.claim_ownership(&[renewed])).await;
+        assert!(
+            stale.map(|v| v.is_empty()).unwrap_or(true),
+            "{}: a stale ETag must lose",
+            b.name()
+        );
+        let listed = within("list", store.list_ownerships("ns", "hub", "$Default"))
+            .await
+            .unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].owner_id.as_deref(), Some("a"), "{}", b.name());
+    }
+}
+
+#[tokio::test]
+async fn blob_faults_surface_as_typed_errors() {
+    let emu = BlobEmulator::start(BlobConfig::default()).await.unwrap();
+    let s = BlobRecordStore::new(
+        &emu.container_url("hubguard"),
+        None,
+        Duration::from_millis(500),
+    )
+    .unwrap();
+    within("create", s.create("k", Bytes::from_static(b"1")))
+        .await
+        .unwrap();
+
+    emu.faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    assert_eq!(
+        within("503", s.read("k")).await,
+        Err(StoreError::Unavailable("status 503".into()))
+    );
+    emu.faults().clear();
+
+    emu.faults().set_delay(Duration::from_secs(5));
+    assert_eq!(
+        within("slow", s.read("k")).await,
+        Err(StoreError::Timeout(Duration::from_millis(500)))
+    );
+    emu.faults().clear();
+
+    emu.faults()
+        .refuse_connections_for(Duration::from_secs(3600));
+    emu.faults().drop_connections();
+    let e = within("refused", s.read("k")).await.unwrap_err();
+    assert!(e.is_transient(), "{e:?}");
+    emu.faults().clear();
+
+    let r = within("healthy again", s.read("k")).await.unwrap().unwrap();
+    assert_eq!(&r.body[..], b"1");
+}
+
+#[tokio::test]
+async fn blob_emulator_restart_on_the_same_data_dir_keeps_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || BlobConfig {
+        data_dir: Some(dir.path().to_path_buf()),
+        ..Default::default()
+    };
+    let emu = BlobEmulator::start(config()).await.unwrap();
+    let s =
+        BlobRecordStore::new(&emu.container_url("hubguard"), None, Duration::from_secs(5)).unwrap();
+    let etag = within("create", s.create("ledger/a", Bytes::from_static(b"kept")))
+        .await
+        .unwrap();
+    emu.shutdown().await;
+    let emu = BlobEmulator::start(config()).await.unwrap();
+    let s =
+        BlobRecordStore::new(&emu.container_url("hubguard"), None, Duration::from_secs(5)).unwrap();
+    let r = within("read", s.read("ledger/a")).await.unwrap().unwrap();
+    assert_eq!(&r.body[..], b"kept");
+    assert_eq!(r.etag.trim_matches('"'), etag.trim_matches('"'));
+    within(
+        "update with the old etag",
+        s.update("ledger/a", Bytes::from_static(b"v2"), &etag),
+    )
+    .await
+    .unwrap();
+}
