@@ -4,13 +4,16 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 
 use crate::azure::SasKey;
-use crate::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
-use crate::emulator::{DEFAULT_KEY, DEFAULT_KEY_NAME};
+use crate::emulator::blob::DEFAULT_CONTAINER;
+use crate::emulator::eventhubs::HubSpec;
+use crate::emulator::servicebus::QueueSpec;
+use crate::emulator::{Emulators, EmulatorsConfig, DEFAULT_KEY, DEFAULT_KEY_NAME};
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
@@ -34,14 +37,32 @@ pub struct EmulatorArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// Run only these services (comma separated: eventhubs, servicebus, blob).
+    #[arg(long, value_delimiter = ',', value_parser = ["eventhubs", "servicebus", "blob"])]
+    only: Vec<String>,
     /// Event Hubs (AMQP) port; 0 picks a free one.
     #[arg(long, default_value_t = 5672)]
     eventhubs_port: u16,
+    /// Service Bus (HTTP) port; 0 picks a free one.
+    #[arg(long, default_value_t = 5380)]
+    servicebus_port: u16,
+    /// Blob storage (HTTP) port; 0 picks a free one.
+    #[arg(long, default_value_t = 10000)]
+    blob_port: u16,
+    /// Admin endpoint (faults, counters) port; 0 picks a free one.
+    #[arg(long, default_value_t = 5390)]
+    admin_port: u16,
     /// A hub as NAME:PARTITIONS[:CONSUMER_GROUP,…] (repeatable; default `hub:4`).
     /// `$Default` always exists.
     #[arg(long = "hub", value_name = "NAME:PARTITIONS")]
     hubs: Vec<HubSpec>,
-    /// Keep events here so they survive a restart (memory only when absent).
+    /// A Service Bus queue (repeatable; default `retries`).
+    #[arg(long = "queue", value_name = "NAME")]
+    queues: Vec<String>,
+    /// A blob container created at start (repeatable; default `hubguard`).
+    #[arg(long = "container", value_name = "NAME")]
+    containers: Vec<String>,
+    /// Keep state here so it survives a restart (memory only when absent).
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// SAS key name clients must sign with.
@@ -50,7 +71,7 @@ pub struct EmulatorArgs {
     /// SAS key clients must sign with (a well-known development value by default).
     #[arg(long, default_value = DEFAULT_KEY, env = "HUBGUARD_EMULATOR_KEY", hide_default_value = true)]
     key: String,
-    /// Accept any non-empty token (e.g. Entra ID JWTs) instead of verifying SAS signatures.
+    /// Accept any non-empty Event Hubs token (e.g. Entra ID JWTs) instead of verifying SAS signatures.
     #[arg(long)]
     accept_any_token: bool,
 }
@@ -94,33 +115,62 @@ fn init_tracing() {
 }
 
 async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
-    let hubs = if args.hubs.is_empty() {
-        vec![HubSpec::new("hub", 4)]
-    } else {
-        args.hubs
-    };
-    let config = EventHubsConfig {
-        listen: SocketAddr::new(args.host, args.eventhubs_port),
-        hubs: hubs.clone(),
+    let wants = |svc: &str| args.only.is_empty() || args.only.iter().any(|o| o == svc);
+    let config = EmulatorsConfig {
+        host: args.host,
+        eventhubs_port: wants("eventhubs").then_some(args.eventhubs_port),
+        servicebus_port: wants("servicebus").then_some(args.servicebus_port),
+        blob_port: wants("blob").then_some(args.blob_port),
+        hubs: if args.hubs.is_empty() {
+            vec![HubSpec::new("hub", 4)]
+        } else {
+            args.hubs
+        },
+        queues: if args.queues.is_empty() {
+            vec![QueueSpec::new("retries")]
+        } else {
+            args.queues.iter().map(QueueSpec::new).collect()
+        },
+        containers: if args.containers.is_empty() {
+            vec![DEFAULT_CONTAINER.to_string()]
+        } else {
+            args.containers
+        },
         data_dir: args.data_dir,
         key: SasKey::new(args.key_name, args.key),
         accept_any_token: args.accept_any_token,
     };
-    let eventhubs = EventHubsEmulator::start(config).await.with_context(|| {
-        format!(
-            "cannot start the Event Hubs emulator on {}:{}",
-            args.host, args.eventhubs_port
-        )
-    })?;
-    println!("eventhubs: {}", eventhubs.connection_string());
-    for hub in &hubs {
-        let mut groups = vec!["$Default".to_string()];
-        groups.extend(hub.consumer_groups.iter().cloned());
-        tracing::info!(hub = %hub.name, partitions = hub.partitions, consumer_groups = ?groups, "serving hub");
+    let emulators = Arc::new(
+        Emulators::start(config)
+            .await
+            .context("cannot start the emulators")?,
+    );
+    let admin = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.admin_port))
+        .await
+        .with_context(|| {
+            format!(
+                "cannot bind the admin endpoint on {}:{}",
+                args.host, args.admin_port
+            )
+        })?;
+    let admin_addr = admin.local_addr()?;
+    let router = crate::emulator::admin::router(emulators.clone());
+    let admin_task = tokio::spawn(async move {
+        let _ = axum::serve(admin, router).await;
+    });
+    for line in emulators.lines() {
+        println!("{line}");
     }
+    println!("admin: http://{admin_addr}");
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
     shutdown_signal().await;
     eprintln!("shutting down");
-    eventhubs.shutdown().await;
+    admin_task.abort();
+    let _ = admin_task.await;
+    if let Ok(e) = Arc::try_unwrap(emulators) {
+        e.shutdown().await;
+    }
     Ok(())
 }
 

@@ -350,14 +350,13 @@ fn ceil_to_second(t: SystemTime) -> SystemTime {
 /// Every response header, kept for parsing the raw `brokerproperties` and custom properties.
 struct RawHeaders(Vec<(String, String)>);
 
-impl TryFrom<Headers> for RawHeaders {
-    type Error = std::convert::Infallible;
-    fn try_from(h: Headers) -> Result<Self, Self::Error> {
-        Ok(Self(
+impl From<Headers> for RawHeaders {
+    fn from(h: Headers) -> Self {
+        Self(
             h.iter()
                 .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
                 .collect(),
-        ))
+        )
     }
 }
 
@@ -468,7 +467,7 @@ impl RetryQueue for ServiceBusRetryQueue {
             })?;
             let RawHeaders(headers) = response
                 .custom_properties::<RawHeaders>()
-                .unwrap_or(RawHeaders(Vec::new()));
+                .unwrap_or_else(|never| match never {});
             let extra: ExtraBrokerProperties = headers
                 .iter()
                 .find(|(k, _)| k == "brokerproperties")

@@ -4,7 +4,10 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use azure_messaging_eventhubs::StartLocation;
-use hubguard::azure::ConnectionString;
+use hubguard::azure::{
+    BlobRecordStore, ConnectionString, OutgoingMessage, RecordStore, RetryQueue, RetryQueueError,
+    ServiceBusRetryQueue,
+};
 
 use crate::common::*;
 
@@ -16,10 +19,20 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
             "emulator",
             "--eventhubs-port",
             "0",
+            "--servicebus-port",
+            "0",
+            "--blob-port",
+            "0",
+            "--admin-port",
+            "0",
             "--hub",
             "orders:2",
             "--hub",
             "audit:1:ops",
+            "--queue",
+            "retries",
+            "--queue",
+            "other",
             "--data-dir",
         ])
         .arg(dir.path())
@@ -27,15 +40,25 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
         .stderr(Stdio::null())
         .spawn()
         .expect("hubguard runs");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let cs_text = line
-        .trim()
-        .strip_prefix("eventhubs: ")
-        .expect("eventhubs line first")
-        .to_string();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut lines = Vec::new();
+    for _ in 0..4 {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        lines.push(line.trim().to_string());
+    }
+    let value = |prefix: &str| {
+        lines
+            .iter()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no '{prefix}' line in {lines:?}"))
+            .to_string()
+    };
+    assert!(
+        lines[0].starts_with("eventhubs: "),
+        "Event Hubs first: {lines:?}"
+    );
+    let cs_text = value("eventhubs: ");
     assert!(cs_text.starts_with("Endpoint=sb://127.0.0.1:"), "{cs_text}");
     assert!(
         cs_text.ends_with(";UseDevelopmentEmulator=true"),
@@ -68,6 +91,62 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
     within("close receiver", r.close()).await.unwrap();
     within("close", c.close()).await.unwrap();
 
+    // Service Bus from its printed connection string.
+    let sb_cs: ConnectionString = value("servicebus: ").parse().unwrap();
+    let q = ServiceBusRetryQueue::new(&sb_cs, "other", Default::default()).unwrap();
+    let msg = OutgoingMessage {
+        message_id: "m".into(),
+        correlation_id: None,
+        label: None,
+        body: "b".into(),
+        content_type: None,
+        due: std::time::SystemTime::now(),
+        time_to_live: None,
+        properties: vec![],
+    };
+    within("schedule", q.schedule(msg.clone())).await.unwrap();
+    // Blob from its printed account URL (+ the default container).
+    let blob = format!("{}/hubguard", value("blob: "));
+    let store = BlobRecordStore::new(&blob, None, std::time::Duration::from_secs(5)).unwrap();
+    within(
+        "blob create",
+        store.create("k", azure_core::Bytes::from_static(b"v")),
+    )
+    .await
+    .unwrap();
+
+    // The admin endpoint injects faults and reports counters.
+    let admin = value("admin: ");
+    let admin = admin.strip_prefix("http://").unwrap().to_string();
+    let (status, body) = http(
+        &admin,
+        "POST",
+        "/faults/servicebus",
+        r#"{"kind":"error","status":503,"seconds":600}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        within("503", q.schedule(msg.clone())).await.unwrap_err(),
+        RetryQueueError::Unavailable(503)
+    );
+    let (status, _) = http(&admin, "POST", "/faults/servicebus", r#"{"kind":"clear"}"#).await;
+    assert_eq!(status, 200);
+    let (status, body) = http(&admin, "GET", "/status", "").await;
+    assert_eq!(status, 200);
+    let status_json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        status_json["servicebus"]["queues"]["other"]["active"], 1,
+        "{body}"
+    );
+    assert_eq!(
+        status_json["eventhubs"]["hubs"][1]["partition_events"],
+        serde_json::json!([0, 1]),
+        "{body}"
+    );
+    let (status, _) = http(&admin, "POST", "/faults/nosuch", r#"{"kind":"clear"}"#).await;
+    assert_eq!(status, 404);
+
     let pid = child.id().to_string();
     Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     let status = within(
@@ -79,6 +158,34 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
     .unwrap();
     assert!(status.success(), "clean exit: {status:?}");
     assert!(dir.path().join("eventhubs/orders/1.log").exists());
+    assert!(dir.path().join("servicebus/other.journal").exists());
+}
+
+/// A minimal HTTP/1.1 client for the admin endpoint.
+async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = within("admin connect", tokio::net::TcpStream::connect(addr))
+        .await
+        .unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = String::new();
+    within("admin response", s.read_to_string(&mut resp))
+        .await
+        .unwrap();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }
 
 #[test]

@@ -361,9 +361,11 @@ async fn handle(
                 .put(
                     &container,
                     name,
-                    body,
-                    content_type,
-                    metadata(&headers),
+                    store::NewBlob {
+                        content: body,
+                        content_type,
+                        metadata: metadata(&headers),
+                    },
                     &conditions(&headers),
                     now,
                 )

@@ -39,6 +39,31 @@ struct BlobHeader {
     created_s: u64,
 }
 
+/// What Put Blob writes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NewBlob {
+    /// The content.
+    pub content: Bytes,
+    /// Content type.
+    pub content_type: String,
+    /// Metadata.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl NewBlob {
+    /// Content of type `content_type` without metadata.
+    pub fn new(content: impl Into<Bytes>, content_type: impl Into<String>) -> Self {
+        Self {
+            content: content.into(),
+            content_type: content_type.into(),
+            metadata: BTreeMap::new(),
+        }
+    }
+}
+
+/// One page of a listing: the blobs and the marker of the next page.
+pub type Page = (Vec<(String, Blob)>, Option<String>);
+
 /// One container.
 #[derive(Debug, Clone)]
 pub struct Container {
@@ -320,12 +345,15 @@ impl BlobStore {
         &self,
         container: &str,
         name: &str,
-        content: Bytes,
-        content_type: String,
-        metadata: BTreeMap<String, String>,
+        new: NewBlob,
         conditions: &Conditions,
         now: SystemTime,
     ) -> Result<Blob, BlobError> {
+        let NewBlob {
+            content,
+            content_type,
+            metadata,
+        } = new;
         let mut all = self.lock();
         let c = all.get_mut(container).ok_or(BlobError::ContainerNotFound)?;
         let current = c.blobs.get(name);
@@ -389,7 +417,7 @@ impl BlobStore {
         prefix: &str,
         marker: Option<&str>,
         max: usize,
-    ) -> Result<(Vec<(String, Blob)>, Option<String>), BlobError> {
+    ) -> Result<Page, BlobError> {
         let all = self.lock();
         let c = all.get(container).ok_or(BlobError::ContainerNotFound)?;
         let start = marker.unwrap_or(prefix);
@@ -429,9 +457,11 @@ mod tests {
             .put(
                 "c",
                 "k",
-                Bytes::from_static(b"1"),
-                "text/plain".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::from_static(b"1"),
+                    content_type: "text/plain".into(),
+                    metadata: BTreeMap::new(),
+                },
                 &create,
                 now,
             )
@@ -440,9 +470,11 @@ mod tests {
             s.put(
                 "c",
                 "k",
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new()
+                },
                 &create,
                 now
             ),
@@ -456,9 +488,11 @@ mod tests {
             s.put(
                 "c",
                 "k",
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new()
+                },
                 &stale,
                 now
             ),
@@ -472,9 +506,11 @@ mod tests {
             .put(
                 "c",
                 "k",
-                Bytes::from_static(b"2"),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::from_static(b"2"),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new(),
+                },
                 &fresh,
                 now,
             )
@@ -505,9 +541,11 @@ mod tests {
             s.put(
                 "c",
                 "new",
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new()
+                },
                 &absent_match,
                 now
             ),
@@ -524,9 +562,11 @@ mod tests {
             s.put(
                 "c",
                 n,
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new(),
+                },
                 &Conditions::default(),
                 now,
             )
@@ -552,9 +592,11 @@ mod tests {
             s.put(
                 "c",
                 "ns/hub/$Default/checkpoint/0",
-                Bytes::from_static(b"{}"),
-                "application/json".into(),
-                BTreeMap::from([("offset".into(), "42".into())]),
+                NewBlob {
+                    content: Bytes::from_static(b"{}"),
+                    content_type: "application/json".into(),
+                    metadata: BTreeMap::from([("offset".into(), "42".into())]),
+                },
                 &Conditions::default(),
                 now,
             )
@@ -562,9 +604,11 @@ mod tests {
             s.put(
                 "c",
                 "gone",
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new(),
+                },
                 &Conditions::default(),
                 now,
             )
@@ -583,9 +627,11 @@ mod tests {
             .put(
                 "c",
                 "x",
-                Bytes::new(),
-                "x".into(),
-                BTreeMap::new(),
+                NewBlob {
+                    content: Bytes::new(),
+                    content_type: "x".into(),
+                    metadata: BTreeMap::new(),
+                },
                 &Conditions::default(),
                 now,
             )

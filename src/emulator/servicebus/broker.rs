@@ -170,7 +170,7 @@ pub enum BrokerError {
 enum JournalRecord {
     Send {
         entity: u8,
-        message: StoredMessage,
+        message: Box<StoredMessage>,
     },
     Remove {
         entity: u8,
@@ -348,9 +348,9 @@ impl QueueState {
         store
             .messages
             .values()
-            .filter_map(|m| match &m.lock {
-                Some(l) => Some(l.until),
-                None => Some(at(m.enqueued_at_ms)),
+            .map(|m| match &m.lock {
+                Some(l) => l.until,
+                None => at(m.enqueued_at_ms),
             })
             .min()
     }
@@ -388,7 +388,7 @@ impl Queue {
                                 st.seen_ids
                                     .insert(message.message_id.clone(), message.sent_at_ms);
                             }
-                            store.messages.insert(message.sequence_number, message);
+                            store.messages.insert(message.sequence_number, *message);
                         }
                         JournalRecord::Remove {
                             entity,
@@ -435,7 +435,7 @@ impl Queue {
                         for m in store.messages.values() {
                             let rec = JournalRecord::Send {
                                 entity,
-                                message: m.clone(),
+                                message: Box::new(m.clone()),
                             };
                             let mut line = serde_json::to_vec(&rec).map_err(io::Error::other)?;
                             line.push(b'\n');
@@ -502,7 +502,7 @@ impl Queue {
         journaled.sequence_number = seq;
         if let Err(e) = st.write(&JournalRecord::Send {
             entity: 0,
-            message: journaled,
+            message: Box::new(journaled),
         }) {
             st.main.messages.remove(&seq);
             return Err(e);

@@ -263,9 +263,10 @@ fn parse_entity(path: &str) -> Option<(String, Entity, Vec<String>)> {
     }
 }
 
-fn authorise(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<(), Response> {
+/// `Some(401 response)` when the request's SAS does not verify.
+fn refuse_unauthorised(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Option<Response> {
     let Some(token) = headers.get("authorization").and_then(|v| v.to_str().ok()) else {
-        return Err(error(
+        return Some(error(
             StatusCode::UNAUTHORIZED,
             "40100",
             "Unauthorized: the request carries no Authorization header",
@@ -274,8 +275,8 @@ fn authorise(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<(), Resp
     shared
         .key
         .verify(token, uri.path(), shared.broker.clock.now())
-        .map(|_| ())
-        .map_err(|e| {
+        .err()
+        .map(|e| {
             error(
                 StatusCode::UNAUTHORIZED,
                 "40100",
@@ -292,8 +293,8 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorise(&shared, &headers, &uri) {
-        return r;
+    if let Some(refusal) = refuse_unauthorised(&shared, &headers, &uri) {
+        return refusal;
     }
     let Some((name, entity, rest)) = parse_entity(uri.path()) else {
         return error(

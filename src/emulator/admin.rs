@@ -1,0 +1,119 @@
+//! The admin endpoint of `hubguard emulator`: lets an operator, or a test in another process,
+//! inject faults and read counters over HTTP.
+//!
+//! | request | effect |
+//! |---|---|
+//! | `GET /health` | `ok` |
+//! | `GET /status` | JSON: partitions' event counts, queues' counters, containers |
+//! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}`, `{"kind":"drop"}` or `{"kind":"clear"}` |
+//! | `POST /clock/advance` | JSON `{"seconds":N}`: move the Service Bus clock forward |
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::Emulators;
+
+/// A fault to inject.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum FaultRequest {
+    /// Answer every request with `status` for `seconds`.
+    Error {
+        /// The HTTP (or AMQP management) status.
+        status: u16,
+        /// For how long.
+        seconds: u64,
+    },
+    /// Close new connections at once for `seconds`.
+    Refuse {
+        /// For how long.
+        seconds: u64,
+    },
+    /// Add `ms` of latency to every response.
+    Delay {
+        /// Milliseconds.
+        ms: u64,
+    },
+    /// Drop every live connection.
+    Drop,
+    /// Remove every fault.
+    Clear,
+}
+
+impl FaultRequest {
+    /// Applies the fault to `faults`.
+    pub fn apply(&self, faults: &super::Faults) {
+        match *self {
+            FaultRequest::Error { status, seconds } => {
+                faults.error_status_for(status, Duration::from_secs(seconds))
+            }
+            FaultRequest::Refuse { seconds } => {
+                faults.refuse_connections_for(Duration::from_secs(seconds));
+                faults.drop_connections();
+            }
+            FaultRequest::Delay { ms } => faults.set_delay(Duration::from_millis(ms)),
+            FaultRequest::Drop => faults.drop_connections(),
+            FaultRequest::Clear => faults.clear(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct Advance {
+    seconds: u64,
+}
+
+/// The admin router over running emulators.
+pub fn router(emulators: Arc<Emulators>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/status", get(status))
+        .route("/faults/{service}", post(fault))
+        .route("/clock/advance", post(advance))
+        .with_state(emulators)
+}
+
+async fn status(State(e): State<Arc<Emulators>>) -> Json<serde_json::Value> {
+    Json(e.status())
+}
+
+async fn fault(
+    State(e): State<Arc<Emulators>>,
+    Path(service): Path<String>,
+    Json(req): Json<FaultRequest>,
+) -> Response {
+    let targets = e.faults_for(&service);
+    if targets.is_empty() {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("no running service '{service}' (eventhubs, servicebus, blob, all)"),
+        )
+            .into_response();
+    }
+    for f in targets {
+        req.apply(f);
+    }
+    (
+        StatusCode::OK,
+        Json(json!({ "service": service, "applied": format!("{req:?}") })),
+    )
+        .into_response()
+}
+
+async fn advance(State(e): State<Arc<Emulators>>, Json(a): Json<Advance>) -> Response {
+    match &e.servicebus {
+        Some(sb) => {
+            sb.clock().advance(Duration::from_secs(a.seconds));
+            (StatusCode::OK, "advanced").into_response()
+        }
+        None => (StatusCode::NOT_FOUND, "service bus is not running").into_response(),
+    }
+}
