@@ -25,3 +25,5 @@ pub mod azure;
 pub mod bench;
 pub mod cli;
 pub mod emulator;
+pub mod guard;
+pub mod policy;

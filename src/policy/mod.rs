@@ -1,0 +1,351 @@
+//! Retry policies: the backoff curve, its floor and cap, the attempt and age budgets — data,
+//! with the decision a pure function of (policy, attempt, times, error). No I/O, no clock:
+//! callers pass `now` and a random source.
+//!
+//! - [`Curve`]: fibonacci, exponential, full jitter, equal jitter, decorrelated jitter, fixed,
+//!   or an explicit schedule with an optional repeating last step (Event Grid's preset).
+//! - [`RetryPolicy::decide`]: retry at a time, or dead-letter with a reason.
+//! - [`classify`]: HTTP answers and handler errors to transient / permanent.
+
+pub mod classify;
+
+use std::time::{Duration, SystemTime};
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+/// Service Bus refuses to hold a scheduled message longer than its maximum TTL (14 days);
+/// hubguard never schedules further than 7 days ahead, as seed 000 does.
+pub const MAX_SCHEDULE_AHEAD: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How the wait grows with the attempt number.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "curve", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Curve {
+    /// `fib(n) × base` (1, 1, 2, 3, 5, 8, …), seed 000's curve.
+    Fibonacci,
+    /// `base × 2^(n−1)`.
+    Exponential,
+    /// Uniform in `[0, base × 2^(n−1)]` (AWS "full jitter"): spreads a burst of failures.
+    FullJitter,
+    /// Half fixed, half random: `e/2 + uniform[0, e/2]` with `e = base × 2^(n−1)`.
+    EqualJitter,
+    /// `min(cap, uniform[base, previous × 3])` (AWS "decorrelated jitter").
+    DecorrelatedJitter,
+    /// Always `base`.
+    Fixed,
+    /// Explicit delays (seconds) for attempts 1, 2, …; past the end, `repeat_last` repeats
+    /// the last step, otherwise the schedule is exhausted.
+    Schedule {
+        /// Delays in seconds.
+        delays_s: Vec<u64>,
+        /// Keep using the last delay after the list ends.
+        #[serde(default)]
+        repeat_last: bool,
+    },
+}
+
+/// A retry policy for one event type.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// A name for status output and telemetry.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// The curve.
+    #[serde(flatten)]
+    pub curve: Curve,
+    /// Base delay in seconds.
+    #[serde(default = "default_base")]
+    pub base_s: u64,
+    /// No wait shorter than this (seconds).
+    #[serde(default)]
+    pub floor_s: u64,
+    /// No wait longer than this (seconds; at most 7 days).
+    #[serde(default = "default_cap")]
+    pub cap_s: u64,
+    /// Attempts in all, the first delivery included; then dead-letter.
+    pub max_attempts: u32,
+    /// Dead-letter once the next attempt would start later than this after the first
+    /// failure (seconds); `None`: no age limit.
+    #[serde(default)]
+    pub max_age_s: Option<u64>,
+}
+
+fn default_name() -> String {
+    "default".into()
+}
+fn default_base() -> u64 {
+    10
+}
+fn default_cap() -> u64 {
+    MAX_SCHEDULE_AHEAD.as_secs()
+}
+
+/// What to do after a failed attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Schedule the next attempt at this time.
+    RetryAt(SystemTime),
+    /// Stop: dead-letter with this reason.
+    DeadLetter(DeadLetterReason),
+}
+
+/// Why an event was dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetterReason {
+    /// The error is permanent (e.g. HTTP 400).
+    Permanent,
+    /// `max_attempts` attempts failed.
+    AttemptsExhausted,
+    /// The next attempt would be later than `max_age` after the first failure.
+    AgeExceeded,
+    /// The explicit schedule has no more steps.
+    ScheduleExhausted,
+}
+
+impl std::fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Permanent => "permanent error",
+            Self::AttemptsExhausted => "attempts exhausted",
+            Self::AgeExceeded => "maximum age exceeded",
+            Self::ScheduleExhausted => "retry schedule exhausted",
+        })
+    }
+}
+
+fn fibonacci(n: u32) -> u64 {
+    let (mut a, mut b) = (0u64, 1u64);
+    for _ in 0..n {
+        let next = a.saturating_add(b);
+        a = b;
+        b = next;
+    }
+    a
+}
+
+impl RetryPolicy {
+    /// Seed 000's policy: Fibonacci × 10 s, floor 10 s, cap 7 days, 29 attempts.
+    pub fn seed_fibonacci() -> Self {
+        Self {
+            name: "fibonacci".into(),
+            curve: Curve::Fibonacci,
+            base_s: 10,
+            floor_s: 10,
+            cap_s: MAX_SCHEDULE_AHEAD.as_secs(),
+            max_attempts: 29,
+            max_age_s: None,
+        }
+    }
+
+    /// Event Grid's documented schedule: 10 s, 30 s, 1 m, 5 m, 10 m, 30 m, 1 h, 3 h, 6 h,
+    /// then every 12 h, for up to 24 hours and 30 attempts.
+    pub fn event_grid() -> Self {
+        Self {
+            name: "event_grid".into(),
+            curve: Curve::Schedule {
+                delays_s: vec![10, 30, 60, 300, 600, 1800, 3600, 10_800, 21_600, 43_200],
+                repeat_last: true,
+            },
+            base_s: 10,
+            floor_s: 0,
+            cap_s: MAX_SCHEDULE_AHEAD.as_secs(),
+            max_attempts: 30,
+            max_age_s: Some(24 * 3600),
+        }
+    }
+
+    /// The wait after failed attempt `attempt` (1-based), before floor and cap; `None` when an
+    /// explicit schedule has no step for it. `previous` is the last wait (decorrelated jitter).
+    fn raw_delay(&self, attempt: u32, previous: Option<Duration>, rng: &mut impl Rng) -> Option<f64> {
+        let base = self.base_s as f64;
+        let exp = base * 2f64.powi(attempt.saturating_sub(1).min(60) as i32);
+        Some(match &self.curve {
+            Curve::Fibonacci => fibonacci(attempt) as f64 * base,
+            Curve::Exponential => exp,
+            Curve::FullJitter => rng.gen_range(0.0..=exp),
+            Curve::EqualJitter => exp / 2.0 + rng.gen_range(0.0..=exp / 2.0),
+            Curve::DecorrelatedJitter => {
+                let prev = previous.map_or(base, |p| p.as_secs_f64()).max(base);
+                rng.gen_range(base..=prev * 3.0)
+            }
+            Curve::Fixed => base,
+            Curve::Schedule { delays_s, repeat_last } => {
+                let i = attempt.saturating_sub(1) as usize;
+                match delays_s.get(i) {
+                    Some(d) => *d as f64,
+                    None if *repeat_last => *delays_s.last()? as f64,
+                    None => return None,
+                }
+            }
+        })
+    }
+
+    /// The wait after failed attempt `attempt`, within floor and cap (and never more than
+    /// [`MAX_SCHEDULE_AHEAD`]); `None` when the schedule is exhausted.
+    pub fn delay(&self, attempt: u32, previous: Option<Duration>, rng: &mut impl Rng) -> Option<Duration> {
+        let raw = self.raw_delay(attempt, previous, rng)?;
+        let cap = self.cap_s.min(MAX_SCHEDULE_AHEAD.as_secs()) as f64;
+        let secs = raw.max(self.floor_s as f64).min(cap).max(0.0);
+        Some(Duration::from_secs_f64(secs))
+    }
+
+    /// Decides what follows failed attempt `attempt`: dead-letter when the error is
+    /// permanent or a budget is spent, else retry at `now + max(delay, retry_after)`.
+    pub fn decide(
+        &self,
+        attempt: u32,
+        first_failure: SystemTime,
+        now: SystemTime,
+        permanent: bool,
+        retry_after: Option<Duration>,
+        previous: Option<Duration>,
+        rng: &mut impl Rng,
+    ) -> Decision {
+        if permanent {
+            return Decision::DeadLetter(DeadLetterReason::Permanent);
+        }
+        if attempt >= self.max_attempts {
+            return Decision::DeadLetter(DeadLetterReason::AttemptsExhausted);
+        }
+        let Some(delay) = self.delay(attempt, previous, rng) else {
+            return Decision::DeadLetter(DeadLetterReason::ScheduleExhausted);
+        };
+        // A downstream's Retry-After is honoured when it is longer than the curve.
+        let delay = match retry_after {
+            Some(ra) if ra > delay => ra.min(MAX_SCHEDULE_AHEAD),
+            _ => delay,
+        };
+        let at = now + delay;
+        if let Some(max_age) = self.max_age_s {
+            if at.duration_since(first_failure).unwrap_or_default() > Duration::from_secs(max_age) {
+                return Decision::DeadLetter(DeadLetterReason::AgeExceeded);
+            }
+        }
+        Decision::RetryAt(at)
+    }
+
+    /// The longest time this policy may keep an event between attempts (for start-up checks).
+    pub fn longest_wait(&self) -> Duration {
+        Duration::from_secs(self.cap_s.min(MAX_SCHEDULE_AHEAD.as_secs()))
+    }
+
+    /// Checks the policy; the error names the field and what is allowed.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_attempts == 0 {
+            return Err("max_attempts must be at least 1".into());
+        }
+        if self.floor_s > self.cap_s {
+            return Err(format!("floor_s ({}) must not exceed cap_s ({})", self.floor_s, self.cap_s));
+        }
+        if self.cap_s > MAX_SCHEDULE_AHEAD.as_secs() {
+            return Err(format!(
+                "cap_s ({}) exceeds what Service Bus can schedule ({} s, 7 days)",
+                self.cap_s,
+                MAX_SCHEDULE_AHEAD.as_secs()
+            ));
+        }
+        if let Curve::Schedule { delays_s, .. } = &self.curve {
+            if delays_s.is_empty() {
+                return Err("a schedule curve needs at least one delay in delays_s".into());
+            }
+        }
+        if matches!(self.curve, Curve::Exponential | Curve::FullJitter | Curve::EqualJitter | Curve::DecorrelatedJitter | Curve::Fixed | Curve::Fibonacci)
+            && self.base_s == 0
+        {
+            return Err("base_s must be at least 1 second".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+
+    fn rng() -> StdRng {
+        StdRng::seed_from_u64(7)
+    }
+
+    #[test]
+    fn seed_fibonacci_table() {
+        let p = RetryPolicy::seed_fibonacci();
+        let got: Vec<u64> = (1..=10).map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs()).collect();
+        assert_eq!(got, vec![10, 10, 20, 30, 50, 80, 130, 210, 340, 550]);
+        // The cap: 7 days, never more.
+        assert_eq!(p.delay(29, None, &mut rng()).unwrap(), MAX_SCHEDULE_AHEAD);
+        assert_eq!(p.delay(50, None, &mut rng()).unwrap(), MAX_SCHEDULE_AHEAD);
+    }
+
+    #[test]
+    fn event_grid_schedule_and_the_every_30_minutes_variant() {
+        let p = RetryPolicy::event_grid();
+        let got: Vec<u64> = (1..=12).map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs()).collect();
+        assert_eq!(got, vec![10, 30, 60, 300, 600, 1800, 3600, 10_800, 21_600, 43_200, 43_200, 43_200]);
+        // Seed 002's variant: then every 30 minutes.
+        let variant = RetryPolicy {
+            curve: Curve::Schedule { delays_s: vec![10, 30, 60, 300, 600, 1800], repeat_last: true },
+            ..RetryPolicy::event_grid()
+        };
+        assert_eq!(variant.delay(20, None, &mut rng()).unwrap().as_secs(), 1800);
+        let finite = RetryPolicy { curve: Curve::Schedule { delays_s: vec![5, 6], repeat_last: false }, ..variant };
+        assert_eq!(finite.delay(3, None, &mut rng()), None);
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(finite.decide(3, t, t, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::ScheduleExhausted));
+    }
+
+    #[test]
+    fn decisions_follow_budgets_and_retry_after() {
+        let p = RetryPolicy { max_attempts: 3, max_age_s: Some(100), ..RetryPolicy::seed_fibonacci() };
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(p.decide(1, t0, t0, false, None, None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(10)));
+        assert_eq!(p.decide(1, t0, t0, true, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::Permanent));
+        assert_eq!(p.decide(3, t0, t0, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::AttemptsExhausted));
+        // Retry-After longer than the curve wins; shorter does not.
+        assert_eq!(p.decide(1, t0, t0, false, Some(Duration::from_secs(60)), None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(60)));
+        assert_eq!(p.decide(1, t0, t0, false, Some(Duration::from_secs(1)), None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(10)));
+        // Age: the next attempt would start 95 + 10 s after the first failure.
+        let late = t0 + Duration::from_secs(95);
+        assert_eq!(p.decide(2, t0, late, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::AgeExceeded));
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let mut p = RetryPolicy::seed_fibonacci();
+        p.max_attempts = 0;
+        assert!(p.validate().unwrap_err().contains("max_attempts"));
+        let mut p = RetryPolicy::seed_fibonacci();
+        p.cap_s = 30 * 24 * 3600;
+        assert!(p.validate().unwrap_err().contains("cap_s"));
+        assert!(RetryPolicy::event_grid().validate().is_ok());
+    }
+
+    proptest! {
+        #[test]
+        fn every_curve_stays_within_floor_and_cap(attempt in 1u32..200, base in 1u64..1000, floor in 0u64..100, cap in 100u64..2_000_000, seed in any::<u64>(), prev in 0u64..10_000) {
+            let mut r = StdRng::seed_from_u64(seed);
+            for curve in [Curve::Fibonacci, Curve::Exponential, Curve::FullJitter, Curve::EqualJitter, Curve::DecorrelatedJitter, Curve::Fixed] {
+                let p = RetryPolicy { name: "p".into(), curve, base_s: base, floor_s: floor, cap_s: cap, max_attempts: 1000, max_age_s: None };
+                let d = p.delay(attempt, Some(Duration::from_secs(prev)), &mut r).unwrap();
+                prop_assert!(d >= Duration::from_secs(floor.min(cap).min(MAX_SCHEDULE_AHEAD.as_secs())));
+                prop_assert!(d <= Duration::from_secs(cap.min(MAX_SCHEDULE_AHEAD.as_secs())));
+            }
+        }
+
+        #[test]
+        fn fibonacci_and_exponential_never_shrink(attempt in 1u32..100) {
+            let fib = RetryPolicy::seed_fibonacci();
+            let exp = RetryPolicy { curve: Curve::Exponential, ..RetryPolicy::seed_fibonacci() };
+            for p in [fib, exp] {
+                let a = p.delay(attempt, None, &mut rng()).unwrap();
+                let b = p.delay(attempt + 1, None, &mut rng()).unwrap();
+                prop_assert!(b >= a);
+            }
+        }
+    }
+}
