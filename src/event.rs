@@ -1,0 +1,254 @@
+//! An event as hubguard handles it, and its identity: the idempotency key, the correlation id
+//! and the event type, taken from CloudEvents attributes or configured properties, else
+//! derived (`DESIGN.md`, "Identity of an event"). Any body — JSON or not, UTF-8 or not — is
+//! handled; nothing about an event's content can make hubguard drop it.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use azure_messaging_eventhubs::models::{AmqpSimpleValue, MessageId, ReceivedEventData};
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+/// Where an event came from and who it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Stable across redeliveries and retries; handed to the handler (`Idempotency-Key`).
+    pub idempotency_key: String,
+    /// Links every attempt of the event (from the event, else the idempotency key).
+    pub correlation_id: String,
+    /// Selects the retry policy (`None`: the default policy).
+    pub event_type: Option<String>,
+}
+
+/// An event, detached from the SDK: what the handler sees, what a retry message and the
+/// ledger carry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// The body bytes (base64 in JSON).
+    #[serde(with = "b64")]
+    pub body: Vec<u8>,
+    /// Content type, if the producer set one.
+    pub content_type: Option<String>,
+    /// Application properties, as text.
+    pub properties: BTreeMap<String, String>,
+    /// The hub it was read from.
+    pub hub: String,
+    /// The partition it was read from.
+    pub partition_id: String,
+    /// Its sequence number in the partition.
+    pub sequence_number: i64,
+    /// Its offset, if known.
+    pub offset: Option<String>,
+    /// When Event Hubs enqueued it (ms since the epoch).
+    pub enqueued_ms: Option<i64>,
+    /// Its partition key, if any.
+    pub partition_key: Option<String>,
+    /// Its identity.
+    pub identity: Identity,
+}
+
+mod b64 {
+    use base64::Engine as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Which properties carry the identity. The first one present wins.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityConfig {
+    /// Properties holding the idempotency key.
+    #[serde(default = "default_id_props")]
+    pub idempotency_key_properties: Vec<String>,
+    /// Properties holding the correlation id (the AMQP `correlation-id` is used after them).
+    #[serde(default = "default_correlation_props")]
+    pub correlation_id_properties: Vec<String>,
+    /// Properties holding the event type.
+    #[serde(default = "default_type_props")]
+    pub event_type_properties: Vec<String>,
+}
+
+fn default_id_props() -> Vec<String> {
+    vec!["ce_id".into(), "cloudEvents:id".into(), "cloudEvents_id".into()]
+}
+fn default_correlation_props() -> Vec<String> {
+    vec!["correlation_id".into(), "ce_correlationid".into()]
+}
+fn default_type_props() -> Vec<String> {
+    vec!["ce_type".into(), "cloudEvents:type".into(), "cloudEvents_type".into()]
+}
+
+impl Default for IdentityConfig {
+    fn default() -> Self {
+        Self {
+            idempotency_key_properties: default_id_props(),
+            correlation_id_properties: default_correlation_props(),
+            event_type_properties: default_type_props(),
+        }
+    }
+}
+
+/// A property value as text.
+pub fn simple_value_text(v: &AmqpSimpleValue) -> String {
+    match v {
+        AmqpSimpleValue::String(s) => s.clone(),
+        AmqpSimpleValue::Symbol(s) => format!("{s:?}").trim_matches('"').to_string(),
+        AmqpSimpleValue::Boolean(b) => b.to_string(),
+        AmqpSimpleValue::UByte(n) => n.to_string(),
+        AmqpSimpleValue::Byte(n) => n.to_string(),
+        AmqpSimpleValue::UShort(n) => n.to_string(),
+        AmqpSimpleValue::Short(n) => n.to_string(),
+        AmqpSimpleValue::UInt(n) => n.to_string(),
+        AmqpSimpleValue::Int(n) => n.to_string(),
+        AmqpSimpleValue::ULong(n) => n.to_string(),
+        AmqpSimpleValue::Long(n) => n.to_string(),
+        AmqpSimpleValue::Float(n) => n.to_string(),
+        AmqpSimpleValue::Double(n) => n.to_string(),
+        AmqpSimpleValue::Char(c) => c.to_string(),
+        AmqpSimpleValue::Uuid(u) => u.to_string(),
+        AmqpSimpleValue::Binary(b) => base64::engine::general_purpose::STANDARD.encode(b),
+        other => format!("{other:?}"),
+    }
+}
+
+fn message_id_text(m: &MessageId) -> String {
+    match m {
+        MessageId::String(s) => s.clone(),
+        MessageId::Uuid(u) => u.to_string(),
+        MessageId::Ulong(n) => n.to_string(),
+        MessageId::Binary(b) => base64::engine::general_purpose::STANDARD.encode(b),
+    }
+}
+
+impl IdentityConfig {
+    fn first(&self, names: &[String], props: &BTreeMap<String, String>) -> Option<String> {
+        names
+            .iter()
+            .find_map(|n| props.get(n))
+            .filter(|v| !v.trim().is_empty())
+            .cloned()
+    }
+
+    /// The identity of an event at (`hub`, `partition`, `sequence`).
+    pub fn identify(
+        &self,
+        props: &BTreeMap<String, String>,
+        amqp_correlation_id: Option<String>,
+        hub: &str,
+        partition: &str,
+        sequence: i64,
+    ) -> Identity {
+        let idempotency_key = self
+            .first(&self.idempotency_key_properties, props)
+            .unwrap_or_else(|| format!("{hub}/{partition}/{sequence}"));
+        let correlation_id = self
+            .first(&self.correlation_id_properties, props)
+            .or(amqp_correlation_id.filter(|c| !c.is_empty()))
+            .unwrap_or_else(|| idempotency_key.clone());
+        Identity {
+            idempotency_key,
+            correlation_id,
+            event_type: self.first(&self.event_type_properties, props),
+        }
+    }
+
+    /// Converts an event received from Event Hubs.
+    pub fn event(&self, hub: &str, partition: &str, received: &ReceivedEventData) -> Event {
+        let data = received.event_data();
+        let properties: BTreeMap<String, String> = data
+            .properties()
+            .map(|p| p.iter().map(|(k, v)| (k.clone(), simple_value_text(v))).collect())
+            .unwrap_or_default();
+        let sequence_number = received.sequence_number().unwrap_or(-1);
+        let identity = self.identify(
+            &properties,
+            data.correlation_id().map(message_id_text),
+            hub,
+            partition,
+            sequence_number,
+        );
+        Event {
+            body: data.body().map(<[u8]>::to_vec).unwrap_or_default(),
+            content_type: data.content_type().map(String::from),
+            properties,
+            hub: hub.to_string(),
+            partition_id: partition.to_string(),
+            sequence_number,
+            offset: received.offset().clone(),
+            enqueued_ms: received
+                .enqueued_time()
+                .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                .map(|d| d.as_millis() as i64),
+            partition_key: received.partition_key().clone(),
+            identity,
+        }
+    }
+}
+
+impl Event {
+    /// When Event Hubs enqueued it.
+    pub fn enqueued_at(&self) -> Option<SystemTime> {
+        self.enqueued_ms
+            .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn cloudevents_attributes_win() {
+        let c = IdentityConfig::default();
+        let id = c.identify(&props(&[("ce_id", "order-42"), ("ce_type", "order.created")]), Some("amqp-corr".into()), "hub", "3", 17);
+        assert_eq!(id.idempotency_key, "order-42");
+        assert_eq!(id.correlation_id, "amqp-corr");
+        assert_eq!(id.event_type.as_deref(), Some("order.created"));
+        let id = c.identify(&props(&[("cloudEvents:id", "x"), ("correlation_id", "c-1")]), None, "hub", "3", 17);
+        assert_eq!((id.idempotency_key.as_str(), id.correlation_id.as_str()), ("x", "c-1"));
+    }
+
+    #[test]
+    fn missing_properties_fall_back_to_the_position() {
+        let id = IdentityConfig::default().identify(&BTreeMap::new(), None, "orders", "0", 99);
+        assert_eq!(id.idempotency_key, "orders/0/99");
+        assert_eq!(id.correlation_id, "orders/0/99");
+        assert_eq!(id.event_type, None);
+        // An empty attribute is as good as none.
+        let id = IdentityConfig::default().identify(&props(&[("ce_id", " ")]), None, "orders", "0", 5);
+        assert_eq!(id.idempotency_key, "orders/0/5");
+    }
+
+    #[test]
+    fn binary_bodies_round_trip_through_json() {
+        let e = Event {
+            body: vec![0, 159, 146, 150, 255],
+            content_type: None,
+            properties: BTreeMap::new(),
+            hub: "h".into(),
+            partition_id: "0".into(),
+            sequence_number: 1,
+            offset: Some("10".into()),
+            enqueued_ms: Some(5),
+            partition_key: None,
+            identity: IdentityConfig::default().identify(&BTreeMap::new(), None, "h", "0", 1),
+        };
+        let json = serde_json::to_string(&e).unwrap();
+        assert_eq!(serde_json::from_str::<Event>(&json).unwrap(), e);
+    }
+}

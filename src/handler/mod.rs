@@ -1,0 +1,66 @@
+//! The [`Handler`] trait — what library users implement — and the built-in
+//! [`webhook::WebhookHandler`] that makes `hubguard run` useful with no Rust code.
+
+pub mod webhook;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::event::Event;
+use crate::policy::classify::ErrorClass;
+
+/// What the handler is told about the attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1 for the first delivery from Event Hubs, then 2, 3, … for retries.
+    pub number: u32,
+    /// W3C `traceparent` of this attempt (pass it on to downstream calls).
+    pub traceparent: String,
+}
+
+/// Why an attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// Transient (retry) or permanent (dead-letter now).
+    pub class: ErrorClass,
+    /// What went wrong, for the ledger and the logs.
+    pub error: String,
+    /// The downstream asked to wait at least this long.
+    pub retry_after: Option<Duration>,
+}
+
+impl Failure {
+    /// A transient failure.
+    pub fn transient(error: impl Into<String>) -> Self {
+        Self { class: ErrorClass::Transient, error: error.into(), retry_after: None }
+    }
+
+    /// A permanent failure.
+    pub fn permanent(error: impl Into<String>) -> Self {
+        Self { class: ErrorClass::Permanent, error: error.into(), retry_after: None }
+    }
+
+    /// With a `Retry-After`.
+    pub fn with_retry_after(mut self, d: Option<Duration>) -> Self {
+        self.retry_after = d;
+        self
+    }
+}
+
+/// The outcome of one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Delivered: done.
+    Delivered,
+    /// Failed: retry or dead-letter, as the policy and the class say.
+    Failed(Failure),
+}
+
+/// Handles one event. Called at least once per event (replays and retries may repeat it):
+/// use [`Event::identity`]'s idempotency key to make the effect idempotent.
+#[async_trait]
+pub trait Handler: Send + Sync + 'static {
+    /// Handles `event`; never panics on bad input — return a permanent failure instead.
+    async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome;
+}

@@ -1,0 +1,252 @@
+//! The attempt ledger: one record per idempotency key in blob storage, written with
+//! compare-and-swap, authoritative for the attempt number (fixes seed 000's "attempts are not
+//! persisted"). It holds the state, the attempt count, the next attempt time, the last error,
+//! a bounded history, the policy pinned at the first failure, and the event itself (so a
+//! dead letter can be replayed). The happy path never touches it.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::azure::{RecordStore, StoreError};
+use crate::event::Event;
+use crate::policy::{DeadLetterReason, RetryPolicy};
+
+/// History entries kept per record (older ones are dropped, the count stays right).
+pub const HISTORY_LIMIT: usize = 50;
+
+/// Where an event stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum State {
+    /// A retry is scheduled on Service Bus for `next_attempt_at`.
+    RetryScheduled,
+    /// The handler succeeded.
+    Delivered,
+    /// Given up: see `dead_letter_reason`.
+    DeadLettered,
+}
+
+/// One attempt in the history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptEntry {
+    /// Attempt number (1 = the first delivery from Event Hubs).
+    pub attempt: u32,
+    /// When it started (ms since the epoch).
+    pub started_ms: i64,
+    /// When it ended.
+    pub finished_ms: i64,
+    /// `delivered`, `retry_scheduled` or `dead_lettered`.
+    pub outcome: String,
+    /// The error, for a failed attempt.
+    pub error: Option<String>,
+    /// When the next attempt is due, when one was scheduled.
+    pub next_attempt_ms: Option<i64>,
+    /// W3C trace id of the attempt.
+    pub trace_id: Option<String>,
+}
+
+/// The ledger record of one event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LedgerRecord {
+    /// The idempotency key.
+    pub key: String,
+    /// The correlation id (stable across attempts).
+    pub correlation_id: String,
+    /// The event type.
+    pub event_type: Option<String>,
+    /// Where it stands.
+    pub state: State,
+    /// Attempts finished so far.
+    pub attempts: u32,
+    /// When the next attempt is due (ms since the epoch).
+    pub next_attempt_ms: Option<i64>,
+    /// The first failure (ms since the epoch): the age budget counts from here.
+    pub first_failure_ms: i64,
+    /// Last update.
+    pub updated_ms: i64,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// Why it was dead-lettered.
+    pub dead_letter_reason: Option<DeadLetterReason>,
+    /// The wait before the scheduled attempt (decorrelated jitter needs it).
+    pub last_delay_ms: Option<u64>,
+    /// The policy pinned at the first failure.
+    pub policy: RetryPolicy,
+    /// Attempts that count against the policy start after this one (raised by a replay).
+    #[serde(default)]
+    pub attempt_base: u32,
+    /// Bounded history of attempts, oldest first.
+    pub history: Vec<AttemptEntry>,
+    /// The event.
+    pub event: Event,
+}
+
+/// Milliseconds since the epoch.
+pub fn ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The time at `ms` milliseconds since the epoch.
+pub fn at(ms: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+impl LedgerRecord {
+    /// Appends to the history, keeping it bounded.
+    pub fn push_history(&mut self, entry: AttemptEntry) {
+        self.history.push(entry);
+        if self.history.len() > HISTORY_LIMIT {
+            let excess = self.history.len() - HISTORY_LIMIT;
+            self.history.drain(..excess);
+        }
+    }
+
+    /// When the next attempt is due.
+    pub fn next_attempt_at(&self) -> Option<SystemTime> {
+        self.next_attempt_ms.map(at)
+    }
+}
+
+/// The ledger of one (hub, consumer group).
+#[derive(Clone)]
+pub struct Ledger {
+    store: Arc<dyn RecordStore>,
+    prefix: String,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger").field("prefix", &self.prefix).finish()
+    }
+}
+
+/// A failed ledger operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    /// Storage failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A record could not be decoded.
+    #[error("ledger record for {key} is corrupt: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// The decoding error.
+        reason: String,
+    },
+}
+
+fn encode_key(key: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key.as_bytes())
+}
+
+fn decode_key(encoded: &str) -> Option<String> {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(encoded)
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
+}
+
+impl Ledger {
+    /// The ledger of `hub`/`consumer_group` in `store`.
+    pub fn new(store: Arc<dyn RecordStore>, hub: &str, consumer_group: &str) -> Self {
+        Self {
+            store,
+            prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
+        }
+    }
+
+    fn record_name(&self, key: &str) -> String {
+        format!("ledger/{}{}", self.prefix, encode_key(key))
+    }
+
+    fn dead_letter_name(&self, key: &str) -> String {
+        format!("deadletters/{}{}", self.prefix, encode_key(key))
+    }
+
+    /// The record of `key` and its ETag.
+    pub async fn get(&self, key: &str) -> Result<Option<(LedgerRecord, String)>, LedgerError> {
+        let Some(r) = self.store.read(&self.record_name(key)).await? else {
+            return Ok(None);
+        };
+        let record = serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
+            key: key.to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(Some((record, r.etag)))
+    }
+
+    /// Writes `record`: creates it when `etag` is `None`, else replaces it if unchanged.
+    /// [`StoreError::Conflict`] means someone else wrote first: read and decide again.
+    pub async fn put(&self, record: &LedgerRecord, etag: Option<&str>) -> Result<String, LedgerError> {
+        let body = Bytes::from(serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
+            key: record.key.clone(),
+            reason: e.to_string(),
+        })?);
+        let name = self.record_name(&record.key);
+        Ok(match etag {
+            None => self.store.create(&name, body).await?,
+            Some(e) => self.store.update(&name, body, e).await?,
+        })
+    }
+
+    /// Marks `key` dead-lettered in the index (idempotent), before the record says so.
+    pub async fn index_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
+        match self
+            .store
+            .create(&self.dead_letter_name(key), Bytes::from(key.as_bytes().to_vec()))
+            .await
+        {
+            Ok(_) | Err(StoreError::Conflict) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Removes `key` from the dead-letter index (after a replay).
+    pub async fn unindex_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
+        let name = self.dead_letter_name(key);
+        let Some(r) = self.store.read(&name).await? else { return Ok(()) };
+        match self.store.delete(&name, &r.etag).await {
+            Ok(()) | Err(StoreError::NotFound) | Err(StoreError::Conflict) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Keys in the dead-letter index.
+    pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
+        let prefix = format!("deadletters/{}", self.prefix);
+        let listed = self.store.list(&prefix).await?;
+        Ok(listed
+            .into_iter()
+            .filter_map(|l| l.key.strip_prefix(&prefix).and_then(decode_key))
+            .collect())
+    }
+
+    /// Keys of every record (for tests and the demo's verification).
+    pub async fn keys(&self) -> Result<Vec<String>, LedgerError> {
+        let prefix = format!("ledger/{}", self.prefix);
+        let listed = self.store.list(&prefix).await?;
+        Ok(listed
+            .into_iter()
+            .filter_map(|l| l.key.strip_prefix(&prefix).and_then(decode_key))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_survive_any_characters() {
+        for k in ["a/b/c", "order 42 é", "%2F", "hub/0/17"] {
+            assert_eq!(decode_key(&encode_key(k)).as_deref(), Some(k));
+            assert!(!encode_key(k).contains('/'));
+        }
+    }
+}

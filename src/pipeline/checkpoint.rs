@@ -1,0 +1,188 @@
+//! The checkpoint store, fenced (`DESIGN.md`, "The checkpoint store, fenced"): the official
+//! `BlobCheckpointStore` writes checkpoints unconditionally and has no timeouts, and the
+//! SDK's processors send no owner level, so two replicas can overlap on a partition. This
+//! wrapper, behind the SDK's public `CheckpointStore` trait:
+//! - puts a deadline on every call;
+//! - never moves a partition's checkpoint backwards;
+//! - refuses checkpoints for partitions whose ownership this replica has not claimed within
+//!   the ownership expiration (stale or lost ownership).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use azure_core::error::ErrorKind;
+use azure_messaging_eventhubs::models::{Checkpoint, Ownership};
+use azure_messaging_eventhubs::CheckpointStore;
+use tokio::time::Instant;
+
+/// A fenced wrapper around another checkpoint store.
+pub struct FencedCheckpointStore {
+    inner: Arc<dyn CheckpointStore + Send + Sync>,
+    owner_id: String,
+    deadline: Duration,
+    expiration: Duration,
+    state: Mutex<FenceState>,
+}
+
+#[derive(Default)]
+struct FenceState {
+    /// partition → when this replica last claimed (or renewed) it.
+    claimed: HashMap<String, Instant>,
+    /// partition → highest sequence number checkpointed.
+    written: HashMap<String, i64>,
+}
+
+impl std::fmt::Debug for FencedCheckpointStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FencedCheckpointStore").field("owner_id", &self.owner_id).finish_non_exhaustive()
+    }
+}
+
+fn fence_error(msg: String) -> azure_core::Error {
+    azure_core::Error::with_message(ErrorKind::Other, msg)
+}
+
+impl FencedCheckpointStore {
+    /// Wraps `inner` for the replica `owner_id`.
+    pub fn new(inner: Arc<dyn CheckpointStore + Send + Sync>, owner_id: String, deadline: Duration, expiration: Duration) -> Self {
+        Self { inner, owner_id, deadline, expiration, state: Mutex::default() }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn deadline<T>(&self, what: &str, f: impl std::future::Future<Output = azure_core::Result<T>>) -> azure_core::Result<T> {
+        tokio::time::timeout(self.deadline, f)
+            .await
+            .unwrap_or_else(|_| Err(fence_error(format!("checkpoint store: {what} did not answer within {:?}", self.deadline))))
+    }
+
+    /// Whether this replica holds a fresh claim on `partition`.
+    pub fn owns(&self, partition: &str) -> bool {
+        self.state().claimed.get(partition).is_some_and(|t| t.elapsed() < self.expiration)
+    }
+}
+
+#[async_trait]
+impl CheckpointStore for FencedCheckpointStore {
+    async fn claim_ownership(&self, ownerships: &[Ownership]) -> azure_core::Result<Vec<Ownership>> {
+        let asked_at = Instant::now();
+        let claimed = self.deadline("claim_ownership", self.inner.claim_ownership(ownerships)).await?;
+        let mut st = self.state();
+        for o in &claimed {
+            if o.owner_id.as_deref() == Some(self.owner_id.as_str()) {
+                st.claimed.insert(o.partition_id.clone(), asked_at);
+            }
+        }
+        Ok(claimed)
+    }
+
+    async fn list_checkpoints(&self, namespace: &str, hub: &str, cg: &str) -> azure_core::Result<Vec<Checkpoint>> {
+        let cps = self.deadline("list_checkpoints", self.inner.list_checkpoints(namespace, hub, cg)).await?;
+        let mut st = self.state();
+        for c in &cps {
+            if let Some(seq) = c.sequence_number {
+                let e = st.written.entry(c.partition_id.clone()).or_insert(seq);
+                *e = (*e).max(seq);
+            }
+        }
+        Ok(cps)
+    }
+
+    async fn list_ownerships(&self, namespace: &str, hub: &str, cg: &str) -> azure_core::Result<Vec<Ownership>> {
+        let owners = self.deadline("list_ownerships", self.inner.list_ownerships(namespace, hub, cg)).await?;
+        let mut st = self.state();
+        for o in &owners {
+            if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {
+                // Someone else owns it now: our claim is lost.
+                st.claimed.remove(&o.partition_id);
+            }
+        }
+        Ok(owners)
+    }
+
+    async fn update_checkpoint(&self, checkpoint: Checkpoint) -> azure_core::Result<()> {
+        let pid = checkpoint.partition_id.clone();
+        let seq = checkpoint.sequence_number;
+        {
+            let st = self.state();
+            let fresh = st.claimed.get(&pid).is_some_and(|t| t.elapsed() < self.expiration);
+            if !fresh {
+                return Err(fence_error(format!(
+                    "checkpoint of partition {pid} refused: this replica's ownership is stale or lost"
+                )));
+            }
+            if let (Some(seq), Some(prev)) = (seq, st.written.get(&pid)) {
+                if seq < *prev {
+                    return Err(fence_error(format!(
+                        "checkpoint of partition {pid} refused: {seq} would move it back from {prev}"
+                    )));
+                }
+            }
+        }
+        self.deadline("update_checkpoint", self.inner.update_checkpoint(checkpoint)).await?;
+        if let Some(seq) = seq {
+            let mut st = self.state();
+            let e = st.written.entry(pid).or_insert(seq);
+            *e = (*e).max(seq);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use azure_messaging_eventhubs::InMemoryCheckpointStore;
+
+    fn ownership(pid: &str, owner: &str) -> Ownership {
+        Ownership {
+            fully_qualified_namespace: "ns".into(),
+            event_hub_name: "hub".into(),
+            consumer_group: "$Default".into(),
+            partition_id: pid.into(),
+            owner_id: Some(owner.into()),
+            ..Default::default()
+        }
+    }
+
+    fn checkpoint(pid: &str, seq: i64) -> Checkpoint {
+        Checkpoint {
+            fully_qualified_namespace: "ns".into(),
+            event_hub_name: "hub".into(),
+            consumer_group: "$Default".into(),
+            partition_id: pid.into(),
+            offset: Some((seq * 100).to_string()),
+            sequence_number: Some(seq),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fences_by_ownership_and_never_moves_back() {
+        let inner = Arc::new(InMemoryCheckpointStore::new());
+        let store = FencedCheckpointStore::new(inner.clone(), "me".into(), Duration::from_secs(5), Duration::from_secs(30));
+        // Not claimed: refused.
+        assert!(store.update_checkpoint(checkpoint("0", 5)).await.is_err());
+        let won = store.claim_ownership(&[ownership("0", "me")]).await.unwrap();
+        store.update_checkpoint(checkpoint("0", 5)).await.unwrap();
+        // Backwards: refused; the stored checkpoint stays.
+        assert!(store.update_checkpoint(checkpoint("0", 3)).await.is_err());
+        let cps = inner.list_checkpoints("ns", "hub", "$Default").await.unwrap();
+        assert_eq!(cps[0].sequence_number, Some(5));
+        // Stale after the expiration without a renewed claim.
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert!(store.update_checkpoint(checkpoint("0", 9)).await.is_err());
+        store.claim_ownership(&won).await.unwrap();
+        store.update_checkpoint(checkpoint("0", 9)).await.unwrap();
+        // Another owner seen in the listing: lost.
+        let mut stolen = won[0].clone();
+        stolen.owner_id = Some("other".into());
+        inner.update_ownership(&stolen).unwrap();
+        store.list_ownerships("ns", "hub", "$Default").await.unwrap();
+        assert!(!store.owns("0"));
+        assert!(store.update_checkpoint(checkpoint("0", 12)).await.is_err());
+    }
+}

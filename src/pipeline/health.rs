@@ -1,0 +1,211 @@
+//! What the pipeline says about itself: held partitions and why, the retry loop's state, and
+//! counters — for `/readyz`, the status API, logs and tests.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use serde::Serialize;
+use tokio::sync::watch;
+
+/// Why a partition is held.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Held {
+    /// Since when (RFC 3339).
+    pub since: String,
+    /// The dependency that failed and how.
+    pub reason: String,
+    /// The oldest unsettled sequence number: nothing at or after it is checkpointed.
+    pub oldest_unsettled: i64,
+}
+
+/// The retry loop's state (seed 000's three layers of recovery).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum RetryLoopState {
+    /// Not started yet.
+    Starting,
+    /// Receiving.
+    Running,
+    /// Receive failed; reconnecting with backoff.
+    Reconnecting {
+        /// Consecutive failures.
+        failures: u32,
+        /// The last error.
+        error: String,
+    },
+    /// Reconnects keep failing; the watchdog keeps trying at its slow pace.
+    Watchdog {
+        /// Consecutive failures.
+        failures: u32,
+        /// The last error.
+        error: String,
+    },
+    /// Stopped (shutdown).
+    Stopped,
+}
+
+/// Counters of the pipeline.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Events delivered (any attempt).
+    pub delivered: AtomicU64,
+    /// Retries scheduled.
+    pub retries_scheduled: AtomicU64,
+    /// Events dead-lettered.
+    pub dead_lettered: AtomicU64,
+    /// Settlements that failed (and were retried).
+    pub settle_failures: AtomicU64,
+    /// Checkpoints written.
+    pub checkpoints: AtomicU64,
+    /// Handler calls.
+    pub attempts: AtomicU64,
+}
+
+/// A snapshot of the counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CounterSnapshot {
+    /// Events delivered.
+    pub delivered: u64,
+    /// Retries scheduled.
+    pub retries_scheduled: u64,
+    /// Events dead-lettered.
+    pub dead_lettered: u64,
+    /// Failed settlements.
+    pub settle_failures: u64,
+    /// Checkpoints written.
+    pub checkpoints: u64,
+    /// Handler calls.
+    pub attempts: u64,
+}
+
+/// Shared health of one pipeline.
+#[derive(Debug)]
+pub struct Health {
+    held: Mutex<BTreeMap<String, Held>>,
+    owned: Mutex<BTreeMap<String, i64>>,
+    retry_loop: Mutex<RetryLoopState>,
+    /// Counters.
+    pub counters: Counters,
+    changed: watch::Sender<u64>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self {
+            held: Mutex::default(),
+            owned: Mutex::default(),
+            retry_loop: Mutex::new(RetryLoopState::Starting),
+            counters: Counters::default(),
+            changed: watch::channel(0).0,
+        }
+    }
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    time::OffsetDateTime::from(t)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+impl Health {
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Resolves whenever something changes (for tests that wait on conditions).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Records that `partition` is held.
+    pub fn hold(&self, partition: &str, reason: String, oldest_unsettled: i64) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let since = h.get(partition).map(|x| x.since.clone()).unwrap_or_else(|| rfc3339(SystemTime::now()));
+        if h.get(partition).map(|x| &x.reason) != Some(&reason) {
+            tracing::warn!(partition, %reason, oldest_unsettled, "partition held: its checkpoint will not pass the unsettled event");
+        }
+        h.insert(partition.to_string(), Held { since, reason, oldest_unsettled });
+        drop(h);
+        self.bump();
+    }
+
+    /// Records that `partition` is no longer held.
+    pub fn release(&self, partition: &str) {
+        let removed = self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
+        if let Some(h) = removed {
+            tracing::info!(partition, since = %h.since, "partition released: settlement succeeded");
+            self.bump();
+        }
+    }
+
+    /// Held partitions.
+    pub fn held(&self) -> BTreeMap<String, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Records that this replica processes `partition` (and its last checkpoint).
+    pub fn set_owned(&self, partition: &str, checkpoint: Option<i64>) {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner()).insert(partition.into(), checkpoint.unwrap_or(-1));
+        self.bump();
+    }
+
+    /// Records that this replica gave `partition` up.
+    pub fn unset_owned(&self, partition: &str) {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
+        self.bump();
+    }
+
+    /// Partitions this replica processes, with their last checkpointed sequence number.
+    pub fn owned(&self) -> BTreeMap<String, i64> {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets the retry loop's state.
+    pub fn set_retry_loop(&self, s: RetryLoopState) {
+        *self.retry_loop.lock().unwrap_or_else(|p| p.into_inner()) = s;
+        self.bump();
+    }
+
+    /// The retry loop's state.
+    pub fn retry_loop(&self) -> RetryLoopState {
+        self.retry_loop.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Ready: no partition held and the retry loop running.
+    pub fn ready(&self) -> bool {
+        self.held().is_empty() && self.retry_loop() == RetryLoopState::Running
+    }
+
+    /// Adds one to a counter.
+    pub fn count(&self, c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+        self.bump();
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let c = &self.counters;
+        CounterSnapshot {
+            delivered: c.delivered.load(Ordering::Relaxed),
+            retries_scheduled: c.retries_scheduled.load(Ordering::Relaxed),
+            dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
+            settle_failures: c.settle_failures.load(Ordering::Relaxed),
+            checkpoints: c.checkpoints.load(Ordering::Relaxed),
+            attempts: c.attempts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Everything, as JSON.
+    pub fn report(&self) -> serde_json::Value {
+        serde_json::json!({
+            "ready": self.ready(),
+            "held_partitions": self.held(),
+            "owned_partitions": self.owned(),
+            "retry_loop": self.retry_loop(),
+            "counters": self.snapshot(),
+        })
+    }
+}

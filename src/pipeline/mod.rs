@@ -1,0 +1,313 @@
+//! The checkpoint-guarded pipeline.
+//!
+//! ```text
+//!  Event Hubs ──► EventProcessor (SDK load balancing, fenced blob checkpoints)
+//!                   └─► partition task: attempt ─► settle ─► checkpoint window ─► checkpoint
+//!                                                   │
+//!              ledger (blob, CAS) ◄─────────────────┤
+//!              Service Bus (scheduled retry) ◄──────┘
+//!  Service Bus ──► retry loop: ledger check ─► attempt ─► settle ─► complete / abandon
+//! ```
+//!
+//! [`Pipeline::run`] runs both halves until cancelled. The SDK's partition streams are
+//! `!Send`, so the processor and its partition tasks run on a thread of their own
+//! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
+
+pub mod attempt;
+pub mod checkpoint;
+pub mod health;
+mod partition;
+mod retry;
+pub mod settle;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_core::credentials::TokenCredential;
+use azure_messaging_eventhubs::models::StartPositions;
+use azure_messaging_eventhubs::{CheckpointStore, ConsumerClient, EventProcessor, StartLocation, StartPosition};
+use tokio_util::sync::CancellationToken;
+
+use self::checkpoint::FencedCheckpointStore;
+use self::health::Health;
+use self::settle::{Policies, Settler};
+use crate::azure::{RecordStore, RetryQueue};
+use crate::event::IdentityConfig;
+use crate::handler::Handler;
+use crate::ledger::Ledger;
+
+/// How to reach the Event Hub.
+#[derive(Clone)]
+pub struct EventHubsTarget {
+    /// Namespace as the SDK names it (`ns.servicebus.windows.net`, `127.0.0.1:5672`).
+    pub namespace: String,
+    /// `amqp://host:port` for an emulator; `None` for the service's TLS endpoint.
+    pub custom_endpoint: Option<String>,
+    /// The hub.
+    pub hub: String,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The credential.
+    pub credential: Arc<dyn TokenCredential>,
+}
+
+impl std::fmt::Debug for EventHubsTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventHubsTarget")
+            .field("namespace", &self.namespace)
+            .field("custom_endpoint", &self.custom_endpoint)
+            .field("hub", &self.hub)
+            .field("consumer_group", &self.consumer_group)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Tunables.
+#[derive(Debug, Clone)]
+pub struct PipelineOptions {
+    /// This replica's owner id (unique per live replica).
+    pub owner_id: String,
+    /// The processor's load-balancing interval.
+    pub update_interval: Duration,
+    /// Ownership expires after this without renewal.
+    pub ownership_expiration: Duration,
+    /// Checkpoint after this many settled events…
+    pub checkpoint_every_events: u64,
+    /// …or this long, whichever comes first.
+    pub checkpoint_every: Duration,
+    /// Events prefetched per partition.
+    pub prefetch: u32,
+    /// Start partitions without a checkpoint at the latest event instead of the earliest.
+    pub start_at_latest: bool,
+    /// Deadline of every SDK and storage call.
+    pub deadline: Duration,
+    /// Longest wait between settlement retries of a held partition.
+    pub settle_backoff_max: Duration,
+    /// Retry messages handled at once.
+    pub retry_concurrency: usize,
+    /// Long-poll wait of each retry-queue receive.
+    pub retry_receive_wait: Duration,
+    /// First reconnect delay of the retry loop (then 2×, 3×).
+    pub reconnect_base: Duration,
+    /// The watchdog's pace once reconnects keep failing.
+    pub watchdog_interval: Duration,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        Self {
+            owner_id: uuid::Uuid::new_v4().to_string(),
+            update_interval: Duration::from_secs(5),
+            ownership_expiration: Duration::from_secs(20),
+            checkpoint_every_events: 100,
+            checkpoint_every: Duration::from_secs(1),
+            prefetch: 300,
+            start_at_latest: false,
+            deadline: Duration::from_secs(10),
+            settle_backoff_max: Duration::from_secs(10),
+            retry_concurrency: 8,
+            retry_receive_wait: Duration::from_secs(5),
+            reconnect_base: Duration::from_secs(1),
+            watchdog_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the pipeline is built from.
+pub struct PipelineParts {
+    /// The Event Hub.
+    pub eventhubs: EventHubsTarget,
+    /// The checkpoint and ownership store (the official blob store, usually).
+    pub checkpoint_store: Arc<dyn CheckpointStore + Send + Sync>,
+    /// Records for the ledger.
+    pub records: Arc<dyn RecordStore>,
+    /// The retry queue.
+    pub queue: Arc<dyn RetryQueue>,
+    /// The handler.
+    pub handler: Arc<dyn Handler>,
+    /// Retry policies.
+    pub policies: Policies,
+    /// Where the identity comes from.
+    pub identity: IdentityConfig,
+    /// Tunables.
+    pub options: PipelineOptions,
+}
+
+/// What partition tasks and the retry loop share.
+pub(crate) struct Shared {
+    pub(crate) hub: String,
+    pub(crate) settler: Arc<Settler>,
+    pub(crate) queue: Arc<dyn RetryQueue>,
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) health: Arc<Health>,
+    pub(crate) identity: IdentityConfig,
+    pub(crate) options: PipelineOptions,
+}
+
+/// A pipeline, ready to run.
+pub struct Pipeline {
+    shared: Arc<Shared>,
+    eventhubs: EventHubsTarget,
+    checkpoints: Arc<FencedCheckpointStore>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline").field("eventhubs", &self.eventhubs).finish_non_exhaustive()
+    }
+}
+
+impl Pipeline {
+    /// Assembles a pipeline.
+    pub fn new(parts: PipelineParts) -> Self {
+        let ledger = Ledger::new(parts.records, &parts.eventhubs.hub, &parts.eventhubs.consumer_group);
+        let settler = Arc::new(Settler::new(ledger, parts.queue.clone(), parts.policies));
+        let checkpoints = Arc::new(FencedCheckpointStore::new(
+            parts.checkpoint_store,
+            parts.options.owner_id.clone(),
+            parts.options.deadline,
+            parts.options.ownership_expiration,
+        ));
+        Self {
+            shared: Arc::new(Shared {
+                hub: parts.eventhubs.hub.clone(),
+                settler,
+                queue: parts.queue,
+                handler: parts.handler,
+                health: Arc::new(Health::default()),
+                identity: parts.identity,
+                options: parts.options,
+            }),
+            eventhubs: parts.eventhubs,
+            checkpoints,
+        }
+    }
+
+    /// The pipeline's health (held partitions, retry loop, counters).
+    pub fn health(&self) -> Arc<Health> {
+        self.shared.health.clone()
+    }
+
+    /// The settler (ledger reads, dead-letter replay).
+    pub fn settler(&self) -> Arc<Settler> {
+        self.shared.settler.clone()
+    }
+
+    /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
+    /// is in flight, write final checkpoints, close partition clients.
+    pub async fn run(self, cancel: CancellationToken) -> std::io::Result<()> {
+        let retry = tokio::spawn(retry::run(self.shared.clone(), cancel.clone()));
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let shared = self.shared.clone();
+        let target = self.eventhubs.clone();
+        let checkpoints = self.checkpoints.clone();
+        let processor_cancel = cancel.clone();
+        std::thread::Builder::new()
+            .name("hubguard-partitions".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+                match rt {
+                    Ok(rt) => {
+                        let local = tokio::task::LocalSet::new();
+                        local.block_on(&rt, supervise(shared, target, checkpoints, processor_cancel));
+                    }
+                    Err(e) => tracing::error!(error = %e, "cannot start the partition runtime"),
+                }
+                let _ = done_tx.send(());
+            })?;
+        let _ = done_rx.await;
+        let _ = retry.await;
+        Ok(())
+    }
+}
+
+/// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
+async fn supervise(shared: Arc<Shared>, target: EventHubsTarget, checkpoints: Arc<FencedCheckpointStore>, cancel: CancellationToken) {
+    let mut backoff = Duration::from_millis(500);
+    while !cancel.is_cancelled() {
+        match run_processor(&shared, &target, &checkpoints, &cancel).await {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "event processor stopped; rebuilding");
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+async fn run_processor(
+    shared: &Arc<Shared>,
+    target: &EventHubsTarget,
+    checkpoints: &Arc<FencedCheckpointStore>,
+    cancel: &CancellationToken,
+) -> Result<(), String> {
+    let o = &shared.options;
+    let mut builder = ConsumerClient::builder()
+        .with_application_id(o.owner_id.clone())
+        .with_consumer_group(target.consumer_group.clone());
+    if let Some(e) = &target.custom_endpoint {
+        builder = builder.with_custom_endpoint(e.clone());
+    }
+    let consumer = tokio::time::timeout(o.deadline, builder.open(&target.namespace, target.hub.clone(), target.credential.clone()))
+        .await
+        .map_err(|_| "opening the Event Hubs consumer timed out".to_string())?
+        .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
+    let location = if o.start_at_latest { StartLocation::Latest } else { StartLocation::Earliest };
+    let store: Arc<dyn CheckpointStore + Send + Sync> = checkpoints.clone();
+    let processor = tokio::time::timeout(
+        o.deadline,
+        EventProcessor::builder()
+            .with_update_interval(o.update_interval.try_into().map_err(|_| "bad update interval")?)
+            .with_partition_expiration_duration(o.ownership_expiration.try_into().map_err(|_| "bad ownership expiration")?)
+            .with_prefetch(o.prefetch)
+            .with_start_positions(StartPositions {
+                default: StartPosition { location, inclusive: false },
+                ..Default::default()
+            })
+            .build(consumer, store),
+    )
+    .await
+    .map_err(|_| "building the event processor timed out".to_string())?
+    .map_err(|e| format!("building the event processor: {e}"))?;
+
+    let mut run = {
+        let p = processor.clone();
+        tokio::task::spawn_local(async move { p.run().await })
+    };
+    let mut run_done = false;
+    let partitions = cancel.child_token();
+    let mut tasks = Vec::new();
+    let result = loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break Ok(()),
+            r = &mut run => {
+                run_done = true;
+                break Err(format!("processor run() ended: {r:?}"));
+            }
+            pc = processor.next_partition_client() => match pc {
+                Ok(pc) => tasks.push(tokio::task::spawn_local(partition::run(pc, shared.clone(), partitions.clone()))),
+                Err(e) => break Err(format!("next_partition_client: {e}")),
+            },
+        }
+    };
+    // Teardown, in the order that releases everything (PROCESSOR_NOTES.md).
+    partitions.cancel();
+    for t in tasks {
+        let _ = tokio::time::timeout(o.deadline * 3, t).await;
+    }
+    let _ = tokio::time::timeout(o.deadline, processor.shutdown()).await;
+    if !run_done {
+        let _ = tokio::time::timeout(o.update_interval * 2 + o.deadline, &mut run).await;
+    }
+    match Arc::try_unwrap(processor) {
+        Ok(p) => {
+            let _ = tokio::time::timeout(o.deadline, p.close()).await;
+        }
+        Err(_) => tracing::warn!("event processor still shared at shutdown"),
+    }
+    result
+}

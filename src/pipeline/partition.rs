@@ -1,0 +1,145 @@
+//! One partition: read in order, attempt, settle, and checkpoint the contiguous settled
+//! prefix — every N events or T milliseconds, never per event, once more at the end. A
+//! settlement that fails holds the partition (nothing behind the event can move the
+//! checkpoint) and is retried with backoff until it succeeds or the task is stopped; a stop
+//! while holding leaves the event before the checkpoint, so the next owner replays it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_messaging_eventhubs::models::ReceivedEventData;
+use azure_messaging_eventhubs::processor::PartitionClient;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::settle::{Settled, Source};
+use super::{attempt, Shared};
+use crate::guard::CheckpointWindow;
+
+struct Checkpointer {
+    last_settled: Option<ReceivedEventData>,
+    written: Option<i64>,
+    since: u64,
+}
+
+impl Checkpointer {
+    fn dirty(&self) -> bool {
+        self.last_settled.as_ref().and_then(|e| e.sequence_number()) != self.written && self.last_settled.is_some()
+    }
+
+    async fn write(&mut self, pc: &PartitionClient, shared: &Shared) {
+        let Some(ev) = self.last_settled.as_ref() else { return };
+        if !self.dirty() {
+            return;
+        }
+        let seq = ev.sequence_number();
+        match tokio::time::timeout(shared.options.deadline, pc.update_checkpoint(ev)).await {
+            Ok(Ok(())) => {
+                self.written = seq;
+                self.since = 0;
+                shared.health.count(&shared.health.counters.checkpoints);
+                shared.health.set_owned(pc.get_partition_id(), seq);
+            }
+            Ok(Err(e)) => tracing::warn!(partition = pc.get_partition_id(), error = %e, "checkpoint not written; will try again"),
+            Err(_) => tracing::warn!(partition = pc.get_partition_id(), "checkpoint timed out; will try again"),
+        }
+    }
+}
+
+/// Processes one partition until it is revoked, fails, or `cancel` fires; then writes the
+/// final checkpoint and closes the partition client (the only clean give-back).
+pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: CancellationToken) {
+    let pid = pc.get_partition_id().to_string();
+    shared.health.set_owned(&pid, None);
+    tracing::info!(partition = %pid, "partition claimed");
+    let mut window = CheckpointWindow::new();
+    let mut cp = Checkpointer { last_settled: None, written: None, since: 0 };
+    {
+        let stream = pc.stream_events();
+        futures::pin_mut!(stream);
+        let mut tick = tokio::time::interval(shared.options.checkpoint_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                _ = tick.tick() => cp.write(&pc, &shared).await,
+                next = stream.next() => match next {
+                    Some(Ok(received)) => {
+                        let seq = received.sequence_number().unwrap_or(-1);
+                        window.dispatched(seq);
+                        if !process(&received, &pid, &shared, &cancel).await {
+                            break; // stopped while holding: the event stays unsettled
+                        }
+                        window.settled(seq);
+                        cp.last_settled = Some(received);
+                        cp.since += 1;
+                        if cp.since >= shared.options.checkpoint_every_events {
+                            cp.write(&pc, &shared).await;
+                        }
+                    }
+                    Some(Err(e)) => {
+                        tracing::info!(partition = %pid, error = %e, "partition stream ended (revoked or disconnected)");
+                        break;
+                    }
+                    None => break,
+                },
+            }
+        }
+    }
+    debug_assert!(cp.last_settled.as_ref().and_then(|e| e.sequence_number()) <= window.checkpoint().or(cp.written));
+    cp.write(&pc, &shared).await;
+    shared.health.unset_owned(&pid);
+    match Arc::try_unwrap(pc) {
+        Ok(pc) => {
+            if tokio::time::timeout(shared.options.deadline, pc.close()).await.is_err() {
+                tracing::warn!(partition = %pid, "closing the partition client timed out");
+            }
+        }
+        Err(_) => tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly"),
+    }
+    tracing::info!(partition = %pid, "partition released");
+}
+
+/// Attempts and settles one event; `false` if stopped before it settled.
+async fn process(received: &ReceivedEventData, pid: &str, shared: &Shared, cancel: &CancellationToken) -> bool {
+    let event = shared.identity.event(&shared.hub, pid, received);
+    shared.health.count(&shared.health.counters.attempts);
+    let attempted = attempt::run(&shared.handler, &event, 1).await;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let settled = shared
+            .settler
+            .settle(&event, 1, Source::EventHubs, attempted.started, &attempted.outcome, &attempted.trace_id, std::slice::from_ref(&attempted.traceparent))
+            .await;
+        match settled {
+            Ok(s) => {
+                shared.count_settled(&s);
+                shared.health.release(pid);
+                return true;
+            }
+            Err(e) => {
+                shared.health.count(&shared.health.counters.settle_failures);
+                shared.health.hold(pid, format!("{} unavailable: {e}", e.dependency()), event.sequence_number);
+                tokio::select! {
+                    _ = cancel.cancelled() => return false,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Counts a settlement.
+    pub(crate) fn count_settled(&self, s: &Settled) {
+        let c = &self.health.counters;
+        match s {
+            Settled::Delivered => self.health.count(&c.delivered),
+            Settled::RetryScheduled { .. } => self.health.count(&c.retries_scheduled),
+            Settled::DeadLettered(_) => self.health.count(&c.dead_lettered),
+            Settled::AlreadyFinal(_) => {}
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! Settlement: making an attempt's outcome durable, so the checkpoint may pass the event.
+//!
+//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path).
+//! - Delivered on a retry: the ledger records it.
+//! - Failed: the pinned policy decides; a retry is settled only when the ledger records the
+//!   attempt *and* Service Bus accepted the scheduled message (MessageId
+//!   `{key}-attempt-{n+1}`, so a repeat is dropped by duplicate detection); a dead letter when
+//!   the index and the ledger record are written.
+//! - A replayed attempt the ledger already has (a crash between scheduling and
+//!   checkpointing, a lost retry message) re-sends the recorded next attempt instead of
+//!   counting again: the ledger is authoritative for the attempt number.
+//!
+//! Any storage or Service Bus failure is returned, never swallowed: the caller holds the
+//! partition (or abandons the retry message) and tries the settlement again.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
+use crate::event::Event;
+use crate::handler::{Failure, Outcome};
+use crate::ledger::{at, ms, AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
+use crate::policy::classify::ErrorClass;
+use crate::policy::{Decision, DeadLetterReason, RetryPolicy};
+
+/// Compare-and-swap rounds before giving up on a contended record.
+const CAS_ROUNDS: usize = 16;
+
+/// Retry policies by event type, with a default.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    /// For events without a type, or with a type not listed.
+    pub default: RetryPolicy,
+    /// By event type.
+    pub by_type: HashMap<String, RetryPolicy>,
+}
+
+impl Policies {
+    /// The policy for `event_type`.
+    pub fn for_type(&self, event_type: Option<&str>) -> &RetryPolicy {
+        event_type.and_then(|t| self.by_type.get(t)).unwrap_or(&self.default)
+    }
+}
+
+/// Where an attempt came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Read from Event Hubs (attempt 1, or a replay of it).
+    EventHubs,
+    /// A retry message from Service Bus.
+    Retry,
+}
+
+/// What a settlement achieved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Delivered.
+    Delivered,
+    /// Attempt `attempt` is scheduled for `due`.
+    RetryScheduled {
+        /// The scheduled attempt's number.
+        attempt: u32,
+        /// When it is due.
+        due: SystemTime,
+    },
+    /// Dead-lettered.
+    DeadLettered(DeadLetterReason),
+    /// The ledger already had a final state for the event (a duplicate delivery).
+    AlreadyFinal(State),
+}
+
+/// A settlement that could not be made durable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettleError {
+    /// The ledger (blob storage) failed.
+    #[error("ledger: {0}")]
+    Ledger(#[from] LedgerError),
+    /// Service Bus refused or could not be reached.
+    #[error("service bus: {0}")]
+    Queue(#[from] RetryQueueError),
+    /// The record kept changing under us.
+    #[error("ledger record for {0} is contended")]
+    Contended(String),
+}
+
+impl SettleError {
+    /// The dependency at fault, for the held reason.
+    pub fn dependency(&self) -> &'static str {
+        match self {
+            SettleError::Ledger(_) | SettleError::Contended(_) => "blob storage (ledger)",
+            SettleError::Queue(_) => "Service Bus",
+        }
+    }
+}
+
+/// The body of a retry message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryMessage {
+    /// Format version.
+    pub v: u32,
+    /// The attempt this message triggers.
+    pub attempt: u32,
+    /// When it is due (ms since the epoch).
+    pub due_ms: i64,
+    /// The event.
+    pub event: Event,
+    /// `traceparent`s of the earlier attempts.
+    #[serde(default)]
+    pub traceparents: Vec<String>,
+}
+
+/// The Service Bus MessageId of attempt `attempt` of `key`.
+pub fn message_id(key: &str, attempt: u32) -> String {
+    format!("{key}-attempt-{attempt}")
+}
+
+/// Makes outcomes durable.
+pub struct Settler {
+    /// The ledger.
+    pub ledger: Ledger,
+    queue: Arc<dyn RetryQueue>,
+    policies: Policies,
+}
+
+impl std::fmt::Debug for Settler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settler").field("ledger", &self.ledger).finish_non_exhaustive()
+    }
+}
+
+fn ascii(s: &str) -> bool {
+    s.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+impl Settler {
+    /// A settler writing to `ledger` and `queue`.
+    pub fn new(ledger: Ledger, queue: Arc<dyn RetryQueue>, policies: Policies) -> Self {
+        Self { ledger, queue, policies }
+    }
+
+    /// The policies in force (for new failures).
+    pub fn policies(&self) -> &Policies {
+        &self.policies
+    }
+
+    /// Schedules attempt `attempt` of `event` for `due`.
+    pub async fn schedule(&self, event: &Event, attempt: u32, due: SystemTime, traceparents: &[String]) -> Result<(), RetryQueueError> {
+        let body = RetryMessage { v: 1, attempt, due_ms: ms(due), event: event.clone(), traceparents: traceparents.to_vec() };
+        let mut properties = vec![("hubguard-attempt".to_string(), attempt.to_string())];
+        if ascii(&event.identity.idempotency_key) {
+            properties.push(("hubguard-idempotency-key".into(), event.identity.idempotency_key.clone()));
+        }
+        self.queue
+            .schedule(OutgoingMessage {
+                message_id: message_id(&event.identity.idempotency_key, attempt),
+                correlation_id: Some(event.identity.correlation_id.clone()),
+                label: event.identity.event_type.clone(),
+                body: serde_json::to_string(&body).map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
+                content_type: Some("application/json".into()),
+                due,
+                time_to_live: None,
+                properties,
+            })
+            .await
+    }
+
+    /// Settles `outcome` of attempt `attempt` of `event`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn settle(
+        &self,
+        event: &Event,
+        attempt: u32,
+        source: Source,
+        started: SystemTime,
+        outcome: &Outcome,
+        trace_id: &str,
+        traceparents: &[String],
+    ) -> Result<Settled, SettleError> {
+        match outcome {
+            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => Ok(Settled::Delivered),
+            Outcome::Delivered => self.delivered(event, attempt, started, trace_id).await,
+            Outcome::Failed(f) => self.failed(event, attempt, started, f, trace_id, traceparents).await,
+        }
+    }
+
+    async fn delivered(&self, event: &Event, attempt: u32, started: SystemTime, trace_id: &str) -> Result<Settled, SettleError> {
+        let key = &event.identity.idempotency_key;
+        for _ in 0..CAS_ROUNDS {
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+                return Ok(Settled::Delivered);
+            };
+            if rec.state != State::RetryScheduled {
+                return Ok(Settled::AlreadyFinal(rec.state));
+            }
+            let now = SystemTime::now();
+            rec.state = State::Delivered;
+            rec.attempts = rec.attempts.max(attempt);
+            rec.next_attempt_ms = None;
+            rec.updated_ms = ms(now);
+            rec.push_history(AttemptEntry {
+                attempt,
+                started_ms: ms(started),
+                finished_ms: ms(now),
+                outcome: "delivered".into(),
+                error: None,
+                next_attempt_ms: None,
+                trace_id: Some(trace_id.to_string()),
+            });
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => return Ok(Settled::Delivered),
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(SettleError::Contended(key.clone()))
+    }
+
+    async fn failed(
+        &self,
+        event: &Event,
+        attempt: u32,
+        started: SystemTime,
+        failure: &Failure,
+        trace_id: &str,
+        traceparents: &[String],
+    ) -> Result<Settled, SettleError> {
+        let key = &event.identity.idempotency_key;
+        for _ in 0..CAS_ROUNDS {
+            let current = self.ledger.get(key).await?;
+            if let Some((rec, _)) = &current {
+                if rec.state != State::RetryScheduled {
+                    return Ok(Settled::AlreadyFinal(rec.state));
+                }
+                if rec.attempts >= attempt {
+                    // This attempt is already recorded: make sure the recorded next attempt
+                    // exists on Service Bus (a repeat is dropped by duplicate detection).
+                    let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
+                    let trail: Vec<String> = traceparents.to_vec();
+                    self.schedule(&rec.event, rec.attempts + 1, due, &trail).await?;
+                    return Ok(Settled::RetryScheduled { attempt: rec.attempts + 1, due });
+                }
+            }
+            let now = SystemTime::now();
+            let (policy, first_failure, base, previous) = match &current {
+                Some((rec, _)) => (
+                    rec.policy.clone(),
+                    at(rec.first_failure_ms),
+                    rec.attempt_base,
+                    rec.last_delay_ms.map(Duration::from_millis),
+                ),
+                None => (self.policies.for_type(event.identity.event_type.as_deref()).clone(), now, 0, None),
+            };
+            let decision = policy.decide(
+                attempt.saturating_sub(base).max(1),
+                first_failure,
+                now,
+                failure.class == ErrorClass::Permanent,
+                failure.retry_after,
+                previous,
+                &mut rand::thread_rng(),
+            );
+            let mut rec = match current.as_ref() {
+                Some((rec, _)) => rec.clone(),
+                None => LedgerRecord {
+                    key: key.clone(),
+                    correlation_id: event.identity.correlation_id.clone(),
+                    event_type: event.identity.event_type.clone(),
+                    state: State::RetryScheduled,
+                    attempts: 0,
+                    next_attempt_ms: None,
+                    first_failure_ms: ms(now),
+                    updated_ms: ms(now),
+                    last_error: None,
+                    dead_letter_reason: None,
+                    last_delay_ms: None,
+                    policy: policy.clone(),
+                    attempt_base: 0,
+                    history: Vec::new(),
+                    event: event.clone(),
+                },
+            };
+            rec.attempts = attempt;
+            rec.updated_ms = ms(now);
+            rec.last_error = Some(failure.error.clone());
+            let etag = current.as_ref().map(|(_, e)| e.as_str());
+            match decision {
+                Decision::RetryAt(due) => {
+                    rec.state = State::RetryScheduled;
+                    rec.next_attempt_ms = Some(ms(due));
+                    rec.last_delay_ms = Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
+                    rec.push_history(AttemptEntry {
+                        attempt,
+                        started_ms: ms(started),
+                        finished_ms: ms(now),
+                        outcome: "retry_scheduled".into(),
+                        error: Some(failure.error.clone()),
+                        next_attempt_ms: Some(ms(due)),
+                        trace_id: Some(trace_id.to_string()),
+                    });
+                    // Ledger first: if Service Bus then fails, the replay (or the redelivered
+                    // retry message) finds the attempt recorded and re-sends the same message.
+                    match self.ledger.put(&rec, etag).await {
+                        Ok(_) => {}
+                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                    self.schedule(event, attempt + 1, due, traceparents).await?;
+                    return Ok(Settled::RetryScheduled { attempt: attempt + 1, due });
+                }
+                Decision::DeadLetter(reason) => {
+                    rec.state = State::DeadLettered;
+                    rec.next_attempt_ms = None;
+                    rec.dead_letter_reason = Some(reason.clone());
+                    rec.push_history(AttemptEntry {
+                        attempt,
+                        started_ms: ms(started),
+                        finished_ms: ms(now),
+                        outcome: "dead_lettered".into(),
+                        error: Some(failure.error.clone()),
+                        next_attempt_ms: None,
+                        trace_id: Some(trace_id.to_string()),
+                    });
+                    self.ledger.index_dead_letter(key).await?;
+                    match self.ledger.put(&rec, etag).await {
+                        Ok(_) => return Ok(Settled::DeadLettered(reason)),
+                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
+        Err(SettleError::Contended(key.clone()))
+    }
+
+    /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
+    /// budget, and takes it off the dead-letter index.
+    pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
+        for _ in 0..CAS_ROUNDS {
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else { return Ok(None) };
+            if rec.state != State::DeadLettered {
+                return Ok(None);
+            }
+            let now = SystemTime::now();
+            rec.state = State::RetryScheduled;
+            rec.attempt_base = rec.attempts;
+            rec.first_failure_ms = ms(now);
+            rec.next_attempt_ms = Some(ms(now));
+            rec.dead_letter_reason = None;
+            rec.updated_ms = ms(now);
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => {}
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            self.schedule(&rec.event, rec.attempts + 1, now, &[]).await?;
+            self.ledger.unindex_dead_letter(key).await?;
+            return Ok(Some(rec.attempts + 1));
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+}
