@@ -8,4 +8,6 @@ mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
+mod pipeline;
+mod pipeline_support;
 mod servicebus;

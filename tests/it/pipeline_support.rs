@@ -1,0 +1,236 @@
+//! A test bed for the pipeline: the three emulators, a scripted handler whose behaviour is
+//! written in each event's body, and helpers to produce events and wait on conditions.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+use azure_messaging_eventhubs::{CheckpointStore, EventDataBatchOptions};
+use azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore;
+use hubguard::azure::{BlobRecordStore, ConnectionString, RecordStore, ServiceBusRetryQueue};
+use hubguard::emulator::blob::{BlobConfig, BlobEmulator};
+use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
+use hubguard::emulator::servicebus::{QueueSpec, ServiceBusConfig, ServiceBusEmulator};
+use hubguard::event::{Event, IdentityConfig};
+use hubguard::handler::{Attempt, Failure, Handler, Outcome};
+use hubguard::ledger::Ledger;
+use hubguard::pipeline::health::Health;
+use hubguard::pipeline::settle::{Policies, Settler};
+use hubguard::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
+use hubguard::policy::{Curve, RetryPolicy};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+/// Body instructions: `ok`, `fail:N` (transient failures for the first N attempts),
+/// `perm` (permanent failure), `retry-after:S` (one 429-like failure asking for S seconds).
+#[derive(Default)]
+pub struct Scripted {
+    /// key → attempt numbers seen, in order.
+    pub calls: Mutex<HashMap<String, Vec<u32>>>,
+    /// keys delivered (in delivery order, duplicates included).
+    pub delivered: Mutex<Vec<String>>,
+    /// When set, every call fails transiently (a downstream outage).
+    pub outage: std::sync::atomic::AtomicBool,
+}
+
+impl Scripted {
+    pub fn calls_of(&self, key: &str) -> Vec<u32> {
+        self.calls.lock().unwrap().get(key).cloned().unwrap_or_default()
+    }
+    pub fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
+        self.delivered.lock().unwrap().iter().cloned().collect()
+    }
+}
+
+#[async_trait]
+impl Handler for Scripted {
+    async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+        let key = event.identity.idempotency_key.clone();
+        let n = {
+            let mut calls = self.calls.lock().unwrap();
+            let v = calls.entry(key.clone()).or_default();
+            v.push(attempt.number);
+            v.len() as u32
+        };
+        if self.outage.load(std::sync::atomic::Ordering::SeqCst) {
+            return Outcome::Failed(Failure::transient("downstream outage"));
+        }
+        let body = String::from_utf8_lossy(&event.body).to_string();
+        let outcome = if let Some(k) = body.strip_prefix("fail:") {
+            if n <= k.parse::<u32>().unwrap_or(0) {
+                Outcome::Failed(Failure::transient(format!("scripted failure {n}")))
+            } else {
+                Outcome::Delivered
+            }
+        } else if body == "perm" {
+            Outcome::Failed(Failure::permanent("scripted permanent failure"))
+        } else if let Some(s) = body.strip_prefix("retry-after:") {
+            if n == 1 {
+                Outcome::Failed(Failure::transient("busy").with_retry_after(Some(Duration::from_secs(s.parse().unwrap_or(1)))))
+            } else {
+                Outcome::Delivered
+            }
+        } else {
+            Outcome::Delivered
+        };
+        if outcome == Outcome::Delivered {
+            self.delivered.lock().unwrap().push(key);
+        }
+        outcome
+    }
+}
+
+pub struct Bed {
+    pub eh: EventHubsEmulator,
+    pub sb: ServiceBusEmulator,
+    pub blob: BlobEmulator,
+    pub cs: ConnectionString,
+}
+
+/// A fast policy for tests: fixed 1 s waits.
+pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        name: "test".into(),
+        curve: Curve::Fixed,
+        base_s: 1,
+        floor_s: 1,
+        cap_s: 60,
+        max_attempts,
+        max_age_s: None,
+    }
+}
+
+pub struct Running {
+    pub cancel: CancellationToken,
+    pub health: Arc<Health>,
+    pub settler: Arc<Settler>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    pub async fn stop(self) {
+        self.cancel.cancel();
+        within("pipeline stops", self.task).await.unwrap();
+    }
+}
+
+impl Bed {
+    pub async fn start(partitions: usize) -> Self {
+        let eh = EventHubsEmulator::start(EventHubsConfig { hubs: vec![HubSpec::new("hub", partitions)], ..Default::default() })
+            .await
+            .unwrap();
+        let sb = ServiceBusEmulator::start(ServiceBusConfig { queues: vec![QueueSpec::new("retries")], ..Default::default() })
+            .await
+            .unwrap();
+        let blob = BlobEmulator::start(BlobConfig::default()).await.unwrap();
+        let cs = conn(&eh);
+        Self { eh, sb, blob, cs }
+    }
+
+    pub fn records(&self) -> Arc<dyn RecordStore> {
+        Arc::new(BlobRecordStore::new(&self.blob.container_url("hubguard"), None, Duration::from_secs(3)).unwrap())
+    }
+
+    pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
+        let url = url::Url::parse(&self.blob.container_url("hubguard")).unwrap();
+        BlobCheckpointStore::new(azure_storage_blob::BlobContainerClient::new(url, None, None).unwrap())
+    }
+
+    pub fn ledger(&self) -> Ledger {
+        Ledger::new(self.records(), "hub", "$Default")
+    }
+
+    pub fn parts(&self, handler: Arc<dyn Handler>, policy: RetryPolicy, owner: &str) -> PipelineParts {
+        let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
+        PipelineParts {
+            eventhubs: EventHubsTarget {
+                namespace: self.cs.namespace(),
+                custom_endpoint: self.cs.custom_endpoint(),
+                hub: "hub".into(),
+                consumer_group: "$Default".into(),
+                credential: Arc::new(self.cs.credential(Some("hub"))),
+            },
+            checkpoint_store: self.checkpoint_store(),
+            records: self.records(),
+            queue: Arc::new(ServiceBusRetryQueue::new(&sb_cs, "retries", hubguard::azure::retry_queue::ServiceBusOptions { deadline: Duration::from_secs(3) }).unwrap()),
+            handler,
+            policies: Policies { default: policy, by_type: HashMap::new() },
+            identity: IdentityConfig::default(),
+            options: PipelineOptions {
+                owner_id: owner.into(),
+                update_interval: Duration::from_millis(500),
+                ownership_expiration: Duration::from_secs(3),
+                checkpoint_every_events: 1000,
+                checkpoint_every: Duration::from_millis(300),
+                deadline: Duration::from_secs(3),
+                settle_backoff_max: Duration::from_millis(500),
+                retry_receive_wait: Duration::from_secs(1),
+                reconnect_base: Duration::from_millis(200),
+                watchdog_interval: Duration::from_millis(500),
+                ..Default::default()
+            },
+        }
+    }
+
+    pub fn run(parts: PipelineParts) -> Running {
+        let pipeline = Pipeline::new(parts);
+        let health = pipeline.health();
+        let settler = pipeline.settler();
+        let cancel = CancellationToken::new();
+        let c = cancel.clone();
+        let task = tokio::spawn(async move {
+            pipeline.run(c).await.unwrap();
+        });
+        Running { cancel, health, settler, task }
+    }
+
+    /// Sends events with `ce_id` = key and the given body to a partition.
+    pub async fn send(&self, partition: usize, events: &[(&str, &str)]) {
+        let prod = producer(&self.cs, "hub").await;
+        let batch = within(
+            "batch",
+            prod.create_batch(Some(EventDataBatchOptions { partition_id: Some(partition.to_string()), ..Default::default() })),
+        )
+        .await
+        .unwrap();
+        for (key, body) in events {
+            let ev = EventData::builder()
+                .with_body(body.as_bytes().to_vec())
+                .add_property("ce_id".into(), AmqpSimpleValue::String(key.to_string()))
+                .add_property("ce_type".into(), AmqpSimpleValue::String("test.event".into()))
+                .build();
+            assert!(batch.try_add_event_data(ev, None).unwrap());
+        }
+        within("send", prod.send_batch(batch, None)).await.unwrap();
+        within("close producer", prod.close()).await.unwrap();
+    }
+
+    /// The checkpointed sequence number of a partition, if any.
+    pub async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
+        let cps = self.checkpoint_store().list_checkpoints(&self.cs.host, "hub", "$Default").await.unwrap();
+        cps.into_iter().find(|c| c.partition_id == partition).and_then(|c| c.sequence_number)
+    }
+}
+
+/// Waits (bounded) until `cond` holds, re-checking on every health change and every 50 ms.
+pub async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let mut changes = health.subscribe();
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}; health: {}", health.report());
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+}
