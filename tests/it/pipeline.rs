@@ -167,3 +167,134 @@ async fn blob_storage_down_holds_the_partition_and_everything_settles_after_reco
     wait_for("checkpoint moves on", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(1) }).await;
     run.stop().await;
 }
+
+/// A checkpoint store that never writes checkpoints: a process that "crashes" before its
+/// first checkpoint.
+struct NoCheckpoints(Arc<dyn azure_messaging_eventhubs::CheckpointStore + Send + Sync>);
+
+#[async_trait::async_trait]
+impl azure_messaging_eventhubs::CheckpointStore for NoCheckpoints {
+    async fn claim_ownership(&self, o: &[azure_messaging_eventhubs::models::Ownership]) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.0.claim_ownership(o).await
+    }
+    async fn list_checkpoints(&self, n: &str, h: &str, c: &str) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
+        self.0.list_checkpoints(n, h, c).await
+    }
+    async fn list_ownerships(&self, n: &str, h: &str, c: &str) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.0.list_ownerships(n, h, c).await
+    }
+    async fn update_checkpoint(&self, _: azure_messaging_eventhubs::models::Checkpoint) -> azure_core::Result<()> {
+        Err(azure_core::Error::with_message(azure_core::error::ErrorKind::Other, "crashed before checkpointing"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the_count() {
+    let bed = Bed::start(1).await;
+    bed.send(0, &[("crashy", "fail:99")]).await;
+    let handler = Arc::new(Scripted::default());
+    // Far-off retries so that nothing runs on Service Bus during the test.
+    let mut policy = fast_policy(10);
+    // (700 s: beyond the 600 s duplicate-detection window, within the 1 h SAS token lifetime
+    // that the emulator checks against its advanced clock.)
+    policy.base_s = 700;
+    policy.floor_s = 700;
+    policy.cap_s = 700;
+    let mut parts = bed.parts(handler.clone(), policy.clone(), "replica-a");
+    parts.checkpoint_store = Arc::new(NoCheckpoints(bed.checkpoint_store()));
+    let run = Bed::run(parts);
+    let ledger = bed.ledger();
+    wait_for("retry scheduled", &run.health, LIMIT, || async { run.health.snapshot().retries_scheduled == 1 }).await;
+    run.stop().await;
+    assert_eq!(bed.checkpoint_of("0").await, None, "the crashed replica never checkpointed");
+    let sb = bed.sb.counters("retries").unwrap();
+    assert_eq!((sb.sends, sb.scheduled), (1, 1));
+
+    // The next owner replays the event from Event Hubs: the ledger already has attempt 1,
+    // so the replay re-sends attempt 2 with the same MessageId and duplicate detection drops it.
+    let run = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-b"));
+    wait_for("replayed and checkpointed", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(0) }).await;
+    run.stop().await;
+    assert_eq!(handler.calls_of("crashy"), vec![1, 1], "the event was replayed once");
+    let sb = bed.sb.counters("retries").unwrap();
+    assert_eq!((sb.sends, sb.duplicates_dropped, sb.scheduled), (2, 1, 1), "still exactly one retry message");
+    let (rec, _) = ledger.get("crashy").await.unwrap().unwrap();
+    assert_eq!((rec.attempts, rec.state), (1, State::RetryScheduled), "a replay does not count a new attempt");
+
+    // A lost retry message: take it off the queue, let the duplicate window pass, replay.
+    let q = bed.sb.queue("retries").unwrap();
+    bed.sb.clock().advance(Duration::from_secs(701));
+    let lost = q.try_lock(hubguard::emulator::servicebus::broker::Entity::Main, bed.sb.clock().now()).unwrap().unwrap();
+    q.complete(hubguard::emulator::servicebus::broker::Entity::Main, &lost.message.sequence_number.to_string(), &lost.lock_token, bed.sb.clock().now()).unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&lost.message.body).unwrap();
+    assert_eq!(body["attempt"], 2);
+    // Rewind the checkpoint by using a fresh consumer group position: a new store replays from the start.
+    let mut parts = bed.parts(handler.clone(), policy, "replica-c");
+    parts.checkpoint_store = Arc::new(azure_messaging_eventhubs::InMemoryCheckpointStore::new());
+    let run = Bed::run(parts);
+    // The replay finds attempt 1 recorded and re-sends attempt 2 (the duplicate window has
+    // passed, so it is accepted); its due time has passed on the emulator's clock, so the
+    // retry loop runs it at once: as attempt 2, not as a fresh attempt 1.
+    wait_for("the re-sent retry runs", &run.health, LIMIT, || async { handler.calls_of("crashy").len() >= 4 }).await;
+    run.stop().await;
+    assert_eq!(handler.calls_of("crashy")[..4], [1, 1, 1, 2], "the attempt count continues from the ledger");
+
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_for_an_event_already_delivered_completes_without_calling_the_handler() {
+    let bed = Bed::start(1).await;
+    bed.send(0, &[("twice", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let mut policy = fast_policy(5);
+    policy.base_s = 3;
+    policy.floor_s = 3;
+    let run = Bed::run(bed.parts(handler.clone(), policy, "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("retry scheduled", &run.health, LIMIT, || async { run.health.snapshot().retries_scheduled == 1 }).await;
+    // Meanwhile the event got delivered (say, by a replay elsewhere): the ledger says so.
+    let (mut rec, etag) = ledger.get("twice").await.unwrap().unwrap();
+    rec.state = State::Delivered;
+    ledger.put(&rec, Some(&etag)).await.unwrap();
+    wait_for("retry message completed", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.completes == 1 && c.scheduled == 0 && c.active == 0
+    })
+    .await;
+    run.stop().await;
+    assert_eq!(handler.calls_of("twice"), vec![1], "the handler is not called for a delivered event");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_partitions_and_one_stopping_mid_stream_loses_nothing() {
+    let bed = Bed::start(4).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let b = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-b"));
+    wait_for("both replicas own partitions", &a.health, LIMIT, || async {
+        !a.health.owned().is_empty() && !b.health.owned().is_empty()
+    })
+    .await;
+    let mut all = Vec::new();
+    for p in 0..4 {
+        let keys: Vec<String> = (0..25).map(|i| format!("p{p}-{i}")).collect();
+        let bodies: Vec<(&str, &str)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), if i % 10 == 3 { "fail:1" } else { "ok" })).collect();
+        bed.send(p, &bodies).await;
+        all.extend(keys);
+    }
+    wait_for("some delivered", &a.health, LIMIT, || async { handler.delivered_keys().len() >= 20 }).await;
+    a.stop().await; // replica A goes away mid-stream; B takes over after ownership expires
+    wait_for("every event delivered", &b.health, Duration::from_secs(90), || async {
+        let d = handler.delivered_keys();
+        all.iter().all(|k| d.contains(k))
+    })
+    .await;
+    // Retries scheduled before a replay delivered the event still run (at least once) and
+    // drain: nothing is left behind on Service Bus.
+    wait_for("retry queue drained", &b.health, LIMIT, || async {
+        let sb = bed.sb.counters("retries").unwrap();
+        sb.active + sb.scheduled + sb.locked == 0
+    })
+    .await;
+    b.stop().await;
+}
