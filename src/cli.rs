@@ -1,5 +1,6 @@
-//! The `hubguard` command line: `emulator` (the emulators standalone) and `bench`
-//! (performance figures through the real SDK).
+//! The `hubguard` command line: `run` (the service), `status` and `dead-letters` (the
+//! ledger's answers), `emulator` (the emulators standalone) and `bench` (performance figures
+//! through the real SDK).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -10,10 +11,16 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 
 use crate::azure::SasKey;
+use crate::config::{Config, HandlerSection};
 use crate::emulator::blob::DEFAULT_CONTAINER;
 use crate::emulator::eventhubs::HubSpec;
 use crate::emulator::servicebus::QueueSpec;
 use crate::emulator::{Emulators, EmulatorsConfig, DEFAULT_KEY, DEFAULT_KEY_NAME};
+use crate::handler::webhook::WebhookHandler;
+use crate::ledger::Ledger;
+use crate::pipeline::settle::{Policies, Settler};
+use crate::pipeline::Pipeline;
+use tokio_util::sync::CancellationToken;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
@@ -25,10 +32,63 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the checkpoint-guarded pipeline from a TOML config (HUBGUARD_* overrides).
+    Run(ConfigArg),
+    /// The ledger's answer to "when will this retry?" for an idempotency key.
+    Status(StatusArgs),
+    /// List or replay dead-lettered events.
+    #[command(name = "dead-letters", subcommand)]
+    DeadLetters(DeadLettersCommand),
     /// Run the local emulators in the foreground until Ctrl-C or SIGTERM.
     Emulator(EmulatorArgs),
     /// Measure throughput through the real Azure SDK against the in-process emulator.
     Bench(crate::bench::BenchArgs),
+}
+
+/// `--config FILE`.
+#[derive(Debug, Args)]
+pub struct ConfigArg {
+    /// The TOML configuration (see hubguard.example.toml).
+    #[arg(long, env = "HUBGUARD_CONFIG")]
+    config: PathBuf,
+}
+
+/// Options of `hubguard status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The event's idempotency key.
+    key: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `hubguard dead-letters …`
+#[derive(Debug, Subcommand)]
+pub enum DeadLettersCommand {
+    /// List dead-lettered events.
+    List {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Schedule dead-lettered events again (a fresh attempt budget, due now).
+    Replay {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The idempotency key to replay.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        key: Option<String>,
+        /// Replay every dead-lettered event.
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 /// Options of `hubguard emulator`.
@@ -93,6 +153,9 @@ pub fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Emulator(args) => run_emulator(args).await,
+            Command::Run(args) => run_pipeline(args).await,
+            Command::Status(args) => status(args).await,
+            Command::DeadLetters(cmd) => dead_letters(cmd).await,
             Command::Bench(args) => crate::bench::run(args).await,
         }
     });
@@ -170,6 +233,133 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
     let _ = admin_task.await;
     if let Ok(e) = Arc::try_unwrap(emulators) {
         e.shutdown().await;
+    }
+    Ok(())
+}
+
+fn load_config(arg: &ConfigArg) -> anyhow::Result<Config> {
+    let config = Config::load(&arg.config, std::env::vars())?;
+    for w in config.warnings() {
+        tracing::warn!("{w}");
+    }
+    Ok(config)
+}
+
+fn ledger_of(config: &Config) -> anyhow::Result<Ledger> {
+    Ok(Ledger::new(
+        Arc::new(config.record_store()?),
+        &config.eventhubs.hub,
+        &config.eventhubs.consumer_group,
+    ))
+}
+
+async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
+    let config = load_config(&args)?;
+    let HandlerSection::Webhook(w) = &config.handler;
+    let handler = Arc::new(WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?);
+    let parts = config.pipeline_parts(handler)?;
+    let owner = parts.options.owner_id.clone();
+    let pipeline = Pipeline::new(parts);
+    let health = pipeline.health();
+    let status = tokio::net::TcpListener::bind(config.status.listen)
+        .await
+        .with_context(|| format!("cannot bind status.listen {}", config.status.listen))?;
+    let status_addr = status.local_addr()?;
+    let router = crate::status::router(health.clone(), pipeline.settler().ledger.clone());
+    let status_task = tokio::spawn(async move {
+        let _ = axum::serve(status, router).await;
+    });
+    tracing::info!(hub = %config.eventhubs.hub, consumer_group = %config.eventhubs.consumer_group, owner_id = %owner, status = %status_addr, "hubguard running");
+    println!(
+        "hubguard: consuming {} ({}) as {owner}; status on http://{status_addr}",
+        config.eventhubs.hub, config.eventhubs.consumer_group
+    );
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        eprintln!("shutting down: finishing in-flight events, writing final checkpoints");
+        c.cancel();
+    });
+    pipeline.run(cancel).await?;
+    status_task.abort();
+    println!(
+        "hubguard: stopped; {}",
+        serde_json::to_string(&health.snapshot())?
+    );
+    Ok(())
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let config = load_config(&args.config)?;
+    let ledger = ledger_of(&config)?;
+    match ledger.get(&args.key).await? {
+        Some((rec, _)) if args.json => println!("{}", crate::status::record_view(&rec)),
+        Some((rec, _)) => print!("{}", crate::status::record_text(&rec)),
+        None if args.json => println!("{}", serde_json::json!({ "key": args.key, "state": "UNKNOWN" })),
+        None => println!(
+            "key:   {}\nstate: UNKNOWN — the ledger has no record: the event never failed (delivered on its first attempt), or was never read",
+            args.key
+        ),
+    }
+    Ok(())
+}
+
+async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
+    match cmd {
+        DeadLettersCommand::List { config, json } => {
+            let config = load_config(&config)?;
+            let ledger = ledger_of(&config)?;
+            let keys = ledger.dead_letter_keys().await?;
+            if !json {
+                println!("{} dead-lettered event(s)", keys.len());
+            }
+            for key in keys {
+                match ledger.get(&key).await? {
+                    Some((rec, _)) if json => println!("{}", crate::status::record_view(&rec)),
+                    Some((rec, _)) => println!(
+                        "{key}\t{}\tattempts {}\t{}\tpartition {} seq {}",
+                        rec.dead_letter_reason
+                            .map(|r| r.to_string())
+                            .unwrap_or_default(),
+                        rec.attempts,
+                        rec.last_error.unwrap_or_default(),
+                        rec.event.partition_id,
+                        rec.event.sequence_number
+                    ),
+                    None => println!("{key}\t(ledger record missing)"),
+                }
+            }
+        }
+        DeadLettersCommand::Replay { config, key, all } => {
+            let config = load_config(&config)?;
+            let ledger = ledger_of(&config)?;
+            let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(config.retry_queue()?);
+            let settler = Settler::new(
+                ledger.clone(),
+                queue,
+                Policies {
+                    default: config.policy.default.clone(),
+                    by_type: config.policy.types.clone(),
+                },
+            );
+            let keys = if all {
+                ledger.dead_letter_keys().await?
+            } else {
+                key.into_iter().collect()
+            };
+            let mut replayed = 0;
+            for key in keys {
+                match settler.replay(&key).await? {
+                    Some(attempt) => {
+                        replayed += 1;
+                        println!("{key}: attempt {attempt} scheduled now");
+                    }
+                    None => println!("{key}: not dead-lettered; nothing to replay"),
+                }
+            }
+            println!("{replayed} replayed");
+        }
     }
     Ok(())
 }

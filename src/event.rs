@@ -80,13 +80,21 @@ pub struct IdentityConfig {
 }
 
 fn default_id_props() -> Vec<String> {
-    vec!["ce_id".into(), "cloudEvents:id".into(), "cloudEvents_id".into()]
+    vec![
+        "ce_id".into(),
+        "cloudEvents:id".into(),
+        "cloudEvents_id".into(),
+    ]
 }
 fn default_correlation_props() -> Vec<String> {
     vec!["correlation_id".into(), "ce_correlationid".into()]
 }
 fn default_type_props() -> Vec<String> {
-    vec!["ce_type".into(), "cloudEvents:type".into(), "cloudEvents_type".into()]
+    vec![
+        "ce_type".into(),
+        "cloudEvents:type".into(),
+        "cloudEvents_type".into(),
+    ]
 }
 
 impl Default for IdentityConfig {
@@ -168,7 +176,11 @@ impl IdentityConfig {
         let data = received.event_data();
         let properties: BTreeMap<String, String> = data
             .properties()
-            .map(|p| p.iter().map(|(k, v)| (k.clone(), simple_value_text(v))).collect())
+            .map(|p| {
+                p.iter()
+                    .map(|(k, v)| (k.clone(), simple_value_text(v)))
+                    .collect()
+            })
             .unwrap_or_default();
         let sequence_number = received.sequence_number().unwrap_or(-1);
         let identity = self.identify(
@@ -209,18 +221,35 @@ mod tests {
     use super::*;
 
     fn props(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn cloudevents_attributes_win() {
         let c = IdentityConfig::default();
-        let id = c.identify(&props(&[("ce_id", "order-42"), ("ce_type", "order.created")]), Some("amqp-corr".into()), "hub", "3", 17);
+        let id = c.identify(
+            &props(&[("ce_id", "order-42"), ("ce_type", "order.created")]),
+            Some("amqp-corr".into()),
+            "hub",
+            "3",
+            17,
+        );
         assert_eq!(id.idempotency_key, "order-42");
         assert_eq!(id.correlation_id, "amqp-corr");
         assert_eq!(id.event_type.as_deref(), Some("order.created"));
-        let id = c.identify(&props(&[("cloudEvents:id", "x"), ("correlation_id", "c-1")]), None, "hub", "3", 17);
-        assert_eq!((id.idempotency_key.as_str(), id.correlation_id.as_str()), ("x", "c-1"));
+        let id = c.identify(
+            &props(&[("cloudEvents:id", "x"), ("correlation_id", "c-1")]),
+            None,
+            "hub",
+            "3",
+            17,
+        );
+        assert_eq!(
+            (id.idempotency_key.as_str(), id.correlation_id.as_str()),
+            ("x", "c-1")
+        );
     }
 
     #[test]
@@ -230,7 +259,8 @@ mod tests {
         assert_eq!(id.correlation_id, "orders/0/99");
         assert_eq!(id.event_type, None);
         // An empty attribute is as good as none.
-        let id = IdentityConfig::default().identify(&props(&[("ce_id", " ")]), None, "orders", "0", 5);
+        let id =
+            IdentityConfig::default().identify(&props(&[("ce_id", " ")]), None, "orders", "0", 5);
         assert_eq!(id.idempotency_key, "orders/0/5");
     }
 

@@ -7,15 +7,24 @@
 //! ## Module map
 //!
 //! ```text
-//!  cli ──► emulator ──► eventhubs (AMQP 1.0: store · selector · server · wire)
-//!   │         └──────► faults (refuse · delay · drop · error status)
-//!   ├────► bench     (throughput through the real SDK against the emulator)
-//!   └────► azure     (connection strings, SAS credential for the SDK clients)
+//!  Event Hubs ─► pipeline::partition ─► handler (Handler trait · webhook)
+//!                    │                      │
+//!                    │◄── guard (checkpoint window) ◄── pipeline::settle ─► ledger (blob, CAS)
+//!                    ▼                                        └──────────► azure::retry_queue (Service Bus)
+//!              fenced checkpoint store          Service Bus ─► pipeline::retry ─► handler ─► settle
 //! ```
 //!
-//! - [`azure`]: what the Azure SDK clients need from us — connection-string parsing and the
-//!   SAS [`TokenCredential`](azure_core::credentials::TokenCredential) that lets the Event Hubs
-//!   0.15 clients (which have no connection-string API) authenticate with a shared key.
+//! - [`pipeline`]: the partition loop, the retry loop, settlement, the fenced checkpoint
+//!   store, health; [`pipeline::Pipeline`] runs it all.
+//! - [`handler`]: the [`handler::Handler`] trait library users implement, and the webhook.
+//! - [`policy`]: backoff curves, budgets and error classification — pure functions.
+//! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
+//! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
+//! - [`event`]: an event and its identity (idempotency key, correlation id, type).
+//! - [`config`]: `hubguard run`'s TOML + environment configuration.
+//! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
+//! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
+//!   blob record store — hubguard's clients, with typed errors and deadlines.
 //! - [`emulator`]: in-process emulators that speak the services' wire protocols, so every test
 //!   and the demo drive the real SDK crates with no Azure and no Docker.
 //! - [`bench`]: performance figures measured through the real SDK.
@@ -24,6 +33,7 @@
 pub mod azure;
 pub mod bench;
 pub mod cli;
+pub mod config;
 pub mod emulator;
 pub mod event;
 pub mod guard;
@@ -31,3 +41,4 @@ pub mod handler;
 pub mod ledger;
 pub mod pipeline;
 pub mod policy;
+pub mod status;

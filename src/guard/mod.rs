@@ -22,7 +22,11 @@ impl CheckpointWindow {
 
     /// Records that `seq` was dispatched. Sequence numbers must increase.
     pub fn dispatched(&mut self, seq: i64) {
-        debug_assert!(self.pending.keys().next_back().is_none_or(|last| *last < seq));
+        debug_assert!(self
+            .pending
+            .keys()
+            .next_back()
+            .is_none_or(|last| *last < seq));
         self.pending.insert(seq, false);
     }
 
@@ -50,7 +54,10 @@ impl CheckpointWindow {
 
     /// The oldest unsettled event, if any.
     pub fn oldest_unsettled(&self) -> Option<i64> {
-        self.pending.iter().find(|(_, done)| !**done).map(|(s, _)| *s)
+        self.pending
+            .iter()
+            .find(|(_, done)| !**done)
+            .map(|(s, _)| *s)
     }
 
     /// Events dispatched and not yet out of the window.

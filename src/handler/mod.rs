@@ -33,12 +33,20 @@ pub struct Failure {
 impl Failure {
     /// A transient failure.
     pub fn transient(error: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Transient, error: error.into(), retry_after: None }
+        Self {
+            class: ErrorClass::Transient,
+            error: error.into(),
+            retry_after: None,
+        }
     }
 
     /// A permanent failure.
     pub fn permanent(error: impl Into<String>) -> Self {
-        Self { class: ErrorClass::Permanent, error: error.into(), retry_after: None }
+        Self {
+            class: ErrorClass::Permanent,
+            error: error.into(),
+            retry_after: None,
+        }
     }
 
     /// With a `Retry-After`.

@@ -41,7 +41,8 @@ pub struct WebhookHandler {
 impl WebhookHandler {
     /// A handler for `config`.
     pub fn new(config: WebhookConfig) -> Result<Self, String> {
-        let url = reqwest::Url::parse(&config.url).map_err(|e| format!("handler.url is not a URL: {e}"))?;
+        let url = reqwest::Url::parse(&config.url)
+            .map_err(|e| format!("handler.url is not a URL: {e}"))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err("handler.url must be an http or https URL".into());
         }
@@ -64,7 +65,9 @@ impl WebhookHandler {
 /// Header names must be tokens and values visible ASCII; anything else is left out.
 fn header_safe(name: &str, value: &str) -> bool {
     !name.is_empty()
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
         && value.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
 
@@ -74,11 +77,20 @@ impl Handler for WebhookHandler {
         let mut req = self
             .client
             .post(&self.config.url)
-            .header("content-type", event.content_type.as_deref().unwrap_or("application/octet-stream"))
+            .header(
+                "content-type",
+                event
+                    .content_type
+                    .as_deref()
+                    .unwrap_or("application/octet-stream"),
+            )
             .header("traceparent", &attempt.traceparent)
             .header("x-hubguard-attempt", attempt.number.to_string())
             .header("x-hubguard-partition", &event.partition_id)
-            .header("x-hubguard-sequence-number", event.sequence_number.to_string());
+            .header(
+                "x-hubguard-sequence-number",
+                event.sequence_number.to_string(),
+            );
         for (name, value) in [
             ("idempotency-key", &event.identity.idempotency_key),
             ("x-hubguard-correlation-id", &event.identity.correlation_id),
@@ -87,7 +99,14 @@ impl Handler for WebhookHandler {
                 req = req.header(name, value);
             } else {
                 // Keys with characters a header cannot carry go percent-encoded.
-                req = req.header(name, percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC).to_string());
+                req = req.header(
+                    name,
+                    percent_encoding::utf8_percent_encode(
+                        value,
+                        percent_encoding::NON_ALPHANUMERIC,
+                    )
+                    .to_string(),
+                );
             }
         }
         if let Some(t) = &event.identity.event_type {
@@ -105,7 +124,11 @@ impl Handler for WebhookHandler {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| classify::retry_after(v, SystemTime::now()));
                 let class = classify::http_status(status, self.config.conflict_is_permanent);
-                Outcome::Failed(Failure { class, error: format!("HTTP {status} from the webhook"), retry_after })
+                Outcome::Failed(Failure {
+                    class,
+                    error: format!("HTTP {status} from the webhook"),
+                    retry_after,
+                })
             }
             Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(
                 "the webhook did not answer within {} ms",

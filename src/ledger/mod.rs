@@ -121,7 +121,9 @@ pub struct Ledger {
 
 impl std::fmt::Debug for Ledger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ledger").field("prefix", &self.prefix).finish()
+        f.debug_struct("Ledger")
+            .field("prefix", &self.prefix)
+            .finish()
     }
 }
 
@@ -183,11 +185,17 @@ impl Ledger {
 
     /// Writes `record`: creates it when `etag` is `None`, else replaces it if unchanged.
     /// [`StoreError::Conflict`] means someone else wrote first: read and decide again.
-    pub async fn put(&self, record: &LedgerRecord, etag: Option<&str>) -> Result<String, LedgerError> {
-        let body = Bytes::from(serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
-            key: record.key.clone(),
-            reason: e.to_string(),
-        })?);
+    pub async fn put(
+        &self,
+        record: &LedgerRecord,
+        etag: Option<&str>,
+    ) -> Result<String, LedgerError> {
+        let body = Bytes::from(
+            serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
+                key: record.key.clone(),
+                reason: e.to_string(),
+            })?,
+        );
         let name = self.record_name(&record.key);
         Ok(match etag {
             None => self.store.create(&name, body).await?,
@@ -199,7 +207,10 @@ impl Ledger {
     pub async fn index_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
         match self
             .store
-            .create(&self.dead_letter_name(key), Bytes::from(key.as_bytes().to_vec()))
+            .create(
+                &self.dead_letter_name(key),
+                Bytes::from(key.as_bytes().to_vec()),
+            )
             .await
         {
             Ok(_) | Err(StoreError::Conflict) => Ok(()),
@@ -210,7 +221,9 @@ impl Ledger {
     /// Removes `key` from the dead-letter index (after a replay).
     pub async fn unindex_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
         let name = self.dead_letter_name(key);
-        let Some(r) = self.store.read(&name).await? else { return Ok(()) };
+        let Some(r) = self.store.read(&name).await? else {
+            return Ok(());
+        };
         match self.store.delete(&name, &r.etag).await {
             Ok(()) | Err(StoreError::NotFound) | Err(StoreError::Conflict) => Ok(()),
             Err(e) => Err(e.into()),

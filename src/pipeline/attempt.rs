@@ -39,8 +39,14 @@ pub fn new_traceparent() -> (String, String) {
 pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32) -> Attempted {
     let (traceparent, trace_id) = new_traceparent();
     let started = SystemTime::now();
-    let attempt = Attempt { number, traceparent: traceparent.clone() };
-    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt)).catch_unwind().await {
+    let attempt = Attempt {
+        number,
+        traceparent: traceparent.clone(),
+    };
+    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt))
+        .catch_unwind()
+        .await
+    {
         Ok(o) => o,
         Err(_) => Outcome::Failed(Failure::transient("the handler panicked")),
     };
@@ -58,5 +64,10 @@ pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32) -> Atte
         Outcome::Delivered => tracing::debug!("delivered"),
         Outcome::Failed(f) => tracing::info!(error = %f.error, class = ?f.class, "attempt failed"),
     }
-    Attempted { outcome, started, traceparent, trace_id }
+    Attempted {
+        outcome,
+        started,
+        traceparent,
+        trace_id,
+    }
 }

@@ -36,7 +36,9 @@ struct FenceState {
 
 impl std::fmt::Debug for FencedCheckpointStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FencedCheckpointStore").field("owner_id", &self.owner_id).finish_non_exhaustive()
+        f.debug_struct("FencedCheckpointStore")
+            .field("owner_id", &self.owner_id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -46,31 +48,59 @@ fn fence_error(msg: String) -> azure_core::Error {
 
 impl FencedCheckpointStore {
     /// Wraps `inner` for the replica `owner_id`.
-    pub fn new(inner: Arc<dyn CheckpointStore + Send + Sync>, owner_id: String, deadline: Duration, expiration: Duration) -> Self {
-        Self { inner, owner_id, deadline, expiration, state: Mutex::default() }
+    pub fn new(
+        inner: Arc<dyn CheckpointStore + Send + Sync>,
+        owner_id: String,
+        deadline: Duration,
+        expiration: Duration,
+    ) -> Self {
+        Self {
+            inner,
+            owner_id,
+            deadline,
+            expiration,
+            state: Mutex::default(),
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    async fn deadline<T>(&self, what: &str, f: impl std::future::Future<Output = azure_core::Result<T>>) -> azure_core::Result<T> {
+    async fn deadline<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = azure_core::Result<T>>,
+    ) -> azure_core::Result<T> {
         tokio::time::timeout(self.deadline, f)
             .await
-            .unwrap_or_else(|_| Err(fence_error(format!("checkpoint store: {what} did not answer within {:?}", self.deadline))))
+            .unwrap_or_else(|_| {
+                Err(fence_error(format!(
+                    "checkpoint store: {what} did not answer within {:?}",
+                    self.deadline
+                )))
+            })
     }
 
     /// Whether this replica holds a fresh claim on `partition`.
     pub fn owns(&self, partition: &str) -> bool {
-        self.state().claimed.get(partition).is_some_and(|t| t.elapsed() < self.expiration)
+        self.state()
+            .claimed
+            .get(partition)
+            .is_some_and(|t| t.elapsed() < self.expiration)
     }
 }
 
 #[async_trait]
 impl CheckpointStore for FencedCheckpointStore {
-    async fn claim_ownership(&self, ownerships: &[Ownership]) -> azure_core::Result<Vec<Ownership>> {
+    async fn claim_ownership(
+        &self,
+        ownerships: &[Ownership],
+    ) -> azure_core::Result<Vec<Ownership>> {
         let asked_at = Instant::now();
-        let claimed = self.deadline("claim_ownership", self.inner.claim_ownership(ownerships)).await?;
+        let claimed = self
+            .deadline("claim_ownership", self.inner.claim_ownership(ownerships))
+            .await?;
         let mut st = self.state();
         for o in &claimed {
             if o.owner_id.as_deref() == Some(self.owner_id.as_str()) {
@@ -80,8 +110,18 @@ impl CheckpointStore for FencedCheckpointStore {
         Ok(claimed)
     }
 
-    async fn list_checkpoints(&self, namespace: &str, hub: &str, cg: &str) -> azure_core::Result<Vec<Checkpoint>> {
-        let cps = self.deadline("list_checkpoints", self.inner.list_checkpoints(namespace, hub, cg)).await?;
+    async fn list_checkpoints(
+        &self,
+        namespace: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<Checkpoint>> {
+        let cps = self
+            .deadline(
+                "list_checkpoints",
+                self.inner.list_checkpoints(namespace, hub, cg),
+            )
+            .await?;
         let mut st = self.state();
         for c in &cps {
             if let Some(seq) = c.sequence_number {
@@ -92,8 +132,18 @@ impl CheckpointStore for FencedCheckpointStore {
         Ok(cps)
     }
 
-    async fn list_ownerships(&self, namespace: &str, hub: &str, cg: &str) -> azure_core::Result<Vec<Ownership>> {
-        let owners = self.deadline("list_ownerships", self.inner.list_ownerships(namespace, hub, cg)).await?;
+    async fn list_ownerships(
+        &self,
+        namespace: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<Ownership>> {
+        let owners = self
+            .deadline(
+                "list_ownerships",
+                self.inner.list_ownerships(namespace, hub, cg),
+            )
+            .await?;
         let mut st = self.state();
         for o in &owners {
             if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {
@@ -109,7 +159,10 @@ impl CheckpointStore for FencedCheckpointStore {
         let seq = checkpoint.sequence_number;
         {
             let st = self.state();
-            let fresh = st.claimed.get(&pid).is_some_and(|t| t.elapsed() < self.expiration);
+            let fresh = st
+                .claimed
+                .get(&pid)
+                .is_some_and(|t| t.elapsed() < self.expiration);
             if !fresh {
                 return Err(fence_error(format!(
                     "checkpoint of partition {pid} refused: this replica's ownership is stale or lost"
@@ -123,7 +176,11 @@ impl CheckpointStore for FencedCheckpointStore {
                 }
             }
         }
-        self.deadline("update_checkpoint", self.inner.update_checkpoint(checkpoint)).await?;
+        self.deadline(
+            "update_checkpoint",
+            self.inner.update_checkpoint(checkpoint),
+        )
+        .await?;
         if let Some(seq) = seq {
             let mut st = self.state();
             let e = st.written.entry(pid).or_insert(seq);
@@ -163,14 +220,25 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn fences_by_ownership_and_never_moves_back() {
         let inner = Arc::new(InMemoryCheckpointStore::new());
-        let store = FencedCheckpointStore::new(inner.clone(), "me".into(), Duration::from_secs(5), Duration::from_secs(30));
+        let store = FencedCheckpointStore::new(
+            inner.clone(),
+            "me".into(),
+            Duration::from_secs(5),
+            Duration::from_secs(30),
+        );
         // Not claimed: refused.
         assert!(store.update_checkpoint(checkpoint("0", 5)).await.is_err());
-        let won = store.claim_ownership(&[ownership("0", "me")]).await.unwrap();
+        let won = store
+            .claim_ownership(&[ownership("0", "me")])
+            .await
+            .unwrap();
         store.update_checkpoint(checkpoint("0", 5)).await.unwrap();
         // Backwards: refused; the stored checkpoint stays.
         assert!(store.update_checkpoint(checkpoint("0", 3)).await.is_err());
-        let cps = inner.list_checkpoints("ns", "hub", "$Default").await.unwrap();
+        let cps = inner
+            .list_checkpoints("ns", "hub", "$Default")
+            .await
+            .unwrap();
         assert_eq!(cps[0].sequence_number, Some(5));
         // Stale after the expiration without a renewed claim.
         tokio::time::advance(Duration::from_secs(31)).await;
@@ -181,7 +249,10 @@ mod tests {
         let mut stolen = won[0].clone();
         stolen.owner_id = Some("other".into());
         inner.update_ownership(&stolen).unwrap();
-        store.list_ownerships("ns", "hub", "$Default").await.unwrap();
+        store
+            .list_ownerships("ns", "hub", "$Default")
+            .await
+            .unwrap();
         assert!(!store.owns("0"));
         assert!(store.update_checkpoint(checkpoint("0", 12)).await.is_err());
     }

@@ -122,18 +122,32 @@ impl Health {
     /// Records that `partition` is held.
     pub fn hold(&self, partition: &str, reason: String, oldest_unsettled: i64) {
         let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let since = h.get(partition).map(|x| x.since.clone()).unwrap_or_else(|| rfc3339(SystemTime::now()));
+        let since = h
+            .get(partition)
+            .map(|x| x.since.clone())
+            .unwrap_or_else(|| rfc3339(SystemTime::now()));
         if h.get(partition).map(|x| &x.reason) != Some(&reason) {
             tracing::warn!(partition, %reason, oldest_unsettled, "partition held: its checkpoint will not pass the unsettled event");
         }
-        h.insert(partition.to_string(), Held { since, reason, oldest_unsettled });
+        h.insert(
+            partition.to_string(),
+            Held {
+                since,
+                reason,
+                oldest_unsettled,
+            },
+        );
         drop(h);
         self.bump();
     }
 
     /// Records that `partition` is no longer held.
     pub fn release(&self, partition: &str) {
-        let removed = self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
+        let removed = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(partition);
         if let Some(h) = removed {
             tracing::info!(partition, since = %h.since, "partition released: settlement succeeded");
             self.bump();
@@ -147,14 +161,23 @@ impl Health {
 
     /// Records that this replica processes `partition` (and its last checkpoint).
     pub fn set_owned(&self, partition: &str, checkpoint: Option<i64>) {
-        self.owned.lock().unwrap_or_else(|p| p.into_inner()).insert(partition.into(), checkpoint.unwrap_or(-1));
+        self.owned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(partition.into(), checkpoint.unwrap_or(-1));
         self.bump();
     }
 
     /// Records that this replica gave `partition` up.
     pub fn unset_owned(&self, partition: &str) {
-        self.owned.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
-        self.held.lock().unwrap_or_else(|p| p.into_inner()).remove(partition);
+        self.owned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(partition);
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(partition);
         self.bump();
     }
 
@@ -171,7 +194,10 @@ impl Health {
 
     /// The retry loop's state.
     pub fn retry_loop(&self) -> RetryLoopState {
-        self.retry_loop.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.retry_loop
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Ready: no partition held and the retry loop running.

@@ -25,7 +25,9 @@ use std::time::Duration;
 
 use azure_core::credentials::TokenCredential;
 use azure_messaging_eventhubs::models::StartPositions;
-use azure_messaging_eventhubs::{CheckpointStore, ConsumerClient, EventProcessor, StartLocation, StartPosition};
+use azure_messaging_eventhubs::{
+    CheckpointStore, ConsumerClient, EventProcessor, StartLocation, StartPosition,
+};
 use tokio_util::sync::CancellationToken;
 
 use self::checkpoint::FencedCheckpointStore;
@@ -153,14 +155,20 @@ pub struct Pipeline {
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pipeline").field("eventhubs", &self.eventhubs).finish_non_exhaustive()
+        f.debug_struct("Pipeline")
+            .field("eventhubs", &self.eventhubs)
+            .finish_non_exhaustive()
     }
 }
 
 impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
-        let ledger = Ledger::new(parts.records, &parts.eventhubs.hub, &parts.eventhubs.consumer_group);
+        let ledger = Ledger::new(
+            parts.records,
+            &parts.eventhubs.hub,
+            &parts.eventhubs.consumer_group,
+        );
         let settler = Arc::new(Settler::new(ledger, parts.queue.clone(), parts.policies));
         let checkpoints = Arc::new(FencedCheckpointStore::new(
             parts.checkpoint_store,
@@ -205,11 +213,16 @@ impl Pipeline {
         std::thread::Builder::new()
             .name("hubguard-partitions".into())
             .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
                 match rt {
                     Ok(rt) => {
                         let local = tokio::task::LocalSet::new();
-                        local.block_on(&rt, supervise(shared, target, checkpoints, processor_cancel));
+                        local.block_on(
+                            &rt,
+                            supervise(shared, target, checkpoints, processor_cancel),
+                        );
                     }
                     Err(e) => tracing::error!(error = %e, "cannot start the partition runtime"),
                 }
@@ -222,7 +235,12 @@ impl Pipeline {
 }
 
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
-async fn supervise(shared: Arc<Shared>, target: EventHubsTarget, checkpoints: Arc<FencedCheckpointStore>, cancel: CancellationToken) {
+async fn supervise(
+    shared: Arc<Shared>,
+    target: EventHubsTarget,
+    checkpoints: Arc<FencedCheckpointStore>,
+    cancel: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(500);
     while !cancel.is_cancelled() {
         match run_processor(&shared, &target, &checkpoints, &cancel).await {
@@ -252,20 +270,42 @@ async fn run_processor(
     if let Some(e) = &target.custom_endpoint {
         builder = builder.with_custom_endpoint(e.clone());
     }
-    let consumer = tokio::time::timeout(o.deadline, builder.open(&target.namespace, target.hub.clone(), target.credential.clone()))
-        .await
-        .map_err(|_| "opening the Event Hubs consumer timed out".to_string())?
-        .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
-    let location = if o.start_at_latest { StartLocation::Latest } else { StartLocation::Earliest };
+    let consumer = tokio::time::timeout(
+        o.deadline,
+        builder.open(
+            &target.namespace,
+            target.hub.clone(),
+            target.credential.clone(),
+        ),
+    )
+    .await
+    .map_err(|_| "opening the Event Hubs consumer timed out".to_string())?
+    .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
+    let location = if o.start_at_latest {
+        StartLocation::Latest
+    } else {
+        StartLocation::Earliest
+    };
     let store: Arc<dyn CheckpointStore + Send + Sync> = checkpoints.clone();
     let processor = tokio::time::timeout(
         o.deadline,
         EventProcessor::builder()
-            .with_update_interval(o.update_interval.try_into().map_err(|_| "bad update interval")?)
-            .with_partition_expiration_duration(o.ownership_expiration.try_into().map_err(|_| "bad ownership expiration")?)
+            .with_update_interval(
+                o.update_interval
+                    .try_into()
+                    .map_err(|_| "bad update interval")?,
+            )
+            .with_partition_expiration_duration(
+                o.ownership_expiration
+                    .try_into()
+                    .map_err(|_| "bad ownership expiration")?,
+            )
             .with_prefetch(o.prefetch)
             .with_start_positions(StartPositions {
-                default: StartPosition { location, inclusive: false },
+                default: StartPosition {
+                    location,
+                    inclusive: false,
+                },
                 ..Default::default()
             })
             .build(consumer, store),

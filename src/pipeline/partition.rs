@@ -24,11 +24,14 @@ struct Checkpointer {
 
 impl Checkpointer {
     fn dirty(&self) -> bool {
-        self.last_settled.as_ref().and_then(|e| e.sequence_number()) != self.written && self.last_settled.is_some()
+        self.last_settled.as_ref().and_then(|e| e.sequence_number()) != self.written
+            && self.last_settled.is_some()
     }
 
     async fn write(&mut self, pc: &PartitionClient, shared: &Shared) {
-        let Some(ev) = self.last_settled.as_ref() else { return };
+        let Some(ev) = self.last_settled.as_ref() else {
+            return;
+        };
         if !self.dirty() {
             return;
         }
@@ -40,8 +43,13 @@ impl Checkpointer {
                 shared.health.count(&shared.health.counters.checkpoints);
                 shared.health.set_owned(pc.get_partition_id(), seq);
             }
-            Ok(Err(e)) => tracing::warn!(partition = pc.get_partition_id(), error = %e, "checkpoint not written; will try again"),
-            Err(_) => tracing::warn!(partition = pc.get_partition_id(), "checkpoint timed out; will try again"),
+            Ok(Err(e)) => {
+                tracing::warn!(partition = pc.get_partition_id(), error = %e, "checkpoint not written; will try again")
+            }
+            Err(_) => tracing::warn!(
+                partition = pc.get_partition_id(),
+                "checkpoint timed out; will try again"
+            ),
         }
     }
 }
@@ -53,7 +61,11 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
     shared.health.set_owned(&pid, None);
     tracing::info!(partition = %pid, "partition claimed");
     let mut window = CheckpointWindow::new();
-    let mut cp = Checkpointer { last_settled: None, written: None, since: 0 };
+    let mut cp = Checkpointer {
+        last_settled: None,
+        written: None,
+        since: 0,
+    };
     {
         let stream = pc.stream_events();
         futures::pin_mut!(stream);
@@ -87,22 +99,35 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
             }
         }
     }
-    debug_assert!(cp.last_settled.as_ref().and_then(|e| e.sequence_number()) <= window.checkpoint().or(cp.written));
+    debug_assert!(
+        cp.last_settled.as_ref().and_then(|e| e.sequence_number())
+            <= window.checkpoint().or(cp.written)
+    );
     cp.write(&pc, &shared).await;
     shared.health.unset_owned(&pid);
     match Arc::try_unwrap(pc) {
         Ok(pc) => {
-            if tokio::time::timeout(shared.options.deadline, pc.close()).await.is_err() {
+            if tokio::time::timeout(shared.options.deadline, pc.close())
+                .await
+                .is_err()
+            {
                 tracing::warn!(partition = %pid, "closing the partition client timed out");
             }
         }
-        Err(_) => tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly"),
+        Err(_) => {
+            tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly")
+        }
     }
     tracing::info!(partition = %pid, "partition released");
 }
 
 /// Attempts and settles one event; `false` if stopped before it settled.
-async fn process(received: &ReceivedEventData, pid: &str, shared: &Shared, cancel: &CancellationToken) -> bool {
+async fn process(
+    received: &ReceivedEventData,
+    pid: &str,
+    shared: &Shared,
+    cancel: &CancellationToken,
+) -> bool {
     let event = shared.identity.event(&shared.hub, pid, received);
     shared.health.count(&shared.health.counters.attempts);
     let attempted = attempt::run(&shared.handler, &event, 1).await;
@@ -110,7 +135,15 @@ async fn process(received: &ReceivedEventData, pid: &str, shared: &Shared, cance
     loop {
         let settled = shared
             .settler
-            .settle(&event, 1, Source::EventHubs, attempted.started, &attempted.outcome, &attempted.trace_id, std::slice::from_ref(&attempted.traceparent))
+            .settle(
+                &event,
+                1,
+                Source::EventHubs,
+                attempted.started,
+                &attempted.outcome,
+                &attempted.trace_id,
+                std::slice::from_ref(&attempted.traceparent),
+            )
             .await;
         match settled {
             Ok(s) => {
@@ -120,7 +153,11 @@ async fn process(received: &ReceivedEventData, pid: &str, shared: &Shared, cance
             }
             Err(e) => {
                 shared.health.count(&shared.health.counters.settle_failures);
-                shared.health.hold(pid, format!("{} unavailable: {e}", e.dependency()), event.sequence_number);
+                shared.health.hold(
+                    pid,
+                    format!("{} unavailable: {e}", e.dependency()),
+                    event.sequence_number,
+                );
                 tokio::select! {
                     _ = cancel.cancelled() => return false,
                     _ = tokio::time::sleep(backoff) => {}

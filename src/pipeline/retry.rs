@@ -60,9 +60,15 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
                 failures += 1;
                 let error = e.to_string();
                 let (state, wait) = if failures <= RECONNECTS_BEFORE_WATCHDOG {
-                    (RetryLoopState::Reconnecting { failures, error }, shared.options.reconnect_base * failures)
+                    (
+                        RetryLoopState::Reconnecting { failures, error },
+                        shared.options.reconnect_base * failures,
+                    )
                 } else {
-                    (RetryLoopState::Watchdog { failures, error }, shared.options.watchdog_interval)
+                    (
+                        RetryLoopState::Watchdog { failures, error },
+                        shared.options.watchdog_interval,
+                    )
                 };
                 tracing::warn!(failures, error = %e, "retry queue receive failed");
                 shared.health.set_retry_loop(state);
@@ -74,12 +80,18 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         }
     }
     // Let in-flight attempts finish and settle.
-    let _ = slots.acquire_many(shared.options.retry_concurrency.max(1) as u32).await;
+    let _ = slots
+        .acquire_many(shared.options.retry_concurrency.max(1) as u32)
+        .await;
     shared.health.set_retry_loop(RetryLoopState::Stopped);
 }
 
 async fn settle_message(msg: &ReceivedMessage, complete: bool) {
-    let r = if complete { msg.complete().await } else { msg.abandon().await };
+    let r = if complete {
+        msg.complete().await
+    } else {
+        msg.abandon().await
+    };
     if let Err(e) = r {
         tracing::warn!(message_id = %msg.message_id, error = %e, complete, "could not settle the retry message; Service Bus will redeliver it");
     }
@@ -97,7 +109,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     };
     let event = body.event.clone();
     let key = &event.identity.idempotency_key;
-    let lateness = SystemTime::now().duration_since(at(body.due_ms)).unwrap_or_default();
+    let lateness = SystemTime::now()
+        .duration_since(at(body.due_ms))
+        .unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
     match shared.settler.ledger.get(key).await {
         Err(e) => {
@@ -113,7 +127,11 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
         Ok(Some((rec, _))) if rec.attempts >= body.attempt => {
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
-            match shared.settler.schedule(&rec.event, rec.attempts + 1, due, &body.traceparents).await {
+            match shared
+                .settler
+                .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
+                .await
+            {
                 Ok(()) => settle_message(&msg, true).await,
                 Err(_) => settle_message(&msg, false).await,
             }
@@ -146,7 +164,15 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     trail.push(attempted.traceparent.clone());
     match shared
         .settler
-        .settle(&event, body.attempt, Source::Retry, attempted.started, &attempted.outcome, &attempted.trace_id, &trail)
+        .settle(
+            &event,
+            body.attempt,
+            Source::Retry,
+            attempted.started,
+            &attempted.outcome,
+            &attempted.trace_id,
+            &trail,
+        )
         .await
     {
         Ok(s) => {

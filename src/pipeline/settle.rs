@@ -24,7 +24,7 @@ use crate::event::Event;
 use crate::handler::{Failure, Outcome};
 use crate::ledger::{at, ms, AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
 use crate::policy::classify::ErrorClass;
-use crate::policy::{Decision, DeadLetterReason, RetryPolicy};
+use crate::policy::{DeadLetterReason, Decision, RetryPolicy};
 
 /// Compare-and-swap rounds before giving up on a contended record.
 const CAS_ROUNDS: usize = 16;
@@ -41,7 +41,9 @@ pub struct Policies {
 impl Policies {
     /// The policy for `event_type`.
     pub fn for_type(&self, event_type: Option<&str>) -> &RetryPolicy {
-        event_type.and_then(|t| self.by_type.get(t)).unwrap_or(&self.default)
+        event_type
+            .and_then(|t| self.by_type.get(t))
+            .unwrap_or(&self.default)
     }
 }
 
@@ -127,7 +129,9 @@ pub struct Settler {
 
 impl std::fmt::Debug for Settler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Settler").field("ledger", &self.ledger).finish_non_exhaustive()
+        f.debug_struct("Settler")
+            .field("ledger", &self.ledger)
+            .finish_non_exhaustive()
     }
 }
 
@@ -138,7 +142,11 @@ fn ascii(s: &str) -> bool {
 impl Settler {
     /// A settler writing to `ledger` and `queue`.
     pub fn new(ledger: Ledger, queue: Arc<dyn RetryQueue>, policies: Policies) -> Self {
-        Self { ledger, queue, policies }
+        Self {
+            ledger,
+            queue,
+            policies,
+        }
     }
 
     /// The policies in force (for new failures).
@@ -147,18 +155,34 @@ impl Settler {
     }
 
     /// Schedules attempt `attempt` of `event` for `due`.
-    pub async fn schedule(&self, event: &Event, attempt: u32, due: SystemTime, traceparents: &[String]) -> Result<(), RetryQueueError> {
-        let body = RetryMessage { v: 1, attempt, due_ms: ms(due), event: event.clone(), traceparents: traceparents.to_vec() };
+    pub async fn schedule(
+        &self,
+        event: &Event,
+        attempt: u32,
+        due: SystemTime,
+        traceparents: &[String],
+    ) -> Result<(), RetryQueueError> {
+        let body = RetryMessage {
+            v: 1,
+            attempt,
+            due_ms: ms(due),
+            event: event.clone(),
+            traceparents: traceparents.to_vec(),
+        };
         let mut properties = vec![("hubguard-attempt".to_string(), attempt.to_string())];
         if ascii(&event.identity.idempotency_key) {
-            properties.push(("hubguard-idempotency-key".into(), event.identity.idempotency_key.clone()));
+            properties.push((
+                "hubguard-idempotency-key".into(),
+                event.identity.idempotency_key.clone(),
+            ));
         }
         self.queue
             .schedule(OutgoingMessage {
                 message_id: message_id(&event.identity.idempotency_key, attempt),
                 correlation_id: Some(event.identity.correlation_id.clone()),
                 label: event.identity.event_type.clone(),
-                body: serde_json::to_string(&body).map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
+                body: serde_json::to_string(&body)
+                    .map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
                 content_type: Some("application/json".into()),
                 due,
                 time_to_live: None,
@@ -180,13 +204,24 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
         match outcome {
-            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => Ok(Settled::Delivered),
+            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
+                Ok(Settled::Delivered)
+            }
             Outcome::Delivered => self.delivered(event, attempt, started, trace_id).await,
-            Outcome::Failed(f) => self.failed(event, attempt, started, f, trace_id, traceparents).await,
+            Outcome::Failed(f) => {
+                self.failed(event, attempt, started, f, trace_id, traceparents)
+                    .await
+            }
         }
     }
 
-    async fn delivered(&self, event: &Event, attempt: u32, started: SystemTime, trace_id: &str) -> Result<Settled, SettleError> {
+    async fn delivered(
+        &self,
+        event: &Event,
+        attempt: u32,
+        started: SystemTime,
+        trace_id: &str,
+    ) -> Result<Settled, SettleError> {
         let key = &event.identity.idempotency_key;
         for _ in 0..CAS_ROUNDS {
             let Some((mut rec, etag)) = self.ledger.get(key).await? else {
@@ -239,8 +274,12 @@ impl Settler {
                     // exists on Service Bus (a repeat is dropped by duplicate detection).
                     let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
                     let trail: Vec<String> = traceparents.to_vec();
-                    self.schedule(&rec.event, rec.attempts + 1, due, &trail).await?;
-                    return Ok(Settled::RetryScheduled { attempt: rec.attempts + 1, due });
+                    self.schedule(&rec.event, rec.attempts + 1, due, &trail)
+                        .await?;
+                    return Ok(Settled::RetryScheduled {
+                        attempt: rec.attempts + 1,
+                        due,
+                    });
                 }
             }
             let now = SystemTime::now();
@@ -251,7 +290,14 @@ impl Settler {
                     rec.attempt_base,
                     rec.last_delay_ms.map(Duration::from_millis),
                 ),
-                None => (self.policies.for_type(event.identity.event_type.as_deref()).clone(), now, 0, None),
+                None => (
+                    self.policies
+                        .for_type(event.identity.event_type.as_deref())
+                        .clone(),
+                    now,
+                    0,
+                    None,
+                ),
             };
             let decision = policy.decide(
                 attempt.saturating_sub(base).max(1),
@@ -290,7 +336,8 @@ impl Settler {
                 Decision::RetryAt(due) => {
                     rec.state = State::RetryScheduled;
                     rec.next_attempt_ms = Some(ms(due));
-                    rec.last_delay_ms = Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
+                    rec.last_delay_ms =
+                        Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
                     rec.push_history(AttemptEntry {
                         attempt,
                         started_ms: ms(started),
@@ -308,7 +355,10 @@ impl Settler {
                         Err(e) => return Err(e.into()),
                     }
                     self.schedule(event, attempt + 1, due, traceparents).await?;
-                    return Ok(Settled::RetryScheduled { attempt: attempt + 1, due });
+                    return Ok(Settled::RetryScheduled {
+                        attempt: attempt + 1,
+                        due,
+                    });
                 }
                 Decision::DeadLetter(reason) => {
                     rec.state = State::DeadLettered;
@@ -339,7 +389,9 @@ impl Settler {
     /// budget, and takes it off the dead-letter index.
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
         for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else { return Ok(None) };
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+                return Ok(None);
+            };
             if rec.state != State::DeadLettered {
                 return Ok(None);
             }
@@ -355,7 +407,8 @@ impl Settler {
                 Err(LedgerError::Store(StoreError::Conflict)) => continue,
                 Err(e) => return Err(e.into()),
             }
-            self.schedule(&rec.event, rec.attempts + 1, now, &[]).await?;
+            self.schedule(&rec.event, rec.attempts + 1, now, &[])
+                .await?;
             self.ledger.unindex_dead_letter(key).await?;
             return Ok(Some(rec.attempts + 1));
         }

@@ -53,7 +53,10 @@ mod tests {
     fn retry_after_forms() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_404_264_807);
         assert_eq!(retry_after("120", now), Some(Duration::from_secs(120)));
-        assert_eq!(retry_after("Wed, 02 Jul 2014 01:34:27 GMT", now), Some(Duration::from_secs(60)));
+        assert_eq!(
+            retry_after("Wed, 02 Jul 2014 01:34:27 GMT", now),
+            Some(Duration::from_secs(60))
+        );
         assert_eq!(retry_after("soon", now), None);
     }
 }

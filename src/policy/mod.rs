@@ -161,7 +161,12 @@ impl RetryPolicy {
 
     /// The wait after failed attempt `attempt` (1-based), before floor and cap; `None` when an
     /// explicit schedule has no step for it. `previous` is the last wait (decorrelated jitter).
-    fn raw_delay(&self, attempt: u32, previous: Option<Duration>, rng: &mut impl Rng) -> Option<f64> {
+    fn raw_delay(
+        &self,
+        attempt: u32,
+        previous: Option<Duration>,
+        rng: &mut impl Rng,
+    ) -> Option<f64> {
         let base = self.base_s as f64;
         let exp = base * 2f64.powi(attempt.saturating_sub(1).min(60) as i32);
         Some(match &self.curve {
@@ -174,7 +179,10 @@ impl RetryPolicy {
                 rng.gen_range(base..=prev * 3.0)
             }
             Curve::Fixed => base,
-            Curve::Schedule { delays_s, repeat_last } => {
+            Curve::Schedule {
+                delays_s,
+                repeat_last,
+            } => {
                 let i = attempt.saturating_sub(1) as usize;
                 match delays_s.get(i) {
                     Some(d) => *d as f64,
@@ -187,7 +195,12 @@ impl RetryPolicy {
 
     /// The wait after failed attempt `attempt`, within floor and cap (and never more than
     /// [`MAX_SCHEDULE_AHEAD`]); `None` when the schedule is exhausted.
-    pub fn delay(&self, attempt: u32, previous: Option<Duration>, rng: &mut impl Rng) -> Option<Duration> {
+    pub fn delay(
+        &self,
+        attempt: u32,
+        previous: Option<Duration>,
+        rng: &mut impl Rng,
+    ) -> Option<Duration> {
         let raw = self.raw_delay(attempt, previous, rng)?;
         let cap = self.cap_s.min(MAX_SCHEDULE_AHEAD.as_secs()) as f64;
         let secs = raw.max(self.floor_s as f64).min(cap).max(0.0);
@@ -240,7 +253,10 @@ impl RetryPolicy {
             return Err("max_attempts must be at least 1".into());
         }
         if self.floor_s > self.cap_s {
-            return Err(format!("floor_s ({}) must not exceed cap_s ({})", self.floor_s, self.cap_s));
+            return Err(format!(
+                "floor_s ({}) must not exceed cap_s ({})",
+                self.floor_s, self.cap_s
+            ));
         }
         if self.cap_s > MAX_SCHEDULE_AHEAD.as_secs() {
             return Err(format!(
@@ -254,8 +270,15 @@ impl RetryPolicy {
                 return Err("a schedule curve needs at least one delay in delays_s".into());
             }
         }
-        if matches!(self.curve, Curve::Exponential | Curve::FullJitter | Curve::EqualJitter | Curve::DecorrelatedJitter | Curve::Fixed | Curve::Fibonacci)
-            && self.base_s == 0
+        if matches!(
+            self.curve,
+            Curve::Exponential
+                | Curve::FullJitter
+                | Curve::EqualJitter
+                | Curve::DecorrelatedJitter
+                | Curve::Fixed
+                | Curve::Fibonacci
+        ) && self.base_s == 0
         {
             return Err("base_s must be at least 1 second".into());
         }
@@ -277,7 +300,9 @@ mod tests {
     #[test]
     fn seed_fibonacci_table() {
         let p = RetryPolicy::seed_fibonacci();
-        let got: Vec<u64> = (1..=10).map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs()).collect();
+        let got: Vec<u64> = (1..=10)
+            .map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs())
+            .collect();
         assert_eq!(got, vec![10, 10, 20, 30, 50, 80, 130, 210, 340, 550]);
         // The cap: 7 days, never more.
         assert_eq!(p.delay(29, None, &mut rng()).unwrap(), MAX_SCHEDULE_AHEAD);
@@ -287,33 +312,88 @@ mod tests {
     #[test]
     fn event_grid_schedule_and_the_every_30_minutes_variant() {
         let p = RetryPolicy::event_grid();
-        let got: Vec<u64> = (1..=12).map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs()).collect();
-        assert_eq!(got, vec![10, 30, 60, 300, 600, 1800, 3600, 10_800, 21_600, 43_200, 43_200, 43_200]);
+        let got: Vec<u64> = (1..=12)
+            .map(|n| p.delay(n, None, &mut rng()).unwrap().as_secs())
+            .collect();
+        assert_eq!(
+            got,
+            vec![10, 30, 60, 300, 600, 1800, 3600, 10_800, 21_600, 43_200, 43_200, 43_200]
+        );
         // Seed 002's variant: then every 30 minutes.
         let variant = RetryPolicy {
-            curve: Curve::Schedule { delays_s: vec![10, 30, 60, 300, 600, 1800], repeat_last: true },
+            curve: Curve::Schedule {
+                delays_s: vec![10, 30, 60, 300, 600, 1800],
+                repeat_last: true,
+            },
             ..RetryPolicy::event_grid()
         };
         assert_eq!(variant.delay(20, None, &mut rng()).unwrap().as_secs(), 1800);
-        let finite = RetryPolicy { curve: Curve::Schedule { delays_s: vec![5, 6], repeat_last: false }, ..variant };
+        let finite = RetryPolicy {
+            curve: Curve::Schedule {
+                delays_s: vec![5, 6],
+                repeat_last: false,
+            },
+            ..variant
+        };
         assert_eq!(finite.delay(3, None, &mut rng()), None);
         let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert_eq!(finite.decide(3, t, t, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::ScheduleExhausted));
+        assert_eq!(
+            finite.decide(3, t, t, false, None, None, &mut rng()),
+            Decision::DeadLetter(DeadLetterReason::ScheduleExhausted)
+        );
     }
 
     #[test]
     fn decisions_follow_budgets_and_retry_after() {
-        let p = RetryPolicy { max_attempts: 3, max_age_s: Some(100), ..RetryPolicy::seed_fibonacci() };
+        let p = RetryPolicy {
+            max_attempts: 3,
+            max_age_s: Some(100),
+            ..RetryPolicy::seed_fibonacci()
+        };
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert_eq!(p.decide(1, t0, t0, false, None, None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(10)));
-        assert_eq!(p.decide(1, t0, t0, true, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::Permanent));
-        assert_eq!(p.decide(3, t0, t0, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::AttemptsExhausted));
+        assert_eq!(
+            p.decide(1, t0, t0, false, None, None, &mut rng()),
+            Decision::RetryAt(t0 + Duration::from_secs(10))
+        );
+        assert_eq!(
+            p.decide(1, t0, t0, true, None, None, &mut rng()),
+            Decision::DeadLetter(DeadLetterReason::Permanent)
+        );
+        assert_eq!(
+            p.decide(3, t0, t0, false, None, None, &mut rng()),
+            Decision::DeadLetter(DeadLetterReason::AttemptsExhausted)
+        );
         // Retry-After longer than the curve wins; shorter does not.
-        assert_eq!(p.decide(1, t0, t0, false, Some(Duration::from_secs(60)), None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(60)));
-        assert_eq!(p.decide(1, t0, t0, false, Some(Duration::from_secs(1)), None, &mut rng()), Decision::RetryAt(t0 + Duration::from_secs(10)));
+        assert_eq!(
+            p.decide(
+                1,
+                t0,
+                t0,
+                false,
+                Some(Duration::from_secs(60)),
+                None,
+                &mut rng()
+            ),
+            Decision::RetryAt(t0 + Duration::from_secs(60))
+        );
+        assert_eq!(
+            p.decide(
+                1,
+                t0,
+                t0,
+                false,
+                Some(Duration::from_secs(1)),
+                None,
+                &mut rng()
+            ),
+            Decision::RetryAt(t0 + Duration::from_secs(10))
+        );
         // Age: the next attempt would start 95 + 10 s after the first failure.
         let late = t0 + Duration::from_secs(95);
-        assert_eq!(p.decide(2, t0, late, false, None, None, &mut rng()), Decision::DeadLetter(DeadLetterReason::AgeExceeded));
+        assert_eq!(
+            p.decide(2, t0, late, false, None, None, &mut rng()),
+            Decision::DeadLetter(DeadLetterReason::AgeExceeded)
+        );
     }
 
     #[test]

@@ -10,4 +10,5 @@ mod eventhubs_sdk;
 mod interop;
 mod pipeline;
 mod pipeline_support;
+mod run_command;
 mod servicebus;

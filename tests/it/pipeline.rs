@@ -16,12 +16,18 @@ async fn happy_path_writes_no_ledger_and_no_service_bus_and_batches_checkpoints(
     let bed = Bed::start(2).await;
     let keys: Vec<String> = (0..40).map(|i| format!("ok-{i}")).collect();
     for p in 0..2 {
-        let evs: Vec<(&str, &str)> = keys[p * 20..(p + 1) * 20].iter().map(|k| (k.as_str(), "ok")).collect();
+        let evs: Vec<(&str, &str)> = keys[p * 20..(p + 1) * 20]
+            .iter()
+            .map(|k| (k.as_str(), "ok"))
+            .collect();
         bed.send(p, &evs).await;
     }
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
-    wait_for("all delivered", &run.health, LIMIT, || async { handler.delivered_keys().len() == 40 }).await;
+    wait_for("all delivered", &run.health, LIMIT, || async {
+        handler.delivered_keys().len() == 40
+    })
+    .await;
     wait_for("checkpoints at the end", &run.health, LIMIT, || async {
         bed.checkpoint_of("0").await == Some(19) && bed.checkpoint_of("1").await == Some(19)
     })
@@ -30,9 +36,16 @@ async fn happy_path_writes_no_ledger_and_no_service_bus_and_batches_checkpoints(
     run.stop().await;
     let sb = bed.sb.counters("retries").unwrap();
     assert_eq!(sb.sends, 0, "no Service Bus operation on the happy path");
-    assert!(bed.ledger().keys().await.unwrap().is_empty(), "no ledger record on the happy path");
+    assert!(
+        bed.ledger().keys().await.unwrap().is_empty(),
+        "no ledger record on the happy path"
+    );
     assert_eq!(counters.delivered, 40);
-    assert!(counters.checkpoints < 40, "checkpoints are batched, not per event: {}", counters.checkpoints);
+    assert!(
+        counters.checkpoints < 40,
+        "checkpoints are batched, not per event: {}",
+        counters.checkpoints
+    );
     for k in &keys {
         assert_eq!(handler.calls_of(k), vec![1], "{k} handled exactly once");
     }
@@ -41,7 +54,8 @@ async fn happy_path_writes_no_ledger_and_no_service_bus_and_batches_checkpoints(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_failures_are_retried_to_delivery_with_the_ledger_history_right() {
     let bed = Bed::start(1).await;
-    bed.send(0, &[("a", "ok"), ("flaky", "fail:2"), ("b", "ok")]).await;
+    bed.send(0, &[("a", "ok"), ("flaky", "fail:2"), ("b", "ok")])
+        .await;
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
     let ledger = bed.ledger();
@@ -54,47 +68,80 @@ async fn transient_failures_are_retried_to_delivery_with_the_ledger_history_righ
     assert_eq!(rec.correlation_id, "flaky");
     assert_eq!(rec.event_type.as_deref(), Some("test.event"));
     let outcomes: Vec<&str> = rec.history.iter().map(|h| h.outcome.as_str()).collect();
-    assert_eq!(outcomes, vec!["retry_scheduled", "retry_scheduled", "delivered"]);
-    assert_eq!(rec.history.iter().map(|h| h.attempt).collect::<Vec<_>>(), vec![1, 2, 3]);
-    assert!(rec.history.iter().all(|h| h.trace_id.as_deref().is_some_and(|t| t.len() == 32)));
+    assert_eq!(
+        outcomes,
+        vec!["retry_scheduled", "retry_scheduled", "delivered"]
+    );
+    assert_eq!(
+        rec.history.iter().map(|h| h.attempt).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    assert!(rec
+        .history
+        .iter()
+        .all(|h| h.trace_id.as_deref().is_some_and(|t| t.len() == 32)));
     // Every retry ran at or after its scheduled time.
     for w in rec.history.windows(2) {
         let due = w[0].next_attempt_ms.unwrap();
-        assert!(w[1].started_ms + 1 >= due, "attempt {} started before it was due", w[1].attempt);
+        assert!(
+            w[1].started_ms + 1 >= due,
+            "attempt {} started before it was due",
+            w[1].attempt
+        );
     }
     assert_eq!(handler.calls_of("flaky"), vec![1, 2, 3]);
     // The partition was never held back by the retries: b was delivered right away.
     assert_eq!(handler.calls_of("b"), vec![1]);
-    wait_for("checkpoint past all three", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(2) }).await;
+    wait_for("checkpoint past all three", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(2)
+    })
+    .await;
     run.stop().await;
     let sb = bed.sb.counters("retries").unwrap();
-    assert_eq!((sb.sends, sb.duplicates_dropped, sb.completes), (2, 0, 2), "exactly one retry message per failure");
+    assert_eq!(
+        (sb.sends, sb.duplicates_dropped, sb.completes),
+        (2, 0, 2),
+        "exactly one retry message per failure"
+    );
     assert_eq!(sb.active + sb.scheduled + sb.locked, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failures_are_dead_lettered_at_once_and_exhaustion_by_attempts_and_age() {
     let bed = Bed::start(1).await;
-    bed.send(0, &[("perm", "perm"), ("never", "fail:99"), ("ok", "ok")]).await;
+    bed.send(0, &[("perm", "perm"), ("never", "fail:99"), ("ok", "ok")])
+        .await;
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(3), "replica-a"));
     let ledger = bed.ledger();
     wait_for("both dead-lettered", &run.health, LIMIT, || async {
-        let a = matches!(ledger.get("perm").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
-        let b = matches!(ledger.get("never").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
+        let a =
+            matches!(ledger.get("perm").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
+        let b =
+            matches!(ledger.get("never").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
         a && b
     })
     .await;
     let (perm, _) = ledger.get("perm").await.unwrap().unwrap();
-    assert_eq!((perm.attempts, perm.dead_letter_reason.clone()), (1, Some(DeadLetterReason::Permanent)));
+    assert_eq!(
+        (perm.attempts, perm.dead_letter_reason.clone()),
+        (1, Some(DeadLetterReason::Permanent))
+    );
     let (never, _) = ledger.get("never").await.unwrap().unwrap();
-    assert_eq!((never.attempts, never.dead_letter_reason.clone()), (3, Some(DeadLetterReason::AttemptsExhausted)));
+    assert_eq!(
+        (never.attempts, never.dead_letter_reason.clone()),
+        (3, Some(DeadLetterReason::AttemptsExhausted))
+    );
     assert_eq!(handler.calls_of("never"), vec![1, 2, 3]);
     let mut dl = ledger.dead_letter_keys().await.unwrap();
     dl.sort();
     assert_eq!(dl, vec!["never", "perm"]);
     run.stop().await;
-    assert_eq!(bed.sb.counters("retries").unwrap().sends, 2, "no retry message for the permanent failure");
+    assert_eq!(
+        bed.sb.counters("retries").unwrap().sends,
+        2,
+        "no retry message for the permanent failure"
+    );
 
     // By age: a policy whose next attempt would fall outside max_age dead-letters at once.
     let bed = Bed::start(1).await;
@@ -118,27 +165,61 @@ async fn service_bus_down_holds_the_partition_and_everything_settles_after_recov
     bed.send(0, &[("first", "ok")]).await;
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
-    wait_for("first checkpointed", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(0) }).await;
-
-    bed.sb.faults().error_status_for(503, Duration::from_secs(3600));
-    bed.send(0, &[("stuck", "fail:1"), ("behind-1", "ok"), ("behind-2", "ok")]).await;
-    wait_for("partition held on Service Bus", &run.health, LIMIT, || async {
-        run.health.held().get("0").is_some_and(|h| h.reason.contains("Service Bus") && h.oldest_unsettled == 1)
+    wait_for("first checkpointed", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(0)
     })
+    .await;
+
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(
+        0,
+        &[("stuck", "fail:1"), ("behind-1", "ok"), ("behind-2", "ok")],
+    )
+    .await;
+    wait_for(
+        "partition held on Service Bus",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health
+                .held()
+                .get("0")
+                .is_some_and(|h| h.reason.contains("Service Bus") && h.oldest_unsettled == 1)
+        },
+    )
     .await;
     assert!(!run.health.ready(), "not ready while a partition is held");
     // Hold long enough for several checkpoint ticks: the checkpoint must not pass the event.
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(bed.checkpoint_of("0").await, Some(0), "the checkpoint never passes an unsettled event");
-    assert!(handler.calls_of("behind-1").is_empty(), "nothing behind the held event is processed");
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        Some(0),
+        "the checkpoint never passes an unsettled event"
+    );
+    assert!(
+        handler.calls_of("behind-1").is_empty(),
+        "nothing behind the held event is processed"
+    );
 
     bed.sb.faults().clear();
-    wait_for("all delivered after recovery", &run.health, LIMIT, || async {
-        let d = handler.delivered_keys();
-        ["first", "stuck", "behind-1", "behind-2"].iter().all(|k| d.contains(*k))
+    wait_for(
+        "all delivered after recovery",
+        &run.health,
+        LIMIT,
+        || async {
+            let d = handler.delivered_keys();
+            ["first", "stuck", "behind-1", "behind-2"]
+                .iter()
+                .all(|k| d.contains(*k))
+        },
+    )
+    .await;
+    wait_for("checkpoint moves on", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(3)
     })
     .await;
-    wait_for("checkpoint moves on", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(3) }).await;
     assert!(run.health.held().is_empty());
     let (rec, _) = bed.ledger().get("stuck").await.unwrap().unwrap();
     assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
@@ -150,21 +231,46 @@ async fn blob_storage_down_holds_the_partition_and_everything_settles_after_reco
     let bed = Bed::start(1).await;
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
-    wait_for("partition claimed", &run.health, LIMIT, || async { run.health.owned().contains_key("0") }).await;
-    bed.blob.faults().error_status_for(503, Duration::from_secs(3600));
+    wait_for("partition claimed", &run.health, LIMIT, || async {
+        run.health.owned().contains_key("0")
+    })
+    .await;
+    bed.blob
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
     bed.send(0, &[("stuck", "fail:1"), ("behind", "ok")]).await;
-    wait_for("partition held on blob storage", &run.health, LIMIT, || async {
-        run.health.held().get("0").is_some_and(|h| h.reason.contains("blob storage"))
-    })
+    wait_for(
+        "partition held on blob storage",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health
+                .held()
+                .get("0")
+                .is_some_and(|h| h.reason.contains("blob storage"))
+        },
+    )
     .await;
-    assert_eq!(bed.sb.counters("retries").unwrap().sends, 0, "no retry is scheduled before the ledger records it");
+    assert_eq!(
+        bed.sb.counters("retries").unwrap().sends,
+        0,
+        "no retry is scheduled before the ledger records it"
+    );
     bed.blob.faults().clear();
-    wait_for("all delivered after recovery", &run.health, LIMIT, || async {
-        let d = handler.delivered_keys();
-        d.contains("stuck") && d.contains("behind")
+    wait_for(
+        "all delivered after recovery",
+        &run.health,
+        LIMIT,
+        || async {
+            let d = handler.delivered_keys();
+            d.contains("stuck") && d.contains("behind")
+        },
+    )
+    .await;
+    wait_for("checkpoint moves on", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(1)
     })
     .await;
-    wait_for("checkpoint moves on", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(1) }).await;
     run.stop().await;
 }
 
@@ -174,17 +280,36 @@ struct NoCheckpoints(Arc<dyn azure_messaging_eventhubs::CheckpointStore + Send +
 
 #[async_trait::async_trait]
 impl azure_messaging_eventhubs::CheckpointStore for NoCheckpoints {
-    async fn claim_ownership(&self, o: &[azure_messaging_eventhubs::models::Ownership]) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+    async fn claim_ownership(
+        &self,
+        o: &[azure_messaging_eventhubs::models::Ownership],
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
         self.0.claim_ownership(o).await
     }
-    async fn list_checkpoints(&self, n: &str, h: &str, c: &str) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
+    async fn list_checkpoints(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
         self.0.list_checkpoints(n, h, c).await
     }
-    async fn list_ownerships(&self, n: &str, h: &str, c: &str) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+    async fn list_ownerships(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
         self.0.list_ownerships(n, h, c).await
     }
-    async fn update_checkpoint(&self, _: azure_messaging_eventhubs::models::Checkpoint) -> azure_core::Result<()> {
-        Err(azure_core::Error::with_message(azure_core::error::ErrorKind::Other, "crashed before checkpointing"))
+    async fn update_checkpoint(
+        &self,
+        _: azure_messaging_eventhubs::models::Checkpoint,
+    ) -> azure_core::Result<()> {
+        Err(azure_core::Error::with_message(
+            azure_core::error::ErrorKind::Other,
+            "crashed before checkpointing",
+        ))
     }
 }
 
@@ -204,28 +329,62 @@ async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the
     parts.checkpoint_store = Arc::new(NoCheckpoints(bed.checkpoint_store()));
     let run = Bed::run(parts);
     let ledger = bed.ledger();
-    wait_for("retry scheduled", &run.health, LIMIT, || async { run.health.snapshot().retries_scheduled == 1 }).await;
+    wait_for("retry scheduled", &run.health, LIMIT, || async {
+        run.health.snapshot().retries_scheduled == 1
+    })
+    .await;
     run.stop().await;
-    assert_eq!(bed.checkpoint_of("0").await, None, "the crashed replica never checkpointed");
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        None,
+        "the crashed replica never checkpointed"
+    );
     let sb = bed.sb.counters("retries").unwrap();
     assert_eq!((sb.sends, sb.scheduled), (1, 1));
 
     // The next owner replays the event from Event Hubs: the ledger already has attempt 1,
     // so the replay re-sends attempt 2 with the same MessageId and duplicate detection drops it.
     let run = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-b"));
-    wait_for("replayed and checkpointed", &run.health, LIMIT, || async { bed.checkpoint_of("0").await == Some(0) }).await;
+    wait_for("replayed and checkpointed", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(0)
+    })
+    .await;
     run.stop().await;
-    assert_eq!(handler.calls_of("crashy"), vec![1, 1], "the event was replayed once");
+    assert_eq!(
+        handler.calls_of("crashy"),
+        vec![1, 1],
+        "the event was replayed once"
+    );
     let sb = bed.sb.counters("retries").unwrap();
-    assert_eq!((sb.sends, sb.duplicates_dropped, sb.scheduled), (2, 1, 1), "still exactly one retry message");
+    assert_eq!(
+        (sb.sends, sb.duplicates_dropped, sb.scheduled),
+        (2, 1, 1),
+        "still exactly one retry message"
+    );
     let (rec, _) = ledger.get("crashy").await.unwrap().unwrap();
-    assert_eq!((rec.attempts, rec.state), (1, State::RetryScheduled), "a replay does not count a new attempt");
+    assert_eq!(
+        (rec.attempts, rec.state),
+        (1, State::RetryScheduled),
+        "a replay does not count a new attempt"
+    );
 
     // A lost retry message: take it off the queue, let the duplicate window pass, replay.
     let q = bed.sb.queue("retries").unwrap();
     bed.sb.clock().advance(Duration::from_secs(701));
-    let lost = q.try_lock(hubguard::emulator::servicebus::broker::Entity::Main, bed.sb.clock().now()).unwrap().unwrap();
-    q.complete(hubguard::emulator::servicebus::broker::Entity::Main, &lost.message.sequence_number.to_string(), &lost.lock_token, bed.sb.clock().now()).unwrap();
+    let lost = q
+        .try_lock(
+            hubguard::emulator::servicebus::broker::Entity::Main,
+            bed.sb.clock().now(),
+        )
+        .unwrap()
+        .unwrap();
+    q.complete(
+        hubguard::emulator::servicebus::broker::Entity::Main,
+        &lost.message.sequence_number.to_string(),
+        &lost.lock_token,
+        bed.sb.clock().now(),
+    )
+    .unwrap();
     let body: serde_json::Value = serde_json::from_slice(&lost.message.body).unwrap();
     assert_eq!(body["attempt"], 2);
     // Rewind the checkpoint by using a fresh consumer group position: a new store replays from the start.
@@ -235,10 +394,16 @@ async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the
     // The replay finds attempt 1 recorded and re-sends attempt 2 (the duplicate window has
     // passed, so it is accepted); its due time has passed on the emulator's clock, so the
     // retry loop runs it at once: as attempt 2, not as a fresh attempt 1.
-    wait_for("the re-sent retry runs", &run.health, LIMIT, || async { handler.calls_of("crashy").len() >= 4 }).await;
+    wait_for("the re-sent retry runs", &run.health, LIMIT, || async {
+        handler.calls_of("crashy").len() >= 4
+    })
+    .await;
     run.stop().await;
-    assert_eq!(handler.calls_of("crashy")[..4], [1, 1, 1, 2], "the attempt count continues from the ledger");
-
+    assert_eq!(
+        handler.calls_of("crashy")[..4],
+        [1, 1, 1, 2],
+        "the attempt count continues from the ledger"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +416,10 @@ async fn a_retry_for_an_event_already_delivered_completes_without_calling_the_ha
     policy.floor_s = 3;
     let run = Bed::run(bed.parts(handler.clone(), policy, "replica-a"));
     let ledger = bed.ledger();
-    wait_for("retry scheduled", &run.health, LIMIT, || async { run.health.snapshot().retries_scheduled == 1 }).await;
+    wait_for("retry scheduled", &run.health, LIMIT, || async {
+        run.health.snapshot().retries_scheduled == 1
+    })
+    .await;
     // Meanwhile the event got delivered (say, by a replay elsewhere): the ledger says so.
     let (mut rec, etag) = ledger.get("twice").await.unwrap().unwrap();
     rec.state = State::Delivered;
@@ -262,7 +430,11 @@ async fn a_retry_for_an_event_already_delivered_completes_without_calling_the_ha
     })
     .await;
     run.stop().await;
-    assert_eq!(handler.calls_of("twice"), vec![1], "the handler is not called for a delivered event");
+    assert_eq!(
+        handler.calls_of("twice"),
+        vec![1],
+        "the handler is not called for a delivered event"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,16 +450,28 @@ async fn two_replicas_share_partitions_and_one_stopping_mid_stream_loses_nothing
     let mut all = Vec::new();
     for p in 0..4 {
         let keys: Vec<String> = (0..25).map(|i| format!("p{p}-{i}")).collect();
-        let bodies: Vec<(&str, &str)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), if i % 10 == 3 { "fail:1" } else { "ok" })).collect();
+        let bodies: Vec<(&str, &str)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.as_str(), if i % 10 == 3 { "fail:1" } else { "ok" }))
+            .collect();
         bed.send(p, &bodies).await;
         all.extend(keys);
     }
-    wait_for("some delivered", &a.health, LIMIT, || async { handler.delivered_keys().len() >= 20 }).await;
-    a.stop().await; // replica A goes away mid-stream; B takes over after ownership expires
-    wait_for("every event delivered", &b.health, Duration::from_secs(90), || async {
-        let d = handler.delivered_keys();
-        all.iter().all(|k| d.contains(k))
+    wait_for("some delivered", &a.health, LIMIT, || async {
+        handler.delivered_keys().len() >= 20
     })
+    .await;
+    a.stop().await; // replica A goes away mid-stream; B takes over after ownership expires
+    wait_for(
+        "every event delivered",
+        &b.health,
+        Duration::from_secs(90),
+        || async {
+            let d = handler.delivered_keys();
+            all.iter().all(|k| d.contains(k))
+        },
+    )
     .await;
     // Retries scheduled before a replay delivered the event still run (at least once) and
     // drain: nothing is left behind on Service Bus.

@@ -38,7 +38,12 @@ pub struct Scripted {
 
 impl Scripted {
     pub fn calls_of(&self, key: &str) -> Vec<u32> {
-        self.calls.lock().unwrap().get(key).cloned().unwrap_or_default()
+        self.calls
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
     }
     pub fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
         self.delivered.lock().unwrap().iter().cloned().collect()
@@ -69,7 +74,10 @@ impl Handler for Scripted {
             Outcome::Failed(Failure::permanent("scripted permanent failure"))
         } else if let Some(s) = body.strip_prefix("retry-after:") {
             if n == 1 {
-                Outcome::Failed(Failure::transient("busy").with_retry_after(Some(Duration::from_secs(s.parse().unwrap_or(1)))))
+                Outcome::Failed(
+                    Failure::transient("busy")
+                        .with_retry_after(Some(Duration::from_secs(s.parse().unwrap_or(1)))),
+                )
             } else {
                 Outcome::Delivered
             }
@@ -119,31 +127,51 @@ impl Running {
 
 impl Bed {
     pub async fn start(partitions: usize) -> Self {
-        let eh = EventHubsEmulator::start(EventHubsConfig { hubs: vec![HubSpec::new("hub", partitions)], ..Default::default() })
-            .await
-            .unwrap();
-        let sb = ServiceBusEmulator::start(ServiceBusConfig { queues: vec![QueueSpec::new("retries")], ..Default::default() })
-            .await
-            .unwrap();
+        let eh = EventHubsEmulator::start(EventHubsConfig {
+            hubs: vec![HubSpec::new("hub", partitions)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let sb = ServiceBusEmulator::start(ServiceBusConfig {
+            queues: vec![QueueSpec::new("retries")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
         let blob = BlobEmulator::start(BlobConfig::default()).await.unwrap();
         let cs = conn(&eh);
         Self { eh, sb, blob, cs }
     }
 
     pub fn records(&self) -> Arc<dyn RecordStore> {
-        Arc::new(BlobRecordStore::new(&self.blob.container_url("hubguard"), None, Duration::from_secs(3)).unwrap())
+        Arc::new(
+            BlobRecordStore::new(
+                &self.blob.container_url("hubguard"),
+                None,
+                Duration::from_secs(3),
+            )
+            .unwrap(),
+        )
     }
 
     pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
         let url = url::Url::parse(&self.blob.container_url("hubguard")).unwrap();
-        BlobCheckpointStore::new(azure_storage_blob::BlobContainerClient::new(url, None, None).unwrap())
+        BlobCheckpointStore::new(
+            azure_storage_blob::BlobContainerClient::new(url, None, None).unwrap(),
+        )
     }
 
     pub fn ledger(&self) -> Ledger {
         Ledger::new(self.records(), "hub", "$Default")
     }
 
-    pub fn parts(&self, handler: Arc<dyn Handler>, policy: RetryPolicy, owner: &str) -> PipelineParts {
+    pub fn parts(
+        &self,
+        handler: Arc<dyn Handler>,
+        policy: RetryPolicy,
+        owner: &str,
+    ) -> PipelineParts {
         let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
         PipelineParts {
             eventhubs: EventHubsTarget {
@@ -155,9 +183,21 @@ impl Bed {
             },
             checkpoint_store: self.checkpoint_store(),
             records: self.records(),
-            queue: Arc::new(ServiceBusRetryQueue::new(&sb_cs, "retries", hubguard::azure::retry_queue::ServiceBusOptions { deadline: Duration::from_secs(3) }).unwrap()),
+            queue: Arc::new(
+                ServiceBusRetryQueue::new(
+                    &sb_cs,
+                    "retries",
+                    hubguard::azure::retry_queue::ServiceBusOptions {
+                        deadline: Duration::from_secs(3),
+                    },
+                )
+                .unwrap(),
+            ),
             handler,
-            policies: Policies { default: policy, by_type: HashMap::new() },
+            policies: Policies {
+                default: policy,
+                by_type: HashMap::new(),
+            },
             identity: IdentityConfig::default(),
             options: PipelineOptions {
                 owner_id: owner.into(),
@@ -184,7 +224,12 @@ impl Bed {
         let task = tokio::spawn(async move {
             pipeline.run(c).await.unwrap();
         });
-        Running { cancel, health, settler, task }
+        Running {
+            cancel,
+            health,
+            settler,
+            task,
+        }
     }
 
     /// Sends events with `ce_id` = key and the given body to a partition.
@@ -192,7 +237,10 @@ impl Bed {
         let prod = producer(&self.cs, "hub").await;
         let batch = within(
             "batch",
-            prod.create_batch(Some(EventDataBatchOptions { partition_id: Some(partition.to_string()), ..Default::default() })),
+            prod.create_batch(Some(EventDataBatchOptions {
+                partition_id: Some(partition.to_string()),
+                ..Default::default()
+            })),
         )
         .await
         .unwrap();
@@ -200,7 +248,10 @@ impl Bed {
             let ev = EventData::builder()
                 .with_body(body.as_bytes().to_vec())
                 .add_property("ce_id".into(), AmqpSimpleValue::String(key.to_string()))
-                .add_property("ce_type".into(), AmqpSimpleValue::String("test.event".into()))
+                .add_property(
+                    "ce_type".into(),
+                    AmqpSimpleValue::String("test.event".into()),
+                )
                 .build();
             assert!(batch.try_add_event_data(ev, None).unwrap());
         }
@@ -210,8 +261,14 @@ impl Bed {
 
     /// The checkpointed sequence number of a partition, if any.
     pub async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
-        let cps = self.checkpoint_store().list_checkpoints(&self.cs.host, "hub", "$Default").await.unwrap();
-        cps.into_iter().find(|c| c.partition_id == partition).and_then(|c| c.sequence_number)
+        let cps = self
+            .checkpoint_store()
+            .list_checkpoints(&self.cs.host, "hub", "$Default")
+            .await
+            .unwrap();
+        cps.into_iter()
+            .find(|c| c.partition_id == partition)
+            .and_then(|c| c.sequence_number)
     }
 }
 
@@ -227,7 +284,11 @@ where
         if cond().await {
             return;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}; health: {}", health.report());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}; health: {}",
+            health.report()
+        );
         tokio::select! {
             _ = changes.changed() => {}
             _ = tokio::time::sleep(Duration::from_millis(50)) => {}

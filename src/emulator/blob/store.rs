@@ -242,7 +242,9 @@ impl BlobStore {
                     .filter_map(|b| u64::from_str_radix(b.etag.trim_start_matches("0x"), 16).ok())
                     .max()
                     .unwrap_or(0);
-                store.etags.fetch_max(highest.wrapping_add(1), Ordering::Relaxed);
+                store
+                    .etags
+                    .fetch_max(highest.wrapping_add(1), Ordering::Relaxed);
                 all.insert(
                     cname,
                     Container {

@@ -1,0 +1,779 @@
+//! `hubguard run`'s configuration: TOML, then `HUBGUARD_*` environment overrides, then
+//! validation. A bad value stops start-up with an error that names the key and what is
+//! allowed; no error ever quotes a secret (connection strings are never echoed).
+//!
+//! Environment overrides use `__` between levels: `HUBGUARD_EVENTHUBS__CONNECTION_STRING`,
+//! `HUBGUARD_POLICY__DEFAULT__MAX_ATTEMPTS`, `HUBGUARD_STATUS__LISTEN`. Values are read as
+//! TOML (numbers, booleans, arrays) and otherwise as strings.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_core::credentials::TokenCredential;
+use serde::Deserialize;
+
+use crate::azure::retry_queue::ServiceBusOptions;
+use crate::azure::{BlobRecordStore, ConnectionString, ServiceBusRetryQueue};
+use crate::event::IdentityConfig;
+use crate::handler::webhook::{WebhookConfig, WebhookHandler};
+use crate::pipeline::settle::Policies;
+use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
+use crate::policy::RetryPolicy;
+
+/// A configuration problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("configuration: {0}")]
+pub struct ConfigError(pub String);
+
+fn err(s: impl Into<String>) -> ConfigError {
+    ConfigError(s.into())
+}
+
+/// Which Entra ID credential to use where no connection string is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CredentialKind {
+    /// Managed identity (App Service, VMs, AKS pod identity).
+    ManagedIdentity,
+    /// Workload identity federation (AKS).
+    WorkloadIdentity,
+    /// The Azure CLI's login (development).
+    AzureCli,
+    /// Developer tools (Azure CLI, then azd).
+    DeveloperTools,
+}
+
+/// `[eventhubs]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventHubsSection {
+    /// `Endpoint=sb://…;SharedAccessKeyName=…;SharedAccessKey=…[;UseDevelopmentEmulator=true]`.
+    pub connection_string: Option<String>,
+    /// Namespace host for Entra ID (`myns.servicebus.windows.net`).
+    pub namespace: Option<String>,
+    /// Entra ID credential (with `namespace`).
+    pub credential: Option<CredentialKind>,
+    /// The hub.
+    pub hub: String,
+    /// The consumer group.
+    #[serde(default = "default_cg")]
+    pub consumer_group: String,
+    /// The hub's retention, as configured on the service (hours), for start-up checks.
+    #[serde(default = "default_retention")]
+    pub retention_hours: u64,
+}
+
+fn default_cg() -> String {
+    "$Default".into()
+}
+fn default_retention() -> u64 {
+    24
+}
+
+/// `[servicebus]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceBusSection {
+    /// Connection string of the namespace.
+    pub connection_string: String,
+    /// The retry queue.
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// The queue's duplicate-detection window (seconds), as configured on the service.
+    #[serde(default = "default_dedup")]
+    pub duplicate_detection_window_s: u64,
+}
+
+fn default_queue() -> String {
+    "retries".into()
+}
+fn default_dedup() -> u64 {
+    600
+}
+
+/// `[storage]`
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageSection {
+    /// Container URL for checkpoints, ownership and the ledger (a SAS in the query is fine).
+    pub container_url: String,
+    /// Entra ID credential (https URLs only); none for a SAS or the emulator.
+    pub credential: Option<CredentialKind>,
+}
+
+/// A connection string for display: the endpoint only.
+fn redact_connection_string(cs: &str) -> String {
+    match cs.parse::<ConnectionString>() {
+        Ok(c) => format!("Endpoint=sb://{};<key redacted>", c.namespace()),
+        Err(_) => "<unparsable, redacted>".into(),
+    }
+}
+
+/// A URL for display: without its query (a SAS is a secret).
+fn redact_url(u: &str) -> String {
+    match url::Url::parse(u) {
+        Ok(mut u) => {
+            if u.query().is_some() {
+                u.set_query(Some("<redacted>"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparsable, redacted>".into(),
+    }
+}
+
+impl std::fmt::Debug for EventHubsSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventHubsSection")
+            .field(
+                "connection_string",
+                &self
+                    .connection_string
+                    .as_deref()
+                    .map(redact_connection_string),
+            )
+            .field("namespace", &self.namespace)
+            .field("credential", &self.credential)
+            .field("hub", &self.hub)
+            .field("consumer_group", &self.consumer_group)
+            .field("retention_hours", &self.retention_hours)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for ServiceBusSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceBusSection")
+            .field(
+                "connection_string",
+                &redact_connection_string(&self.connection_string),
+            )
+            .field("queue", &self.queue)
+            .field(
+                "duplicate_detection_window_s",
+                &self.duplicate_detection_window_s,
+            )
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for StorageSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StorageSection")
+            .field("container_url", &redact_url(&self.container_url))
+            .field("credential", &self.credential)
+            .finish()
+    }
+}
+
+/// `[handler]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum HandlerSection {
+    /// POST each event to a URL.
+    Webhook(WebhookConfig),
+}
+
+/// `[processor]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessorSection {
+    /// Unique per live replica; default: a random id per process.
+    #[serde(default)]
+    pub owner_id: Option<String>,
+    /// Load-balancing interval (ms).
+    #[serde(default = "d5000")]
+    pub update_interval_ms: u64,
+    /// Ownership expiration (ms); must exceed the update interval.
+    #[serde(default = "d20000")]
+    pub ownership_expiration_ms: u64,
+    /// Prefetch per partition.
+    #[serde(default = "d300")]
+    pub prefetch: u32,
+    /// Where partitions without a checkpoint start: `earliest` or `latest`.
+    #[serde(default = "earliest")]
+    pub start: String,
+}
+
+fn d5000() -> u64 {
+    5000
+}
+fn d20000() -> u64 {
+    20_000
+}
+fn d300() -> u32 {
+    300
+}
+fn earliest() -> String {
+    "earliest".into()
+}
+
+impl Default for ProcessorSection {
+    fn default() -> Self {
+        Self {
+            owner_id: None,
+            update_interval_ms: 5000,
+            ownership_expiration_ms: 20_000,
+            prefetch: 300,
+            start: earliest(),
+        }
+    }
+}
+
+/// `[checkpoint]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Checkpoint after this many settled events…
+    #[serde(default = "d100")]
+    pub every_events: u64,
+    /// …or this many milliseconds.
+    #[serde(default = "d1000")]
+    pub every_ms: u64,
+}
+
+fn d100() -> u64 {
+    100
+}
+fn d1000() -> u64 {
+    1000
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self {
+            every_events: 100,
+            every_ms: 1000,
+        }
+    }
+}
+
+/// `[retry]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySection {
+    /// Retry messages handled at once.
+    #[serde(default = "d8")]
+    pub concurrency: usize,
+    /// Long-poll wait per receive (ms).
+    #[serde(default = "d5000")]
+    pub receive_wait_ms: u64,
+    /// Deadline of every call to Service Bus, blob storage and Event Hubs (ms).
+    #[serde(default = "d10000")]
+    pub call_deadline_ms: u64,
+}
+
+fn d8() -> usize {
+    8
+}
+fn d10000() -> u64 {
+    10_000
+}
+
+impl Default for RetrySection {
+    fn default() -> Self {
+        Self {
+            concurrency: 8,
+            receive_wait_ms: 5000,
+            call_deadline_ms: 10_000,
+        }
+    }
+}
+
+/// `[status]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatusSection {
+    /// Where `/healthz`, `/readyz` and `/v1/events/{key}` are served.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8080))
+}
+
+impl Default for StatusSection {
+    fn default() -> Self {
+        Self {
+            listen: default_listen(),
+        }
+    }
+}
+
+/// `[policy]`: `default` and per-type `types."<event type>"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySection {
+    /// The default policy.
+    #[serde(default = "RetryPolicy::seed_fibonacci")]
+    pub default: RetryPolicy,
+    /// By event type.
+    #[serde(default)]
+    pub types: HashMap<String, RetryPolicy>,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        Self {
+            default: RetryPolicy::seed_fibonacci(),
+            types: HashMap::new(),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[eventhubs]`
+    pub eventhubs: EventHubsSection,
+    /// `[servicebus]`
+    pub servicebus: ServiceBusSection,
+    /// `[storage]`
+    pub storage: StorageSection,
+    /// `[handler]`
+    pub handler: HandlerSection,
+    /// `[processor]`
+    #[serde(default)]
+    pub processor: ProcessorSection,
+    /// `[checkpoint]`
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    /// `[retry]`
+    #[serde(default)]
+    pub retry: RetrySection,
+    /// `[policy]`
+    #[serde(default)]
+    pub policy: PolicySection,
+    /// `[identity]`
+    #[serde(default)]
+    pub identity: IdentityConfig,
+    /// `[status]`
+    #[serde(default)]
+    pub status: StatusSection,
+}
+
+const POLICY_KEYS: &[&str] = &[
+    "name",
+    "curve",
+    "base_s",
+    "floor_s",
+    "cap_s",
+    "max_attempts",
+    "max_age_s",
+    "delays_s",
+    "repeat_last",
+];
+
+/// Describes a TOML error by position and message, never by quoting the source line.
+fn describe(e: &toml::de::Error, source: &str) -> String {
+    let line = e
+        .span()
+        .map(|s| source[..s.start.min(source.len())].lines().count().max(1));
+    match line {
+        Some(l) => format!("line {l}: {}", e.message()),
+        None => e.message().to_string(),
+    }
+}
+
+fn set_path(
+    root: &mut toml::Table,
+    path: &[String],
+    value: toml::Value,
+) -> Result<(), ConfigError> {
+    let (last, parents) = path
+        .split_last()
+        .ok_or_else(|| err("empty environment override"))?;
+    let mut table = root;
+    for p in parents {
+        let entry = table
+            .entry(p.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table = entry
+            .as_table_mut()
+            .ok_or_else(|| err(format!("environment override: `{p}` is not a table")))?;
+    }
+    table.insert(last.clone(), value);
+    Ok(())
+}
+
+fn env_value(raw: &str) -> toml::Value {
+    match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.into()),
+    }
+}
+
+impl Config {
+    /// Reads `path`, applies `HUBGUARD_*` overrides from `env`, and validates.
+    pub fn load(
+        path: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let source = std::fs::read_to_string(path)
+            .map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+        Self::parse(&source, env)
+    }
+
+    /// Parses TOML text, applies overrides, validates.
+    pub fn parse(
+        source: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = source
+            .parse()
+            .map_err(|e: toml::de::Error| err(describe(&e, source)))?;
+        // Overrides of single policy fields apply on top of the default policy.
+        let policy = table
+            .entry("policy")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let toml::Value::Table(p) = policy {
+            if !p.contains_key("default") {
+                let seed = toml::Value::try_from(RetryPolicy::seed_fibonacci())
+                    .map_err(|e| err(e.to_string()))?;
+                p.insert("default".into(), seed);
+            }
+        }
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix("HUBGUARD_") else {
+                continue;
+            };
+            if rest.starts_with("EMULATOR_")
+                || rest == "CONFIG"
+                || rest.starts_with("REQUIRE_")
+                || rest.starts_with("AZURITE")
+            {
+                continue; // settings of other commands and of the test suite
+            }
+            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            set_path(&mut table, &path, env_value(&v))?;
+        }
+        if let Some(toml::Value::Table(policy)) = table.get("policy") {
+            let mut tables: Vec<(String, &toml::Table)> = Vec::new();
+            if let Some(toml::Value::Table(d)) = policy.get("default") {
+                tables.push(("policy.default".into(), d));
+            }
+            if let Some(toml::Value::Table(types)) = policy.get("types") {
+                for (name, t) in types {
+                    if let toml::Value::Table(t) = t {
+                        tables.push((format!("policy.types.\"{name}\""), t));
+                    }
+                }
+            }
+            for (where_, t) in tables {
+                if let Some(k) = t.keys().find(|k| !POLICY_KEYS.contains(&k.as_str())) {
+                    return Err(err(format!(
+                        "{where_}: unknown key `{k}` (allowed: {})",
+                        POLICY_KEYS.join(", ")
+                    )));
+                }
+            }
+        }
+        let config: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| err(e.message().to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks values serde cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match (&self.eventhubs.connection_string, &self.eventhubs.namespace, self.eventhubs.credential) {
+            (Some(cs), None, None) => {
+                cs.parse::<ConnectionString>().map_err(|e| err(format!("eventhubs.connection_string: {e}")))?;
+            }
+            (None, Some(_), Some(_)) => {}
+            _ => {
+                return Err(err(
+                    "eventhubs: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools)",
+                ))
+            }
+        }
+        if self.eventhubs.hub.trim().is_empty() {
+            return Err(err("eventhubs.hub must not be empty"));
+        }
+        self.servicebus
+            .connection_string
+            .parse::<ConnectionString>()
+            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+        let url = url::Url::parse(&self.storage.container_url)
+            .map_err(|e| err(format!("storage.container_url is not a URL: {e}")))?;
+        if self.storage.credential.is_some() && url.scheme() != "https" {
+            return Err(err(
+                "storage.credential needs an https storage.container_url",
+            ));
+        }
+        let HandlerSection::Webhook(w) = &self.handler;
+        WebhookHandler::new(w.clone()).map_err(err)?;
+        if self.processor.ownership_expiration_ms <= self.processor.update_interval_ms {
+            return Err(err("processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
+        }
+        if !matches!(self.processor.start.as_str(), "earliest" | "latest") {
+            return Err(err("processor.start must be `earliest` or `latest`"));
+        }
+        if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
+            return Err(err(
+                "checkpoint.every_events and checkpoint.every_ms must be positive",
+            ));
+        }
+        self.policy
+            .default
+            .validate()
+            .map_err(|e| err(format!("policy.default: {e}")))?;
+        for (t, p) in &self.policy.types {
+            p.validate()
+                .map_err(|e| err(format!("policy.types.\"{t}\": {e}")))?;
+        }
+        // A replay re-sends a retry message with the same MessageId; if that can happen after
+        // the duplicate-detection window, a second retry message would be created.
+        let gap_s = (self.checkpoint.every_ms
+            + self.processor.ownership_expiration_ms
+            + self.retry.call_deadline_ms * 4)
+            / 1000
+            + 60;
+        if self.servicebus.duplicate_detection_window_s < gap_s {
+            return Err(err(format!(
+                "servicebus.duplicate_detection_window_s ({}) is shorter than the longest schedule-to-replay gap this configuration allows ({gap_s} s): a replay could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
+                self.servicebus.duplicate_detection_window_s
+            )));
+        }
+        if self.eventhubs.retention_hours == 0 {
+            return Err(err("eventhubs.retention_hours must be positive"));
+        }
+        Ok(())
+    }
+
+    /// Warnings about configurations that are allowed but risky.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        let retention = Duration::from_secs(self.eventhubs.retention_hours * 3600);
+        if retention < Duration::from_secs(24 * 3600) {
+            w.push(format!(
+                "eventhubs.retention_hours is {}: a partition held longer than that (Service Bus or blob storage down) loses its oldest events to retention",
+                self.eventhubs.retention_hours
+            ));
+        }
+        w
+    }
+
+    fn credential(kind: CredentialKind) -> Result<Arc<dyn TokenCredential>, ConfigError> {
+        let c: Arc<dyn TokenCredential> = match kind {
+            CredentialKind::ManagedIdentity => azure_identity::ManagedIdentityCredential::new(None)
+                .map_err(|e| err(format!("managed identity: {e}")))?,
+            CredentialKind::WorkloadIdentity => {
+                azure_identity::WorkloadIdentityCredential::new(None)
+                    .map_err(|e| err(format!("workload identity: {e}")))?
+            }
+            CredentialKind::AzureCli => azure_identity::AzureCliCredential::new(None)
+                .map_err(|e| err(format!("azure cli: {e}")))?,
+            CredentialKind::DeveloperTools => azure_identity::DeveloperToolsCredential::new(None)
+                .map_err(|e| err(format!("developer tools: {e}")))?,
+        };
+        Ok(c)
+    }
+
+    /// The record store (ledger) this configuration names.
+    pub fn record_store(&self) -> Result<BlobRecordStore, ConfigError> {
+        let cred = self.storage.credential.map(Self::credential).transpose()?;
+        BlobRecordStore::new(
+            &self.storage.container_url,
+            cred,
+            Duration::from_millis(self.retry.call_deadline_ms),
+        )
+        .map_err(|e| err(format!("storage.container_url: {e}")))
+    }
+
+    /// The retry queue this configuration names.
+    pub fn retry_queue(&self) -> Result<ServiceBusRetryQueue, ConfigError> {
+        let cs: ConnectionString = self
+            .servicebus
+            .connection_string
+            .parse()
+            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+        ServiceBusRetryQueue::new(
+            &cs,
+            &self.servicebus.queue,
+            ServiceBusOptions {
+                deadline: Duration::from_millis(self.retry.call_deadline_ms),
+            },
+        )
+        .map_err(|e| err(format!("servicebus: {e}")))
+    }
+
+    /// Everything the pipeline needs, with the given handler.
+    pub fn pipeline_parts(
+        &self,
+        handler: Arc<dyn crate::handler::Handler>,
+    ) -> Result<PipelineParts, ConfigError> {
+        let eh = &self.eventhubs;
+        let target = match &eh.connection_string {
+            Some(cs) => {
+                let cs: ConnectionString = cs
+                    .parse()
+                    .map_err(|e| err(format!("eventhubs.connection_string: {e}")))?;
+                EventHubsTarget {
+                    namespace: cs.namespace(),
+                    custom_endpoint: cs.custom_endpoint(),
+                    hub: eh.hub.clone(),
+                    consumer_group: eh.consumer_group.clone(),
+                    credential: Arc::new(cs.credential(Some(&eh.hub))),
+                }
+            }
+            None => EventHubsTarget {
+                namespace: eh.namespace.clone().unwrap_or_default(),
+                custom_endpoint: None,
+                hub: eh.hub.clone(),
+                consumer_group: eh.consumer_group.clone(),
+                credential: Self::credential(
+                    eh.credential.unwrap_or(CredentialKind::DeveloperTools),
+                )?,
+            },
+        };
+        let cred = self.storage.credential.map(Self::credential).transpose()?;
+        let url = url::Url::parse(&self.storage.container_url)
+            .map_err(|e| err(format!("storage.container_url: {e}")))?;
+        let container = azure_storage_blob::BlobContainerClient::new(url, cred, None)
+            .map_err(|e| err(format!("storage.container_url: {e}")))?;
+        let checkpoint_store =
+            azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore::new(container);
+        let deadline = Duration::from_millis(self.retry.call_deadline_ms);
+        Ok(PipelineParts {
+            eventhubs: target,
+            checkpoint_store,
+            records: Arc::new(self.record_store()?),
+            queue: Arc::new(self.retry_queue()?),
+            handler,
+            policies: Policies {
+                default: self.policy.default.clone(),
+                by_type: self.policy.types.clone(),
+            },
+            identity: self.identity.clone(),
+            options: PipelineOptions {
+                owner_id: self
+                    .processor
+                    .owner_id
+                    .clone()
+                    .filter(|o| !o.is_empty())
+                    .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                update_interval: Duration::from_millis(self.processor.update_interval_ms),
+                ownership_expiration: Duration::from_millis(self.processor.ownership_expiration_ms),
+                checkpoint_every_events: self.checkpoint.every_events,
+                checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
+                prefetch: self.processor.prefetch,
+                start_at_latest: self.processor.start == "latest",
+                deadline,
+                retry_concurrency: self.retry.concurrency,
+                retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
+                ..Default::default()
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[eventhubs]
+connection_string = "Endpoint=sb://127.0.0.1:5672;SharedAccessKeyName=k;SharedAccessKey=TOPSECRET;UseDevelopmentEmulator=true"
+hub = "hub"
+[servicebus]
+connection_string = "Endpoint=sb://127.0.0.1:5380;SharedAccessKeyName=k;SharedAccessKey=TOPSECRET;UseDevelopmentEmulator=true"
+[storage]
+container_url = "http://127.0.0.1:10000/devstoreaccount1/hubguard"
+[handler]
+kind = "webhook"
+url = "http://127.0.0.1:9000/events"
+"#;
+
+    fn none() -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let c = Config::parse(include_str!("../hubguard.example.toml"), none()).unwrap();
+        assert_eq!(c.eventhubs.hub, "hub");
+        assert!(c.policy.types.contains_key("order.created"));
+    }
+
+    #[test]
+    fn defaults_and_env_overrides() {
+        let c = Config::parse(BASE, none()).unwrap();
+        assert_eq!(c.servicebus.queue, "retries");
+        assert_eq!(c.policy.default, RetryPolicy::seed_fibonacci());
+        let env = vec![
+            ("HUBGUARD_EVENTHUBS__HUB".to_string(), "orders".to_string()),
+            (
+                "HUBGUARD_POLICY__DEFAULT__MAX_ATTEMPTS".to_string(),
+                "5".to_string(),
+            ),
+            (
+                "HUBGUARD_CHECKPOINT__EVERY_MS".to_string(),
+                "250".to_string(),
+            ),
+            ("HUBGUARD_EMULATOR_KEY".to_string(), "ignored".to_string()),
+        ];
+        let c = Config::parse(BASE, env).unwrap();
+        assert_eq!(c.eventhubs.hub, "orders");
+        assert_eq!(c.policy.default.max_attempts, 5);
+        assert_eq!(c.checkpoint.every_ms, 250);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_never_the_secret() {
+        let bad = |extra: &str| {
+            Config::parse(&format!("{BASE}{extra}"), none())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = bad("[checkpoint]\nevry_ms = 5\n");
+        assert!(e.contains("evry_ms"), "{e}");
+        let e = bad("[policy.default]\ncurve = \"fibonacci\"\nmax_attempts = 0\n");
+        assert!(
+            e.contains("policy.default") && e.contains("max_attempts"),
+            "{e}"
+        );
+        let e = bad("[policy.types.\"x\"]\ncurve = \"fixed\"\nmax_attempts = 3\nbase = 4\n");
+        assert!(
+            e.contains("policy.types.\"x\"") && e.contains("`base`"),
+            "{e}"
+        );
+        let e = bad("[processor]\nownership_expiration_ms = 100\nupdate_interval_ms = 200\n");
+        assert!(e.contains("ownership_expiration_ms"), "{e}");
+        let e = Config::parse(&BASE.replace("SharedAccessKeyName=k;", ""), none())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("eventhubs.connection_string") && e.contains("SharedAccessKeyName"),
+            "{e}"
+        );
+        assert!(!e.contains("TOPSECRET"));
+        let e = Config::parse(
+            &BASE.replace("hub = \"hub\"", "hub = \"hub\"\nhub = \"x\""),
+            none(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(!e.contains("TOPSECRET"), "{e}");
+        let e = bad("[servicebus_extra]\n");
+        assert!(e.contains("servicebus_extra"), "{e}");
+        // Debug output (which may reach a log or a panic) redacts the secrets too.
+        let c = Config::parse(BASE, none()).unwrap();
+        assert!(!format!("{c:?}").contains("TOPSECRET"));
+    }
+
+    #[test]
+    fn a_short_duplicate_window_is_refused() {
+        let c = BASE.replace("[storage]", "duplicate_detection_window_s = 30\n[storage]");
+        let e = Config::parse(&c, none()).unwrap_err().to_string();
+        assert!(e.contains("duplicate_detection_window_s"), "{e}");
+    }
+}

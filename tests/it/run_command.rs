@@ -1,0 +1,284 @@
+//! `hubguard run`, `status` and `dead-letters` as an operator uses them: the binary, a TOML
+//! config with an environment override, the webhook handler against a local receiver, the
+//! status endpoint, and a clean stop on SIGTERM.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::common::within;
+use crate::pipeline_support::Bed;
+
+#[derive(Default)]
+struct Receiver {
+    /// Idempotency-Key → (attempt header, traceparent) of every call.
+    calls: Mutex<HashMap<String, Vec<(String, String)>>>,
+}
+
+async fn receive(State(r): State<Arc<Receiver>>, headers: HeaderMap, body: String) -> StatusCode {
+    let h = |n: &str| {
+        headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let key = h("idempotency-key");
+    let n = {
+        let mut calls = r.calls.lock().unwrap();
+        let v = calls.entry(key).or_default();
+        v.push((h("x-hubguard-attempt"), h("traceparent")));
+        v.len()
+    };
+    if let Some(k) = body.strip_prefix("fail:") {
+        if n <= k.parse().unwrap_or(0) {
+            return StatusCode::SERVICE_UNAVAILABLE;
+        }
+    }
+    if body == "perm" {
+        return StatusCode::BAD_REQUEST;
+    }
+    StatusCode::OK
+}
+
+async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.unwrap();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (
+        status,
+        resp.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default(),
+    )
+}
+
+fn hubguard(args: &[&str], config: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .env("HUBGUARD_EVENTHUBS__HUB", "hub")
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_status_and_dead_letters_from_the_command_line() {
+    let bed = Bed::start(2).await;
+    let receiver = Arc::new(Receiver::default());
+    let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_addr = hook.local_addr().unwrap();
+    let app = Router::new()
+        .route("/events", post(receive))
+        .with_state(receiver.clone());
+    tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hubguard.toml");
+    let status_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[eventhubs]
+connection_string = "{eh}"
+hub = "not-the-hub"   # overridden from the environment below
+[servicebus]
+connection_string = "{sb}"
+[storage]
+container_url = "{blob}"
+[handler]
+kind = "webhook"
+url = "http://{hook_addr}/events"
+timeout_ms = 2000
+[processor]
+owner_id = "cli-replica"
+update_interval_ms = 500
+ownership_expiration_ms = 3000
+[checkpoint]
+every_ms = 200
+[retry]
+receive_wait_ms = 1000
+call_deadline_ms = 3000
+[policy.default]
+curve = "fixed"
+base_s = 1
+floor_s = 1
+max_attempts = 4
+[status]
+listen = "127.0.0.1:{status_port}"
+"#,
+            eh = bed.eh.connection_string(),
+            sb = bed.sb.connection_string(),
+            blob = bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+
+    bed.send(
+        0,
+        &[
+            ("cli-ok", "ok"),
+            ("cli-flaky", "fail:1"),
+            ("cli-perm", "perm"),
+        ],
+    )
+    .await;
+    bed.send(1, &[("cli-ok-2", "ok")]).await;
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("HUBGUARD_EVENTHUBS__HUB", "hub")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = within("run starts", out.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        first.contains("consuming hub ($Default) as cli-replica"),
+        "{first}"
+    );
+    let status_addr = format!("127.0.0.1:{status_port}");
+
+    // Wait (bounded) for the flaky event to be delivered on its second attempt.
+    within("flaky delivered", async {
+        loop {
+            let (code, body) = http_get(&status_addr, "/v1/events/cli-flaky").await;
+            if code == 200 && body.contains("\"DELIVERED\"") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let (code, _) = http_get(&status_addr, "/healthz").await;
+    assert_eq!(code, 200);
+    within("ready", async {
+        while http_get(&status_addr, "/readyz").await.0 != 200 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let (code, body) = http_get(&status_addr, "/v1/events/cli-ok").await;
+    assert_eq!(code, 404, "{body}");
+
+    // The webhook got the idempotency key, the attempt number and a W3C traceparent.
+    let calls = receiver
+        .calls
+        .lock()
+        .unwrap()
+        .get("cli-flaky")
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        calls.iter().map(|c| c.0.as_str()).collect::<Vec<_>>(),
+        vec!["1", "2"]
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.1.starts_with("00-") && c.1.len() == 55),
+        "{calls:?}"
+    );
+
+    // `hubguard status` answers from the ledger.
+    let out_status = hubguard(&["status", "cli-flaky"], &config);
+    let text = String::from_utf8_lossy(&out_status.stdout);
+    assert!(out_status.status.success(), "{text}");
+    assert!(
+        text.contains("state:           DELIVERED") && text.contains("attempts:        2 of 4"),
+        "{text}"
+    );
+    assert!(text.contains("HTTP 503 from the webhook"), "{text}");
+    let json = hubguard(&["status", "cli-flaky", "--json"], &config);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["trace_ids"].as_array().unwrap().len(), 2);
+
+    // The permanent failure is listed as a dead letter, and replay schedules it again.
+    let list = hubguard(&["dead-letters", "list"], &config);
+    let text = String::from_utf8_lossy(&list.stdout);
+    assert!(
+        text.contains("1 dead-lettered event(s)")
+            && text.contains("cli-perm")
+            && text.contains("HTTP 400"),
+        "{text}"
+    );
+    let replay = hubguard(&["dead-letters", "replay", "cli-perm"], &config);
+    let text = String::from_utf8_lossy(&replay.stdout);
+    assert!(text.contains("cli-perm: attempt 2 scheduled now"), "{text}");
+    within("replayed attempt runs", async {
+        loop {
+            let n = receiver
+                .calls
+                .lock()
+                .unwrap()
+                .get("cli-perm")
+                .map_or(0, |v| v.len());
+            if n >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+
+    // SIGTERM: a clean stop.
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let status = within("exits", child.wait()).await.unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(bed.checkpoint_of("0").await, Some(2));
+    assert_eq!(bed.checkpoint_of("1").await, Some(0));
+}
+
+#[test]
+fn a_bad_config_stops_start_up_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("bad.toml");
+    std::fs::write(
+        &config,
+        "[eventhubs]\nconnection_string = \"Endpoint=sb://h;SharedAccessKeyName=k;SharedAccessKey=SECRET\"\nhub = \"h\"\n[servicebus]\nconnection_string = \"nonsense\"\n[storage]\ncontainer_url = \"http://x/y/z\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:1/\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("servicebus.connection_string"), "{err}");
+    assert!(!err.contains("SECRET"), "{err}");
+}
