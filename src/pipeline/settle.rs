@@ -24,7 +24,7 @@ use crate::event::Event;
 use crate::handler::{Failure, Outcome};
 use crate::ledger::{at, ms, AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
 use crate::policy::classify::ErrorClass;
-use crate::policy::{DeadLetterReason, Decision, RetryPolicy};
+use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
 /// Compare-and-swap rounds before giving up on a contended record.
 const CAS_ROUNDS: usize = 16;
@@ -300,12 +300,14 @@ impl Settler {
                 ),
             };
             let decision = policy.decide(
-                attempt.saturating_sub(base).max(1),
-                first_failure,
-                now,
-                failure.class == ErrorClass::Permanent,
-                failure.retry_after,
-                previous,
+                &FailedAttempt {
+                    attempt: attempt.saturating_sub(base).max(1),
+                    first_failure,
+                    now,
+                    permanent: failure.class == ErrorClass::Permanent,
+                    retry_after: failure.retry_after,
+                    previous_delay: previous,
+                },
                 &mut rand::thread_rng(),
             );
             let mut rec = match current.as_ref() {

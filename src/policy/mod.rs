@@ -84,6 +84,37 @@ fn default_cap() -> u64 {
     MAX_SCHEDULE_AHEAD.as_secs()
 }
 
+/// The facts about a failed attempt that a decision depends on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedAttempt {
+    /// The attempt's number within the policy's budget (1-based).
+    pub attempt: u32,
+    /// When the event first failed (the age budget counts from here).
+    pub first_failure: SystemTime,
+    /// Now.
+    pub now: SystemTime,
+    /// The error is permanent.
+    pub permanent: bool,
+    /// The downstream's `Retry-After`.
+    pub retry_after: Option<Duration>,
+    /// The wait before this attempt (decorrelated jitter grows from it).
+    pub previous_delay: Option<Duration>,
+}
+
+impl FailedAttempt {
+    /// A transient failure of `attempt` at `now`, first failing at `first_failure`.
+    pub fn transient(attempt: u32, first_failure: SystemTime, now: SystemTime) -> Self {
+        Self {
+            attempt,
+            first_failure,
+            now,
+            permanent: false,
+            retry_after: None,
+            previous_delay: None,
+        }
+    }
+}
+
 /// What to do after a failed attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
@@ -207,35 +238,27 @@ impl RetryPolicy {
         Some(Duration::from_secs_f64(secs))
     }
 
-    /// Decides what follows failed attempt `attempt`: dead-letter when the error is
-    /// permanent or a budget is spent, else retry at `now + max(delay, retry_after)`.
-    pub fn decide(
-        &self,
-        attempt: u32,
-        first_failure: SystemTime,
-        now: SystemTime,
-        permanent: bool,
-        retry_after: Option<Duration>,
-        previous: Option<Duration>,
-        rng: &mut impl Rng,
-    ) -> Decision {
-        if permanent {
+    /// Decides what follows a failed attempt: dead-letter when the error is permanent or a
+    /// budget is spent, else retry at `now + max(delay, retry_after)`.
+    pub fn decide(&self, f: &FailedAttempt, rng: &mut impl Rng) -> Decision {
+        if f.permanent {
             return Decision::DeadLetter(DeadLetterReason::Permanent);
         }
-        if attempt >= self.max_attempts {
+        if f.attempt >= self.max_attempts {
             return Decision::DeadLetter(DeadLetterReason::AttemptsExhausted);
         }
-        let Some(delay) = self.delay(attempt, previous, rng) else {
+        let Some(delay) = self.delay(f.attempt, f.previous_delay, rng) else {
             return Decision::DeadLetter(DeadLetterReason::ScheduleExhausted);
         };
         // A downstream's Retry-After is honoured when it is longer than the curve.
-        let delay = match retry_after {
+        let delay = match f.retry_after {
             Some(ra) if ra > delay => ra.min(MAX_SCHEDULE_AHEAD),
             _ => delay,
         };
-        let at = now + delay;
+        let at = f.now + delay;
         if let Some(max_age) = self.max_age_s {
-            if at.duration_since(first_failure).unwrap_or_default() > Duration::from_secs(max_age) {
+            if at.duration_since(f.first_failure).unwrap_or_default() > Duration::from_secs(max_age)
+            {
                 return Decision::DeadLetter(DeadLetterReason::AgeExceeded);
             }
         }
@@ -338,7 +361,7 @@ mod tests {
         assert_eq!(finite.delay(3, None, &mut rng()), None);
         let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
         assert_eq!(
-            finite.decide(3, t, t, false, None, None, &mut rng()),
+            finite.decide(&FailedAttempt::transient(3, t, t), &mut rng()),
             Decision::DeadLetter(DeadLetterReason::ScheduleExhausted)
         );
     }
@@ -351,47 +374,44 @@ mod tests {
             ..RetryPolicy::seed_fibonacci()
         };
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let first = FailedAttempt::transient(1, t0, t0);
         assert_eq!(
-            p.decide(1, t0, t0, false, None, None, &mut rng()),
+            p.decide(&first, &mut rng()),
             Decision::RetryAt(t0 + Duration::from_secs(10))
         );
+        let perm = FailedAttempt {
+            permanent: true,
+            ..first.clone()
+        };
         assert_eq!(
-            p.decide(1, t0, t0, true, None, None, &mut rng()),
+            p.decide(&perm, &mut rng()),
             Decision::DeadLetter(DeadLetterReason::Permanent)
         );
         assert_eq!(
-            p.decide(3, t0, t0, false, None, None, &mut rng()),
+            p.decide(&FailedAttempt::transient(3, t0, t0), &mut rng()),
             Decision::DeadLetter(DeadLetterReason::AttemptsExhausted)
         );
         // Retry-After longer than the curve wins; shorter does not.
+        let long = FailedAttempt {
+            retry_after: Some(Duration::from_secs(60)),
+            ..first.clone()
+        };
         assert_eq!(
-            p.decide(
-                1,
-                t0,
-                t0,
-                false,
-                Some(Duration::from_secs(60)),
-                None,
-                &mut rng()
-            ),
+            p.decide(&long, &mut rng()),
             Decision::RetryAt(t0 + Duration::from_secs(60))
         );
+        let short = FailedAttempt {
+            retry_after: Some(Duration::from_secs(1)),
+            ..first.clone()
+        };
         assert_eq!(
-            p.decide(
-                1,
-                t0,
-                t0,
-                false,
-                Some(Duration::from_secs(1)),
-                None,
-                &mut rng()
-            ),
+            p.decide(&short, &mut rng()),
             Decision::RetryAt(t0 + Duration::from_secs(10))
         );
         // Age: the next attempt would start 95 + 10 s after the first failure.
-        let late = t0 + Duration::from_secs(95);
+        let late = FailedAttempt::transient(2, t0, t0 + Duration::from_secs(95));
         assert_eq!(
-            p.decide(2, t0, late, false, None, None, &mut rng()),
+            p.decide(&late, &mut rng()),
             Decision::DeadLetter(DeadLetterReason::AgeExceeded)
         );
     }

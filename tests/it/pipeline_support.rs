@@ -17,7 +17,7 @@ use hubguard::event::{Event, IdentityConfig};
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::Ledger;
 use hubguard::pipeline::health::Health;
-use hubguard::pipeline::settle::{Policies, Settler};
+use hubguard::pipeline::settle::Policies;
 use hubguard::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use hubguard::policy::{Curve, RetryPolicy};
 use tokio_util::sync::CancellationToken;
@@ -114,7 +114,6 @@ pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
 pub struct Running {
     pub cancel: CancellationToken,
     pub health: Arc<Health>,
-    pub settler: Arc<Settler>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -218,7 +217,6 @@ impl Bed {
     pub fn run(parts: PipelineParts) -> Running {
         let pipeline = Pipeline::new(parts);
         let health = pipeline.health();
-        let settler = pipeline.settler();
         let cancel = CancellationToken::new();
         let c = cancel.clone();
         let task = tokio::spawn(async move {
@@ -227,7 +225,6 @@ impl Bed {
         Running {
             cancel,
             health,
-            settler,
             task,
         }
     }
