@@ -32,6 +32,8 @@ struct FenceState {
     claimed: HashMap<String, Instant>,
     /// partition → highest sequence number checkpointed.
     written: HashMap<String, i64>,
+    /// partition → the ownership as last claimed (with its ETag), for releasing it.
+    held: HashMap<String, Ownership>,
 }
 
 impl std::fmt::Debug for FencedCheckpointStore {
@@ -82,6 +84,25 @@ impl FencedCheckpointStore {
             })
     }
 
+    /// Gives up every partition this replica holds (owner id cleared, with the claim's ETag),
+    /// so other replicas take them at their next cycle instead of waiting for expiry. Call
+    /// after the processor has stopped, at shutdown.
+    pub async fn release_all(&self) {
+        let held: Vec<Ownership> = {
+            let mut st = self.state();
+            st.claimed.clear();
+            st.held.drain().map(|(_, o)| o).collect()
+        };
+        for mut o in held {
+            o.owner_id = None;
+            let pid = o.partition_id.clone();
+            match self.deadline("release ownership", self.inner.claim_ownership(&[o])).await {
+                Ok(_) => tracing::info!(partition = %pid, "ownership released"),
+                Err(e) => tracing::warn!(partition = %pid, error = %e, "could not release ownership; it will expire"),
+            }
+        }
+    }
+
     /// Whether this replica holds a fresh claim on `partition`.
     pub fn owns(&self, partition: &str) -> bool {
         self.state()
@@ -105,6 +126,7 @@ impl CheckpointStore for FencedCheckpointStore {
         for o in &claimed {
             if o.owner_id.as_deref() == Some(self.owner_id.as_str()) {
                 st.claimed.insert(o.partition_id.clone(), asked_at);
+                st.held.insert(o.partition_id.clone(), o.clone());
             }
         }
         Ok(claimed)
@@ -149,6 +171,7 @@ impl CheckpointStore for FencedCheckpointStore {
             if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {
                 // Someone else owns it now: our claim is lost.
                 st.claimed.remove(&o.partition_id);
+                st.held.remove(&o.partition_id);
             }
         }
         Ok(owners)

@@ -343,6 +343,8 @@ async fn run_processor(
     if !run_done {
         let _ = tokio::time::timeout(o.update_interval * 2 + o.deadline, &mut run).await;
     }
+    // The SDK never gives ownership back; do it, so other replicas need not wait for expiry.
+    checkpoints.release_all().await;
     match Arc::try_unwrap(processor) {
         Ok(p) => {
             let _ = tokio::time::timeout(o.deadline, p.close()).await;

@@ -462,7 +462,12 @@ async fn two_replicas_share_partitions_and_one_stopping_mid_stream_loses_nothing
         handler.delivered_keys().len() >= 20
     })
     .await;
-    a.stop().await; // replica A goes away mid-stream; B takes over after ownership expires
+    a.stop().await; // replica A goes away mid-stream and gives its partitions back
+    let owners = bed.checkpoint_store().list_ownerships(&bed.cs.host, "hub", "$Default").await.unwrap();
+    assert!(
+        owners.iter().all(|o| o.owner_id.as_deref() != Some("replica-a")),
+        "a graceful stop releases ownership: {owners:?}"
+    );
     wait_for(
         "every event delivered",
         &b.health,
