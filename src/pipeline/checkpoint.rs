@@ -96,9 +96,14 @@ impl FencedCheckpointStore {
         for mut o in held {
             o.owner_id = None;
             let pid = o.partition_id.clone();
-            match self.deadline("release ownership", self.inner.claim_ownership(&[o])).await {
+            match self
+                .deadline("release ownership", self.inner.claim_ownership(&[o]))
+                .await
+            {
                 Ok(_) => tracing::info!(partition = %pid, "ownership released"),
-                Err(e) => tracing::warn!(partition = %pid, error = %e, "could not release ownership; it will expire"),
+                Err(e) => {
+                    tracing::warn!(partition = %pid, error = %e, "could not release ownership; it will expire")
+                }
             }
         }
     }

@@ -205,10 +205,10 @@ impl Health {
         self.held().is_empty() && self.retry_loop() == RetryLoopState::Running
     }
 
-    /// Adds one to a counter.
+    /// Adds one to a counter (counters do not wake [`subscribe`](Self::subscribe)rs: they
+    /// change on every event, and waking on each would cost the hot path).
     pub fn count(&self, c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
-        self.bump();
     }
 
     /// The counters now.

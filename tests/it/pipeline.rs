@@ -463,9 +463,15 @@ async fn two_replicas_share_partitions_and_one_stopping_mid_stream_loses_nothing
     })
     .await;
     a.stop().await; // replica A goes away mid-stream and gives its partitions back
-    let owners = bed.checkpoint_store().list_ownerships(&bed.cs.host, "hub", "$Default").await.unwrap();
+    let owners = bed
+        .checkpoint_store()
+        .list_ownerships(&bed.cs.host, "hub", "$Default")
+        .await
+        .unwrap();
     assert!(
-        owners.iter().all(|o| o.owner_id.as_deref() != Some("replica-a")),
+        owners
+            .iter()
+            .all(|o| o.owner_id.as_deref() != Some("replica-a")),
         "a graceful stop releases ownership: {owners:?}"
     );
     wait_for(
