@@ -97,8 +97,8 @@ pub struct EmulatorArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
-    /// Run only these services (comma separated: eventhubs, servicebus, blob).
-    #[arg(long, value_delimiter = ',', value_parser = ["eventhubs", "servicebus", "blob"])]
+    /// Run only these services (comma separated: eventhubs, servicebus, blob, webhook).
+    #[arg(long, value_delimiter = ',', value_parser = ["eventhubs", "servicebus", "blob", "webhook"])]
     only: Vec<String>,
     /// Event Hubs (AMQP) port; 0 picks a free one.
     #[arg(long, default_value_t = 5672)]
@@ -109,6 +109,9 @@ pub struct EmulatorArgs {
     /// Blob storage (HTTP) port; 0 picks a free one.
     #[arg(long, default_value_t = 10000)]
     blob_port: u16,
+    /// Local webhook receiver port (the downstream for `hubguard run`); 0 picks a free one.
+    #[arg(long, default_value_t = 9000)]
+    webhook_port: u16,
     /// Admin endpoint (faults, counters) port; 0 picks a free one.
     #[arg(long, default_value_t = 5390)]
     admin_port: u16,
@@ -184,6 +187,7 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         eventhubs_port: wants("eventhubs").then_some(args.eventhubs_port),
         servicebus_port: wants("servicebus").then_some(args.servicebus_port),
         blob_port: wants("blob").then_some(args.blob_port),
+        webhook_port: wants("webhook").then_some(args.webhook_port),
         hubs: if args.hubs.is_empty() {
             vec![HubSpec::new("hub", 4)]
         } else {

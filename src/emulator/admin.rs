@@ -7,6 +7,7 @@
 //! | `GET /status` | JSON: partitions' event counts, queues' counters, containers |
 //! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}`, `{"kind":"drop"}` or `{"kind":"clear"}` |
 //! | `POST /clock/advance` | JSON `{"seconds":N}`: move the Service Bus clock forward |
+//! | `POST /send/{hub}` | JSON `{"count":N,"body":"…","partition":"0","type":"order.created"}`: append N test events (CloudEvents `ce_id` `{hub}-{seq}`, `ce_type`) |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,6 +79,7 @@ pub fn router(emulators: Arc<Emulators>) -> Router {
         .route("/status", get(status))
         .route("/faults/{service}", post(fault))
         .route("/clock/advance", post(advance))
+        .route("/send/{hub}", post(send))
         .with_state(emulators)
 }
 
@@ -106,6 +108,67 @@ async fn fault(
         Json(json!({ "service": service, "applied": format!("{req:?}") })),
     )
         .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct Send {
+    #[serde(default = "one")]
+    count: usize,
+    #[serde(default)]
+    body: String,
+    partition: Option<String>,
+    #[serde(rename = "type")]
+    event_type: Option<String>,
+}
+
+fn one() -> usize {
+    1
+}
+
+async fn send(
+    State(e): State<Arc<Emulators>>,
+    Path(hub): Path<String>,
+    Json(s): Json<Send>,
+) -> Response {
+    use fe2o3_amqp_types::messaging::{ApplicationProperties, Body, Data, Message};
+    use fe2o3_amqp_types::primitives::SimpleValue;
+    let Some(hub) = e.eventhubs.as_ref().and_then(|eh| eh.store().hub(&hub)) else {
+        return (StatusCode::NOT_FOUND, format!("no hub '{hub}'")).into_response();
+    };
+    let mut sent = 0;
+    for i in 0..s.count {
+        let p = match &s.partition {
+            Some(p) => match hub.partition_index(p) {
+                Some(i) => i,
+                None => {
+                    return (StatusCode::NOT_FOUND, format!("no partition '{p}'")).into_response()
+                }
+            },
+            None => hub.route(None),
+        };
+        let seq = hub.partitions[p].len();
+        let mut props = ApplicationProperties::builder().insert(
+            "ce_id",
+            SimpleValue::String(format!("{}-{p}-{seq}", hub.name)),
+        );
+        if let Some(t) = &s.event_type {
+            props = props.insert("ce_type", SimpleValue::String(t.clone()));
+        }
+        let body = if s.body.is_empty() {
+            format!("{{\"n\":{i}}}")
+        } else {
+            s.body.clone()
+        };
+        let msg = Message::builder()
+            .application_properties(props.build())
+            .body(Body::Data(vec![Data(body.into_bytes().into())].into()))
+            .build();
+        if let Err(err) = hub.partitions[p].append(vec![msg], None) {
+            return (StatusCode::INTERNAL_SERVER_ERROR, err.to_string()).into_response();
+        }
+        sent += 1;
+    }
+    (StatusCode::OK, Json(json!({ "sent": sent }))).into_response()
 }
 
 async fn advance(State(e): State<Arc<Emulators>>, Json(a): Json<Advance>) -> Response {

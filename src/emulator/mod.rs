@@ -10,6 +10,7 @@
 //! - [`faults`]: fault injection (refuse, delay, drop connections, error status).
 //! - [`clock`]: the emulators' clock, which tests advance instead of sleeping.
 //! - [`http`]: the serve loop and fault plumbing the REST emulators share.
+//! - [`webhook`]: a local webhook receiver, the downstream that misbehaves as told.
 //! - [`admin`]: the HTTP admin endpoint (faults, counters) of `hubguard emulator`.
 //!
 //! [`Emulators`] starts any subset of the three together, as `hubguard emulator` and the demo do.
@@ -21,6 +22,7 @@ pub mod eventhubs;
 pub mod faults;
 pub mod http;
 pub mod servicebus;
+pub mod webhook;
 
 pub use faults::Faults;
 
@@ -46,6 +48,8 @@ pub struct EmulatorsConfig {
     pub servicebus_port: Option<u16>,
     /// Blob (HTTP) port, or `None`.
     pub blob_port: Option<u16>,
+    /// Webhook receiver port, or `None`.
+    pub webhook_port: Option<u16>,
     /// The hubs.
     pub hubs: Vec<eventhubs::HubSpec>,
     /// The queues.
@@ -67,6 +71,7 @@ impl Default for EmulatorsConfig {
             eventhubs_port: Some(0),
             servicebus_port: Some(0),
             blob_port: Some(0),
+            webhook_port: None,
             hubs: vec![eventhubs::HubSpec::new("hub", 4)],
             queues: vec![servicebus::QueueSpec::new("retries")],
             containers: vec![blob::DEFAULT_CONTAINER.into()],
@@ -86,6 +91,8 @@ pub struct Emulators {
     pub servicebus: Option<servicebus::ServiceBusEmulator>,
     /// Blob storage, if running.
     pub blob: Option<blob::BlobEmulator>,
+    /// The webhook receiver, if running.
+    pub webhook: Option<webhook::WebhookReceiver>,
 }
 
 impl Emulators {
@@ -136,10 +143,19 @@ impl Emulators {
             ),
             None => None,
         };
+        let webhook = match config.webhook_port {
+            Some(p) => Some(
+                webhook::WebhookReceiver::start(at(p))
+                    .await
+                    .map_err(named("webhook receiver"))?,
+            ),
+            None => None,
+        };
         Ok(Self {
             eventhubs,
             servicebus,
             blob,
+            webhook,
         })
     }
 
@@ -156,6 +172,9 @@ impl Emulators {
         if let Some(b) = &self.blob {
             v.push(format!("blob: {}", b.account_url()));
         }
+        if let Some(w) = &self.webhook {
+            v.push(format!("webhook: {}", w.url()));
+        }
         v
     }
 
@@ -171,6 +190,9 @@ impl Emulators {
         }
         if all || service == "blob" {
             v.extend(self.blob.as_ref().map(|e| e.faults().as_ref()));
+        }
+        if all || service == "webhook" {
+            v.extend(self.webhook.as_ref().map(|e| e.faults().as_ref()));
         }
         v
     }
@@ -203,6 +225,10 @@ impl Emulators {
                 serde_json::json!({ "address": s.local_addr().to_string(), "queues": queues }),
             );
         }
+        if let Some(w) = &self.webhook {
+            let d = w.deliveries();
+            out.insert("webhook".into(), serde_json::json!({ "url": w.url(), "events": d.len(), "deliveries": d.values().sum::<u32>() }));
+        }
         if let Some(b) = &self.blob {
             out.insert("blob".into(), serde_json::json!({ "address": b.local_addr().to_string(), "containers": b.store().container_names() }));
         }
@@ -219,6 +245,9 @@ impl Emulators {
         }
         if let Some(b) = self.blob {
             b.shutdown().await;
+        }
+        if let Some(w) = self.webhook {
+            w.shutdown().await;
         }
     }
 }

@@ -23,6 +23,8 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
             "0",
             "--blob-port",
             "0",
+            "--webhook-port",
+            "0",
             "--admin-port",
             "0",
             "--hub",
@@ -42,7 +44,7 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
         .expect("hubguard runs");
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut lines = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..5 {
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         lines.push(line.trim().to_string());
@@ -144,6 +146,22 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
         serde_json::json!([0, 1]),
         "{body}"
     );
+    let (status, body) = http(
+        &admin,
+        "POST",
+        "/send/audit",
+        r#"{"count":3,"type":"audit.entry"}"#,
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (200, r#"{"sent":3}"#));
+    let (_, body) = http(&admin, "GET", "/status", "").await;
+    let status_json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        status_json["eventhubs"]["hubs"][0]["partition_events"],
+        serde_json::json!([3]),
+        "{body}"
+    );
+    assert!(value("webhook: ").ends_with("/events"));
     let (status, _) = http(&admin, "POST", "/faults/nosuch", r#"{"kind":"clear"}"#).await;
     assert_eq!(status, 404);
 

@@ -1,0 +1,107 @@
+//! A local webhook receiver: the downstream for `hubguard run` on the emulators and for the
+//! demo. It answers `POST /events` with 200 and records each delivery by `Idempotency-Key`;
+//! faults (error status, delay, refused connections) make it misbehave as told.
+//! `GET /deliveries` lists what arrived: key → number of deliveries.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Json;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::Faults;
+
+#[derive(Debug, Default)]
+struct Deliveries {
+    by_key: Mutex<BTreeMap<String, u32>>,
+}
+
+/// A running webhook receiver. Dropping it stops it.
+#[derive(Debug)]
+pub struct WebhookReceiver {
+    addr: SocketAddr,
+    deliveries: Arc<Deliveries>,
+    faults: Arc<Faults>,
+    shutdown: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+async fn receive(State(d): State<Arc<Deliveries>>, headers: HeaderMap) -> StatusCode {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("(no key)")
+        .to_string();
+    *d.by_key
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(key)
+        .or_default() += 1;
+    StatusCode::OK
+}
+
+async fn list(State(d): State<Arc<Deliveries>>) -> Json<BTreeMap<String, u32>> {
+    Json(d.by_key.lock().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+impl WebhookReceiver {
+    /// Starts listening on `listen`.
+    pub async fn start(listen: SocketAddr) -> io::Result<Self> {
+        let deliveries = Arc::new(Deliveries::default());
+        let shutdown = CancellationToken::new();
+        let faults = Arc::new(Faults::new(shutdown.clone()));
+        let router = Router::new()
+            .route("/events", post(receive))
+            .route("/deliveries", get(list))
+            .with_state(deliveries.clone());
+        let (addr, task) =
+            super::http::serve(listen, router, faults.clone(), shutdown.clone()).await?;
+        Ok(Self {
+            addr,
+            deliveries,
+            faults,
+            shutdown,
+            task: Some(task),
+        })
+    }
+
+    /// The URL events are posted to.
+    pub fn url(&self) -> String {
+        format!("http://{}/events", self.addr)
+    }
+
+    /// The fault handle (an outage is `error_status_for(503, …)`).
+    pub fn faults(&self) -> &Arc<Faults> {
+        &self.faults
+    }
+
+    /// Deliveries so far: idempotency key → count.
+    pub fn deliveries(&self) -> BTreeMap<String, u32> {
+        self.deliveries
+            .by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Stops it.
+    pub async fn shutdown(mut self) {
+        self.shutdown.cancel();
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for WebhookReceiver {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
