@@ -71,6 +71,145 @@ async fn http_get(addr: &str, path: &str) -> (u16, String) {
     )
 }
 
+fn write_config(
+    path: &std::path::Path,
+    bed: &Bed,
+    hook: std::net::SocketAddr,
+    owner: &str,
+    status_port: u16,
+) {
+    std::fs::write(
+        path,
+        format!(
+            r#"
+[eventhubs]
+connection_string = "{eh}"
+hub = "not-the-hub"   # overridden from the environment
+[servicebus]
+connection_string = "{sb}"
+[storage]
+container_url = "{blob}"
+[handler]
+kind = "webhook"
+url = "http://{hook}/events"
+timeout_ms = 2000
+[processor]
+owner_id = "{owner}"
+update_interval_ms = 500
+ownership_expiration_ms = 3000
+[checkpoint]
+every_ms = 200
+[retry]
+receive_wait_ms = 1000
+call_deadline_ms = 3000
+[policy.default]
+curve = "fixed"
+base_s = 1
+floor_s = 1
+max_attempts = 4
+[status]
+listen = "127.0.0.1:{status_port}"
+"#,
+            eh = bed.eh.connection_string(),
+            sb = bed.sb.connection_string(),
+            blob = bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn_run(config: &std::path::Path) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(["run", "--config"])
+        .arg(config)
+        .env("HUBGUARD_EVENTHUBS__HUB", "hub")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_mid_stream_loses_nothing() {
+    let bed = Bed::start(4).await;
+    let receiver = Arc::new(Receiver::default());
+    let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_addr = hook.local_addr().unwrap();
+    let app = Router::new()
+        .route("/events", post(receive))
+        .with_state(receiver.clone());
+    tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
+    let dir = tempfile::tempdir().unwrap();
+    let (c1, c2) = (dir.path().join("r1.toml"), dir.path().join("r2.toml"));
+    write_config(&c1, &bed, hook_addr, "replica-1", free_port());
+    write_config(&c2, &bed, hook_addr, "replica-2", free_port());
+    let mut r1 = spawn_run(&c1);
+    let mut r2 = spawn_run(&c2);
+    let mut keys = Vec::new();
+    for p in 0..4 {
+        let ks: Vec<String> = (0..50).map(|i| format!("kill-{p}-{i}")).collect();
+        let evs: Vec<(&str, &str)> = ks
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.as_str(), if i % 7 == 0 { "fail:1" } else { "ok" }))
+            .collect();
+        bed.send(p, &evs).await;
+        keys.extend(ks);
+    }
+    let delivered = |r: &Receiver| r.calls.lock().unwrap().len();
+    within("some delivered", async {
+        while delivered(&receiver) < 40 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // SIGKILL: no final checkpoint, no ownership release, in-flight work lost with the process.
+    r1.start_kill().unwrap();
+    let _ = r1.wait().await;
+    // Delivered = answered 200: an `ok` event on its first call, a `fail:1` event on its second.
+    let fails_once = |k: &str| {
+        k.rsplit('-')
+            .next()
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i % 7 == 0)
+    };
+    within("every event delivered after the kill", async {
+        loop {
+            let calls = receiver.calls.lock().unwrap().clone();
+            let lost: Vec<&String> = keys
+                .iter()
+                .filter(|k| calls.get(*k).map_or(0, Vec::len) < if fails_once(k) { 2 } else { 1 })
+                .collect();
+            if lost.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    within("retry queue drained", async {
+        loop {
+            let c = bed.sb.counters("retries").unwrap();
+            if c.active + c.scheduled + c.locked == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    r2.start_kill().unwrap();
+    let _ = r2.wait().await;
+}
+
 fn hubguard(args: &[&str], config: &std::path::Path) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(args)
