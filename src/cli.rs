@@ -142,7 +142,6 @@ pub struct EmulatorArgs {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -154,6 +153,7 @@ pub fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
+        let _telemetry = crate::telemetry::init("warn,hubguard=info", crate::telemetry::export_from_env());
         match cli.command {
             Command::Emulator(args) => run_emulator(args).await,
             Command::Run(args) => run_pipeline(args).await,
@@ -171,14 +171,6 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hubguard=info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
 
 async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
     let wants = |svc: &str| args.only.is_empty() || args.only.iter().any(|o| o == svc);

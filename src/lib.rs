@@ -22,6 +22,8 @@
 //! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
 //! - [`event`]: an event and its identity (idempotency key, correlation id, type).
 //! - [`config`]: `hubguard run`'s TOML + environment configuration.
+//! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
+//!   name in [`telemetry::names`].
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines.
@@ -42,3 +44,4 @@ pub mod ledger;
 pub mod pipeline;
 pub mod policy;
 pub mod status;
+pub mod telemetry;

@@ -197,10 +197,14 @@ impl Ledger {
             })?,
         );
         let name = self.record_name(&record.key);
-        Ok(match etag {
-            None => self.store.create(&name, body).await?,
-            Some(e) => self.store.update(&name, body, e).await?,
-        })
+        let span = tracing::info_span!(target: "hubguard::attempt", "ledger", otel.name = crate::telemetry::names::span::LEDGER_WRITE);
+        let write = async {
+            Ok(match etag {
+                None => self.store.create(&name, body).await?,
+                Some(e) => self.store.update(&name, body, e).await?,
+            })
+        };
+        tracing::Instrument::instrument(write, span).await
     }
 
     /// Marks `key` dead-lettered in the index (idempotent), before the record says so.

@@ -1,14 +1,24 @@
-//! One attempt: call the handler with a fresh trace context, never letting a panic escape.
+//! One attempt: a span per attempt (linked to the earlier attempts of the same event, child
+//! of the producer's trace when the event carries one), the handler call in a child span,
+//! never letting a panic escape; [`finish`] records the settled outcome on the span.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use futures::FutureExt;
+use opentelemetry::trace::TraceContextExt;
 use rand::RngCore;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::settle::{SettleError, Settled, Source};
 use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
+use crate::ledger::{at, ms};
+use crate::policy::classify::ErrorClass;
+use crate::telemetry::names::{attr, outcome as out, span as span_name};
+use crate::telemetry::{format_traceparent, metrics, parse_traceparent, type_label};
 
 /// A finished attempt.
 #[derive(Debug, Clone)]
@@ -21,9 +31,11 @@ pub struct Attempted {
     pub traceparent: String,
     /// Its trace id.
     pub trace_id: String,
+    /// The attempt's span (settlement runs inside it).
+    pub span: tracing::Span,
 }
 
-/// A new W3C `traceparent` (random trace and span ids, sampled).
+/// A new random W3C `traceparent` and its trace id (when no tracer is installed).
 pub fn new_traceparent() -> (String, String) {
     let mut rng = rand::thread_rng();
     let mut trace = [0u8; 16];
@@ -35,39 +47,114 @@ pub fn new_traceparent() -> (String, String) {
     (format!("00-{trace_id}-{}-01", hex(&span)), trace_id)
 }
 
-/// Runs attempt `number` of `event`.
-pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32) -> Attempted {
-    let (traceparent, trace_id) = new_traceparent();
-    let started = SystemTime::now();
-    let attempt = Attempt {
-        number,
-        traceparent: traceparent.clone(),
+/// What the attempt's span says about where it runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    /// The consumer group.
+    pub consumer_group: &'a str,
+    /// Where the attempt came from.
+    pub source: Source,
+    /// The policy's name.
+    pub policy: &'a str,
+    /// The policy's maximum attempts.
+    pub max_attempts: u32,
+}
+
+fn producer_trace(event: &Event) -> Option<opentelemetry::trace::SpanContext> {
+    ["traceparent", "Diagnostic-Id", "diagnostic-id"]
+        .iter()
+        .find_map(|k| event.properties.get(*k))
+        .and_then(|tp| parse_traceparent(tp))
+}
+
+/// Runs attempt `number` of `event`; `earlier` are the `traceparent`s of its earlier attempts.
+pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32, earlier: &[String], cx: Context<'_>) -> Attempted {
+    let span = tracing::info_span!(
+        target: "hubguard::attempt",
+        "attempt",
+        otel.name = span_name::ATTEMPT,
+        otel.kind = "consumer",
+        correlation_id = %event.identity.correlation_id,
+        attempt = number,
+    );
+    if let Some(parent) = producer_trace(event) {
+        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
+    }
+    for tp in earlier {
+        if let Some(sc) = parse_traceparent(tp) {
+            span.add_link(sc);
+        }
+    }
+    span.set_attribute(attr::CORRELATION_ID, event.identity.correlation_id.clone());
+    span.set_attribute(attr::IDEMPOTENCY_KEY, event.identity.idempotency_key.clone());
+    if let Some(t) = &event.identity.event_type {
+        span.set_attribute(attr::EVENT_TYPE, t.clone());
+    }
+    span.set_attribute(attr::ATTEMPT, i64::from(number));
+    span.set_attribute(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts));
+    span.set_attribute(attr::POLICY, cx.policy.to_string());
+    span.set_attribute(attr::MESSAGING_SYSTEM, "eventhubs");
+    span.set_attribute(attr::MESSAGING_DESTINATION, event.hub.clone());
+    span.set_attribute(attr::MESSAGING_CONSUMER_GROUP, cx.consumer_group.to_string());
+    span.set_attribute(attr::MESSAGING_PARTITION, event.partition_id.clone());
+    span.set_attribute(attr::SEQUENCE_NUMBER, event.sequence_number);
+    span.set_attribute(attr::SOURCE, match cx.source {
+        Source::EventHubs => "eventhubs",
+        Source::Retry => "servicebus",
+    });
+    let sc = span.context().span().span_context().clone();
+    let (traceparent, trace_id) = if sc.is_valid() {
+        (format_traceparent(&sc), sc.trace_id().to_string())
+    } else {
+        new_traceparent()
     };
-    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt))
-        .catch_unwind()
-        .await
-    {
+    let started = SystemTime::now();
+    let attempt = Attempt { number, traceparent: traceparent.clone() };
+    let handler_span = tracing::info_span!(target: "hubguard::attempt", parent: &span, "handler", otel.name = span_name::HANDLER);
+    let t0 = Instant::now();
+    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt)).catch_unwind().instrument(handler_span).await {
         Ok(o) => o,
         Err(_) => Outcome::Failed(Failure::transient("the handler panicked")),
     };
-    let span = tracing::info_span!(
-        "attempt",
-        correlation_id = %event.identity.correlation_id,
-        idempotency_key = %event.identity.idempotency_key,
-        partition = %event.partition_id,
-        sequence_number = event.sequence_number,
-        attempt = number,
-        trace_id = %trace_id,
-    );
-    let _e = span.enter();
-    match &outcome {
-        Outcome::Delivered => tracing::debug!("delivered"),
-        Outcome::Failed(f) => tracing::info!(error = %f.error, class = ?f.class, "attempt failed"),
+    metrics().handler_duration.record(t0.elapsed().as_secs_f64(), &type_label(event.identity.event_type.as_deref()));
+    if let Outcome::Failed(f) = &outcome {
+        tracing::info!(parent: &span, error = %f.error, class = ?f.class, "attempt failed");
     }
-    Attempted {
-        outcome,
-        started,
-        traceparent,
-        trace_id,
+    Attempted { outcome, started, traceparent, trace_id, span }
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    time::OffsetDateTime::from(t)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// Records the settled outcome on the attempt's span.
+pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
+    let span = &a.span;
+    if let Outcome::Failed(f) = &a.outcome {
+        span.set_attribute(attr::ERROR_TYPE, match f.class {
+            ErrorClass::Transient => "transient",
+            ErrorClass::Permanent => "permanent",
+        });
+        span.set_attribute(attr::ERROR_MESSAGE, f.error.clone());
+    }
+    let (outcome, terminal) = match settled {
+        Ok(Settled::Delivered) => (out::DELIVERED, false),
+        Ok(Settled::RetryScheduled { due, .. }) => {
+            span.set_attribute(attr::NEXT_ATTEMPT_AT, rfc3339(at(ms(*due))));
+            (out::RETRY_SCHEDULED, false)
+        }
+        Ok(Settled::DeadLettered(reason)) => {
+            span.set_attribute(attr::DEAD_LETTER_REASON, format!("{reason:?}").to_lowercase());
+            (out::DEAD_LETTERED, true)
+        }
+        Ok(Settled::AlreadyFinal(_)) => (out::ALREADY_FINAL, false),
+        Err(_) => (out::SETTLE_FAILED, false),
+    };
+    span.set_attribute(attr::OUTCOME, outcome);
+    span.set_attribute(attr::TERMINAL, terminal);
+    if matches!(a.outcome, Outcome::Failed(_)) || settled.is_err() {
+        span.set_status(opentelemetry::trace::Status::error(outcome));
     }
 }

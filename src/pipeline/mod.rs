@@ -138,6 +138,7 @@ pub struct PipelineParts {
 /// What partition tasks and the retry loop share.
 pub(crate) struct Shared {
     pub(crate) hub: String,
+    pub(crate) consumer_group: String,
     pub(crate) settler: Arc<Settler>,
     pub(crate) queue: Arc<dyn RetryQueue>,
     pub(crate) handler: Arc<dyn Handler>,
@@ -179,6 +180,7 @@ impl Pipeline {
         Self {
             shared: Arc::new(Shared {
                 hub: parts.eventhubs.hub.clone(),
+                consumer_group: parts.eventhubs.consumer_group.clone(),
                 settler,
                 queue: parts.queue,
                 handler: parts.handler,

@@ -10,6 +10,7 @@ use std::time::Duration;
 use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::processor::PartitionClient;
 use futures::StreamExt;
+use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
 
 use super::settle::{Settled, Source};
@@ -130,7 +131,14 @@ async fn process(
 ) -> bool {
     let event = shared.identity.event(&shared.hub, pid, received);
     shared.health.count(&shared.health.counters.attempts);
-    let attempted = attempt::run(&shared.handler, &event, 1).await;
+    let policy = shared.settler.policies().for_type(event.identity.event_type.as_deref());
+    let cx = attempt::Context {
+        consumer_group: &shared.consumer_group,
+        source: Source::EventHubs,
+        policy: &policy.name,
+        max_attempts: policy.max_attempts,
+    };
+    let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
     let mut backoff = Duration::from_millis(200);
     loop {
         let settled = shared
@@ -144,22 +152,27 @@ async fn process(
                 &attempted.trace_id,
                 std::slice::from_ref(&attempted.traceparent),
             )
+            .instrument(attempted.span.clone())
             .await;
         match settled {
             Ok(s) => {
-                shared.count_settled(&s);
+                attempt::finish(&attempted, Ok(&s));
+                shared.count_settled(&s, event.identity.event_type.as_deref());
                 shared.health.release(pid);
                 return true;
             }
             Err(e) => {
-                shared.health.count(&shared.health.counters.settle_failures);
+                shared.settle_failed(&e);
                 shared.health.hold(
                     pid,
                     format!("{} unavailable: {e}", e.dependency()),
                     event.sequence_number,
                 );
                 tokio::select! {
-                    _ = cancel.cancelled() => return false,
+                    _ = cancel.cancelled() => {
+                        attempt::finish(&attempted, Err(&e));
+                        return false;
+                    }
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(shared.options.settle_backoff_max);
@@ -169,14 +182,33 @@ async fn process(
 }
 
 impl Shared {
-    /// Counts a settlement.
-    pub(crate) fn count_settled(&self, s: &Settled) {
+    /// Counts a settlement (health counters and OpenTelemetry metrics).
+    pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = &self.health.counters;
+        let m = crate::telemetry::metrics();
+        let labels = crate::telemetry::type_label(event_type);
         match s {
-            Settled::Delivered => self.health.count(&c.delivered),
-            Settled::RetryScheduled { .. } => self.health.count(&c.retries_scheduled),
-            Settled::DeadLettered(_) => self.health.count(&c.dead_lettered),
+            Settled::Delivered => {
+                self.health.count(&c.delivered);
+                m.delivered.add(1, &labels);
+            }
+            Settled::RetryScheduled { .. } => {
+                self.health.count(&c.retries_scheduled);
+                m.retries_scheduled.add(1, &labels);
+            }
+            Settled::DeadLettered(_) => {
+                self.health.count(&c.dead_lettered);
+                m.dead_lettered.add(1, &labels);
+            }
             Settled::AlreadyFinal(_) => {}
         }
+    }
+
+    /// Counts a failed settlement.
+    pub(crate) fn settle_failed(&self, e: &super::settle::SettleError) {
+        self.health.count(&self.health.counters.settle_failures);
+        crate::telemetry::metrics()
+            .settle_failures
+            .add(1, &[opentelemetry::KeyValue::new(crate::telemetry::names::metric_attr::REASON, e.dependency())]);
     }
 }

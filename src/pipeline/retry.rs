@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::Semaphore;
+use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
 
 use super::health::RetryLoopState;
@@ -140,9 +141,25 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
         Ok(_) => {}
     }
     shared.health.count(&shared.health.counters.attempts);
+    // Lateness: how long after its due time the retry actually starts.
+    crate::telemetry::metrics().retry_lateness.record(
+        SystemTime::now().duration_since(at(body.due_ms)).unwrap_or_default().as_secs_f64(),
+        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+    );
+    // The policy in force is the one pinned in the ledger at the first failure.
+    let pinned = match shared.settler.ledger.get(key).await {
+        Ok(Some((rec, _))) => rec.policy,
+        _ => shared.settler.policies().for_type(event.identity.event_type.as_deref()).clone(),
+    };
+    let cx = attempt::Context {
+        consumer_group: &shared.consumer_group,
+        source: Source::Retry,
+        policy: &pinned.name,
+        max_attempts: pinned.max_attempts,
+    };
     // Keep the lock while the handler runs.
     let attempted = {
-        let run = attempt::run(&shared.handler, &event, body.attempt);
+        let run = attempt::run(&shared.handler, &event, body.attempt, &body.traceparents, cx);
         futures::pin_mut!(run);
         loop {
             let renew_in = msg
@@ -162,7 +179,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     };
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
-    match shared
+    let settled = shared
         .settler
         .settle(
             &event,
@@ -173,14 +190,16 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
             &attempted.trace_id,
             &trail,
         )
-        .await
-    {
+        .instrument(attempted.span.clone())
+        .await;
+    attempt::finish(&attempted, settled.as_ref());
+    match settled {
         Ok(s) => {
-            shared.count_settled(&s);
+            shared.count_settled(&s, event.identity.event_type.as_deref());
             settle_message(&msg, true).await;
         }
         Err(e) => {
-            shared.health.count(&shared.health.counters.settle_failures);
+            shared.settle_failed(&e);
             tracing::warn!(key = %key, error = %e, "settling the retry failed; abandoning so Service Bus redelivers it");
             settle_message(&msg, false).await;
         }

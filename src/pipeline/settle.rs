@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::event::Event;
@@ -176,6 +177,7 @@ impl Settler {
                 event.identity.idempotency_key.clone(),
             ));
         }
+        let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
                 message_id: message_id(&event.identity.idempotency_key, attempt),
@@ -188,6 +190,7 @@ impl Settler {
                 time_to_live: None,
                 properties,
             })
+            .instrument(span)
             .await
     }
 

@@ -1,0 +1,149 @@
+//! Every attribute and metric name hubguard emits, defined once. Dashboards, the queries in
+//! `dashboards/README.md` and the tests refer only to these (a test fails when a dashboard
+//! names something not listed here).
+
+/// Span names.
+pub mod span {
+    /// One attempt of an event: the first delivery from Event Hubs or a retry.
+    pub const ATTEMPT: &str = "hubguard.attempt";
+    /// The handler call inside an attempt.
+    pub const HANDLER: &str = "hubguard.handler";
+    /// Scheduling the next attempt on Service Bus.
+    pub const SCHEDULE: &str = "hubguard.servicebus.schedule";
+    /// Writing the ledger record.
+    pub const LEDGER_WRITE: &str = "hubguard.ledger.write";
+}
+
+/// Span attribute keys.
+pub mod attr {
+    /// Correlation id: the same on every attempt of one event (the support query key).
+    pub const CORRELATION_ID: &str = "hubguard.correlation_id";
+    /// Idempotency key.
+    pub const IDEMPOTENCY_KEY: &str = "hubguard.idempotency_key";
+    /// Event type (selects the policy).
+    pub const EVENT_TYPE: &str = "hubguard.event_type";
+    /// Attempt number (1 = first delivery from Event Hubs).
+    pub const ATTEMPT: &str = "hubguard.attempt";
+    /// The policy's maximum attempts.
+    pub const MAX_ATTEMPTS: &str = "hubguard.max_attempts";
+    /// The attempt's outcome (see [`super::outcome`]).
+    pub const OUTCOME: &str = "hubguard.outcome";
+    /// When the next attempt is due (RFC 3339), when a retry was scheduled.
+    pub const NEXT_ATTEMPT_AT: &str = "hubguard.next_attempt_at";
+    /// The policy's name.
+    pub const POLICY: &str = "hubguard.policy";
+    /// `true` when the attempt failed and no retry follows (for tail sampling).
+    pub const TERMINAL: &str = "hubguard.terminal";
+    /// Why it was dead-lettered.
+    pub const DEAD_LETTER_REASON: &str = "hubguard.dead_letter_reason";
+    /// The error message.
+    pub const ERROR_MESSAGE: &str = "hubguard.error.message";
+    /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
+    pub const ERROR_TYPE: &str = "error.type";
+    /// Semantic convention: the messaging system (`eventhubs`).
+    pub const MESSAGING_SYSTEM: &str = "messaging.system";
+    /// Semantic convention: the hub.
+    pub const MESSAGING_DESTINATION: &str = "messaging.destination.name";
+    /// Semantic convention: the consumer group.
+    pub const MESSAGING_CONSUMER_GROUP: &str = "messaging.consumer.group.name";
+    /// Semantic convention: the partition.
+    pub const MESSAGING_PARTITION: &str = "messaging.destination.partition.id";
+    /// The event's sequence number in its partition.
+    pub const SEQUENCE_NUMBER: &str = "messaging.eventhubs.message.sequence_number";
+    /// Where the attempt came from: `eventhubs` or `servicebus`.
+    pub const SOURCE: &str = "hubguard.source";
+}
+
+/// Values of [`attr::OUTCOME`].
+pub mod outcome {
+    /// The handler succeeded.
+    pub const DELIVERED: &str = "delivered";
+    /// Failed; the next attempt is scheduled.
+    pub const RETRY_SCHEDULED: &str = "retry_scheduled";
+    /// Failed for good.
+    pub const DEAD_LETTERED: &str = "dead_lettered";
+    /// Deferred without counting an attempt (open circuit breaker).
+    pub const DEFERRED_BY_BREAKER: &str = "deferred_by_breaker";
+    /// The outcome could not be made durable (the event stays unsettled and is replayed).
+    pub const SETTLE_FAILED: &str = "settle_failed";
+    /// The ledger already had a final state (a duplicate delivery).
+    pub const ALREADY_FINAL: &str = "already_final";
+}
+
+/// Metric names (OpenTelemetry instruments; Prometheus turns dots into underscores).
+pub mod metric {
+    /// Counter: events delivered.
+    pub const DELIVERED: &str = "hubguard.events.delivered";
+    /// Counter: retries scheduled.
+    pub const RETRIES_SCHEDULED: &str = "hubguard.retries.scheduled";
+    /// Counter: events dead-lettered.
+    pub const DEAD_LETTERED: &str = "hubguard.events.dead_lettered";
+    /// Counter: attempts deferred by an open breaker.
+    pub const DEFERRED: &str = "hubguard.events.deferred";
+    /// Counter: settlements that failed (and were retried).
+    pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
+    /// Histogram (s): handler call duration.
+    pub const HANDLER_DURATION: &str = "hubguard.handler.duration";
+    /// Histogram (s): retry start minus its scheduled time.
+    pub const RETRY_LATENESS: &str = "hubguard.retry.lateness";
+    /// Gauge: events received but not yet covered by the checkpoint, per partition.
+    pub const CHECKPOINT_LAG_EVENTS: &str = "hubguard.checkpoint.lag.events";
+    /// Gauge (s): age of the oldest event not covered by the checkpoint, per partition.
+    pub const CHECKPOINT_LAG_SECONDS: &str = "hubguard.checkpoint.lag.seconds";
+    /// Gauge: partitions held (settlement failing), labelled by reason.
+    pub const PARTITIONS_HELD: &str = "hubguard.partitions.held";
+    /// Gauge: retry loop state (1 running, 2 reconnecting, 3 watchdog, 0 stopped/starting).
+    pub const RETRY_LOOP_STATE: &str = "hubguard.retry_loop.state";
+}
+
+/// Metric attribute keys.
+pub mod metric_attr {
+    /// The partition.
+    pub const PARTITION: &str = "partition";
+    /// The held reason (the dependency).
+    pub const REASON: &str = "reason";
+    /// The event type.
+    pub const EVENT_TYPE: &str = "event_type";
+}
+
+/// Every name above, for the dashboard consistency test.
+pub fn all() -> Vec<&'static str> {
+    vec![
+        span::ATTEMPT,
+        span::HANDLER,
+        span::SCHEDULE,
+        span::LEDGER_WRITE,
+        attr::CORRELATION_ID,
+        attr::IDEMPOTENCY_KEY,
+        attr::EVENT_TYPE,
+        attr::ATTEMPT,
+        attr::MAX_ATTEMPTS,
+        attr::OUTCOME,
+        attr::NEXT_ATTEMPT_AT,
+        attr::POLICY,
+        attr::TERMINAL,
+        attr::DEAD_LETTER_REASON,
+        attr::ERROR_MESSAGE,
+        attr::ERROR_TYPE,
+        attr::MESSAGING_SYSTEM,
+        attr::MESSAGING_DESTINATION,
+        attr::MESSAGING_CONSUMER_GROUP,
+        attr::MESSAGING_PARTITION,
+        attr::SEQUENCE_NUMBER,
+        attr::SOURCE,
+        metric::DELIVERED,
+        metric::RETRIES_SCHEDULED,
+        metric::DEAD_LETTERED,
+        metric::DEFERRED,
+        metric::SETTLE_FAILURES,
+        metric::HANDLER_DURATION,
+        metric::RETRY_LATENESS,
+        metric::CHECKPOINT_LAG_EVENTS,
+        metric::CHECKPOINT_LAG_SECONDS,
+        metric::PARTITIONS_HELD,
+        metric::RETRY_LOOP_STATE,
+        metric_attr::PARTITION,
+        metric_attr::REASON,
+        metric_attr::EVENT_TYPE,
+    ]
+}
