@@ -86,6 +86,7 @@ pub struct Health {
     held: Mutex<BTreeMap<String, Held>>,
     owned: Mutex<BTreeMap<String, i64>>,
     retry_loop: Mutex<RetryLoopState>,
+    lag: Mutex<BTreeMap<String, (u64, f64)>>,
     /// Counters.
     pub counters: Counters,
     changed: watch::Sender<u64>,
@@ -97,6 +98,7 @@ impl Default for Health {
             held: Mutex::default(),
             owned: Mutex::default(),
             retry_loop: Mutex::new(RetryLoopState::Starting),
+            lag: Mutex::default(),
             counters: Counters::default(),
             changed: watch::channel(0).0,
         }
@@ -186,6 +188,27 @@ impl Health {
         self.owned.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// Records a partition's checkpoint lag: events received but not covered by the
+    /// checkpoint, and the age in seconds of the oldest of them.
+    pub fn set_lag(&self, partition: &str, events: u64, seconds: f64) {
+        self.lag.lock().unwrap_or_else(|p| p.into_inner()).insert(partition.into(), (events, seconds));
+    }
+
+    /// Checkpoint lag per partition: (events, seconds).
+    pub fn lag(&self) -> BTreeMap<String, (u64, f64)> {
+        self.lag.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The retry loop's state as a number (1 running, 2 reconnecting, 3 watchdog, 0 otherwise).
+    pub fn retry_loop_code(&self) -> u64 {
+        match self.retry_loop() {
+            RetryLoopState::Running => 1,
+            RetryLoopState::Reconnecting { .. } => 2,
+            RetryLoopState::Watchdog { .. } => 3,
+            RetryLoopState::Starting | RetryLoopState::Stopped => 0,
+        }
+    }
+
     /// Sets the retry loop's state.
     pub fn set_retry_loop(&self, s: RetryLoopState) {
         *self.retry_loop.lock().unwrap_or_else(|p| p.into_inner()) = s;
@@ -231,6 +254,7 @@ impl Health {
             "held_partitions": self.held(),
             "owned_partitions": self.owned(),
             "retry_loop": self.retry_loop(),
+            "checkpoint_lag": self.lag().into_iter().map(|(p, (e, s))| (p, serde_json::json!({ "events": e, "seconds": s }))).collect::<serde_json::Map<_, _>>(),
             "counters": self.snapshot(),
         })
     }

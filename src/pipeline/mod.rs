@@ -136,7 +136,68 @@ pub struct PipelineParts {
 }
 
 /// What partition tasks and the retry loop share.
+/// Observable gauges reading the pipeline's health; kept alive with it.
+struct Gauges {
+    _held: opentelemetry::metrics::ObservableGauge<u64>,
+    _retry_loop: opentelemetry::metrics::ObservableGauge<u64>,
+    _lag_events: opentelemetry::metrics::ObservableGauge<u64>,
+    _lag_seconds: opentelemetry::metrics::ObservableGauge<f64>,
+}
+
+fn gauges(health: &Arc<Health>) -> Gauges {
+    use crate::telemetry::names::{metric, metric_attr};
+    use opentelemetry::KeyValue;
+    let meter = crate::telemetry::meter();
+    let h = health.clone();
+    let held = meter
+        .u64_observable_gauge(metric::PARTITIONS_HELD)
+        .with_description("Partitions whose settlement is failing (held), by reason")
+        .with_callback(move |o| {
+            let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
+            for held in h.held().values() {
+                let reason = held.reason.split(" unavailable").next().unwrap_or("").to_string();
+                *by_reason.entry(reason).or_default() += 1;
+            }
+            if by_reason.is_empty() {
+                o.observe(0, &[]);
+            }
+            for (reason, n) in by_reason {
+                o.observe(n, &[KeyValue::new(metric_attr::REASON, reason)]);
+            }
+        })
+        .build();
+    let h = health.clone();
+    let retry_loop = meter
+        .u64_observable_gauge(metric::RETRY_LOOP_STATE)
+        .with_description("Retry loop: 1 running, 2 reconnecting, 3 watchdog, 0 stopped")
+        .with_callback(move |o| o.observe(h.retry_loop_code(), &[]))
+        .build();
+    let h = health.clone();
+    let lag_events = meter
+        .u64_observable_gauge(metric::CHECKPOINT_LAG_EVENTS)
+        .with_description("Events received but not covered by the checkpoint")
+        .with_callback(move |o| {
+            for (p, (events, _)) in h.lag() {
+                o.observe(events, &[KeyValue::new(metric_attr::PARTITION, p)]);
+            }
+        })
+        .build();
+    let h = health.clone();
+    let lag_seconds = meter
+        .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
+        .with_unit("s")
+        .with_description("Age of the oldest event not covered by the checkpoint")
+        .with_callback(move |o| {
+            for (p, (_, secs)) in h.lag() {
+                o.observe(secs, &[KeyValue::new(metric_attr::PARTITION, p)]);
+            }
+        })
+        .build();
+    Gauges { _held: held, _retry_loop: retry_loop, _lag_events: lag_events, _lag_seconds: lag_seconds }
+}
+
 pub(crate) struct Shared {
+    _gauges: Gauges,
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
     pub(crate) settler: Arc<Settler>,
@@ -177,14 +238,16 @@ impl Pipeline {
             parts.options.deadline,
             parts.options.ownership_expiration,
         ));
+        let health = Arc::new(Health::default());
         Self {
             shared: Arc::new(Shared {
+                _gauges: gauges(&health),
                 hub: parts.eventhubs.hub.clone(),
                 consumer_group: parts.eventhubs.consumer_group.clone(),
                 settler,
                 queue: parts.queue,
                 handler: parts.handler,
-                health: Arc::new(Health::default()),
+                health,
                 identity: parts.identity,
                 options: parts.options,
             }),

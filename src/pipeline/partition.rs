@@ -21,9 +21,21 @@ struct Checkpointer {
     last_settled: Option<ReceivedEventData>,
     written: Option<i64>,
     since: u64,
+    /// Events received since the last checkpoint write, and when the oldest was enqueued.
+    uncovered: u64,
+    oldest_uncovered: Option<std::time::SystemTime>,
+}
+
+fn age(t: Option<std::time::SystemTime>) -> f64 {
+    t.and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 impl Checkpointer {
+    fn publish_lag(&self, pid: &str, shared: &Shared) {
+        shared.health.set_lag(pid, self.uncovered, age(self.oldest_uncovered));
+    }
+
     fn dirty(&self) -> bool {
         self.last_settled.as_ref().and_then(|e| e.sequence_number()) != self.written
             && self.last_settled.is_some()
@@ -41,6 +53,8 @@ impl Checkpointer {
             Ok(Ok(())) => {
                 self.written = seq;
                 self.since = 0;
+                self.uncovered = 0;
+                self.oldest_uncovered = None;
                 shared.health.count(&shared.health.counters.checkpoints);
                 shared.health.set_owned(pc.get_partition_id(), seq);
             }
@@ -66,6 +80,8 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
         last_settled: None,
         written: None,
         since: 0,
+        uncovered: 0,
+        oldest_uncovered: None,
     };
     {
         let stream = pc.stream_events();
@@ -76,12 +92,20 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => break,
-                _ = tick.tick() => cp.write(&pc, &shared).await,
+                _ = tick.tick() => {
+                    cp.write(&pc, &shared).await;
+                    cp.publish_lag(&pid, &shared);
+                }
                 next = stream.next() => match next {
                     Some(Ok(received)) => {
                         let seq = received.sequence_number().unwrap_or(-1);
                         window.dispatched(seq);
-                        if !process(&received, &pid, &shared, &cancel).await {
+                        cp.uncovered += 1;
+                        if cp.oldest_uncovered.is_none() {
+                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(std::time::SystemTime::now));
+                        }
+                        let lag = (cp.uncovered, cp.oldest_uncovered);
+                        if !process(&received, &pid, &shared, &cancel, lag).await {
                             break; // stopped while holding: the event stays unsettled
                         }
                         window.settled(seq);
@@ -128,6 +152,7 @@ async fn process(
     pid: &str,
     shared: &Shared,
     cancel: &CancellationToken,
+    lag: (u64, Option<std::time::SystemTime>),
 ) -> bool {
     let event = shared.identity.event(&shared.hub, pid, received);
     shared.health.count(&shared.health.counters.attempts);
@@ -163,6 +188,7 @@ async fn process(
             }
             Err(e) => {
                 shared.settle_failed(&e);
+                shared.health.set_lag(pid, lag.0, age(lag.1));
                 shared.health.hold(
                     pid,
                     format!("{} unavailable: {e}", e.dependency()),

@@ -126,7 +126,11 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
             && m.get(metric::RETRIES_SCHEDULED).is_some_and(|v| *v >= 2.0)
             && m.get(metric::DEAD_LETTERED).is_some_and(|v| *v >= 1.0)
             && m.get(metric::HANDLER_DURATION).is_some_and(|v| *v >= 5.0)
-            && m.get(metric::RETRY_LATENESS).is_some_and(|v| *v >= 2.0);
+            && m.get(metric::RETRY_LATENESS).is_some_and(|v| *v >= 2.0)
+            && m.contains_key(metric::PARTITIONS_HELD)
+            && m.contains_key(metric::RETRY_LOOP_STATE)
+            && m.contains_key(metric::CHECKPOINT_LAG_EVENTS)
+            && m.contains_key(metric::CHECKPOINT_LAG_SECONDS);
         if ok {
             break;
         }
