@@ -153,7 +153,8 @@ pub fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
-        let _telemetry = crate::telemetry::init("warn,hubguard=info", crate::telemetry::export_from_env());
+        let _telemetry =
+            crate::telemetry::init("warn,hubguard=info", crate::telemetry::export_from_env());
         match cli.command {
             Command::Emulator(args) => run_emulator(args).await,
             Command::Run(args) => run_pipeline(args).await,
@@ -170,7 +171,6 @@ pub fn main() -> ExitCode {
         }
     }
 }
-
 
 async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
     let wants = |svc: &str| args.only.is_empty() || args.only.iter().any(|o| o == svc);

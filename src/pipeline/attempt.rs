@@ -18,7 +18,7 @@ use crate::handler::{Attempt, Failure, Handler, Outcome};
 use crate::ledger::{at, ms};
 use crate::policy::classify::ErrorClass;
 use crate::telemetry::names::{attr, outcome as out, span as span_name};
-use crate::telemetry::{format_traceparent, metrics, parse_traceparent, type_label};
+use crate::telemetry::{format_traceparent, parse_traceparent};
 
 /// A finished attempt.
 #[derive(Debug, Clone)]
@@ -33,6 +33,8 @@ pub struct Attempted {
     pub trace_id: String,
     /// The attempt's span (settlement runs inside it).
     pub span: tracing::Span,
+    /// How long the handler took.
+    pub duration: std::time::Duration,
 }
 
 /// A new random W3C `traceparent` and its trace id (when no tracer is installed).
@@ -68,7 +70,13 @@ fn producer_trace(event: &Event) -> Option<opentelemetry::trace::SpanContext> {
 }
 
 /// Runs attempt `number` of `event`; `earlier` are the `traceparent`s of its earlier attempts.
-pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32, earlier: &[String], cx: Context<'_>) -> Attempted {
+pub async fn run(
+    handler: &Arc<dyn Handler>,
+    event: &Event,
+    number: u32,
+    earlier: &[String],
+    cx: Context<'_>,
+) -> Attempted {
     let span = tracing::info_span!(
         target: "hubguard::attempt",
         "attempt",
@@ -86,7 +94,10 @@ pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32, earlier
         }
     }
     span.set_attribute(attr::CORRELATION_ID, event.identity.correlation_id.clone());
-    span.set_attribute(attr::IDEMPOTENCY_KEY, event.identity.idempotency_key.clone());
+    span.set_attribute(
+        attr::IDEMPOTENCY_KEY,
+        event.identity.idempotency_key.clone(),
+    );
     if let Some(t) = &event.identity.event_type {
         span.set_attribute(attr::EVENT_TYPE, t.clone());
     }
@@ -95,13 +106,19 @@ pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32, earlier
     span.set_attribute(attr::POLICY, cx.policy.to_string());
     span.set_attribute(attr::MESSAGING_SYSTEM, "eventhubs");
     span.set_attribute(attr::MESSAGING_DESTINATION, event.hub.clone());
-    span.set_attribute(attr::MESSAGING_CONSUMER_GROUP, cx.consumer_group.to_string());
+    span.set_attribute(
+        attr::MESSAGING_CONSUMER_GROUP,
+        cx.consumer_group.to_string(),
+    );
     span.set_attribute(attr::MESSAGING_PARTITION, event.partition_id.clone());
     span.set_attribute(attr::SEQUENCE_NUMBER, event.sequence_number);
-    span.set_attribute(attr::SOURCE, match cx.source {
-        Source::EventHubs => "eventhubs",
-        Source::Retry => "servicebus",
-    });
+    span.set_attribute(
+        attr::SOURCE,
+        match cx.source {
+            Source::EventHubs => "eventhubs",
+            Source::Retry => "servicebus",
+        },
+    );
     let sc = span.context().span().span_context().clone();
     let (traceparent, trace_id) = if sc.is_valid() {
         (format_traceparent(&sc), sc.trace_id().to_string())
@@ -109,18 +126,32 @@ pub async fn run(handler: &Arc<dyn Handler>, event: &Event, number: u32, earlier
         new_traceparent()
     };
     let started = SystemTime::now();
-    let attempt = Attempt { number, traceparent: traceparent.clone() };
+    let attempt = Attempt {
+        number,
+        traceparent: traceparent.clone(),
+    };
     let handler_span = tracing::info_span!(target: "hubguard::attempt", parent: &span, "handler", otel.name = span_name::HANDLER);
     let t0 = Instant::now();
-    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt)).catch_unwind().instrument(handler_span).await {
+    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt))
+        .catch_unwind()
+        .instrument(handler_span)
+        .await
+    {
         Ok(o) => o,
         Err(_) => Outcome::Failed(Failure::transient("the handler panicked")),
     };
-    metrics().handler_duration.record(t0.elapsed().as_secs_f64(), &type_label(event.identity.event_type.as_deref()));
+    let duration = t0.elapsed();
     if let Outcome::Failed(f) = &outcome {
         tracing::info!(parent: &span, error = %f.error, class = ?f.class, "attempt failed");
     }
-    Attempted { outcome, started, traceparent, trace_id, span }
+    Attempted {
+        outcome,
+        started,
+        traceparent,
+        trace_id,
+        span,
+        duration,
+    }
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -133,10 +164,13 @@ fn rfc3339(t: SystemTime) -> String {
 pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     let span = &a.span;
     if let Outcome::Failed(f) = &a.outcome {
-        span.set_attribute(attr::ERROR_TYPE, match f.class {
-            ErrorClass::Transient => "transient",
-            ErrorClass::Permanent => "permanent",
-        });
+        span.set_attribute(
+            attr::ERROR_TYPE,
+            match f.class {
+                ErrorClass::Transient => "transient",
+                ErrorClass::Permanent => "permanent",
+            },
+        );
         span.set_attribute(attr::ERROR_MESSAGE, f.error.clone());
     }
     let (outcome, terminal) = match settled {
@@ -146,7 +180,10 @@ pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
             (out::RETRY_SCHEDULED, false)
         }
         Ok(Settled::DeadLettered(reason)) => {
-            span.set_attribute(attr::DEAD_LETTER_REASON, format!("{reason:?}").to_lowercase());
+            span.set_attribute(
+                attr::DEAD_LETTER_REASON,
+                format!("{reason:?}").to_lowercase(),
+            );
             (out::DEAD_LETTERED, true)
         }
         Ok(Settled::AlreadyFinal(_)) => (out::ALREADY_FINAL, false),

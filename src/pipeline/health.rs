@@ -191,7 +191,10 @@ impl Health {
     /// Records a partition's checkpoint lag: events received but not covered by the
     /// checkpoint, and the age in seconds of the oldest of them.
     pub fn set_lag(&self, partition: &str, events: u64, seconds: f64) {
-        self.lag.lock().unwrap_or_else(|p| p.into_inner()).insert(partition.into(), (events, seconds));
+        self.lag
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(partition.into(), (events, seconds));
     }
 
     /// Checkpoint lag per partition: (events, seconds).

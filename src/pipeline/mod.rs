@@ -155,7 +155,12 @@ fn gauges(health: &Arc<Health>) -> Gauges {
         .with_callback(move |o| {
             let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
             for held in h.held().values() {
-                let reason = held.reason.split(" unavailable").next().unwrap_or("").to_string();
+                let reason = held
+                    .reason
+                    .split(" unavailable")
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
                 *by_reason.entry(reason).or_default() += 1;
             }
             if by_reason.is_empty() {
@@ -193,11 +198,17 @@ fn gauges(health: &Arc<Health>) -> Gauges {
             }
         })
         .build();
-    Gauges { _held: held, _retry_loop: retry_loop, _lag_events: lag_events, _lag_seconds: lag_seconds }
+    Gauges {
+        _held: held,
+        _retry_loop: retry_loop,
+        _lag_events: lag_events,
+        _lag_seconds: lag_seconds,
+    }
 }
 
 pub(crate) struct Shared {
     _gauges: Gauges,
+    pub(crate) metrics: crate::telemetry::Metrics,
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
     pub(crate) settler: Arc<Settler>,
@@ -242,6 +253,7 @@ impl Pipeline {
         Self {
             shared: Arc::new(Shared {
                 _gauges: gauges(&health),
+                metrics: crate::telemetry::Metrics::new(),
                 hub: parts.eventhubs.hub.clone(),
                 consumer_group: parts.eventhubs.consumer_group.clone(),
                 settler,

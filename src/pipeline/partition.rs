@@ -10,8 +10,8 @@ use std::time::Duration;
 use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::processor::PartitionClient;
 use futures::StreamExt;
-use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::settle::{Settled, Source};
 use super::{attempt, Shared};
@@ -33,7 +33,9 @@ fn age(t: Option<std::time::SystemTime>) -> f64 {
 
 impl Checkpointer {
     fn publish_lag(&self, pid: &str, shared: &Shared) {
-        shared.health.set_lag(pid, self.uncovered, age(self.oldest_uncovered));
+        shared
+            .health
+            .set_lag(pid, self.uncovered, age(self.oldest_uncovered));
     }
 
     fn dirty(&self) -> bool {
@@ -156,7 +158,10 @@ async fn process(
 ) -> bool {
     let event = shared.identity.event(&shared.hub, pid, received);
     shared.health.count(&shared.health.counters.attempts);
-    let policy = shared.settler.policies().for_type(event.identity.event_type.as_deref());
+    let policy = shared
+        .settler
+        .policies()
+        .for_type(event.identity.event_type.as_deref());
     let cx = attempt::Context {
         consumer_group: &shared.consumer_group,
         source: Source::EventHubs,
@@ -164,6 +169,10 @@ async fn process(
         max_attempts: policy.max_attempts,
     };
     let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
+    shared.metrics.handler_duration.record(
+        attempted.duration.as_secs_f64(),
+        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+    );
     let mut backoff = Duration::from_millis(200);
     loop {
         let settled = shared
@@ -211,7 +220,7 @@ impl Shared {
     /// Counts a settlement (health counters and OpenTelemetry metrics).
     pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = &self.health.counters;
-        let m = crate::telemetry::metrics();
+        let m = &self.metrics;
         let labels = crate::telemetry::type_label(event_type);
         match s {
             Settled::Delivered => {
@@ -233,8 +242,12 @@ impl Shared {
     /// Counts a failed settlement.
     pub(crate) fn settle_failed(&self, e: &super::settle::SettleError) {
         self.health.count(&self.health.counters.settle_failures);
-        crate::telemetry::metrics()
-            .settle_failures
-            .add(1, &[opentelemetry::KeyValue::new(crate::telemetry::names::metric_attr::REASON, e.dependency())]);
+        self.metrics.settle_failures.add(
+            1,
+            &[opentelemetry::KeyValue::new(
+                crate::telemetry::names::metric_attr::REASON,
+                e.dependency(),
+            )],
+        );
     }
 }

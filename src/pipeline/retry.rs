@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::Semaphore;
-use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::health::RetryLoopState;
 use super::settle::{RetryMessage, Source};
@@ -142,14 +142,21 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     }
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
-    crate::telemetry::metrics().retry_lateness.record(
-        SystemTime::now().duration_since(at(body.due_ms)).unwrap_or_default().as_secs_f64(),
+    shared.metrics.retry_lateness.record(
+        SystemTime::now()
+            .duration_since(at(body.due_ms))
+            .unwrap_or_default()
+            .as_secs_f64(),
         &crate::telemetry::type_label(event.identity.event_type.as_deref()),
     );
     // The policy in force is the one pinned in the ledger at the first failure.
     let pinned = match shared.settler.ledger.get(key).await {
         Ok(Some((rec, _))) => rec.policy,
-        _ => shared.settler.policies().for_type(event.identity.event_type.as_deref()).clone(),
+        _ => shared
+            .settler
+            .policies()
+            .for_type(event.identity.event_type.as_deref())
+            .clone(),
     };
     let cx = attempt::Context {
         consumer_group: &shared.consumer_group,
@@ -159,7 +166,13 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     };
     // Keep the lock while the handler runs.
     let attempted = {
-        let run = attempt::run(&shared.handler, &event, body.attempt, &body.traceparents, cx);
+        let run = attempt::run(
+            &shared.handler,
+            &event,
+            body.attempt,
+            &body.traceparents,
+            cx,
+        );
         futures::pin_mut!(run);
         loop {
             let renew_in = msg
@@ -177,6 +190,10 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
             }
         }
     };
+    shared.metrics.handler_duration.record(
+        attempted.duration.as_secs_f64(),
+        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+    );
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
     let settled = shared

@@ -8,11 +8,12 @@
 
 pub mod names;
 
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use opentelemetry::metrics::{Counter, Histogram, Meter};
-use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState, TracerProvider as _};
+use opentelemetry::trace::{
+    SpanContext, SpanId, TraceFlags, TraceId, TraceState, TracerProvider as _,
+};
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
@@ -72,13 +73,19 @@ fn protocol_from_env() -> Protocol {
 
 /// The export the `OTEL_*` environment asks for, if any.
 pub fn export_from_env() -> Option<Export> {
-    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty())?;
+    let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty())?;
     let interval = std::env::var("OTEL_METRIC_EXPORT_INTERVAL")
         .ok()
         .and_then(|v| v.parse().ok())
         .map(Duration::from_millis)
         .unwrap_or(Duration::from_secs(60));
-    Some(Export { endpoint, protocol: protocol_from_env(), metric_interval: interval })
+    Some(Export {
+        endpoint,
+        protocol: protocol_from_env(),
+        metric_interval: interval,
+    })
 }
 
 fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), String> {
@@ -88,8 +95,14 @@ fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), S
     let resource = resource.build();
     let (spans, metrics) = match export.protocol {
         Protocol::Grpc => (
-            opentelemetry_otlp::SpanExporter::builder().with_tonic().with_endpoint(&export.endpoint).build(),
-            opentelemetry_otlp::MetricExporter::builder().with_tonic().with_endpoint(&export.endpoint).build(),
+            opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_endpoint(&export.endpoint)
+                .build(),
+            opentelemetry_otlp::MetricExporter::builder()
+                .with_tonic()
+                .with_endpoint(&export.endpoint)
+                .build(),
         ),
         protocol => {
             let base = export.endpoint.trim_end_matches('/');
@@ -111,16 +124,26 @@ fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), S
     let metrics = metrics.map_err(|e| format!("OTLP metric exporter: {e}"))?;
     // The exporters are async (tonic, reqwest): run them on the caller's Tokio runtime.
     let processor =
-        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(spans, opentelemetry_sdk::runtime::Tokio)
-            .build();
+        opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor::builder(
+            spans,
+            opentelemetry_sdk::runtime::Tokio,
+        )
+        .build();
     let tracer = SdkTracerProvider::builder()
         .with_span_processor(processor)
         .with_resource(resource.clone())
         .build();
-    let reader = opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader::builder(metrics, opentelemetry_sdk::runtime::Tokio)
+    let reader =
+        opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader::builder(
+            metrics,
+            opentelemetry_sdk::runtime::Tokio,
+        )
         .with_interval(export.metric_interval)
         .build();
-    let meter = SdkMeterProvider::builder().with_reader(reader).with_resource(resource).build();
+    let meter = SdkMeterProvider::builder()
+        .with_reader(reader)
+        .with_resource(resource)
+        .build();
     Ok((tracer, meter))
 }
 
@@ -132,24 +155,40 @@ pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let Some(export) = export else {
-        let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();
+        let _ = tracing_subscriber::registry()
+            .with(filter)
+            .with(fmt)
+            .try_init();
         return Guard::default();
     };
     match providers(&export) {
         Ok((tracer, meter)) => {
             let otel = tracing_opentelemetry::layer()
                 .with_tracer(tracer.tracer("hubguard"))
-                .with_filter(tracing_subscriber::filter::filter_fn(|m| m.target().starts_with("hubguard")));
-            let installed = tracing_subscriber::registry().with(filter).with(fmt).with(otel).try_init().is_ok();
+                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                    m.target().starts_with("hubguard")
+                }));
+            let installed = tracing_subscriber::registry()
+                .with(filter)
+                .with(fmt)
+                .with(otel)
+                .try_init()
+                .is_ok();
             if !installed {
                 return Guard::default();
             }
             opentelemetry::global::set_meter_provider(meter.clone());
             opentelemetry::global::set_tracer_provider(tracer.clone());
-            Guard { tracer: Some(tracer), meter: Some(meter) }
+            Guard {
+                tracer: Some(tracer),
+                meter: Some(meter),
+            }
         }
         Err(e) => {
-            let _ = tracing_subscriber::registry().with(filter).with(fmt).try_init();
+            let _ = tracing_subscriber::registry()
+                .with(filter)
+                .with(fmt)
+                .try_init();
             tracing::warn!(error = %e, "telemetry export disabled");
             Guard::default()
         }
@@ -161,7 +200,8 @@ use tracing_subscriber::Layer as _;
 /// Parses a W3C `traceparent` (`00-<trace>-<span>-<flags>`).
 pub fn parse_traceparent(tp: &str) -> Option<SpanContext> {
     let mut parts = tp.trim().split('-');
-    let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let (version, trace, span, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
     if version.len() != 2 || trace.len() != 32 || span.len() != 16 || flags.len() != 2 {
         return None;
     }
@@ -171,12 +211,23 @@ pub fn parse_traceparent(tp: &str) -> Option<SpanContext> {
         return None;
     }
     let flags = u8::from_str_radix(flags, 16).ok()?;
-    Some(SpanContext::new(trace_id, span_id, TraceFlags::new(flags), true, TraceState::default()))
+    Some(SpanContext::new(
+        trace_id,
+        span_id,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    ))
 }
 
 /// Formats a span context as a W3C `traceparent`.
 pub fn format_traceparent(sc: &SpanContext) -> String {
-    format!("00-{}-{}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8())
+    format!(
+        "00-{}-{}-{:02x}",
+        sc.trace_id(),
+        sc.span_id(),
+        sc.trace_flags().to_u8()
+    )
 }
 
 /// The metric instruments (no-ops until a meter provider is installed).
@@ -208,31 +259,59 @@ pub fn meter() -> Meter {
     opentelemetry::global::meter("hubguard")
 }
 
-/// The process's instruments.
-pub fn metrics() -> &'static Metrics {
-    static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(|| {
+impl Metrics {
+    /// The instruments, from the meter provider installed now (create them after
+    /// [`init`]; each pipeline creates its own).
+    pub fn new() -> Self {
         use names::metric as m;
         let meter = meter();
         Metrics {
-            delivered: meter.u64_counter(m::DELIVERED).with_description("Events delivered").build(),
-            retries_scheduled: meter.u64_counter(m::RETRIES_SCHEDULED).with_description("Retries scheduled on Service Bus").build(),
-            dead_lettered: meter.u64_counter(m::DEAD_LETTERED).with_description("Events dead-lettered").build(),
-            deferred: meter.u64_counter(m::DEFERRED).with_description("Attempts deferred by an open circuit breaker").build(),
-            settle_failures: meter.u64_counter(m::SETTLE_FAILURES).with_description("Settlements that failed and were retried").build(),
-            handler_duration: meter.f64_histogram(m::HANDLER_DURATION).with_unit("s").with_description("Handler call duration").build(),
+            delivered: meter
+                .u64_counter(m::DELIVERED)
+                .with_description("Events delivered")
+                .build(),
+            retries_scheduled: meter
+                .u64_counter(m::RETRIES_SCHEDULED)
+                .with_description("Retries scheduled on Service Bus")
+                .build(),
+            dead_lettered: meter
+                .u64_counter(m::DEAD_LETTERED)
+                .with_description("Events dead-lettered")
+                .build(),
+            deferred: meter
+                .u64_counter(m::DEFERRED)
+                .with_description("Attempts deferred by an open circuit breaker")
+                .build(),
+            settle_failures: meter
+                .u64_counter(m::SETTLE_FAILURES)
+                .with_description("Settlements that failed and were retried")
+                .build(),
+            handler_duration: meter
+                .f64_histogram(m::HANDLER_DURATION)
+                .with_unit("s")
+                .with_description("Handler call duration")
+                .build(),
             retry_lateness: meter
                 .f64_histogram(m::RETRY_LATENESS)
                 .with_unit("s")
                 .with_description("Retry start minus its scheduled time")
                 .build(),
         }
-    })
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Attributes for an event-type label.
 pub fn type_label(event_type: Option<&str>) -> [KeyValue; 1] {
-    [KeyValue::new(names::metric_attr::EVENT_TYPE, event_type.unwrap_or("").to_string())]
+    [KeyValue::new(
+        names::metric_attr::EVENT_TYPE,
+        event_type.unwrap_or("").to_string(),
+    )]
 }
 
 #[cfg(test)]
@@ -244,9 +323,13 @@ mod tests {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let sc = parse_traceparent(tp).unwrap();
         assert_eq!(format_traceparent(&sc), tp);
-        assert!(parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none());
+        assert!(
+            parse_traceparent("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none()
+        );
         assert!(parse_traceparent("garbage").is_none());
-        assert!(parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7").is_none());
+        assert!(
+            parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7").is_none()
+        );
     }
 
     #[test]

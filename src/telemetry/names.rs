@@ -23,7 +23,7 @@ pub mod attr {
     /// Event type (selects the policy).
     pub const EVENT_TYPE: &str = "hubguard.event_type";
     /// Attempt number (1 = first delivery from Event Hubs).
-    pub const ATTEMPT: &str = "hubguard.attempt";
+    pub const ATTEMPT: &str = "hubguard.attempt.number";
     /// The policy's maximum attempts.
     pub const MAX_ATTEMPTS: &str = "hubguard.max_attempts";
     /// The attempt's outcome (see [`super::outcome`]).

@@ -4,6 +4,7 @@
 mod blob;
 mod cli;
 mod common;
+mod dashboards;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;

@@ -9,8 +9,12 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
-use opentelemetry_proto::tonic::collector::metrics::v1::{ExportMetricsServiceRequest, ExportMetricsServiceResponse};
-use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
 use prost::Message;
@@ -68,7 +72,11 @@ async fn traces(State(c): State<Arc<Mutex<Collected>>>, body: Bytes) -> Vec<u8> 
                         parent_span_id: hex(&s.parent_span_id),
                         start_ns: s.start_time_unix_nano,
                         attributes: attrs(&s.attributes),
-                        links: s.links.iter().map(|l| (hex(&l.trace_id), hex(&l.span_id))).collect(),
+                        links: s
+                            .links
+                            .iter()
+                            .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                            .collect(),
                         status_code: s.status.as_ref().map_or(0, |st| st.code),
                     });
                 }
@@ -96,7 +104,9 @@ async fn metrics(State(c): State<Arc<Mutex<Collected>>>, body: Bytes) -> Vec<u8>
                                 None => 0.0,
                             })
                             .sum(),
-                        Some(Data::Histogram(h)) => h.data_points.iter().map(|p| p.count as f64).sum(),
+                        Some(Data::Histogram(h)) => {
+                            h.data_points.iter().map(|p| p.count as f64).sum()
+                        }
                         Some(Data::Gauge(g)) => g
                             .data_points
                             .iter()
@@ -125,7 +135,9 @@ pub struct Telemetry {
 impl Telemetry {
     /// Exports what is buffered (from a blocking thread: the exporters run on our runtime).
     pub async fn flush(&'static self) {
-        tokio::task::spawn_blocking(move || self.guard.flush()).await.unwrap();
+        tokio::task::spawn_blocking(move || self.guard.flush())
+            .await
+            .unwrap();
     }
 }
 
@@ -135,7 +147,11 @@ pub fn telemetry() -> &'static Telemetry {
     static T: OnceLock<Telemetry> = OnceLock::new();
     T.get_or_init(|| {
         std::thread::spawn(|| {
-            let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
             let collected = Arc::new(Mutex::new(Collected::default()));
             let guard = runtime.block_on(async {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -154,7 +170,11 @@ pub fn telemetry() -> &'static Telemetry {
                     }),
                 )
             });
-            Telemetry { collected, guard, runtime }
+            Telemetry {
+                collected,
+                guard,
+                runtime,
+            }
         })
         .join()
         .unwrap()

@@ -17,41 +17,78 @@ const PRODUCER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 fn attempts_of(spans: &[Span], correlation: &str) -> Vec<Span> {
     let mut v: Vec<Span> = spans
         .iter()
-        .filter(|s| s.name == span::ATTEMPT && s.attributes.get(attr::CORRELATION_ID).map(String::as_str) == Some(correlation))
+        .filter(|s| {
+            s.name == span::ATTEMPT
+                && s.attributes.get(attr::CORRELATION_ID).map(String::as_str) == Some(correlation)
+        })
         .cloned()
         .collect();
-    v.sort_by_key(|s| s.attributes.get(attr::ATTEMPT).and_then(|a| a.parse::<u32>().ok()));
+    v.sort_by_key(|s| {
+        s.attributes
+            .get(attr::ATTEMPT)
+            .and_then(|a| a.parse::<u32>().ok())
+    });
     v
 }
 
 fn rfc3339(ms: i64) -> String {
-    time::OffsetDateTime::from(at(ms)).format(&time::format_description::well_known::Rfc3339).unwrap()
+    time::OffsetDateTime::from(at(ms))
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     let t = telemetry();
     let bed = Bed::start(1).await;
-    bed.send(0, &[("otel-flaky", "fail:2"), ("otel-dead", "perm")]).await;
+    bed.send(0, &[("otel-flaky", "fail:2"), ("otel-dead", "perm")])
+        .await;
     // An event whose producer set a trace context: its attempts join the producer's trace.
     {
         use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
         let prod = crate::common::producer(&bed.cs, "hub").await;
         let ev = EventData::builder()
             .with_body(b"ok".to_vec())
-            .add_property("ce_id".into(), AmqpSimpleValue::String("otel-parented".into()))
-            .add_property("traceparent".into(), AmqpSimpleValue::String(format!("00-{PRODUCER_TRACE}-00f067aa0ba902b7-01")))
+            .add_property(
+                "ce_id".into(),
+                AmqpSimpleValue::String("otel-parented".into()),
+            )
+            .add_property(
+                "traceparent".into(),
+                AmqpSimpleValue::String(format!("00-{PRODUCER_TRACE}-00f067aa0ba902b7-01")),
+            )
             .build();
-        crate::common::within("send", prod.send_event(ev, Some(azure_messaging_eventhubs::SendEventOptions { partition_id: Some("0".into()) }))).await.unwrap();
+        crate::common::within(
+            "send",
+            prod.send_event(
+                ev,
+                Some(azure_messaging_eventhubs::SendEventOptions {
+                    partition_id: Some("0".into()),
+                }),
+            ),
+        )
+        .await
+        .unwrap();
         crate::common::within("close", prod.close()).await.unwrap();
     }
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-otel"));
     let ledger = bed.ledger();
-    wait_for("delivered and dead-lettered", &run.health, LIMIT, || async {
-        let d = handler.delivered_keys();
-        d.contains("otel-flaky") && d.contains("otel-parented") && ledger.dead_letter_keys().await.unwrap_or_default().contains(&"otel-dead".to_string())
-    })
+    wait_for(
+        "delivered and dead-lettered",
+        &run.health,
+        LIMIT,
+        || async {
+            let d = handler.delivered_keys();
+            d.contains("otel-flaky")
+                && d.contains("otel-parented")
+                && ledger
+                    .dead_letter_keys()
+                    .await
+                    .unwrap_or_default()
+                    .contains(&"otel-dead".to_string())
+        },
+    )
     .await;
     run.stop().await;
     t.flush().await;
@@ -59,10 +96,16 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     let deadline = tokio::time::Instant::now() + LIMIT;
     let spans = loop {
         let spans = t.collected.lock().unwrap().spans.clone();
-        if attempts_of(&spans, "otel-flaky").len() >= 3 && !attempts_of(&spans, "otel-dead").is_empty() && !attempts_of(&spans, "otel-parented").is_empty() {
+        if attempts_of(&spans, "otel-flaky").len() >= 3
+            && !attempts_of(&spans, "otel-dead").is_empty()
+            && !attempts_of(&spans, "otel-parented").is_empty()
+        {
             break spans;
         }
-        assert!(tokio::time::Instant::now() < deadline, "spans never arrived");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "spans never arrived"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
         t.flush().await;
     };
@@ -70,8 +113,18 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     // Three attempt spans with one correlation id and the right outcomes.
     let flaky = attempts_of(&spans, "otel-flaky");
     assert_eq!(flaky.len(), 3);
-    let outcomes: Vec<&str> = flaky.iter().map(|s| s.attributes[attr::OUTCOME].as_str()).collect();
-    assert_eq!(outcomes, vec![outcome::RETRY_SCHEDULED, outcome::RETRY_SCHEDULED, outcome::DELIVERED]);
+    let outcomes: Vec<&str> = flaky
+        .iter()
+        .map(|s| s.attributes[attr::OUTCOME].as_str())
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            outcome::RETRY_SCHEDULED,
+            outcome::RETRY_SCHEDULED,
+            outcome::DELIVERED
+        ]
+    );
     for s in &flaky {
         assert_eq!(s.attributes[attr::IDEMPOTENCY_KEY], "otel-flaky");
         assert_eq!(s.attributes[attr::MESSAGING_DESTINATION], "hub");
@@ -93,12 +146,31 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
         let due_ms = rec.history[i].next_attempt_ms.unwrap();
         assert_eq!(flaky[i].attributes[attr::NEXT_ATTEMPT_AT], rfc3339(due_ms));
         let started_ms = (flaky[i + 1].start_ns / 1_000_000) as i64;
-        assert!(started_ms + 1 >= due_ms, "attempt {} ran before it was due", i + 2);
-        assert!(started_ms - due_ms < 3000, "attempt {} ran within the emulator's precision of its due time", i + 2);
+        assert!(
+            started_ms + 1 >= due_ms,
+            "attempt {} ran before it was due",
+            i + 2
+        );
+        assert!(
+            started_ms - due_ms < 3000,
+            "attempt {} ran within the emulator's precision of its due time",
+            i + 2
+        );
     }
-    assert_eq!(rec.history.iter().filter_map(|h| h.trace_id.clone()).collect::<Vec<_>>(), flaky.iter().map(|s| s.trace_id.clone()).collect::<Vec<_>>());
+    assert_eq!(
+        rec.history
+            .iter()
+            .filter_map(|h| h.trace_id.clone())
+            .collect::<Vec<_>>(),
+        flaky.iter().map(|s| s.trace_id.clone()).collect::<Vec<_>>()
+    );
     // Child spans: the handler call, the Service Bus schedule, the ledger write.
-    let children = |parent: &Span, name: &str| spans.iter().filter(|s| s.parent_span_id == parent.span_id && s.name == name).count();
+    let children = |parent: &Span, name: &str| {
+        spans
+            .iter()
+            .filter(|s| s.parent_span_id == parent.span_id && s.name == name)
+            .count()
+    };
     assert_eq!(children(&flaky[0], span::HANDLER), 1);
     assert_eq!(children(&flaky[0], span::SCHEDULE), 1);
     assert_eq!(children(&flaky[0], span::LEDGER_WRITE), 1);
@@ -121,7 +193,7 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     let deadline = tokio::time::Instant::now() + LIMIT;
     loop {
         t.flush().await;
-        let m = &t.collected.lock().unwrap().metrics;
+        let m = t.collected.lock().unwrap().metrics.clone();
         let ok = m.get(metric::DELIVERED).is_some_and(|v| *v >= 2.0)
             && m.get(metric::RETRIES_SCHEDULED).is_some_and(|v| *v >= 2.0)
             && m.get(metric::DEAD_LETTERED).is_some_and(|v| *v >= 1.0)
@@ -134,8 +206,10 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
         if ok {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "metrics never arrived: {m:?}");
-        drop(m);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "metrics never arrived: {m:?}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
