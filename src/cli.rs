@@ -39,6 +39,9 @@ enum Command {
     /// List or replay dead-lettered events.
     #[command(name = "dead-letters", subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Everything in one process on the embedded emulators, with failures, outages and
+    /// crashes; verifies that nothing was lost (exit status 1 if something was).
+    Demo(crate::demo::DemoArgs),
     /// Run the local emulators in the foreground until Ctrl-C or SIGTERM.
     Emulator(EmulatorArgs),
     /// Measure throughput through the real Azure SDK against the in-process emulator.
@@ -158,6 +161,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Emulator(args) => run_emulator(args).await,
             Command::Run(args) => run_pipeline(args).await,
+            Command::Demo(args) => demo(args).await,
             Command::Status(args) => status(args).await,
             Command::DeadLetters(cmd) => dead_letters(cmd).await,
             Command::Bench(args) => crate::bench::run(args).await,
@@ -283,6 +287,31 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         "hubguard: stopped; {}",
         serde_json::to_string(&health.snapshot())?
     );
+    Ok(())
+}
+
+async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
+    let json = args.json;
+    if !json {
+        eprintln!(
+            "hubguard demo: {} events over {} partitions, {} replicas; downstream outage {:?}, Service Bus outage {:?}, a crash every {:?}",
+            args.events, args.partitions, args.replicas, args.downstream_outage.0, args.servicebus_outage.0, args.crash_every.0
+        );
+    }
+    let report = crate::demo::run(&args, |line| {
+        if !json {
+            eprintln!("{line}");
+        }
+    })
+    .await?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        crate::demo::print_table(&report);
+    }
+    if report.lost > 0 {
+        anyhow::bail!("{} event(s) lost", report.lost);
+    }
     Ok(())
 }
 

@@ -29,6 +29,7 @@
 //!   blob record store — hubguard's clients, with typed errors and deadlines.
 //! - [`emulator`]: in-process emulators that speak the services' wire protocols, so every test
 //!   and the demo drive the real SDK crates with no Azure and no Docker.
+//! - [`demo`]: `hubguard demo`, the whole story in one process on the emulators.
 //! - [`bench`]: performance figures measured through the real SDK.
 //! - [`cli`]: the `hubguard` command line.
 
@@ -36,6 +37,7 @@ pub mod azure;
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod emulator;
 pub mod event;
 pub mod guard;

@@ -1,7 +1,8 @@
 //! A local webhook receiver: the downstream for `hubguard run` on the emulators and for the
-//! demo. It answers `POST /events` with 200 and records each delivery by `Idempotency-Key`;
-//! faults (error status, delay, refused connections) make it misbehave as told.
-//! `GET /deliveries` lists what arrived: key → number of deliveries.
+//! demo. It answers `POST /events` (200 by default, or as a behaviour function decides) and
+//! records each successful delivery by `Idempotency-Key`; faults (error status, delay,
+//! refused connections) make it misbehave as told. `GET /deliveries` lists what arrived:
+//! key → number of successful deliveries.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -18,9 +19,22 @@ use tokio_util::sync::CancellationToken;
 
 use super::Faults;
 
-#[derive(Debug, Default)]
+/// Decides the status for a call: (idempotency key, how many calls this key had before) →
+/// HTTP status.
+pub type Behaviour = Arc<dyn Fn(&str, u32) -> u16 + Send + Sync>;
+
 struct Deliveries {
+    /// Successful (2xx) deliveries per key.
     by_key: Mutex<BTreeMap<String, u32>>,
+    /// Calls per key (any answer).
+    calls: Mutex<BTreeMap<String, u32>>,
+    behaviour: Behaviour,
+}
+
+impl std::fmt::Debug for Deliveries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Deliveries")
+    }
 }
 
 /// A running webhook receiver. Dropping it stops it.
@@ -39,12 +53,21 @@ async fn receive(State(d): State<Arc<Deliveries>>, headers: HeaderMap) -> Status
         .and_then(|v| v.to_str().ok())
         .unwrap_or("(no key)")
         .to_string();
-    *d.by_key
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(key)
-        .or_default() += 1;
-    StatusCode::OK
+    let before = {
+        let mut calls = d.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let c = calls.entry(key.clone()).or_default();
+        *c += 1;
+        *c - 1
+    };
+    let status = StatusCode::from_u16((d.behaviour)(&key, before)).unwrap_or(StatusCode::OK);
+    if status.is_success() {
+        *d.by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key)
+            .or_default() += 1;
+    }
+    status
 }
 
 async fn list(State(d): State<Arc<Deliveries>>) -> Json<BTreeMap<String, u32>> {
@@ -52,9 +75,18 @@ async fn list(State(d): State<Arc<Deliveries>>) -> Json<BTreeMap<String, u32>> {
 }
 
 impl WebhookReceiver {
-    /// Starts listening on `listen`.
+    /// Starts listening on `listen`; every call succeeds (unless a fault says otherwise).
     pub async fn start(listen: SocketAddr) -> io::Result<Self> {
-        let deliveries = Arc::new(Deliveries::default());
+        Self::start_with(listen, Arc::new(|_, _| 200)).await
+    }
+
+    /// Starts listening on `listen`, answering as `behaviour` decides.
+    pub async fn start_with(listen: SocketAddr, behaviour: Behaviour) -> io::Result<Self> {
+        let deliveries = Arc::new(Deliveries {
+            by_key: Mutex::default(),
+            calls: Mutex::default(),
+            behaviour,
+        });
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
         let router = Router::new()
@@ -86,6 +118,15 @@ impl WebhookReceiver {
     pub fn deliveries(&self) -> BTreeMap<String, u32> {
         self.deliveries
             .by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Calls so far (any answer): idempotency key → count.
+    pub fn calls(&self) -> BTreeMap<String, u32> {
+        self.deliveries
+            .calls
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()

@@ -281,7 +281,27 @@ impl Pipeline {
     /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
     /// is in flight, write final checkpoints, close partition clients.
     pub async fn run(self, cancel: CancellationToken) -> std::io::Result<()> {
-        let retry = tokio::spawn(retry::run(self.shared.clone(), cancel.clone()));
+        self.run_until(cancel, CancellationToken::new()).await
+    }
+
+    /// Like [`run`](Self::run), but `crash` stops everything at once, as a killed process
+    /// would: no final checkpoint, no ownership release, in-flight attempts and retry-message
+    /// locks abandoned. The demo and the chaos tests use it.
+    pub async fn run_until(
+        self,
+        cancel: CancellationToken,
+        crash: CancellationToken,
+    ) -> std::io::Result<()> {
+        let retry = {
+            let (shared, cancel) = (self.shared.clone(), cancel.clone());
+            let crash = crash.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = retry::run(shared, cancel) => {}
+                    _ = crash.cancelled() => {}
+                }
+            })
+        };
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shared = self.shared.clone();
         let target = self.eventhubs.clone();
@@ -296,10 +316,14 @@ impl Pipeline {
                 match rt {
                     Ok(rt) => {
                         let local = tokio::task::LocalSet::new();
-                        local.block_on(
-                            &rt,
-                            supervise(shared, target, checkpoints, processor_cancel),
-                        );
+                        local.block_on(&rt, async move {
+                            tokio::select! {
+                                _ = supervise(shared, target, checkpoints, processor_cancel) => {}
+                                _ = crash.cancelled() => {}
+                            }
+                        });
+                        // Dropping the runtime drops every task: nothing is closed or written.
+                        rt.shutdown_background();
                     }
                     Err(e) => tracing::error!(error = %e, "cannot start the partition runtime"),
                 }

@@ -5,6 +5,7 @@ mod blob;
 mod cli;
 mod common;
 mod dashboards;
+mod demo;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
