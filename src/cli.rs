@@ -294,8 +294,8 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     let json = args.json;
     if !json {
         eprintln!(
-            "hubguard demo: {} events over {} partitions, {} replicas; downstream outage {:?}, Service Bus outage {:?}, a crash every {:?}",
-            args.events, args.partitions, args.replicas, args.downstream_outage.0, args.servicebus_outage.0, args.crash_every.0
+            "hubguard demo: {} events over {} partitions, {} replicas; downstream outage {}, Service Bus outage {}, crashes {}",
+            args.events, args.partitions, args.replicas, args.downstream_outage, args.servicebus_outage, args.crash_every
         );
     }
     let report = crate::demo::run(&args, |line| {

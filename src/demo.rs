@@ -76,6 +76,9 @@ pub struct DemoArgs {
     /// Events to produce.
     #[arg(long, default_value_t = 400)]
     pub events: usize,
+    /// Spread the producer's sends over this long (events keep arriving during the outages).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub produce_over: Duration,
     /// Partitions of the demo hub.
     #[arg(long, default_value_t = 4)]
     pub partitions: usize,
@@ -86,10 +89,10 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0.02)]
     pub permanent_rate: f64,
     /// The downstream answers 503 to everything in this window (`none` for no outage).
-    #[arg(long, default_value = "8s:10s")]
+    #[arg(long, default_value = "6s:8s")]
     pub downstream_outage: Outage,
     /// Service Bus answers 503 in this window: partitions hold (`none` for no outage).
-    #[arg(long, default_value = "22s:6s")]
+    #[arg(long, default_value = "20s:6s")]
     pub servicebus_outage: Outage,
     /// Crash a replica (no final checkpoint, no ownership release) this often and start it
     /// again (`none` for no crashes).
@@ -112,6 +115,24 @@ pub struct DemoArgs {
 /// An outage window, or `none`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outage(pub Option<Window>);
+
+impl std::fmt::Display for Outage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(w) => write!(f, "from {:?} for {:?}", w.start, w.duration),
+            None => f.write_str("none"),
+        }
+    }
+}
+
+impl std::fmt::Display for Every {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(d) => write!(f, "every {d:?}"),
+            None => f.write_str("none"),
+        }
+    }
+}
 
 impl std::str::FromStr for Outage {
     type Err = String;
@@ -393,8 +414,8 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
 
     let cs: ConnectionString = bed.eh.connection_string().parse()?;
     let producer = tokio::spawn({
-        let (events, partitions) = (args.events, args.partitions);
-        async move { produce(&cs, events, partitions, Duration::from_secs(10)).await }
+        let (events, partitions, over) = (args.events, args.partitions, args.produce_over);
+        async move { produce(&cs, events, partitions, over).await }
     });
     let ledger = bed.ledger()?;
     let mut keys: Option<Vec<String>> = None;
