@@ -34,6 +34,7 @@
 //! - [`cli`]: the `hubguard` command line.
 
 pub mod azure;
+pub mod breaker;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -1,0 +1,322 @@
+//! The circuit breaker (seed 003): one per downstream, its state shared by every replica in
+//! blob storage with compare-and-swap.
+//!
+//! - Opened **once**, on the transition from closed, when a replica sees
+//!   `consecutive_failures` transient failures in a row; its expiry is never extended by work
+//!   that lands on it while it is open.
+//! - Work that meets an open breaker is **deferred** to after the expiry, spread over a
+//!   window (jitter) so that it does not come back all at once; deferral counts no attempt
+//!   and does not touch the breaker.
+//! - After the expiry the breaker is half-open: exactly **one probe** cluster-wide (the
+//!   replica that wins the CAS); success closes it, failure re-opens it once with a fresh
+//!   expiry. A probe that never reports back is given up after `probe_timeout`.
+//!
+//! [`decide`] and [`on_result`] are pure functions of the record and the time; [`Shared`]
+//! keeps the record in a [`RecordStore`].
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::azure::{RecordStore, StoreError};
+use crate::ledger::{at, ms};
+
+/// Breaker settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive transient failures that open it.
+    #[serde(default = "d5")]
+    pub consecutive_failures: u32,
+    /// How long it stays open (ms).
+    #[serde(default = "d30000")]
+    pub open_ms: u64,
+    /// Deferred work returns spread over this window after the expiry (ms).
+    #[serde(default = "d10000")]
+    pub spread_ms: u64,
+    /// A probe that does not report back within this is given up (ms).
+    #[serde(default = "d30000")]
+    pub probe_timeout_ms: u64,
+}
+
+fn d5() -> u32 {
+    5
+}
+fn d30000() -> u64 {
+    30_000
+}
+fn d10000() -> u64 {
+    10_000
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self { consecutive_failures: 5, open_ms: 30_000, spread_ms: 10_000, probe_timeout_ms: 30_000 }
+    }
+}
+
+/// The shared record of one downstream's breaker.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BreakerRecord {
+    /// `None`: closed. `Some`: open (or half-open once `now >= open_until_ms`).
+    pub open_until_ms: Option<i64>,
+    /// When it opened (for its age).
+    pub opened_at_ms: Option<i64>,
+    /// The replica probing, and since when.
+    pub probe: Option<(String, i64)>,
+    /// How many times it opened.
+    pub opens: u64,
+}
+
+/// What to do with work for the downstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Call the downstream.
+    Allow,
+    /// Call it as the half-open probe (report the result!).
+    Probe,
+    /// Do not call it; come back at this time.
+    Defer(SystemTime),
+}
+
+/// A change to make to the shared record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Open until this time (only from closed, or re-open after a failed probe).
+    Open(SystemTime),
+    /// Close.
+    Close,
+    /// Take the probe.
+    TakeProbe,
+}
+
+/// What `who` may do at `now` given `record`; `jitter` in [0, 1) spreads deferrals.
+pub fn decide(record: &BreakerRecord, who: &str, now: SystemTime, config: &BreakerConfig, jitter: f64) -> (Admission, Option<Change>) {
+    let Some(until_ms) = record.open_until_ms else {
+        return (Admission::Allow, None);
+    };
+    let until = at(until_ms);
+    let spread = Duration::from_millis((config.spread_ms as f64 * jitter.clamp(0.0, 1.0)) as u64);
+    if now < until {
+        return (Admission::Defer(until + spread + Duration::from_millis(1)), None);
+    }
+    // Half-open: one probe at a time, cluster-wide.
+    match &record.probe {
+        Some((owner, since)) if owner == who && now < at(*since) + Duration::from_millis(config.probe_timeout_ms) => {
+            (Admission::Defer(now + Duration::from_millis(config.probe_timeout_ms) + spread), None)
+        }
+        Some((_, since)) if now < at(*since) + Duration::from_millis(config.probe_timeout_ms) => {
+            (Admission::Defer(at(*since) + Duration::from_millis(config.probe_timeout_ms) + spread), None)
+        }
+        _ => (Admission::Probe, Some(Change::TakeProbe)),
+    }
+}
+
+/// The change a result calls for: `consecutive` is the caller's count of transient failures
+/// in a row (this one included), `probe` whether this call was the probe.
+pub fn on_result(record: &BreakerRecord, success: bool, probe: bool, consecutive: u32, now: SystemTime, config: &BreakerConfig) -> Option<Change> {
+    let open = Duration::from_millis(config.open_ms);
+    match (record.open_until_ms, success, probe) {
+        (_, true, true) => Some(Change::Close),
+        (Some(_), false, true) => Some(Change::Open(now + open)),
+        // Open only on the transition from closed: never extend an open breaker.
+        (None, false, false) if consecutive >= config.consecutive_failures => Some(Change::Open(now + open)),
+        _ => None,
+    }
+}
+
+/// Applies `change` to `record` (by `who` at `now`); `None` if it no longer applies.
+pub fn apply(record: &BreakerRecord, change: &Change, who: &str, now: SystemTime) -> Option<BreakerRecord> {
+    let mut r = record.clone();
+    match change {
+        Change::Open(until) => {
+            // From closed, or from half-open after the probe failed; never while open.
+            if r.open_until_ms.is_some_and(|u| now < at(u)) {
+                return None;
+            }
+            r.open_until_ms = Some(ms(*until));
+            r.opened_at_ms = Some(ms(now));
+            r.probe = None;
+            r.opens += 1;
+        }
+        Change::Close => {
+            r.open_until_ms?;
+            r.open_until_ms = None;
+            r.opened_at_ms = None;
+            r.probe = None;
+        }
+        Change::TakeProbe => {
+            r.open_until_ms?;
+            r.probe = Some((who.to_string(), ms(now)));
+        }
+    }
+    Some(r)
+}
+
+/// One downstream's breaker as one replica sees it.
+pub struct Shared {
+    store: Arc<dyn RecordStore>,
+    key: String,
+    who: String,
+    config: BreakerConfig,
+    consecutive: Mutex<u32>,
+    cached: Mutex<Option<(BreakerRecord, String, SystemTime)>>,
+    refresh: Duration,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Breaker").field("key", &self.key).finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    /// The breaker of `downstream`, shared through `store`, seen by replica `who`.
+    pub fn new(store: Arc<dyn RecordStore>, downstream: &str, who: &str, config: BreakerConfig) -> Self {
+        Self {
+            store,
+            key: format!("breakers/{downstream}"),
+            who: who.into(),
+            config,
+            consecutive: Mutex::new(0),
+            cached: Mutex::new(None),
+            refresh: Duration::from_millis(500),
+        }
+    }
+
+    async fn load(&self, fresh: bool) -> Result<(BreakerRecord, Option<String>), StoreError> {
+        if !fresh {
+            if let Some((r, e, t)) = self.cached.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+                if SystemTime::now().duration_since(t).unwrap_or_default() < self.refresh {
+                    return Ok((r, Some(e)));
+                }
+            }
+        }
+        match self.store.read(&self.key).await? {
+            Some(rec) => {
+                let r: BreakerRecord = serde_json::from_slice(&rec.body).unwrap_or_default();
+                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = Some((r.clone(), rec.etag.clone(), SystemTime::now()));
+                Ok((r, Some(rec.etag)))
+            }
+            None => Ok((BreakerRecord::default(), None)),
+        }
+    }
+
+    async fn change(&self, change: Change) -> Result<BreakerRecord, StoreError> {
+        for _ in 0..8 {
+            let (current, etag) = self.load(true).await?;
+            let now = SystemTime::now();
+            let Some(next) = apply(&current, &change, &self.who, now) else { return Ok(current) };
+            let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+            let written = match &etag {
+                None => self.store.create(&self.key, body).await,
+                Some(e) => self.store.update(&self.key, body, e).await,
+            };
+            match written {
+                Ok(e) => {
+                    *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = Some((next.clone(), e, now));
+                    return Ok(next);
+                }
+                Err(StoreError::Conflict) => continue,
+                Err(err) => return Err(err),
+            }
+        }
+        Err(StoreError::Conflict)
+    }
+
+    /// Whether work may call the downstream now. Storage trouble admits the call (the
+    /// breaker protects the downstream; it must not become an outage of its own).
+    pub async fn admit(&self, jitter: f64) -> Admission {
+        let Ok((record, _)) = self.load(false).await else { return Admission::Allow };
+        let (admission, change) = decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
+        if let Some(c) = change {
+            // Win the probe, or learn who did.
+            return match self.change(c).await {
+                Ok(r) if r.probe.as_ref().is_some_and(|(w, _)| *w == self.who) => Admission::Probe,
+                Ok(r) => decide(&r, &self.who, SystemTime::now(), &self.config, jitter).0,
+                Err(_) => Admission::Allow,
+            };
+        }
+        admission
+    }
+
+    /// Reports a call's result (`transient_failure` false for a success; permanent errors are
+    /// the event's fault, not the downstream's: do not report them).
+    pub async fn report(&self, success: bool, probe: bool) -> Option<BreakerRecord> {
+        let consecutive = {
+            let mut c = self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
+            *c = if success { 0 } else { *c + 1 };
+            *c
+        };
+        let (record, _) = self.load(false).await.ok()?;
+        let change = on_result(&record, success, probe, consecutive, SystemTime::now(), &self.config)?;
+        let r = self.change(change).await.ok()?;
+        if success {
+            *self.consecutive.lock().unwrap_or_else(|p| p.into_inner()) = 0;
+        }
+        Some(r)
+    }
+
+    /// The record as last seen.
+    pub fn cached(&self) -> Option<BreakerRecord> {
+        self.cached.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(r, _, _)| r.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> BreakerConfig {
+        BreakerConfig { consecutive_failures: 3, open_ms: 60_000, spread_ms: 10_000, probe_timeout_ms: 5_000 }
+    }
+
+    fn t(s: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + s)
+    }
+
+    #[test]
+    fn opens_once_on_the_threshold_and_never_extends() {
+        let c = cfg();
+        let closed = BreakerRecord::default();
+        assert_eq!(on_result(&closed, false, false, 2, t(0), &c), None);
+        let Some(change) = on_result(&closed, false, false, 3, t(0), &c) else { panic!("opens") };
+        let open = apply(&closed, &change, "a", t(0)).unwrap();
+        assert_eq!((open.open_until_ms, open.opens), (Some(ms(t(60))), 1));
+        // Failures landing on the open breaker (or another replica's threshold) change nothing.
+        assert_eq!(on_result(&open, false, false, 9, t(30), &c), None);
+        assert_eq!(apply(&open, &Change::Open(t(90)), "b", t(30)), None, "never extended while open");
+    }
+
+    #[test]
+    fn open_defers_past_the_expiry_with_spread_and_one_probe_after() {
+        let c = cfg();
+        let open = apply(&BreakerRecord::default(), &Change::Open(t(60)), "a", t(0)).unwrap();
+        let (a, ch) = decide(&open, "x", t(10), &c, 0.5);
+        assert_eq!(a, Admission::Defer(t(65) + Duration::from_millis(1)));
+        assert_eq!(ch, None, "deferral does not touch the breaker");
+        let (a0, _) = decide(&open, "x", t(10), &c, 0.0);
+        let (a1, _) = decide(&open, "x", t(10), &c, 0.999);
+        assert!(matches!((a0, a1), (Admission::Defer(x), Admission::Defer(y)) if x >= t(60) && y > x), "spread");
+        // Half-open: the first to ask takes the probe; everyone else waits for it.
+        let (a, ch) = decide(&open, "x", t(61), &c, 0.0);
+        assert_eq!((a, ch.clone()), (Admission::Probe, Some(Change::TakeProbe)));
+        let probing = apply(&open, &ch.unwrap(), "x", t(61)).unwrap();
+        assert!(matches!(decide(&probing, "y", t(62), &c, 0.0).0, Admission::Defer(_)));
+        // A probe that never reports back is given up.
+        assert_eq!(decide(&probing, "y", t(67), &c, 0.0).0, Admission::Probe);
+    }
+
+    #[test]
+    fn probe_success_closes_failure_reopens_once() {
+        let c = cfg();
+        let open = apply(&BreakerRecord::default(), &Change::Open(t(60)), "a", t(0)).unwrap();
+        let probing = apply(&open, &Change::TakeProbe, "x", t(61)).unwrap();
+        let closed = apply(&probing, &on_result(&probing, true, true, 0, t(62), &c).unwrap(), "x", t(62)).unwrap();
+        assert_eq!(closed.open_until_ms, None);
+        let reopened = apply(&probing, &on_result(&probing, false, true, 1, t(62), &c).unwrap(), "x", t(62)).unwrap();
+        assert_eq!((reopened.open_until_ms, reopened.opens), (Some(ms(t(122))), 2));
+    }
+}
