@@ -452,6 +452,7 @@ pub async fn guard_vs_bare(
             by_type: Default::default(),
         },
         identity: crate::event::IdentityConfig::default(),
+        breaker: Some(crate::breaker::BreakerConfig::default()),
         options: PipelineOptions {
             update_interval: Duration::from_millis(500),
             ownership_expiration: Duration::from_secs(5),

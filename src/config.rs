@@ -355,6 +355,9 @@ pub struct Config {
     /// `[status]`
     #[serde(default)]
     pub status: StatusSection,
+    /// `[breaker]`: the circuit breaker for the handler's downstream.
+    #[serde(default)]
+    pub breaker: crate::breaker::BreakerConfig,
 }
 
 const POLICY_KEYS: &[&str] = &[
@@ -654,6 +657,7 @@ impl Config {
                 by_type: self.policy.types.clone(),
             },
             identity: self.identity.clone(),
+            breaker: Some(self.breaker.clone()),
             options: PipelineOptions {
                 owner_id: self
                     .processor

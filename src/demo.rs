@@ -177,6 +177,8 @@ pub struct Report {
     pub retries_scheduled: u64,
     /// The highest attempt number any event reached.
     pub max_attempt: u32,
+    /// How often the downstream's circuit breaker opened.
+    pub breaker_opens: u64,
     /// Checkpoints written by all replicas.
     pub checkpoint_writes: u64,
     /// Replica crashes.
@@ -271,6 +273,13 @@ impl Bed {
                 by_type: Default::default(),
             },
             identity: crate::event::IdentityConfig::default(),
+            breaker: Some(crate::breaker::BreakerConfig {
+                enabled: true,
+                consecutive_failures: 5,
+                open_ms: 3000,
+                spread_ms: 2000,
+                probe_timeout_ms: 3000,
+            }),
             options: PipelineOptions {
                 owner_id: owner.into(),
                 update_interval: Duration::from_millis(500),
@@ -573,6 +582,24 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         }
     }
     let sb = bed.sb.counters("retries").unwrap_or_default();
+    let breaker_key = format!(
+        "breakers/{}",
+        bed.hook
+            .url()
+            .trim_start_matches("http://")
+            .trim_end_matches("/events")
+    );
+    let records = crate::azure::BlobRecordStore::new(
+        &bed.blob.container_url("hubguard"),
+        None,
+        Duration::from_secs(5),
+    )?;
+    let breaker_opens = match crate::azure::RecordStore::read(&records, &breaker_key).await? {
+        Some(r) => serde_json::from_slice::<crate::breaker::BreakerRecord>(&r.body)
+            .map(|b| b.opens)
+            .unwrap_or(0),
+        None => 0,
+    };
     let report = Report {
         events: keys.len(),
         delivered: delivered_n,
@@ -582,6 +609,7 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
             - delivered.len(),
         retries_scheduled: sb.sends - sb.duplicates_dropped,
         max_attempt,
+        breaker_opens,
         checkpoint_writes: retired.iter().map(|h| h.snapshot().checkpoints).sum(),
         crashes,
         elapsed_ms: started.elapsed().as_millis() as u64,
@@ -630,6 +658,7 @@ pub fn print_table(r: &Report) {
     );
     println!("{:<24} {:>10}", "retries scheduled", r.retries_scheduled);
     println!("{:<24} {:>10}", "highest attempt", r.max_attempt);
+    println!("{:<24} {:>10}", "breaker opens", r.breaker_opens);
     println!("{:<24} {:>10}", "checkpoint writes", r.checkpoint_writes);
     println!("{:<24} {:>10}", "replica crashes", r.crashes);
     println!("{:<24} {:>9.1}s", "elapsed", r.elapsed_ms as f64 / 1000.0);

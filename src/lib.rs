@@ -34,8 +34,8 @@
 //! - [`cli`]: the `hubguard` command line.
 
 pub mod azure;
-pub mod breaker;
 pub mod bench;
+pub mod breaker;
 pub mod cli;
 pub mod config;
 pub mod demo;

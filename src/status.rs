@@ -21,7 +21,8 @@ use serde_json::json;
 use crate::ledger::{at, Ledger, LedgerRecord, State as LedgerState};
 use crate::pipeline::health::Health;
 
-fn rfc3339(t: SystemTime) -> String {
+/// RFC 3339 with milliseconds.
+pub fn rfc3339(t: SystemTime) -> String {
     time::OffsetDateTime::from(t)
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()

@@ -27,6 +27,9 @@ use crate::ledger::{at, ms};
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BreakerConfig {
+    /// Whether the breaker is used at all.
+    #[serde(default = "yes")]
+    pub enabled: bool,
     /// Consecutive transient failures that open it.
     #[serde(default = "d5")]
     pub consecutive_failures: u32,
@@ -41,6 +44,10 @@ pub struct BreakerConfig {
     pub probe_timeout_ms: u64,
 }
 
+fn yes() -> bool {
+    true
+}
+
 fn d5() -> u32 {
     5
 }
@@ -53,7 +60,13 @@ fn d10000() -> u64 {
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        Self { consecutive_failures: 5, open_ms: 30_000, spread_ms: 10_000, probe_timeout_ms: 30_000 }
+        Self {
+            enabled: true,
+            consecutive_failures: 5,
+            open_ms: 30_000,
+            spread_ms: 10_000,
+            probe_timeout_ms: 30_000,
+        }
     }
 }
 
@@ -93,42 +106,72 @@ pub enum Change {
 }
 
 /// What `who` may do at `now` given `record`; `jitter` in [0, 1) spreads deferrals.
-pub fn decide(record: &BreakerRecord, who: &str, now: SystemTime, config: &BreakerConfig, jitter: f64) -> (Admission, Option<Change>) {
+pub fn decide(
+    record: &BreakerRecord,
+    who: &str,
+    now: SystemTime,
+    config: &BreakerConfig,
+    jitter: f64,
+) -> (Admission, Option<Change>) {
     let Some(until_ms) = record.open_until_ms else {
         return (Admission::Allow, None);
     };
     let until = at(until_ms);
     let spread = Duration::from_millis((config.spread_ms as f64 * jitter.clamp(0.0, 1.0)) as u64);
     if now < until {
-        return (Admission::Defer(until + spread + Duration::from_millis(1)), None);
+        return (
+            Admission::Defer(until + spread + Duration::from_millis(1)),
+            None,
+        );
     }
     // Half-open: one probe at a time, cluster-wide.
     match &record.probe {
-        Some((owner, since)) if owner == who && now < at(*since) + Duration::from_millis(config.probe_timeout_ms) => {
-            (Admission::Defer(now + Duration::from_millis(config.probe_timeout_ms) + spread), None)
+        Some((owner, since))
+            if owner == who
+                && now < at(*since) + Duration::from_millis(config.probe_timeout_ms) =>
+        {
+            (
+                Admission::Defer(now + Duration::from_millis(config.probe_timeout_ms) + spread),
+                None,
+            )
         }
-        Some((_, since)) if now < at(*since) + Duration::from_millis(config.probe_timeout_ms) => {
-            (Admission::Defer(at(*since) + Duration::from_millis(config.probe_timeout_ms) + spread), None)
-        }
+        Some((_, since)) if now < at(*since) + Duration::from_millis(config.probe_timeout_ms) => (
+            Admission::Defer(at(*since) + Duration::from_millis(config.probe_timeout_ms) + spread),
+            None,
+        ),
         _ => (Admission::Probe, Some(Change::TakeProbe)),
     }
 }
 
 /// The change a result calls for: `consecutive` is the caller's count of transient failures
 /// in a row (this one included), `probe` whether this call was the probe.
-pub fn on_result(record: &BreakerRecord, success: bool, probe: bool, consecutive: u32, now: SystemTime, config: &BreakerConfig) -> Option<Change> {
+pub fn on_result(
+    record: &BreakerRecord,
+    success: bool,
+    probe: bool,
+    consecutive: u32,
+    now: SystemTime,
+    config: &BreakerConfig,
+) -> Option<Change> {
     let open = Duration::from_millis(config.open_ms);
     match (record.open_until_ms, success, probe) {
         (_, true, true) => Some(Change::Close),
         (Some(_), false, true) => Some(Change::Open(now + open)),
         // Open only on the transition from closed: never extend an open breaker.
-        (None, false, false) if consecutive >= config.consecutive_failures => Some(Change::Open(now + open)),
+        (None, false, false) if consecutive >= config.consecutive_failures => {
+            Some(Change::Open(now + open))
+        }
         _ => None,
     }
 }
 
 /// Applies `change` to `record` (by `who` at `now`); `None` if it no longer applies.
-pub fn apply(record: &BreakerRecord, change: &Change, who: &str, now: SystemTime) -> Option<BreakerRecord> {
+pub fn apply(
+    record: &BreakerRecord,
+    change: &Change,
+    who: &str,
+    now: SystemTime,
+) -> Option<BreakerRecord> {
     let mut r = record.clone();
     match change {
         Change::Open(until) => {
@@ -168,13 +211,20 @@ pub struct Shared {
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Breaker").field("key", &self.key).finish_non_exhaustive()
+        f.debug_struct("Breaker")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
     }
 }
 
 impl Shared {
     /// The breaker of `downstream`, shared through `store`, seen by replica `who`.
-    pub fn new(store: Arc<dyn RecordStore>, downstream: &str, who: &str, config: BreakerConfig) -> Self {
+    pub fn new(
+        store: Arc<dyn RecordStore>,
+        downstream: &str,
+        who: &str,
+        config: BreakerConfig,
+    ) -> Self {
         Self {
             store,
             key: format!("breakers/{downstream}"),
@@ -188,7 +238,12 @@ impl Shared {
 
     async fn load(&self, fresh: bool) -> Result<(BreakerRecord, Option<String>), StoreError> {
         if !fresh {
-            if let Some((r, e, t)) = self.cached.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            if let Some((r, e, t)) = self
+                .cached
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+            {
                 if SystemTime::now().duration_since(t).unwrap_or_default() < self.refresh {
                     return Ok((r, Some(e)));
                 }
@@ -197,7 +252,8 @@ impl Shared {
         match self.store.read(&self.key).await? {
             Some(rec) => {
                 let r: BreakerRecord = serde_json::from_slice(&rec.body).unwrap_or_default();
-                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = Some((r.clone(), rec.etag.clone(), SystemTime::now()));
+                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((r.clone(), rec.etag.clone(), SystemTime::now()));
                 Ok((r, Some(rec.etag)))
             }
             None => Ok((BreakerRecord::default(), None)),
@@ -208,7 +264,9 @@ impl Shared {
         for _ in 0..8 {
             let (current, etag) = self.load(true).await?;
             let now = SystemTime::now();
-            let Some(next) = apply(&current, &change, &self.who, now) else { return Ok(current) };
+            let Some(next) = apply(&current, &change, &self.who, now) else {
+                return Ok(current);
+            };
             let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
             let written = match &etag {
                 None => self.store.create(&self.key, body).await,
@@ -216,7 +274,8 @@ impl Shared {
             };
             match written {
                 Ok(e) => {
-                    *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = Some((next.clone(), e, now));
+                    *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some((next.clone(), e, now));
                     return Ok(next);
                 }
                 Err(StoreError::Conflict) => continue,
@@ -229,8 +288,11 @@ impl Shared {
     /// Whether work may call the downstream now. Storage trouble admits the call (the
     /// breaker protects the downstream; it must not become an outage of its own).
     pub async fn admit(&self, jitter: f64) -> Admission {
-        let Ok((record, _)) = self.load(false).await else { return Admission::Allow };
-        let (admission, change) = decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
+        let Ok((record, _)) = self.load(false).await else {
+            return Admission::Allow;
+        };
+        let (admission, change) =
+            decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
         if let Some(c) = change {
             // Win the probe, or learn who did.
             return match self.change(c).await {
@@ -251,7 +313,14 @@ impl Shared {
             *c
         };
         let (record, _) = self.load(false).await.ok()?;
-        let change = on_result(&record, success, probe, consecutive, SystemTime::now(), &self.config)?;
+        let change = on_result(
+            &record,
+            success,
+            probe,
+            consecutive,
+            SystemTime::now(),
+            &self.config,
+        )?;
         let r = self.change(change).await.ok()?;
         if success {
             *self.consecutive.lock().unwrap_or_else(|p| p.into_inner()) = 0;
@@ -261,7 +330,11 @@ impl Shared {
 
     /// The record as last seen.
     pub fn cached(&self) -> Option<BreakerRecord> {
-        self.cached.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(r, _, _)| r.clone())
+        self.cached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(r, _, _)| r.clone())
     }
 }
 
@@ -270,7 +343,13 @@ mod tests {
     use super::*;
 
     fn cfg() -> BreakerConfig {
-        BreakerConfig { consecutive_failures: 3, open_ms: 60_000, spread_ms: 10_000, probe_timeout_ms: 5_000 }
+        BreakerConfig {
+            enabled: true,
+            consecutive_failures: 3,
+            open_ms: 60_000,
+            spread_ms: 10_000,
+            probe_timeout_ms: 5_000,
+        }
     }
 
     fn t(s: u64) -> SystemTime {
@@ -282,12 +361,18 @@ mod tests {
         let c = cfg();
         let closed = BreakerRecord::default();
         assert_eq!(on_result(&closed, false, false, 2, t(0), &c), None);
-        let Some(change) = on_result(&closed, false, false, 3, t(0), &c) else { panic!("opens") };
+        let Some(change) = on_result(&closed, false, false, 3, t(0), &c) else {
+            panic!("opens")
+        };
         let open = apply(&closed, &change, "a", t(0)).unwrap();
         assert_eq!((open.open_until_ms, open.opens), (Some(ms(t(60))), 1));
         // Failures landing on the open breaker (or another replica's threshold) change nothing.
         assert_eq!(on_result(&open, false, false, 9, t(30), &c), None);
-        assert_eq!(apply(&open, &Change::Open(t(90)), "b", t(30)), None, "never extended while open");
+        assert_eq!(
+            apply(&open, &Change::Open(t(90)), "b", t(30)),
+            None,
+            "never extended while open"
+        );
     }
 
     #[test]
@@ -299,12 +384,18 @@ mod tests {
         assert_eq!(ch, None, "deferral does not touch the breaker");
         let (a0, _) = decide(&open, "x", t(10), &c, 0.0);
         let (a1, _) = decide(&open, "x", t(10), &c, 0.999);
-        assert!(matches!((a0, a1), (Admission::Defer(x), Admission::Defer(y)) if x >= t(60) && y > x), "spread");
+        assert!(
+            matches!((a0, a1), (Admission::Defer(x), Admission::Defer(y)) if x >= t(60) && y > x),
+            "spread"
+        );
         // Half-open: the first to ask takes the probe; everyone else waits for it.
         let (a, ch) = decide(&open, "x", t(61), &c, 0.0);
         assert_eq!((a, ch.clone()), (Admission::Probe, Some(Change::TakeProbe)));
         let probing = apply(&open, &ch.unwrap(), "x", t(61)).unwrap();
-        assert!(matches!(decide(&probing, "y", t(62), &c, 0.0).0, Admission::Defer(_)));
+        assert!(matches!(
+            decide(&probing, "y", t(62), &c, 0.0).0,
+            Admission::Defer(_)
+        ));
         // A probe that never reports back is given up.
         assert_eq!(decide(&probing, "y", t(67), &c, 0.0).0, Admission::Probe);
     }
@@ -314,9 +405,24 @@ mod tests {
         let c = cfg();
         let open = apply(&BreakerRecord::default(), &Change::Open(t(60)), "a", t(0)).unwrap();
         let probing = apply(&open, &Change::TakeProbe, "x", t(61)).unwrap();
-        let closed = apply(&probing, &on_result(&probing, true, true, 0, t(62), &c).unwrap(), "x", t(62)).unwrap();
+        let closed = apply(
+            &probing,
+            &on_result(&probing, true, true, 0, t(62), &c).unwrap(),
+            "x",
+            t(62),
+        )
+        .unwrap();
         assert_eq!(closed.open_until_ms, None);
-        let reopened = apply(&probing, &on_result(&probing, false, true, 1, t(62), &c).unwrap(), "x", t(62)).unwrap();
-        assert_eq!((reopened.open_until_ms, reopened.opens), (Some(ms(t(122))), 2));
+        let reopened = apply(
+            &probing,
+            &on_result(&probing, false, true, 1, t(62), &c).unwrap(),
+            "x",
+            t(62),
+        )
+        .unwrap();
+        assert_eq!(
+            (reopened.open_until_ms, reopened.opens),
+            (Some(ms(t(122))), 2)
+        );
     }
 }

@@ -71,4 +71,9 @@ pub enum Outcome {
 pub trait Handler: Send + Sync + 'static {
     /// Handles `event`; never panics on bad input — return a permanent failure instead.
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome;
+
+    /// The downstream this handler calls, for the circuit breaker (one breaker per name).
+    fn downstream(&self) -> String {
+        "handler".into()
+    }
 }

@@ -52,14 +52,6 @@ impl WebhookHandler {
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         Ok(Self { client, config })
     }
-
-    /// The downstream's name for the circuit breaker: its host.
-    pub fn downstream(&self) -> String {
-        reqwest::Url::parse(&self.config.url)
-            .ok()
-            .and_then(|u| u.host_str().map(String::from))
-            .unwrap_or_default()
-    }
 }
 
 /// Header names must be tokens and values visible ASCII; anything else is left out.
@@ -73,6 +65,18 @@ fn header_safe(name: &str, value: &str) -> bool {
 
 #[async_trait]
 impl Handler for WebhookHandler {
+    /// The breaker's name for a webhook: its host (and port).
+    fn downstream(&self) -> String {
+        reqwest::Url::parse(&self.config.url)
+            .ok()
+            .map(|u| match (u.host_str(), u.port()) {
+                (Some(h), Some(p)) => format!("{h}:{p}"),
+                (Some(h), None) => h.to_string(),
+                _ => "webhook".into(),
+            })
+            .unwrap_or_else(|| "webhook".into())
+    }
+
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let mut req = self
             .client

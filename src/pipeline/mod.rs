@@ -133,6 +133,8 @@ pub struct PipelineParts {
     pub identity: IdentityConfig,
     /// Tunables.
     pub options: PipelineOptions,
+    /// The circuit breaker for the handler's downstream (`None`: no breaker).
+    pub breaker: Option<crate::breaker::BreakerConfig>,
 }
 
 /// What partition tasks and the retry loop share.
@@ -208,6 +210,7 @@ fn gauges(health: &Arc<Health>) -> Gauges {
 
 pub(crate) struct Shared {
     _gauges: Gauges,
+    pub(crate) breaker: Option<crate::breaker::Shared>,
     pub(crate) metrics: crate::telemetry::Metrics,
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
@@ -237,6 +240,14 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
+        let breaker = parts.breaker.clone().filter(|b| b.enabled).map(|b| {
+            crate::breaker::Shared::new(
+                parts.records.clone(),
+                &parts.handler.downstream(),
+                &parts.options.owner_id,
+                b,
+            )
+        });
         let ledger = Ledger::new(
             parts.records,
             &parts.eventhubs.hub,
@@ -253,6 +264,7 @@ impl Pipeline {
         Self {
             shared: Arc::new(Shared {
                 _gauges: gauges(&health),
+                breaker,
                 metrics: crate::telemetry::Metrics::new(),
                 hub: parts.eventhubs.hub.clone(),
                 consumer_group: parts.eventhubs.consumer_group.clone(),

@@ -10,6 +10,8 @@ use std::time::Duration;
 use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::processor::PartitionClient;
 use futures::StreamExt;
+
+use crate::breaker::Admission;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -168,7 +170,53 @@ async fn process(
         policy: &policy.name,
         max_attempts: policy.max_attempts,
     };
+    // Outage mode: while the downstream's breaker is open the partition waits — Event Hubs
+    // holds the backlog — instead of scheduling one retry per event. No attempt is counted.
+    let mut probe = false;
+    if let Some(b) = &shared.breaker {
+        let mut deferred = false;
+        loop {
+            match b.admit(rand::random::<f64>()).await {
+                Admission::Allow => break,
+                Admission::Probe => {
+                    probe = true;
+                    break;
+                }
+                Admission::Defer(until) => {
+                    if !deferred {
+                        deferred = true;
+                        shared.metrics.deferred.add(
+                            1,
+                            &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+                        );
+                    }
+                    shared.health.hold(
+                        pid,
+                        format!(
+                            "downstream breaker open: until {}",
+                            crate::status::rfc3339(until)
+                        ),
+                        event.sequence_number,
+                    );
+                    let wait = until
+                        .duration_since(std::time::SystemTime::now())
+                        .unwrap_or_default();
+                    tokio::select! {
+                        _ = cancel.cancelled() => return false,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+        if deferred {
+            shared.health.release(pid);
+        }
+    }
     let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
+    if let Some(b) = &shared.breaker {
+        b.report(!transient_failure(&attempted.outcome), probe)
+            .await;
+    }
     shared.metrics.handler_duration.record(
         attempted.duration.as_secs_f64(),
         &crate::telemetry::type_label(event.identity.event_type.as_deref()),
@@ -214,6 +262,12 @@ async fn process(
             }
         }
     }
+}
+
+/// Whether an outcome is a transient failure: what the breaker counts. A permanent failure
+/// means the downstream answered: it is up.
+pub(crate) fn transient_failure(o: &crate::handler::Outcome) -> bool {
+    matches!(o, crate::handler::Outcome::Failed(f) if f.class == crate::policy::classify::ErrorClass::Transient)
 }
 
 impl Shared {

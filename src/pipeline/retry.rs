@@ -12,6 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::Semaphore;
+
+use crate::breaker::Admission;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -140,6 +142,32 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
         }
         Ok(_) => {}
     }
+    // An open breaker defers the attempt past its expiry, without counting it.
+    let mut probe = false;
+    if let Some(b) = &shared.breaker {
+        match b.admit(rand::random::<f64>()).await {
+            Admission::Allow => {}
+            Admission::Probe => probe = true,
+            Admission::Defer(until) => {
+                shared.metrics.deferred.add(
+                    1,
+                    &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+                );
+                match shared
+                    .settler
+                    .defer(&event, body.attempt, until, &body.traceparents)
+                    .await
+                {
+                    Ok(()) => settle_message(&msg, true).await,
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "deferring failed; abandoning for redelivery");
+                        settle_message(&msg, false).await;
+                    }
+                }
+                return;
+            }
+        }
+    }
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
     shared.metrics.retry_lateness.record(
@@ -190,6 +218,13 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
             }
         }
     };
+    if let Some(b) = &shared.breaker {
+        b.report(
+            !super::partition::transient_failure(&attempted.outcome),
+            probe,
+        )
+        .await;
+    }
     shared.metrics.handler_duration.record(
         attempted.duration.as_secs_f64(),
         &crate::telemetry::type_label(event.identity.event_type.as_deref()),

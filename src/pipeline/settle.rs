@@ -155,9 +155,62 @@ impl Settler {
         &self.policies
     }
 
+    /// Defers attempt `attempt` of `event` to `until` (an open circuit breaker): the same
+    /// attempt is scheduled again, no attempt is counted, and the ledger's next attempt time
+    /// follows so `status` stays right.
+    pub async fn defer(
+        &self,
+        event: &Event,
+        attempt: u32,
+        until: SystemTime,
+        traceparents: &[String],
+    ) -> Result<(), SettleError> {
+        let id = format!(
+            "{}-deferred-{}",
+            message_id(&event.identity.idempotency_key, attempt),
+            ms(until)
+        );
+        self.schedule_as(&id, event, attempt, until, traceparents)
+            .await?;
+        for _ in 0..CAS_ROUNDS {
+            let Some((mut rec, etag)) = self.ledger.get(&event.identity.idempotency_key).await?
+            else {
+                return Ok(());
+            };
+            if rec.state != State::RetryScheduled || rec.attempts + 1 != attempt {
+                return Ok(());
+            }
+            rec.next_attempt_ms = Some(ms(until));
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => return Ok(()),
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
     /// Schedules attempt `attempt` of `event` for `due`.
     pub async fn schedule(
         &self,
+        event: &Event,
+        attempt: u32,
+        due: SystemTime,
+        traceparents: &[String],
+    ) -> Result<(), RetryQueueError> {
+        self.schedule_as(
+            &message_id(&event.identity.idempotency_key, attempt),
+            event,
+            attempt,
+            due,
+            traceparents,
+        )
+        .await
+    }
+
+    async fn schedule_as(
+        &self,
+        id: &str,
         event: &Event,
         attempt: u32,
         due: SystemTime,
@@ -180,7 +233,7 @@ impl Settler {
         let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
-                message_id: message_id(&event.identity.idempotency_key, attempt),
+                message_id: id.to_string(),
                 correlation_id: Some(event.identity.correlation_id.clone()),
                 label: event.identity.event_type.clone(),
                 body: serde_json::to_string(&body)

@@ -493,3 +493,81 @@ async fn two_replicas_share_partitions_and_one_stopping_mid_stream_loses_nothing
     .await;
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_once() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    handler
+        .outage
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut parts = bed.parts(handler.clone(), fast_policy(10), "replica-a");
+    parts.breaker = Some(hubguard::breaker::BreakerConfig {
+        enabled: true,
+        consecutive_failures: 3,
+        open_ms: 3000,
+        spread_ms: 500,
+        probe_timeout_ms: 3000,
+    });
+    let run = Bed::run(parts);
+    let keys: Vec<String> = (0..20).map(|i| format!("b-{i:02}")).collect();
+    let evs: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "ok")).collect();
+    bed.send(0, &evs).await;
+    wait_for(
+        "partition paused by the breaker",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health
+                .held()
+                .get("0")
+                .is_some_and(|h| h.reason.starts_with("downstream breaker open"))
+        },
+    )
+    .await;
+    // Three failures opened it; the other 17 events wait in Event Hubs, not on Service Bus.
+    let calls_while_open: usize = keys.iter().map(|k| handler.calls_of(k).len()).sum();
+    assert_eq!(calls_while_open, 3, "no call while the breaker is open");
+    assert_eq!(
+        bed.sb.counters("retries").unwrap().sends,
+        3,
+        "one retry per real failure, none per waiting event"
+    );
+    // The downstream recovers while the breaker is still open.
+    handler
+        .outage
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_for("every event delivered", &run.health, LIMIT, || async {
+        keys.iter().all(|k| handler.delivered_keys().contains(k))
+    })
+    .await;
+    wait_for("retries drained", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.active + c.scheduled + c.locked == 0
+    })
+    .await;
+    run.stop().await;
+    let record = bed
+        .records()
+        .read("breakers/handler")
+        .await
+        .unwrap()
+        .expect("breaker record");
+    let record: hubguard::breaker::BreakerRecord = serde_json::from_slice(&record.body).unwrap();
+    assert_eq!(
+        record.opens, 1,
+        "opened once, never re-opened or extended: {record:?}"
+    );
+    assert_eq!(record.open_until_ms, None, "closed again after the probe");
+    // The three failed events ran again as attempt 2: a deferral consumes no attempt.
+    let failed: Vec<&String> = keys
+        .iter()
+        .filter(|k| handler.calls_of(k).first() == Some(&1) && handler.calls_of(k).len() > 1)
+        .collect();
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    for k in failed {
+        assert_eq!(handler.calls_of(k), vec![1, 2], "{k}");
+        let (rec, _) = bed.ledger().get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    }
+}

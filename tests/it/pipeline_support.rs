@@ -198,6 +198,7 @@ impl Bed {
                 by_type: HashMap::new(),
             },
             identity: IdentityConfig::default(),
+            breaker: None,
             options: PipelineOptions {
                 owner_id: owner.into(),
                 update_interval: Duration::from_millis(500),
