@@ -546,6 +546,20 @@ impl Config {
                 self.servicebus.duplicate_detection_window_s
             )));
         }
+        if self.breaker.enabled
+            && (self.breaker.consecutive_failures == 0 || self.breaker.open_ms == 0)
+        {
+            return Err(err("breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
+        }
+        if self.breaker.enabled
+            && Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
+                >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
+        {
+            return Err(err(format!(
+                "breaker.open_ms + breaker.probe_timeout_ms reaches eventhubs.retention_hours ({} h): a partition paused by the breaker would lose events to retention",
+                self.eventhubs.retention_hours
+            )));
+        }
         if self.eventhubs.retention_hours == 0 {
             return Err(err("eventhubs.retention_hours must be positive"));
         }
@@ -772,6 +786,18 @@ url = "http://127.0.0.1:9000/events"
         // Debug output (which may reach a log or a panic) redacts the secrets too.
         let c = Config::parse(BASE, none()).unwrap();
         assert!(!format!("{c:?}").contains("TOPSECRET"));
+    }
+
+    #[test]
+    fn a_breaker_open_longer_than_retention_is_refused() {
+        let c = format!("{BASE}[breaker]\nopen_ms = 90000000\n");
+        let e = Config::parse(&c, none()).unwrap_err().to_string();
+        assert!(
+            e.contains("breaker.open_ms") && e.contains("retention"),
+            "{e}"
+        );
+        let off = format!("{BASE}[breaker]\nenabled = false\nopen_ms = 90000000\n");
+        assert!(Config::parse(&off, none()).is_ok());
     }
 
     #[test]

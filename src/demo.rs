@@ -275,7 +275,7 @@ impl Bed {
             identity: crate::event::IdentityConfig::default(),
             breaker: Some(crate::breaker::BreakerConfig {
                 enabled: true,
-                consecutive_failures: 5,
+                consecutive_failures: 12,
                 open_ms: 3000,
                 spread_ms: 2000,
                 probe_timeout_ms: 3000,

@@ -328,6 +328,11 @@ impl Shared {
         Some(r)
     }
 
+    /// The downstream's name.
+    pub fn downstream(&self) -> &str {
+        self.key.trim_start_matches("breakers/")
+    }
+
     /// The record as last seen.
     pub fn cached(&self) -> Option<BreakerRecord> {
         self.cached

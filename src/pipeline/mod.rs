@@ -144,9 +144,11 @@ struct Gauges {
     _retry_loop: opentelemetry::metrics::ObservableGauge<u64>,
     _lag_events: opentelemetry::metrics::ObservableGauge<u64>,
     _lag_seconds: opentelemetry::metrics::ObservableGauge<f64>,
+    _breaker_age: opentelemetry::metrics::ObservableGauge<f64>,
+    _breaker_opens: opentelemetry::metrics::ObservableGauge<u64>,
 }
 
-fn gauges(health: &Arc<Health>) -> Gauges {
+fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) -> Gauges {
     use crate::telemetry::names::{metric, metric_attr};
     use opentelemetry::KeyValue;
     let meter = crate::telemetry::meter();
@@ -200,17 +202,62 @@ fn gauges(health: &Arc<Health>) -> Gauges {
             }
         })
         .build();
+    let b = breaker.clone();
+    let breaker_age = meter
+        .f64_observable_gauge(metric::BREAKER_AGE)
+        .with_unit("s")
+        .with_description("How long the downstream's breaker has been open (0 when closed)")
+        .with_callback(move |o| {
+            if let Some(b) = &b {
+                let age = b
+                    .cached()
+                    .and_then(|r| r.opened_at_ms)
+                    .and_then(|t| {
+                        std::time::SystemTime::now()
+                            .duration_since(crate::ledger::at(t))
+                            .ok()
+                    })
+                    .map_or(0.0, |d| d.as_secs_f64());
+                o.observe(
+                    age,
+                    &[KeyValue::new(
+                        metric_attr::DOWNSTREAM,
+                        b.downstream().to_string(),
+                    )],
+                );
+            }
+        })
+        .build();
+    let b = breaker;
+    let breaker_opens = meter
+        .u64_observable_gauge(metric::BREAKER_OPENS)
+        .with_description("How many times the downstream's breaker opened")
+        .with_callback(move |o| {
+            if let Some(b) = &b {
+                let opens = b.cached().map_or(0, |r| r.opens);
+                o.observe(
+                    opens,
+                    &[KeyValue::new(
+                        metric_attr::DOWNSTREAM,
+                        b.downstream().to_string(),
+                    )],
+                );
+            }
+        })
+        .build();
     Gauges {
         _held: held,
         _retry_loop: retry_loop,
         _lag_events: lag_events,
         _lag_seconds: lag_seconds,
+        _breaker_age: breaker_age,
+        _breaker_opens: breaker_opens,
     }
 }
 
 pub(crate) struct Shared {
     _gauges: Gauges,
-    pub(crate) breaker: Option<crate::breaker::Shared>,
+    pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
     pub(crate) metrics: crate::telemetry::Metrics,
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
@@ -241,12 +288,12 @@ impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
         let breaker = parts.breaker.clone().filter(|b| b.enabled).map(|b| {
-            crate::breaker::Shared::new(
+            Arc::new(crate::breaker::Shared::new(
                 parts.records.clone(),
                 &parts.handler.downstream(),
                 &parts.options.owner_id,
                 b,
-            )
+            ))
         });
         let ledger = Ledger::new(
             parts.records,
@@ -263,7 +310,7 @@ impl Pipeline {
         let health = Arc::new(Health::default());
         Self {
             shared: Arc::new(Shared {
-                _gauges: gauges(&health),
+                _gauges: gauges(&health, breaker.clone()),
                 breaker,
                 metrics: crate::telemetry::Metrics::new(),
                 hub: parts.eventhubs.hub.clone(),

@@ -94,6 +94,11 @@ pub mod metric {
     pub const PARTITIONS_HELD: &str = "hubguard.partitions.held";
     /// Gauge: retry loop state (1 running, 2 reconnecting, 3 watchdog, 0 stopped/starting).
     pub const RETRY_LOOP_STATE: &str = "hubguard.retry_loop.state";
+    /// Gauge (s): how long the downstream's breaker has been open (0 when closed). Alert when
+    /// it never returns to 0: something keeps feeding it (seed 003).
+    pub const BREAKER_AGE: &str = "hubguard.breaker.age";
+    /// Gauge: how many times the downstream's breaker opened.
+    pub const BREAKER_OPENS: &str = "hubguard.breaker.opens";
 }
 
 /// Metric attribute keys.
@@ -104,6 +109,8 @@ pub mod metric_attr {
     pub const REASON: &str = "reason";
     /// The event type.
     pub const EVENT_TYPE: &str = "event_type";
+    /// The downstream (breaker name).
+    pub const DOWNSTREAM: &str = "downstream";
 }
 
 /// Every name above, for the dashboard consistency test.
@@ -142,8 +149,11 @@ pub fn all() -> Vec<&'static str> {
         metric::CHECKPOINT_LAG_SECONDS,
         metric::PARTITIONS_HELD,
         metric::RETRY_LOOP_STATE,
+        metric::BREAKER_AGE,
+        metric::BREAKER_OPENS,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
+        metric_attr::DOWNSTREAM,
     ]
 }
