@@ -177,8 +177,10 @@ pub struct Report {
     pub retries_scheduled: u64,
     /// The highest attempt number any event reached.
     pub max_attempt: u32,
-    /// How often the downstream's circuit breaker opened.
+    /// How often the downstream's circuit breaker opened from closed.
     pub breaker_opens: u64,
+    /// How often a failed half-open probe re-opened it.
+    pub breaker_reopens: u64,
     /// Checkpoints written by all replicas.
     pub checkpoint_writes: u64,
     /// Replica crashes.
@@ -594,12 +596,13 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         None,
         Duration::from_secs(5),
     )?;
-    let breaker_opens = match crate::azure::RecordStore::read(&records, &breaker_key).await? {
-        Some(r) => serde_json::from_slice::<crate::breaker::BreakerRecord>(&r.body)
-            .map(|b| b.opens)
-            .unwrap_or(0),
-        None => 0,
-    };
+    let (breaker_opens, breaker_reopens) =
+        match crate::azure::RecordStore::read(&records, &breaker_key).await? {
+            Some(r) => serde_json::from_slice::<crate::breaker::BreakerRecord>(&r.body)
+                .map(|b| (b.opens, b.reopens))
+                .unwrap_or((0, 0)),
+            None => (0, 0),
+        };
     let report = Report {
         events: keys.len(),
         delivered: delivered_n,
@@ -610,6 +613,7 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         retries_scheduled: sb.sends - sb.duplicates_dropped,
         max_attempt,
         breaker_opens,
+        breaker_reopens,
         checkpoint_writes: retired.iter().map(|h| h.snapshot().checkpoints).sum(),
         crashes,
         elapsed_ms: started.elapsed().as_millis() as u64,
@@ -659,6 +663,10 @@ pub fn print_table(r: &Report) {
     println!("{:<24} {:>10}", "retries scheduled", r.retries_scheduled);
     println!("{:<24} {:>10}", "highest attempt", r.max_attempt);
     println!("{:<24} {:>10}", "breaker opens", r.breaker_opens);
+    println!(
+        "{:<24} {:>10}",
+        "failed probes (reopens)", r.breaker_reopens
+    );
     println!("{:<24} {:>10}", "checkpoint writes", r.checkpoint_writes);
     println!("{:<24} {:>10}", "replica crashes", r.crashes);
     println!("{:<24} {:>9.1}s", "elapsed", r.elapsed_ms as f64 / 1000.0);

@@ -79,8 +79,11 @@ pub struct BreakerRecord {
     pub opened_at_ms: Option<i64>,
     /// The replica probing, and since when.
     pub probe: Option<(String, i64)>,
-    /// How many times it opened.
+    /// How many times it opened from closed.
     pub opens: u64,
+    /// How many times a failed probe re-opened it.
+    #[serde(default)]
+    pub reopens: u64,
 }
 
 /// What to do with work for the downstream.
@@ -171,6 +174,7 @@ pub fn apply(
     change: &Change,
     who: &str,
     now: SystemTime,
+    config: &BreakerConfig,
 ) -> Option<BreakerRecord> {
     let mut r = record.clone();
     match change {
@@ -179,10 +183,14 @@ pub fn apply(
             if r.open_until_ms.is_some_and(|u| now < at(u)) {
                 return None;
             }
+            if r.open_until_ms.is_some() {
+                r.reopens += 1; // a failed probe: the breaker was half-open
+            } else {
+                r.opens += 1;
+                r.opened_at_ms = Some(ms(now));
+            }
             r.open_until_ms = Some(ms(*until));
-            r.opened_at_ms = Some(ms(now));
             r.probe = None;
-            r.opens += 1;
         }
         Change::Close => {
             r.open_until_ms?;
@@ -191,7 +199,15 @@ pub fn apply(
             r.probe = None;
         }
         Change::TakeProbe => {
-            r.open_until_ms?;
+            let until = r.open_until_ms?;
+            if now < at(until) {
+                return None; // still open
+            }
+            if let Some((_, since)) = &r.probe {
+                if now < at(*since) + Duration::from_millis(config.probe_timeout_ms) {
+                    return None; // one probe at a time, cluster-wide
+                }
+            }
             r.probe = Some((who.to_string(), ms(now)));
         }
     }
@@ -260,11 +276,11 @@ impl Shared {
         }
     }
 
-    async fn change(&self, change: Change) -> Result<BreakerRecord, StoreError> {
+    async fn change(&self, change: Change, who: &str) -> Result<BreakerRecord, StoreError> {
         for _ in 0..8 {
             let (current, etag) = self.load(true).await?;
             let now = SystemTime::now();
-            let Some(next) = apply(&current, &change, &self.who, now) else {
+            let Some(next) = apply(&current, &change, who, now, &self.config) else {
                 return Ok(current);
             };
             let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
@@ -291,13 +307,21 @@ impl Shared {
         let Ok((record, _)) = self.load(false).await else {
             return Admission::Allow;
         };
-        let (admission, change) =
-            decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
+        // Each call is its own candidate prober: concurrent work in one replica must not all
+        // believe it holds the probe.
+        let token = format!("{}#{}", self.who, uuid::Uuid::new_v4().simple());
+        let (admission, change) = decide(&record, &token, SystemTime::now(), &self.config, jitter);
         if let Some(c) = change {
             // Win the probe, or learn who did.
-            return match self.change(c).await {
-                Ok(r) if r.probe.as_ref().is_some_and(|(w, _)| *w == self.who) => Admission::Probe,
-                Ok(r) => decide(&r, &self.who, SystemTime::now(), &self.config, jitter).0,
+            return match self.change(c, &token).await {
+                Ok(r) if r.probe.as_ref().is_some_and(|(w, _)| *w == token) => Admission::Probe,
+                Ok(r) => match decide(&r, &token, SystemTime::now(), &self.config, jitter).0 {
+                    // Lost the race for the probe: wait for the winner's result.
+                    Admission::Probe => Admission::Defer(
+                        SystemTime::now() + Duration::from_millis(self.config.probe_timeout_ms),
+                    ),
+                    other => other,
+                },
                 Err(_) => Admission::Allow,
             };
         }
@@ -321,7 +345,8 @@ impl Shared {
             SystemTime::now(),
             &self.config,
         )?;
-        let r = self.change(change).await.ok()?;
+        let who = self.who.clone();
+        let r = self.change(change, &who).await.ok()?;
         if success {
             *self.consecutive.lock().unwrap_or_else(|p| p.into_inner()) = 0;
         }
@@ -369,12 +394,12 @@ mod tests {
         let Some(change) = on_result(&closed, false, false, 3, t(0), &c) else {
             panic!("opens")
         };
-        let open = apply(&closed, &change, "a", t(0)).unwrap();
+        let open = apply(&closed, &change, "a", t(0), &c).unwrap();
         assert_eq!((open.open_until_ms, open.opens), (Some(ms(t(60))), 1));
         // Failures landing on the open breaker (or another replica's threshold) change nothing.
         assert_eq!(on_result(&open, false, false, 9, t(30), &c), None);
         assert_eq!(
-            apply(&open, &Change::Open(t(90)), "b", t(30)),
+            apply(&open, &Change::Open(t(90)), "b", t(30), &c),
             None,
             "never extended while open"
         );
@@ -383,7 +408,14 @@ mod tests {
     #[test]
     fn open_defers_past_the_expiry_with_spread_and_one_probe_after() {
         let c = cfg();
-        let open = apply(&BreakerRecord::default(), &Change::Open(t(60)), "a", t(0)).unwrap();
+        let open = apply(
+            &BreakerRecord::default(),
+            &Change::Open(t(60)),
+            "a",
+            t(0),
+            &c,
+        )
+        .unwrap();
         let (a, ch) = decide(&open, "x", t(10), &c, 0.5);
         assert_eq!(a, Admission::Defer(t(65) + Duration::from_millis(1)));
         assert_eq!(ch, None, "deferral does not touch the breaker");
@@ -396,11 +428,21 @@ mod tests {
         // Half-open: the first to ask takes the probe; everyone else waits for it.
         let (a, ch) = decide(&open, "x", t(61), &c, 0.0);
         assert_eq!((a, ch.clone()), (Admission::Probe, Some(Change::TakeProbe)));
-        let probing = apply(&open, &ch.unwrap(), "x", t(61)).unwrap();
+        let probing = apply(&open, &ch.unwrap(), "x", t(61), &c).unwrap();
         assert!(matches!(
             decide(&probing, "y", t(62), &c, 0.0).0,
             Admission::Defer(_)
         ));
+        assert_eq!(
+            apply(&probing, &Change::TakeProbe, "y", t(62), &c),
+            None,
+            "one probe at a time"
+        );
+        assert_eq!(
+            apply(&open, &Change::TakeProbe, "y", t(30), &c),
+            None,
+            "no probe while open"
+        );
         // A probe that never reports back is given up.
         assert_eq!(decide(&probing, "y", t(67), &c, 0.0).0, Admission::Probe);
     }
@@ -408,13 +450,21 @@ mod tests {
     #[test]
     fn probe_success_closes_failure_reopens_once() {
         let c = cfg();
-        let open = apply(&BreakerRecord::default(), &Change::Open(t(60)), "a", t(0)).unwrap();
-        let probing = apply(&open, &Change::TakeProbe, "x", t(61)).unwrap();
+        let open = apply(
+            &BreakerRecord::default(),
+            &Change::Open(t(60)),
+            "a",
+            t(0),
+            &c,
+        )
+        .unwrap();
+        let probing = apply(&open, &Change::TakeProbe, "x", t(61), &c).unwrap();
         let closed = apply(
             &probing,
             &on_result(&probing, true, true, 0, t(62), &c).unwrap(),
             "x",
             t(62),
+            &c,
         )
         .unwrap();
         assert_eq!(closed.open_until_ms, None);
@@ -423,11 +473,17 @@ mod tests {
             &on_result(&probing, false, true, 1, t(62), &c).unwrap(),
             "x",
             t(62),
+            &c,
         )
         .unwrap();
         assert_eq!(
-            (reopened.open_until_ms, reopened.opens),
-            (Some(ms(t(122))), 2)
+            (reopened.open_until_ms, reopened.opens, reopened.reopens),
+            (Some(ms(t(122))), 1, 1)
+        );
+        assert_eq!(
+            reopened.opened_at_ms,
+            Some(ms(t(0))),
+            "the age counts from the first opening"
         );
     }
 }

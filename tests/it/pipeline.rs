@@ -571,3 +571,129 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
         assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
     }
 }
+
+fn calls_between(
+    h: &Scripted,
+    from: std::time::Instant,
+    to: std::time::Instant,
+) -> Vec<std::time::Instant> {
+    h.times
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|t| *t >= from && *t < to)
+        .collect()
+}
+
+async fn breaker_record(bed: &Bed) -> Option<hubguard::breaker::BreakerRecord> {
+    let r = bed.records().read("breakers/handler").await.ok()??;
+    serde_json::from_slice(&r.body).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_outage_opens_once_probes_once_per_window_and_recovers_without_a_stampede() {
+    let bed = Bed::start(2).await;
+    let handler = Arc::new(Scripted::default());
+    handler
+        .outage
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    // 200 events fail once before any breaker exists: 200 retries pending on Service Bus.
+    let mut policy = fast_policy(20);
+    policy.base_s = 2;
+    policy.floor_s = 2;
+    let run = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
+    let mut keys = Vec::new();
+    for p in 0..2 {
+        let ks: Vec<String> = (0..100).map(|i| format!("o-{p}-{i:03}")).collect();
+        let evs: Vec<(&str, &str)> = ks.iter().map(|k| (k.as_str(), "ok")).collect();
+        bed.send(p, &evs).await;
+        keys.extend(ks);
+    }
+    wait_for("200 retries pending", &run.health, LIMIT, || async {
+        run.health.snapshot().retries_scheduled == 200
+    })
+    .await;
+    run.stop().await;
+
+    // The outage goes on; now with the shared breaker.
+    let mut parts = bed.parts(handler.clone(), policy, "replica-b");
+    parts.breaker = Some(hubguard::breaker::BreakerConfig {
+        enabled: true,
+        consecutive_failures: 3,
+        open_ms: 1000,
+        spread_ms: 2000,
+        probe_timeout_ms: 1000,
+    });
+    let run = Bed::run(parts);
+    wait_for("breaker open", &run.health, LIMIT, || async {
+        breaker_record(&bed).await.is_some_and(|r| r.opens == 1)
+    })
+    .await;
+    let opened = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await; // five open windows of outage
+    let outage_calls = calls_between(&handler, opened, std::time::Instant::now()).len();
+    // One probe per half-open window (1 s open + up to 1 s spread): at most ~5, never the backlog.
+    assert!(
+        (1..=8).contains(&outage_calls),
+        "{outage_calls} calls to the down downstream in 5 s"
+    );
+    let r = breaker_record(&bed).await.unwrap();
+    assert_eq!(r.opens, 1, "opened once from closed: {r:?}");
+    assert!(r.reopens >= 1, "failed probes re-open it: {r:?}");
+
+    handler
+        .outage
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let recovered = std::time::Instant::now();
+    wait_for("all 200 delivered", &run.health, LIMIT, || async {
+        keys.iter().all(|k| handler.delivered_keys().contains(k))
+    })
+    .await;
+    wait_for("queue drained", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.active + c.scheduled + c.locked == 0
+    })
+    .await;
+    run.stop().await;
+    // No stampede: the deferred backlog came back spread out, not in one burst.
+    let after = calls_between(&handler, recovered, std::time::Instant::now());
+    let busiest = after
+        .iter()
+        .map(|t| {
+            after
+                .iter()
+                .filter(|u| **u >= *t && **u < *t + Duration::from_millis(250))
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        busiest <= 100,
+        "{busiest} calls within 250 ms to the recovering downstream"
+    );
+    // Deferral consumed no attempt: the ledger's attempt count is exactly the calls made.
+    let ledger = bed.ledger();
+    let mut twos = 0;
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!(rec.state, State::Delivered, "{k}");
+        assert_eq!(
+            rec.attempts as usize,
+            handler.calls_of(k).len(),
+            "{k}: every attempt is a real call"
+        );
+        if rec.attempts == 2 {
+            twos += 1;
+        }
+    }
+    assert!(
+        twos >= 180,
+        "most events waited out the outage without spending attempts ({twos}/200)"
+    );
+    assert_eq!(
+        breaker_record(&bed).await.unwrap().open_until_ms,
+        None,
+        "closed after recovery"
+    );
+}

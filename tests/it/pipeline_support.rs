@@ -34,6 +34,8 @@ pub struct Scripted {
     pub delivered: Mutex<Vec<String>>,
     /// When set, every call fails transiently (a downstream outage).
     pub outage: std::sync::atomic::AtomicBool,
+    /// When each call happened.
+    pub times: Mutex<Vec<std::time::Instant>>,
 }
 
 impl Scripted {
@@ -54,6 +56,7 @@ impl Scripted {
 impl Handler for Scripted {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let key = event.identity.idempotency_key.clone();
+        self.times.lock().unwrap().push(std::time::Instant::now());
         let n = {
             let mut calls = self.calls.lock().unwrap();
             let v = calls.entry(key.clone()).or_default();
