@@ -265,7 +265,11 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot bind status.listen {}", config.status.listen))?;
     let status_addr = status.local_addr()?;
-    let router = crate::status::router(health.clone(), pipeline.settler().ledger.clone());
+    let router = crate::status::router(
+        health.clone(),
+        pipeline.settler().ledger.clone(),
+        pipeline.breaker(),
+    );
     let status_task = tokio::spawn(async move {
         let _ = axum::serve(status, router).await;
     });

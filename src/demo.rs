@@ -278,6 +278,8 @@ impl Bed {
             breaker: Some(crate::breaker::BreakerConfig {
                 enabled: true,
                 consecutive_failures: 12,
+                failure_ratio: None,
+                ratio_window: 20,
                 open_ms: 3000,
                 spread_ms: 2000,
                 probe_timeout_ms: 3000,

@@ -112,16 +112,50 @@ pub fn record_text(rec: &LedgerRecord) -> String {
 struct AppState {
     health: Arc<Health>,
     ledger: Ledger,
+    breaker: Option<Arc<crate::breaker::Shared>>,
 }
 
-/// The status router.
-pub fn router(health: Arc<Health>, ledger: Ledger) -> Router {
+impl AppState {
+    fn report(&self) -> serde_json::Value {
+        let mut r = self.health.report();
+        if let (Some(b), Some(obj)) = (&self.breaker, r.as_object_mut()) {
+            let rec = b.cached().unwrap_or_default();
+            obj.insert(
+                "breaker".into(),
+                json!({
+                    "downstream": b.downstream(),
+                    "state": match rec.open_until_ms {
+                        None => "closed",
+                        Some(u) if at(u) > SystemTime::now() => "open",
+                        Some(_) => "half_open",
+                    },
+                    "open_until": rec.open_until_ms.map(|u| rfc3339(at(u))),
+                    "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
+                    "opens": rec.opens,
+                    "reopens": rec.reopens,
+                }),
+            );
+        }
+        r
+    }
+}
+
+/// The status router (`breaker`: the pipeline's circuit breaker, shown in the report).
+pub fn router(
+    health: Arc<Health>,
+    ledger: Ledger,
+    breaker: Option<Arc<crate::breaker::Shared>>,
+) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/v1/status", get(report))
         .route("/v1/events/{key}", get(event))
-        .with_state(AppState { health, ledger })
+        .with_state(AppState {
+            health,
+            ledger,
+            breaker,
+        })
 }
 
 async fn readyz(State(s): State<AppState>) -> Response {
@@ -130,11 +164,11 @@ async fn readyz(State(s): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (code, Json(s.health.report())).into_response()
+    (code, Json(s.report())).into_response()
 }
 
 async fn report(State(s): State<AppState>) -> Json<serde_json::Value> {
-    Json(s.health.report())
+    Json(s.report())
 }
 
 async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {

@@ -23,8 +23,9 @@ use serde::{Deserialize, Serialize};
 use crate::azure::{RecordStore, StoreError};
 use crate::ledger::{at, ms};
 
-/// Breaker settings.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+/// Breaker settings. It trips on `consecutive_failures` transient failures in a row, or (when
+/// `failure_ratio` is set) when that share of the last `ratio_window` calls failed.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BreakerConfig {
     /// Whether the breaker is used at all.
@@ -33,6 +34,12 @@ pub struct BreakerConfig {
     /// Consecutive transient failures that open it.
     #[serde(default = "d5")]
     pub consecutive_failures: u32,
+    /// Trip also when this share (0–1) of the last `ratio_window` calls failed.
+    #[serde(default)]
+    pub failure_ratio: Option<f64>,
+    /// Calls the failure ratio is computed over.
+    #[serde(default = "d20")]
+    pub ratio_window: u32,
     /// How long it stays open (ms).
     #[serde(default = "d30000")]
     pub open_ms: u64,
@@ -46,6 +53,10 @@ pub struct BreakerConfig {
 
 fn yes() -> bool {
     true
+}
+
+fn d20() -> u32 {
+    20
 }
 
 fn d5() -> u32 {
@@ -63,6 +74,8 @@ impl Default for BreakerConfig {
         Self {
             enabled: true,
             consecutive_failures: 5,
+            failure_ratio: None,
+            ratio_window: 20,
             open_ms: 30_000,
             spread_ms: 10_000,
             probe_timeout_ms: 30_000,
@@ -153,15 +166,20 @@ pub fn on_result(
     success: bool,
     probe: bool,
     consecutive: u32,
+    window: (u32, u32),
     now: SystemTime,
     config: &BreakerConfig,
 ) -> Option<Change> {
     let open = Duration::from_millis(config.open_ms);
+    let (failures, calls) = window;
+    let ratio_trips = config.failure_ratio.is_some_and(|r| {
+        calls >= config.ratio_window.max(1) && f64::from(failures) >= r * f64::from(calls)
+    });
     match (record.open_until_ms, success, probe) {
         (_, true, true) => Some(Change::Close),
         (Some(_), false, true) => Some(Change::Open(now + open)),
         // Open only on the transition from closed: never extend an open breaker.
-        (None, false, false) if consecutive >= config.consecutive_failures => {
+        (None, false, false) if consecutive >= config.consecutive_failures || ratio_trips => {
             Some(Change::Open(now + open))
         }
         _ => None,
@@ -221,6 +239,7 @@ pub struct Shared {
     who: String,
     config: BreakerConfig,
     consecutive: Mutex<u32>,
+    recent: Mutex<std::collections::VecDeque<bool>>,
     cached: Mutex<Option<(BreakerRecord, String, SystemTime)>>,
     refresh: Duration,
 }
@@ -247,6 +266,7 @@ impl Shared {
             who: who.into(),
             config,
             consecutive: Mutex::new(0),
+            recent: Mutex::default(),
             cached: Mutex::new(None),
             refresh: Duration::from_millis(500),
         }
@@ -337,11 +357,23 @@ impl Shared {
             *c
         };
         let (record, _) = self.load(false).await.ok()?;
+        let window = {
+            let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+            recent.push_back(!success);
+            while recent.len() > self.config.ratio_window.max(1) as usize {
+                recent.pop_front();
+            }
+            (
+                recent.iter().filter(|f| **f).count() as u32,
+                recent.len() as u32,
+            )
+        };
         let change = on_result(
             &record,
             success,
             probe,
             consecutive,
+            window,
             SystemTime::now(),
             &self.config,
         )?;
@@ -376,6 +408,8 @@ mod tests {
         BreakerConfig {
             enabled: true,
             consecutive_failures: 3,
+            failure_ratio: None,
+            ratio_window: 20,
             open_ms: 60_000,
             spread_ms: 10_000,
             probe_timeout_ms: 5_000,
@@ -390,14 +424,14 @@ mod tests {
     fn opens_once_on_the_threshold_and_never_extends() {
         let c = cfg();
         let closed = BreakerRecord::default();
-        assert_eq!(on_result(&closed, false, false, 2, t(0), &c), None);
-        let Some(change) = on_result(&closed, false, false, 3, t(0), &c) else {
+        assert_eq!(on_result(&closed, false, false, 2, (0, 0), t(0), &c), None);
+        let Some(change) = on_result(&closed, false, false, 3, (0, 0), t(0), &c) else {
             panic!("opens")
         };
         let open = apply(&closed, &change, "a", t(0), &c).unwrap();
         assert_eq!((open.open_until_ms, open.opens), (Some(ms(t(60))), 1));
         // Failures landing on the open breaker (or another replica's threshold) change nothing.
-        assert_eq!(on_result(&open, false, false, 9, t(30), &c), None);
+        assert_eq!(on_result(&open, false, false, 9, (0, 0), t(30), &c), None);
         assert_eq!(
             apply(&open, &Change::Open(t(90)), "b", t(30), &c),
             None,
@@ -448,6 +482,32 @@ mod tests {
     }
 
     #[test]
+    fn a_failure_ratio_over_the_window_trips_it_too() {
+        let c = BreakerConfig {
+            failure_ratio: Some(0.5),
+            ratio_window: 10,
+            ..cfg()
+        };
+        let closed = BreakerRecord::default();
+        // Alternating failures never make 3 in a row, but half of the last 10 failed.
+        assert_eq!(
+            on_result(&closed, false, false, 1, (4, 9), t(0), &c),
+            None,
+            "window not full"
+        );
+        assert!(matches!(
+            on_result(&closed, false, false, 1, (5, 10), t(0), &c),
+            Some(Change::Open(_))
+        ));
+        assert_eq!(on_result(&closed, false, false, 1, (4, 10), t(0), &c), None);
+        assert_eq!(
+            on_result(&closed, false, false, 1, (9, 10), t(0), &cfg()),
+            None,
+            "off unless configured"
+        );
+    }
+
+    #[test]
     fn probe_success_closes_failure_reopens_once() {
         let c = cfg();
         let open = apply(
@@ -461,7 +521,7 @@ mod tests {
         let probing = apply(&open, &Change::TakeProbe, "x", t(61), &c).unwrap();
         let closed = apply(
             &probing,
-            &on_result(&probing, true, true, 0, t(62), &c).unwrap(),
+            &on_result(&probing, true, true, 0, (0, 0), t(62), &c).unwrap(),
             "x",
             t(62),
             &c,
@@ -470,7 +530,7 @@ mod tests {
         assert_eq!(closed.open_until_ms, None);
         let reopened = apply(
             &probing,
-            &on_result(&probing, false, true, 1, t(62), &c).unwrap(),
+            &on_result(&probing, false, true, 1, (0, 0), t(62), &c).unwrap(),
             "x",
             t(62),
             &c,

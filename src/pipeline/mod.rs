@@ -332,6 +332,11 @@ impl Pipeline {
         self.shared.health.clone()
     }
 
+    /// The downstream's circuit breaker, if enabled.
+    pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
+        self.shared.breaker.clone()
+    }
+
     /// The settler (ledger reads, dead-letter replay).
     pub fn settler(&self) -> Arc<Settler> {
         self.shared.settler.clone()

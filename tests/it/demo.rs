@@ -52,7 +52,12 @@ fn the_demo_loses_nothing_through_outages_and_crashes() {
     assert!(r["max_attempt"].as_u64().unwrap() >= 2, "{r}");
     assert!(r["crashes"].as_u64().unwrap() >= 1, "{r}");
     assert!(r["checkpoint_writes"].as_u64().unwrap() >= 1, "{r}");
-    for key in ["duplicate_deliveries", "elapsed_ms", "breaker_opens", "breaker_reopens"] {
+    for key in [
+        "duplicate_deliveries",
+        "elapsed_ms",
+        "breaker_opens",
+        "breaker_reopens",
+    ] {
         assert!(r.get(key).is_some(), "{key} in {r}");
     }
 }

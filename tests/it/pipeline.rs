@@ -505,6 +505,8 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
     parts.breaker = Some(hubguard::breaker::BreakerConfig {
         enabled: true,
         consecutive_failures: 3,
+        failure_ratio: None,
+        ratio_window: 20,
         open_ms: 3000,
         spread_ms: 500,
         probe_timeout_ms: 3000,
@@ -621,6 +623,8 @@ async fn a_long_outage_opens_once_probes_once_per_window_and_recovers_without_a_
     parts.breaker = Some(hubguard::breaker::BreakerConfig {
         enabled: true,
         consecutive_failures: 3,
+        failure_ratio: None,
+        ratio_window: 20,
         open_ms: 1000,
         spread_ms: 2000,
         probe_timeout_ms: 1000,

@@ -327,6 +327,14 @@ listen = "127.0.0.1:{status_port}"
         }
     })
     .await;
+    let (_, report) = http_get(&status_addr, "/v1/status").await;
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(
+        report["breaker"]["downstream"],
+        hook_addr.to_string(),
+        "{report}"
+    );
+    assert_eq!(report["breaker"]["state"], "closed", "{report}");
     let (code, body) = http_get(&status_addr, "/v1/events/cli-ok").await;
     assert_eq!(code, 404, "{body}");
 
