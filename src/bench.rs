@@ -168,99 +168,16 @@ pub async fn eventhubs_throughput(
     .await
     .context("starting the Event Hubs emulator")?;
     let cs: ConnectionString = emulator.connection_string().parse()?;
-    let endpoint = cs.custom_endpoint().context("emulator endpoint")?;
-    let producer = ProducerClient::builder()
-        .with_custom_endpoint(endpoint.clone())
-        .open(
-            &cs.namespace(),
-            "bench",
-            Arc::new(cs.credential(Some("bench"))),
-        )
-        .await
-        .context("opening the producer")?;
-    let body = vec![b'x'; size];
-    let per_partition = events.div_ceil(partitions);
-    let started = Instant::now();
-    let mut sent = 0usize;
-    for p in 0..partitions {
-        let target = per_partition.min(events - sent);
-        let mut done = 0;
-        while done < target {
-            let batch = producer
-                .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
-                    partition_id: Some(p.to_string()),
-                    ..Default::default()
-                }))
-                .await?;
-            while done < target {
-                let ev = EventData::builder().with_body(body.clone()).build();
-                if !batch.try_add_event_data(ev, None)? {
-                    break;
-                }
-                done += 1;
-            }
-            producer.send_batch(batch, None::<SendBatchOptions>).await?;
-        }
-        sent += target;
-    }
-    let produce = started.elapsed();
-    producer.close().await?;
-
-    let consumer = Arc::new(
-        ConsumerClient::builder()
-            .with_custom_endpoint(endpoint)
-            .open(
-                &cs.namespace(),
-                "bench".into(),
-                Arc::new(cs.credential(Some("bench"))),
-            )
-            .await
-            .context("opening the consumer")?,
-    );
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for p in 0..partitions {
-        let expected = emulator.store().hub("bench").context("hub")?.partitions[p].len();
-        let consumer = consumer.clone();
-        tasks.push(tokio::spawn(async move {
-            let receiver = consumer
-                .open_receiver_on_partition(
-                    p.to_string(),
-                    Some(OpenReceiverOptions {
-                        start_position: Some(StartPosition {
-                            location: StartLocation::Earliest,
-                            inclusive: false,
-                        }),
-                        prefetch: Some(1000),
-                        ..Default::default()
-                    }),
-                )
-                .await?;
-            let mut got = 0usize;
-            {
-                let stream = receiver.stream_events();
-                futures::pin_mut!(stream);
-                while got < expected {
-                    match tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
-                        Ok(Some(Ok(_))) => got += 1,
-                        Ok(Some(Err(e))) => return Err(anyhow::Error::from(e)),
-                        Ok(None) => bail!("stream ended after {got} of {expected} events"),
-                        Err(_) => bail!("no event for 30 s after {got} of {expected}"),
-                    }
-                }
-            }
-            receiver.close().await?;
-            Ok::<usize, anyhow::Error>(got)
-        }));
-    }
-    let mut received = 0;
-    for t in tasks {
-        received += t.await??;
-    }
-    let consume = started.elapsed();
-    if let Ok(c) = Arc::try_unwrap(consumer) {
-        c.close().await?;
-    }
+    let (sent, produce) = produce(&cs, partitions, events, size).await?;
+    let per_partition: Vec<usize> = (0..partitions)
+        .map(|p| {
+            emulator
+                .store()
+                .hub("bench")
+                .map_or(0, |h| h.partitions[p].len())
+        })
+        .collect();
+    let (received, consume) = consume(&cs, &per_partition, 1000).await?;
     emulator.shutdown().await;
     Ok(Throughput {
         partitions,
@@ -300,13 +217,88 @@ impl crate::handler::Handler for Noop {
     }
 }
 
+/// Sends `events` events of `size` bytes in batches, spread evenly over the partitions;
+/// returns how many and how long the sends took.
+async fn produce(
+    cs: &ConnectionString,
+    partitions: usize,
+    events: usize,
+    size: usize,
+) -> anyhow::Result<(usize, Duration)> {
+    let producer = ProducerClient::builder()
+        .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
+        .open(
+            &cs.namespace(),
+            "bench",
+            Arc::new(cs.credential(Some("bench"))),
+        )
+        .await
+        .context("opening the producer")?;
+    let body = vec![b'x'; size];
+    let per_partition = events.div_ceil(partitions);
+    let started = Instant::now();
+    let mut sent = 0usize;
+    for p in 0..partitions {
+        let target = per_partition.min(events - sent);
+        let mut done = 0;
+        while done < target {
+            let batch = producer
+                .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
+                    partition_id: Some(p.to_string()),
+                    ..Default::default()
+                }))
+                .await?;
+            while done < target
+                && batch.try_add_event_data(
+                    EventData::builder().with_body(body.clone()).build(),
+                    None,
+                )?
+            {
+                done += 1;
+            }
+            producer.send_batch(batch, None::<SendBatchOptions>).await?;
+        }
+        sent += target;
+    }
+    let elapsed = started.elapsed();
+    producer.close().await?;
+    Ok((sent, elapsed))
+}
+
+/// A bare SDK consumer loop: one receiver per partition reading `per_partition[p]` events
+/// from the earliest; returns how many and how long.
+async fn consume(
+    cs: &ConnectionString,
+    per_partition: &[usize],
+    prefetch: u32,
+) -> anyhow::Result<(usize, Duration)> {
+    let consumer = Arc::new(
+        ConsumerClient::builder()
+            .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
+            .open(
+                &cs.namespace(),
+                "bench".into(),
+                Arc::new(cs.credential(Some("bench"))),
+            )
+            .await
+            .context("opening the consumer")?,
+    );
+    let started = Instant::now();
+    let n = bare_consume(&consumer, per_partition, prefetch).await?;
+    let elapsed = started.elapsed();
+    if let Ok(c) = Arc::try_unwrap(consumer) {
+        c.close().await?;
+    }
+    Ok((n, elapsed))
+}
+
 async fn bare_consume(
     consumer: &Arc<ConsumerClient>,
-    partitions: usize,
     per_partition: &[usize],
+    prefetch: u32,
 ) -> anyhow::Result<usize> {
     let mut tasks = Vec::new();
-    for (p, &expected) in per_partition.iter().enumerate().take(partitions) {
+    for (p, &expected) in per_partition.iter().enumerate() {
         let consumer = consumer.clone();
         tasks.push(tokio::spawn(async move {
             let receiver = consumer
@@ -317,7 +309,7 @@ async fn bare_consume(
                             location: StartLocation::Earliest,
                             inclusive: false,
                         }),
-                        prefetch: Some(300),
+                        prefetch: Some(prefetch),
                         ..Default::default()
                     }),
                 )
@@ -364,62 +356,12 @@ pub async fn guard_vs_bare(
     let blob = emulators.blob.as_ref().context("blob")?;
     let cs: ConnectionString = eh.connection_string().parse()?;
     let endpoint = cs.custom_endpoint().context("emulator endpoint")?;
-    // Produce.
-    let producer = ProducerClient::builder()
-        .with_custom_endpoint(endpoint.clone())
-        .open(
-            &cs.namespace(),
-            "bench",
-            Arc::new(cs.credential(Some("bench"))),
-        )
-        .await?;
-    let body = vec![b'x'; size];
-    let per = events.div_ceil(partitions);
-    let mut sent = 0;
-    for p in 0..partitions {
-        let target = per.min(events - sent);
-        let mut done = 0;
-        while done < target {
-            let batch = producer
-                .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
-                    partition_id: Some(p.to_string()),
-                    ..Default::default()
-                }))
-                .await?;
-            while done < target
-                && batch.try_add_event_data(
-                    EventData::builder().with_body(body.clone()).build(),
-                    None,
-                )?
-            {
-                done += 1;
-            }
-            producer.send_batch(batch, None::<SendBatchOptions>).await?;
-        }
-        sent += target;
-    }
-    producer.close().await?;
+    produce(&cs, partitions, events, size).await?;
     let per_partition: Vec<usize> = (0..partitions)
         .map(|p| eh.store().hub("bench").map_or(0, |h| h.partitions[p].len()))
         .collect();
-
     // Bare SDK consumer.
-    let consumer = Arc::new(
-        ConsumerClient::builder()
-            .with_custom_endpoint(endpoint.clone())
-            .open(
-                &cs.namespace(),
-                "bench".into(),
-                Arc::new(cs.credential(Some("bench"))),
-            )
-            .await?,
-    );
-    let started = Instant::now();
-    let bare = bare_consume(&consumer, partitions, &per_partition).await?;
-    let bare_elapsed = started.elapsed();
-    if let Ok(c) = Arc::try_unwrap(consumer) {
-        c.close().await?;
-    }
+    let (bare, bare_elapsed) = consume(&cs, &per_partition, 300).await?;
 
     // hubguard, no-op handler.
     let container = blob.container_url("hubguard");

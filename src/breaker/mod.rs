@@ -240,7 +240,8 @@ pub struct Shared {
     config: BreakerConfig,
     consecutive: Mutex<u32>,
     recent: Mutex<std::collections::VecDeque<bool>>,
-    cached: Mutex<Option<(BreakerRecord, String, SystemTime)>>,
+    /// The record, its ETag (`None`: no record yet, i.e. closed) and when it was read.
+    cached: Mutex<Option<(BreakerRecord, Option<String>, SystemTime)>>,
     refresh: Duration,
 }
 
@@ -281,7 +282,7 @@ impl Shared {
                 .clone()
             {
                 if SystemTime::now().duration_since(t).unwrap_or_default() < self.refresh {
-                    return Ok((r, Some(e)));
+                    return Ok((r, e));
                 }
             }
         }
@@ -289,10 +290,15 @@ impl Shared {
             Some(rec) => {
                 let r: BreakerRecord = serde_json::from_slice(&rec.body).unwrap_or_default();
                 *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((r.clone(), rec.etag.clone(), SystemTime::now()));
+                    Some((r.clone(), Some(rec.etag.clone()), SystemTime::now()));
                 Ok((r, Some(rec.etag)))
             }
-            None => Ok((BreakerRecord::default(), None)),
+            None => {
+                // Never opened: remember that too, or every call would read storage.
+                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((BreakerRecord::default(), None, SystemTime::now()));
+                Ok((BreakerRecord::default(), None))
+            }
         }
     }
 
@@ -311,7 +317,7 @@ impl Shared {
             match written {
                 Ok(e) => {
                     *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some((next.clone(), e, now));
+                        Some((next.clone(), Some(e), now));
                     return Ok(next);
                 }
                 Err(StoreError::Conflict) => continue,

@@ -233,49 +233,8 @@ async fn run_status_and_dead_letters_from_the_command_line() {
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("hubguard.toml");
-    let status_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[eventhubs]
-connection_string = "{eh}"
-hub = "not-the-hub"   # overridden from the environment below
-[servicebus]
-connection_string = "{sb}"
-[storage]
-container_url = "{blob}"
-[handler]
-kind = "webhook"
-url = "http://{hook_addr}/events"
-timeout_ms = 2000
-[processor]
-owner_id = "cli-replica"
-update_interval_ms = 500
-ownership_expiration_ms = 3000
-[checkpoint]
-every_ms = 200
-[retry]
-receive_wait_ms = 1000
-call_deadline_ms = 3000
-[policy.default]
-curve = "fixed"
-base_s = 1
-floor_s = 1
-max_attempts = 4
-[status]
-listen = "127.0.0.1:{status_port}"
-"#,
-            eh = bed.eh.connection_string(),
-            sb = bed.sb.connection_string(),
-            blob = bed.blob.container_url("hubguard"),
-        ),
-    )
-    .unwrap();
+    let status_port = free_port();
+    write_config(&config, &bed, hook_addr, "cli-replica", status_port);
 
     bed.send(
         0,
