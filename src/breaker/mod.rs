@@ -333,11 +333,12 @@ impl Shared {
         let Ok((record, _)) = self.load(false).await else {
             return Admission::Allow;
         };
-        // Each call is its own candidate prober: concurrent work in one replica must not all
-        // believe it holds the probe.
-        let token = format!("{}#{}", self.who, uuid::Uuid::new_v4().simple());
-        let (admission, change) = decide(&record, &token, SystemTime::now(), &self.config, jitter);
+        let (admission, change) =
+            decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
         if let Some(c) = change {
+            // Each call is its own candidate prober: concurrent work in one replica must not
+            // all believe it holds the probe.
+            let token = format!("{}#{}", self.who, uuid::Uuid::new_v4().simple());
             // Win the probe, or learn who did.
             return match self.change(c, &token).await {
                 Ok(r) if r.probe.as_ref().is_some_and(|(w, _)| *w == token) => Admission::Probe,

@@ -85,40 +85,43 @@ pub async fn run(
         correlation_id = %event.identity.correlation_id,
         attempt = number,
     );
-    if let Some(parent) = producer_trace(event) {
-        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
-    }
-    for tp in earlier {
-        if let Some(sc) = parse_traceparent(tp) {
-            span.add_link(sc);
+    // Attributes and links only matter to an exporter: skip the work when nobody listens.
+    if !span.is_disabled() {
+        if let Some(parent) = producer_trace(event) {
+            let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
         }
+        for tp in earlier {
+            if let Some(sc) = parse_traceparent(tp) {
+                span.add_link(sc);
+            }
+        }
+        span.set_attribute(attr::CORRELATION_ID, event.identity.correlation_id.clone());
+        span.set_attribute(
+            attr::IDEMPOTENCY_KEY,
+            event.identity.idempotency_key.clone(),
+        );
+        if let Some(t) = &event.identity.event_type {
+            span.set_attribute(attr::EVENT_TYPE, t.clone());
+        }
+        span.set_attribute(attr::ATTEMPT, i64::from(number));
+        span.set_attribute(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts));
+        span.set_attribute(attr::POLICY, cx.policy.to_string());
+        span.set_attribute(attr::MESSAGING_SYSTEM, "eventhubs");
+        span.set_attribute(attr::MESSAGING_DESTINATION, event.hub.clone());
+        span.set_attribute(
+            attr::MESSAGING_CONSUMER_GROUP,
+            cx.consumer_group.to_string(),
+        );
+        span.set_attribute(attr::MESSAGING_PARTITION, event.partition_id.clone());
+        span.set_attribute(attr::SEQUENCE_NUMBER, event.sequence_number);
+        span.set_attribute(
+            attr::SOURCE,
+            match cx.source {
+                Source::EventHubs => "eventhubs",
+                Source::Retry => "servicebus",
+            },
+        );
     }
-    span.set_attribute(attr::CORRELATION_ID, event.identity.correlation_id.clone());
-    span.set_attribute(
-        attr::IDEMPOTENCY_KEY,
-        event.identity.idempotency_key.clone(),
-    );
-    if let Some(t) = &event.identity.event_type {
-        span.set_attribute(attr::EVENT_TYPE, t.clone());
-    }
-    span.set_attribute(attr::ATTEMPT, i64::from(number));
-    span.set_attribute(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts));
-    span.set_attribute(attr::POLICY, cx.policy.to_string());
-    span.set_attribute(attr::MESSAGING_SYSTEM, "eventhubs");
-    span.set_attribute(attr::MESSAGING_DESTINATION, event.hub.clone());
-    span.set_attribute(
-        attr::MESSAGING_CONSUMER_GROUP,
-        cx.consumer_group.to_string(),
-    );
-    span.set_attribute(attr::MESSAGING_PARTITION, event.partition_id.clone());
-    span.set_attribute(attr::SEQUENCE_NUMBER, event.sequence_number);
-    span.set_attribute(
-        attr::SOURCE,
-        match cx.source {
-            Source::EventHubs => "eventhubs",
-            Source::Retry => "servicebus",
-        },
-    );
     let sc = span.context().span().span_context().clone();
     let (traceparent, trace_id) = if sc.is_valid() {
         (format_traceparent(&sc), sc.trace_id().to_string())
@@ -163,6 +166,9 @@ fn rfc3339(t: SystemTime) -> String {
 /// Records the settled outcome on the attempt's span.
 pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     let span = &a.span;
+    if span.is_disabled() {
+        return;
+    }
     if let Outcome::Failed(f) = &a.outcome {
         span.set_attribute(
             attr::ERROR_TYPE,
