@@ -139,6 +139,42 @@ impl BlobRecordStore {
     }
 }
 
+impl BlobRecordStore {
+    /// Put Blob with a condition: `If-None-Match: *` (`create`) or `If-Match` (`update`);
+    /// `not_found_as` replaces a 404 answer.
+    async fn upload(
+        &self,
+        key: &str,
+        body: Bytes,
+        condition: Etag,
+        not_found_as: Option<StoreError>,
+    ) -> Result<String, StoreError> {
+        let create = condition.to_string() == "*";
+        self.deadline(async {
+            let options = BlockBlobClientUploadOptions {
+                if_none_match: create.then(|| condition.clone()),
+                if_match: (!create).then(|| condition.clone()),
+                blob_content_type: Some("application/json".into()),
+                ..Default::default()
+            };
+            let r = self
+                .container
+                .blob_client(key)
+                .upload(
+                    RequestContent::<Bytes, NoFormat>::from(body.to_vec()),
+                    Some(options),
+                )
+                .await
+                .map_err(|e| match (classify(&e), &not_found_as) {
+                    (StoreError::NotFound, Some(replacement)) => replacement.clone(),
+                    (other, _) => other,
+                })?;
+            Ok(etag_of(r.etag))
+        })
+        .await
+    }
+}
+
 fn classify(e: &azure_core::Error) -> StoreError {
     let code = match e.kind() {
         azure_core::error::ErrorKind::HttpResponse { error_code, .. } => error_code.clone(),
@@ -187,48 +223,17 @@ impl RecordStore for BlobRecordStore {
     }
 
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError> {
-        self.deadline(async {
-            let options = BlockBlobClientUploadOptions {
-                if_none_match: Some(Etag::from("*")),
-                blob_content_type: Some("application/json".into()),
-                ..Default::default()
-            };
-            let r = self
-                .container
-                .blob_client(key)
-                .upload(
-                    RequestContent::<Bytes, NoFormat>::from(body.to_vec()),
-                    Some(options),
-                )
-                .await
-                .map_err(|e| classify(&e))?;
-            Ok(etag_of(r.etag))
-        })
-        .await
+        self.upload(key, body, Etag::from("*"), None).await
     }
 
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError> {
-        self.deadline(async {
-            let options = BlockBlobClientUploadOptions {
-                if_match: Some(Etag::from(etag.to_string())),
-                blob_content_type: Some("application/json".into()),
-                ..Default::default()
-            };
-            let r = self
-                .container
-                .blob_client(key)
-                .upload(
-                    RequestContent::<Bytes, NoFormat>::from(body.to_vec()),
-                    Some(options),
-                )
-                .await
-                .map_err(|e| match classify(&e) {
-                    // If-Match on a deleted record: it changed under us.
-                    StoreError::NotFound => StoreError::Conflict,
-                    other => other,
-                })?;
-            Ok(etag_of(r.etag))
-        })
+        // If-Match on a deleted record: it changed under us.
+        self.upload(
+            key,
+            body,
+            Etag::from(etag.to_string()),
+            Some(StoreError::Conflict),
+        )
         .await
     }
 

@@ -17,6 +17,7 @@ use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
 use crate::ledger::{at, ms};
 use crate::policy::classify::ErrorClass;
+use crate::status::rfc3339;
 use crate::telemetry::names::{attr, outcome as out, span as span_name};
 use crate::telemetry::{format_traceparent, parse_traceparent};
 
@@ -155,12 +156,6 @@ pub async fn run(
         span,
         duration,
     }
-}
-
-fn rfc3339(t: SystemTime) -> String {
-    time::OffsetDateTime::from(t)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
 }
 
 /// Records the settled outcome on the attempt's span.

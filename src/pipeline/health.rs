@@ -9,6 +9,8 @@ use std::time::SystemTime;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::status::rfc3339;
+
 /// Why a partition is held.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Held {
@@ -103,12 +105,6 @@ impl Default for Health {
             changed: watch::channel(0).0,
         }
     }
-}
-
-fn rfc3339(t: SystemTime) -> String {
-    time::OffsetDateTime::from(t)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
 }
 
 impl Health {

@@ -129,7 +129,8 @@ async fn metrics(State(c): State<Arc<Mutex<Collected>>>, body: Bytes) -> Vec<u8>
 pub struct Telemetry {
     pub collected: Arc<Mutex<Collected>>,
     guard: hubguard::telemetry::Guard,
-    runtime: tokio::runtime::Runtime,
+    /// Keeps the exporters' runtime alive for the whole test binary.
+    _runtime: tokio::runtime::Runtime,
 }
 
 impl Telemetry {
@@ -173,16 +174,10 @@ pub fn telemetry() -> &'static Telemetry {
             Telemetry {
                 collected,
                 guard,
-                runtime,
+                _runtime: runtime,
             }
         })
         .join()
         .unwrap()
     })
-}
-
-impl Drop for Telemetry {
-    fn drop(&mut self) {
-        let _ = &self.runtime;
-    }
 }

@@ -48,6 +48,18 @@ async fn receive(State(r): State<Arc<Receiver>>, headers: HeaderMap, body: Strin
     StatusCode::OK
 }
 
+/// The local webhook receiver the tests point hubguard at.
+async fn start_receiver() -> (Arc<Receiver>, std::net::SocketAddr) {
+    let receiver = Arc::new(Receiver::default());
+    let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_addr = hook.local_addr().unwrap();
+    let app = Router::new()
+        .route("/events", post(receive))
+        .with_state(receiver.clone());
+    tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
+    (receiver, hook_addr)
+}
+
 async fn http_get(addr: &str, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -141,13 +153,7 @@ fn spawn_run(config: &std::path::Path) -> tokio::process::Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_stream_loses_nothing() {
     let bed = Bed::start(4).await;
-    let receiver = Arc::new(Receiver::default());
-    let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hook_addr = hook.local_addr().unwrap();
-    let app = Router::new()
-        .route("/events", post(receive))
-        .with_state(receiver.clone());
-    tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
+    let (receiver, hook_addr) = start_receiver().await;
     let dir = tempfile::tempdir().unwrap();
     let (c1, c2) = (dir.path().join("r1.toml"), dir.path().join("r2.toml"));
     write_config(&c1, &bed, hook_addr, "replica-1", free_port());
@@ -223,13 +229,7 @@ fn hubguard(args: &[&str], config: &std::path::Path) -> std::process::Output {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_status_and_dead_letters_from_the_command_line() {
     let bed = Bed::start(2).await;
-    let receiver = Arc::new(Receiver::default());
-    let hook = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hook_addr = hook.local_addr().unwrap();
-    let app = Router::new()
-        .route("/events", post(receive))
-        .with_state(receiver.clone());
-    tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
+    let (receiver, hook_addr) = start_receiver().await;
 
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("hubguard.toml");

@@ -357,7 +357,7 @@ impl QueueState {
 }
 
 impl Queue {
-    fn open(spec: QueueSpec, journal: Option<PathBuf>, now: SystemTime) -> io::Result<Self> {
+    fn open(spec: QueueSpec, journal: Option<PathBuf>) -> io::Result<Self> {
         let mut st = QueueState {
             spec,
             main: Store::default(),
@@ -445,7 +445,6 @@ impl Queue {
                     f.sync_all()?;
                 }
                 fs::rename(&tmp, &path)?;
-                let _ = now;
             }
             st.journal = Some(OpenOptions::new().create(true).append(true).open(&path)?);
         }
@@ -737,7 +736,7 @@ impl Broker {
             let journal = dir
                 .as_ref()
                 .map(|d| d.join(format!("{}.journal", spec.name.to_ascii_lowercase())));
-            let q = Queue::open(spec.clone(), journal, clock.now())?;
+            let q = Queue::open(spec.clone(), journal)?;
             if queues
                 .insert(spec.name.to_ascii_lowercase(), Arc::new(q))
                 .is_some()
@@ -769,7 +768,7 @@ mod tests {
     use super::*;
 
     fn queue(spec: QueueSpec) -> Queue {
-        Queue::open(spec, None, SystemTime::now()).unwrap()
+        Queue::open(spec, None).unwrap()
     }
 
     fn msg(id: &str) -> NewMessage {
