@@ -196,6 +196,20 @@ pub struct ProcessorSection {
     /// Where partitions without a checkpoint start: `earliest` or `latest`.
     #[serde(default = "earliest")]
     pub start: String,
+    /// Events of one partition handled at once (1: strictly one by one).
+    #[serde(default = "d1usize")]
+    pub max_in_flight: usize,
+    /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
+    /// `property:<name>` or `none`.
+    #[serde(default = "partition_key")]
+    pub ordering_key: String,
+}
+
+fn d1usize() -> usize {
+    1
+}
+fn partition_key() -> String {
+    "partition_key".into()
 }
 
 fn d5000() -> u64 {
@@ -219,6 +233,8 @@ impl Default for ProcessorSection {
             ownership_expiration_ms: 20_000,
             prefetch: 300,
             start: earliest(),
+            max_in_flight: 1,
+            ordering_key: partition_key(),
         }
     }
 }
@@ -230,9 +246,16 @@ pub struct CheckpointSection {
     /// Checkpoint after this many settled events…
     #[serde(default = "d100")]
     pub every_events: u64,
-    /// …or this many milliseconds.
+    /// …or this many milliseconds…
     #[serde(default = "d1000")]
     pub every_ms: u64,
+    /// …but never more often than this per partition (ms): writes are bounded by time.
+    #[serde(default = "d200")]
+    pub min_interval_ms: u64,
+}
+
+fn d200() -> u64 {
+    200
 }
 
 fn d100() -> u64 {
@@ -247,6 +270,7 @@ impl Default for CheckpointSection {
         Self {
             every_events: 100,
             every_ms: 1000,
+            min_interval_ms: 200,
         }
     }
 }
@@ -520,9 +544,21 @@ impl Config {
         if !matches!(self.processor.start.as_str(), "earliest" | "latest") {
             return Err(err("processor.start must be `earliest` or `latest`"));
         }
+        if !(1..=10_000).contains(&self.processor.max_in_flight) {
+            return Err(err("processor.max_in_flight must be between 1 and 10000"));
+        }
+        self.processor
+            .ordering_key
+            .parse::<crate::pipeline::OrderingKey>()
+            .map_err(|e| err(format!("processor.ordering_key: {e}")))?;
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
             return Err(err(
                 "checkpoint.every_events and checkpoint.every_ms must be positive",
+            ));
+        }
+        if self.checkpoint.min_interval_ms > self.checkpoint.every_ms {
+            return Err(err(
+                "checkpoint.min_interval_ms must not exceed checkpoint.every_ms",
             ));
         }
         self.policy
@@ -683,6 +719,13 @@ impl Config {
                 ownership_expiration: Duration::from_millis(self.processor.ownership_expiration_ms),
                 checkpoint_every_events: self.checkpoint.every_events,
                 checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
+                checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
+                max_in_flight: self.processor.max_in_flight,
+                ordering: self
+                    .processor
+                    .ordering_key
+                    .parse()
+                    .map_err(|e| err(format!("processor.ordering_key: {e}")))?,
                 prefetch: self.processor.prefetch,
                 start_at_latest: self.processor.start == "latest",
                 deadline,
@@ -805,5 +848,56 @@ url = "http://127.0.0.1:9000/events"
         let c = BASE.replace("[storage]", "duplicate_detection_window_s = 30\n[storage]");
         let e = Config::parse(&c, none()).unwrap_err().to_string();
         assert!(e.contains("duplicate_detection_window_s"), "{e}");
+    }
+    #[test]
+    fn concurrency_and_checkpoint_pacing_are_configured_and_checked() {
+        let c = Config::parse(
+            &format!("{BASE}[processor]\nmax_in_flight = 32\nordering_key = \"property:order_id\"\n[checkpoint]\nmin_interval_ms = 250\n"),
+            none(),
+        )
+        .unwrap();
+        struct Nothing;
+        #[async_trait::async_trait]
+        impl crate::handler::Handler for Nothing {
+            async fn handle(
+                &self,
+                _: &crate::event::Event,
+                _: &crate::handler::Attempt,
+            ) -> crate::handler::Outcome {
+                crate::handler::Outcome::Delivered
+            }
+        }
+        let o = c.pipeline_parts(Arc::new(Nothing)).unwrap().options;
+        assert_eq!(o.max_in_flight, 32);
+        assert_eq!(
+            o.ordering,
+            crate::pipeline::OrderingKey::Property("order_id".into())
+        );
+        assert_eq!(o.checkpoint_min_interval, Duration::from_millis(250));
+        let defaults = Config::parse(BASE, none()).unwrap();
+        assert_eq!(
+            defaults.processor.max_in_flight, 1,
+            "one by one unless asked"
+        );
+        let bad = |extra: &str| {
+            Config::parse(&format!("{BASE}{extra}"), none())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = bad("[processor]\nmax_in_flight = 0\n");
+        assert!(e.contains("processor.max_in_flight"), "{e}");
+        let e = bad("[processor]\nordering_key = \"customer\"\n");
+        assert!(
+            e.contains("processor.ordering_key") && e.contains("property:<name>"),
+            "{e}"
+        );
+        let e = bad("[checkpoint]\nevery_ms = 100\nmin_interval_ms = 500\n");
+        assert!(e.contains("checkpoint.min_interval_ms"), "{e}");
+        let e = Config::parse(
+            BASE,
+            vec![("HUBGUARD_PROCESSOR__MAX_IN_FLIGHT".into(), "8".into())],
+        )
+        .unwrap();
+        assert_eq!(e.processor.max_in_flight, 8, "environment override");
     }
 }

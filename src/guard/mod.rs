@@ -2,8 +2,13 @@
 //!
 //! Events are dispatched in partition order and settle in any order; the checkpoint may only
 //! move to the last event of the *contiguous settled prefix* — never past an unsettled event.
+//!
+//! [`Dispatcher`] adds concurrency within a partition on top of the window: up to
+//! `max_in_flight` events are out at once, events that share an ordering key start strictly
+//! one after another in sequence order, and the checkpoint still only covers the contiguous
+//! settled prefix.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Tracks dispatched and settled events of one partition.
 #[derive(Debug, Default, Clone)]
@@ -66,6 +71,92 @@ impl CheckpointWindow {
     }
 }
 
+/// Decides which events of one partition may start, given `max_in_flight` and ordering keys.
+///
+/// An event is *in flight* from [`accept`](Self::accept) until it leaves the checkpoint
+/// window: settled events behind an unsettled one still count, so a partition whose oldest
+/// event cannot settle stops reading after `max_in_flight` events (memory stays bounded and
+/// the backlog waits in Event Hubs). An event whose key has an earlier event in flight waits
+/// for it: same-key events start in sequence order, one at a time. Events without a key are
+/// not ordered against anything.
+#[derive(Debug, Clone)]
+pub struct Dispatcher {
+    max_in_flight: usize,
+    window: CheckpointWindow,
+    /// Keys with an event running → the events waiting behind it, in sequence order.
+    busy: HashMap<String, VecDeque<i64>>,
+    /// The key of every accepted, unsettled event.
+    keys: HashMap<i64, String>,
+}
+
+impl Dispatcher {
+    /// A dispatcher allowing `max_in_flight` (at least 1) events out at once.
+    pub fn new(max_in_flight: usize) -> Self {
+        Self {
+            max_in_flight: max_in_flight.max(1),
+            window: CheckpointWindow::new(),
+            busy: HashMap::new(),
+            keys: HashMap::new(),
+        }
+    }
+
+    /// Whether another event may be read now.
+    pub fn has_room(&self) -> bool {
+        self.window.in_flight() < self.max_in_flight
+    }
+
+    /// Accepts event `seq` (sequence numbers increase) with its ordering key; `true` if it may
+    /// start now, `false` if it waits behind an earlier event with the same key (it is
+    /// returned by [`settled`](Self::settled) when its turn comes).
+    pub fn accept(&mut self, seq: i64, key: Option<&str>) -> bool {
+        self.window.dispatched(seq);
+        let Some(key) = key else {
+            return true;
+        };
+        self.keys.insert(seq, key.to_string());
+        match self.busy.get_mut(key) {
+            Some(waiting) => {
+                waiting.push_back(seq);
+                false
+            }
+            None => {
+                self.busy.insert(key.to_string(), VecDeque::new());
+                true
+            }
+        }
+    }
+
+    /// Records that `seq` settled. Returns the event that may start now (the next one with
+    /// the same key, if any) and the new checkpoint position if it moved.
+    pub fn settled(&mut self, seq: i64) -> (Option<i64>, Option<i64>) {
+        let mut next = None;
+        if let Some(key) = self.keys.remove(&seq) {
+            if let Some(waiting) = self.busy.get_mut(&key) {
+                next = waiting.pop_front();
+                if next.is_none() {
+                    self.busy.remove(&key);
+                }
+            }
+        }
+        (next, self.window.settled(seq))
+    }
+
+    /// The last event the checkpoint may cover.
+    pub fn checkpoint(&self) -> Option<i64> {
+        self.window.checkpoint()
+    }
+
+    /// The oldest unsettled event.
+    pub fn oldest_unsettled(&self) -> Option<i64> {
+        self.window.oldest_unsettled()
+    }
+
+    /// Events accepted and not yet out of the window.
+    pub fn in_flight(&self) -> usize {
+        self.window.in_flight()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,6 +198,112 @@ mod tests {
                 let unsettled = settled.iter().position(|d| !*d).map(|i| seqs[i]);
                 prop_assert_eq!(w.oldest_unsettled(), unsettled);
             }
+        }
+    }
+
+    /// Drives a dispatcher with a random arrival of keyed events and a random completion
+    /// order; checks against a model that (1) same-key events start in sequence order and
+    /// never two at once, (2) never more than `max` events are in the window, (3) the
+    /// checkpoint is always the contiguous settled prefix, and (4) everything finishes.
+    fn drive(
+        max: usize,
+        keys: &[Option<u8>],
+        picks: &[prop::sample::Index],
+    ) -> Result<(), TestCaseError> {
+        let mut d = Dispatcher::new(max);
+        let n = keys.len();
+        let key = |i: usize| keys[i].map(|k| format!("k{k}"));
+        let mut next_to_read = 0usize;
+        let mut running: Vec<usize> = Vec::new();
+        let mut settled = vec![false; n];
+        let mut started: Vec<usize> = Vec::new();
+        let mut picks = picks.iter().cycle();
+        let mut steps = 0;
+        while settled.iter().any(|s| !s) {
+            steps += 1;
+            prop_assert!(steps < 10 * n + 10, "no progress");
+            let pick = picks.next().map(|p| p.index(1000)).unwrap_or(0);
+            // Read when there is room and (by the pick) or when nothing runs.
+            if next_to_read < n && d.has_room() && (pick % 2 == 0 || running.is_empty()) {
+                let i = next_to_read;
+                next_to_read += 1;
+                if d.accept(i as i64, key(i).as_deref()) {
+                    running.push(i);
+                    started.push(i);
+                }
+                prop_assert!(d.in_flight() <= max);
+                continue;
+            }
+            prop_assert!(!running.is_empty(), "stalled with nothing running");
+            let i = running.remove(pick % running.len());
+            settled[i] = true;
+            let (next, _) = d.settled(i as i64);
+            if let Some(j) = next {
+                let j = j as usize;
+                prop_assert_eq!(key(j), key(i));
+                running.push(j);
+                started.push(j);
+            }
+            // Never two running events with one key.
+            let mut seen = std::collections::HashSet::new();
+            for r in &running {
+                if let Some(k) = key(*r) {
+                    prop_assert!(seen.insert(k), "two events with one key at once");
+                }
+            }
+            let prefix = settled.iter().take_while(|s| **s).count();
+            let expected = if prefix == 0 {
+                None
+            } else {
+                Some(prefix as i64 - 1)
+            };
+            prop_assert_eq!(d.checkpoint(), expected);
+        }
+        // Same-key events started in sequence order.
+        for k in 0..=255u8 {
+            let order: Vec<usize> = started
+                .iter()
+                .copied()
+                .filter(|i| keys[*i] == Some(k))
+                .collect();
+            prop_assert!(
+                order.windows(2).all(|w| w[0] < w[1]),
+                "key {} out of order: {:?}",
+                k,
+                order
+            );
+        }
+        prop_assert_eq!(started.len(), n);
+        prop_assert_eq!(d.checkpoint(), Some(n as i64 - 1));
+        prop_assert_eq!(d.in_flight(), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn same_key_waits_and_other_keys_run() {
+        let mut d = Dispatcher::new(4);
+        assert!(d.accept(0, Some("a")));
+        assert!(!d.accept(1, Some("a")));
+        assert!(d.accept(2, Some("b")));
+        assert!(d.accept(3, None));
+        assert!(!d.has_room());
+        assert_eq!(d.settled(2), (None, None));
+        assert_eq!(d.settled(3), (None, None));
+        assert_eq!(d.settled(0), (Some(1), Some(0)));
+        assert_eq!(d.oldest_unsettled(), Some(1));
+        assert_eq!(d.settled(1), (None, Some(3)));
+        assert_eq!(d.in_flight(), 0);
+        assert!(d.accept(4, Some("a")), "the key is free again");
+    }
+
+    proptest! {
+        #[test]
+        fn keyed_dispatch_keeps_order_bounds_and_the_prefix(
+            max in 1usize..12,
+            keys in proptest::collection::vec(proptest::option::weighted(0.8, 0u8..5), 1..80),
+            picks in proptest::collection::vec(any::<prop::sample::Index>(), 1..200),
+        ) {
+            drive(max, &keys, &picks)?;
         }
     }
 }

@@ -163,7 +163,8 @@ impl Ledger {
         }
     }
 
-    fn record_name(&self, key: &str) -> String {
+    /// The blob name of `key`'s record.
+    pub fn record_name(&self, key: &str) -> String {
         format!("ledger/{}{}", self.prefix, encode_key(key))
     }
 

@@ -85,7 +85,7 @@ pub struct CounterSnapshot {
 /// Shared health of one pipeline.
 #[derive(Debug)]
 pub struct Health {
-    held: Mutex<BTreeMap<String, Held>>,
+    held: Mutex<BTreeMap<String, BTreeMap<i64, Held>>>,
     owned: Mutex<BTreeMap<String, i64>>,
     retry_loop: Mutex<RetryLoopState>,
     lag: Mutex<BTreeMap<String, (u64, f64)>>,
@@ -117,44 +117,68 @@ impl Health {
         self.changed.subscribe()
     }
 
-    /// Records that `partition` is held.
-    pub fn hold(&self, partition: &str, reason: String, oldest_unsettled: i64) {
+    /// Records that event `seq` of `partition` is held (its settlement is failing). With
+    /// `max_in_flight` above 1 several events of a partition can hold at once; the partition
+    /// is reported held until the last of them settles, with the oldest one's reason.
+    pub fn hold(&self, partition: &str, reason: String, seq: i64) {
         let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let since = h
-            .get(partition)
+        let events = h.entry(partition.to_string()).or_default();
+        let since = events
+            .get(&seq)
             .map(|x| x.since.clone())
             .unwrap_or_else(|| rfc3339(SystemTime::now()));
-        if h.get(partition).map(|x| &x.reason) != Some(&reason) {
-            tracing::warn!(partition, %reason, oldest_unsettled, "partition held: its checkpoint will not pass the unsettled event");
+        if events.get(&seq).map(|x| &x.reason) != Some(&reason) {
+            tracing::warn!(partition, %reason, oldest_unsettled = seq, "partition held: its checkpoint will not pass the unsettled event");
         }
-        h.insert(
-            partition.to_string(),
+        events.insert(
+            seq,
             Held {
                 since,
                 reason,
-                oldest_unsettled,
+                oldest_unsettled: seq,
             },
         );
         drop(h);
         self.bump();
     }
 
-    /// Records that `partition` is no longer held.
-    pub fn release(&self, partition: &str) {
-        let removed = self
-            .held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(partition);
-        if let Some(h) = removed {
-            tracing::info!(partition, since = %h.since, "partition released: settlement succeeded");
+    /// Records that event `seq` of `partition` is no longer held.
+    pub fn release(&self, partition: &str, seq: i64) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(events) = h.get_mut(partition) else {
+            return;
+        };
+        let removed = events.remove(&seq);
+        let now_free = events.is_empty();
+        if now_free {
+            h.remove(partition);
+        }
+        drop(h);
+        if let Some(held) = removed {
+            if now_free {
+                tracing::info!(partition, since = %held.since, "partition released: settlement succeeded");
+            }
             self.bump();
         }
     }
 
-    /// Held partitions.
+    /// Held partitions: for each, the oldest held event's reason and sequence number, since
+    /// the earliest hold began.
     pub fn held(&self) -> BTreeMap<String, Held> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        h.iter()
+            .filter_map(|(p, events)| {
+                let (_, oldest) = events.iter().next()?;
+                let since = events.values().map(|e| e.since.as_str()).min()?;
+                Some((
+                    p.clone(),
+                    Held {
+                        since: since.to_string(),
+                        ..oldest.clone()
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// Records that this replica processes `partition` (and its last checkpoint).

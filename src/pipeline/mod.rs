@@ -64,6 +64,45 @@ impl std::fmt::Debug for EventHubsTarget {
     }
 }
 
+/// What keeps events of one partition in order when several run at once.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum OrderingKey {
+    /// The event's partition key (events without one are not ordered against others).
+    #[default]
+    PartitionKey,
+    /// An application property (events without it are not ordered against others).
+    Property(String),
+    /// No ordering within the partition beyond `max_in_flight`.
+    None,
+}
+
+impl OrderingKey {
+    /// The key of `event` (`None`: not ordered).
+    pub fn of<'e>(&self, event: &'e crate::event::Event) -> Option<&'e str> {
+        match self {
+            Self::PartitionKey => event.partition_key.as_deref(),
+            Self::Property(name) => event.properties.get(name).map(String::as_str),
+            Self::None => None,
+        }
+    }
+}
+
+impl std::str::FromStr for OrderingKey {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "partition_key" => Ok(Self::PartitionKey),
+            "none" => Ok(Self::None),
+            _ => match s.strip_prefix("property:") {
+                Some(p) if !p.trim().is_empty() => Ok(Self::Property(p.trim().to_string())),
+                _ => Err(format!(
+                    "expected `partition_key`, `property:<name>` or `none`, got {s:?}"
+                )),
+            },
+        }
+    }
+}
+
 /// Tunables.
 #[derive(Debug, Clone)]
 pub struct PipelineOptions {
@@ -75,8 +114,15 @@ pub struct PipelineOptions {
     pub ownership_expiration: Duration,
     /// Checkpoint after this many settled events…
     pub checkpoint_every_events: u64,
-    /// …or this long, whichever comes first.
+    /// …or this long, whichever comes first…
     pub checkpoint_every: Duration,
+    /// …but never more often than this per partition, so checkpoint writes are bounded by
+    /// time, not by the event rate.
+    pub checkpoint_min_interval: Duration,
+    /// Events of one partition handled at once (1: one by one, in order).
+    pub max_in_flight: usize,
+    /// What keeps events in order when `max_in_flight` > 1.
+    pub ordering: OrderingKey,
     /// Events prefetched per partition.
     pub prefetch: u32,
     /// Start partitions without a checkpoint at the latest event instead of the earliest.
@@ -103,6 +149,9 @@ impl Default for PipelineOptions {
             ownership_expiration: Duration::from_secs(20),
             checkpoint_every_events: 100,
             checkpoint_every: Duration::from_secs(1),
+            checkpoint_min_interval: Duration::from_millis(200),
+            max_in_flight: 1,
+            ordering: OrderingKey::PartitionKey,
             prefetch: 300,
             start_at_latest: false,
             deadline: Duration::from_secs(10),

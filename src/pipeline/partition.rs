@@ -1,14 +1,18 @@
 //! One partition: read in order, attempt, settle, and checkpoint the contiguous settled
-//! prefix — every N events or T milliseconds, never per event, once more at the end. A
-//! settlement that fails holds the partition (nothing behind the event can move the
-//! checkpoint) and is retried with backoff until it succeeds or the task is stopped; a stop
-//! while holding leaves the event before the checkpoint, so the next owner replays it.
+//! prefix — every N events or T milliseconds (never more often than the minimum interval),
+//! once more at the end. Up to `max_in_flight` events run at once; events sharing an ordering
+//! key run one after another in sequence order ([`Dispatcher`]). A settlement that fails
+//! holds its event (nothing behind it can move the checkpoint) and is retried with backoff
+//! until it succeeds or the task is stopped; a stop while holding leaves the event after the
+//! checkpoint, so the next owner replays it.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
 use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::processor::PartitionClient;
+use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 
 use crate::breaker::Admission;
@@ -17,19 +21,21 @@ use tracing::Instrument;
 
 use super::settle::{Settled, Source};
 use super::{attempt, Shared};
-use crate::guard::CheckpointWindow;
+use crate::event::Event;
+use crate::guard::Dispatcher;
 
 struct Checkpointer {
     last_settled: Option<ReceivedEventData>,
     written: Option<i64>,
+    written_at: Option<Instant>,
     since: u64,
     /// Events received since the last checkpoint write, and when the oldest was enqueued.
     uncovered: u64,
-    oldest_uncovered: Option<std::time::SystemTime>,
+    oldest_uncovered: Option<SystemTime>,
 }
 
-fn age(t: Option<std::time::SystemTime>) -> f64 {
-    t.and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
+fn age(t: Option<SystemTime>) -> f64 {
+    t.and_then(|t| SystemTime::now().duration_since(t).ok())
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
@@ -45,6 +51,17 @@ impl Checkpointer {
             && self.last_settled.is_some()
     }
 
+    /// Whether the count trigger may write now: enough events, and not within the minimum
+    /// interval of the last write.
+    fn count_due(&self, shared: &Shared) -> bool {
+        self.since >= shared.options.checkpoint_every_events && self.interval_passed(shared)
+    }
+
+    fn interval_passed(&self, shared: &Shared) -> bool {
+        self.written_at
+            .is_none_or(|t| t.elapsed() >= shared.options.checkpoint_min_interval)
+    }
+
     async fn write(&mut self, pc: &PartitionClient, shared: &Shared) {
         let Some(ev) = self.last_settled.as_ref() else {
             return;
@@ -56,6 +73,7 @@ impl Checkpointer {
         match tokio::time::timeout(shared.options.deadline, pc.update_checkpoint(ev)).await {
             Ok(Ok(())) => {
                 self.written = seq;
+                self.written_at = Some(Instant::now());
                 self.since = 0;
                 self.uncovered = 0;
                 self.oldest_uncovered = None;
@@ -73,65 +91,104 @@ impl Checkpointer {
     }
 }
 
-/// Processes one partition until it is revoked, fails, or `cancel` fires; then writes the
-/// final checkpoint and closes the partition client (the only clean give-back).
+/// Processes one partition until it is revoked, fails, or `cancel` fires; then lets the
+/// events in flight settle, writes the final checkpoint and closes the partition client (the
+/// only clean give-back).
 pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: CancellationToken) {
     let pid = pc.get_partition_id().to_string();
     shared.health.set_owned(&pid, None);
     tracing::info!(partition = %pid, "partition claimed");
-    let mut window = CheckpointWindow::new();
+    let mut dispatcher = Dispatcher::new(shared.options.max_in_flight);
+    // Accepted, unsettled events: the SDK's copy (to checkpoint) and ours (to start later if
+    // it waits behind its key).
+    let mut received_by_seq: BTreeMap<i64, ReceivedEventData> = BTreeMap::new();
+    let mut waiting: BTreeMap<i64, Event> = BTreeMap::new();
+    let mut running: FuturesUnordered<_> = FuturesUnordered::new();
     let mut cp = Checkpointer {
         last_settled: None,
         written: None,
+        written_at: None,
         since: 0,
         uncovered: 0,
         oldest_uncovered: None,
+    };
+    let start = |event: Event, cp: &Checkpointer| {
+        let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
+        let lag = (cp.uncovered, cp.oldest_uncovered);
+        async move {
+            let seq = event.sequence_number;
+            (seq, process(event, &pid, &shared, &cancel, lag).await)
+        }
     };
     {
         let stream = pc.stream_events();
         futures::pin_mut!(stream);
         let mut tick = tokio::time::interval(shared.options.checkpoint_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut reading = true;
         loop {
+            if !reading && running.is_empty() {
+                break;
+            }
             tokio::select! {
                 biased;
-                _ = cancel.cancelled() => break,
+                _ = cancel.cancelled(), if reading => reading = false,
+                Some((seq, settled)) = running.next(), if !running.is_empty() => {
+                    let (seq, settled): (i64, bool) = (seq, settled);
+                    if !settled {
+                        continue; // stopped while holding: the event stays unsettled
+                    }
+                    let (next, moved) = dispatcher.settled(seq);
+                    if let Some(next) = next.and_then(|n| waiting.remove(&n)) {
+                        running.push(start(next, &cp));
+                    }
+                    if let Some(c) = moved {
+                        let rest = received_by_seq.split_off(&(c + 1));
+                        cp.last_settled = received_by_seq.remove(&c).or(cp.last_settled.take());
+                        received_by_seq = rest;
+                    }
+                    cp.since += 1;
+                    if cp.count_due(&shared) {
+                        cp.write(&pc, &shared).await;
+                    }
+                }
                 _ = tick.tick() => {
-                    cp.write(&pc, &shared).await;
+                    if cp.interval_passed(&shared) {
+                        cp.write(&pc, &shared).await;
+                    }
                     cp.publish_lag(&pid, &shared);
                 }
-                next = stream.next() => match next {
+                next = stream.next(), if reading && dispatcher.has_room() => match next {
                     Some(Ok(received)) => {
                         let seq = received.sequence_number().unwrap_or(-1);
-                        window.dispatched(seq);
+                        let event = shared.identity.event(&shared.hub, &pid, &received);
                         cp.uncovered += 1;
                         if cp.oldest_uncovered.is_none() {
-                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(std::time::SystemTime::now));
+                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(SystemTime::now));
                         }
-                        let lag = (cp.uncovered, cp.oldest_uncovered);
-                        if !process(&received, &pid, &shared, &cancel, lag).await {
-                            break; // stopped while holding: the event stays unsettled
-                        }
-                        window.settled(seq);
-                        cp.last_settled = Some(received);
-                        cp.since += 1;
-                        if cp.since >= shared.options.checkpoint_every_events {
-                            cp.write(&pc, &shared).await;
+                        let now = dispatcher.accept(seq, shared.options.ordering.of(&event));
+                        received_by_seq.insert(seq, received);
+                        if now {
+                            running.push(start(event, &cp));
+                        } else {
+                            waiting.insert(seq, event);
                         }
                     }
                     Some(Err(e)) => {
                         tracing::info!(partition = %pid, error = %e, "partition stream ended (revoked or disconnected)");
-                        break;
+                        reading = false;
                     }
-                    None => break,
+                    None => reading = false,
                 },
             }
         }
     }
-    debug_assert!(
-        cp.last_settled.as_ref().and_then(|e| e.sequence_number())
-            <= window.checkpoint().or(cp.written)
-    );
+    // Events still waiting behind their key never started: they stay after the checkpoint.
+    debug_assert!(cp
+        .last_settled
+        .as_ref()
+        .and_then(|e| e.sequence_number())
+        .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
     cp.write(&pc, &shared).await;
     shared.health.unset_owned(&pid);
     match Arc::try_unwrap(pc) {
@@ -152,13 +209,13 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
 
 /// Attempts and settles one event; `false` if stopped before it settled.
 async fn process(
-    received: &ReceivedEventData,
+    event: Event,
     pid: &str,
     shared: &Shared,
     cancel: &CancellationToken,
-    lag: (u64, Option<std::time::SystemTime>),
+    lag: (u64, Option<SystemTime>),
 ) -> bool {
-    let event = shared.identity.event(&shared.hub, pid, received);
+    let seq = event.sequence_number;
     shared.health.count(&shared.health.counters.attempts);
     let policy = shared
         .settler
@@ -196,11 +253,9 @@ async fn process(
                             "downstream breaker open: until {}",
                             crate::status::rfc3339(until)
                         ),
-                        event.sequence_number,
+                        seq,
                     );
-                    let wait = until
-                        .duration_since(std::time::SystemTime::now())
-                        .unwrap_or_default();
+                    let wait = until.duration_since(SystemTime::now()).unwrap_or_default();
                     tokio::select! {
                         _ = cancel.cancelled() => return false,
                         _ = tokio::time::sleep(wait) => {}
@@ -209,7 +264,7 @@ async fn process(
             }
         }
         if deferred {
-            shared.health.release(pid);
+            shared.health.release(pid, seq);
         }
     }
     let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
@@ -240,17 +295,15 @@ async fn process(
             Ok(s) => {
                 attempt::finish(&attempted, Ok(&s));
                 shared.count_settled(&s, event.identity.event_type.as_deref());
-                shared.health.release(pid);
+                shared.health.release(pid, seq);
                 return true;
             }
             Err(e) => {
                 shared.settle_failed(&e);
                 shared.health.set_lag(pid, lag.0, age(lag.1));
-                shared.health.hold(
-                    pid,
-                    format!("{} unavailable: {e}", e.dependency()),
-                    event.sequence_number,
-                );
+                shared
+                    .health
+                    .hold(pid, format!("{} unavailable: {e}", e.dependency()), seq);
                 tokio::select! {
                     _ = cancel.cancelled() => {
                         attempt::finish(&attempted, Err(&e));

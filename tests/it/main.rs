@@ -4,6 +4,7 @@
 mod blob;
 mod cli;
 mod common;
+mod concurrency;
 mod dashboards;
 mod demo;
 mod eventhubs_amqp;

@@ -151,6 +151,20 @@ pub struct BlobStore {
     containers: Mutex<BTreeMap<String, Container>>,
     dir: Option<PathBuf>,
     etags: AtomicU64,
+    writes: Mutex<Option<Vec<BlobWrite>>>,
+}
+
+/// One successful Put Blob or Set Blob Metadata, as [`BlobStore::record_writes`] keeps them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobWrite {
+    /// The container.
+    pub container: String,
+    /// The blob's name.
+    pub name: String,
+    /// The blob's metadata after the write.
+    pub metadata: BTreeMap<String, String>,
+    /// When the write was applied.
+    pub at: SystemTime,
 }
 
 fn whole_seconds(t: SystemTime) -> SystemTime {
@@ -197,6 +211,7 @@ impl BlobStore {
             containers: Mutex::new(BTreeMap::new()),
             dir,
             etags: AtomicU64::new(0x8DC0_0000_0000_0000u64.wrapping_add(secs(now) << 16)),
+            writes: Mutex::new(None),
         };
         if let Some(dir) = &store.dir {
             let mut all = store.lock();
@@ -349,6 +364,34 @@ impl BlobStore {
         c.blobs.get(name).cloned().ok_or(BlobError::BlobNotFound)
     }
 
+    /// From now on, keep a history of every successful write (for tests and the chaos soak,
+    /// which check checkpoint writes against what was settled at the time).
+    pub fn record_writes(&self) {
+        let mut w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        w.get_or_insert_with(Vec::new);
+    }
+
+    /// The writes recorded since [`record_writes`](Self::record_writes), oldest first.
+    pub fn writes(&self) -> Vec<BlobWrite> {
+        self.writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_default()
+    }
+
+    fn log_write(&self, container: &str, name: &str, blob: &Blob) {
+        let mut w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = w.as_mut() {
+            w.push(BlobWrite {
+                container: container.to_string(),
+                name: name.to_string(),
+                metadata: blob.metadata.clone(),
+                at: SystemTime::now(),
+            });
+        }
+    }
+
     /// Put Blob: creates or replaces a blob, subject to `conditions`.
     pub fn put(
         &self,
@@ -376,6 +419,7 @@ impl BlobStore {
             created: current.map_or(whole_seconds(now), |b| b.created),
         };
         self.persist(container, name, Some(&blob))?;
+        self.log_write(container, name, &blob);
         c.blobs.insert(name.to_string(), blob.clone());
         Ok(blob)
     }
@@ -398,6 +442,7 @@ impl BlobStore {
         blob.etag = self.next_etag();
         blob.last_modified = whole_seconds(now);
         self.persist(container, name, Some(&blob))?;
+        self.log_write(container, name, &blob);
         c.blobs.insert(name.to_string(), blob.clone());
         Ok(blob)
     }

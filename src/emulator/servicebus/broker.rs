@@ -220,6 +220,7 @@ struct QueueState {
     seen_ids: HashMap<String, i64>,
     counters: Counters,
     journal: Option<File>,
+    accepted: Option<Vec<(String, SystemTime)>>,
 }
 
 /// One queue; its state behind a mutex, its waiters behind a notify.
@@ -363,6 +364,7 @@ impl Queue {
             main: Store::default(),
             dlq: Store::default(),
             seen_ids: HashMap::new(),
+            accepted: None,
             counters: Counters::default(),
             journal: None,
         };
@@ -458,6 +460,18 @@ impl Queue {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// From now on, keep the MessageId and time of every accepted send (not the duplicates
+    /// detection dropped), for tests and the chaos soak.
+    pub fn record_accepted(&self) {
+        self.lock().accepted.get_or_insert_with(Vec::new);
+    }
+
+    /// The sends accepted since [`record_accepted`](Self::record_accepted): MessageId and the
+    /// broker's time, oldest first.
+    pub fn accepted(&self) -> Vec<(String, SystemTime)> {
+        self.lock().accepted.clone().unwrap_or_default()
+    }
+
     /// Accepts a send. Returns `false` when duplicate detection dropped it.
     pub fn send(&self, new: NewMessage, now: SystemTime) -> Result<bool, BrokerError> {
         let mut st = self.lock();
@@ -497,6 +511,7 @@ impl Queue {
             lock: None,
         };
         let seq = st.main.push(message.clone());
+        let accepted_id = st.accepted.is_some().then(|| message.message_id.clone());
         let mut journaled = message;
         journaled.sequence_number = seq;
         if let Err(e) = st.write(&JournalRecord::Send {
@@ -505,6 +520,9 @@ impl Queue {
         }) {
             st.main.messages.remove(&seq);
             return Err(e);
+        }
+        if let (Some(a), Some(id)) = (st.accepted.as_mut(), accepted_id) {
+            a.push((id, now));
         }
         drop(st);
         self.changed.notify_waiters();

@@ -6,6 +6,12 @@
 //! - The guard's cost: a bare SDK consumer loop and `hubguard`'s pipeline with a no-op
 //!   handler reading the same events side by side, their events/s and ratio, checkpoint
 //!   writes per second, and Service Bus and ledger operations per event on the happy path.
+//! - A handler that waits 20 ms per event, with `max_in_flight` 1 and 32 ([`pipelines`]).
+//! - The retry path: failure to Service Bus acceptance, due time to actual start.
+//! - Resident memory of `hubguard run` with 0 and 100,000 retries pending ([`memory`]).
+
+pub mod memory;
+pub mod pipelines;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +43,28 @@ pub struct BenchArgs {
     /// Print one JSON line instead of a table.
     #[arg(long)]
     json: bool,
+    /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "eventhubs,guard,concurrency,retries,memory"
+    )]
+    only: Vec<String>,
+    /// The slow handler's wait per event (ms).
+    #[arg(long, default_value_t = 20)]
+    delay_ms: u64,
+    /// `max_in_flight` of the slow handler's concurrent run.
+    #[arg(long, default_value_t = 32)]
+    max_in_flight: usize,
+    /// Events through the slow handler with concurrency (one by one reads an eighth).
+    #[arg(long, default_value_t = 2000)]
+    slow_events: usize,
+    /// Events that fail once, for the retry timing.
+    #[arg(long, default_value_t = 500)]
+    retries: usize,
+    /// Retries pending in Service Bus for the memory reading.
+    #[arg(long, default_value_t = 100_000)]
+    pending: usize,
 }
 
 /// One measured scenario.
@@ -52,106 +80,238 @@ pub struct Throughput {
     pub consume_per_s: f64,
 }
 
+/// Everything one `hubguard bench` run measured.
+#[derive(Debug, Default)]
+struct Figures {
+    eventhubs: Vec<Throughput>,
+    guard: Vec<GuardFigures>,
+    concurrency: Option<pipelines::Concurrency>,
+    retries: Option<pipelines::RetryTiming>,
+    memory: Option<memory::Memory>,
+}
+
 /// Runs the benchmark and prints it.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    let mut results = Vec::new();
-    let mut guards = Vec::new();
+    const KNOWN: [&str; 5] = ["eventhubs", "guard", "concurrency", "retries", "memory"];
+    if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
+        bail!(
+            "--only: unknown scenario {bad:?} (known: {})",
+            KNOWN.join(", ")
+        );
+    }
+    if args.max_in_flight == 0 || args.slow_events == 0 || args.retries == 0 || args.pending == 0 {
+        bail!("--max-in-flight, --slow-events, --retries and --pending must be positive");
+    }
+    let on = |s: &str| args.only.iter().any(|o| o == s);
+    let mut f = Figures::default();
     for &p in &args.partitions {
-        results.push(eventhubs_throughput(p, args.events, args.size).await?);
-        guards.push(guard_vs_bare(p, args.events, args.size).await?);
+        if on("eventhubs") {
+            f.eventhubs
+                .push(eventhubs_throughput(p, args.events, args.size).await?);
+        }
+        if on("guard") {
+            f.guard
+                .push(guard_vs_bare(p, args.events, args.size).await?);
+        }
+    }
+    if on("concurrency") {
+        f.concurrency = Some(
+            pipelines::concurrency(
+                args.slow_events,
+                Duration::from_millis(args.delay_ms),
+                args.max_in_flight,
+            )
+            .await?,
+        );
+    }
+    if on("retries") {
+        f.retries = Some(pipelines::retry_timing(args.retries, 4).await?);
+    }
+    if on("memory") {
+        f.memory = Some(memory::memory(args.pending, args.pending, 4).await?);
     }
     if args.json {
-        let mut fields: Vec<String> = guards
-            .iter()
-            .flat_map(|g| {
-                [
-                    format!("\"bare_per_s_p{}\":{:.0}", g.partitions, g.bare_per_s),
-                    format!("\"guard_per_s_p{}\":{:.0}", g.partitions, g.guard_per_s),
-                    format!(
-                        "\"guard_vs_bare_ratio_p{}\":{:.3}",
-                        g.partitions,
-                        g.guard_per_s / g.bare_per_s
-                    ),
-                ]
-            })
-            .collect();
-        if let Some(g) = guards.last() {
-            fields.push(format!(
-                "\"guard_vs_bare_ratio\":{:.3}",
-                g.guard_per_s / g.bare_per_s
-            ));
-            fields.push(format!(
-                "\"checkpoint_writes_per_s\":{:.2}",
-                g.checkpoint_writes_per_s
-            ));
-            fields.push(format!(
-                "\"happy_path_ops_per_event\":{:.4}",
-                g.happy_path_ops_per_event
-            ));
-        }
-        let guard_json = fields.join(",");
-        let fields: Vec<String> = results
-            .iter()
-            .flat_map(|r| {
-                [
-                    format!(
-                        "\"eventhubs_produce_per_s_p{}\":{:.0}",
-                        r.partitions, r.produce_per_s
-                    ),
-                    format!(
-                        "\"eventhubs_consume_per_s_p{}\":{:.0}",
-                        r.partitions, r.consume_per_s
-                    ),
-                ]
-            })
-            .collect();
-        println!(
-            "{{\"events\":{},\"event_bytes\":{},{},{guard_json}}}",
-            args.events,
-            args.size,
-            fields.join(",")
-        );
+        println!("{}", json_line(&args, &f));
     } else {
+        print_tables(&args, &f);
+    }
+    Ok(())
+}
+
+fn json_line(args: &BenchArgs, f: &Figures) -> String {
+    let mut fields = vec![
+        format!("\"events\":{}", args.events),
+        format!("\"event_bytes\":{}", args.size),
+    ];
+    for r in &f.eventhubs {
+        fields.push(format!(
+            "\"eventhubs_produce_per_s_p{}\":{:.0}",
+            r.partitions, r.produce_per_s
+        ));
+        fields.push(format!(
+            "\"eventhubs_consume_per_s_p{}\":{:.0}",
+            r.partitions, r.consume_per_s
+        ));
+    }
+    for g in &f.guard {
+        fields.push(format!(
+            "\"bare_per_s_p{}\":{:.0}",
+            g.partitions, g.bare_per_s
+        ));
+        fields.push(format!(
+            "\"guard_per_s_p{}\":{:.0}",
+            g.partitions, g.guard_per_s
+        ));
+        fields.push(format!(
+            "\"guard_vs_bare_ratio_p{}\":{:.3}",
+            g.partitions,
+            g.guard_per_s / g.bare_per_s
+        ));
+    }
+    if let Some(g) = f.guard.last() {
+        fields.push(format!(
+            "\"guard_vs_bare_ratio\":{:.3}",
+            g.guard_per_s / g.bare_per_s
+        ));
+        fields.push(format!(
+            "\"checkpoint_writes_per_s\":{:.2}",
+            g.checkpoint_writes_per_s
+        ));
+        fields.push(format!(
+            "\"checkpoint_writes_bound_per_s\":{:.2}",
+            g.checkpoint_writes_bound_per_s
+        ));
+        fields.push(format!(
+            "\"happy_path_ops_per_event\":{:.4}",
+            g.happy_path_ops_per_event
+        ));
+    }
+    if let Some(c) = &f.concurrency {
+        fields.push(format!("\"slow_handler_ms\":{}", c.delay.as_millis()));
+        fields.push(format!("\"slow_per_s_in_flight_1\":{:.1}", c.one_per_s));
+        fields.push(format!(
+            "\"slow_per_s_in_flight_{}\":{:.1}",
+            c.wide, c.wide_per_s
+        ));
+        fields.push(format!(
+            "\"concurrency_speedup\":{:.2}",
+            c.wide_per_s / c.one_per_s
+        ));
+    }
+    if let Some(r) = &f.retries {
+        fields.push(format!("\"retries_measured\":{}", r.retries));
+        fields.push(format!(
+            "\"schedule_latency_p50_ms\":{:.1}",
+            r.schedule_ms.0
+        ));
+        fields.push(format!(
+            "\"schedule_latency_p99_ms\":{:.1}",
+            r.schedule_ms.1
+        ));
+        fields.push(format!("\"lateness_p50_ms\":{:.1}", r.lateness_ms.0));
+        fields.push(format!("\"lateness_p99_ms\":{:.1}", r.lateness_ms.1));
+    }
+    if let Some(m) = &f.memory {
+        fields.push(format!("\"pending_retries\":{}", m.pending));
+        fields.push(format!("\"rss_mb_0_pending\":{:.1}", m.rss_idle_mb));
+        fields.push(format!("\"rss_mb_pending\":{:.1}", m.rss_pending_mb));
+        // Named after the default size; `pending_retries` says what was measured.
+        fields.push(format!(
+            "\"rss_growth_mb_100k_pending\":{:.1}",
+            m.rss_pending_mb - m.rss_idle_mb
+        ));
+    }
+    format!("{{{}}}", fields.join(","))
+}
+
+fn print_tables(args: &BenchArgs, f: &Figures) {
+    if !f.eventhubs.is_empty() {
         println!("Event Hubs emulator through azure_messaging_eventhubs 0.15 ({} events of {} B, batched sends)", args.events, args.size);
         println!(
             "{:>10} {:>16} {:>16}",
             "partitions", "produce ev/s", "consume ev/s"
         );
-        for r in &results {
+        for r in &f.eventhubs {
             println!(
                 "{:>10} {:>16.0} {:>16.0}",
                 r.partitions, r.produce_per_s, r.consume_per_s
             );
         }
         println!();
+    }
+    if !f.guard.is_empty() {
         println!("The guard's cost: bare SDK consumer vs hubguard with a no-op handler, same events, side by side");
+        println!("(events/s from the first event to the last; checkpoint bound = partitions / checkpoint.min_interval)");
         println!(
-            "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14} {:>18}",
+            "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14} {:>12} {:>18}",
             "partitions",
             "bare ev/s",
             "hubguard ev/s",
             "ratio",
             "checkpoints",
             "ckpt writes/s",
+            "ckpt bound/s",
             "SB+ledger ops/ev"
         );
-        for g in &guards {
+        for g in &f.guard {
             println!(
-                "{:>10} {:>14.0} {:>14.0} {:>8.3} {:>12} {:>14.2} {:>18.4}",
+                "{:>10} {:>14.0} {:>14.0} {:>8.3} {:>12} {:>14.2} {:>12.1} {:>18.4}",
                 g.partitions,
                 g.bare_per_s,
                 g.guard_per_s,
                 g.guard_per_s / g.bare_per_s,
                 g.checkpoint_writes,
                 g.checkpoint_writes_per_s,
+                g.checkpoint_writes_bound_per_s,
                 g.happy_path_ops_per_event
             );
         }
+        println!();
     }
-    Ok(())
+    if let Some(c) = &f.concurrency {
+        println!(
+            "A handler waiting {} ms per event, one partition",
+            c.delay.as_millis()
+        );
+        println!("{:>14} {:>12}", "max_in_flight", "events/s");
+        println!("{:>14} {:>12.1}", 1, c.one_per_s);
+        println!("{:>14} {:>12.1}", c.wide, c.wide_per_s);
+        println!("speed-up: {:.1}x", c.wide_per_s / c.one_per_s);
+        println!();
+    }
+    if let Some(r) = &f.retries {
+        println!(
+            "The retry path ({} events failing once, retried 1 s later, on the emulator)",
+            r.retries
+        );
+        println!("{:>44} {:>10} {:>10}", "", "p50 ms", "p99 ms");
+        println!(
+            "{:>44} {:>10.1} {:>10.1}",
+            "failure -> Service Bus accepted the retry", r.schedule_ms.0, r.schedule_ms.1
+        );
+        println!(
+            "{:>44} {:>10.1} {:>10.1}",
+            "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
+        );
+        println!();
+    }
+    if let Some(m) = &f.memory {
+        println!("Resident memory of `hubguard run` (a child process; emulators in this one)");
+        println!("{:>34} {:>10.1} MB", "0 retries pending", m.rss_idle_mb);
+        println!(
+            "{:>34} {:>10.1} MB",
+            format!("{} retries pending", m.pending),
+            m.rss_pending_mb
+        );
+        println!(
+            "{:>34} {:>10.1} MB",
+            "growth",
+            m.rss_pending_mb - m.rss_idle_mb
+        );
+    }
 }
 
 /// Produces `events` events of `size` bytes spread over `partitions` partitions in batches,
@@ -200,26 +360,16 @@ pub struct GuardFigures {
     pub checkpoint_writes: u64,
     /// Checkpoints written per second of the guard's run.
     pub checkpoint_writes_per_s: f64,
+    /// The most checkpoint writes per second the settings allow (partitions divided by
+    /// `checkpoint.min_interval`, plus the final write of each partition).
+    pub checkpoint_writes_bound_per_s: f64,
     /// Service Bus sends plus ledger records, per event.
     pub happy_path_ops_per_event: f64,
 }
 
-struct Noop;
-
-#[async_trait::async_trait]
-impl crate::handler::Handler for Noop {
-    async fn handle(
-        &self,
-        _: &crate::event::Event,
-        _: &crate::handler::Attempt,
-    ) -> crate::handler::Outcome {
-        crate::handler::Outcome::Delivered
-    }
-}
-
 /// Sends `events` events of `size` bytes in batches, spread evenly over the partitions;
 /// returns how many and how long the sends took.
-async fn produce(
+pub(crate) async fn produce(
     cs: &ConnectionString,
     partitions: usize,
     events: usize,
@@ -266,7 +416,7 @@ async fn produce(
 }
 
 /// A bare SDK consumer loop: one receiver per partition reading `per_partition[p]` events
-/// from the earliest; returns how many and how long.
+/// from the earliest; returns how many, and the time from the first event to the last.
 async fn consume(
     cs: &ConnectionString,
     per_partition: &[usize],
@@ -283,20 +433,18 @@ async fn consume(
             .await
             .context("opening the consumer")?,
     );
-    let started = Instant::now();
-    let n = bare_consume(&consumer, per_partition, prefetch).await?;
-    let elapsed = started.elapsed();
+    let (n, first, last) = bare_consume(&consumer, per_partition, prefetch).await?;
     if let Ok(c) = Arc::try_unwrap(consumer) {
         c.close().await?;
     }
-    Ok((n, elapsed))
+    Ok((n, last.saturating_duration_since(first)))
 }
 
 async fn bare_consume(
     consumer: &Arc<ConsumerClient>,
     per_partition: &[usize],
     prefetch: u32,
-) -> anyhow::Result<usize> {
+) -> anyhow::Result<(usize, Instant, Instant)> {
     let mut tasks = Vec::new();
     for (p, &expected) in per_partition.iter().enumerate() {
         let consumer = consumer.clone();
@@ -315,26 +463,36 @@ async fn bare_consume(
                 )
                 .await?;
             let mut got = 0usize;
+            let (mut first, mut last) = (None, Instant::now());
             {
                 let stream = receiver.stream_events();
                 futures::pin_mut!(stream);
                 while got < expected {
                     match tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
-                        Ok(Some(Ok(_))) => got += 1,
+                        Ok(Some(Ok(_))) => {
+                            got += 1;
+                            last = Instant::now();
+                            first.get_or_insert(last);
+                        }
                         Ok(Some(Err(e))) => return Err(anyhow::Error::from(e)),
                         _ => bail!("bare consumer stalled after {got} of {expected}"),
                     }
                 }
             }
             receiver.close().await?;
-            Ok::<usize, anyhow::Error>(got)
+            Ok::<_, anyhow::Error>((got, first.unwrap_or(last), last))
         }));
     }
     let mut n = 0;
+    let (mut first, mut last): (Option<Instant>, Option<Instant>) = (None, None);
     for t in tasks {
-        n += t.await??;
+        let (got, f, l) = t.await??;
+        n += got;
+        first = Some(first.map_or(f, |x| x.min(f)));
+        last = Some(last.map_or(l, |x| x.max(l)));
     }
-    Ok(n)
+    let now = Instant::now();
+    Ok((n, first.unwrap_or(now), last.unwrap_or(now)))
 }
 
 /// Reads the same events with a bare SDK consumer loop and with hubguard (no-op handler).
@@ -371,6 +529,7 @@ pub async fn guard_vs_bare(
         None,
         Duration::from_secs(10),
     )?);
+    let handler = Arc::new(pipelines::BenchHandler::new(Duration::ZERO, 0, false));
     let parts = PipelineParts {
         eventhubs: EventHubsTarget {
             namespace: cs.namespace(),
@@ -388,7 +547,7 @@ pub async fn guard_vs_bare(
             "retries",
             Default::default(),
         )?),
-        handler: Arc::new(Noop),
+        handler: handler.clone(),
         policies: crate::pipeline::settle::Policies {
             default: crate::policy::RetryPolicy::seed_fibonacci(),
             by_type: Default::default(),
@@ -401,34 +560,34 @@ pub async fn guard_vs_bare(
             ..Default::default()
         },
     };
+    let min_interval = parts.options.checkpoint_min_interval;
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
     let cancel = tokio_util::sync::CancellationToken::new();
-    let started = Instant::now();
     let run = tokio::spawn(pipeline.run(cancel.clone()));
-    let mut last = (0, Instant::now());
-    while health.snapshot().delivered < bare as u64 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        let now = health.snapshot().delivered;
-        if now != last.0 {
-            last = (now, Instant::now());
-        } else if last.1.elapsed() > Duration::from_secs(30) {
-            bail!("hubguard stalled at {now} of {bare} events");
-        }
-    }
-    let guard_elapsed = started.elapsed();
+    let h = handler.clone();
+    pipelines::wait_progress(
+        "hubguard",
+        || h.delivered.load(std::sync::atomic::Ordering::Relaxed),
+        bare as u64,
+    )
+    .await?;
+    let guard_elapsed = handler.busy();
     cancel.cancel();
     run.await??;
     let snap = health.snapshot();
     let sb_sends = sb.counters("retries").map_or(0, |c| c.sends);
     let ledger_records = records_count(&*records).await?;
     emulators.shutdown().await;
+    let secs = guard_elapsed.as_secs_f64().max(1e-9);
     Ok(GuardFigures {
         partitions,
-        bare_per_s: bare as f64 / bare_elapsed.as_secs_f64(),
-        guard_per_s: snap.delivered as f64 / guard_elapsed.as_secs_f64(),
+        bare_per_s: bare as f64 / bare_elapsed.as_secs_f64().max(1e-9),
+        guard_per_s: snap.delivered as f64 / secs,
         checkpoint_writes: snap.checkpoints,
-        checkpoint_writes_per_s: snap.checkpoints as f64 / guard_elapsed.as_secs_f64(),
+        checkpoint_writes_per_s: snap.checkpoints as f64 / secs,
+        checkpoint_writes_bound_per_s: partitions as f64
+            * (1.0 / min_interval.as_secs_f64() + 1.0 / secs),
         happy_path_ops_per_event: (sb_sends + ledger_records) as f64 / bare.max(1) as f64,
     })
 }

@@ -1,0 +1,216 @@
+//! Resident memory of `hubguard run` with no retries pending and with many pending: the waits
+//! must live in Service Bus, not in the process. The emulators and a webhook receiver run
+//! in this process; the service runs as a child process (this same binary, `hubguard run`),
+//! so its resident set is measured alone.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+use azure_messaging_eventhubs::{EventDataBatchOptions, ProducerClient};
+
+use crate::azure::ConnectionString;
+use crate::emulator::eventhubs::HubSpec;
+use crate::emulator::{Emulators, EmulatorsConfig};
+
+/// What the memory scenario measured.
+#[derive(Debug, Clone)]
+pub struct Memory {
+    /// Retries pending in Service Bus in the second reading.
+    pub pending: u64,
+    /// Resident set after the same number of events were delivered (none pending), MB.
+    pub rss_idle_mb: f64,
+    /// Resident set with `pending` retries scheduled, MB.
+    pub rss_pending_mb: f64,
+}
+
+/// The resident set of process `pid` in MB (Linux: `/proc/<pid>/status`).
+pub fn rss_mb(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .context("reading /proc (resident memory is measured on Linux only)")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmRSS in /proc status")?;
+    Ok(kb / 1024.0)
+}
+
+async fn produce_keyed(
+    cs: &ConnectionString,
+    prefix: &str,
+    events: usize,
+    partitions: usize,
+) -> anyhow::Result<()> {
+    let producer = ProducerClient::builder()
+        .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
+        .open(
+            &cs.namespace(),
+            "bench",
+            Arc::new(cs.credential(Some("bench"))),
+        )
+        .await
+        .context("opening the producer")?;
+    let mut n = 0;
+    while n < events {
+        for p in 0..partitions {
+            let batch = producer
+                .create_batch(Some(EventDataBatchOptions {
+                    partition_id: Some(p.to_string()),
+                    ..Default::default()
+                }))
+                .await?;
+            let mut added = 0;
+            while n < events && added < 500 {
+                let ev = EventData::builder()
+                    .with_body(format!("{{\"n\":{n}}}").into_bytes())
+                    .add_property(
+                        "ce_id".into(),
+                        AmqpSimpleValue::String(format!("{prefix}-{n}")),
+                    )
+                    .build();
+                if !batch.try_add_event_data(ev, None)? {
+                    break;
+                }
+                n += 1;
+                added += 1;
+            }
+            if added > 0 {
+                producer.send_batch(batch, None).await?;
+            }
+        }
+    }
+    producer.close().await?;
+    Ok(())
+}
+
+struct Child(tokio::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.start_kill();
+    }
+}
+
+fn config(emulators: &Emulators, webhook: &str, partitions: usize) -> anyhow::Result<String> {
+    let eh = emulators.eventhubs.as_ref().context("event hubs")?;
+    let sb = emulators.servicebus.as_ref().context("service bus")?;
+    let blob = emulators.blob.as_ref().context("blob")?;
+    let _ = partitions;
+    Ok(format!(
+        r#"[eventhubs]
+connection_string = "{}"
+hub = "bench"
+[servicebus]
+connection_string = "{}"
+queue = "retries"
+[storage]
+container_url = "{}"
+[handler]
+kind = "webhook"
+url = "{webhook}"
+[processor]
+update_interval_ms = 500
+ownership_expiration_ms = 5000
+max_in_flight = 64
+ordering_key = "none"
+[retry]
+concurrency = 8
+[status]
+listen = "127.0.0.1:0"
+[breaker]
+enabled = false
+[policy.default]
+curve = "fixed"
+base_s = 3600
+floor_s = 3600
+cap_s = 3600
+max_attempts = 5
+"#,
+        eh.connection_string(),
+        sb.connection_string(),
+        blob.container_url("hubguard"),
+    ))
+}
+
+/// Runs `hubguard run` as a child: `events` delivered, then `pending` failing for an hour.
+pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow::Result<Memory> {
+    let emulators = Emulators::start(EmulatorsConfig {
+        hubs: vec![HubSpec::new("bench", partitions)],
+        ..Default::default()
+    })
+    .await?;
+    let behaviour: crate::emulator::webhook::Behaviour =
+        Arc::new(|key: &str, _| if key.starts_with("fail-") { 503 } else { 200 });
+    let hook = crate::emulator::webhook::WebhookReceiver::start_with(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        behaviour,
+    )
+    .await?;
+    let dir = tempdir()?;
+    let path = dir.join("hubguard.toml");
+    std::fs::write(&path, config(&emulators, &hook.url(), partitions)?)?;
+    let cs: ConnectionString = emulators
+        .eventhubs
+        .as_ref()
+        .context("event hubs")?
+        .connection_string()
+        .parse()?;
+    let sb = emulators.servicebus.as_ref().context("service bus")?;
+    produce_keyed(&cs, "ok", events, partitions).await?;
+    let exe = std::env::current_exe().context("locating the hubguard binary")?;
+    let child = Child(
+        tokio::process::Command::new(exe)
+            .arg("run")
+            .arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting `hubguard run`")?,
+    );
+    let pid = child.0.id().context("child pid")?;
+    super::pipelines::wait_progress(
+        "`hubguard run` delivering",
+        || hook.deliveries().len() as u64,
+        events as u64,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_idle_mb = rss_mb(pid)?;
+    produce_keyed(&cs, "fail", pending, partitions).await?;
+    super::pipelines::wait_progress(
+        "`hubguard run` scheduling retries",
+        || sb.counters("retries").map_or(0, |c| c.scheduled),
+        pending as u64,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_pending_mb = rss_mb(pid)?;
+    let pending_now = sb.counters("retries").map_or(0, |c| c.scheduled);
+    if pending_now < pending as u64 {
+        bail!("only {pending_now} retries pending");
+    }
+    drop(child);
+    emulators.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Memory {
+        pending: pending_now,
+        rss_idle_mb,
+        rss_pending_mb,
+    })
+}
+
+fn tempdir() -> anyhow::Result<PathBuf> {
+    let dir =
+        std::env::temp_dir().join(format!("hubguard-bench-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
