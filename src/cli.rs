@@ -298,8 +298,15 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     let json = args.json;
     if !json {
         eprintln!(
-            "hubguard demo: {} events over {} partitions, {} replicas; downstream outage {}, Service Bus outage {}, crashes {}",
-            args.events, args.partitions, args.replicas, args.downstream_outage, args.servicebus_outage, args.crash_every
+            "hubguard demo: {} events over {} partitions, {} replicas (max_in_flight {}); downstream outage {}, Service Bus outage {}, blob outage {}, crashes {}",
+            args.events,
+            args.partitions,
+            args.replicas,
+            args.max_in_flight,
+            args.downstream_outage,
+            crate::demo::windows_text(&args.servicebus_outage),
+            crate::demo::windows_text(&args.blob_outage),
+            args.crash_every
         );
     }
     let report = crate::demo::run(&args, |line| {
@@ -315,6 +322,15 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     }
     if report.lost > 0 {
         anyhow::bail!("{} event(s) lost", report.lost);
+    }
+    if !report.clean() {
+        anyhow::bail!(
+            "checks failed: {} checkpoint(s) past an unsettled event, {} attempt regression(s), {} retry message(s) scheduled twice: {:?}",
+            report.checkpoint_violations,
+            report.attempt_regressions,
+            report.double_scheduled,
+            report.problems
+        );
     }
     Ok(())
 }

@@ -336,8 +336,9 @@ fn lock_error(e: &azure_core_legacy::Error) -> RetryQueueError {
     }
 }
 
-/// Rounds up to the next whole second (the wire format has no fractions).
-fn ceil_to_second(t: SystemTime) -> SystemTime {
+/// Rounds up to the next whole second (the wire format has no fractions): the time Service
+/// Bus will actually enqueue a message scheduled for `t`.
+pub fn ceil_to_second(t: SystemTime) -> SystemTime {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = if d.subsec_nanos() > 0 {
         d.as_secs() + 1

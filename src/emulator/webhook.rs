@@ -28,6 +28,8 @@ struct Deliveries {
     by_key: Mutex<BTreeMap<String, u32>>,
     /// Calls per key (any answer).
     calls: Mutex<BTreeMap<String, u32>>,
+    /// When each key was first answered with a 2xx.
+    first: Mutex<BTreeMap<String, std::time::SystemTime>>,
     behaviour: Behaviour,
 }
 
@@ -61,6 +63,11 @@ async fn receive(State(d): State<Arc<Deliveries>>, headers: HeaderMap) -> Status
     };
     let status = StatusCode::from_u16((d.behaviour)(&key, before)).unwrap_or(StatusCode::OK);
     if status.is_success() {
+        d.first
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.clone())
+            .or_insert_with(std::time::SystemTime::now);
         *d.by_key
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -85,6 +92,7 @@ impl WebhookReceiver {
         let deliveries = Arc::new(Deliveries {
             by_key: Mutex::default(),
             calls: Mutex::default(),
+            first: Mutex::default(),
             behaviour,
         });
         let shutdown = CancellationToken::new();
@@ -118,6 +126,15 @@ impl WebhookReceiver {
     pub fn deliveries(&self) -> BTreeMap<String, u32> {
         self.deliveries
             .by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// When each key was first answered with a 2xx.
+    pub fn first_deliveries(&self) -> BTreeMap<String, std::time::SystemTime> {
+        self.deliveries
+            .first
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()

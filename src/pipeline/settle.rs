@@ -165,6 +165,7 @@ impl Settler {
         until: SystemTime,
         traceparents: &[String],
     ) -> Result<(), SettleError> {
+        let until = crate::azure::retry_queue::ceil_to_second(until);
         let id = format!(
             "{}-deferred-{}",
             message_id(&event.identity.idempotency_key, attempt),
@@ -392,6 +393,13 @@ impl Settler {
             let etag = current.as_ref().map(|(_, e)| e.as_str());
             match decision {
                 Decision::RetryAt(due) => {
+                    // Service Bus schedules in whole seconds: record the time it will use, so
+                    // the ledger (and `hubguard status`) tells when the retry really runs.
+                    let due = if due > now {
+                        crate::azure::retry_queue::ceil_to_second(due)
+                    } else {
+                        due
+                    };
                     rec.state = State::RetryScheduled;
                     rec.next_attempt_ms = Some(ms(due));
                     rec.last_delay_ms =

@@ -32,7 +32,8 @@ struct Call {
 }
 
 /// A slow downstream: every call takes `delay`; bodies script failures as in [`Scripted`].
-/// It records every call and the most calls it saw at once, overall and per ordering key.
+/// It records every call, the most calls it saw at once, and first attempts (the partition's
+/// side) that overlapped another first attempt with the same ordering key.
 struct Slow {
     delay: Duration,
     calls: Mutex<Vec<Call>>,
@@ -59,7 +60,12 @@ impl Slow {
 impl Handler for Slow {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         use std::sync::atomic::Ordering::SeqCst;
-        let order = event.properties.get("order").cloned().unwrap_or_default();
+        // Order holds within the partition (attempt 1); retries run from Service Bus and
+        // are not ordered by key, so they are not counted here.
+        let order = match attempt.number {
+            1 => event.properties.get("order").cloned().unwrap_or_default(),
+            n => format!("retry-{}-{n}", event.identity.idempotency_key),
+        };
         {
             let mut r = self.running.lock().unwrap();
             let n = r.entry(order.clone()).or_default();
@@ -92,7 +98,7 @@ impl Handler for Slow {
         *self.running.lock().unwrap().get_mut(&order).unwrap() -= 1;
         self.calls.lock().unwrap().push(Call {
             key,
-            order,
+            order: event.properties.get("order").cloned().unwrap_or_default(),
             seq: event.sequence_number,
             attempt: attempt.number,
             started,

@@ -114,6 +114,21 @@ pub struct StoredEvent {
     pub message: Arc<Msg>,
 }
 
+impl StoredEvent {
+    /// A string (or symbol) application property of the event.
+    pub fn string_property(&self, key: &str) -> Option<String> {
+        use fe2o3_amqp_types::primitives::SimpleValue;
+        self.message
+            .application_properties
+            .as_ref()
+            .and_then(|a| match a.0.get(key) {
+                Some(SimpleValue::String(s)) => Some(s.clone()),
+                Some(SimpleValue::Symbol(s)) => Some(s.0.clone()),
+                _ => None,
+            })
+    }
+}
+
 #[derive(Debug, Default)]
 struct Log {
     events: Vec<StoredEvent>,

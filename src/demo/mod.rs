@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
 use azure_messaging_eventhubs::{EventDataBatchOptions, ProducerClient};
+use clap::builder::ArgPredicate;
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +29,8 @@ use crate::pipeline::health::Health;
 use crate::pipeline::settle::Policies;
 use crate::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use crate::policy::{Curve, RetryPolicy};
+
+pub mod verify;
 
 /// A `START:DURATION` window, e.g. `8s:10s`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,17 +73,22 @@ impl std::str::FromStr for Window {
     }
 }
 
-/// Options of `hubguard demo`.
+/// Options of `hubguard demo`. `--chaos` switches every option left unset to the chaos
+/// soak's value (100,000 events, 8 partitions, 3 replicas, two Service Bus outages, a blob
+/// storage outage, a crash every 20 s, `max_in_flight` 8).
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
+    /// The chaos soak: defaults for a long run under sustained faults (explicit flags win).
+    #[arg(long)]
+    pub chaos: bool,
     /// Events to produce.
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, default_value_t = 400, default_value_if("chaos", ArgPredicate::Equals("true".into()), "100000"))]
     pub events: usize,
     /// Spread the producer's sends over this long (events keep arriving during the outages).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = "30s", default_value_if("chaos", ArgPredicate::Equals("true".into()), "90s"), value_parser = parse_duration)]
     pub produce_over: Duration,
     /// Partitions of the demo hub.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, default_value_if("chaos", ArgPredicate::Equals("true".into()), "8"))]
     pub partitions: usize,
     /// Share of events whose first 1–3 deliveries fail transiently (503).
     #[arg(long, default_value_t = 0.2)]
@@ -89,27 +97,47 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 0.02)]
     pub permanent_rate: f64,
     /// The downstream answers 503 to everything in this window (`none` for no outage).
-    #[arg(long, default_value = "6s:8s")]
+    #[arg(long, default_value = "6s:8s", default_value_if("chaos", ArgPredicate::Equals("true".into()), "15s:10s"))]
     pub downstream_outage: Outage,
-    /// Service Bus answers 503 in this window: partitions hold (`none` for no outage).
-    #[arg(long, default_value = "20s:6s")]
-    pub servicebus_outage: Outage,
+    /// Service Bus answers 503 in these windows (comma separated): partitions hold.
+    #[arg(long, value_delimiter = ',', default_value = "20s:6s", default_value_if("chaos", ArgPredicate::Equals("true".into()), "35s:8s,70s:6s"))]
+    pub servicebus_outage: Vec<Outage>,
+    /// Blob storage (checkpoints, ownership, the ledger) answers 503 in these windows.
+    #[arg(long, value_delimiter = ',', default_value = "none", default_value_if("chaos", ArgPredicate::Equals("true".into()), "50s:6s"))]
+    pub blob_outage: Vec<Outage>,
     /// Crash a replica (no final checkpoint, no ownership release) this often and start it
     /// again (`none` for no crashes).
-    #[arg(long, default_value = "15s")]
+    #[arg(long, default_value = "15s", default_value_if("chaos", ArgPredicate::Equals("true".into()), "20s"))]
     pub crash_every: Every,
     /// hubguard replicas sharing the partitions.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, default_value_if("chaos", ArgPredicate::Equals("true".into()), "3"))]
     pub replicas: usize,
+    /// Events of one partition handled at once (`processor.max_in_flight`).
+    #[arg(long, default_value_t = 1, default_value_if("chaos", ArgPredicate::Equals("true".into()), "8"))]
+    pub max_in_flight: usize,
     /// Seed for which events fail.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Give up (and fail) after this long.
-    #[arg(long, default_value = "240s", value_parser = parse_duration)]
+    #[arg(long, default_value = "240s", default_value_if("chaos", ArgPredicate::Equals("true".into()), "1200s"), value_parser = parse_duration)]
     pub timeout: Duration,
     /// Print one JSON line at the end instead of the table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The windows as text.
+pub fn windows_text(w: &[Outage]) -> String {
+    let active: Vec<String> = w
+        .iter()
+        .filter(|o| o.0.is_some())
+        .map(|o| o.to_string())
+        .collect();
+    if active.is_empty() {
+        "none".into()
+    } else {
+        active.join(", ")
+    }
 }
 
 /// An outage window, or `none`.
@@ -161,7 +189,7 @@ impl std::str::FromStr for Every {
 }
 
 /// What the demo found.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Report {
     /// Events the producer sent.
     pub events: usize,
@@ -185,8 +213,32 @@ pub struct Report {
     pub checkpoint_writes: u64,
     /// Replica crashes.
     pub crashes: usize,
+    /// Duplicate deliveries per event.
+    pub duplicate_ratio: f64,
+    /// Checkpoint writes checked against what had settled when each was written.
+    pub checkpoint_writes_checked: usize,
+    /// Checkpoint writes that covered an unsettled event (must be 0).
+    pub checkpoint_violations: usize,
+    /// Attempt numbers that went backwards (must be 0).
+    pub attempt_regressions: usize,
+    /// Retry messages scheduled twice for the same attempt (must be 0).
+    pub double_scheduled: usize,
+    /// The first problems the checks found, if any.
+    pub problems: Vec<String>,
+    /// `max_in_flight` of every replica.
+    pub max_in_flight: usize,
     /// Wall time.
     pub elapsed_ms: u64,
+}
+
+impl Report {
+    /// Whether nothing was lost and every check passed.
+    pub fn clean(&self) -> bool {
+        self.lost == 0
+            && self.checkpoint_violations == 0
+            && self.attempt_regressions == 0
+            && self.double_scheduled == 0
+    }
 }
 
 fn mix(seed: u64, key: &str, salt: u64) -> u64 {
@@ -219,6 +271,7 @@ struct Bed {
     sb: ServiceBusEmulator,
     blob: BlobEmulator,
     hook: WebhookReceiver,
+    max_in_flight: usize,
 }
 
 const HUB: &str = "demo";
@@ -290,6 +343,7 @@ impl Bed {
                 ownership_expiration: Duration::from_secs(3),
                 checkpoint_every_events: 50,
                 checkpoint_every: Duration::from_millis(500),
+                max_in_flight: self.max_in_flight,
                 deadline,
                 settle_backoff_max: Duration::from_millis(500),
                 retry_concurrency: 16,
@@ -385,8 +439,8 @@ async fn produce(
 
 /// Runs the demo and returns its report; `progress` receives one line per second.
 pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Result<Report> {
-    if args.events == 0 || args.partitions == 0 || args.replicas == 0 {
-        bail!("--events, --partitions and --replicas must be positive");
+    if args.events == 0 || args.partitions == 0 || args.replicas == 0 || args.max_in_flight == 0 {
+        bail!("--events, --partitions, --replicas and --max-in-flight must be positive");
     }
     if !(0.0..=1.0).contains(&args.transient_rate) || !(0.0..=1.0).contains(&args.permanent_rate) {
         bail!("--transient-rate and --permanent-rate must be between 0 and 1");
@@ -419,7 +473,13 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         .await?,
         blob: BlobEmulator::start(BlobConfig::default()).await?,
         hook: WebhookReceiver::start_with(local, behaviour).await?,
+        max_in_flight: args.max_in_flight,
     };
+    // The independent checks read what the emulators recorded from the start.
+    bed.blob.store().record_writes();
+    if let Some(q) = bed.sb.queue("retries") {
+        q.record_accepted();
+    }
     let mut replicas: Vec<Replica> = (0..args.replicas)
         .map(|i| bed.start_replica(&format!("replica-{i}")))
         .collect::<anyhow::Result<_>>()?;
@@ -433,10 +493,9 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
     let ledger = bed.ledger()?;
     let mut keys: Option<Vec<String>> = None;
     let mut producer = Some(producer);
-    let (mut downstream_done, mut servicebus_done) = (
-        args.downstream_outage.0.is_none(),
-        args.servicebus_outage.0.is_none(),
-    );
+    let mut downstream_done = args.downstream_outage.0.is_none();
+    let mut servicebus_started = vec![false; args.servicebus_outage.len()];
+    let mut blob_started = vec![false; args.blob_outage.len()];
     let mut next_crash = args.crash_every.0;
     let mut crashes = 0usize;
     let tty = std::io::stderr().is_terminal();
@@ -456,18 +515,27 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
             ));
             downstream_done = true;
         }
-        if let Some(w) = args
-            .servicebus_outage
-            .0
-            .filter(|w| !servicebus_done && t >= w.start)
-        {
-            bed.sb.faults().error_status_for(503, w.duration);
-            progress(&format!(
-                "t={:>3}s  Service Bus outage: 503 for {:?}; partitions with failures will hold",
-                t.as_secs(),
-                w.duration
-            ));
-            servicebus_done = true;
+        for (i, w) in args.servicebus_outage.iter().enumerate() {
+            if let Some(w) = w.0.filter(|w| !servicebus_started[i] && t >= w.start) {
+                bed.sb.faults().error_status_for(503, w.duration);
+                progress(&format!(
+                    "t={:>3}s  Service Bus outage: 503 for {:?}; partitions with failures will hold",
+                    t.as_secs(),
+                    w.duration
+                ));
+                servicebus_started[i] = true;
+            }
+        }
+        for (i, w) in args.blob_outage.iter().enumerate() {
+            if let Some(w) = w.0.filter(|w| !blob_started[i] && t >= w.start) {
+                bed.blob.faults().error_status_for(503, w.duration);
+                progress(&format!(
+                    "t={:>3}s  blob storage outage: 503 for {:?}; checkpoints, ownership and the ledger fail",
+                    t.as_secs(),
+                    w.duration
+                ));
+                blob_started[i] = true;
+            }
         }
         if let Some(every) = next_crash.filter(|n| t >= *n) {
             let i = crashes % replicas.len();
@@ -540,9 +608,13 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
             let settled = keys
                 .iter()
                 .all(|k| delivered.contains_key(k) || dead.contains(k));
+            let started =
+                |v: &[bool], w: &[Outage]| v.iter().zip(w).all(|(s, w)| *s || w.0.is_none());
             let outages_over = downstream_done
-                && servicebus_done
+                && started(&servicebus_started, &args.servicebus_outage)
+                && started(&blob_started, &args.blob_outage)
                 && bed.sb.faults().error_status().is_none()
+                && bed.blob.faults().error_status().is_none()
                 && bed.hook.faults().error_status().is_none();
             if settled
                 && outages_over
@@ -579,12 +651,35 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         .iter()
         .filter(|k| !delivered.contains_key(**k) && dead.contains(**k))
         .count();
-    let mut max_attempt = 1;
+    let mut ledger_records: std::collections::HashMap<String, crate::ledger::LedgerRecord> =
+        Default::default();
     for key in ledger.keys().await? {
         if let Some((rec, _)) = ledger.get(&key).await? {
-            max_attempt = max_attempt.max(rec.attempts);
+            ledger_records.insert(key, rec);
         }
     }
+    let max_attempt = ledger_records
+        .values()
+        .map(|r| r.attempts)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let blob_writes = bed.blob.store().writes();
+    let accepted = bed
+        .sb
+        .queue("retries")
+        .map(|q| q.accepted())
+        .unwrap_or_default();
+    let first_delivered = bed.hook.first_deliveries();
+    let verdict = verify::verify(&verify::Evidence {
+        eventhubs: &bed.eh,
+        hub: HUB,
+        blob_writes: &blob_writes,
+        accepted: &accepted,
+        first_delivered: &first_delivered,
+        ledger: &ledger,
+        records: &ledger_records,
+    });
     let sb = bed.sb.counters("retries").unwrap_or_default();
     let breaker_key = format!(
         "breakers/{}",
@@ -618,18 +713,28 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         breaker_reopens,
         checkpoint_writes: retired.iter().map(|h| h.snapshot().checkpoints).sum(),
         crashes,
+        duplicate_ratio: (delivered.values().map(|n| *n as usize).sum::<usize>() - delivered.len())
+            as f64
+            / keys.len().max(1) as f64,
+        checkpoint_writes_checked: verdict.checkpoint_writes_checked,
+        checkpoint_violations: verdict.checkpoint_violations,
+        attempt_regressions: verdict.attempt_regressions,
+        double_scheduled: verdict.double_scheduled,
+        problems: verdict.problems.clone(),
+        max_in_flight: args.max_in_flight,
         elapsed_ms: started.elapsed().as_millis() as u64,
     };
     // The operator story: one retried event as support staff would look it up.
     if !args.json {
         let mut best: Option<crate::ledger::LedgerRecord> = None;
-        for key in ledger.keys().await? {
-            if let Some((rec, _)) = ledger.get(&key).await? {
-                if rec.state == State::Delivered
-                    && best.as_ref().is_none_or(|b| rec.attempts > b.attempts)
-                {
-                    best = Some(rec);
-                }
+        let mut keys: Vec<&String> = ledger_records.keys().collect();
+        keys.sort();
+        for key in keys {
+            let rec = &ledger_records[key];
+            if rec.state == State::Delivered
+                && best.as_ref().is_none_or(|b| rec.attempts > b.attempts)
+            {
+                best = Some(rec.clone());
             }
         }
         if let Some(rec) = best {
@@ -671,9 +776,23 @@ pub fn print_table(r: &Report) {
     );
     println!("{:<24} {:>10}", "checkpoint writes", r.checkpoint_writes);
     println!("{:<24} {:>10}", "replica crashes", r.crashes);
+    println!("{:<24} {:>10.4}", "duplicates per event", r.duplicate_ratio);
+    println!(
+        "{:<24} {:>10}",
+        "checkpoints checked", r.checkpoint_writes_checked
+    );
+    println!(
+        "{:<24} {:>10}",
+        "ckpt past unsettled", r.checkpoint_violations
+    );
+    println!("{:<24} {:>10}", "attempts went back", r.attempt_regressions);
+    println!("{:<24} {:>10}", "retry scheduled twice", r.double_scheduled);
+    for p in &r.problems {
+        println!("  problem: {p}");
+    }
     println!("{:<24} {:>9.1}s", "elapsed", r.elapsed_ms as f64 / 1000.0);
-    if r.lost == 0 {
-        println!("\nNothing lost: every event was delivered or dead-lettered.");
+    if r.clean() {
+        println!("\nNothing lost: every event was delivered or dead-lettered, and no checkpoint ever passed an unsettled event.");
     }
 }
 

@@ -1,0 +1,229 @@
+//! The demo's (and the chaos soak's) independent checks, from what the emulators recorded —
+//! never from hubguard's own counters:
+//!
+//! - **No checkpoint passed an unsettled event.** Every checkpoint write the blob emulator
+//!   applied, at time t up to sequence s, is checked against when each event at or before s
+//!   first settled: its first 2xx at the receiver, the first retry message Service Bus
+//!   accepted for it, or (dead-lettered on its first attempt) the first write of its ledger
+//!   record. All of these come before hubguard can know the event settled, so the check is
+//!   strict.
+//! - **No attempt number went backwards**: in each ledger record's history, and in the order
+//!   Service Bus accepted an event's retry messages.
+//! - **No retry message was scheduled twice for the same attempt**: each
+//!   `{key}-attempt-{n}` MessageId was accepted at most once (breaker deferrals carry
+//!   `-deferred-{ms}` and re-schedule the same attempt by design).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::SystemTime;
+
+use serde::Serialize;
+
+use crate::emulator::blob::store::BlobWrite;
+use crate::emulator::eventhubs::EventHubsEmulator;
+use crate::ledger::{Ledger, LedgerRecord, State};
+
+/// What the checks found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Verdict {
+    /// Checkpoint writes checked.
+    pub checkpoint_writes_checked: usize,
+    /// Checkpoint writes that covered an event not yet settled at the time.
+    pub checkpoint_violations: usize,
+    /// Ledger histories or retry sequences whose attempt number decreased.
+    pub attempt_regressions: usize,
+    /// `{key}-attempt-{n}` messages Service Bus accepted more than once.
+    pub double_scheduled: usize,
+    /// The first few problems, for the report.
+    pub problems: Vec<String>,
+}
+
+impl Verdict {
+    /// Whether every check passed.
+    pub fn clean(&self) -> bool {
+        self.checkpoint_violations == 0
+            && self.attempt_regressions == 0
+            && self.double_scheduled == 0
+    }
+
+    fn problem(&mut self, p: String) {
+        if self.problems.len() < 10 {
+            self.problems.push(p);
+        }
+    }
+}
+
+/// Splits a retry MessageId into (key, attempt, deferred).
+pub fn parse_message_id(id: &str) -> Option<(&str, u32, bool)> {
+    let at = id.rfind("-attempt-")?;
+    let (key, rest) = (&id[..at], &id[at + "-attempt-".len()..]);
+    match rest.split_once("-deferred-") {
+        Some((n, _)) => Some((key, n.parse().ok()?, true)),
+        None => Some((key, rest.parse().ok()?, false)),
+    }
+}
+
+/// Everything the checks read.
+pub struct Evidence<'a> {
+    /// The Event Hubs emulator (which event sits at which sequence number).
+    pub eventhubs: &'a EventHubsEmulator,
+    /// The hub.
+    pub hub: &'a str,
+    /// The blob emulator's write history.
+    pub blob_writes: &'a [BlobWrite],
+    /// Service Bus's accepted sends: MessageId and time.
+    pub accepted: &'a [(String, SystemTime)],
+    /// The receiver's first 2xx per key.
+    pub first_delivered: &'a BTreeMap<String, SystemTime>,
+    /// The ledger, and every record in it.
+    pub ledger: &'a Ledger,
+    /// The ledger's records by key.
+    pub records: &'a HashMap<String, LedgerRecord>,
+}
+
+/// Runs the checks.
+pub fn verify(e: &Evidence<'_>) -> Verdict {
+    let mut v = Verdict::default();
+    // Retry messages: first acceptance per key, doubles, attempt order.
+    let mut first_accept: HashMap<&str, SystemTime> = HashMap::new();
+    let mut seen: HashMap<(&str, u32), u32> = HashMap::new();
+    let mut last_attempt: HashMap<&str, u32> = HashMap::new();
+    for (id, at) in e.accepted {
+        let Some((key, n, deferred)) = parse_message_id(id) else {
+            continue;
+        };
+        first_accept.entry(key).or_insert(*at);
+        if !deferred {
+            let c = seen.entry((key, n)).or_default();
+            *c += 1;
+            if *c == 2 {
+                v.double_scheduled += 1;
+                v.problem(format!("{id} was accepted twice"));
+            }
+        }
+        let last = last_attempt.entry(key).or_insert(n);
+        if n < *last {
+            v.attempt_regressions += 1;
+            v.problem(format!(
+                "{key}: retry for attempt {n} accepted after attempt {last}"
+            ));
+        }
+        *last = (*last).max(n);
+    }
+    // Ledger histories.
+    for (key, rec) in e.records {
+        if rec.history.windows(2).any(|w| w[1].attempt < w[0].attempt) {
+            v.attempt_regressions += 1;
+            v.problem(format!("{key}: ledger history goes backwards"));
+        }
+    }
+    let first_ledger_write: HashMap<&str, SystemTime> = {
+        let mut m = HashMap::new();
+        let by_name: HashMap<String, &str> = e
+            .records
+            .keys()
+            .map(|k| (e.ledger.record_name(k), k.as_str()))
+            .collect();
+        for w in e.blob_writes {
+            if let Some(k) = by_name.get(&w.name) {
+                m.entry(*k).or_insert(w.at);
+            }
+        }
+        m
+    };
+    let settled_at = |key: &str| -> Option<SystemTime> {
+        let mut t: Option<SystemTime> = None;
+        let mut take = |x: Option<SystemTime>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        take(e.first_delivered.get(key).copied());
+        take(first_accept.get(key).copied());
+        if let Some(rec) = e.records.get(key) {
+            let dead_at_first = rec.state == State::DeadLettered
+                && rec
+                    .history
+                    .iter()
+                    .any(|h| h.attempt == 1 && h.outcome == "dead_lettered");
+            if dead_at_first {
+                take(first_ledger_write.get(key).copied());
+            }
+        }
+        t
+    };
+    // Per partition: the latest settlement among events 0..=s (None: one never settled).
+    let Some(hub) = e.eventhubs.store().hub(e.hub) else {
+        v.problem(format!("hub {} not found", e.hub));
+        return v;
+    };
+    let mut prefix_settled: Vec<Vec<Option<SystemTime>>> = Vec::new();
+    for p in &hub.partitions {
+        let events = p.events_from(0, usize::MAX);
+        let mut acc: Option<SystemTime> = Some(SystemTime::UNIX_EPOCH);
+        let mut col = Vec::with_capacity(events.len());
+        for ev in events {
+            let key = ev
+                .string_property("ce_id")
+                .unwrap_or_else(|| format!("{}/{}/{}", e.hub, p.id, ev.sequence_number));
+            acc = match (acc, settled_at(&key)) {
+                (Some(a), Some(s)) => Some(a.max(s)),
+                _ => None,
+            };
+            col.push(acc);
+        }
+        prefix_settled.push(col);
+    }
+    let marker = format!("/{}/", e.hub.to_ascii_lowercase());
+    for w in e.blob_writes {
+        let Some((_, partition)) = w.name.rsplit_once("/checkpoint/") else {
+            continue;
+        };
+        if !w.name.to_ascii_lowercase().contains(&marker) {
+            continue;
+        }
+        let Some(seq) = w
+            .metadata
+            .get("sequencenumber")
+            .and_then(|s| s.parse::<i64>().ok())
+        else {
+            continue;
+        };
+        let Some(col) = hub
+            .partition_index(partition)
+            .and_then(|i| prefix_settled.get(i))
+        else {
+            continue;
+        };
+        v.checkpoint_writes_checked += 1;
+        let ok = usize::try_from(seq)
+            .ok()
+            .and_then(|i| col.get(i).copied().flatten())
+            .is_some_and(|settled| settled <= w.at);
+        if !ok {
+            v.checkpoint_violations += 1;
+            v.problem(format!(
+                "partition {partition}: checkpoint to {seq} written before every event up to it had settled"
+            ));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_parse() {
+        assert_eq!(
+            parse_message_id("demo-00012-attempt-3"),
+            Some(("demo-00012", 3, false))
+        );
+        assert_eq!(
+            parse_message_id("a-attempt-b-attempt-2-deferred-1700000000000"),
+            Some(("a-attempt-b", 2, true))
+        );
+        assert_eq!(parse_message_id("no-attempt-here"), None);
+        assert_eq!(parse_message_id("plain"), None);
+    }
+}
