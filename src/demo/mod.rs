@@ -225,6 +225,9 @@ pub struct Report {
     pub double_scheduled: usize,
     /// The first problems the checks found, if any.
     pub problems: Vec<String>,
+    /// Partitions with unsettled events: (how many, the first one's sequence number, the
+    /// last checkpoint written).
+    pub unsettled: BTreeMap<String, (usize, i64, Option<i64>)>,
     /// `max_in_flight` of every replica.
     pub max_in_flight: usize,
     /// Wall time.
@@ -721,6 +724,7 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         attempt_regressions: verdict.attempt_regressions,
         double_scheduled: verdict.double_scheduled,
         problems: verdict.problems.clone(),
+        unsettled: verdict.unsettled.clone(),
         max_in_flight: args.max_in_flight,
         elapsed_ms: started.elapsed().as_millis() as u64,
     };
@@ -789,6 +793,12 @@ pub fn print_table(r: &Report) {
     println!("{:<24} {:>10}", "retry scheduled twice", r.double_scheduled);
     for p in &r.problems {
         println!("  problem: {p}");
+    }
+    for (p, (n, first, cp)) in &r.unsettled {
+        println!(
+            "  partition {p}: {n} event(s) never settled, from sequence number {first}; last checkpoint {}",
+            cp.map_or("none".to_string(), |c| c.to_string())
+        );
     }
     println!("{:<24} {:>9.1}s", "elapsed", r.elapsed_ms as f64 / 1000.0);
     if r.clean() {

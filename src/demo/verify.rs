@@ -35,6 +35,9 @@ pub struct Verdict {
     pub double_scheduled: usize,
     /// The first few problems, for the report.
     pub problems: Vec<String>,
+    /// Partitions with events that never settled: (how many, the first one's sequence number,
+    /// the last checkpoint written).
+    pub unsettled: BTreeMap<String, (usize, i64, Option<i64>)>,
 }
 
 impl Verdict {
@@ -165,7 +168,15 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             let key = ev
                 .string_property("ce_id")
                 .unwrap_or_else(|| format!("{}/{}/{}", e.hub, p.id, ev.sequence_number));
-            acc = match (acc, settled_at(&key)) {
+            let settled = settled_at(&key);
+            if settled.is_none() {
+                let u = v
+                    .unsettled
+                    .entry(p.id.clone())
+                    .or_insert((0, ev.sequence_number, None));
+                u.0 += 1;
+            }
+            acc = match (acc, settled) {
                 (Some(a), Some(s)) => Some(a.max(s)),
                 _ => None,
             };
@@ -195,6 +206,9 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             continue;
         };
         v.checkpoint_writes_checked += 1;
+        if let Some(u) = v.unsettled.get_mut(partition) {
+            u.2 = Some(u.2.map_or(seq, |c: i64| c.max(seq)));
+        }
         let ok = usize::try_from(seq)
             .ok()
             .and_then(|i| col.get(i).copied().flatten())

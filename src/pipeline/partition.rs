@@ -349,6 +349,11 @@ impl Shared {
     /// Counts a failed settlement.
     pub(crate) fn settle_failed(&self, e: &super::settle::SettleError) {
         self.health.count(&self.health.counters.settle_failures);
+        self.settle_failed_metric(e);
+    }
+
+    /// Records a failed settlement in the metrics only.
+    pub(crate) fn settle_failed_metric(&self, e: &super::settle::SettleError) {
         self.metrics.settle_failures.add(
             1,
             &[opentelemetry::KeyValue::new(

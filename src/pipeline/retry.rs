@@ -1,12 +1,22 @@
 //! The retry loop: receive due retry messages from Service Bus, run the attempt, settle it,
 //! then *complete* the message (never abandon after scheduling the next attempt, which would
-//! make a second copy); if settling fails, *abandon* so Service Bus redelivers it.
+//! make a second copy). If a dependency fails on the way (the ledger, Service Bus itself),
+//! the message is *held*: its lock is renewed and the step retried with backoff until it
+//! succeeds. Abandoning at once would hand the message straight back, and a few seconds of
+//! outage would burn its delivery count until Service Bus dead-lettered it out of
+//! hubguard's sight. If the process stops or dies while holding, the lock lapses and Service
+//! Bus redelivers the message: one delivery counted, nothing lost.
 //! The ledger decides: a message for an event already delivered or dead-lettered is completed
 //! without calling the handler, and a stale message (its attempt already recorded) only
 //! re-sends the recorded next attempt.
 //!
 //! The loop never dies silently (seed 000's three layers): receive errors are retried at
 //! once with backoff, then by a watchdog at a slow pace; the state shows in readiness.
+//!
+//! Service Bus's REST API hands out one message per receive, so one receiver drains a burst
+//! of due retries one round trip at a time. While the loop is healthy, helper receivers (up
+//! to `retry_concurrency` in all) receive in parallel; failures are the primary loop's
+//! business: helpers stand by until it reports the queue reachable again.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -31,7 +41,13 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     let slots = Arc::new(Semaphore::new(shared.options.retry_concurrency.max(1)));
     let mut failures = 0u32;
     shared.health.set_retry_loop(RetryLoopState::Running);
+    // Owned here: if this future is dropped (a crash), every helper and attempt goes with it.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 1..shared.options.retry_concurrency.max(1) {
+        tasks.spawn(helper(shared.clone(), slots.clone(), cancel.clone()));
+    }
     loop {
+        while tasks.try_join_next().is_some() {}
         let permit = tokio::select! {
             _ = cancel.cancelled() => break,
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -47,9 +63,9 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    process(msg, &shared).await;
+                let (shared, cancel) = (shared.clone(), cancel.clone());
+                tasks.spawn(async move {
+                    process(msg, &shared, &cancel).await;
                     drop(permit);
                 });
             }
@@ -82,11 +98,47 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
             }
         }
     }
-    // Let in-flight attempts finish and settle.
-    let _ = slots
-        .acquire_many(shared.options.retry_concurrency.max(1) as u32)
-        .await;
+    // Let in-flight attempts finish and settle; helpers stop on `cancel`.
+    while tasks.join_next().await.is_some() {}
     shared.health.set_retry_loop(RetryLoopState::Stopped);
+}
+
+/// A helper receiver: receives and processes in parallel with the primary loop, but only
+/// while it reports the queue healthy.
+async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: CancellationToken) {
+    let mut changes = shared.health.subscribe();
+    loop {
+        while shared.health.retry_loop() != RetryLoopState::Running {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = changes.changed() => if r.is_err() { return },
+            }
+        }
+        let permit = tokio::select! {
+            _ = cancel.cancelled() => return,
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+        };
+        let received = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = shared.queue.receive(shared.options.retry_receive_wait) => r,
+        };
+        match received {
+            Ok(Some(msg)) => process(msg, &shared, &cancel).await,
+            Ok(None) => {}
+            Err(_) => {
+                // The primary loop sees the same failure and changes the state; stand by
+                // until it does (or briefly, if it already recovered).
+                drop(permit);
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = changes.changed() => {}
+                    _ = tokio::time::sleep(shared.options.reconnect_base) => {}
+                }
+                continue;
+            }
+        }
+        drop(permit);
+    }
 }
 
 async fn settle_message(msg: &ReceivedMessage, complete: bool) {
@@ -100,7 +152,54 @@ async fn settle_message(msg: &ReceivedMessage, complete: bool) {
     }
 }
 
-async fn process(mut msg: ReceivedMessage, shared: &Shared) {
+/// Runs `op` until it succeeds, with backoff, renewing `msg`'s lock meanwhile; `None` if the
+/// loop stops first (the message is abandoned then, so Service Bus redelivers it).
+async fn holding<T, E, F, Fut>(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    what: &str,
+    mut op: F,
+) -> Option<T>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match op().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                shared.health.count(&shared.health.counters.settle_failures);
+                tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
+                let until = tokio::time::Instant::now() + backoff;
+                loop {
+                    let renew_in = msg
+                        .locked_until
+                        .duration_since(SystemTime::now())
+                        .unwrap_or_default()
+                        / 2;
+                    tokio::select! {
+                        _ = cancel.cancelled() => {
+                            settle_message(msg, false).await;
+                            return None;
+                        }
+                        _ = tokio::time::sleep_until(until) => break,
+                        _ = tokio::time::sleep(renew_in.max(Duration::from_millis(500))) => {
+                            if let Err(e) = msg.renew().await {
+                                tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                            }
+                        }
+                    }
+                }
+                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
+            }
+        }
+    }
+}
+
+async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &CancellationToken) {
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -116,31 +215,40 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
         .duration_since(at(body.due_ms))
         .unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
-    match shared.settler.ledger.get(key).await {
-        Err(e) => {
-            tracing::warn!(key = %key, error = %e, "ledger unavailable; abandoning the retry message for redelivery");
-            settle_message(&msg, false).await;
-            return;
-        }
-        Ok(Some((rec, _))) if rec.state != State::RetryScheduled => {
+    let Some(current) = holding(&mut msg, shared, cancel, "reading the ledger", || {
+        shared.settler.ledger.get(key)
+    })
+    .await
+    else {
+        return;
+    };
+    match current {
+        Some((rec, _)) if rec.state != State::RetryScheduled => {
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             settle_message(&msg, true).await;
             return;
         }
-        Ok(Some((rec, _))) if rec.attempts >= body.attempt => {
+        Some((rec, _)) if rec.attempts >= body.attempt => {
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
-            match shared
-                .settler
-                .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
-                .await
-            {
-                Ok(()) => settle_message(&msg, true).await,
-                Err(_) => settle_message(&msg, false).await,
+            let scheduled = holding(
+                &mut msg,
+                shared,
+                cancel,
+                "re-sending the recorded retry",
+                || {
+                    shared
+                        .settler
+                        .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
+                },
+            )
+            .await;
+            if scheduled.is_some() {
+                settle_message(&msg, true).await;
             }
             return;
         }
-        Ok(_) => {}
+        _ => {}
     }
     // An open breaker defers the attempt past its expiry, without counting it.
     let mut probe = false;
@@ -153,16 +261,14 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
                     1,
                     &crate::telemetry::type_label(event.identity.event_type.as_deref()),
                 );
-                match shared
-                    .settler
-                    .defer(&event, body.attempt, until, &body.traceparents)
-                    .await
-                {
-                    Ok(()) => settle_message(&msg, true).await,
-                    Err(e) => {
-                        tracing::warn!(key = %key, error = %e, "deferring failed; abandoning for redelivery");
-                        settle_message(&msg, false).await;
-                    }
+                let deferred = holding(&mut msg, shared, cancel, "deferring the retry", || {
+                    shared
+                        .settler
+                        .defer(&event, body.attempt, until, &body.traceparents)
+                })
+                .await;
+                if deferred.is_some() {
+                    settle_message(&msg, true).await;
                 }
                 return;
             }
@@ -231,29 +337,40 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared) {
     );
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
-    let settled = shared
-        .settler
-        .settle(
-            &event,
-            body.attempt,
-            Source::Retry,
-            attempted.started,
-            &attempted.outcome,
-            &attempted.trace_id,
-            &trail,
-        )
-        .instrument(attempted.span.clone())
-        .await;
-    attempt::finish(&attempted, settled.as_ref());
-    match settled {
-        Ok(s) => {
-            shared.count_settled(&s, event.identity.event_type.as_deref());
-            settle_message(&msg, true).await;
-        }
+    let settle = || {
+        shared
+            .settler
+            .settle(
+                &event,
+                body.attempt,
+                Source::Retry,
+                attempted.started,
+                &attempted.outcome,
+                &attempted.trace_id,
+                &trail,
+            )
+            .instrument(attempted.span.clone())
+    };
+    let settled = match settle().await {
+        Ok(s) => Ok(s),
         Err(e) => {
             shared.settle_failed(&e);
-            tracing::warn!(key = %key, error = %e, "settling the retry failed; abandoning so Service Bus redelivers it");
-            settle_message(&msg, false).await;
+            tracing::warn!(key = %key, error = %e, "settling the retry failed; holding it until it settles");
+            match holding(&mut msg, shared, cancel, "settling the retry", || async {
+                settle()
+                    .await
+                    .inspect_err(|e| shared.settle_failed_metric(e))
+            })
+            .await
+            {
+                Some(s) => Ok(s),
+                None => Err(e),
+            }
         }
+    };
+    attempt::finish(&attempted, settled.as_ref());
+    if let Ok(s) = settled {
+        shared.count_settled(&s, event.identity.event_type.as_deref());
+        settle_message(&msg, true).await;
     }
 }

@@ -701,3 +701,56 @@ async fn a_long_outage_opens_once_probes_once_per_window_and_recovers_without_a_
         "closed after recovery"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_due_while_blob_storage_is_down_is_held_not_burnt_into_the_dead_letter_queue() {
+    // Two deliveries and Service Bus dead-letters a message: abandoning on every failed
+    // ledger read would lose the retry from hubguard's sight within a second.
+    let mut queue = hubguard::emulator::servicebus::QueueSpec::new("retries");
+    queue.max_delivery_count = 2;
+    let bed = Bed::start_with_queue(1, queue).await;
+    bed.send(0, &[("flaky", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("the retry is scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == 1
+    })
+    .await;
+    bed.blob
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    let before = run.health.snapshot().settle_failures;
+    wait_for(
+        "the retry loop retried the ledger several times",
+        &run.health,
+        LIMIT,
+        || async { run.health.snapshot().settle_failures >= before + 5 },
+    )
+    .await;
+    let sb = bed.sb.counters("retries").unwrap();
+    assert_eq!(
+        sb.dead_lettered, 0,
+        "held, not dead-lettered by Service Bus: {sb:?}"
+    );
+    assert_eq!(sb.locked, 1, "the message is held under its lock: {sb:?}");
+    assert_eq!(
+        handler.calls_of("flaky"),
+        vec![1],
+        "no attempt while the ledger is down"
+    );
+
+    bed.blob.faults().clear();
+    wait_for("delivered on attempt 2", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains("flaky")
+    })
+    .await;
+    wait_for("the message completed", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.locked + c.active + c.scheduled == 0
+    })
+    .await;
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+    let (rec, _) = bed.ledger().get("flaky").await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    run.stop().await;
+}

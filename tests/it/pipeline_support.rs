@@ -129,6 +129,10 @@ impl Running {
 
 impl Bed {
     pub async fn start(partitions: usize) -> Self {
+        Self::start_with_queue(partitions, QueueSpec::new("retries")).await
+    }
+
+    pub async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
         let eh = EventHubsEmulator::start(EventHubsConfig {
             hubs: vec![HubSpec::new("hub", partitions)],
             ..Default::default()
@@ -136,7 +140,7 @@ impl Bed {
         .await
         .unwrap();
         let sb = ServiceBusEmulator::start(ServiceBusConfig {
-            queues: vec![QueueSpec::new("retries")],
+            queues: vec![queue],
             ..Default::default()
         })
         .await
