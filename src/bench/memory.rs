@@ -19,12 +19,26 @@ use crate::emulator::{Emulators, EmulatorsConfig};
 /// What the memory scenario measured.
 #[derive(Debug, Clone)]
 pub struct Memory {
-    /// Retries pending in Service Bus in the second reading.
+    /// Retries pending in Service Bus in the last reading.
     pub pending: u64,
-    /// Resident set after the same number of events were delivered (none pending), MB.
+    /// Retries pending in the warm-up reading.
+    pub warm_pending: u64,
+    /// Resident set after `pending` events were delivered (none pending), MB.
     pub rss_idle_mb: f64,
+    /// Resident set once the failure path ran (ledger, Service Bus clients) with
+    /// `warm_pending` retries pending, MB.
+    pub rss_warm_mb: f64,
     /// Resident set with `pending` retries scheduled, MB.
     pub rss_pending_mb: f64,
+}
+
+impl Memory {
+    /// Growth attributable to pending retries: from `warm_pending` to `pending`, scaled to
+    /// `pending` (the failure path's fixed cost, its clients and pools, is left out).
+    pub fn growth_per_pending_mb(&self) -> f64 {
+        let extra = self.pending.saturating_sub(self.warm_pending).max(1) as f64;
+        (self.rss_pending_mb - self.rss_warm_mb) * self.pending as f64 / extra
+    }
 }
 
 /// The resident set of process `pid` in MB (Linux: `/proc/<pid>/status`).
@@ -119,7 +133,9 @@ ownership_expiration_ms = 5000
 max_in_flight = 64
 ordering_key = "none"
 [retry]
-concurrency = 8
+# One receiver: the emulator scans its queue per receive, so fewer pollers keep a 100,000-
+# message queue tractable (hubguard's memory does not depend on this).
+concurrency = 1
 [status]
 listen = "127.0.0.1:0"
 [breaker]
@@ -185,7 +201,19 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_idle_mb = rss_mb(pid)?;
-    produce_keyed(&cs, "fail", pending, partitions).await?;
+    // Warm up the failure path (webhook failures, ledger writes, Service Bus sends) with a
+    // twentieth of the retries, then schedule the rest.
+    let warm = (pending / 20).max(1);
+    produce_keyed(&cs, "fail-warm", warm, partitions).await?;
+    super::pipelines::wait_progress(
+        "`hubguard run` scheduling retries",
+        || sb.counters("retries").map_or(0, |c| c.scheduled),
+        warm as u64,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_warm_mb = rss_mb(pid)?;
+    produce_keyed(&cs, "fail", pending - warm, partitions).await?;
     super::pipelines::wait_progress(
         "`hubguard run` scheduling retries",
         || sb.counters("retries").map_or(0, |c| c.scheduled),
@@ -203,7 +231,9 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     let _ = std::fs::remove_dir_all(&dir);
     Ok(Memory {
         pending: pending_now,
+        warm_pending: warm as u64,
         rss_idle_mb,
+        rss_warm_mb,
         rss_pending_mb,
     })
 }

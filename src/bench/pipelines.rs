@@ -168,8 +168,14 @@ pub(crate) async fn wait_progress(
     target: u64,
 ) -> anyhow::Result<()> {
     let mut last = (progress(), Instant::now());
+    // Poll often for short runs (the throughput figures), rarely for long ones.
+    let pace = if target > 10_000 {
+        Duration::from_millis(250)
+    } else {
+        Duration::from_millis(5)
+    };
     while last.0 < target {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(pace).await;
         let now = progress();
         if now != last.0 {
             last = (now, Instant::now());

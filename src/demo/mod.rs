@@ -674,12 +674,14 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         .map(|q| q.accepted())
         .unwrap_or_default();
     let first_delivered = bed.hook.first_deliveries();
+    let attempts_seen = bed.hook.attempts_seen();
     let verdict = verify::verify(&verify::Evidence {
         eventhubs: &bed.eh,
         hub: HUB,
         blob_writes: &blob_writes,
         accepted: &accepted,
         first_delivered: &first_delivered,
+        attempts_seen: &attempts_seen,
         ledger: &ledger,
         records: &ledger_records,
     });

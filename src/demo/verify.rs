@@ -7,8 +7,10 @@
 //!   accepted for it, or (dead-lettered on its first attempt) the first write of its ledger
 //!   record. All of these come before hubguard can know the event settled, so the check is
 //!   strict.
-//! - **No attempt number went backwards**: in each ledger record's history, and in the order
-//!   Service Bus accepted an event's retry messages.
+//! - **No attempt number went backwards**: in each ledger record's history (the count hubguard
+//!   persists), and in the retries the downstream saw per event (attempts 2, 3, … in arrival
+//!   order). A replay from Event Hubs after a crash calls attempt 1 again: that is an
+//!   at-least-once duplicate, counted as such, not a retry.
 //! - **No retry message was scheduled twice for the same attempt**: each
 //!   `{key}-attempt-{n}` MessageId was accepted at most once (breaker deferrals carry
 //!   `-deferred-{ms}` and re-schedule the same attempt by design).
@@ -77,6 +79,8 @@ pub struct Evidence<'a> {
     pub accepted: &'a [(String, SystemTime)],
     /// The receiver's first 2xx per key.
     pub first_delivered: &'a BTreeMap<String, SystemTime>,
+    /// The attempt numbers the downstream saw per key, in arrival order.
+    pub attempts_seen: &'a BTreeMap<String, Vec<u32>>,
     /// The ledger, and every record in it.
     pub ledger: &'a Ledger,
     /// The ledger's records by key.
@@ -89,7 +93,6 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
     // Retry messages: first acceptance per key, doubles, attempt order.
     let mut first_accept: HashMap<&str, SystemTime> = HashMap::new();
     let mut seen: HashMap<(&str, u32), u32> = HashMap::new();
-    let mut last_attempt: HashMap<&str, u32> = HashMap::new();
     for (id, at) in e.accepted {
         let Some((key, n, deferred)) = parse_message_id(id) else {
             continue;
@@ -103,14 +106,16 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
                 v.problem(format!("{id} was accepted twice"));
             }
         }
-        let last = last_attempt.entry(key).or_insert(n);
-        if n < *last {
+    }
+    for (key, seen) in e.attempts_seen {
+        let retries: Vec<u32> = seen.iter().copied().filter(|n| *n >= 2).collect();
+        if let Some(w) = retries.windows(2).find(|w| w[1] < w[0]) {
             v.attempt_regressions += 1;
             v.problem(format!(
-                "{key}: retry for attempt {n} accepted after attempt {last}"
+                "{key}: the downstream saw attempt {} after attempt {}",
+                w[1], w[0]
             ));
         }
-        *last = (*last).max(n);
     }
     // Ledger histories.
     for (key, rec) in e.records {
@@ -160,7 +165,9 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
         return v;
     };
     let mut prefix_settled: Vec<Vec<Option<SystemTime>>> = Vec::new();
+    let mut detail: Vec<Vec<(String, Option<SystemTime>)>> = Vec::new();
     for p in &hub.partitions {
+        let mut d = Vec::new();
         let events = p.events_from(0, usize::MAX);
         let mut acc: Option<SystemTime> = Some(SystemTime::UNIX_EPOCH);
         let mut col = Vec::with_capacity(events.len());
@@ -169,6 +176,7 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
                 .string_property("ce_id")
                 .unwrap_or_else(|| format!("{}/{}/{}", e.hub, p.id, ev.sequence_number));
             let settled = settled_at(&key);
+            d.push((key.clone(), settled));
             if settled.is_none() {
                 let u = v
                     .unsettled
@@ -183,6 +191,7 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             col.push(acc);
         }
         prefix_settled.push(col);
+        detail.push(d);
     }
     let marker = format!("/{}/", e.hub.to_ascii_lowercase());
     for w in e.blob_writes {
@@ -199,10 +208,10 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
         else {
             continue;
         };
-        let Some(col) = hub
-            .partition_index(partition)
-            .and_then(|i| prefix_settled.get(i))
-        else {
+        let Some(pi) = hub.partition_index(partition) else {
+            continue;
+        };
+        let Some(col) = prefix_settled.get(pi) else {
             continue;
         };
         v.checkpoint_writes_checked += 1;
@@ -215,8 +224,23 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             .is_some_and(|settled| settled <= w.at);
         if !ok {
             v.checkpoint_violations += 1;
+            let late = detail[pi]
+                .iter()
+                .take(usize::try_from(seq).unwrap_or(0) + 1)
+                .enumerate()
+                .find(|(_, (_, t))| t.is_none_or(|t| t > w.at));
+            let why = match late {
+                Some((i, (key, t))) => format!(
+                    "event {i} ({key}) settled {}",
+                    t.map_or("never".to_string(), |t| match t.duration_since(w.at) {
+                        Ok(d) => format!("{} ms after the write", d.as_millis()),
+                        Err(_) => "before".into(),
+                    })
+                ),
+                None => "unknown".into(),
+            };
             v.problem(format!(
-                "partition {partition}: checkpoint to {seq} written before every event up to it had settled"
+                "partition {partition}: checkpoint to {seq} written before every event up to it had settled: {why}"
             ));
         }
     }

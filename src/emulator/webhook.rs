@@ -30,6 +30,8 @@ struct Deliveries {
     calls: Mutex<BTreeMap<String, u32>>,
     /// When each key was first answered with a 2xx.
     first: Mutex<BTreeMap<String, std::time::SystemTime>>,
+    /// The `x-hubguard-attempt` of every call per key, in arrival order.
+    attempts: Mutex<BTreeMap<String, Vec<u32>>>,
     behaviour: Behaviour,
 }
 
@@ -55,6 +57,18 @@ async fn receive(State(d): State<Arc<Deliveries>>, headers: HeaderMap) -> Status
         .and_then(|v| v.to_str().ok())
         .unwrap_or("(no key)")
         .to_string();
+    if let Some(n) = headers
+        .get("x-hubguard-attempt")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        d.attempts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(key.clone())
+            .or_default()
+            .push(n);
+    }
     let before = {
         let mut calls = d.calls.lock().unwrap_or_else(|p| p.into_inner());
         let c = calls.entry(key.clone()).or_default();
@@ -93,6 +107,7 @@ impl WebhookReceiver {
             by_key: Mutex::default(),
             calls: Mutex::default(),
             first: Mutex::default(),
+            attempts: Mutex::default(),
             behaviour,
         });
         let shutdown = CancellationToken::new();
@@ -126,6 +141,15 @@ impl WebhookReceiver {
     pub fn deliveries(&self) -> BTreeMap<String, u32> {
         self.deliveries
             .by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The attempt number (`x-hubguard-attempt`) of every call per key, in arrival order.
+    pub fn attempts_seen(&self) -> BTreeMap<String, Vec<u32>> {
+        self.deliveries
+            .attempts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()

@@ -45,9 +45,21 @@ pub fn new_traceparent() -> (String, String) {
     let mut span = [0u8; 8];
     rng.fill_bytes(&mut trace);
     rng.fill_bytes(&mut span);
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-    let trace_id = hex(&trace);
-    (format!("00-{trace_id}-{}-01", hex(&span)), trace_id)
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let hex = |b: &[u8], out: &mut String| {
+        for x in b {
+            out.push(HEX[usize::from(x >> 4)] as char);
+            out.push(HEX[usize::from(x & 0xf)] as char);
+        }
+    };
+    let mut tp = String::with_capacity(55);
+    tp.push_str("00-");
+    hex(&trace, &mut tp);
+    let trace_id = tp[3..35].to_string();
+    tp.push('-');
+    hex(&span, &mut tp);
+    tp.push_str("-01");
+    (tp, trace_id)
 }
 
 /// What the attempt's span says about where it runs.
@@ -194,5 +206,23 @@ pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     span.set_attribute(attr::TERMINAL, terminal);
     if matches!(a.outcome, Outcome::Failed(_)) || settled.is_err() {
         span.set_status(opentelemetry::trace::Status::error(outcome));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn new_traceparent_is_w3c() {
+        let (tp, trace_id) = super::new_traceparent();
+        assert_eq!(tp.len(), 55, "{tp}");
+        let parts: Vec<&str> = tp.split('-').collect();
+        assert_eq!(parts.len(), 4);
+        assert_eq!((parts[0], parts[3]), ("00", "01"));
+        assert_eq!(parts[1], trace_id);
+        assert_eq!((parts[1].len(), parts[2].len()), (32, 16));
+        assert!(tp
+            .bytes()
+            .all(|b| b == b'-' || b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+        assert!(crate::telemetry::parse_traceparent(&tp).is_some());
     }
 }

@@ -166,6 +166,19 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<(), SettleError> {
         let until = crate::azure::retry_queue::ceil_to_second(until);
+        // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
+        // not deferred: make sure the recorded next attempt exists instead.
+        if let Some((rec, _)) = self.ledger.get(&event.identity.idempotency_key).await? {
+            if rec.state != State::RetryScheduled {
+                return Ok(());
+            }
+            if rec.attempts >= attempt {
+                let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
+                self.schedule(&rec.event, rec.attempts + 1, due, traceparents)
+                    .await?;
+                return Ok(());
+            }
+        }
         let id = format!(
             "{}-deferred-{}",
             message_id(&event.identity.idempotency_key, attempt),
