@@ -126,6 +126,9 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
         let mut tick = tokio::time::interval(shared.options.checkpoint_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reading = true;
+        // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
+        // internal reconnect, say) must not let the checkpoint pass what it skipped.
+        let mut last_seq: Option<i64> = None;
         loop {
             if !reading && running.is_empty() {
                 break;
@@ -161,6 +164,18 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
                 next = stream.next(), if reading && dispatcher.has_room() => match next {
                     Some(Ok(received)) => {
                         let seq = received.sequence_number().unwrap_or(-1);
+                        if let Some(last) = last_seq {
+                            if seq <= last {
+                                tracing::debug!(partition = %pid, seq, last, "event re-delivered by the stream; already dispatched");
+                                continue;
+                            }
+                            if seq != last + 1 {
+                                tracing::error!(partition = %pid, after = last, next = seq, "the partition stream skipped events; giving the partition back so it restarts from its checkpoint");
+                                reading = false;
+                                continue;
+                            }
+                        }
+                        last_seq = Some(seq);
                         let event = shared.identity.event(&shared.hub, &pid, &received);
                         cp.uncovered += 1;
                         if cp.oldest_uncovered.is_none() {
