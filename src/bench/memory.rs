@@ -201,9 +201,10 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_idle_mb = rss_mb(pid)?;
-    // Warm up the failure path (webhook failures, ledger writes, Service Bus sends) with a
-    // twentieth of the retries, then schedule the rest.
-    let warm = (pending / 20).max(1);
+    // Warm up the failure path (webhook failures, ledger writes, Service Bus sends, their
+    // connection pools at full concurrency) with 5,000 retries (at most half of them), then
+    // schedule the rest.
+    let warm = (pending / 2).clamp(1, 5000);
     produce_keyed(&cs, "fail-warm", warm, partitions).await?;
     super::pipelines::wait_progress(
         "`hubguard run` scheduling retries",

@@ -535,6 +535,11 @@ async fn run_processor(
     let mut run_done = false;
     let partitions = cancel.child_token();
     let mut tasks = Vec::new();
+    // The SDK does not recover a dropped connection: every partition client it hands out
+    // afterwards fails at once. Two in a row that fail without an event mean a dead
+    // connection: rebuild the consumer and the processor.
+    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<partition::Ended>();
+    let mut dead_in_a_row = 0u32;
     let result = loop {
         tokio::select! {
             _ = cancel.cancelled() => break Ok(()),
@@ -542,8 +547,24 @@ async fn run_processor(
                 run_done = true;
                 break Err(format!("processor run() ended: {r:?}"));
             }
+            Some(ended) = ended_rx.recv() => {
+                if ended.failed && ended.received == 0 {
+                    dead_in_a_row += 1;
+                    if dead_in_a_row >= 2 {
+                        break Err("partition streams fail as soon as they open: the Event Hubs connection is gone".into());
+                    }
+                } else if ended.received > 0 {
+                    dead_in_a_row = 0;
+                }
+            }
             pc = processor.next_partition_client() => match pc {
-                Ok(pc) => tasks.push(tokio::task::spawn_local(partition::run(pc, shared.clone(), partitions.clone()))),
+                Ok(pc) => {
+                    let (shared, cancel, tx) = (shared.clone(), partitions.clone(), ended_tx.clone());
+                    tasks.push(tokio::task::spawn_local(async move {
+                        let ended = partition::run(pc, shared, cancel).await;
+                        let _ = tx.send(ended);
+                    }));
+                }
                 Err(e) => break Err(format!("next_partition_client: {e}")),
             },
         }

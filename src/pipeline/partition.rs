@@ -91,10 +91,27 @@ impl Checkpointer {
     }
 }
 
+/// How a partition task ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ended {
+    /// Its stream failed (not a revocation, `cancel` or the end of the stream).
+    pub(crate) failed: bool,
+    /// Events it received.
+    pub(crate) received: u64,
+}
+
 /// Processes one partition until it is revoked, fails, or `cancel` fires; then lets the
 /// events in flight settle, writes the final checkpoint and closes the partition client (the
 /// only clean give-back).
-pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: CancellationToken) {
+pub(crate) async fn run(
+    pc: Arc<PartitionClient>,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) -> Ended {
+    let mut ended = Ended {
+        failed: false,
+        received: 0,
+    };
     let pid = pc.get_partition_id().to_string();
     shared.health.set_owned(&pid, None);
     tracing::info!(partition = %pid, "partition claimed");
@@ -176,6 +193,7 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
                             }
                         }
                         last_seq = Some(seq);
+                        ended.received += 1;
                         let event = shared.identity.event(&shared.hub, &pid, &received);
                         cp.uncovered += 1;
                         if cp.oldest_uncovered.is_none() {
@@ -191,6 +209,11 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
                     }
                     Some(Err(e)) => {
                         tracing::info!(partition = %pid, error = %e, "partition stream ended (revoked or disconnected)");
+                        // A revocation (another replica took the partition) is not a failure.
+                        ended.failed = !matches!(
+                            e.kind,
+                            azure_messaging_eventhubs::error::ErrorKind::ConsumerDisconnected(_)
+                        );
                         reading = false;
                     }
                     None => reading = false,
@@ -220,6 +243,7 @@ pub(crate) async fn run(pc: Arc<PartitionClient>, shared: Arc<Shared>, cancel: C
         }
     }
     tracing::info!(partition = %pid, "partition released");
+    ended
 }
 
 /// Attempts and settles one event; `false` if stopped before it settled.

@@ -396,3 +396,69 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_event_hubs_connections_mid_stream_never_let_the_checkpoint_pass_an_unseen_event() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()))
+        .with_test_writer()
+        .try_init();
+    let bed = Bed::start(1).await;
+    bed.blob.store().record_writes();
+    let events: Vec<(String, String, String)> = (0..300)
+        .map(|i| {
+            (
+                format!("drop-{i:03}"),
+                format!("order-{}", i % 4),
+                "ok".to_string(),
+            )
+        })
+        .collect();
+    send(&bed, &events).await;
+    // A slow handler keeps events waiting in the client's prefetch when the connection drops.
+    let handler = Arc::new(Slow::new(Duration::from_millis(4)));
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.options.max_in_flight = 4;
+    parts.options.prefetch = 100;
+    parts.options.checkpoint_every_events = 10;
+    parts.options.checkpoint_min_interval = Duration::from_millis(20);
+    parts.options.checkpoint_every = Duration::from_millis(50);
+    let run = Bed::run(parts);
+    let ran = |n: usize| {
+        let h = handler.clone();
+        move || {
+            let h = h.clone();
+            async move { h.calls.lock().unwrap().len() >= n }
+        }
+    };
+    for n in [40, 120, 200] {
+        wait_for("events handled", &run.health, LIMIT, ran(n)).await;
+        bed.eh.faults().drop_connections();
+    }
+    wait_for("every event delivered", &run.health, LIMIT, || async {
+        let calls = handler.calls.lock().unwrap().clone();
+        events.iter().all(|e| calls.iter().any(|c| c.key == e.0))
+    })
+    .await;
+    wait_for(
+        "the checkpoint covers the partition",
+        &run.health,
+        LIMIT,
+        || async { bed.checkpoint_of("0").await == Some(299) },
+    )
+    .await;
+    run.stop().await;
+    let calls = handler.calls.lock().unwrap().clone();
+    let handled_at = |seq: i64| -> Option<SystemTime> {
+        calls.iter().filter(|c| c.seq == seq).map(|c| c.ended).min()
+    };
+    for (at, seq) in checkpoint_writes(&bed, "0") {
+        for s in 0..=seq {
+            let t = handled_at(s);
+            assert!(
+                t.is_some_and(|t| t <= at),
+                "the checkpoint to {seq} was written before event {s} was handled ({t:?})"
+            );
+        }
+    }
+}
