@@ -399,10 +399,6 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_event_hubs_connections_mid_stream_never_let_the_checkpoint_pass_an_unseen_event() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("TEST_LOG").unwrap_or_else(|_| "off".into()))
-        .with_test_writer()
-        .try_init();
     let bed = Bed::start(1).await;
     bed.blob.store().record_writes();
     let events: Vec<(String, String, String)> = (0..300)
