@@ -326,10 +326,10 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     if !report.clean() {
         anyhow::bail!(
             "checks failed: {} checkpoint(s) past an unsettled event, {} attempt regression(s), {} retry message(s) scheduled twice: {:?}",
-            report.checkpoint_violations,
-            report.attempt_regressions,
-            report.double_scheduled,
-            report.problems
+            report.checks.checkpoint_violations,
+            report.checks.attempt_regressions,
+            report.checks.double_scheduled,
+            report.checks.problems
         );
     }
     Ok(())

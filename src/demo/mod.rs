@@ -215,19 +215,9 @@ pub struct Report {
     pub crashes: usize,
     /// Duplicate deliveries per event.
     pub duplicate_ratio: f64,
-    /// Checkpoint writes checked against what had settled when each was written.
-    pub checkpoint_writes_checked: usize,
-    /// Checkpoint writes that covered an unsettled event (must be 0).
-    pub checkpoint_violations: usize,
-    /// Attempt numbers that went backwards (must be 0).
-    pub attempt_regressions: usize,
-    /// Retry messages scheduled twice for the same attempt (must be 0).
-    pub double_scheduled: usize,
-    /// The first problems the checks found, if any.
-    pub problems: Vec<String>,
-    /// Partitions with unsettled events: (how many, the first one's sequence number, the
-    /// last checkpoint written).
-    pub unsettled: BTreeMap<String, (usize, i64, Option<i64>)>,
+    /// The independent checks (checkpoints, attempts, doubles, unsettled partitions).
+    #[serde(flatten)]
+    pub checks: verify::Verdict,
     /// `max_in_flight` of every replica.
     pub max_in_flight: usize,
     /// Wall time.
@@ -237,10 +227,7 @@ pub struct Report {
 impl Report {
     /// Whether nothing was lost and every check passed.
     pub fn clean(&self) -> bool {
-        self.lost == 0
-            && self.checkpoint_violations == 0
-            && self.attempt_regressions == 0
-            && self.double_scheduled == 0
+        self.lost == 0 && self.checks.clean()
     }
 }
 
@@ -721,12 +708,7 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         duplicate_ratio: (delivered.values().map(|n| *n as usize).sum::<usize>() - delivered.len())
             as f64
             / keys.len().max(1) as f64,
-        checkpoint_writes_checked: verdict.checkpoint_writes_checked,
-        checkpoint_violations: verdict.checkpoint_violations,
-        attempt_regressions: verdict.attempt_regressions,
-        double_scheduled: verdict.double_scheduled,
-        problems: verdict.problems.clone(),
-        unsettled: verdict.unsettled.clone(),
+        checks: verdict,
         max_in_flight: args.max_in_flight,
         elapsed_ms: started.elapsed().as_millis() as u64,
     };
@@ -764,39 +746,28 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
 
 /// Prints the report as a table.
 pub fn print_table(r: &Report) {
+    let row = |label: &str, value: &dyn std::fmt::Display| println!("{label:<24} {value:>10}");
     println!();
-    println!("{:<24} {:>10}", "events produced", r.events);
-    println!("{:<24} {:>10}", "delivered", r.delivered);
-    println!("{:<24} {:>10}", "dead-lettered", r.dead_lettered);
-    println!("{:<24} {:>10}", "LOST", r.lost);
-    println!(
-        "{:<24} {:>10}",
-        "duplicate deliveries", r.duplicate_deliveries
-    );
-    println!("{:<24} {:>10}", "retries scheduled", r.retries_scheduled);
-    println!("{:<24} {:>10}", "highest attempt", r.max_attempt);
-    println!("{:<24} {:>10}", "breaker opens", r.breaker_opens);
-    println!(
-        "{:<24} {:>10}",
-        "failed probes (reopens)", r.breaker_reopens
-    );
-    println!("{:<24} {:>10}", "checkpoint writes", r.checkpoint_writes);
-    println!("{:<24} {:>10}", "replica crashes", r.crashes);
-    println!("{:<24} {:>10.4}", "duplicates per event", r.duplicate_ratio);
-    println!(
-        "{:<24} {:>10}",
-        "checkpoints checked", r.checkpoint_writes_checked
-    );
-    println!(
-        "{:<24} {:>10}",
-        "ckpt past unsettled", r.checkpoint_violations
-    );
-    println!("{:<24} {:>10}", "attempts went back", r.attempt_regressions);
-    println!("{:<24} {:>10}", "retry scheduled twice", r.double_scheduled);
-    for p in &r.problems {
+    row("events produced", &r.events);
+    row("delivered", &r.delivered);
+    row("dead-lettered", &r.dead_lettered);
+    row("LOST", &r.lost);
+    row("duplicate deliveries", &r.duplicate_deliveries);
+    row("retries scheduled", &r.retries_scheduled);
+    row("highest attempt", &r.max_attempt);
+    row("breaker opens", &r.breaker_opens);
+    row("failed probes (reopens)", &r.breaker_reopens);
+    row("checkpoint writes", &r.checkpoint_writes);
+    row("replica crashes", &r.crashes);
+    row("duplicates per event", &format!("{:.4}", r.duplicate_ratio));
+    row("checkpoints checked", &r.checks.checkpoint_writes_checked);
+    row("ckpt past unsettled", &r.checks.checkpoint_violations);
+    row("attempts went back", &r.checks.attempt_regressions);
+    row("retry scheduled twice", &r.checks.double_scheduled);
+    for p in &r.checks.problems {
         println!("  problem: {p}");
     }
-    for (p, (n, first, cp)) in &r.unsettled {
+    for (p, (n, first, cp)) in &r.checks.unsettled {
         println!(
             "  partition {p}: {n} event(s) never settled, from sequence number {first}; last checkpoint {}",
             cp.map_or("none".to_string(), |c| c.to_string())

@@ -48,13 +48,8 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     }
     loop {
         while tasks.try_join_next().is_some() {}
-        let permit = tokio::select! {
-            _ = cancel.cancelled() => break,
-            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let received = tokio::select! {
-            _ = cancel.cancelled() => break,
-            r = shared.queue.receive(shared.options.retry_receive_wait) => r,
+        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
+            break;
         };
         match received {
             Ok(Some(msg)) => {
@@ -103,6 +98,26 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     shared.health.set_retry_loop(RetryLoopState::Stopped);
 }
 
+/// Takes a slot, then receives one message; `None` once `cancel` fires.
+async fn receive(
+    shared: &Shared,
+    slots: &Arc<Semaphore>,
+    cancel: &CancellationToken,
+) -> Option<(
+    tokio::sync::OwnedSemaphorePermit,
+    Result<Option<ReceivedMessage>, crate::azure::RetryQueueError>,
+)> {
+    let permit = tokio::select! {
+        _ = cancel.cancelled() => return None,
+        p = slots.clone().acquire_owned() => p.ok()?,
+    };
+    let received = tokio::select! {
+        _ = cancel.cancelled() => return None,
+        r = shared.queue.receive(shared.options.retry_receive_wait) => r,
+    };
+    Some((permit, received))
+}
+
 /// A helper receiver: receives and processes in parallel with the primary loop, but only
 /// while it reports the queue healthy.
 async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: CancellationToken) {
@@ -114,13 +129,8 @@ async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: Cancellation
                 r = changes.changed() => if r.is_err() { return },
             }
         }
-        let permit = tokio::select! {
-            _ = cancel.cancelled() => return,
-            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-        };
-        let received = tokio::select! {
-            _ = cancel.cancelled() => return,
-            r = shared.queue.receive(shared.options.retry_receive_wait) => r,
+        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
+            return;
         };
         match received {
             Ok(Some(msg)) => process(msg, &shared, &cancel).await,
