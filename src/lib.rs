@@ -24,6 +24,7 @@
 //! - [`config`]: `hubguard run`'s TOML + environment configuration.
 //! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
 //!   name in [`telemetry::names`].
+//! - [`clock`]: the clock policy time runs on (wall time; tests advance it).
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines.
@@ -37,6 +38,7 @@ pub mod azure;
 pub mod bench;
 pub mod breaker;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod emulator;

@@ -240,6 +240,7 @@ pub struct ServiceBusRetryQueue {
     client: QueueClient,
     queue: String,
     options: ServiceBusOptions,
+    clock: Arc<crate::clock::Clock>,
 }
 
 impl fmt::Debug for ServiceBusRetryQueue {
@@ -293,7 +294,15 @@ impl ServiceBusRetryQueue {
             client,
             queue: queue.into(),
             options,
+            clock: Arc::default(),
         })
+    }
+
+    /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
+    /// emulator share) instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     async fn deadline<T>(
@@ -388,6 +397,7 @@ struct ServiceBusLock {
     response: PeekLockResponse,
     lock_duration_hint: Duration,
     deadline: Duration,
+    clock: Arc<crate::clock::Clock>,
 }
 
 #[async_trait]
@@ -409,7 +419,7 @@ impl MessageLock for ServiceBusLock {
     }
 
     async fn renew(&self) -> Result<SystemTime, RetryQueueError> {
-        let started = SystemTime::now();
+        let started = self.clock.now();
         match tokio::time::timeout(self.deadline, self.response.renew_message_lock()).await {
             Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
             Ok(Err(e)) => Err(lock_error(&e)),
@@ -423,7 +433,7 @@ impl MessageLock for ServiceBusLock {
 impl RetryQueue for ServiceBusRetryQueue {
     async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError> {
         // A due time in the past means "now": send unscheduled rather than rounding it up.
-        let scheduled = (message.due > SystemTime::now())
+        let scheduled = (message.due > self.clock.now())
             .then(|| time::OffsetDateTime::from(ceil_to_second(message.due)));
         let options = SendMessageOptions {
             content_type: message.content_type,
@@ -449,6 +459,7 @@ impl RetryQueue for ServiceBusRetryQueue {
 
     async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError> {
         let deadline = self.options.deadline;
+        let clock = self.clock.clone();
         self.deadline(wait, async {
             // The protocol's timeout is in whole seconds; round up so short waits still wait.
             let secs = Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0));
@@ -480,7 +491,7 @@ impl RetryQueue for ServiceBusRetryQueue {
                 .collect();
             let locked_until = SystemTime::from(bp.locked_until_utc);
             let lock_duration_hint = locked_until
-                .duration_since(SystemTime::now())
+                .duration_since(clock.now())
                 .unwrap_or(Duration::from_secs(30));
             Ok(Some(ReceivedMessage {
                 message_id: bp.message_id.clone(),
@@ -496,6 +507,7 @@ impl RetryQueue for ServiceBusRetryQueue {
                     response,
                     lock_duration_hint,
                     deadline,
+                    clock,
                 }),
             }))
         })

@@ -243,6 +243,7 @@ pub struct Shared {
     /// The record, its ETag (`None`: no record yet, i.e. closed) and when it was read.
     cached: Mutex<Option<(BreakerRecord, Option<String>, SystemTime)>>,
     refresh: Duration,
+    clock: Arc<crate::clock::Clock>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -270,7 +271,14 @@ impl Shared {
             recent: Mutex::default(),
             cached: Mutex::new(None),
             refresh: Duration::from_millis(500),
+            clock: Arc::default(),
         }
+    }
+
+    /// Reads expiry, probe age and jittered deferrals on `clock` instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     async fn load(&self, fresh: bool) -> Result<(BreakerRecord, Option<String>), StoreError> {
@@ -281,7 +289,7 @@ impl Shared {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone()
             {
-                if SystemTime::now().duration_since(t).unwrap_or_default() < self.refresh {
+                if self.clock.now().duration_since(t).unwrap_or_default() < self.refresh {
                     return Ok((r, e));
                 }
             }
@@ -290,13 +298,13 @@ impl Shared {
             Some(rec) => {
                 let r: BreakerRecord = serde_json::from_slice(&rec.body).unwrap_or_default();
                 *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((r.clone(), Some(rec.etag.clone()), SystemTime::now()));
+                    Some((r.clone(), Some(rec.etag.clone()), self.clock.now()));
                 Ok((r, Some(rec.etag)))
             }
             None => {
                 // Never opened: remember that too, or every call would read storage.
                 *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((BreakerRecord::default(), None, SystemTime::now()));
+                    Some((BreakerRecord::default(), None, self.clock.now()));
                 Ok((BreakerRecord::default(), None))
             }
         }
@@ -305,7 +313,7 @@ impl Shared {
     async fn change(&self, change: Change, who: &str) -> Result<BreakerRecord, StoreError> {
         for _ in 0..8 {
             let (current, etag) = self.load(true).await?;
-            let now = SystemTime::now();
+            let now = self.clock.now();
             let Some(next) = apply(&current, &change, who, now, &self.config) else {
                 return Ok(current);
             };
@@ -334,7 +342,7 @@ impl Shared {
             return Admission::Allow;
         };
         let (admission, change) =
-            decide(&record, &self.who, SystemTime::now(), &self.config, jitter);
+            decide(&record, &self.who, self.clock.now(), &self.config, jitter);
         if let Some(c) = change {
             // Each call is its own candidate prober: concurrent work in one replica must not
             // all believe it holds the probe.
@@ -342,10 +350,10 @@ impl Shared {
             // Win the probe, or learn who did.
             return match self.change(c, &token).await {
                 Ok(r) if r.probe.as_ref().is_some_and(|(w, _)| *w == token) => Admission::Probe,
-                Ok(r) => match decide(&r, &token, SystemTime::now(), &self.config, jitter).0 {
+                Ok(r) => match decide(&r, &token, self.clock.now(), &self.config, jitter).0 {
                     // Lost the race for the probe: wait for the winner's result.
                     Admission::Probe => Admission::Defer(
-                        SystemTime::now() + Duration::from_millis(self.config.probe_timeout_ms),
+                        self.clock.now() + Duration::from_millis(self.config.probe_timeout_ms),
                     ),
                     other => other,
                 },
@@ -381,7 +389,7 @@ impl Shared {
             probe,
             consecutive,
             window,
-            SystemTime::now(),
+            self.clock.now(),
             &self.config,
         )?;
         let who = self.who.clone();
@@ -395,6 +403,14 @@ impl Shared {
     /// The downstream's name.
     pub fn downstream(&self) -> &str {
         self.key.trim_start_matches("breakers/")
+    }
+
+    /// How long the breaker has been open, as last seen (zero when closed).
+    pub fn open_for(&self) -> Duration {
+        self.cached()
+            .and_then(|r| r.opened_at_ms)
+            .and_then(|t| self.clock.now().duration_since(at(t)).ok())
+            .unwrap_or_default()
     }
 
     /// The record as last seen.

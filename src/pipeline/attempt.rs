@@ -73,6 +73,8 @@ pub struct Context<'a> {
     pub policy: &'a str,
     /// The policy's maximum attempts.
     pub max_attempts: u32,
+    /// The clock the attempt's start is recorded on.
+    pub clock: &'a crate::clock::Clock,
 }
 
 fn producer_trace(event: &Event) -> Option<opentelemetry::trace::SpanContext> {
@@ -141,7 +143,7 @@ pub async fn run(
     } else {
         new_traceparent()
     };
-    let started = SystemTime::now();
+    let started = cx.clock.now();
     let attempt = Attempt {
         number,
         traceparent: traceparent.clone(),

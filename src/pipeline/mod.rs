@@ -139,6 +139,9 @@ pub struct PipelineOptions {
     pub reconnect_base: Duration,
     /// The watchdog's pace once reconnects keep failing.
     pub watchdog_interval: Duration,
+    /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
+    /// clock; tests share one with the Service Bus emulator and advance it.
+    pub clock: Arc<crate::clock::Clock>,
 }
 
 impl Default for PipelineOptions {
@@ -160,6 +163,7 @@ impl Default for PipelineOptions {
             retry_receive_wait: Duration::from_secs(5),
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
+            clock: Arc::default(),
         }
     }
 }
@@ -258,15 +262,7 @@ fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) ->
         .with_description("How long the downstream's breaker has been open (0 when closed)")
         .with_callback(move |o| {
             if let Some(b) = &b {
-                let age = b
-                    .cached()
-                    .and_then(|r| r.opened_at_ms)
-                    .and_then(|t| {
-                        std::time::SystemTime::now()
-                            .duration_since(crate::ledger::at(t))
-                            .ok()
-                    })
-                    .map_or(0.0, |d| d.as_secs_f64());
+                let age = b.open_for().as_secs_f64();
                 o.observe(
                     age,
                     &[KeyValue::new(
@@ -318,6 +314,13 @@ pub(crate) struct Shared {
     pub(crate) options: PipelineOptions,
 }
 
+impl Shared {
+    /// The clock policy time runs on.
+    pub(crate) fn clock(&self) -> &crate::clock::Clock {
+        &self.options.clock
+    }
+}
+
 /// A pipeline, ready to run.
 pub struct Pipeline {
     shared: Arc<Shared>,
@@ -337,19 +340,25 @@ impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
         let breaker = parts.breaker.clone().filter(|b| b.enabled).map(|b| {
-            Arc::new(crate::breaker::Shared::new(
-                parts.records.clone(),
-                &parts.handler.downstream(),
-                &parts.options.owner_id,
-                b,
-            ))
+            Arc::new(
+                crate::breaker::Shared::new(
+                    parts.records.clone(),
+                    &parts.handler.downstream(),
+                    &parts.options.owner_id,
+                    b,
+                )
+                .with_clock(parts.options.clock.clone()),
+            )
         });
         let ledger = Ledger::new(
             parts.records,
             &parts.eventhubs.hub,
             &parts.eventhubs.consumer_group,
         );
-        let settler = Arc::new(Settler::new(ledger, parts.queue.clone(), parts.policies));
+        let settler = Arc::new(
+            Settler::new(ledger, parts.queue.clone(), parts.policies)
+                .with_clock(parts.options.clock.clone()),
+        );
         let checkpoints = Arc::new(FencedCheckpointStore::new(
             parts.checkpoint_store,
             parts.options.owner_id.clone(),
@@ -463,7 +472,7 @@ async fn supervise(
                 tracing::warn!(error = %e, "event processor stopped; rebuilding");
                 tokio::select! {
                     _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shared.clock().sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }

@@ -265,6 +265,7 @@ async fn process(
         source: Source::EventHubs,
         policy: &policy.name,
         max_attempts: policy.max_attempts,
+        clock: shared.clock(),
     };
     // Outage mode: while the downstream's breaker is open the partition waits — Event Hubs
     // holds the backlog — instead of scheduling one retry per event. No attempt is counted.
@@ -294,10 +295,9 @@ async fn process(
                         ),
                         seq,
                     );
-                    let wait = until.duration_since(SystemTime::now()).unwrap_or_default();
                     tokio::select! {
                         _ = cancel.cancelled() => return false,
-                        _ = tokio::time::sleep(wait) => {}
+                        _ = shared.clock().sleep_until(until) => {}
                     }
                 }
             }
@@ -348,7 +348,7 @@ async fn process(
                         attempt::finish(&attempted, Err(&e));
                         return false;
                     }
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = shared.clock().sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(shared.options.settle_backoff_max);
             }

@@ -19,7 +19,7 @@
 //! business: helpers stand by until it reports the queue reachable again.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
@@ -88,7 +88,7 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
                 shared.health.set_retry_loop(state);
                 tokio::select! {
                     _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(wait) => {}
+                    _ = shared.clock().sleep(wait) => {}
                 }
             }
         }
@@ -142,7 +142,7 @@ async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: Cancellation
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = changes.changed() => {}
-                    _ = tokio::time::sleep(shared.options.reconnect_base) => {}
+                    _ = shared.clock().sleep(shared.options.reconnect_base) => {}
                 }
                 continue;
             }
@@ -183,20 +183,16 @@ where
             Err(e) => {
                 shared.health.count(&shared.health.counters.settle_failures);
                 tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
-                let until = tokio::time::Instant::now() + backoff;
+                let until = shared.clock().now() + backoff;
                 loop {
-                    let renew_in = msg
-                        .locked_until
-                        .duration_since(SystemTime::now())
-                        .unwrap_or_default()
-                        / 2;
+                    let renew_in = shared.clock().until(msg.locked_until) / 2;
                     tokio::select! {
                         _ = cancel.cancelled() => {
                             settle_message(msg, false).await;
                             return None;
                         }
-                        _ = tokio::time::sleep_until(until) => break,
-                        _ = tokio::time::sleep(renew_in.max(Duration::from_millis(500))) => {
+                        _ = shared.clock().sleep_until(until) => break,
+                        _ = shared.clock().sleep(renew_in.max(Duration::from_millis(500))) => {
                             if let Err(e) = msg.renew().await {
                                 tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
                             }
@@ -221,7 +217,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     };
     let event = body.event.clone();
     let key = &event.identity.idempotency_key;
-    let lateness = SystemTime::now()
+    let lateness = shared
+        .clock()
+        .now()
         .duration_since(at(body.due_ms))
         .unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
@@ -240,7 +238,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         }
         Some((rec, _)) if rec.attempts >= body.attempt => {
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-            let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
+            let due = rec
+                .next_attempt_at()
+                .unwrap_or_else(|| shared.clock().now());
             let scheduled = holding(
                 &mut msg,
                 shared,
@@ -287,7 +287,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
     shared.metrics.retry_lateness.record(
-        SystemTime::now()
+        shared
+            .clock()
+            .now()
             .duration_since(at(body.due_ms))
             .unwrap_or_default()
             .as_secs_f64(),
@@ -307,6 +309,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         source: Source::Retry,
         policy: &pinned.name,
         max_attempts: pinned.max_attempts,
+        clock: shared.clock(),
     };
     // Keep the lock while the handler runs.
     let attempted = {
@@ -319,14 +322,10 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         );
         futures::pin_mut!(run);
         loop {
-            let renew_in = msg
-                .locked_until
-                .duration_since(SystemTime::now())
-                .unwrap_or_default()
-                / 2;
+            let renew_in = shared.clock().until(msg.locked_until) / 2;
             tokio::select! {
                 a = &mut run => break a,
-                _ = tokio::time::sleep(renew_in.max(Duration::from_millis(500))) => {
+                _ = shared.clock().sleep(renew_in.max(Duration::from_millis(500))) => {
                     if let Err(e) = msg.renew().await {
                         tracing::warn!(key = %key, error = %e, "lock renewal failed");
                     }

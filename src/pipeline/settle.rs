@@ -126,6 +126,7 @@ pub struct Settler {
     pub ledger: Ledger,
     queue: Arc<dyn RetryQueue>,
     policies: Policies,
+    clock: Arc<crate::clock::Clock>,
 }
 
 impl std::fmt::Debug for Settler {
@@ -147,7 +148,19 @@ impl Settler {
             ledger,
             queue,
             policies,
+            clock: Arc::default(),
         }
+    }
+
+    /// Computes due times and records times on `clock` instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock due times are computed on.
+    pub fn clock(&self) -> &Arc<crate::clock::Clock> {
+        &self.clock
     }
 
     /// The policies in force (for new failures).
@@ -173,7 +186,7 @@ impl Settler {
                 return Ok(());
             }
             if rec.attempts >= attempt {
-                let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
+                let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
                 self.schedule(&rec.event, rec.attempts + 1, due, traceparents)
                     .await?;
                 return Ok(());
@@ -300,7 +313,7 @@ impl Settler {
             if rec.state != State::RetryScheduled {
                 return Ok(Settled::AlreadyFinal(rec.state));
             }
-            let now = SystemTime::now();
+            let now = self.clock.now();
             rec.state = State::Delivered;
             rec.attempts = rec.attempts.max(attempt);
             rec.next_attempt_ms = None;
@@ -342,7 +355,7 @@ impl Settler {
                 if rec.attempts >= attempt {
                     // This attempt is already recorded: make sure the recorded next attempt
                     // exists on Service Bus (a repeat is dropped by duplicate detection).
-                    let due = rec.next_attempt_at().unwrap_or_else(SystemTime::now);
+                    let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
                     let trail: Vec<String> = traceparents.to_vec();
                     self.schedule(&rec.event, rec.attempts + 1, due, &trail)
                         .await?;
@@ -352,7 +365,7 @@ impl Settler {
                     });
                 }
             }
-            let now = SystemTime::now();
+            let now = self.clock.now();
             let (policy, first_failure, base, previous) = match &current {
                 Some((rec, _)) => (
                     rec.policy.clone(),
@@ -474,7 +487,7 @@ impl Settler {
             if rec.state != State::DeadLettered {
                 return Ok(None);
             }
-            let now = SystemTime::now();
+            let now = self.clock.now();
             rec.state = State::RetryScheduled;
             rec.attempt_base = rec.attempts;
             rec.first_failure_ms = ms(now);

@@ -12,6 +12,7 @@ mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
 mod otlp;
+mod outage;
 mod pipeline;
 mod pipeline_support;
 mod run_command;

@@ -34,8 +34,6 @@ pub struct Scripted {
     pub delivered: Mutex<Vec<String>>,
     /// When set, every call fails transiently (a downstream outage).
     pub outage: std::sync::atomic::AtomicBool,
-    /// When each call happened.
-    pub times: Mutex<Vec<std::time::Instant>>,
 }
 
 impl Scripted {
@@ -56,7 +54,6 @@ impl Scripted {
 impl Handler for Scripted {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let key = event.identity.idempotency_key.clone();
-        self.times.lock().unwrap().push(std::time::Instant::now());
         let n = {
             let mut calls = self.calls.lock().unwrap();
             let v = calls.entry(key.clone()).or_default();
@@ -168,6 +165,11 @@ impl Bed {
         )
     }
 
+    /// The clock the pipeline and the Service Bus emulator share (tests may advance it).
+    pub fn clock(&self) -> Arc<hubguard::clock::Clock> {
+        self.sb.clock().clone()
+    }
+
     pub fn ledger(&self) -> Ledger {
         Ledger::new(self.records(), "hub", "$Default")
     }
@@ -197,7 +199,8 @@ impl Bed {
                         deadline: Duration::from_secs(3),
                     },
                 )
-                .unwrap(),
+                .unwrap()
+                .with_clock(self.clock()),
             ),
             handler,
             policies: Policies {
@@ -217,6 +220,7 @@ impl Bed {
                 retry_receive_wait: Duration::from_secs(1),
                 reconnect_base: Duration::from_millis(200),
                 watchdog_interval: Duration::from_millis(500),
+                clock: self.clock(),
                 ..Default::default()
             },
         }
