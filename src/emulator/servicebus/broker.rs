@@ -2,7 +2,7 @@
 //! peek-lock, delivery counts, time to live and a dead-letter sub-queue — the service's
 //! semantics, independent of HTTP. Every time comes from the emulator [`Clock`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -195,20 +195,189 @@ fn entity_code(e: Entity) -> u8 {
     }
 }
 
-#[derive(Debug, Default)]
+/// One entity's messages, indexed so every operation costs O(log n) in the number stored:
+/// the retry queue holds every pending retry, and a scan per receive would make a backlog of
+/// 100,000 quadratic.
+#[derive(Debug)]
 struct Store {
     messages: BTreeMap<i64, StoredMessage>,
     next_sequence: i64,
+    /// Unlocked messages that were not visible when last looked at: (visible from, seq).
+    waiting: BTreeSet<(i64, i64)>,
+    /// Unlocked visible messages, by sequence number (receives take the lowest).
+    visible: BTreeSet<i64>,
+    /// Locked messages by lock expiry.
+    locks: BTreeSet<(SystemTime, i64)>,
+    /// Messages with a time to live, by expiry (the main entity only).
+    expiries: Option<BTreeSet<(SystemTime, i64)>>,
+    /// Sequence numbers by MessageId (without duplicate detection, ids repeat).
+    by_id: HashMap<String, BTreeSet<i64>>,
+    default_ttl: Option<Duration>,
 }
 
 impl Store {
+    /// `expiring`: whether messages expire here (the dead-letter sub-queue keeps them).
+    fn new(expiring: bool, default_ttl: Option<Duration>) -> Self {
+        Self {
+            messages: BTreeMap::new(),
+            next_sequence: 1,
+            waiting: BTreeSet::new(),
+            visible: BTreeSet::new(),
+            locks: BTreeSet::new(),
+            expiries: expiring.then(BTreeSet::new),
+            by_id: HashMap::new(),
+            default_ttl,
+        }
+    }
+
+    /// Stores `m` under a new sequence number.
     fn push(&mut self, mut m: StoredMessage) -> i64 {
-        self.next_sequence = self.next_sequence.max(1);
         m.sequence_number = self.next_sequence;
-        self.next_sequence += 1;
+        self.insert(m)
+    }
+
+    /// Stores `m` under its own sequence number (a journal replay).
+    fn insert(&mut self, mut m: StoredMessage) -> i64 {
         let seq = m.sequence_number;
-        self.messages.insert(seq, m);
+        self.next_sequence = self.next_sequence.max(seq + 1);
+        m.lock = None;
+        self.waiting.insert((m.enqueued_at_ms, seq));
+        if let Some(exp) = self.expiries.as_mut() {
+            if let Some(t) = expires_at(self.default_ttl, &m) {
+                exp.insert((t, seq));
+            }
+        }
+        self.by_id
+            .entry(m.message_id.clone())
+            .or_default()
+            .insert(seq);
+        if let Some(old) = self.messages.insert(seq, m) {
+            self.unindex(&old);
+        }
         seq
+    }
+
+    fn unindex(&mut self, m: &StoredMessage) {
+        let seq = m.sequence_number;
+        self.waiting.remove(&(m.enqueued_at_ms, seq));
+        self.visible.remove(&seq);
+        if let Some(l) = &m.lock {
+            self.locks.remove(&(l.until, seq));
+        }
+        if let (Some(exp), Some(t)) = (self.expiries.as_mut(), expires_at(self.default_ttl, m)) {
+            exp.remove(&(t, seq));
+        }
+        if let Some(ids) = self.by_id.get_mut(&m.message_id) {
+            ids.remove(&seq);
+            if ids.is_empty() {
+                self.by_id.remove(&m.message_id);
+            }
+        }
+    }
+
+    fn remove(&mut self, seq: i64) -> Option<StoredMessage> {
+        let m = self.messages.remove(&seq)?;
+        self.unindex(&m);
+        Some(m)
+    }
+
+    /// Moves what has come due by `now` from waiting to visible.
+    fn promote(&mut self, now: SystemTime) {
+        let now_ms = ms(now);
+        while let Some(&(from, seq)) = self.waiting.first() {
+            if from > now_ms {
+                break;
+            }
+            self.waiting.pop_first();
+            self.visible.insert(seq);
+        }
+    }
+
+    /// Locks the lowest visible message at `now`.
+    fn lock_first(&mut self, now: SystemTime, duration: Duration) -> Option<Locked> {
+        self.promote(now);
+        let seq = self.visible.pop_first()?;
+        let m = self.messages.get_mut(&seq).expect("indexed");
+        m.delivery_count += 1;
+        let token = uuid::Uuid::new_v4().to_string();
+        let until = now + duration;
+        m.lock = Some(Lock {
+            token: token.clone(),
+            until,
+        });
+        self.locks.insert((until, seq));
+        Some(Locked {
+            message: m.clone(),
+            lock_token: token,
+            locked_until: until,
+        })
+    }
+
+    /// Ends `seq`'s lock: it waits to be visible again (at once: it was visible before).
+    fn unlock(&mut self, seq: i64) -> Option<&StoredMessage> {
+        let m = self.messages.get_mut(&seq)?;
+        if let Some(l) = m.lock.take() {
+            self.locks.remove(&(l.until, seq));
+            self.waiting.insert((m.enqueued_at_ms, seq));
+        }
+        Some(m)
+    }
+
+    /// Moves `seq`'s lock to `until`.
+    fn relock(&mut self, seq: i64, until: SystemTime) {
+        if let Some(l) = self.messages.get_mut(&seq).and_then(|m| m.lock.as_mut()) {
+            self.locks.remove(&(l.until, seq));
+            l.until = until;
+            self.locks.insert((until, seq));
+        }
+    }
+
+    /// The message `id` (a MessageId, or a sequence number) locked under `token` at `now`.
+    fn locked(&self, id: &str, token: &str, now: SystemTime) -> Option<i64> {
+        let holds = |seq: &i64| {
+            self.messages.get(seq).is_some_and(|m| {
+                m.lock
+                    .as_ref()
+                    .is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
+            })
+        };
+        let by_seq = id.parse::<i64>().ok().filter(holds);
+        let by_id = || self.by_id.get(id)?.iter().copied().find(holds);
+        match (by_seq, by_id()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Locks that have ended by `now`, oldest first (still in place).
+    fn ended_locks(&self, now: SystemTime) -> Vec<i64> {
+        self.locks
+            .iter()
+            .take_while(|(until, _)| *until <= now)
+            .map(|(_, seq)| *seq)
+            .collect()
+    }
+
+    /// Unlocked messages whose time to live has ended by `now`.
+    fn expired(&self, now: SystemTime) -> Vec<i64> {
+        let Some(exp) = &self.expiries else {
+            return Vec::new();
+        };
+        exp.iter()
+            .take_while(|(t, _)| *t <= now)
+            .map(|(_, seq)| *seq)
+            .filter(|seq| self.messages.get(seq).is_some_and(|m| m.lock.is_none()))
+            .collect()
+    }
+
+    /// When something next becomes visible: a message comes due or a lock ends.
+    fn next_change(&self) -> Option<SystemTime> {
+        let due = self.waiting.first().map(|(from, _)| at(*from));
+        let unlock = self.locks.first().map(|(until, _)| *until);
+        match (due, unlock) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -217,7 +386,9 @@ struct QueueState {
     spec: QueueSpec,
     main: Store,
     dlq: Store,
+    /// MessageIds seen within the duplicate-detection window, and when, oldest first.
     seen_ids: HashMap<String, i64>,
+    seen_order: VecDeque<(i64, String)>,
     counters: Counters,
     journal: Option<File>,
     accepted: Option<Vec<(String, SystemTime)>>,
@@ -282,45 +453,33 @@ impl QueueState {
             reason: reason.into(),
             description: description.into(),
         })?;
-        if let Some(mut m) = self.main.messages.remove(&seq) {
-            m.lock = None;
+        if let Some(mut m) = self.main.remove(seq) {
             m.dead_letter = Some((reason.into(), description.into()));
             self.dlq.push(m);
         }
         Ok(())
     }
 
-    /// Applies what time has done: ended locks (dead-lettering at the delivery limit) and
-    /// expired messages.
+    /// Applies what time has done: ended locks (dead-lettering at the delivery limit),
+    /// expired messages, scheduled messages come due.
     fn settle_time(&mut self, now: SystemTime) -> Result<(), BrokerError> {
         let max = self.spec.max_delivery_count;
-        let default_ttl = self.spec.default_ttl;
-        let mut to_dlq = Vec::new();
-        let mut expired = Vec::new();
-        for (seq, m) in self.main.messages.iter_mut() {
-            if m.lock.as_ref().is_some_and(|l| l.until <= now) {
-                m.lock = None;
-                if m.delivery_count >= max {
-                    to_dlq.push(*seq);
-                    continue;
-                }
-            }
-            if m.lock.is_none() {
-                if let Some(exp) = expires_at(default_ttl, m) {
-                    if exp <= now {
-                        expired.push(*seq);
-                    }
+        for entity in [Entity::Main, Entity::DeadLetter] {
+            for seq in self.store(entity).ended_locks(now) {
+                let spent = self
+                    .store(entity)
+                    .unlock(seq)
+                    .is_some_and(|m| m.delivery_count >= max);
+                if entity == Entity::Main && spent {
+                    self.move_to_dead_letter(
+                        seq,
+                        "MaxDeliveryCountExceeded",
+                        &format!("Message could not be consumed after {max} delivery attempts."),
+                    )?;
                 }
             }
         }
-        for seq in to_dlq {
-            self.move_to_dead_letter(
-                seq,
-                "MaxDeliveryCountExceeded",
-                &format!("Message could not be consumed after {max} delivery attempts."),
-            )?;
-        }
-        for seq in expired {
+        for seq in self.main.expired(now) {
             if self.spec.dead_letter_on_expiration {
                 self.move_to_dead_letter(
                     seq,
@@ -332,38 +491,46 @@ impl QueueState {
                     entity: 0,
                     sequence_number: seq,
                 })?;
-                self.main.messages.remove(&seq);
+                self.main.remove(seq);
             }
             self.counters.expired += 1;
         }
+        self.main.promote(now);
+        self.dlq.promote(now);
         Ok(())
     }
 
-    /// The next moment something becomes visible (a scheduled message comes due or a lock
-    /// ends), if any.
-    fn next_change(&self, e: Entity) -> Option<SystemTime> {
-        let store = match e {
-            Entity::Main => &self.main,
-            Entity::DeadLetter => &self.dlq,
-        };
-        store
-            .messages
-            .values()
-            .map(|m| match &m.lock {
-                Some(l) => l.until,
-                None => at(m.enqueued_at_ms),
-            })
-            .min()
+    /// Forgets MessageIds older than the duplicate-detection window; whether `id` was seen
+    /// within it.
+    fn seen_recently(&mut self, id: &str, now_ms: i64, window_ms: i64) -> bool {
+        while let Some((t, _)) = self.seen_order.front() {
+            if now_ms - *t < window_ms {
+                break;
+            }
+            let (t, old) = self.seen_order.pop_front().expect("front");
+            if self.seen_ids.get(&old) == Some(&t) {
+                self.seen_ids.remove(&old);
+            }
+        }
+        self.seen_ids
+            .get(id)
+            .is_some_and(|seen| now_ms - *seen < window_ms)
+    }
+
+    fn remember(&mut self, id: &str, now_ms: i64) {
+        self.seen_ids.insert(id.to_string(), now_ms);
+        self.seen_order.push_back((now_ms, id.to_string()));
     }
 }
 
 impl Queue {
     fn open(spec: QueueSpec, journal: Option<PathBuf>) -> io::Result<Self> {
         let mut st = QueueState {
+            main: Store::new(true, spec.default_ttl),
+            dlq: Store::new(false, None),
             spec,
-            main: Store::default(),
-            dlq: Store::default(),
             seen_ids: HashMap::new(),
+            seen_order: VecDeque::new(),
             accepted: None,
             counters: Counters::default(),
             journal: None,
@@ -384,13 +551,11 @@ impl Queue {
                             } else {
                                 &mut st.dlq
                             };
-                            store.next_sequence =
-                                store.next_sequence.max(message.sequence_number + 1);
+                            let (id, sent) = (message.message_id.clone(), message.sent_at_ms);
+                            store.insert(*message);
                             if entity == 0 {
-                                st.seen_ids
-                                    .insert(message.message_id.clone(), message.sent_at_ms);
+                                st.remember(&id, sent);
                             }
-                            store.messages.insert(message.sequence_number, *message);
                         }
                         JournalRecord::Remove {
                             entity,
@@ -401,14 +566,14 @@ impl Queue {
                             } else {
                                 &mut st.dlq
                             };
-                            store.messages.remove(&sequence_number);
+                            store.remove(sequence_number);
                         }
                         JournalRecord::DeadLetter {
                             sequence_number,
                             reason,
                             description,
                         } => {
-                            if let Some(mut m) = st.main.messages.remove(&sequence_number) {
+                            if let Some(mut m) = st.main.remove(sequence_number) {
                                 m.dead_letter = Some((reason, description));
                                 st.dlq.push(m);
                             }
@@ -482,13 +647,11 @@ impl Queue {
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         if let Some(window) = st.spec.duplicate_detection_window {
             let now_ms = ms(now);
-            let window_ms = window.as_millis() as i64;
-            st.seen_ids.retain(|_, seen| now_ms - *seen < window_ms);
-            if st.seen_ids.contains_key(&message_id) {
+            if st.seen_recently(&message_id, now_ms, window.as_millis() as i64) {
                 st.counters.duplicates_dropped += 1;
                 return Ok(false);
             }
-            st.seen_ids.insert(message_id.clone(), now_ms);
+            st.remember(&message_id, now_ms);
         }
         let enqueued = new
             .scheduled_enqueue_time
@@ -518,7 +681,7 @@ impl Queue {
             entity: 0,
             message: Box::new(journaled),
         }) {
-            st.main.messages.remove(&seq);
+            st.main.remove(seq);
             return Err(e);
         }
         if let (Some(a), Some(id)) = (st.accepted.as_mut(), accepted_id) {
@@ -534,25 +697,8 @@ impl Queue {
         let mut st = self.lock();
         st.settle_time(now)?;
         let lock_duration = st.spec.lock_duration;
-        let store = st.store(entity);
-        let Some(m) = store
-            .messages
-            .values_mut()
-            .find(|m| m.lock.is_none() && at(m.enqueued_at_ms) <= now)
-        else {
+        let Some(locked) = st.store(entity).lock_first(now, lock_duration) else {
             return Ok(None);
-        };
-        m.delivery_count += 1;
-        let token = uuid::Uuid::new_v4().to_string();
-        let until = now + lock_duration;
-        m.lock = Some(Lock {
-            token: token.clone(),
-            until,
-        });
-        let locked = Locked {
-            message: m.clone(),
-            lock_token: token,
-            locked_until: until,
         };
         let rec = JournalRecord::Delivered {
             entity: entity_code(entity),
@@ -571,21 +717,14 @@ impl Queue {
     ) -> Result<Option<StoredMessage>, BrokerError> {
         let mut st = self.lock();
         st.settle_time(now)?;
-        let store = st.store(entity);
-        let Some(seq) = store
-            .messages
-            .values()
-            .find(|m| m.lock.is_none() && at(m.enqueued_at_ms) <= now)
-            .map(|m| m.sequence_number)
-        else {
+        let Some(&seq) = st.store(entity).visible.first() else {
             return Ok(None);
         };
         st.write(&JournalRecord::Remove {
             entity: entity_code(entity),
             sequence_number: seq,
         })?;
-        let m = st.store(entity).messages.remove(&seq);
-        Ok(m)
+        Ok(st.store(entity).remove(seq))
     }
 
     fn with_lock<T>(
@@ -599,15 +738,7 @@ impl Queue {
         let mut st = self.lock();
         let seq = st
             .store(entity)
-            .messages
-            .values()
-            .find(|m| {
-                (m.sequence_number.to_string() == id || m.message_id == id)
-                    && m.lock
-                        .as_ref()
-                        .is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
-            })
-            .map(|m| m.sequence_number)
+            .locked(id, token, now)
             .ok_or(BrokerError::LockLost)?;
         op(&mut st, seq)
     }
@@ -625,7 +756,7 @@ impl Queue {
                 entity: entity_code(entity),
                 sequence_number: seq,
             })?;
-            st.store(entity).messages.remove(&seq);
+            st.store(entity).remove(seq);
             st.counters.completes += 1;
             Ok(())
         })
@@ -642,13 +773,12 @@ impl Queue {
         self.with_lock(entity, id, token, now, |st, seq| {
             st.counters.abandons += 1;
             let max = st.spec.max_delivery_count;
-            let m = st
+            let count = st
                 .store(entity)
-                .messages
-                .get_mut(&seq)
-                .expect("found under lock");
-            m.lock = None;
-            if entity == Entity::Main && m.delivery_count >= max {
+                .unlock(seq)
+                .expect("found under lock")
+                .delivery_count;
+            if entity == Entity::Main && count >= max {
                 st.move_to_dead_letter(
                     seq,
                     "MaxDeliveryCountExceeded",
@@ -671,21 +801,15 @@ impl Queue {
     ) -> Result<SystemTime, BrokerError> {
         self.with_lock(entity, id, token, now, |st, seq| {
             let until = now + st.spec.lock_duration;
-            let m = st
-                .store(entity)
-                .messages
-                .get_mut(&seq)
-                .expect("found under lock");
-            if let Some(l) = m.lock.as_mut() {
-                l.until = until;
-            }
+            st.store(entity).relock(seq, until);
             Ok(until)
         })
     }
 
     /// When something next becomes visible in `entity`.
     pub fn next_change(&self, entity: Entity) -> Option<SystemTime> {
-        self.lock().next_change(entity)
+        let mut st = self.lock();
+        st.store(entity).next_change()
     }
 
     /// Resolves when a send or an abandon changed the queue.
@@ -698,18 +822,9 @@ impl Queue {
         let mut st = self.lock();
         let _ = st.settle_time(now);
         let mut c = st.counters;
-        c.active = 0;
-        c.scheduled = 0;
-        c.locked = 0;
-        for m in st.main.messages.values() {
-            if m.lock.is_some() {
-                c.locked += 1;
-            } else if at(m.enqueued_at_ms) > now {
-                c.scheduled += 1;
-            } else {
-                c.active += 1;
-            }
-        }
+        c.active = st.main.visible.len() as u64;
+        c.scheduled = st.main.waiting.len() as u64;
+        c.locked = st.main.locks.len() as u64;
         c.dead_lettered = st.dlq.messages.len() as u64;
         c
     }
@@ -878,6 +993,181 @@ mod tests {
         assert_eq!(
             q.complete(Entity::Main, &id, &again.lock_token, later),
             Err(BrokerError::LockLost)
+        );
+    }
+
+    #[test]
+    fn dead_letter_locks_end_too() {
+        let mut spec = QueueSpec::new("q");
+        spec.max_delivery_count = 1;
+        let q = queue(spec);
+        let t = SystemTime::now();
+        q.send(msg("a"), t).unwrap();
+        let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+        let id = l.message.sequence_number.to_string();
+        q.abandon(Entity::Main, &id, &l.lock_token, t).unwrap();
+        let d = q.try_lock(Entity::DeadLetter, t).unwrap().unwrap();
+        assert!(q.try_lock(Entity::DeadLetter, t).unwrap().is_none());
+        let later = t + Duration::from_secs(61);
+        let again = q.try_lock(Entity::DeadLetter, later).unwrap().unwrap();
+        assert_eq!(again.message.message_id, d.message.message_id);
+    }
+
+    /// What the indexes must agree with: a scan of every message, as the broker once was.
+    type Modelled = (SystemTime, Option<(SystemTime, String)>, u32);
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Send(u8),
+        Lock,
+        Complete(prop::sample::Index),
+        Abandon(prop::sample::Index),
+        Renew(prop::sample::Index),
+        Advance(u16),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..4).prop_map(Op::Send),
+            Just(Op::Lock),
+            any::<prop::sample::Index>().prop_map(Op::Complete),
+            any::<prop::sample::Index>().prop_map(Op::Abandon),
+            any::<prop::sample::Index>().prop_map(Op::Renew),
+            (0u16..40).prop_map(Op::Advance),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_indexes_agree_with_a_scan(ops in proptest::collection::vec(op(), 1..150)) {
+            let mut spec = QueueSpec::new("q");
+            spec.lock_duration = Duration::from_secs(10);
+            spec.max_delivery_count = 3;
+            spec.duplicate_detection_window = Some(Duration::from_secs(30));
+            let q = queue(spec);
+            let mut now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+            // The model: seq → (visible from, locked until and token, deliveries).
+            let mut model: BTreeMap<i64, Modelled> = BTreeMap::new();
+            let mut dead = 0u64;
+            let mut next = 1i64;
+            let mut sent = 0u32;
+            for op in ops {
+                let locked: Vec<i64> = model
+                    .iter()
+                    .filter(|(_, (_, l, _))| l.is_some())
+                    .map(|(s, _)| *s)
+                    .collect();
+                match op {
+                    Op::Send(delay) => {
+                        sent += 1;
+                        let mut m = msg(&format!("m{sent}"));
+                        if delay > 0 {
+                            m.scheduled_enqueue_time = Some(now + Duration::from_secs(delay.into()));
+                        }
+                        prop_assert!(q.send(m, now).unwrap());
+                        let from = now + Duration::from_secs(delay.into());
+                        model.insert(next, (from, None, 0));
+                        next += 1;
+                    }
+                    Op::Lock => {
+                        let want = model
+                            .iter()
+                            .find(|(_, (from, l, _))| l.is_none() && *from <= now)
+                            .map(|(s, _)| *s);
+                        let got = q.try_lock(Entity::Main, now).unwrap();
+                        prop_assert_eq!(got.as_ref().map(|l| l.message.sequence_number), want);
+                        if let Some(l) = got {
+                            let e = model.get_mut(&l.message.sequence_number).unwrap();
+                            e.2 += 1;
+                            prop_assert_eq!(l.message.delivery_count, e.2);
+                            e.1 = Some((l.locked_until, l.lock_token));
+                        }
+                    }
+                    Op::Complete(i) | Op::Abandon(i) | Op::Renew(i) if !locked.is_empty() => {
+                        let s = locked[i.index(locked.len())];
+                        let token = model[&s].1.clone().unwrap().1;
+                        let id = s.to_string();
+                        match op {
+                            Op::Complete(_) => {
+                                q.complete(Entity::Main, &id, &token, now).unwrap();
+                                model.remove(&s);
+                            }
+                            Op::Abandon(_) => {
+                                q.abandon(Entity::Main, &id, &token, now).unwrap();
+                                if model[&s].2 >= 3 {
+                                    model.remove(&s);
+                                    dead += 1;
+                                } else {
+                                    model.get_mut(&s).unwrap().1 = None;
+                                }
+                            }
+                            _ => {
+                                let until = q.renew(Entity::Main, &id, &token, now).unwrap();
+                                model.get_mut(&s).unwrap().1 = Some((until, token));
+                            }
+                        }
+                    }
+                    Op::Advance(secs) => now += Duration::from_secs(secs.into()),
+                    _ => {}
+                }
+                // What time has done: ended locks release, or dead-letter at the limit.
+                let ended: Vec<i64> = model
+                    .iter()
+                    .filter(|(_, (_, l, _))| l.as_ref().is_some_and(|(u, _)| *u <= now))
+                    .map(|(s, _)| *s)
+                    .collect();
+                for s in ended {
+                    if model[&s].2 >= 3 {
+                        model.remove(&s);
+                        dead += 1;
+                    } else {
+                        model.get_mut(&s).unwrap().1 = None;
+                    }
+                }
+                let c = q.counters(now);
+                let locked = model.values().filter(|(_, l, _)| l.is_some()).count() as u64;
+                let active = model
+                    .values()
+                    .filter(|(from, l, _)| l.is_none() && *from <= now)
+                    .count() as u64;
+                prop_assert_eq!(c.locked, locked);
+                prop_assert_eq!(c.active, active);
+                prop_assert_eq!(c.scheduled, model.len() as u64 - locked - active);
+                prop_assert_eq!(c.dead_lettered, dead);
+                let due = model
+                    .values()
+                    .map(|(from, l, _)| l.as_ref().map_or(*from, |(u, _)| *u))
+                    .filter(|t| *t > now)
+                    .min();
+                let next_change = q.next_change(Entity::Main).filter(|t| *t > now);
+                prop_assert_eq!(next_change, due);
+            }
+        }
+    }
+
+    #[test]
+    fn a_backlog_of_a_hundred_thousand_costs_log_n_per_operation() {
+        // Not a timing test: it finishes at all only if no operation scans the backlog
+        // (100,000 sends each scanning everything would be 10^10 steps).
+        let q = queue(QueueSpec::new("q"));
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        for i in 0..100_000u64 {
+            let mut m = msg(&format!("m{i}"));
+            m.scheduled_enqueue_time = Some(t + Duration::from_secs(3600 + i % 600));
+            q.send(m, t).unwrap();
+        }
+        q.send(msg("now"), t).unwrap();
+        for _ in 0..100_000 {
+            assert_eq!(q.counters(t).scheduled, 100_000);
+        }
+        let l = q.try_lock(Entity::Main, t).unwrap().unwrap();
+        assert_eq!(l.message.message_id, "now");
+        q.complete(Entity::Main, "now", &l.lock_token, t).unwrap();
+        assert_eq!(
+            q.next_change(Entity::Main),
+            Some(t + Duration::from_secs(3600))
         );
     }
 
