@@ -132,10 +132,6 @@ update_interval_ms = 500
 ownership_expiration_ms = 5000
 max_in_flight = 64
 ordering_key = "none"
-[retry]
-# One receiver: the emulator scans its queue per receive, so fewer pollers keep a 100,000-
-# message queue tractable (hubguard's memory does not depend on this).
-concurrency = 1
 [status]
 listen = "127.0.0.1:0"
 [breaker]

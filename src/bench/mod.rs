@@ -62,9 +62,8 @@ pub struct BenchArgs {
     /// Events that fail once, for the retry timing.
     #[arg(long, default_value_t = 500)]
     retries: usize,
-    /// Retries pending in Service Bus for the memory reading (the Service Bus emulator slows
-    /// down with very many scheduled messages: 100,000 takes many minutes).
-    #[arg(long, default_value_t = 20_000)]
+    /// Retries pending in Service Bus for the memory reading.
+    #[arg(long, default_value_t = 100_000)]
     pending: usize,
 }
 
