@@ -288,6 +288,14 @@ pub struct RetrySection {
     /// Deadline of every call to Service Bus, blob storage and Event Hubs (ms).
     #[serde(default = "d10000")]
     pub call_deadline_ms: u64,
+    /// How often the queue's dead-letter sub-queue is swept for retries Service Bus gave up
+    /// on (ms; also once at start).
+    #[serde(default = "d60000")]
+    pub dead_letter_sweep_ms: u64,
+}
+
+fn d60000() -> u64 {
+    60_000
 }
 
 fn d8() -> usize {
@@ -303,6 +311,7 @@ impl Default for RetrySection {
             concurrency: 8,
             receive_wait_ms: 5000,
             call_deadline_ms: 10_000,
+            dead_letter_sweep_ms: 60_000,
         }
     }
 }
@@ -551,6 +560,12 @@ impl Config {
             .ordering_key
             .parse::<crate::pipeline::OrderingKey>()
             .map_err(|e| err(format!("processor.ordering_key: {e}")))?;
+        if self.retry.dead_letter_sweep_ms < 1000 {
+            return Err(err(format!(
+                "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
+                self.retry.dead_letter_sweep_ms
+            )));
+        }
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
             return Err(err(
                 "checkpoint.every_events and checkpoint.every_ms must be positive",
@@ -731,6 +746,7 @@ impl Config {
                 deadline,
                 retry_concurrency: self.retry.concurrency,
                 retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
+                dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
                 ..Default::default()
             },
         })
@@ -893,6 +909,8 @@ url = "http://127.0.0.1:9000/events"
         );
         let e = bad("[checkpoint]\nevery_ms = 100\nmin_interval_ms = 500\n");
         assert!(e.contains("checkpoint.min_interval_ms"), "{e}");
+        let e = bad("[retry]\ndead_letter_sweep_ms = 0\n");
+        assert!(e.contains("retry.dead_letter_sweep_ms"), "{e}");
         let e = Config::parse(
             BASE,
             vec![("HUBGUARD_PROCESSOR__MAX_IN_FLIGHT".into(), "8".into())],

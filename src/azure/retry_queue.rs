@@ -176,6 +176,16 @@ pub trait RetryQueue: Send + Sync {
     async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError>;
     /// Waits up to `wait` for a visible message and locks it.
     async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError>;
+    /// Waits up to `wait` for a message in the queue's dead-letter sub-queue and locks it:
+    /// retries Service Bus gave up on (`MaxDeliveryCountExceeded`), for hubguard to take
+    /// back. `Ok(None)` when there is none (the default: a queue without a sub-queue).
+    async fn receive_dead_lettered(
+        &self,
+        wait: Duration,
+    ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        let _ = wait;
+        Ok(None)
+    }
 }
 
 /// An `HttpClient` for the legacy crate that sends every request (and every lock `Location`)
@@ -238,6 +248,8 @@ impl Default for ServiceBusOptions {
 /// [`RetryQueue`] on a Service Bus queue.
 pub struct ServiceBusRetryQueue {
     client: QueueClient,
+    /// The same queue's `$DeadLetterQueue`.
+    dead_letters: QueueClient,
     queue: String,
     options: ServiceBusOptions,
     clock: Arc<crate::clock::Clock>,
@@ -282,16 +294,19 @@ impl ServiceBusRetryQueue {
                     })?;
                 (ns.to_string(), azure_core_legacy::new_http_client())
             };
-        let client = QueueClient::new(
-            http,
-            namespace,
-            queue,
-            connection.key.name(),
-            connection.key.secret().to_string(),
-        )
-        .map_err(|e| RetryQueueError::Protocol(e.to_string()))?;
+        let client = |entity: &str| {
+            QueueClient::new(
+                http.clone(),
+                namespace.clone(),
+                entity,
+                connection.key.name(),
+                connection.key.secret().to_string(),
+            )
+            .map_err(|e| RetryQueueError::Protocol(e.to_string()))
+        };
         Ok(Self {
-            client,
+            client: client(queue)?,
+            dead_letters: client(&format!("{queue}/$DeadLetterQueue"))?,
             queue: queue.into(),
             options,
             clock: Arc::default(),
@@ -458,13 +473,29 @@ impl RetryQueue for ServiceBusRetryQueue {
     }
 
     async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        self.receive_from(&self.client, wait).await
+    }
+
+    async fn receive_dead_lettered(
+        &self,
+        wait: Duration,
+    ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        self.receive_from(&self.dead_letters, wait).await
+    }
+}
+
+impl ServiceBusRetryQueue {
+    async fn receive_from(
+        &self,
+        client: &QueueClient,
+        wait: Duration,
+    ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
         let deadline = self.options.deadline;
         let clock = self.clock.clone();
         self.deadline(wait, async {
             // The protocol's timeout is in whole seconds; round up so short waits still wait.
             let secs = Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0));
-            let response = self
-                .client
+            let response = client
                 .peek_lock_message2(Some(secs))
                 .await
                 .map_err(|e| classify(&e))?;

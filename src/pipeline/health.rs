@@ -63,6 +63,8 @@ pub struct Counters {
     pub checkpoints: AtomicU64,
     /// Handler calls.
     pub attempts: AtomicU64,
+    /// Retries taken back from Service Bus's dead-letter sub-queue.
+    pub rescued: AtomicU64,
 }
 
 /// A snapshot of the counters.
@@ -80,6 +82,8 @@ pub struct CounterSnapshot {
     pub checkpoints: u64,
     /// Handler calls.
     pub attempts: u64,
+    /// Retries taken back from Service Bus's dead-letter sub-queue.
+    pub rescued: u64,
 }
 
 /// Shared health of one pipeline.
@@ -267,6 +271,7 @@ impl Health {
             settle_failures: c.settle_failures.load(Ordering::Relaxed),
             checkpoints: c.checkpoints.load(Ordering::Relaxed),
             attempts: c.attempts.load(Ordering::Relaxed),
+            rescued: c.rescued.load(Ordering::Relaxed),
         }
     }
 

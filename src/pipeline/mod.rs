@@ -139,6 +139,9 @@ pub struct PipelineOptions {
     pub reconnect_base: Duration,
     /// The watchdog's pace once reconnects keep failing.
     pub watchdog_interval: Duration,
+    /// How often the retry queue's dead-letter sub-queue is swept for retries Service Bus
+    /// gave up on (also once at start).
+    pub dead_letter_sweep: Duration,
     /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
     /// clock; tests share one with the Service Bus emulator and advance it.
     pub clock: Arc<crate::clock::Clock>,
@@ -163,6 +166,7 @@ impl Default for PipelineOptions {
             retry_receive_wait: Duration::from_secs(5),
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
+            dead_letter_sweep: Duration::from_secs(60),
             clock: Arc::default(),
         }
     }

@@ -363,6 +363,12 @@ pub(crate) fn transient_failure(o: &crate::handler::Outcome) -> bool {
 }
 
 impl Shared {
+    /// Counts a retry taken back from Service Bus's dead-letter sub-queue.
+    pub(crate) fn count_rescued(&self) {
+        self.health.count(&self.health.counters.rescued);
+        self.metrics.rescued.add(1, &[]);
+    }
+
     /// Counts a settlement (health counters and OpenTelemetry metrics).
     pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = &self.health.counters;

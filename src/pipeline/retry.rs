@@ -10,6 +10,11 @@
 //! without calling the handler, and a stale message (its attempt already recorded) only
 //! re-sends the recorded next attempt.
 //!
+//! Service Bus dead-letters a message it delivered `MaxDeliveryCount` times without a
+//! settlement: a process that died holding the same retry again and again. Such a retry
+//! would wait where nothing reads it while the ledger promises a next attempt, so a sweep
+//! of the dead-letter sub-queue (at start, then every `dead_letter_sweep`) puts it back.
+//!
 //! The loop never dies silently (seed 000's three layers): receive errors are retried at
 //! once with backoff, then by a watchdog at a slow pace; the state shows in readiness.
 //!
@@ -46,6 +51,7 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     for _ in 1..shared.options.retry_concurrency.max(1) {
         tasks.spawn(helper(shared.clone(), slots.clone(), cancel.clone()));
     }
+    tasks.spawn(sweep_dead_letters(shared.clone(), cancel.clone()));
     loop {
         while tasks.try_join_next().is_some() {}
         let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
@@ -148,6 +154,68 @@ async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: Cancellation
             }
         }
         drop(permit);
+    }
+}
+
+/// Sweeps the dead-letter sub-queue at start and then every `dead_letter_sweep`.
+async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
+    loop {
+        loop {
+            let received = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = shared.queue.receive_dead_lettered(Duration::ZERO) => r,
+            };
+            match received {
+                Ok(Some(msg)) => rescue(msg, &shared).await,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the retry queue's dead-letter sub-queue; trying again at the next sweep");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = shared.clock().sleep(shared.options.dead_letter_sweep) => {}
+        }
+    }
+}
+
+/// Takes one retry back from the dead-letter sub-queue. Whatever fails leaves it there,
+/// locked until its lock lapses, for the next sweep: it is never dropped.
+async fn rescue(msg: ReceivedMessage, shared: &Shared) {
+    let Ok(body) = serde_json::from_str::<RetryMessage>(&msg.body) else {
+        tracing::warn!(message_id = %msg.message_id, "a message in the retry queue's dead-letter sub-queue is not hubguard's; leaving it for an operator");
+        return;
+    };
+    let key = &body.event.identity.idempotency_key;
+    let put_back = match shared.settler.ledger.get(key).await {
+        Err(e) => {
+            tracing::warn!(key = %key, error = %e, "cannot read the ledger for a dead-lettered retry; leaving it for the next sweep");
+            return;
+        }
+        Ok(Some((rec, _))) if rec.state != State::RetryScheduled => Ok(()),
+        Ok(Some((rec, _))) if rec.attempts >= body.attempt => {
+            // Superseded: only the recorded next attempt matters (dropped if it exists).
+            let due = rec
+                .next_attempt_at()
+                .unwrap_or_else(|| shared.clock().now());
+            shared
+                .settler
+                .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
+                .await
+        }
+        Ok(_) => {
+            tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
+            shared.count_rescued();
+            shared.settler.rescue(&body, msg.sequence_number).await
+        }
+    };
+    match put_back {
+        Ok(()) => settle_message(&msg, true).await,
+        Err(e) => {
+            tracing::warn!(key = %key, error = %e, "could not put a dead-lettered retry back; leaving it for the next sweep");
+        }
     }
 }
 

@@ -217,6 +217,30 @@ impl Settler {
         Ok(())
     }
 
+    /// Puts back a retry that Service Bus dead-lettered (its sequence number there is
+    /// `dead_letter_seq`): the same attempt, due when it was (or now), under a MessageId of
+    /// its own so duplicate detection cannot drop it, and a second rescue of the same copy
+    /// (after a crash before it was completed) can.
+    pub async fn rescue(
+        &self,
+        message: &RetryMessage,
+        dead_letter_seq: i64,
+    ) -> Result<(), RetryQueueError> {
+        let id = format!(
+            "{}-rescued-{dead_letter_seq}",
+            message_id(&message.event.identity.idempotency_key, message.attempt)
+        );
+        let due = at(message.due_ms).max(self.clock.now());
+        self.schedule_as(
+            &id,
+            &message.event,
+            message.attempt,
+            due,
+            &message.traceparents,
+        )
+        .await
+    }
+
     /// Schedules attempt `attempt` of `event` for `due`.
     pub async fn schedule(
         &self,

@@ -240,6 +240,8 @@ pub struct Metrics {
     pub dead_lettered: Counter<u64>,
     /// Attempts deferred by an open breaker.
     pub deferred: Counter<u64>,
+    /// Retries taken back from Service Bus's dead-letter sub-queue.
+    pub rescued: Counter<u64>,
     /// Failed settlements.
     pub settle_failures: Counter<u64>,
     /// Handler duration (s).
@@ -281,6 +283,10 @@ impl Metrics {
             deferred: meter
                 .u64_counter(m::DEFERRED)
                 .with_description("Attempts deferred by an open circuit breaker")
+                .build(),
+            rescued: meter
+                .u64_counter(m::RESCUED)
+                .with_description("Retries Service Bus dead-lettered, put back on the queue")
                 .build(),
             settle_failures: meter
                 .u64_counter(m::SETTLE_FAILURES)

@@ -80,6 +80,8 @@ pub mod metric {
     pub const DEAD_LETTERED: &str = "hubguard.events.dead_lettered";
     /// Counter: attempts deferred by an open breaker.
     pub const DEFERRED: &str = "hubguard.events.deferred";
+    /// Counter: retries taken back from Service Bus's dead-letter sub-queue.
+    pub const RESCUED: &str = "hubguard.retries.rescued";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
@@ -142,6 +144,7 @@ pub fn all() -> Vec<&'static str> {
         metric::RETRIES_SCHEDULED,
         metric::DEAD_LETTERED,
         metric::DEFERRED,
+        metric::RESCUED,
         metric::SETTLE_FAILURES,
         metric::HANDLER_DURATION,
         metric::RETRY_LATENESS,

@@ -626,3 +626,91 @@ async fn a_retry_due_while_blob_storage_is_down_is_held_not_burnt_into_the_dead_
     assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
     run.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touched() {
+    use hubguard::emulator::servicebus::broker::{Entity, NewMessage};
+    // One delivery without a settlement and Service Bus dead-letters: what a process that
+    // died holding the same retry MaxDeliveryCount times leaves behind.
+    let mut queue = hubguard::emulator::servicebus::QueueSpec::new("retries");
+    queue.max_delivery_count = 1;
+    let bed = Bed::start_with_queue(1, queue).await;
+    bed.send(
+        0,
+        &[("stranded", "fail:1"), ("ran-before-the-crash", "fail:1")],
+    )
+    .await;
+    let handler = Arc::new(Scripted::default());
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    let run = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
+    wait_for("both retries scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == 2
+    })
+    .await;
+    run.stop().await;
+
+    let q = bed.sb.queue("retries").unwrap();
+    let clock = bed.clock();
+    q.send(
+        NewMessage {
+            message_id: Some("someone-elses".into()),
+            body: b"not a hubguard retry".to_vec(),
+            ..Default::default()
+        },
+        clock.now(),
+    )
+    .unwrap();
+    clock.advance(Duration::from_secs(61));
+    for _ in 0..3 {
+        let l = q.try_lock(Entity::Main, clock.now()).unwrap().unwrap();
+        let seq = l.message.sequence_number.to_string();
+        q.abandon(Entity::Main, &seq, &l.lock_token, clock.now())
+            .unwrap();
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 3);
+    // One of the two had run and settled before its process died (only the completion of
+    // the message was lost).
+    let ledger = bed.ledger();
+    let (mut rec, etag) = ledger.get("ran-before-the-crash").await.unwrap().unwrap();
+    rec.state = State::Delivered;
+    rec.next_attempt_ms = None;
+    ledger.put(&rec, Some(&etag)).await.unwrap();
+
+    let run = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
+    wait_for(
+        "the stranded retry delivered",
+        &run.health,
+        LIMIT,
+        || async { handler.delivered_keys().contains("stranded") },
+    )
+    .await;
+    wait_for(
+        "only the foreign message left dead-lettered",
+        &run.health,
+        LIMIT,
+        || async { bed.sb.counters("retries").unwrap().dead_lettered == 1 },
+    )
+    .await;
+    assert_eq!(run.health.snapshot().rescued, 1);
+    run.stop().await;
+    assert_eq!(
+        handler.calls_of("stranded"),
+        vec![1, 2],
+        "the same attempt 2"
+    );
+    let (rec, _) = ledger.get("stranded").await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!(
+        handler.calls_of("ran-before-the-crash"),
+        vec![1],
+        "a settled event is not run again"
+    );
+    let left = q.messages(Entity::DeadLetter);
+    assert_eq!(left.len(), 1);
+    assert_eq!(
+        left[0].body, b"not a hubguard retry",
+        "left for an operator"
+    );
+}
