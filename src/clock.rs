@@ -4,9 +4,9 @@
 //! Service Bus emulator and [`advance`](Clock::advance) it, so a 15-minute outage plays out in
 //! seconds without a real sleep: every wait in policy time ([`sleep`](Clock::sleep),
 //! [`sleep_until`](Clock::sleep_until)) wakes as soon as the clock is moved past its end.
-//! Deadlines on network calls are not policy time and stay on tokio's timer. (The offset is
-//! on top of the wall clock, not of tokio's paused time: tests that pause tokio advance this
-//! clock themselves.)
+//! Deadlines on network calls are not policy time and stay on tokio's timer. Waits run on
+//! tokio's monotonic timer plus the advances, so a step of the wall clock does not change a
+//! wait already begun.
 
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
@@ -47,13 +47,23 @@ impl Clock {
         at.duration_since(self.now()).unwrap_or_default()
     }
 
-    /// Waits until this clock reaches `at`: the real remainder, cut short by any advance.
+    /// Waits until this clock reaches `at`. The remainder is taken once and then waited on
+    /// tokio's monotonic timer, so a step of the wall clock (NTP) neither stretches nor cuts
+    /// a wait already begun; advances of this clock still cut it short.
     pub async fn sleep_until(&self, at: SystemTime) {
+        self.sleep(self.until(at)).await
+    }
+
+    /// Waits `d` of this clock's time: tokio's time passing plus any advance meanwhile.
+    pub async fn sleep(&self, d: Duration) {
+        let started = tokio::time::Instant::now();
+        let offset = self.offset();
         loop {
-            // Created before the time is read: an advance in between still wakes it
+            // Created before the offset is read: an advance in between still wakes it
             // (`notify_waiters` reaches every `Notified` that exists when it is called).
             let advanced = self.advanced.notified();
-            let left = self.until(at);
+            let passed = started.elapsed() + self.offset().saturating_sub(offset);
+            let left = d.saturating_sub(passed);
             if left.is_zero() {
                 return;
             }
@@ -62,11 +72,6 @@ impl Clock {
                 _ = tokio::time::sleep(left) => {}
             }
         }
-    }
-
-    /// Waits `d` of this clock's time.
-    pub async fn sleep(&self, d: Duration) {
-        self.sleep_until(self.now() + d).await
     }
 }
 
@@ -103,6 +108,19 @@ mod tests {
         assert!(!sleeper.is_finished(), "600 s of a 900 s wait have passed");
         c.advance(Duration::from_secs(300));
         sleeper.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_advances_a_policy_sleep_is_a_tokio_sleep() {
+        let c = Clock::default();
+        let t0 = tokio::time::Instant::now();
+        c.sleep(Duration::from_secs(5)).await;
+        assert_eq!(tokio::time::Instant::now() - t0, Duration::from_secs(5));
+        // Paused time: the wall clock stood still, and the wait still ended on tokio's timer.
+        let t1 = tokio::time::Instant::now();
+        c.sleep_until(SystemTime::now() + Duration::from_secs(2))
+            .await;
+        assert!(tokio::time::Instant::now() - t1 <= Duration::from_secs(2));
     }
 
     #[tokio::test]
