@@ -251,7 +251,8 @@ where
             Err(e) => {
                 shared.health.count(&shared.health.counters.settle_failures);
                 tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
-                let until = shared.clock().now() + backoff;
+                let wait = shared.clock().sleep(backoff);
+                tokio::pin!(wait);
                 loop {
                     let renew_in = shared.clock().until(msg.locked_until) / 2;
                     tokio::select! {
@@ -259,7 +260,7 @@ where
                             settle_message(msg, false).await;
                             return None;
                         }
-                        _ = shared.clock().sleep_until(until) => break,
+                        _ = &mut wait => break,
                         _ = shared.clock().sleep(renew_in.max(Duration::from_millis(500))) => {
                             if let Err(e) = msg.renew().await {
                                 tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
