@@ -8,6 +8,9 @@
 //!   loses a disposition that arrives before it has recorded the transfer as unsettled, and
 //!   tears its connection down when a detach reply beats its own bookkeeping. On loopback both
 //!   happen; holding those frames a few milliseconds (order preserved) removes the races (§6).
+//!   The client's window is tiny, but a thread preempted inside it on a loaded machine
+//!   reopens it: 2 ms still let one producer hang in a full test run on two busy cores, so
+//!   dispositions are held 10 ms (batch sends pay it once per batch).
 //! - **`TCP_QUICKACK` re-armed after every read**, because the client does not set
 //!   `TCP_NODELAY`: Nagle against delayed ACKs would add ~40 ms to each round trip.
 //! - **Faults:** added latency on every outgoing frame, and a cancellation token that kills
@@ -33,7 +36,7 @@ use crate::emulator::Faults;
 /// How long an outgoing `detach` is held back.
 pub const DETACH_HOLD: Duration = Duration::from_millis(5);
 /// How long an outgoing `disposition` is held back.
-pub const DISPOSITION_HOLD: Duration = Duration::from_millis(2);
+pub const DISPOSITION_HOLD: Duration = Duration::from_millis(10);
 /// Stop accepting writes from the AMQP engine while this much is queued.
 const MAX_QUEUED: usize = 4 << 20;
 
