@@ -201,24 +201,20 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     // connection pools at full concurrency) with 5,000 retries (at most half of them), then
     // schedule the rest.
     let warm = (pending / 2).clamp(1, 5000);
-    produce_keyed(&cs, "fail-warm", warm, partitions).await?;
-    super::pipelines::wait_progress(
-        "`hubguard run` scheduling retries",
-        || sb.counters("retries").map_or(0, |c| c.scheduled),
-        warm as u64,
-    )
-    .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_warm_mb = rss_mb(pid)?;
-    produce_keyed(&cs, "fail", pending - warm, partitions).await?;
-    super::pipelines::wait_progress(
-        "`hubguard run` scheduling retries",
-        || sb.counters("retries").map_or(0, |c| c.scheduled),
-        pending as u64,
-    )
-    .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_pending_mb = rss_mb(pid)?;
+    // `n` more events fail; read the resident set once `scheduled` retries wait in Service Bus.
+    let fail_and_read = async |prefix: &str, n: usize, scheduled: usize| {
+        produce_keyed(&cs, prefix, n, partitions).await?;
+        super::pipelines::wait_progress(
+            "`hubguard run` scheduling retries",
+            || sb.counters("retries").map_or(0, |c| c.scheduled),
+            scheduled as u64,
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        rss_mb(pid)
+    };
+    let rss_warm_mb = fail_and_read("fail-warm", warm, warm).await?;
+    let rss_pending_mb = fail_and_read("fail", pending - warm, pending).await?;
     let pending_now = sb.counters("retries").map_or(0, |c| c.scheduled);
     if pending_now < pending as u64 {
         bail!("only {pending_now} retries pending");

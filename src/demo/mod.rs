@@ -505,28 +505,24 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
             ));
             downstream_done = true;
         }
-        for (i, w) in args.servicebus_outage.iter().enumerate() {
-            if let Some(w) = w.0.filter(|w| !servicebus_started[i] && t >= w.start) {
-                bed.sb.faults().error_status_for(503, w.duration);
-                progress(&format!(
-                    "t={:>3}s  Service Bus outage: 503 for {:?}; partitions with failures will hold",
-                    t.as_secs(),
-                    w.duration
-                ));
-                servicebus_started[i] = true;
-            }
-        }
-        for (i, w) in args.blob_outage.iter().enumerate() {
-            if let Some(w) = w.0.filter(|w| !blob_started[i] && t >= w.start) {
-                bed.blob.faults().error_status_for(503, w.duration);
-                progress(&format!(
-                    "t={:>3}s  blob storage outage: 503 for {:?}; checkpoints, ownership and the ledger fail",
-                    t.as_secs(),
-                    w.duration
-                ));
-                blob_started[i] = true;
-            }
-        }
+        start_outages(
+            t,
+            &args.servicebus_outage,
+            &mut servicebus_started,
+            bed.sb.faults(),
+            "Service Bus outage",
+            "partitions with failures will hold",
+            &mut progress,
+        );
+        start_outages(
+            t,
+            &args.blob_outage,
+            &mut blob_started,
+            bed.blob.faults(),
+            "blob storage outage",
+            "checkpoints, ownership and the ledger fail",
+            &mut progress,
+        );
         if let Some(every) = next_crash.filter(|n| t >= *n) {
             let i = crashes % replicas.len();
             let victim = replicas.remove(i);
@@ -776,6 +772,30 @@ pub fn print_table(r: &Report) {
     println!("{:<24} {:>9.1}s", "elapsed", r.elapsed_ms as f64 / 1000.0);
     if r.clean() {
         println!("\nNothing lost: every event was delivered or dead-lettered, and no checkpoint ever passed an unsettled event.");
+    }
+}
+
+/// Starts each outage of `windows` whose time `t` has come and that `started` does not mark
+/// yet: `faults` answers 503 for its duration.
+fn start_outages(
+    t: Duration,
+    windows: &[Outage],
+    started: &mut [bool],
+    faults: &crate::emulator::Faults,
+    what: &str,
+    effect: &str,
+    progress: &mut impl FnMut(&str),
+) {
+    for (w, started) in windows.iter().zip(started.iter_mut()) {
+        if let Some(w) = w.0.filter(|w| !*started && t >= w.start) {
+            faults.error_status_for(503, w.duration);
+            progress(&format!(
+                "t={:>3}s  {what}: 503 for {:?}; {effect}",
+                t.as_secs(),
+                w.duration
+            ));
+            *started = true;
+        }
     }
 }
 

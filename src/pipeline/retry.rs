@@ -197,13 +197,11 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
         Ok(Some((rec, _))) if rec.state != State::RetryScheduled => Ok(()),
         Ok(Some((rec, _))) if rec.attempts >= body.attempt => {
             // Superseded: only the recorded next attempt matters (dropped if it exists).
-            let due = rec
-                .next_attempt_at()
-                .unwrap_or_else(|| shared.clock().now());
             shared
                 .settler
-                .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
+                .resend_recorded(&rec, &body.traceparents)
                 .await
+                .map(drop)
         }
         Ok(_) => {
             tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
@@ -307,19 +305,12 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         }
         Some((rec, _)) if rec.attempts >= body.attempt => {
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-            let due = rec
-                .next_attempt_at()
-                .unwrap_or_else(|| shared.clock().now());
             let scheduled = holding(
                 &mut msg,
                 shared,
                 cancel,
                 "re-sending the recorded retry",
-                || {
-                    shared
-                        .settler
-                        .schedule(&rec.event, rec.attempts + 1, due, &body.traceparents)
-                },
+                || shared.settler.resend_recorded(&rec, &body.traceparents),
             )
             .await;
             if scheduled.is_some() {

@@ -158,11 +158,6 @@ impl Settler {
         self
     }
 
-    /// The clock due times are computed on.
-    pub fn clock(&self) -> &Arc<crate::clock::Clock> {
-        &self.clock
-    }
-
     /// The policies in force (for new failures).
     pub fn policies(&self) -> &Policies {
         &self.policies
@@ -186,9 +181,7 @@ impl Settler {
                 return Ok(());
             }
             if rec.attempts >= attempt {
-                let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
-                self.schedule(&rec.event, rec.attempts + 1, due, traceparents)
-                    .await?;
+                self.resend_recorded(&rec, traceparents).await?;
                 return Ok(());
             }
         }
@@ -239,6 +232,20 @@ impl Settler {
             &message.traceparents,
         )
         .await
+    }
+
+    /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
+    /// duplicate-detection window is dropped); returns its due time. For copies of attempts
+    /// the ledger has already recorded.
+    pub async fn resend_recorded(
+        &self,
+        rec: &LedgerRecord,
+        traceparents: &[String],
+    ) -> Result<SystemTime, RetryQueueError> {
+        let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
+        self.schedule(&rec.event, rec.attempts + 1, due, traceparents)
+            .await?;
+        Ok(due)
     }
 
     /// Schedules attempt `attempt` of `event` for `due`.
@@ -379,10 +386,7 @@ impl Settler {
                 if rec.attempts >= attempt {
                     // This attempt is already recorded: make sure the recorded next attempt
                     // exists on Service Bus (a repeat is dropped by duplicate detection).
-                    let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
-                    let trail: Vec<String> = traceparents.to_vec();
-                    self.schedule(&rec.event, rec.attempts + 1, due, &trail)
-                        .await?;
+                    let due = self.resend_recorded(rec, traceparents).await?;
                     return Ok(Settled::RetryScheduled {
                         attempt: rec.attempts + 1,
                         due,

@@ -94,6 +94,20 @@ async fn idle(bed: &Bed, what: &str) {
     }
 }
 
+/// Sends `n` events spread evenly over the partitions, keyed `{prefix}-{partition}-{i}`.
+async fn send_spread(bed: &Bed, prefix: &str, n: usize) -> Vec<String> {
+    let mut keys = Vec::new();
+    for p in 0..PARTITIONS {
+        let ks: Vec<String> = (0..n / PARTITIONS)
+            .map(|i| format!("{prefix}-{p}-{i:04}"))
+            .collect();
+        let evs: Vec<(&str, &str)> = ks.iter().map(|k| (k.as_str(), "")).collect();
+        bed.send(p, &evs).await;
+        keys.extend(ks);
+    }
+    keys
+}
+
 fn ms(t: SystemTime) -> i64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .unwrap()
@@ -117,19 +131,12 @@ async fn a_fifteen_minute_outage_with_thousands_pending_opens_once_probes_once_p
     policy.floor_s = 60;
 
     // Before the breaker: PENDING events fail once each and wait on Service Bus, due in 60 s.
-    let mut keys = Vec::new();
+    let keys;
     {
         let mut parts = bed.parts(downstream.clone(), policy.clone(), "replica-a");
         parts.options.max_in_flight = 16;
         let run = Bed::run(parts);
-        for p in 0..PARTITIONS {
-            let ks: Vec<String> = (0..PENDING / PARTITIONS)
-                .map(|i| format!("order-{p}-{i:04}"))
-                .collect();
-            let evs: Vec<(&str, &str)> = ks.iter().map(|k| (k.as_str(), "")).collect();
-            bed.send(p, &evs).await;
-            keys.extend(ks);
-        }
+        keys = send_spread(&bed, "order", PENDING).await;
         wait_for("the backlog is pending", &run.health, LIMIT, || async {
             bed.sb.counters("retries").unwrap().scheduled == PENDING as u64
         })
@@ -180,14 +187,7 @@ async fn a_fifteen_minute_outage_with_thousands_pending_opens_once_probes_once_p
         }
         if step == 300 {
             // Five minutes in, new events arrive: outage mode leaves them in Event Hubs.
-            for p in 0..PARTITIONS {
-                let ks: Vec<String> = (0..DURING / PARTITIONS)
-                    .map(|i| format!("late-{p}-{i:03}"))
-                    .collect();
-                let evs: Vec<(&str, &str)> = ks.iter().map(|k| (k.as_str(), "")).collect();
-                bed.send(p, &evs).await;
-                during.extend(ks);
-            }
+            during = send_spread(&bed, "late", DURING).await;
         }
     }
     let at_recovery = breaker(&bed).await;
