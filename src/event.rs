@@ -208,6 +208,23 @@ impl IdentityConfig {
     }
 }
 
+/// A stable, collision-resistant stand-in for a key that does not fit a name with a length
+/// limit (a Service Bus MessageId, 128 characters; a blob name, 1,024): `~` followed by the
+/// hex SHA-256 of the key (65 characters). `~` starts no readable form — base64url names
+/// never contain it, and readable MessageIds are only used for keys that do not start with
+/// it — so a digest never equals a readable name. The readable key stays in the ledger
+/// record, the status API, the CLI and the traces.
+pub fn key_digest(key: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(key.as_bytes());
+    let mut out = String::with_capacity(65);
+    out.push('~');
+    for b in digest {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
 impl Event {
     /// When Event Hubs enqueued it.
     pub fn enqueued_at(&self) -> Option<SystemTime> {

@@ -189,7 +189,19 @@ fn classify(e: &azure_core::Error) -> StoreError {
         Some(StatusCode::Unauthorized) | Some(StatusCode::Forbidden) => {
             StoreError::Misconfigured(format!("access refused ({})", code.unwrap_or_default()))
         }
-        Some(s) => StoreError::Unavailable(format!("status {}", u16::from(s))),
+        // A 400 is a refusal of this request for what it is (a name or metadata Azure does
+        // not take): it will not pass by waiting, but it concerns one record, so the caller
+        // holds that record's work and says why.
+        Some(StatusCode::BadRequest) => {
+            StoreError::Misconfigured(format!("status 400 {}", code.unwrap_or_default()))
+        }
+        // 503 `ServerBusy` is a throttled account ("Blob service error codes"): transient.
+        Some(s) => StoreError::Unavailable(match code {
+            Some(c) if c == "ServerBusy" => {
+                format!("status {} ServerBusy (throttled)", u16::from(s))
+            }
+            _ => format!("status {}", u16::from(s)),
+        }),
         None => StoreError::Unavailable(e.to_string()),
     }
 }

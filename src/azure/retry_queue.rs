@@ -19,23 +19,65 @@ use azure_messaging_servicebus::service_bus::{
 
 use super::ConnectionString;
 
-/// Why a retry-queue call failed. Callers branch on it: [`Unavailable`](Self::Unavailable)
-/// and [`Timeout`](Self::Timeout) are transient, the rest need an operator.
+/// Why a retry-queue call failed. Callers branch on it: a refusal of *one request*
+/// ([`Refused`](Self::Refused)) is final for that message and must not hold anything; the
+/// others concern every request (credentials, the queue, its quota) or are transient, and
+/// hold the work until they clear.
+///
+/// Service Bus's REST status codes do not map one-to-one onto these (the Send Message
+/// reference, learn.microsoft.com/rest/api/servicebus/send-message-to-queue): 403 means both
+/// "quota exceeded" and "message too large", so the error detail the service returns tells
+/// them apart.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RetryQueueError {
-    /// The key was refused (401/403).
-    #[error("Service Bus refused the credentials (status {0})")]
-    Unauthorized(u16),
-    /// The queue does not exist (404/410).
-    #[error("Service Bus queue not found (status {0})")]
-    EntityNotFound(u16),
+    /// The credentials were refused or lack the right (401, or a 403 that is not a quota).
+    #[error("Service Bus refused the credentials (status {status}{})", detail_suffix(.detail))]
+    Unauthorized {
+        /// The status.
+        status: u16,
+        /// What the service said, sanitised.
+        detail: String,
+    },
+    /// The queue does not exist (410 on every operation; 404 outside a lock).
+    #[error("the Service Bus queue does not exist (status {status}{})", detail_suffix(.detail))]
+    EntityNotFound {
+        /// The status.
+        status: u16,
+        /// What the service said, sanitised.
+        detail: String,
+    },
+    /// The queue or namespace is full (403 "quota exceeded"): every send fails until it drains.
+    #[error("the Service Bus queue's quota is exceeded (status 403{})", detail_suffix(.0))]
+    QuotaExceeded(String),
+    /// This request, for what it is (too large, a bad MessageId or property), was refused:
+    /// sending it again gets the same answer.
+    #[error("Service Bus refused the message (status {status}{})", detail_suffix(.detail))]
+    Refused {
+        /// The status (400, or 403 for a message too large).
+        status: u16,
+        /// What the service said, sanitised.
+        detail: String,
+    },
+    /// The namespace is throttling (429, or 503 "server busy"): back off and try again.
+    #[error("Service Bus is throttling requests (status {status}{})", detail_suffix(.detail))]
+    Throttled {
+        /// The status.
+        status: u16,
+        /// What the service said, sanitised.
+        detail: String,
+    },
     /// The lock was lost: it expired, or the message was settled already (404 on a lock).
     #[error("the message lock was lost (expired or already settled)")]
     LockLost,
-    /// Service Bus answered with another error status (5xx, 429, …).
-    #[error("Service Bus is unavailable (status {0})")]
-    Unavailable(u16),
+    /// Service Bus answered with another error status (5xx, …).
+    #[error("Service Bus is unavailable (status {status}{})", detail_suffix(.detail))]
+    Unavailable {
+        /// The status.
+        status: u16,
+        /// What the service said, sanitised.
+        detail: String,
+    },
     /// The connection failed.
     #[error("Service Bus could not be reached: {0}")]
     Transport(String),
@@ -47,13 +89,31 @@ pub enum RetryQueueError {
     Protocol(String),
 }
 
+fn detail_suffix(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(": {detail}")
+    }
+}
+
 impl RetryQueueError {
-    /// Whether trying again later may succeed.
+    /// Whether trying again later may succeed without anyone acting.
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Self::Unavailable(_) | Self::Transport(_) | Self::Timeout(_)
+            Self::Unavailable { .. }
+                | Self::Throttled { .. }
+                | Self::Transport(_)
+                | Self::Timeout(_)
         )
+    }
+
+    /// Whether Service Bus refused this one request for what it is: the same request will
+    /// be refused every time, so the caller settles the work another way (dead-letters it)
+    /// instead of holding it.
+    pub fn is_refusal_of_request(&self) -> bool {
+        matches!(self, Self::Refused { .. })
     }
 }
 
@@ -276,11 +336,11 @@ impl ServiceBusRetryQueue {
             if connection.use_development_emulator {
                 (
                     "emulator".into(),
-                    Arc::new(RedirectingHttpClient::new(
+                    Arc::new(DetailedErrors::new(Arc::new(RedirectingHttpClient::new(
                         "http",
                         &connection.host,
                         connection.port,
-                    )),
+                    )))),
                 )
             } else {
                 let ns = connection
@@ -292,7 +352,10 @@ impl ServiceBusRetryQueue {
                             connection.host
                         ))
                     })?;
-                (ns.to_string(), azure_core_legacy::new_http_client())
+                (
+                    ns.to_string(),
+                    Arc::new(DetailedErrors::new(azure_core_legacy::new_http_client())),
+                )
             };
         let client = |entity: &str| {
             QueueClient::new(
@@ -332,18 +395,38 @@ impl ServiceBusRetryQueue {
     }
 }
 
-fn status_error(status: u16) -> RetryQueueError {
+/// Maps a status and the service's error detail to a typed error (see [`RetryQueueError`]).
+fn status_error(status: u16, detail: &str) -> RetryQueueError {
+    let detail = detail.to_string();
+    let lower = detail.to_ascii_lowercase();
     match status {
-        401 | 403 => RetryQueueError::Unauthorized(status),
-        404 | 410 => RetryQueueError::EntityNotFound(status),
-        _ => RetryQueueError::Unavailable(status),
+        400 | 413 => RetryQueueError::Refused { status, detail },
+        401 => RetryQueueError::Unauthorized { status, detail },
+        // 403 is "quota exceeded or message too large": the detail tells which. A message
+        // too large is refused for what it is; anything else at 403 concerns every request.
+        403 if lower.contains("size")
+            && (lower.contains("exceed") || lower.contains("large"))
+            && !lower.contains("entity size") =>
+        {
+            RetryQueueError::Refused { status, detail }
+        }
+        403 if lower.contains("quota") || lower.contains("entity size") => {
+            RetryQueueError::QuotaExceeded(detail)
+        }
+        403 => RetryQueueError::Unauthorized { status, detail },
+        404 | 410 => RetryQueueError::EntityNotFound { status, detail },
+        429 => RetryQueueError::Throttled { status, detail },
+        503 if lower.contains("busy") || lower.contains("throttl") => {
+            RetryQueueError::Throttled { status, detail }
+        }
+        _ => RetryQueueError::Unavailable { status, detail },
     }
 }
 
 fn classify(e: &azure_core_legacy::Error) -> RetryQueueError {
     match e.kind() {
-        azure_core_legacy::error::ErrorKind::HttpResponse { status, .. } => {
-            status_error(u16::from(*status))
+        azure_core_legacy::error::ErrorKind::HttpResponse { status, error_code } => {
+            status_error(u16::from(*status), error_code.as_deref().unwrap_or(""))
         }
         azure_core_legacy::error::ErrorKind::Io => RetryQueueError::Transport(e.to_string()),
         _ => {
@@ -355,8 +438,80 @@ fn classify(e: &azure_core_legacy::Error) -> RetryQueueError {
 
 fn lock_error(e: &azure_core_legacy::Error) -> RetryQueueError {
     match classify(e) {
-        RetryQueueError::EntityNotFound(_) => RetryQueueError::LockLost,
+        // 404 on a lock: the lock (not the queue, which answers 410) is gone.
+        RetryQueueError::EntityNotFound { status: 404, .. } => RetryQueueError::LockLost,
         other => other,
+    }
+}
+
+/// Longest error detail kept from a response body.
+const DETAIL_LIMIT: usize = 300;
+
+/// The `<Detail>` (else `<Message>`) of a Service Bus error body, unescaped, with control
+/// characters removed and cut to [`DETAIL_LIMIT`] characters: what the service said about a
+/// refusal, fit for a log line, a ledger record and `hubguard status`.
+pub fn error_detail(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let inner = |tag: &str| {
+        let open = format!("<{tag}>");
+        let start = text.find(&open)? + open.len();
+        let end = text[start..].find(&format!("</{tag}>"))? + start;
+        Some(text[start..end].to_string())
+    };
+    let raw = inner("Detail")
+        .or_else(|| inner("Message"))
+        .unwrap_or_else(|| text.to_string());
+    let unescaped = raw
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&amp;", "&");
+    let mut out: String = unescaped
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(DETAIL_LIMIT)
+        .collect();
+    if unescaped.chars().count() > DETAIL_LIMIT {
+        out.push('…');
+    }
+    out.trim().to_string()
+}
+
+/// An `HttpClient` for the legacy crate that keeps what the service says about an error.
+/// The crate drops the body of an error response (it looks for a JSON `code`; Service Bus
+/// answers XML with a `<Detail>`), and that detail is the only way to tell "message too
+/// large" from "quota exceeded" (both 403). Every error status becomes an
+/// `HttpResponse` error carrying the detail as its error code.
+#[derive(Debug)]
+pub struct DetailedErrors {
+    inner: Arc<dyn HttpClient>,
+}
+
+impl DetailedErrors {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn HttpClient>) -> Self {
+        Self { inner }
+    }
+}
+
+#[async_trait]
+impl HttpClient for DetailedErrors {
+    async fn execute_request(&self, request: &Request) -> azure_core_legacy::Result<Response> {
+        let response = self.inner.execute_request(request).await?;
+        if u16::from(response.status()) < 400 {
+            return Ok(response);
+        }
+        let (status, _headers, body) = response.deconstruct();
+        let body = body.collect().await.unwrap_or_default();
+        let detail = error_detail(&body);
+        Err(azure_core_legacy::Error::message(
+            azure_core_legacy::error::ErrorKind::HttpResponse {
+                status,
+                error_code: Some(detail),
+            },
+            format!("Service Bus answered {}", u16::from(status)),
+        ))
     }
 }
 
@@ -503,7 +658,7 @@ impl ServiceBusRetryQueue {
             match status {
                 204 => return Ok(None),
                 200 | 201 => {}
-                other => return Err(status_error(other)),
+                other => return Err(status_error(other, "")),
             }
             let bp = response.broker_properties().ok_or_else(|| {
                 RetryQueueError::Protocol("a locked message without BrokerProperties".into())
@@ -563,9 +718,47 @@ mod tests {
 
     #[test]
     fn statuses_map_to_typed_errors() {
-        assert_eq!(status_error(401), RetryQueueError::Unauthorized(401));
-        assert_eq!(status_error(410), RetryQueueError::EntityNotFound(410));
-        assert!(status_error(503).is_transient());
-        assert!(!RetryQueueError::Unauthorized(401).is_transient());
+        assert!(matches!(
+            status_error(401, ""),
+            RetryQueueError::Unauthorized { status: 401, .. }
+        ));
+        assert!(matches!(
+            status_error(410, "gone"),
+            RetryQueueError::EntityNotFound { status: 410, .. }
+        ));
+        assert!(status_error(503, "").is_transient());
+        assert!(status_error(429, "").is_transient());
+        assert!(!status_error(401, "").is_transient());
+        assert!(status_error(400, "bad MessageId").is_refusal_of_request());
+    }
+
+    #[test]
+    fn a_403_is_told_apart_by_its_detail() {
+        let too_large = status_error(
+            403,
+            "The message of 300000 bytes exceeds the maximum message size of 262144 bytes",
+        );
+        assert!(too_large.is_refusal_of_request(), "{too_large:?}");
+        let full = status_error(
+            403,
+            "The maximum entity size has been reached or exceeded for Queue: 'retries'.",
+        );
+        assert!(
+            matches!(full, RetryQueueError::QuotaExceeded(_)),
+            "{full:?}"
+        );
+        assert!(!full.is_refusal_of_request());
+        let rights = status_error(403, "Unauthorized access. 'Send' claim(s) are required");
+        assert!(matches!(rights, RetryQueueError::Unauthorized { .. }));
+        let busy = status_error(503, "SubCode=50009. The entity is being throttled.");
+        assert!(matches!(busy, RetryQueueError::Throttled { .. }));
+    }
+
+    #[test]
+    fn error_details_are_read_from_the_xml_body_and_sanitised() {
+        let body = b"<Error><Code>400</Code><Detail>Bad &lt;id&gt;\r\nline</Detail></Error>";
+        assert_eq!(error_detail(body), "Bad <id>  line");
+        let long = format!("<Error><Detail>{}</Detail></Error>", "x".repeat(1000));
+        assert!(error_detail(long.as_bytes()).chars().count() <= DETAIL_LIMIT + 1);
     }
 }

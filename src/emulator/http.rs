@@ -124,6 +124,25 @@ pub async fn fault_layer(
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    if faults.server_busy() {
+        // A throttled namespace or account: 503 "server busy" with a hint of when to come
+        // back. Service Bus: "Service Bus messaging exceptions" (ServerBusy) and "Throttling
+        // operations on Azure Service Bus"; Blob storage: error code `ServerBusy` ("Blob
+        // service error codes"). One body serves both: Service Bus clients read `<Detail>`,
+        // storage clients `x-ms-error-code` and `<Code>`.
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            [
+                ("x-ms-error-code", "ServerBusy"),
+                ("retry-after", "1"),
+                ("content-type", "application/xml; charset=utf-8"),
+            ],
+            "<Error><Code>ServerBusy</Code><Message>The server is busy.</Message>\
+             <Detail>SubCode=50009. The server is busy: the request was terminated because \
+             the namespace is being throttled. Please wait 1 second and try again.</Detail></Error>",
+        )
+            .into_response();
+    }
     if let Some(status) = faults.error_status() {
         let status = axum::http::StatusCode::from_u16(status)
             .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);

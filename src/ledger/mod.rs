@@ -15,6 +15,9 @@ use crate::azure::{RecordStore, StoreError};
 use crate::event::Event;
 use crate::policy::{DeadLetterReason, RetryPolicy};
 
+/// Longest blob name Azure Storage accepts.
+pub const BLOB_NAME_LIMIT: usize = 1024;
+
 /// History entries kept per record (older ones are dropped, the count stays right).
 pub const HISTORY_LIMIT: usize = 50;
 
@@ -165,11 +168,49 @@ impl Ledger {
 
     /// The blob name of `key`'s record.
     pub fn record_name(&self, key: &str) -> String {
-        format!("ledger/{}{}", self.prefix, encode_key(key))
+        self.blob_name("ledger", key)
     }
 
     fn dead_letter_name(&self, key: &str) -> String {
-        format!("deadletters/{}{}", self.prefix, encode_key(key))
+        self.blob_name("deadletters", key)
+    }
+
+    /// `{area}/{hub}/{consumer group}/{base64url of key}`, or with the key's
+    /// [`key_digest`](crate::event::key_digest) in place of the base64 when that would make
+    /// the name longer than Azure allows (1,024 characters: "Naming and referencing
+    /// containers, blobs, and metadata", learn.microsoft.com). Names that fit keep the form
+    /// they always had, so records written before stay where they are.
+    fn blob_name(&self, area: &str, key: &str) -> String {
+        let readable = format!("{area}/{}{}", self.prefix, encode_key(key));
+        if readable.len() <= BLOB_NAME_LIMIT {
+            readable
+        } else {
+            format!("{area}/{}{}", self.prefix, crate::event::key_digest(key))
+        }
+    }
+
+    /// The keys behind listed names: decoded from the name, or — for a digest name — read
+    /// from the blob itself with `key_of`.
+    async fn listed_keys(
+        &self,
+        prefix: &str,
+        key_of: impl Fn(&[u8]) -> Option<String>,
+    ) -> Result<Vec<String>, LedgerError> {
+        let listed = self.store.list(prefix).await?;
+        let mut keys = Vec::with_capacity(listed.len());
+        for l in listed {
+            let Some(encoded) = l.key.strip_prefix(prefix) else {
+                continue;
+            };
+            if encoded.starts_with('~') {
+                if let Some(r) = self.store.read(&l.key).await? {
+                    keys.extend(key_of(&r.body));
+                }
+            } else {
+                keys.extend(decode_key(encoded));
+            }
+        }
+        Ok(keys)
     }
 
     /// The record of `key` and its ETag.
@@ -238,27 +279,66 @@ impl Ledger {
     /// Keys in the dead-letter index.
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);
-        let listed = self.store.list(&prefix).await?;
-        Ok(listed
-            .into_iter()
-            .filter_map(|l| l.key.strip_prefix(&prefix).and_then(decode_key))
-            .collect())
+        // An index entry's body is its key.
+        self.listed_keys(&prefix, |body| String::from_utf8(body.to_vec()).ok())
+            .await
     }
 
     /// Keys of every record (for tests and the demo's verification).
     pub async fn keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);
-        let listed = self.store.list(&prefix).await?;
-        Ok(listed
-            .into_iter()
-            .filter_map(|l| l.key.strip_prefix(&prefix).and_then(decode_key))
-            .collect())
+        self.listed_keys(&prefix, |body| {
+            serde_json::from_slice::<LedgerRecord>(body)
+                .ok()
+                .map(|r| r.key)
+        })
+        .await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blob_names_stay_within_azures_limit_for_any_key() {
+        struct Nothing;
+        #[async_trait::async_trait]
+        impl RecordStore for Nothing {
+            async fn read(&self, _: &str) -> Result<Option<crate::azure::Record>, StoreError> {
+                Ok(None)
+            }
+            async fn create(&self, _: &str, _: Bytes) -> Result<String, StoreError> {
+                Ok(String::new())
+            }
+            async fn update(&self, _: &str, _: Bytes, _: &str) -> Result<String, StoreError> {
+                Ok(String::new())
+            }
+            async fn delete(&self, _: &str, _: &str) -> Result<(), StoreError> {
+                Ok(())
+            }
+            async fn list(
+                &self,
+                _: &str,
+            ) -> Result<Vec<crate::azure::record_store::Listed>, StoreError> {
+                Ok(Vec::new())
+            }
+        }
+        let ledger = Ledger::new(Arc::new(Nothing), "hub", "$Default");
+        // A short key keeps its readable (base64) name.
+        assert_eq!(
+            ledger.record_name("a/b"),
+            format!("ledger/hub/$default/{}", encode_key("a/b"))
+        );
+        for len in [300, 760, 800, 5_000, 1_000_000] {
+            let key = "k".repeat(len);
+            let name = ledger.record_name(&key);
+            assert!(name.len() <= BLOB_NAME_LIMIT, "{len}: {}", name.len());
+            assert_eq!(name, ledger.record_name(&key), "stable");
+            assert_ne!(name, ledger.record_name(&format!("{key}x")), "distinct");
+        }
+        assert!(ledger.dead_letter_name(&"é".repeat(2_000)).len() <= BLOB_NAME_LIMIT);
+    }
 
     #[test]
     fn keys_survive_any_characters() {

@@ -188,10 +188,16 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
         tracing::warn!(message_id = %msg.message_id, "a message in the retry queue's dead-letter sub-queue is not hubguard's; leaving it for an operator");
         return;
     };
-    let key = &body.event.identity.idempotency_key;
+    let key = body.key();
     let put_back = match shared.settler.ledger.get(key).await {
         Err(e) => {
             tracing::warn!(key = %key, error = %e, "cannot read the ledger for a dead-lettered retry; leaving it for the next sweep");
+            return;
+        }
+        Ok(None) => {
+            // The ledger holds the event (the message is a claim check): without the record
+            // there is nothing to retry. Left where an operator finds it.
+            tracing::error!(key = %key, message_id = %msg.message_id, "a dead-lettered retry has no ledger record; leaving it in the dead-letter sub-queue for an operator");
             return;
         }
         Ok(Some((rec, _))) if rec.state != State::RetryScheduled => Ok(()),
@@ -203,10 +209,13 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                 .await
                 .map(drop)
         }
-        Ok(_) => {
+        Ok(Some((rec, _))) => {
             tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
             shared.count_rescued();
-            shared.settler.rescue(&body, msg.sequence_number).await
+            shared
+                .settler
+                .rescue(&rec, &body, msg.sequence_number)
+                .await
         }
     };
     match put_back {
@@ -282,8 +291,8 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
             return;
         }
     };
-    let event = body.event.clone();
-    let key = &event.identity.idempotency_key;
+    let key = body.key().to_string();
+    let key = &key;
     let lateness = shared
         .clock()
         .now()
@@ -297,7 +306,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     else {
         return;
     };
-    match current {
+    let rec = match current {
         Some((rec, _)) if rec.state != State::RetryScheduled => {
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             settle_message(&msg, true).await;
@@ -318,8 +327,18 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
             }
             return;
         }
-        _ => {}
-    }
+        Some((rec, _)) => rec,
+        None => {
+            // The ledger is written before any retry message is sent, and the event lives
+            // there (the message is a claim check): a message without a record means the
+            // record was removed by hand. Nothing can be retried; abandon it, so Service Bus
+            // dead-letters it at its delivery limit where an operator sees it.
+            tracing::error!(key = %key, message_id = %msg.message_id, "a retry message has no ledger record, so its event cannot be retried; abandoning it to Service Bus's dead-letter sub-queue");
+            settle_message(&msg, false).await;
+            return;
+        }
+    };
+    let event = rec.event.clone();
     // An open breaker defers the attempt past its expiry, without counting it.
     let mut probe = false;
     if let Some(b) = &shared.breaker {
@@ -356,14 +375,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         &crate::telemetry::type_label(event.identity.event_type.as_deref()),
     );
     // The policy in force is the one pinned in the ledger at the first failure.
-    let pinned = match shared.settler.ledger.get(key).await {
-        Ok(Some((rec, _))) => rec.policy,
-        _ => shared
-            .settler
-            .policies()
-            .for_type(event.identity.event_type.as_deref())
-            .clone(),
-    };
+    let pinned = rec.policy;
     let cx = attempt::Context {
         consumer_group: &shared.consumer_group,
         source: Source::Retry,

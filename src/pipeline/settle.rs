@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
-use crate::event::Event;
+use crate::event::{Event, Identity};
 use crate::handler::{Failure, Outcome};
 use crate::ledger::{at, ms, AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
 use crate::policy::classify::ErrorClass;
@@ -99,25 +99,67 @@ impl SettleError {
     }
 }
 
-/// The body of a retry message.
+/// The body of a retry message: a claim check. The event itself is in the ledger record,
+/// written before the message is sent, so the message carries only the event's identity, the
+/// attempt, its due time and the trace context, and stays a few kilobytes whatever the
+/// event's size (Event Hubs accepts events up to 1 MB; Service Bus Standard refuses messages
+/// over 256 KB, "Service Bus quotas" on learn.microsoft.com).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RetryMessage {
-    /// Format version.
+    /// Format version: 2 (claim check); 1 carried the whole event.
     pub v: u32,
     /// The attempt this message triggers.
     pub attempt: u32,
     /// When it is due (ms since the epoch).
     pub due_ms: i64,
-    /// The event.
-    pub event: Event,
-    /// `traceparent`s of the earlier attempts.
+    /// The idempotency key: where the ledger keeps the event (version 2).
+    #[serde(default)]
+    pub key: String,
+    /// The event, in version-1 messages only (sent before the claim check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<Event>,
+    /// `traceparent`s of the earlier attempts (the last [`TRACE_LINKS_LIMIT`]).
     #[serde(default)]
     pub traceparents: Vec<String>,
 }
 
-/// The Service Bus MessageId of attempt `attempt` of `key`.
+impl RetryMessage {
+    /// The idempotency key of the event it retries.
+    pub fn key(&self) -> &str {
+        match &self.event {
+            Some(e) if self.key.is_empty() => &e.identity.idempotency_key,
+            _ => &self.key,
+        }
+    }
+}
+
+/// Earlier attempts' trace contexts a retry message carries (55 bytes each): the most recent
+/// ones, so a message stays small however many attempts an event takes.
+pub const TRACE_LINKS_LIMIT: usize = 32;
+
+/// Longest key used as it is in a MessageId. Service Bus allows 128 characters ("Service Bus
+/// quotas", learn.microsoft.com); hubguard appends at most 47 (`-attempt-4294967295` and
+/// `-rescued-` with a 19-digit sequence number).
+const READABLE_KEY_LIMIT: usize = 80;
+
+/// What stands for `key` in a MessageId: the key itself when it is short printable ASCII
+/// (so operators can read it in the queue), else its [`key_digest`](crate::event::key_digest).
+pub fn message_id_base(key: &str) -> std::borrow::Cow<'_, str> {
+    let readable = !key.is_empty()
+        && key.len() <= READABLE_KEY_LIMIT
+        && !key.starts_with('~')
+        && key.bytes().all(|b| (0x21..0x7f).contains(&b));
+    if readable {
+        std::borrow::Cow::Borrowed(key)
+    } else {
+        std::borrow::Cow::Owned(crate::event::key_digest(key))
+    }
+}
+
+/// The Service Bus MessageId of attempt `attempt` of `key`: `{key}-attempt-{n}`, with a
+/// long or unusual key replaced by its digest (see [`message_id_base`]).
 pub fn message_id(key: &str, attempt: u32) -> String {
-    format!("{key}-attempt-{attempt}")
+    format!("{}-attempt-{attempt}", message_id_base(key))
 }
 
 /// Makes outcomes durable.
@@ -139,6 +181,20 @@ impl std::fmt::Debug for Settler {
 
 fn ascii(s: &str) -> bool {
     s.bytes().all(|b| (0x20..0x7f).contains(&b))
+}
+
+/// Longest key copied into the `hubguard-idempotency-key` property.
+const PROPERTY_KEY_LIMIT: usize = 1024;
+
+/// A CorrelationId or Label for Service Bus: at most 128 characters ("Service Bus quotas"
+/// limits the system properties that identify a message), else the value's digest. The
+/// readable value stays in the ledger and the traces.
+fn bounded(value: &str) -> String {
+    if value.chars().count() <= 128 {
+        value.to_string()
+    } else {
+        crate::event::key_digest(value)
+    }
 }
 
 impl Settler {
@@ -174,9 +230,10 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<(), SettleError> {
         let until = crate::azure::retry_queue::ceil_to_second(until);
+        let key = &event.identity.idempotency_key;
         // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
         // not deferred: make sure the recorded next attempt exists instead.
-        if let Some((rec, _)) = self.ledger.get(&event.identity.idempotency_key).await? {
+        if let Some((rec, _)) = self.ledger.get(key).await? {
             if rec.state != State::RetryScheduled {
                 return Ok(());
             }
@@ -185,16 +242,15 @@ impl Settler {
                 return Ok(());
             }
         }
-        let id = format!(
-            "{}-deferred-{}",
-            message_id(&event.identity.idempotency_key, attempt),
-            ms(until)
-        );
-        self.schedule_as(&id, event, attempt, until, traceparents)
-            .await?;
+        let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
+        let sent = self
+            .schedule_as(&id, &event.identity, attempt, until, traceparents)
+            .await;
+        if self.sent_or_dead_lettered(key, sent).await?.is_none() {
+            return Ok(());
+        }
         for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(&event.identity.idempotency_key).await?
-            else {
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
                 return Ok(());
             };
             if rec.state != State::RetryScheduled || rec.attempts + 1 != attempt {
@@ -211,41 +267,49 @@ impl Settler {
     }
 
     /// Puts back a retry that Service Bus dead-lettered (its sequence number there is
-    /// `dead_letter_seq`): the same attempt, due when it was (or now), under a MessageId of
-    /// its own so duplicate detection cannot drop it, and a second rescue of the same copy
-    /// (after a crash before it was completed) can.
+    /// `dead_letter_seq`) for the event `rec` records: the same attempt, due when it was (or
+    /// now), under a MessageId of its own so duplicate detection cannot drop it, and a second
+    /// rescue of the same copy (after a crash before it was completed) can.
     pub async fn rescue(
         &self,
+        rec: &LedgerRecord,
         message: &RetryMessage,
         dead_letter_seq: i64,
-    ) -> Result<(), RetryQueueError> {
+    ) -> Result<(), SettleError> {
         let id = format!(
             "{}-rescued-{dead_letter_seq}",
-            message_id(&message.event.identity.idempotency_key, message.attempt)
+            message_id(&rec.key, message.attempt)
         );
         let due = at(message.due_ms).max(self.clock.now());
-        self.schedule_as(
-            &id,
-            &message.event,
-            message.attempt,
-            due,
-            &message.traceparents,
-        )
-        .await
+        let sent = self
+            .schedule_as(
+                &id,
+                &rec.event.identity,
+                message.attempt,
+                due,
+                &message.traceparents,
+            )
+            .await;
+        self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
     }
 
     /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
-    /// duplicate-detection window is dropped); returns its due time. For copies of attempts
-    /// the ledger has already recorded.
+    /// duplicate-detection window is dropped); returns its due time, or `None` when Service
+    /// Bus refused the message and the event was dead-lettered instead. For copies of
+    /// attempts the ledger has already recorded.
     pub async fn resend_recorded(
         &self,
         rec: &LedgerRecord,
         traceparents: &[String],
-    ) -> Result<SystemTime, RetryQueueError> {
+    ) -> Result<Option<SystemTime>, SettleError> {
         let due = rec.next_attempt_at().unwrap_or_else(|| self.clock.now());
-        self.schedule(&rec.event, rec.attempts + 1, due, traceparents)
-            .await?;
-        Ok(due)
+        let sent = self
+            .schedule(&rec.event, rec.attempts + 1, due, traceparents)
+            .await;
+        Ok(self
+            .sent_or_dead_lettered(&rec.key, sent)
+            .await?
+            .map(|()| due))
     }
 
     /// Schedules attempt `attempt` of `event` for `due`.
@@ -258,7 +322,7 @@ impl Settler {
     ) -> Result<(), RetryQueueError> {
         self.schedule_as(
             &message_id(&event.identity.idempotency_key, attempt),
-            event,
+            &event.identity,
             attempt,
             due,
             traceparents,
@@ -266,34 +330,95 @@ impl Settler {
         .await
     }
 
+    /// `Some(())` when the retry message was sent. When Service Bus refused that one message
+    /// for what it is (it would refuse it every time), holding the event would hold its
+    /// partition forever: the event is dead-lettered instead, with reason
+    /// [`DeadLetterReason::RetryRefused`] and Service Bus's words as its last error, and
+    /// `None` is returned. Any other failure is returned: the caller holds and tries again.
+    async fn sent_or_dead_lettered(
+        &self,
+        key: &str,
+        sent: Result<(), RetryQueueError>,
+    ) -> Result<Option<()>, SettleError> {
+        match sent {
+            Ok(()) => Ok(Some(())),
+            Err(e) if e.is_refusal_of_request() => {
+                tracing::error!(key = %key, error = %e, "Service Bus refused the retry message; dead-lettering the event (`hubguard dead-letters replay` sends it again once the cause is fixed)");
+                self.dead_letter_refused(key, &e).await?;
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Marks `key`'s record dead-lettered because Service Bus refused its retry message.
+    async fn dead_letter_refused(&self, key: &str, e: &RetryQueueError) -> Result<(), SettleError> {
+        for _ in 0..CAS_ROUNDS {
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+                return Ok(());
+            };
+            if rec.state != State::RetryScheduled {
+                return Ok(());
+            }
+            let now = ms(self.clock.now());
+            let error = e.to_string();
+            rec.state = State::DeadLettered;
+            rec.next_attempt_ms = None;
+            rec.dead_letter_reason = Some(DeadLetterReason::RetryRefused);
+            rec.last_error = Some(error.clone());
+            rec.updated_ms = now;
+            rec.push_history(AttemptEntry {
+                attempt: rec.attempts,
+                started_ms: now,
+                finished_ms: now,
+                outcome: "dead_lettered".into(),
+                error: Some(error),
+                next_attempt_ms: None,
+                trace_id: None,
+            });
+            self.ledger.index_dead_letter(key).await?;
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => return Ok(()),
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+
     async fn schedule_as(
         &self,
         id: &str,
-        event: &Event,
+        identity: &Identity,
         attempt: u32,
         due: SystemTime,
         traceparents: &[String],
     ) -> Result<(), RetryQueueError> {
+        let links = traceparents.len().saturating_sub(TRACE_LINKS_LIMIT);
         let body = RetryMessage {
-            v: 1,
+            v: 2,
             attempt,
             due_ms: ms(due),
-            event: event.clone(),
-            traceparents: traceparents.to_vec(),
+            key: identity.idempotency_key.clone(),
+            event: None,
+            traceparents: traceparents[links..].to_vec(),
         };
         let mut properties = vec![("hubguard-attempt".to_string(), attempt.to_string())];
-        if ascii(&event.identity.idempotency_key) {
+        // A readable copy for operators browsing the queue, when it is a header value Service
+        // Bus takes (printable ASCII; a property is at most 32 KB, all headers 64 KB).
+        if ascii(&identity.idempotency_key) && identity.idempotency_key.len() <= PROPERTY_KEY_LIMIT
+        {
             properties.push((
                 "hubguard-idempotency-key".into(),
-                event.identity.idempotency_key.clone(),
+                identity.idempotency_key.clone(),
             ));
         }
         let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
                 message_id: id.to_string(),
-                correlation_id: Some(event.identity.correlation_id.clone()),
-                label: event.identity.event_type.clone(),
+                correlation_id: Some(bounded(&identity.correlation_id)),
+                label: identity.event_type.as_deref().map(bounded),
                 body: serde_json::to_string(&body)
                     .map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
                 content_type: Some("application/json".into()),
@@ -386,10 +511,12 @@ impl Settler {
                 if rec.attempts >= attempt {
                     // This attempt is already recorded: make sure the recorded next attempt
                     // exists on Service Bus (a repeat is dropped by duplicate detection).
-                    let due = self.resend_recorded(rec, traceparents).await?;
-                    return Ok(Settled::RetryScheduled {
-                        attempt: rec.attempts + 1,
-                        due,
+                    return Ok(match self.resend_recorded(rec, traceparents).await? {
+                        Some(due) => Settled::RetryScheduled {
+                            attempt: rec.attempts + 1,
+                            due,
+                        },
+                        None => Settled::DeadLettered(DeadLetterReason::RetryRefused),
                     });
                 }
             }
@@ -474,7 +601,10 @@ impl Settler {
                         Err(LedgerError::Store(StoreError::Conflict)) => continue,
                         Err(e) => return Err(e.into()),
                     }
-                    self.schedule(event, attempt + 1, due, traceparents).await?;
+                    let sent = self.schedule(event, attempt + 1, due, traceparents).await;
+                    if self.sent_or_dead_lettered(key, sent).await?.is_none() {
+                        return Ok(Settled::DeadLettered(DeadLetterReason::RetryRefused));
+                    }
                     return Ok(Settled::RetryScheduled {
                         attempt: attempt + 1,
                         due,
@@ -527,8 +657,13 @@ impl Settler {
                 Err(LedgerError::Store(StoreError::Conflict)) => continue,
                 Err(e) => return Err(e.into()),
             }
-            self.schedule(&rec.event, rec.attempts + 1, now, &[])
-                .await?;
+            if let Err(e) = self.schedule(&rec.event, rec.attempts + 1, now, &[]).await {
+                if e.is_refusal_of_request() {
+                    // Refused again: it stays a dead letter, with Service Bus's reason.
+                    self.dead_letter_refused(key, &e).await?;
+                }
+                return Err(e.into());
+            }
             self.ledger.unindex_dead_letter(key).await?;
             return Ok(Some(rec.attempts + 1));
         }

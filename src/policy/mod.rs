@@ -136,6 +136,10 @@ pub enum DeadLetterReason {
     AgeExceeded,
     /// The explicit schedule has no more steps.
     ScheduleExhausted,
+    /// Service Bus refused the retry message for what it is (too large, a bad property): it
+    /// would refuse it every time, so the event cannot wait there. The last error says what
+    /// was refused.
+    RetryRefused,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -145,6 +149,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::AttemptsExhausted => "attempts exhausted",
             Self::AgeExceeded => "maximum age exceeded",
             Self::ScheduleExhausted => "retry schedule exhausted",
+            Self::RetryRefused => "Service Bus refused the retry message",
         })
     }
 }

@@ -346,9 +346,10 @@ async fn blob_faults_surface_as_typed_errors() {
 
     emu.faults()
         .error_status_for(503, Duration::from_secs(3600));
-    assert_eq!(
-        within("503", s.read("k")).await,
-        Err(StoreError::Unavailable("status 503".into()))
+    let e = within("503", s.read("k")).await.unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Unavailable(m) if m.starts_with("status 503")),
+        "{e:?}"
     );
     emu.faults().clear();
 
@@ -396,4 +397,93 @@ async fn blob_emulator_restart_on_the_same_data_dir_keeps_records() {
     )
     .await
     .unwrap();
+}
+
+/// Sends a raw request to the emulator's default container.
+async fn raw(
+    emu: &BlobEmulator,
+    method: reqwest::Method,
+    blob: &str,
+    headers: &[(&str, String)],
+) -> (u16, String) {
+    let url = format!("{}/{}", emu.container_url("hubguard"), blob);
+    let mut req = reqwest::Client::new()
+        .request(method, url)
+        .header("x-ms-version", "2025-01-05")
+        .header("x-ms-blob-type", "BlockBlob")
+        .body("x");
+    for (k, v) in headers {
+        req = req.header(*k, v.as_str());
+    }
+    let r = within("raw request", req.send()).await.unwrap();
+    let code = r
+        .headers()
+        .get("x-ms-error-code")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    (r.status().as_u16(), code)
+}
+
+#[tokio::test]
+async fn blob_names_and_metadata_are_held_to_azures_limits() {
+    let emu = BlobEmulator::start(BlobConfig::default()).await.unwrap();
+    let put = reqwest::Method::PUT;
+    assert_eq!(raw(&emu, put.clone(), &"n".repeat(1024), &[]).await.0, 201);
+    assert_eq!(
+        raw(&emu, put.clone(), &"n".repeat(1025), &[]).await,
+        (400, "OutOfRangeInput".into())
+    );
+    assert_eq!(
+        raw(
+            &emu,
+            put.clone(),
+            "m",
+            &[("x-ms-meta-sequencenumber", "1".into())]
+        )
+        .await
+        .0,
+        201
+    );
+    assert_eq!(
+        raw(&emu, put.clone(), "m", &[("x-ms-meta-1bad", "1".into())]).await,
+        (400, "InvalidMetadata".into())
+    );
+    assert_eq!(
+        raw(
+            &emu,
+            put.clone(),
+            "m",
+            &[("x-ms-meta-big", "v".repeat(8 * 1024))]
+        )
+        .await,
+        (400, "MetadataTooLarge".into())
+    );
+    assert_eq!(
+        raw(
+            &emu,
+            put.clone(),
+            "m?comp=metadata",
+            &[("x-ms-meta-in-valid", "1".into())]
+        )
+        .await,
+        (400, "InvalidMetadata".into())
+    );
+}
+
+#[tokio::test]
+async fn a_throttled_account_answers_server_busy_and_reads_as_transient() {
+    let emu = BlobEmulator::start(BlobConfig::default()).await.unwrap();
+    let s =
+        BlobRecordStore::new(&emu.container_url("hubguard"), None, Duration::from_secs(5)).unwrap();
+    emu.faults().server_busy_for(Duration::from_secs(3600));
+    assert_eq!(
+        raw(&emu, reqwest::Method::PUT, "busy", &[]).await,
+        (503, "ServerBusy".into())
+    );
+    let e = within("busy read", s.read("k")).await.unwrap_err();
+    assert!(e.is_transient(), "{e:?}");
+    assert!(e.to_string().contains("ServerBusy"), "{e}");
+    emu.faults().clear();
+    within("after", s.read("k")).await.unwrap();
 }

@@ -11,6 +11,7 @@ mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
+mod limits;
 mod otlp;
 mod outage;
 mod pipeline;

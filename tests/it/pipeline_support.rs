@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 use crate::common::*;
 
 /// Body instructions: `ok`, `fail:N` (transient failures for the first N attempts),
-/// `perm` (permanent failure), `retry-after:S` (one 429-like failure asking for S seconds).
+/// `perm` (permanent failure), `retry-after:S` (one 429-like failure asking for S seconds);
+/// anything after a `#` is padding.
 #[derive(Default)]
 pub struct Scripted {
     /// key → attempt numbers seen, in order.
@@ -63,7 +64,9 @@ impl Handler for Scripted {
         if self.outage.load(std::sync::atomic::Ordering::SeqCst) {
             return Outcome::Failed(Failure::transient("downstream outage"));
         }
+        // Anything after `#` is padding (large events).
         let body = String::from_utf8_lossy(&event.body).to_string();
+        let body = body.split('#').next().unwrap_or_default().to_string();
         let outcome = if let Some(k) = body.strip_prefix("fail:") {
             if n <= k.parse::<u32>().unwrap_or(0) {
                 Outcome::Failed(Failure::transient(format!("scripted failure {n}")))
@@ -265,6 +268,32 @@ impl Bed {
             assert!(batch.try_add_event_data(ev, None).unwrap());
         }
         within("send", prod.send_batch(batch, None)).await.unwrap();
+        within("close producer", prod.close()).await.unwrap();
+    }
+
+    /// Sends one event on its own (not in a batch: the 0.15 SDK counts a batch's first
+    /// event twice, so an event near 1 MB only goes out alone).
+    pub async fn send_one(&self, partition: usize, key: &str, body: &str) {
+        let prod = producer(&self.cs, "hub").await;
+        let ev = EventData::builder()
+            .with_body(body.as_bytes().to_vec())
+            .add_property("ce_id".into(), AmqpSimpleValue::String(key.to_string()))
+            .add_property(
+                "ce_type".into(),
+                AmqpSimpleValue::String("test.event".into()),
+            )
+            .build();
+        within(
+            "send one",
+            prod.send_event(
+                ev,
+                Some(azure_messaging_eventhubs::SendEventOptions {
+                    partition_id: Some(partition.to_string()),
+                }),
+            ),
+        )
+        .await
+        .unwrap();
         within("close producer", prod.close()).await.unwrap();
     }
 

@@ -206,28 +206,39 @@ async fn wrong_key_and_unknown_queue_are_typed_errors() {
     let e = within("send", bad.schedule(message("x", SystemTime::now())))
         .await
         .unwrap_err();
-    assert_eq!(e, RetryQueueError::Unauthorized(401));
+    assert!(
+        matches!(e, RetryQueueError::Unauthorized { status: 401, .. }),
+        "{e:?}"
+    );
     assert!(!e.to_string().contains("wrong-key"));
-    assert_eq!(
-        within("receive", bad.receive(Duration::ZERO))
-            .await
-            .unwrap_err(),
-        RetryQueueError::Unauthorized(401)
+    let e = within("receive", bad.receive(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::Unauthorized { status: 401, .. }),
+        "{e:?}"
     );
     assert_eq!(emu.counters("retries").unwrap().sends, 0);
 
+    // Azure answers 410 Gone for a queue that does not exist (Send Message, Peek-Lock).
     let missing = queue_client(&emu, "nope");
-    assert_eq!(
-        within("send", missing.schedule(message("x", SystemTime::now())))
-            .await
-            .unwrap_err(),
-        RetryQueueError::EntityNotFound(404)
+    let e = within("send", missing.schedule(message("x", SystemTime::now())))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::EntityNotFound { status: 410, .. }),
+        "{e:?}"
     );
-    assert_eq!(
-        within("receive", missing.receive(Duration::ZERO))
-            .await
-            .unwrap_err(),
-        RetryQueueError::EntityNotFound(404)
+    assert!(
+        e.to_string().contains("nope"),
+        "the detail names the queue: {e}"
+    );
+    let e = within("receive", missing.receive(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::EntityNotFound { status: 410, .. }),
+        "{e:?}"
     );
 }
 
@@ -239,17 +250,19 @@ async fn every_fault_kind_surfaces_as_the_right_error() {
 
     emu.faults()
         .error_status_for(503, Duration::from_secs(3600));
-    assert_eq!(
-        within("503", q.schedule(message("a", now)))
-            .await
-            .unwrap_err(),
-        RetryQueueError::Unavailable(503)
+    let e = within("503", q.schedule(message("a", now)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::Unavailable { status: 503, .. }),
+        "{e:?}"
     );
-    assert_eq!(
-        within("503 receive", q.receive(Duration::ZERO))
-            .await
-            .unwrap_err(),
-        RetryQueueError::Unavailable(503)
+    let e = within("503 receive", q.receive(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::Unavailable { status: 503, .. }),
+        "{e:?}"
     );
     emu.faults().clear();
 
@@ -334,4 +347,143 @@ async fn restart_on_the_same_data_dir_loses_nothing() {
         .unwrap();
     assert_eq!(m.message_id, "now");
     within("complete", m.complete()).await.unwrap();
+}
+
+// ---- What Azure refuses (the emulator's table in `hubguard::emulator::servicebus`). ----
+
+#[tokio::test]
+async fn a_message_id_over_128_characters_is_refused_as_azure_does() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let now = SystemTime::now();
+    within("128", q.schedule(message(&"m".repeat(128), now)))
+        .await
+        .expect("128 characters are allowed");
+    let e = within("129", q.schedule(message(&"m".repeat(129), now)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Refused { status: 400, detail } if detail.contains("MessageId")),
+        "{e:?}"
+    );
+    assert!(e.is_refusal_of_request() && !e.is_transient());
+    assert_eq!(emu.counters("retries").unwrap().sends, 1);
+}
+
+#[tokio::test]
+async fn a_message_over_the_queues_size_is_refused_with_403_too_large() {
+    let mut premium = QueueSpec::new("premium");
+    premium.max_message_size_kb = 1024;
+    let emu = emulator_with(vec![QueueSpec::new("retries"), premium], None).await;
+    let now = SystemTime::now();
+    let mut big = message("big", now);
+    big.body = "x".repeat(300 * 1024);
+
+    // Standard: 256 KB, headers included.
+    let e = within(
+        "300 KB",
+        queue_client(&emu, "retries").schedule(big.clone()),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Refused { status: 403, detail } if detail.contains("exceeds the maximum message size")),
+        "{e:?}"
+    );
+    let mut fits = message("fits", now);
+    fits.body = "x".repeat(250 * 1024);
+    within("250 KB", queue_client(&emu, "retries").schedule(fits))
+        .await
+        .expect("250 KB fits a Standard queue");
+    // A queue configured for Premium's 1 MB takes it.
+    within("premium", queue_client(&emu, "premium").schedule(big))
+        .await
+        .expect("a Premium-sized queue takes 300 KB");
+}
+
+#[tokio::test]
+async fn oversized_properties_and_a_zero_ttl_are_refused() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let now = SystemTime::now();
+    let mut m = message("prop", now);
+    m.properties.push(("big".into(), "p".repeat(33 * 1024)));
+    let e = within("property", q.schedule(m)).await.unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Refused { status: 403, detail } if detail.contains("property")),
+        "{e:?}"
+    );
+    let mut m = message("headers", now);
+    for i in 0..3 {
+        m.properties.push((format!("p{i}"), "h".repeat(30 * 1024)));
+    }
+    let e = within("headers", q.schedule(m)).await.unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Refused { status: 403, detail } if detail.contains("headers")),
+        "{e:?}"
+    );
+    let mut m = message("ttl", now);
+    m.time_to_live = Some(Duration::ZERO);
+    let e = within("ttl", q.schedule(m)).await.unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Refused { status: 400, detail } if detail.contains("TimeToLive")),
+        "{e:?}"
+    );
+    assert_eq!(emu.counters("retries").unwrap().sends, 0);
+}
+
+#[tokio::test]
+async fn a_throttled_namespace_answers_server_busy_and_the_client_backs_off() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    emu.faults().server_busy_for(Duration::from_secs(3600));
+    let e = within("busy send", q.schedule(message("a", SystemTime::now())))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RetryQueueError::Throttled { status: 503, .. }),
+        "{e:?}"
+    );
+    assert!(e.is_transient() && !e.is_refusal_of_request());
+    let e = within("busy receive", q.receive(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RetryQueueError::Throttled { .. }), "{e:?}");
+    emu.faults().clear();
+    within("after", q.schedule(message("a", SystemTime::now())))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn queues_configured_outside_azures_ranges_are_refused_at_start() {
+    let cases: Vec<(fn(&mut QueueSpec), &str)> = vec![
+        (
+            |q| q.lock_duration = Duration::from_secs(301),
+            "LockDuration",
+        ),
+        (|q| q.lock_duration = Duration::from_secs(4), "LockDuration"),
+        (
+            |q| q.duplicate_detection_window = Some(Duration::from_secs(10)),
+            "DuplicateDetectionHistoryTimeWindow",
+        ),
+        (
+            |q| q.duplicate_detection_window = Some(Duration::from_secs(8 * 24 * 3600)),
+            "DuplicateDetectionHistoryTimeWindow",
+        ),
+        (|q| q.max_message_size_kb = 512, "MaxMessageSizeInKilobytes"),
+        (|q| q.max_delivery_count = 0, "MaxDeliveryCount"),
+    ];
+    for (change, named) in cases {
+        let mut spec = QueueSpec::new("retries");
+        change(&mut spec);
+        let e = ServiceBusEmulator::start(ServiceBusConfig {
+            queues: vec![spec],
+            ..Default::default()
+        })
+        .await
+        .expect_err(named);
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains(named), "{e}");
+    }
 }

@@ -11,6 +11,17 @@
 //!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write.
 //!
 //! Anonymous requests are accepted, and so is a SAS in the query string.
+//!
+//! What Azure refuses, this refuses the same way ("Naming and referencing containers, blobs,
+//! and metadata" and "Blob service error codes", learn.microsoft.com; Azurite, Microsoft's
+//! emulator, answers the same codes and is the referee in the fidelity tests):
+//!
+//! | rule | answer |
+//! |---|---|
+//! | a blob name over 1,024 characters | 400 `OutOfRangeInput` |
+//! | a metadata name that is not a valid C# identifier | 400 `InvalidMetadata` |
+//! | all of a blob's metadata (names and values) over 8 KB | 400 `MetadataTooLarge` |
+//! | a throttled account (fault kind `server-busy`) | 503 `ServerBusy` |
 
 pub mod store;
 
@@ -219,6 +230,43 @@ fn conditions(h: &HeaderMap) -> Conditions {
     }
 }
 
+/// Longest blob name, in characters.
+const BLOB_NAME_CHARS: usize = 1024;
+/// Most metadata a blob may carry, names and values, in bytes.
+const METADATA_BYTES: usize = 8 * 1024;
+
+/// A C# identifier, as Azure requires of metadata names (ASCII letters, digits and `_`, not
+/// starting with a digit; header names arrive lower-cased).
+fn is_csharp_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// Refuses metadata Azure refuses (see the module's table).
+fn check_metadata(
+    meta: &BTreeMap<String, String>,
+) -> Result<(), (StatusCode, &'static str, String)> {
+    if let Some(bad) = meta.keys().find(|k| !is_csharp_identifier(k)) {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "InvalidMetadata",
+            format!("The metadata specified is invalid. It has characters that are not permitted: '{bad}'."),
+        ));
+    }
+    let size: usize = meta.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if size > METADATA_BYTES {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "MetadataTooLarge",
+            format!("The size of the specified metadata ({size} bytes) exceeds the maximum size permitted ({METADATA_BYTES} bytes)."),
+        ));
+    }
+    Ok(())
+}
+
 fn metadata(h: &HeaderMap) -> BTreeMap<String, String> {
     h.iter()
         .filter_map(|(k, v)| {
@@ -320,6 +368,23 @@ async fn handle(
     let q = query_map(&uri);
     let restype = q.get("restype").map(String::as_str);
     let comp = q.get("comp").map(String::as_str);
+    if blob
+        .as_deref()
+        .is_some_and(|b| b.chars().count() > BLOB_NAME_CHARS)
+    {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "OutOfRangeInput",
+            "The specified resource name length is not within the permissible limits.",
+            head,
+            now,
+        );
+    }
+    if method == Method::PUT && blob.is_some() && matches!(comp, None | Some("metadata")) {
+        if let Err((status, code, message)) = check_metadata(&metadata(&headers)) {
+            return error_response(status, code, &message, head, now);
+        }
+    }
     let mut h = HeaderMap::new();
     common_headers(&mut h, now);
     let store = &shared.store;

@@ -29,6 +29,67 @@ pub struct QueueSpec {
     pub default_ttl: Option<Duration>,
     /// Dead-letter expired messages instead of discarding them.
     pub dead_letter_on_expiration: bool,
+    /// Largest message the queue takes, in KB (`MaxMessageSizeInKilobytes`): 256 on the
+    /// Standard tier; 1,024 (Premium's default) to 102,400 on Premium.
+    pub max_message_size_kb: u32,
+}
+
+/// Azure's limits on a queue's settings ("Service Bus quotas" and the `QueueDescription`
+/// reference, learn.microsoft.com), checked when the emulator opens a queue.
+pub mod limits {
+    use std::time::Duration;
+
+    /// Lock duration: at least 5 seconds, at most 5 minutes.
+    pub const LOCK_DURATION: (Duration, Duration) =
+        (Duration::from_secs(5), Duration::from_secs(300));
+    /// Duplicate-detection window: 20 seconds to 7 days.
+    pub const DUPLICATE_DETECTION_WINDOW: (Duration, Duration) =
+        (Duration::from_secs(20), Duration::from_secs(7 * 24 * 3600));
+    /// Message size on the Standard tier, in KB (headers included).
+    pub const STANDARD_MESSAGE_KB: u32 = 256;
+    /// Message size a Premium queue may be configured for, in KB.
+    pub const PREMIUM_MESSAGE_KB: (u32, u32) = (1_024, 102_400);
+    /// MessageId, SessionId and PartitionKey: at most 128 characters.
+    pub const MESSAGE_ID_CHARS: usize = 128;
+    /// One custom property: at most 32 KB.
+    pub const PROPERTY_BYTES: usize = 32 * 1024;
+    /// All of a message's headers (system and custom properties): at most 64 KB.
+    pub const HEADER_BYTES: usize = 64 * 1024;
+}
+
+impl QueueSpec {
+    /// Refuses settings Azure refuses, naming the setting and what is allowed.
+    pub fn validate(&self) -> Result<(), String> {
+        let name = &self.name;
+        let (lo, hi) = limits::LOCK_DURATION;
+        if self.lock_duration < lo || self.lock_duration > hi {
+            return Err(format!(
+                "queue {name}: LockDuration {:?} is outside Azure's range of 5 s to 5 minutes",
+                self.lock_duration
+            ));
+        }
+        if let Some(w) = self.duplicate_detection_window {
+            let (lo, hi) = limits::DUPLICATE_DETECTION_WINDOW;
+            if w < lo || w > hi {
+                return Err(format!(
+                    "queue {name}: DuplicateDetectionHistoryTimeWindow {w:?} is outside Azure's range of 20 s to 7 days"
+                ));
+            }
+        }
+        if self.max_delivery_count == 0 {
+            return Err(format!("queue {name}: MaxDeliveryCount must be at least 1"));
+        }
+        let (lo, hi) = limits::PREMIUM_MESSAGE_KB;
+        if self.max_message_size_kb != limits::STANDARD_MESSAGE_KB
+            && !(lo..=hi).contains(&self.max_message_size_kb)
+        {
+            return Err(format!(
+                "queue {name}: MaxMessageSizeInKilobytes {} is neither Standard's 256 nor within Premium's 1,024 to 102,400",
+                self.max_message_size_kb
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl QueueSpec {
@@ -42,6 +103,7 @@ impl QueueSpec {
             duplicate_detection_window: Some(Duration::from_secs(600)),
             default_ttl: None,
             dead_letter_on_expiration: false,
+            max_message_size_kb: limits::STANDARD_MESSAGE_KB,
         }
     }
 }
@@ -138,6 +200,8 @@ pub struct Counters {
     pub abandons: u64,
     /// Messages discarded by time to live.
     pub expired: u64,
+    /// The largest body accepted, in bytes.
+    pub largest_body: u64,
 }
 
 /// Which entity of a queue a request addresses.
@@ -164,6 +228,12 @@ pub enum BrokerError {
     /// The journal could not be written.
     #[error("storage failure: {0}")]
     Storage(String),
+    /// The request is malformed or breaks a limit on its parts (REST 400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The message is larger than the queue takes (REST 403, "message too large").
+    #[error("{0}")]
+    MessageTooLarge(String),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -641,6 +711,7 @@ impl Queue {
     pub fn send(&self, new: NewMessage, now: SystemTime) -> Result<bool, BrokerError> {
         let mut st = self.lock();
         st.counters.sends += 1;
+        st.counters.largest_body = st.counters.largest_body.max(new.body.len() as u64);
         let message_id = new
             .message_id
             .filter(|m| !m.is_empty())
@@ -834,6 +905,11 @@ impl Queue {
         self.lock().spec.clone()
     }
 
+    /// The largest message the queue takes, headers included, in bytes.
+    pub fn max_message_bytes(&self) -> usize {
+        self.lock().spec.max_message_size_kb as usize * 1024
+    }
+
     /// Every message of `entity` (for tests and the demo's verification).
     pub fn messages(&self, entity: Entity) -> Vec<StoredMessage> {
         let mut st = self.lock();
@@ -866,6 +942,8 @@ impl Broker {
         };
         let mut queues = HashMap::new();
         for spec in specs {
+            spec.validate()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
             let journal = dir
                 .as_ref()
                 .map(|d| d.join(format!("{}.journal", spec.name.to_ascii_lowercase())));

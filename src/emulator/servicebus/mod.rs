@@ -10,8 +10,21 @@
 //! | `PUT /{entity}/messages/{seq}/{lock}` | abandon: 200; stale lock 404 |
 //! | `POST /{entity}/messages/{seq}/{lock}` | renew: 200; stale lock 404 |
 //!
-//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`; an unknown entity gets 404. Every
-//! request must carry a SAS `Authorization` signed with the configured key (401 otherwise).
+//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`. Every request must carry a SAS
+//! `Authorization` signed with the configured key (401 otherwise).
+//!
+//! What Azure refuses, this refuses the same way (status and an XML `<Error>` whose
+//! `<Detail>` says why), so hubguard's handling of each refusal is tested here:
+//!
+//! | rule | answer | source |
+//! |---|---|---|
+//! | the queue does not exist | 410 | REST reference: Send Message, Peek-Lock Message, Unlock/Delete Message ("specified queue or topic doesn't exist") |
+//! | MessageId over 128 characters | 400 | "Service Bus quotas": MessageId, SessionId, PartitionKey at most 128 characters |
+//! | `TimeToLive` not positive | 400 | `BrokerProperties` reference: a TimeSpan greater than zero |
+//! | one custom property over 32 KB, all headers over 64 KB | 403, message too large | "Service Bus quotas": message property size, header size |
+//! | body and headers over the queue's maximum message size (256 KB on Standard; 1 MB to 100 MB on Premium, per queue) | 403, message too large | "Service Bus quotas": message size; Send Message: "403 quota exceeded or message too large" |
+//! | a throttled namespace (fault kind `throttle`) | 503 (or 429) "server busy", `Retry-After` | "Service Bus messaging exceptions": ServerBusy; "Throttling operations on Azure Service Bus" |
+//! | a queue configured outside Azure's ranges (lock 5 s–5 min, duplicate detection 20 s–7 days, message size) | the emulator refuses to start | "Service Bus quotas"; `QueueDescription` |
 
 pub mod broker;
 
@@ -68,6 +81,9 @@ struct Shared {
     broker: Broker,
     key: SasKey,
     default_receive_wait: Duration,
+    /// MessageId fragments whose sends are refused with 400 (a test's stand-in for a message
+    /// Azure refuses for what it is).
+    refused: std::sync::Mutex<Vec<String>>,
 }
 
 /// A running Service Bus emulator. Dropping it stops it.
@@ -93,6 +109,7 @@ impl ServiceBusEmulator {
             broker,
             key: config.key,
             default_receive_wait: config.default_receive_wait,
+            refused: std::sync::Mutex::default(),
         });
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
@@ -126,6 +143,16 @@ impl ServiceBusEmulator {
     /// The fault injection handle.
     pub fn faults(&self) -> &Arc<Faults> {
         &self.faults
+    }
+
+    /// Refuses, with 400 Bad Request, every send whose MessageId contains `fragment`: a
+    /// refusal of one message, as Azure answers a message it refuses for what it is.
+    pub fn refuse_messages_containing(&self, fragment: impl Into<String>) {
+        self.shared
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(fragment.into());
     }
 
     /// The emulator's clock (tests advance it instead of sleeping).
@@ -304,11 +331,7 @@ async fn handle(
         );
     };
     let Some(queue) = shared.broker.queue(&name) else {
-        return error(
-            StatusCode::NOT_FOUND,
-            "40400",
-            format!("The messaging entity '{name}' could not be found."),
-        );
+        return broker_error(BrokerError::EntityNotFound(name));
     };
     let now = shared.broker.clock.now();
     let host = headers
@@ -317,7 +340,9 @@ async fn handle(
         .unwrap_or("localhost")
         .to_string();
     let result = match (method.clone(), rest.as_slice()) {
-        (Method::POST, []) if entity == Entity::Main => send(&queue, &headers, body, now),
+        (Method::POST, []) if entity == Entity::Main => {
+            send(&queue, &shared.refused, &name, &headers, body, now)
+        }
         (Method::POST, [head]) if head.eq_ignore_ascii_case("head") => {
             let wait = query
                 .timeout
@@ -351,15 +376,74 @@ async fn handle(
 
 fn broker_error(e: BrokerError) -> Response {
     match e {
-        BrokerError::EntityNotFound(_) => error(StatusCode::NOT_FOUND, "40400", e.to_string()),
+        BrokerError::EntityNotFound(_) => error(StatusCode::GONE, "41000", e.to_string()),
+        BrokerError::BadRequest(_) => error(StatusCode::BAD_REQUEST, "40000", e.to_string()),
+        BrokerError::MessageTooLarge(_) => error(StatusCode::FORBIDDEN, "40300", e.to_string()),
         BrokerError::LockLost => error(StatusCode::NOT_FOUND, "40400", e.to_string()),
         BrokerError::NotAllowed(_) => error(StatusCode::BAD_REQUEST, "40000", e.to_string()),
         BrokerError::Storage(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "50000", e.to_string()),
     }
 }
 
+/// Refuses a send that breaks one of Azure's limits on a message (see the module's table).
+fn check_limits(
+    queue: &Queue,
+    name: &str,
+    headers: &HeaderMap,
+    props: &SentBrokerProperties,
+    body_len: usize,
+) -> Result<(), BrokerError> {
+    use self::broker::limits;
+    if let Some(id) = &props.message_id {
+        let chars = id.chars().count();
+        if chars > limits::MESSAGE_ID_CHARS {
+            return Err(BrokerError::BadRequest(format!(
+                "The value supplied for MessageId is {chars} characters long; the maximum length is {}.",
+                limits::MESSAGE_ID_CHARS
+            )));
+        }
+    }
+    if let Some(ttl) = props.time_to_live {
+        if !(ttl > 0.0) {
+            return Err(BrokerError::BadRequest(format!(
+                "The value supplied for TimeToLive ({ttl}) must be a positive TimeSpan."
+            )));
+        }
+    }
+    let mut header_bytes = 0;
+    for (n, v) in headers {
+        let size = n.as_str().len() + v.as_bytes().len();
+        if n == "brokerproperties" || !is_plumbing(n.as_str()) {
+            header_bytes += size;
+        }
+        if !is_plumbing(n.as_str()) && size > limits::PROPERTY_BYTES {
+            return Err(BrokerError::MessageTooLarge(format!(
+                "The message property '{}' is {size} bytes, which exceeds the maximum size of {} bytes allowed for a property.",
+                n.as_str(),
+                limits::PROPERTY_BYTES
+            )));
+        }
+    }
+    if header_bytes > limits::HEADER_BYTES {
+        return Err(BrokerError::MessageTooLarge(format!(
+            "The message headers are {header_bytes} bytes, which exceeds the maximum size of {} bytes allowed for headers.",
+            limits::HEADER_BYTES
+        )));
+    }
+    let max = queue.max_message_bytes();
+    let size = body_len + header_bytes;
+    if size > max {
+        return Err(BrokerError::MessageTooLarge(format!(
+            "The message of {size} bytes exceeds the maximum message size of {max} bytes allowed on the entity '{name}'."
+        )));
+    }
+    Ok(())
+}
+
 fn send(
     queue: &Queue,
+    refused: &std::sync::Mutex<Vec<String>>,
+    name: &str,
     headers: &HeaderMap,
     body: Bytes,
     now: SystemTime,
@@ -369,6 +453,15 @@ fn send(
             .map_err(|_| BrokerError::NotAllowed("BrokerProperties is not valid JSON"))?,
         None => SentBrokerProperties::default(),
     };
+    check_limits(queue, name, headers, &props, body.len())?;
+    if let Some(id) = &props.message_id {
+        let refused = refused.lock().unwrap_or_else(|p| p.into_inner());
+        if refused.iter().any(|f| id.contains(f.as_str())) {
+            return Err(BrokerError::BadRequest(format!(
+                "The message '{id}' was refused (injected refusal)."
+            )));
+        }
+    }
     let scheduled = match props.scheduled_enqueue_time_utc.as_deref() {
         Some(s) => Some(parse_http_date(s).ok_or(BrokerError::NotAllowed(
             "ScheduledEnqueueTimeUtc is not an RFC 2822 date",

@@ -1,0 +1,177 @@
+//! hubguard handles every event the hub accepts and every key a producer sends, on emulators
+//! that refuse what Azure refuses: a 1 MB event fails and is retried through a small claim-check
+//! message, a 300-character key stays within Service Bus's 128-character MessageIds, a message
+//! Service Bus refuses dead-letters its event instead of holding the partition forever, and
+//! throttling holds and backs off without dead-lettering anything.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hubguard::ledger::State;
+use hubguard::policy::DeadLetterReason;
+
+use crate::pipeline_support::*;
+
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// A body of exactly `len` bytes that the scripted handler reads as `instruction`.
+fn padded(instruction: &str, len: usize) -> String {
+    let mut b = format!("{instruction}#");
+    b.push_str(&"x".repeat(len - b.len()));
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_byte_event_is_delivered_first_time_and_after_a_failure() {
+    let bed = Bed::start(1).await;
+    bed.sb.queue("retries").unwrap().record_accepted();
+    bed.send_one(0, "big-ok", &padded("ok", 1_000_000)).await;
+    bed.send_one(0, "big-flaky", &padded("fail:1", 1_000_000))
+        .await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("both delivered", &run.health, LIMIT, || async {
+        let d = handler.delivered_keys();
+        d.contains("big-ok") && d.contains("big-flaky")
+    })
+    .await;
+    assert_eq!(handler.calls_of("big-ok"), vec![1]);
+    assert_eq!(handler.calls_of("big-flaky"), vec![1, 2]);
+    let (rec, _) = bed.ledger().get("big-flaky").await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!(
+        rec.event.body.len(),
+        1_000_000,
+        "the ledger holds the event"
+    );
+    wait_for("checkpoint past both", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(1)
+    })
+    .await;
+    run.stop().await;
+    let sb = bed.sb.counters("retries").unwrap();
+    assert_eq!(sb.sends, 1);
+    assert!(
+        sb.largest_body < 4 * 1024,
+        "the retry message is a claim check, not the event: {} bytes",
+        sb.largest_body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_300_character_key_that_fails_once_is_retried_under_a_bounded_message_id() {
+    let bed = Bed::start(1).await;
+    bed.sb.queue("retries").unwrap().record_accepted();
+    let long = format!("order/{}", "é-long-key-".repeat(27));
+    assert!(long.chars().count() >= 300);
+    bed.send(0, &[(&long, "fail:1"), ("after", "ok")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("long key delivered", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains(&long)
+    })
+    .await;
+    assert_eq!(handler.calls_of(&long), vec![1, 2]);
+    let (rec, _) = bed.ledger().get(&long).await.unwrap().unwrap();
+    assert_eq!(rec.key, long, "the readable key stays in the ledger");
+    assert_eq!(rec.state, State::Delivered);
+    run.stop().await;
+    let accepted = bed.sb.queue("retries").unwrap().accepted();
+    assert_eq!(accepted.len(), 1, "{accepted:?}");
+    let (id, _) = &accepted[0];
+    assert!(id.chars().count() <= 128, "{id}");
+    assert_eq!(id, &hubguard::pipeline::settle::message_id(&long, 2));
+    assert_eq!(bed.ledger().keys().await.unwrap(), vec![long]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_message_service_bus_refuses_dead_letters_its_event_and_the_partition_moves_on() {
+    let bed = Bed::start(1).await;
+    bed.sb.refuse_messages_containing("refused-one");
+    bed.send(0, &[("refused-one", "fail:1"), ("after", "ok")])
+        .await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("refused event dead-lettered", &run.health, LIMIT, || async {
+        matches!(ledger.get("refused-one").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+    })
+    .await;
+    let (rec, _) = ledger.get("refused-one").await.unwrap().unwrap();
+    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RetryRefused));
+    let error = rec.last_error.unwrap_or_default();
+    assert!(
+        error.contains("400") && error.contains("refused"),
+        "the reason says what Azure refused: {error}"
+    );
+    assert_eq!(
+        ledger.dead_letter_keys().await.unwrap(),
+        vec!["refused-one".to_string()]
+    );
+    wait_for("the partition moves on", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains("after") && bed.checkpoint_of("0").await == Some(1)
+    })
+    .await;
+    assert!(run.health.held().is_empty(), "{:?}", run.health.held());
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttling_from_service_bus_or_blob_storage_holds_and_backs_off_and_dead_letters_nothing()
+{
+    let bed = Bed::start(2).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    bed.send(0, &[("warm-0", "ok")]).await;
+    bed.send(1, &[("warm-1", "ok")]).await;
+    wait_for("warmed up", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(0) && bed.checkpoint_of("1").await == Some(0)
+    })
+    .await;
+
+    // Service Bus throttles: the failed event cannot be scheduled, so its partition holds.
+    bed.sb.faults().server_busy_for(Duration::from_secs(3600));
+    bed.send(0, &[("sb-throttled", "fail:1"), ("sb-behind", "ok")])
+        .await;
+    wait_for(
+        "held on Service Bus throttling",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health
+                .held()
+                .get("0")
+                .is_some_and(|h| h.reason.contains("throttling"))
+        },
+    )
+    .await;
+    assert!(!run.health.ready());
+    bed.sb.faults().clear();
+
+    // Blob storage throttles: the ledger cannot record the failure.
+    bed.blob.faults().server_busy_for(Duration::from_secs(3600));
+    bed.send(1, &[("blob-throttled", "fail:1")]).await;
+    wait_for("held on blob throttling", &run.health, LIMIT, || async {
+        run.health
+            .held()
+            .get("1")
+            .is_some_and(|h| h.reason.contains("ServerBusy"))
+    })
+    .await;
+    bed.blob.faults().clear();
+
+    wait_for("everything delivered after", &run.health, LIMIT, || async {
+        let d = handler.delivered_keys();
+        ["sb-throttled", "sb-behind", "blob-throttled"]
+            .iter()
+            .all(|k| d.contains(*k))
+    })
+    .await;
+    let ledger = bed.ledger();
+    for key in ["sb-throttled", "blob-throttled"] {
+        let (rec, _) = ledger.get(key).await.unwrap().unwrap();
+        assert_eq!(rec.state, State::Delivered, "{key}");
+    }
+    assert!(ledger.dead_letter_keys().await.unwrap().is_empty());
+    run.stop().await;
+}
