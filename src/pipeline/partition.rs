@@ -340,9 +340,7 @@ async fn process(
             Err(e) => {
                 shared.settle_failed(&e);
                 shared.health.set_lag(pid, lag.0, age(lag.1));
-                shared
-                    .health
-                    .hold(pid, format!("{} unavailable: {e}", e.dependency()), seq);
+                shared.health.hold(pid, e.held_reason(), seq);
                 tokio::select! {
                     _ = cancel.cancelled() => {
                         attempt::finish(&attempted, Err(&e));

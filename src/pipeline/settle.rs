@@ -90,6 +90,23 @@ pub enum SettleError {
 }
 
 impl SettleError {
+    /// Why the work is held, for readiness and the status API: the dependency, whether it is
+    /// unavailable (it may pass) or refusing (credentials, rights, a missing queue or a full
+    /// one: someone must act), and what it said.
+    pub fn held_reason(&self) -> String {
+        let refusing = match self {
+            SettleError::Queue(q) => !q.is_transient(),
+            SettleError::Ledger(LedgerError::Store(s)) => !s.is_transient(),
+            SettleError::Ledger(LedgerError::Corrupt { .. }) | SettleError::Contended(_) => false,
+        };
+        let how = if refusing {
+            "refuses the request"
+        } else {
+            "unavailable"
+        };
+        format!("{} {how}: {self}", self.dependency())
+    }
+
     /// The dependency at fault, for the held reason.
     pub fn dependency(&self) -> &'static str {
         match self {

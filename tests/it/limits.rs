@@ -175,3 +175,42 @@ async fn throttling_from_service_bus_or_blob_storage_holds_and_backs_off_and_dea
     assert!(ledger.dead_letter_keys().await.unwrap().is_empty());
     run.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_retry_queue_holds_the_partition_and_readiness_names_it() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    let sb_cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
+    parts.queue = Arc::new(
+        hubguard::azure::ServiceBusRetryQueue::new(
+            &sb_cs,
+            "no-such-queue",
+            hubguard::azure::retry_queue::ServiceBusOptions {
+                deadline: Duration::from_secs(3),
+            },
+        )
+        .unwrap()
+        .with_clock(bed.clock()),
+    );
+    let run = Bed::run(parts);
+    bed.send(0, &[("needs-a-retry", "fail:1"), ("behind", "ok")])
+        .await;
+    wait_for("held, naming the queue", &run.health, LIMIT, || async {
+        run.health.held().get("0").is_some_and(|h| {
+            h.reason.contains("Service Bus refuses the request")
+                && h.reason.contains("410")
+                && h.reason.contains("no-such-queue")
+        })
+    })
+    .await;
+    assert!(!run.health.ready());
+    assert!(
+        handler.calls_of("behind").is_empty(),
+        "nothing passes the held event"
+    );
+    assert_eq!(bed.checkpoint_of("0").await, None);
+    let (rec, _) = bed.ledger().get("needs-a-retry").await.unwrap().unwrap();
+    assert_eq!(rec.state, State::RetryScheduled, "not dead-lettered");
+    run.stop().await;
+}
