@@ -1,6 +1,11 @@
 //! The webhook handler: HTTP POST of the event to a URL, as Event Grid delivers (seed 002).
 //! 2xx within the timeout is delivered; 408, 429, 5xx, timeouts and connection errors are
 //! transient; other 4xx permanent (409 configurable); a `Retry-After` is honoured.
+//!
+//! A redirect is not a delivery: hubguard never follows one (an HTTP client following a 301
+//! or 302 turns the POST into a GET without the body, which the new URL may well answer
+//! 200). The attempt fails as transient — the receiver moved, and the URL in the
+//! configuration must follow it — with the status and the `Location` in the error.
 
 use std::time::{Duration, SystemTime};
 
@@ -48,6 +53,7 @@ impl WebhookHandler {
         }
         let client = reqwest::Client::builder()
             .timeout(Duration::from_millis(config.timeout_ms))
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         Ok(Self { client, config })
@@ -120,6 +126,17 @@ impl Handler for WebhookHandler {
         }
         match req.body(event.body.clone()).send().await {
             Ok(resp) if resp.status().is_success() => Outcome::Delivered,
+            Ok(resp) if resp.status().is_redirection() => {
+                let status = resp.status().as_u16();
+                let location = resp
+                    .headers()
+                    .get("location")
+                    .map(|v| location_for_log(&String::from_utf8_lossy(v.as_bytes())))
+                    .unwrap_or_else(|| "none".into());
+                Outcome::Failed(Failure::transient(format!(
+                    "HTTP {status} redirect from the webhook (Location: {location}); hubguard does not follow redirects: point handler.url at the new location"
+                )))
+            }
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 let retry_after = resp
@@ -147,11 +164,46 @@ impl Handler for WebhookHandler {
     }
 }
 
-/// The error text without the URL (which may carry credentials in its query).
+/// The error text without the URL (which may carry credentials in its query), followed by
+/// its causes ("error sending request: … connection reset by peer").
 fn without_url(e: &reqwest::Error) -> String {
-    let mut e = e.to_string();
-    if let Some(i) = e.find(" for url (") {
-        e.truncate(i);
+    let mut text = e.to_string();
+    if let Some(i) = text.find(" for url (") {
+        text.truncate(i);
     }
-    e
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(": ");
+            text.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// A `Location` fit for an error message: without its query and fragment (which may carry
+/// credentials), control characters removed, at most 200 characters.
+fn location_for_log(location: &str) -> String {
+    let cut = location.find(['?', '#']).unwrap_or(location.len());
+    location[..cut]
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(200)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_location_is_logged_without_its_query() {
+        assert_eq!(
+            location_for_log("https://new.example/hook?sig=secret#x"),
+            "https://new.example/hook"
+        );
+        assert_eq!(location_for_log("/moved\r\nX: y"), "/movedX: y");
+    }
 }

@@ -19,3 +19,4 @@ mod pipeline_support;
 mod run_command;
 mod servicebus;
 mod telemetry;
+mod webhook;
