@@ -71,6 +71,12 @@ pub struct IdentityConfig {
     /// Properties holding the idempotency key.
     #[serde(default = "default_id_props")]
     pub idempotency_key_properties: Vec<String>,
+    /// Properties holding the key's scope: in CloudEvents an `id` is unique only within its
+    /// `source` (CloudEvents 1.0, "id"), so when one of these is present the key is
+    /// `{source}|{id}` (a `|` or `%` in the source percent-encoded, so the form is
+    /// unambiguous). An empty list keys by the id alone.
+    #[serde(default = "default_source_props")]
+    pub key_source_properties: Vec<String>,
     /// Properties holding the correlation id (the AMQP `correlation-id` is used after them).
     #[serde(default = "default_correlation_props")]
     pub correlation_id_properties: Vec<String>,
@@ -84,6 +90,13 @@ fn default_id_props() -> Vec<String> {
         "ce_id".into(),
         "cloudEvents:id".into(),
         "cloudEvents_id".into(),
+    ]
+}
+fn default_source_props() -> Vec<String> {
+    vec![
+        "ce_source".into(),
+        "cloudEvents:source".into(),
+        "cloudEvents_source".into(),
     ]
 }
 fn default_correlation_props() -> Vec<String> {
@@ -101,6 +114,7 @@ impl Default for IdentityConfig {
     fn default() -> Self {
         Self {
             idempotency_key_properties: default_id_props(),
+            key_source_properties: default_source_props(),
             correlation_id_properties: default_correlation_props(),
             event_type_properties: default_type_props(),
         }
@@ -157,9 +171,13 @@ impl IdentityConfig {
         partition: &str,
         sequence: i64,
     ) -> Identity {
-        let idempotency_key = self
-            .first(&self.idempotency_key_properties, props)
-            .unwrap_or_else(|| format!("{hub}/{partition}/{sequence}"));
+        let idempotency_key = match self.first(&self.idempotency_key_properties, props) {
+            Some(id) => match self.first(&self.key_source_properties, props) {
+                Some(source) => format!("{}|{id}", source.replace('%', "%25").replace('|', "%7C")),
+                None => id,
+            },
+            None => format!("{hub}/{partition}/{sequence}"),
+        };
         let correlation_id = self
             .first(&self.correlation_id_properties, props)
             .or(amqp_correlation_id.filter(|c| !c.is_empty()))
@@ -241,6 +259,40 @@ mod tests {
         kv.iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn the_key_is_scoped_by_the_cloudevents_source() {
+        let c = IdentityConfig::default();
+        let key = |kv: &[(&str, &str)]| c.identify(&props(kv), None, "h", "0", 1).idempotency_key;
+        assert_eq!(key(&[("ce_id", "dup-2"), ("ce_source", "/a")]), "/a|dup-2");
+        assert_ne!(
+            key(&[("ce_id", "dup-2"), ("ce_source", "/a")]),
+            key(&[("ce_id", "dup-2"), ("ce_source", "/b")])
+        );
+        // No source: the id alone, as before.
+        assert_eq!(key(&[("ce_id", "dup-2")]), "dup-2");
+        // Unambiguous even for a source that is not a valid URI.
+        assert_ne!(
+            key(&[("ce_id", "c"), ("ce_source", "a|b")]),
+            key(&[("ce_id", "b|c"), ("ce_source", "a")])
+        );
+        let unscoped = IdentityConfig {
+            key_source_properties: Vec::new(),
+            ..IdentityConfig::default()
+        };
+        assert_eq!(
+            unscoped
+                .identify(
+                    &props(&[("ce_id", "x"), ("ce_source", "/a")]),
+                    None,
+                    "h",
+                    "0",
+                    1
+                )
+                .idempotency_key,
+            "x"
+        );
     }
 
     #[test]

@@ -214,3 +214,45 @@ async fn a_missing_retry_queue_holds_the_partition_and_readiness_names_it() {
     assert_eq!(rec.state, State::RetryScheduled, "not dead-lettered");
     run.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_cloudevents_id_from_two_sources_is_two_events_each_retried_on_its_own() {
+    use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+    let bed = Bed::start(2).await;
+    let prod = crate::common::producer(&bed.cs, "hub").await;
+    for (partition, source) in [("0", "/a"), ("1", "/b")] {
+        let ev = EventData::builder()
+            .with_body(b"fail:1".to_vec())
+            .add_property("ce_id".into(), AmqpSimpleValue::String("dup-2".into()))
+            .add_property("ce_source".into(), AmqpSimpleValue::String(source.into()))
+            .build();
+        crate::common::within(
+            "send",
+            prod.send_event(
+                ev,
+                Some(azure_messaging_eventhubs::SendEventOptions {
+                    partition_id: Some(partition.into()),
+                }),
+            ),
+        )
+        .await
+        .unwrap();
+    }
+    crate::common::within("close", prod.close()).await.unwrap();
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("both delivered", &run.health, LIMIT, || async {
+        let d = handler.delivered_keys();
+        d.contains("/a|dup-2") && d.contains("/b|dup-2")
+    })
+    .await;
+    assert_eq!(handler.calls_of("/a|dup-2"), vec![1, 2]);
+    assert_eq!(handler.calls_of("/b|dup-2"), vec![1, 2]);
+    let ledger = bed.ledger();
+    for (key, partition) in [("/a|dup-2", "0"), ("/b|dup-2", "1")] {
+        let (rec, _) = ledger.get(key).await.unwrap().unwrap();
+        assert_eq!(rec.state, State::Delivered, "{key}");
+        assert_eq!(rec.event.partition_id, partition, "{key}");
+    }
+    run.stop().await;
+}
