@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `GET /health` | `ok` |
 //! | `GET /status` | JSON: partitions' event counts, queues' counters, containers |
-//! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}`, `{"kind":"drop"}` or `{"kind":"clear"}` |
+//! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}`, `{"kind":"drop"}`, `{"kind":"server-busy","seconds":30}` (Event Hubs: links and sends refused with `com.microsoft:server-busy`; `seconds` 0 ends it) or `{"kind":"clear"}` |
 //! | `POST /clock/advance` | JSON `{"seconds":N}`: move the Service Bus clock forward |
 //! | `POST /send/{hub}` | JSON `{"count":N,"body":"…","partition":"0","type":"order.created"}`: append N test events (CloudEvents `ce_id` `{hub}-{seq}`, `ce_type`) |
 
@@ -45,6 +45,13 @@ pub enum FaultRequest {
     },
     /// Drop every live connection.
     Drop,
+    /// Answer as a throttled namespace for `seconds` (0 ends it): Event Hubs refuses links
+    /// and rejects sends with `com.microsoft:server-busy`.
+    #[serde(rename = "server-busy", alias = "serverbusy")]
+    ServerBusy {
+        /// For how long.
+        seconds: u64,
+    },
     /// Remove every fault.
     Clear,
 }
@@ -62,6 +69,9 @@ impl FaultRequest {
             }
             FaultRequest::Delay { ms } => faults.set_delay(Duration::from_millis(ms)),
             FaultRequest::Drop => faults.drop_connections(),
+            FaultRequest::ServerBusy { seconds } => {
+                faults.server_busy_for(Duration::from_secs(seconds))
+            }
             FaultRequest::Clear => faults.clear(),
         }
     }
@@ -178,5 +188,22 @@ async fn advance(State(e): State<Arc<Emulators>>, Json(a): Json<Advance>) -> Res
             (StatusCode::OK, "advanced").into_response()
         }
         None => (StatusCode::NOT_FOUND, "service bus is not running").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_busy_fault_parses_and_applies() {
+        let req: FaultRequest =
+            serde_json::from_str(r#"{"kind":"server-busy","seconds":30}"#).unwrap();
+        assert_eq!(req, FaultRequest::ServerBusy { seconds: 30 });
+        let faults = super::super::Faults::new(tokio_util::sync::CancellationToken::new());
+        req.apply(&faults);
+        assert!(faults.server_busy());
+        FaultRequest::ServerBusy { seconds: 0 }.apply(&faults);
+        assert!(!faults.server_busy());
     }
 }

@@ -1,5 +1,6 @@
 //! Fault injection shared by the emulators: refuse connections for a period, delay every
-//! response, drop every live connection, answer with an error status for a period.
+//! response, drop every live connection, answer with an error status for a period, answer as
+//! a throttled namespace (`com.microsoft:server-busy`, Event Hubs) for a period.
 //!
 //! Tests drive it through the Rust API on a running emulator; the `hubguard emulator` process
 //! will expose the same through its admin endpoint. Time is `tokio::time`, so tests that pause
@@ -22,6 +23,7 @@ pub struct Faults {
 struct FaultState {
     refuse_until: Option<Instant>,
     error_until: Option<(Instant, u16)>,
+    server_busy_until: Option<Instant>,
     delay: Duration,
     connections: CancellationToken,
     dropped: u64,
@@ -34,6 +36,7 @@ impl Faults {
             state: Mutex::new(FaultState {
                 refuse_until: None,
                 error_until: None,
+                server_busy_until: None,
                 delay: Duration::ZERO,
                 connections: shutdown.child_token(),
                 dropped: 0,
@@ -82,6 +85,20 @@ impl Faults {
             .map(|(_, s)| s)
     }
 
+    /// Answer as a throttled namespace for `period`: the Event Hubs emulator refuses new
+    /// producer and consumer links (detach with `com.microsoft:server-busy`) and rejects every
+    /// delivery a producer sends with that condition. A zero period turns it off.
+    pub fn server_busy_for(&self, period: Duration) {
+        self.state().server_busy_until = (!period.is_zero()).then(|| Instant::now() + period);
+    }
+
+    /// Whether the server-busy fault is in force now.
+    pub fn server_busy(&self) -> bool {
+        self.state()
+            .server_busy_until
+            .is_some_and(|t| Instant::now() < t)
+    }
+
     /// Drop every live connection now (new connections are accepted as usual).
     pub fn drop_connections(&self) {
         let mut st = self.state();
@@ -105,6 +122,7 @@ impl Faults {
         let mut st = self.state();
         st.refuse_until = None;
         st.error_until = None;
+        st.server_busy_until = None;
         st.delay = Duration::ZERO;
     }
 }
@@ -125,6 +143,22 @@ mod tests {
         assert!(f.refusing());
         tokio::time::advance(Duration::from_secs(20)).await;
         assert!(!f.refusing());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn server_busy_turns_on_expires_and_clears() {
+        let f = Faults::new(CancellationToken::new());
+        assert!(!f.server_busy());
+        f.server_busy_for(Duration::from_secs(5));
+        assert!(f.server_busy());
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert!(!f.server_busy());
+        f.server_busy_for(Duration::from_secs(5));
+        f.clear();
+        assert!(!f.server_busy());
+        f.server_busy_for(Duration::from_secs(5));
+        f.server_busy_for(Duration::ZERO);
+        assert!(!f.server_busy());
     }
 
     #[test]

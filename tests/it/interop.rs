@@ -59,3 +59,45 @@ async fn official_python_sdk_produces_and_consumes() {
     within("close receiver", r.close()).await.unwrap();
     within("close consumer", c.close()).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_sdk_round_trips_a_one_megabyte_event() {
+    if !python_sdk_available() {
+        assert!(
+            std::env::var("HUBGUARD_REQUIRE_INTEROP").is_err(),
+            "HUBGUARD_REQUIRE_INTEROP is set but the Python SDK is missing (pip install azure-eventhub==5.15.1)"
+        );
+        eprintln!("skipped: the official Python Event Hubs SDK is not installed");
+        return;
+    }
+    let emu = emulator(&[("bighub", 1)]).await;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/interop/python_large_event.py"
+    );
+    let run = tokio::process::Command::new("python3")
+        .arg(script)
+        .arg(emu.connection_string())
+        .arg("bighub")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the Python SDK finishes within 120 s")
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("PYTHON LARGE OK"),
+        "python SDK failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    // Only the 1,000,000-byte event was stored, intact.
+    let stored = emu.store().hub("bighub").unwrap().partitions[0].events_from(0, 10);
+    assert_eq!(stored.len(), 1);
+    match &stored[0].message.body {
+        fe2o3_amqp::types::messaging::Body::Data(d) => {
+            assert_eq!(d.iter().map(|s| s.0.len()).sum::<usize>(), 1_000_000)
+        }
+        other => panic!("unexpected body {other:?}"),
+    }
+}

@@ -457,7 +457,8 @@ async fn a_throttled_namespace_answers_server_busy_and_the_client_backs_off() {
 
 #[tokio::test]
 async fn queues_configured_outside_azures_ranges_are_refused_at_start() {
-    let cases: Vec<(fn(&mut QueueSpec), &str)> = vec![
+    type Change = fn(&mut QueueSpec);
+    let cases: Vec<(Change, &str)> = vec![
         (
             |q| q.lock_duration = Duration::from_secs(301),
             "LockDuration",

@@ -8,6 +8,41 @@
 //! single and batched events. `EMULATOR_NOTES.md` §1, §6 and §9 (in the shared design notes)
 //! list the details each SDK depends on.
 //!
+//! # What it refuses, as the service does
+//!
+//! Each rule and where it comes from (where the sources leave room, the stricter reading):
+//!
+//! - **No frame larger than the peer's `max-frame-size`.** The `open` a client sends bounds
+//!   every frame the emulator writes, padding included; a delivery that does not fit in one
+//!   frame is split over several `transfer` frames, all but the last with `more = true`.
+//!   Source: AMQP 1.0 §2.7.1 (`open`, `max-frame-size`), §2.4 / §2.6.14 (framing and
+//!   transferring a message), §2.7.5 (`transfer`, `more`). Enforced in [`wire`].
+//! - **Multi-frame deliveries from producers are reassembled**, up to the publication limit.
+//!   The emulator announces `max-frame-size` 65,536, so any event above ~64 KB arrives in
+//!   several transfers. Source: AMQP 1.0 §2.6.14, §2.7.5.
+//! - **A publication (one event, or one batch envelope) is at most 1 MiB (1,048,576 bytes)**,
+//!   measured as the AMQP encoding of the delivered message. Every link the emulator receives
+//!   on advertises `max-message-size` 1,048,576; a bigger delivery gets a settled `rejected`
+//!   outcome with `amqp:link:message-size-exceeded` and the service's description ("The
+//!   received message (delivery-id:…, size:… bytes) exceeds the limit (1048576 bytes)
+//!   currently allowed on the link."); the link stays attached. Sources: learn.microsoft.com,
+//!   "Azure Event Hubs quotas and limits" (*Maximum size of Event Hubs publication*: 1 MB on
+//!   Standard, Premium and Dedicated); AMQP 1.0 §2.7.3 (`attach`, `max-message-size`) and
+//!   §2.8.15 (link error `message-size-exceeded`); the service's reply as logged by its
+//!   clients (Azure/azure-event-hubs-python#106: a settled `rejected` disposition with that
+//!   condition). The Rust SDK 0.15 does not check `send_event` against the limit
+//!   (Azure/azure-sdk-for-rust#5101), so the emulator must.
+//! - **Application properties:** the quotas page documents no separate limit for Event Hubs
+//!   (the 64 KB header limit is Service Bus's); they count towards the publication size.
+//! - **A throttled namespace answers `com.microsoft:server-busy`**: while the server-busy
+//!   fault is on ([`Faults::server_busy_for`], admin `{"kind":"server-busy","seconds":N}`),
+//!   new producer and consumer links are detached with it and every delivery on an
+//!   attached producer link is rejected with it. Sources: learn.microsoft.com, "Azure Event
+//!   Hubs quotas and limits" and "Event Hubs messaging exceptions" (ServerBusy, error 50002);
+//!   "AMQP errors in Azure Service Bus" (the `com.microsoft:server-busy` condition).
+//!
+//! # Modules
+//!
 //! - [`store`]: hubs, partitions and their (optionally durable) logs.
 //! - [`selector`]: start positions from the receivers' selector filters.
 //! - `server`: connections, sessions and links.

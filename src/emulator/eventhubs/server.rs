@@ -32,8 +32,20 @@ use crate::azure::sas::{audience_covers, path_segments};
 
 /// Batch message format (`0x80013700`): the body's data sections are whole encoded events.
 const BATCH_FORMAT: u32 = 0x8001_3700;
-/// Largest event a producer may send (advertised as the links' `max-message-size`).
+/// Largest publication (one event or one batch) a producer may send, 1 MiB: the Event Hubs
+/// limit on Standard, Premium and Dedicated (learn.microsoft.com, "Azure Event Hubs quotas and
+/// limits", *Maximum size of Event Hubs publication*; Basic's 256 KB is not emulated). It is
+/// advertised as `max-message-size` on every link the emulator receives on (AMQP 1.0 §2.7.3;
+/// the wire shim writes it) and enforced per delivery with a rejected outcome.
 pub const MAX_MESSAGE_SIZE: u64 = 1_048_576;
+/// The size fe2o3 itself enforces on every link (it detaches with
+/// `amqp:link:message-size-exceeded` beyond it): only a memory guard, far above
+/// [`MAX_MESSAGE_SIZE`], so deliveries between the two reach the emulator and are rejected
+/// the way the service rejects them instead of costing the client its link.
+const DELIVERY_HARD_CAP: u64 = 16 * 1_048_576;
+/// The condition a throttled namespace answers with (Service Bus / Event Hubs AMQP error
+/// conditions, "AMQP errors in Azure Service Bus": `com.microsoft:server-busy`).
+const SERVER_BUSY: &str = "com.microsoft:server-busy";
 const CBS: &str = "$cbs";
 const MANAGEMENT: &str = "$management";
 /// How long a request waits for its reply link to attach (the client attaches the pair
@@ -49,6 +61,28 @@ fn error(condition: impl Into<ErrorCondition>, description: impl Into<String>) -
 
 fn custom(condition: &str) -> ErrorCondition {
     ErrorCondition::Custom(Symbol::from(condition))
+}
+
+/// The error a throttled namespace answers with (the service's wording for its throttling
+/// error 50002).
+fn server_busy() -> AmqpErrorBody {
+    error(
+        custom(SERVER_BUSY),
+        "The request was terminated because the entity is being throttled. Error code : 50002. \
+         Sub error : 102. Please wait 4 seconds and try again. (hubguard emulator: server-busy fault)",
+    )
+}
+
+/// The refusal of a delivery over [`MAX_MESSAGE_SIZE`], worded as the service words it
+/// (a settled `rejected` outcome; the link stays attached).
+fn message_size_exceeded(delivery_id: u32, size: usize) -> AmqpErrorBody {
+    error(
+        LinkError::MessageSizeExceeded,
+        format!(
+            "The received message (delivery-id:{delivery_id}, size:{size} bytes) exceeds the limit \
+             ({MAX_MESSAGE_SIZE} bytes) currently allowed on the link."
+        ),
+    )
 }
 
 /// Grants of one connection: audiences authorised through CBS and until when.
@@ -170,7 +204,7 @@ fn link_acceptor() -> Links {
     // Settle modes that serve every SDK: Rust asks mixed/first and gets them echoed; Python
     // asks unsettled (receivers) and second (producers) and gets settled/first.
     LinkAcceptor::builder()
-        .max_message_size(MAX_MESSAGE_SIZE)
+        .max_message_size(DELIVERY_HARD_CAP)
         .supported_sender_settle_modes(SupportedSenderSettleModes::SettledAndMixed)
         .fallback_sender_settle_mode(SenderSettleMode::Settled)
         .supported_receiver_settle_modes(SupportedReceiverSettleModes::First)
@@ -685,6 +719,10 @@ async fn serve_producer(
             .await;
         return;
     }
+    if shared.faults.server_busy() {
+        let _ = receiver.close_with_error(server_busy()).await;
+        return;
+    }
     loop {
         let delivery = match receiver.recv::<Body<Value>>().await {
             Ok(d) => d,
@@ -695,6 +733,25 @@ async fn serve_producer(
         };
         let format = *delivery.message_format();
         let info = DeliveryInfo::from(&delivery);
+        if shared.faults.server_busy() {
+            if receiver.reject(info, server_busy()).await.is_err() {
+                break;
+            }
+            continue;
+        }
+        let size = store::encoded_size(delivery.message());
+        if size as u64 > MAX_MESSAGE_SIZE {
+            tracing::info!(
+                address,
+                size,
+                "eventhubs emulator: delivery over the size limit rejected"
+            );
+            let refusal = message_size_exceeded(*delivery.delivery_id(), size);
+            if receiver.reject(info, refusal).await.is_err() {
+                break;
+            }
+            continue;
+        }
         let outcome = events_of(format, delivery.into_message()).and_then(|(events, key)| {
             let partition = target
                 .partition
@@ -743,6 +800,10 @@ async fn serve_consumer(
                 format!("Unauthorized access to '{address}': put a token first"),
             ))
             .await;
+        return;
+    }
+    if shared.faults.server_busy() {
+        let _ = sender.close_with_error(server_busy()).await;
         return;
     }
     let start = match selector_expr.as_deref().map(selector::parse) {

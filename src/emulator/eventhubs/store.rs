@@ -213,6 +213,11 @@ fn encode(msg: &Msg) -> io::Result<Vec<u8>> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
+/// The size of a message's AMQP encoding (its sections as a transfer carries them).
+pub fn encoded_size(msg: &Msg) -> usize {
+    serde_amqp::serialized_size(&Serializable(msg)).unwrap_or(usize::MAX)
+}
+
 /// Decodes one AMQP-encoded message (an inner section of a batch, or a log record).
 pub fn decode(bytes: &[u8]) -> Result<Msg, serde_amqp::Error> {
     serde_amqp::from_slice::<Deserializable<Msg>>(bytes).map(|d| d.0)

@@ -11,6 +11,20 @@
 //!   The client's window is tiny, but a thread preempted inside it on a loaded machine
 //!   reopens it: 2 ms still let one producer hang in a full test run on two busy cores, so
 //!   dispositions are held 10 ms (batch sends pay it once per batch).
+//! - **Frames never exceed the peer's `max-frame-size`** (AMQP 1.0 §2.7.1 `open`: the peer
+//!   "MUST NOT send frames larger than" the announced value; §2.4 / §2.6.14 / §2.7.5: a larger
+//!   delivery is split over transfer frames with `more = true`). fe2o3 splits deliveries so
+//!   that each frame is *exactly* at the peer's limit, and padding a transfer to 11 fields
+//!   then made it a few bytes too big (65,537 bytes against a 65,536 limit: the Rust SDK's
+//!   decoder refused it and rebuilt its consumer forever). So the peer's `open` is read on its
+//!   way in, fe2o3 is shown a limit [`FRAME_HEADROOM`] bytes smaller (it splits with room
+//!   for the padding), and a re-encoded frame that would still exceed the real limit is sent
+//!   unpadded instead.
+//! - **`max-message-size` on receiving links** (AMQP 1.0 §2.7.3 `attach`): attaches in
+//!   which the emulator is the receiver advertise at most [`MAX_MESSAGE_SIZE`] (1 MiB, the
+//!   Event Hubs publication limit), while fe2o3 itself is configured with a larger hard cap,
+//!   so a bigger delivery reaches the emulator, which rejects it the way the service does
+//!   (see the module docs of `eventhubs`).
 //! - **`TCP_QUICKACK` re-armed after every read**, because the client does not set
 //!   `TCP_NODELAY`: Nagle against delayed ACKs would add ~40 ms to each round trip.
 //! - **Faults:** added latency on every outgoing frame, and a cancellation token that kills
@@ -31,6 +45,7 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use super::server::MAX_MESSAGE_SIZE;
 use crate::emulator::Faults;
 
 /// How long an outgoing `detach` is held back.
@@ -40,7 +55,16 @@ pub const DISPOSITION_HOLD: Duration = Duration::from_millis(10);
 /// Stop accepting writes from the AMQP engine while this much is queued.
 const MAX_QUEUED: usize = 4 << 20;
 
+/// How much smaller than the peer's announced `max-frame-size` fe2o3 is told it is: room
+/// for what re-encoding adds to a frame fe2o3 filled to the limit (a transfer padded from
+/// one field to eleven adds 10 bytes, a list8 header growing into a list32 header 6 more).
+pub const FRAME_HEADROOM: u32 = 32;
+/// The smallest `max-frame-size` AMQP allows (§2.7.1 open: `MIN-MAX-FRAME-SIZE` 512).
+const MIN_MAX_FRAME_SIZE: u32 = 512;
+
 const AMQP_FRAME: u8 = 0x00;
+const OPEN: u64 = 0x10;
+const ATTACH: u64 = 0x12;
 const DETACH: u64 = 0x16;
 const DISPOSITION: u64 = 0x15;
 
@@ -80,17 +104,88 @@ fn performative(frame: &[u8]) -> Option<(u64, usize, usize)> {
     }
 }
 
+/// Where the AMQP value starting at `at` ends (its constructor and data), by the format
+/// code's width category (AMQP 1.0 §1.6 / types.xml: 0x4_ no data, 0x5_ 1 byte, … 0xA_/0xC_/0xE_
+/// a one-byte size, 0xB_/0xD_/0xF_ a four-byte size; 0x00 a described value).
+fn skip_value(b: &[u8], at: usize) -> Option<usize> {
+    let code = *b.get(at)?;
+    if code == 0x00 {
+        let value_at = skip_value(b, at + 1)?;
+        return skip_value(b, value_at);
+    }
+    let end = match code >> 4 {
+        0x4 => at + 1,
+        0x5 => at + 2,
+        0x6 => at + 3,
+        0x7 => at + 5,
+        0x8 => at + 9,
+        0x9 => at + 17,
+        0xa | 0xc | 0xe => at + 2 + usize::from(*b.get(at + 1)?),
+        0xb | 0xd | 0xf => {
+            let n = u32::from_be_bytes(b.get(at + 1..at + 5)?.try_into().ok()?);
+            at + 5 + n as usize
+        }
+        _ => return None,
+    };
+    (end <= b.len()).then_some(end)
+}
+
+/// The byte ranges of the encoded fields in a list's content.
+fn field_ranges(content: &[u8], count: usize) -> Option<Vec<std::ops::Range<usize>>> {
+    let mut ranges = Vec::with_capacity(count);
+    let mut at = 0;
+    for _ in 0..count {
+        let end = skip_value(content, at)?;
+        ranges.push(at..end);
+        at = end;
+    }
+    Some(ranges)
+}
+
+/// In an attach whose role is receiver (the emulator receives: producers, CBS and
+/// management requests), caps `max-message-size` (field 10) at [`MAX_MESSAGE_SIZE`]; null and
+/// 0 mean "no limit" (§2.7.3) and are capped too. `content` holds all 14 fields.
+fn cap_receiver_max_message_size(content: Vec<u8>) -> Vec<u8> {
+    let Some(fields) = field_ranges(&content, 14) else {
+        return content;
+    };
+    if content[fields[2].start] != 0x41 {
+        return content; // role false: the emulator sends on this link
+    }
+    let f = fields[10].clone();
+    let current = match content[f.start] {
+        0x44 => Some(0),
+        0x53 => content.get(f.start + 1).map(|b| u64::from(*b)),
+        0x80 => content
+            .get(f.start + 1..f.start + 9)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_be_bytes),
+        _ => None,
+    };
+    if current.is_some_and(|v| v != 0 && v <= MAX_MESSAGE_SIZE) {
+        return content;
+    }
+    let mut out = Vec::with_capacity(content.len() + 9);
+    out.extend_from_slice(&content[..f.start]);
+    out.push(0x80);
+    out.extend_from_slice(&MAX_MESSAGE_SIZE.to_be_bytes());
+    out.extend_from_slice(&content[f.end..]);
+    out
+}
+
 /// Re-encodes a frame's performative list at its full length (explicit nulls for the
-/// trailing fields serde_amqp left off). Frames it does not understand pass unchanged.
+/// trailing fields serde_amqp left off) and caps a receiving link's `max-message-size`.
+/// Frames it does not understand pass unchanged.
 pub fn pad_performative(frame: Vec<u8>) -> Vec<u8> {
-    let Some((code, doff, list_at)) = performative(&frame) else {
-        return frame;
-    };
-    let Some(full) = full_field_count(code) else {
-        return frame;
-    };
+    rewrite_performative(&frame).unwrap_or(frame)
+}
+
+/// The re-encoded frame, or `None` when it stays as it is (see [`pad_performative`]).
+fn rewrite_performative(frame: &[u8]) -> Option<Vec<u8>> {
+    let (code, doff, list_at) = performative(frame)?;
+    let full = full_field_count(code)?;
     let body = &frame[doff..];
-    let parsed = match body.get(list_at) {
+    let (count, content_at, end) = match body.get(list_at) {
         Some(0x45) => Some((0usize, list_at + 1, list_at + 1)),
         Some(0xc0) => body.get(list_at + 1..list_at + 3).map(|b| {
             let (size, count) = (usize::from(b[0]), usize::from(b[1]));
@@ -102,16 +197,19 @@ pub fn pad_performative(frame: Vec<u8>) -> Vec<u8> {
             (count, list_at + 9, list_at + 5 + size)
         }),
         _ => None,
-    };
-    let Some((count, content_at, end)) = parsed else {
-        return frame;
-    };
-    if count >= usize::from(full) || end > body.len() || content_at > end {
-        return frame;
+    }?;
+    if end > body.len() || content_at > end || count > usize::from(full) {
+        return None;
     }
     let mut content = body[content_at..end].to_vec();
     content.resize(content.len() + usize::from(full) - count, 0x40);
-    let mut out = Vec::with_capacity(frame.len() + 16);
+    if code == ATTACH {
+        content = cap_receiver_max_message_size(content);
+    }
+    if count == usize::from(full) && content[..] == body[content_at..end] {
+        return None;
+    }
+    let mut out = Vec::with_capacity(frame.len() + 32);
     out.extend_from_slice(&frame[..doff]);
     out.extend_from_slice(&body[..list_at]);
     if content.len() < 255 {
@@ -127,7 +225,89 @@ pub fn pad_performative(frame: Vec<u8>) -> Vec<u8> {
     out.extend_from_slice(&body[end..]);
     let size = out.len() as u32;
     out[..4].copy_from_slice(&size.to_be_bytes());
-    out
+    Some(out)
+}
+
+/// Reads the `max-frame-size` of an incoming `open` frame and lowers it by
+/// [`FRAME_HEADROOM`] in place (a `uint` keeps its four bytes). Returns the value the peer
+/// announced: null or absent means no limit (§2.7.1: default 4294967295).
+fn lower_open_max_frame_size(frame: &mut [u8]) -> Option<u32> {
+    let (code, doff, list_at) = performative(frame)?;
+    if code != OPEN {
+        return None;
+    }
+    let body = &frame[doff..];
+    let (count, content_at) = match *body.get(list_at)? {
+        0x45 => (0, list_at + 1),
+        0xc0 => (usize::from(*body.get(list_at + 2)?), list_at + 3),
+        0xd0 => {
+            let b = body.get(list_at + 5..list_at + 9)?;
+            (u32::from_be_bytes(b.try_into().ok()?) as usize, list_at + 9)
+        }
+        _ => return None,
+    };
+    if count < 3 {
+        return Some(u32::MAX);
+    }
+    let fields = field_ranges(&body[content_at..], 3)?;
+    let at = doff + content_at + fields[2].start;
+    let announced = match frame[at] {
+        0x40 => return Some(u32::MAX),
+        0x43 => 0,
+        0x52 => u32::from(frame[at + 1]),
+        0x70 => u32::from_be_bytes(frame[at + 1..at + 5].try_into().ok()?),
+        _ => return None,
+    };
+    if frame[at] == 0x70 && announced >= MIN_MAX_FRAME_SIZE + FRAME_HEADROOM {
+        frame[at + 1..at + 5].copy_from_slice(&(announced - FRAME_HEADROOM).to_be_bytes());
+    }
+    Some(announced)
+}
+
+/// The read side until the peer's `open` has gone by: whole units (protocol headers and
+/// frames) are held until complete so the `open` can be read and its `max-frame-size`
+/// lowered; afterwards bytes pass straight through.
+#[derive(Default)]
+struct OpenScan {
+    done: bool,
+    held: Vec<u8>,
+    ready: VecDeque<u8>,
+}
+
+impl OpenScan {
+    /// Moves complete units from `held` to `ready`; returns the peer's `max-frame-size`
+    /// once its `open` has gone by.
+    fn process(&mut self) -> Option<u32> {
+        let mut announced = None;
+        while !self.done {
+            if self.held.len() >= 8 && &self.held[..4] == b"AMQP" {
+                self.ready.extend(self.held.drain(..8));
+                continue;
+            }
+            if self.held.len() < 8 {
+                break;
+            }
+            let size = u32::from_be_bytes(self.held[..4].try_into().expect("4 bytes")) as usize;
+            if size < 8 {
+                // Not a frame fe2o3 will accept: stop looking and let it fail as it would.
+                self.done = true;
+                break;
+            }
+            if self.held.len() < size {
+                break;
+            }
+            let mut frame: Vec<u8> = self.held.drain(..size).collect();
+            if let Some(max) = lower_open_max_frame_size(&mut frame) {
+                announced = Some(max);
+                self.done = true;
+            }
+            self.ready.extend(frame);
+        }
+        if self.done {
+            self.ready.extend(self.held.drain(..));
+        }
+        announced
+    }
 }
 
 struct Outgoing {
@@ -147,6 +327,9 @@ pub struct Wire {
     queued: usize,
     last_not_before: Instant,
     sleep: Option<Pin<Box<Sleep>>>,
+    scan: OpenScan,
+    /// The `max-frame-size` the peer announced in its `open` (`u32::MAX` until then).
+    peer_max_frame_size: u32,
 }
 
 impl fmt::Debug for Wire {
@@ -171,6 +354,8 @@ impl Wire {
             queued: 0,
             last_not_before: Instant::now(),
             sleep: None,
+            scan: OpenScan::default(),
+            peer_max_frame_size: u32::MAX,
         }
     }
 
@@ -208,7 +393,19 @@ impl Wire {
                 Some((DISPOSITION, ..)) => DISPOSITION_HOLD,
                 _ => Duration::ZERO,
             };
-            self.push(pad_performative(frame), hold);
+            let frame = match rewrite_performative(&frame) {
+                Some(padded) if padded.len() <= self.peer_max_frame_size as usize => padded,
+                Some(padded) => {
+                    tracing::warn!(
+                        size = padded.len(),
+                        limit = self.peer_max_frame_size,
+                        "eventhubs emulator: a padded frame would exceed the peer's max-frame-size; sent unpadded"
+                    );
+                    frame
+                }
+                None => frame,
+            };
+            self.push(frame, hold);
         }
     }
 
@@ -263,6 +460,41 @@ impl AsyncRead for Wire {
         let this = &mut *self;
         if this.killed.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(Self::aborted()));
+        }
+        loop {
+            if !this.scan.ready.is_empty() {
+                let n = this.scan.ready.len().min(buf.remaining());
+                let (a, b) = this.scan.ready.as_slices();
+                let from_a = n.min(a.len());
+                buf.put_slice(&a[..from_a]);
+                buf.put_slice(&b[..n - from_a]);
+                this.scan.ready.drain(..n);
+                return Poll::Ready(Ok(()));
+            }
+            if this.scan.done {
+                break;
+            }
+            let mut tmp = [0u8; 4096];
+            let mut tmp_buf = ReadBuf::new(&mut tmp);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut tmp_buf) {
+                Poll::Ready(Ok(())) => {
+                    let _ = SockRef::from(&this.inner).set_quickack(true);
+                    if tmp_buf.filled().is_empty() {
+                        // End of stream: hand over what is held, then report the end.
+                        this.scan.done = true;
+                        this.scan.ready.extend(this.scan.held.drain(..));
+                        if this.scan.ready.is_empty() {
+                            return Poll::Ready(Ok(()));
+                        }
+                        continue;
+                    }
+                    this.scan.held.extend_from_slice(tmp_buf.filled());
+                    if let Some(max) = this.scan.process() {
+                        this.peer_max_frame_size = max;
+                    }
+                }
+                other => return other,
+            }
         }
         let r = Pin::new(&mut this.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = r {
@@ -369,5 +601,96 @@ mod tests {
         assert_eq!(pad_performative(heartbeat.clone()), heartbeat);
         let truncated = frame(&[0x00, 0x53, 0x16, 0xc0, 0x09, 0x01]);
         assert_eq!(pad_performative(truncated.clone()), truncated);
+    }
+
+    /// An open with container-id "c", no hostname and max-frame-size `max` (a uint).
+    fn open_frame(max: u32) -> Vec<u8> {
+        let mut body = vec![
+            0x00, 0x53, 0x10, 0xc0, 0x0a, 0x03, 0xa1, 0x01, b'c', 0x40, 0x70,
+        ];
+        body.extend_from_slice(&max.to_be_bytes());
+        frame(&body)
+    }
+
+    #[test]
+    fn the_peers_open_is_read_and_its_max_frame_size_lowered_by_the_headroom() {
+        let mut f = open_frame(65_536);
+        assert_eq!(lower_open_max_frame_size(&mut f), Some(65_536));
+        assert_eq!(&f[f.len() - 4..], &(65_536 - FRAME_HEADROOM).to_be_bytes());
+        // At the protocol minimum there is nothing to take away.
+        let mut f = open_frame(512);
+        assert_eq!(lower_open_max_frame_size(&mut f), Some(512));
+        assert_eq!(&f[f.len() - 4..], &512u32.to_be_bytes());
+        // No max-frame-size field: no limit.
+        let mut f = frame(&[0x00, 0x53, 0x10, 0xc0, 0x04, 0x01, 0xa1, 0x01, b'c']);
+        assert_eq!(lower_open_max_frame_size(&mut f), Some(u32::MAX));
+    }
+
+    #[test]
+    fn the_open_scan_finds_the_open_across_split_reads_and_keeps_the_bytes() {
+        let mut input = b"AMQP\x00\x01\x00\x00".to_vec();
+        input.extend(open_frame(65_536));
+        input.extend_from_slice(&[0, 0, 0, 8, 2, 0, 0, 0]);
+        let mut scan = OpenScan::default();
+        let mut announced = None;
+        for chunk in input.chunks(5) {
+            scan.held.extend_from_slice(chunk);
+            if let Some(m) = scan.process() {
+                announced = Some(m);
+            }
+        }
+        assert_eq!(announced, Some(65_536));
+        assert!(scan.done);
+        let out: Vec<u8> = scan.ready.into_iter().collect();
+        assert_eq!(out.len(), input.len());
+        assert_eq!(&out[..8], &input[..8]);
+        let lowered = 8 + open_frame(65_536).len() - 4;
+        assert_eq!(
+            &out[lowered..lowered + 4],
+            &(65_536 - FRAME_HEADROOM).to_be_bytes()
+        );
+    }
+
+    #[test]
+    fn padding_a_transfer_adds_at_most_the_headroom() {
+        // transfer(handle 0) with only one field and a payload: the worst case.
+        let mut body = vec![0x00, 0x53, 0x14, 0xc0, 0x02, 0x01, 0x43];
+        body.extend_from_slice(&[0xAB; 1000]);
+        let f = frame(&body);
+        let padded = pad_performative(f.clone());
+        assert_eq!(padded.len(), f.len() + 10);
+        assert!(padded.len() - f.len() <= FRAME_HEADROOM as usize);
+        assert_eq!(&padded[padded.len() - 1000..], &[0xAB; 1000][..]);
+    }
+
+    /// An attach with 14 fields: name "l", handle 0, `role`, and max-message-size `mms`.
+    fn attach_frame(role: u8, mms: &[u8]) -> Vec<u8> {
+        let mut content = vec![0xa1, 0x01, b'l', 0x43, role];
+        content.extend_from_slice(&[0x40; 7]); // fields 3..=9
+        content.extend_from_slice(mms); // field 10
+        content.extend_from_slice(&[0x40; 3]); // fields 11..=13
+        let mut body = vec![0x00, 0x53, 0x12, 0xc0, (content.len() + 1) as u8, 14];
+        body.extend(content);
+        frame(&body)
+    }
+
+    #[test]
+    fn receiving_links_advertise_at_most_one_mebibyte() {
+        let mut cap = vec![0x80];
+        cap.extend_from_slice(&(16u64 << 20).to_be_bytes());
+        let padded = pad_performative(attach_frame(0x41, &cap));
+        let mut want = vec![0x80];
+        want.extend_from_slice(&MAX_MESSAGE_SIZE.to_be_bytes());
+        assert_eq!(padded, attach_frame(0x41, &want));
+        // Unlimited (null) is capped too; a smaller limit is kept.
+        assert_eq!(
+            pad_performative(attach_frame(0x41, &[0x40])),
+            attach_frame(0x41, &want)
+        );
+        let small = attach_frame(0x41, &[0x53, 0x80]);
+        assert_eq!(pad_performative(small.clone()), small);
+        // Sending links (role false) are left alone.
+        let sender = attach_frame(0x42, &cap);
+        assert_eq!(pad_performative(sender.clone()), sender);
     }
 }

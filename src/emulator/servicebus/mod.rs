@@ -404,7 +404,7 @@ fn check_limits(
         }
     }
     if let Some(ttl) = props.time_to_live {
-        if !(ttl > 0.0) {
+        if ttl.is_nan() || ttl <= 0.0 {
             return Err(BrokerError::BadRequest(format!(
                 "The value supplied for TimeToLive ({ttl}) must be a positive TimeSpan."
             )));
