@@ -137,7 +137,9 @@ pub struct EmulatorArgs {
     /// SAS key clients must sign with (a well-known development value by default).
     #[arg(long, default_value = DEFAULT_KEY, env = "HUBGUARD_EMULATOR_KEY", hide_default_value = true)]
     key: String,
-    /// Accept any non-empty Event Hubs token (e.g. Entra ID JWTs) instead of verifying SAS signatures.
+    /// Accept any non-empty Entra ID token (Event Hubs `jwt` tokens; `Authorization: Bearer` on
+    /// Service Bus and blob storage), which the emulators cannot verify. Without it they
+    /// take SAS only (and blob storage anonymous requests), and refuse a bearer token with 401.
     #[arg(long)]
     accept_any_token: bool,
 }
@@ -255,6 +257,11 @@ fn ledger_of(config: &Config) -> anyhow::Result<Ledger> {
 
 async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let config = load_config(&args)?;
+    // Start-up proof: the retry queue must keep hubguard's promise (duplicate detection on,
+    // its window long enough for this configuration), or hubguard does not start.
+    for w in config.prove_retry_queue().await? {
+        tracing::warn!("{w}");
+    }
     let HandlerSection::Webhook(w) = &config.handler;
     let handler = Arc::new(WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?);
     let parts = config.pipeline_parts(handler)?;

@@ -44,6 +44,9 @@ pub enum CredentialKind {
     AzureCli,
     /// Developer tools (Azure CLI, then azd).
     DeveloperTools,
+    /// A service principal's client secret, from `AZURE_TENANT_ID`, `AZURE_CLIENT_ID` and
+    /// `AZURE_CLIENT_SECRET` in the environment.
+    ClientSecret,
 }
 
 /// `[eventhubs]`
@@ -73,12 +76,17 @@ fn default_retention() -> u64 {
     24
 }
 
-/// `[servicebus]`
+/// `[servicebus]`: a connection string (SAS), or `namespace` and an Entra ID `credential`.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceBusSection {
     /// Connection string of the namespace.
-    pub connection_string: String,
+    pub connection_string: Option<String>,
+    /// Namespace host for Entra ID (`myns.servicebus.windows.net`; `http://127.0.0.1:PORT`
+    /// for a local emulator started with `--accept-any-token`).
+    pub namespace: Option<String>,
+    /// Entra ID credential (with `namespace`).
+    pub credential: Option<CredentialKind>,
     /// The retry queue.
     #[serde(default = "default_queue")]
     pub queue: String,
@@ -149,8 +157,13 @@ impl std::fmt::Debug for ServiceBusSection {
         f.debug_struct("ServiceBusSection")
             .field(
                 "connection_string",
-                &redact_connection_string(&self.connection_string),
+                &self
+                    .connection_string
+                    .as_deref()
+                    .map(redact_connection_string),
             )
+            .field("namespace", &self.namespace)
+            .field("credential", &self.credential)
             .field("queue", &self.queue)
             .field(
                 "duplicate_detection_window_s",
@@ -534,10 +547,21 @@ impl Config {
         if self.eventhubs.hub.trim().is_empty() {
             return Err(err("eventhubs.hub must not be empty"));
         }
-        self.servicebus
-            .connection_string
-            .parse::<ConnectionString>()
-            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+        match (&self.servicebus.connection_string, &self.servicebus.namespace, self.servicebus.credential) {
+            (Some(cs), None, None) => {
+                cs.parse::<ConnectionString>()
+                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+            }
+            (None, Some(ns), Some(_)) => {
+                crate::azure::retry_queue::ServiceBusEndpoint::parse(ns)
+                    .map_err(|e| err(format!("servicebus.namespace: {e}")))?;
+            }
+            _ => {
+                return Err(err(
+                    "servicebus: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools, client_secret)",
+                ))
+            }
+        }
         let url = url::Url::parse(&self.storage.container_url)
             .map_err(|e| err(format!("storage.container_url is not a URL: {e}")))?;
         if self.storage.credential.is_some() && url.scheme() != "https" {
@@ -586,11 +610,7 @@ impl Config {
         }
         // A replay re-sends a retry message with the same MessageId; if that can happen after
         // the duplicate-detection window, a second retry message would be created.
-        let gap_s = (self.checkpoint.every_ms
-            + self.processor.ownership_expiration_ms
-            + self.retry.call_deadline_ms * 4)
-            / 1000
-            + 60;
+        let gap_s = self.replay_gap().as_secs();
         if self.servicebus.duplicate_detection_window_s < gap_s {
             return Err(err(format!(
                 "servicebus.duplicate_detection_window_s ({}) is shorter than the longest schedule-to-replay gap this configuration allows ({gap_s} s): a replay could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
@@ -642,6 +662,19 @@ impl Config {
                 .map_err(|e| err(format!("azure cli: {e}")))?,
             CredentialKind::DeveloperTools => azure_identity::DeveloperToolsCredential::new(None)
                 .map_err(|e| err(format!("developer tools: {e}")))?,
+            CredentialKind::ClientSecret => {
+                let var = |name: &str| {
+                    std::env::var(name)
+                        .map_err(|_| err(format!("client_secret credential: {name} is not set")))
+                };
+                azure_identity::ClientSecretCredential::new(
+                    &var("AZURE_TENANT_ID")?,
+                    var("AZURE_CLIENT_ID")?,
+                    var("AZURE_CLIENT_SECRET")?.into(),
+                    None,
+                )
+                .map_err(|e| err(format!("client secret: {e}")))?
+            }
         };
         Ok(c)
     }
@@ -659,19 +692,67 @@ impl Config {
 
     /// The retry queue this configuration names.
     pub fn retry_queue(&self) -> Result<ServiceBusRetryQueue, ConfigError> {
-        let cs: ConnectionString = self
-            .servicebus
-            .connection_string
-            .parse()
-            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
-        ServiceBusRetryQueue::new(
-            &cs,
-            &self.servicebus.queue,
-            ServiceBusOptions {
-                deadline: Duration::from_millis(self.retry.call_deadline_ms),
-            },
-        )
+        let sb = &self.servicebus;
+        let options = ServiceBusOptions {
+            deadline: Duration::from_millis(self.retry.call_deadline_ms),
+        };
+        match (&sb.connection_string, &sb.namespace, sb.credential) {
+            (Some(cs), _, _) => {
+                let cs: ConnectionString = cs
+                    .parse()
+                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+                ServiceBusRetryQueue::new(&cs, &sb.queue, options)
+            }
+            (None, Some(ns), Some(kind)) => ServiceBusRetryQueue::with_token_credential(
+                ns,
+                Self::credential(kind)?,
+                &sb.queue,
+                options,
+            ),
+            _ => {
+                return Err(err(
+                    "servicebus: give either connection_string, or namespace and credential",
+                ))
+            }
+        }
         .map_err(|e| err(format!("servicebus: {e}")))
+    }
+
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// re-sending the same MessageId, which the queue's duplicate-detection window must cover.
+    /// A replica schedules the retry, then dies before its checkpoint passes the event: the
+    /// checkpoint was due within `checkpoint.every_ms`; the partition stays with the dead
+    /// owner until `processor.ownership_expiration_ms` runs out; the next owner claims it,
+    /// reads from the checkpoint and reaches the event through a few calls (ownership,
+    /// ledger read, the send itself: 4 × `retry.call_deadline_ms`); a minute of margin covers
+    /// the settle backoff and clock skew between replicas. (A partition *held* before the
+    /// event — an outage — can stretch this without bound; so can a replay by hand.)
+    pub fn replay_gap(&self) -> Duration {
+        Duration::from_millis(
+            self.checkpoint.every_ms
+                + self.processor.ownership_expiration_ms
+                + self.retry.call_deadline_ms * 4,
+        ) + Duration::from_secs(60)
+    }
+
+    /// The start-up proof of the retry queue: reads its description and refuses (naming the
+    /// property and the value needed) when it cannot keep hubguard's promise; returns
+    /// warnings (e.g. no Manage right to read the description). See
+    /// [`prove_queue`](crate::azure::retry_queue::prove_queue).
+    pub async fn prove_retry_queue(&self) -> Result<Vec<String>, ConfigError> {
+        use crate::azure::retry_queue::{prove_queue, QueueNeeds};
+        let queue = self.retry_queue()?;
+        let needs = QueueNeeds {
+            replay_gap: self.replay_gap(),
+            call_deadline: Duration::from_millis(self.retry.call_deadline_ms),
+        };
+        match prove_queue(&self.servicebus.queue, queue.describe().await, &needs) {
+            Ok(proof) => {
+                tracing::info!("{}", proof.summary);
+                Ok(proof.warnings)
+            }
+            Err(refusal) => Err(err(format!("servicebus.queue: {refusal}"))),
+        }
     }
 
     /// Everything the pipeline needs, with the given handler.

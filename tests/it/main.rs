@@ -18,5 +18,6 @@ mod pipeline;
 mod pipeline_support;
 mod run_command;
 mod servicebus;
+mod servicebus_auth;
 mod telemetry;
 mod webhook;
