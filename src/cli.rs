@@ -122,9 +122,10 @@ pub struct EmulatorArgs {
     /// `$Default` always exists.
     #[arg(long = "hub", value_name = "NAME:PARTITIONS")]
     hubs: Vec<HubSpec>,
-    /// A Service Bus queue (repeatable; default `retries`).
-    #[arg(long = "queue", value_name = "NAME")]
-    queues: Vec<String>,
+    /// A Service Bus queue (repeatable; default `retries`), optionally with its
+    /// duplicate-detection window in seconds or `off` (default 600).
+    #[arg(long = "queue", value_name = "NAME[:DEDUP_S|off]")]
+    queues: Vec<QueueSpec>,
     /// A blob container created at start (repeatable; default `hubguard`).
     #[arg(long = "container", value_name = "NAME")]
     containers: Vec<String>,
@@ -194,7 +195,7 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         queues: if args.queues.is_empty() {
             vec![QueueSpec::new("retries")]
         } else {
-            args.queues.iter().map(QueueSpec::new).collect()
+            args.queues
         },
         containers: if args.containers.is_empty() {
             vec![DEFAULT_CONTAINER.to_string()]

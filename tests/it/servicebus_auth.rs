@@ -473,3 +473,116 @@ fn entra_id_is_configured_with_namespace_and_credential() {
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hubguard_emulator_takes_accept_any_token_and_per_queue_duplicate_detection() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args([
+            "emulator",
+            "--only",
+            "servicebus",
+            "--servicebus-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--queue",
+            "retries",
+            "--queue",
+            "plain:off",
+            "--queue",
+            "day:86400",
+            "--accept-any-token",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = within("emulator starts", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    let cs: ConnectionString = first
+        .strip_prefix("servicebus: ")
+        .unwrap_or_else(|| panic!("{first}"))
+        .parse()
+        .unwrap();
+    let sas = |queue: &str| ServiceBusRetryQueue::new(&cs, queue, options()).unwrap();
+    let plain = within("describe plain", sas("plain").describe())
+        .await
+        .unwrap();
+    assert!(!plain.requires_duplicate_detection);
+    let day = within("describe day", sas("day").describe()).await.unwrap();
+    assert_eq!(
+        day.duplicate_detection_history_time_window,
+        Some(Duration::from_secs(86_400))
+    );
+    let token = ServiceBusRetryQueue::with_token_credential(
+        &format!("http://{}:{}", cs.host, cs.port.unwrap()),
+        Arc::new(FakeCredential::default()),
+        "retries",
+        options(),
+    )
+    .unwrap();
+    within("send with a token", token.schedule(message("cli-token")))
+        .await
+        .unwrap();
+    let m = within(
+        "receive with a token",
+        token.receive(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap()
+    .expect("the message");
+    within("complete", m.complete()).await.unwrap();
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}
+
+/// A credential that cannot get a token (not signed in, no managed identity here).
+#[derive(Debug)]
+struct NoToken;
+
+#[async_trait]
+impl TokenCredential for NoToken {
+    async fn get_token(
+        &self,
+        _scopes: &[&str],
+        _options: Option<TokenRequestOptions<'_>>,
+    ) -> azure_core::Result<AccessToken> {
+        Err(azure_core::Error::with_message(
+            azure_core::error::ErrorKind::Credential,
+            "no managed identity endpoint here",
+        ))
+    }
+}
+
+#[tokio::test]
+async fn a_credential_without_a_token_is_a_typed_error_that_holds_nothing_silently() {
+    let sb = sb_emulator(ServiceBusConfig {
+        accept_any_token: true,
+        ..Default::default()
+    })
+    .await;
+    let q = ServiceBusRetryQueue::with_token_credential(
+        &format!("http://{}", sb.local_addr()),
+        Arc::new(NoToken),
+        "retries",
+        options(),
+    )
+    .unwrap();
+    let e = within("send without a token", q.schedule(message("m")))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, RetryQueueError::Credential(m) if m.contains("no managed identity endpoint here")),
+        "{e:?}"
+    );
+    assert!(
+        !e.is_transient() && !e.is_refusal_of_request(),
+        "held, not dead-lettered"
+    );
+    assert_eq!(sb.counters("retries").unwrap().sends, 0);
+}
