@@ -323,24 +323,19 @@ enum Rights {
     SendListen,
 }
 
-/// The request's rights, or a 401 response when its `Authorization` does not verify.
-fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Rights, Response> {
-    let unauthorized = |detail: String| error(StatusCode::UNAUTHORIZED, "40100", detail);
+/// The request's rights, or why its `Authorization` does not verify (answered with 401).
+fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Rights, String> {
     let Some(token) = headers.get("authorization").and_then(|v| v.to_str().ok()) else {
-        return Err(unauthorized(
-            "Unauthorized: the request carries no Authorization header".into(),
-        ));
+        return Err("Unauthorized: the request carries no Authorization header".into());
     };
     if let Some(bearer) = token
         .strip_prefix("Bearer ")
         .or_else(|| token.strip_prefix("bearer "))
     {
         return if !shared.accept_any_token {
-            Err(unauthorized("Unauthorized: this emulator cannot verify Entra ID (Bearer) tokens and accepts them only when started with --accept-any-token; sign with the SAS key instead".into()))
+            Err("Unauthorized: this emulator cannot verify Entra ID (Bearer) tokens and accepts them only when started with --accept-any-token; sign with the SAS key instead".into())
         } else if bearer.trim().is_empty() {
-            Err(unauthorized(
-                "Unauthorized: the Bearer token is empty".into(),
-            ))
+            Err("Unauthorized: the Bearer token is empty".into())
         } else {
             Ok(Rights::All)
         };
@@ -350,7 +345,7 @@ fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Right
         Ok(_) => Ok(Rights::All),
         Err(e) => match &shared.send_listen_key {
             Some(k) if k.verify(token, uri.path(), now).is_ok() => Ok(Rights::SendListen),
-            _ => Err(unauthorized(format!("Unauthorized: {e}"))),
+            _ => Err(format!("Unauthorized: {e}")),
         },
     }
 }
@@ -455,7 +450,7 @@ async fn handle(
 ) -> Response {
     let rights = match authenticate(&shared, &headers, &uri) {
         Ok(r) => r,
-        Err(refusal) => return refusal,
+        Err(detail) => return error(StatusCode::UNAUTHORIZED, "40100", detail),
     };
     if method == Method::GET && !uri.path().to_ascii_lowercase().contains("/messages") {
         let segs: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
