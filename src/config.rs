@@ -182,6 +182,23 @@ impl std::fmt::Debug for StorageSection {
     }
 }
 
+/// `[dead_letters]`: every dead letter is also published to this Service Bus queue (in the
+/// `[servicebus]` namespace), before the ledger records it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLettersSection {
+    /// The queue operators subscribe to (not the retry queue).
+    pub queue: String,
+    /// The largest message the queue takes (KB): 256 on Standard, up to 102400 on Premium.
+    /// A body that would not fit goes as a claim check (the ledger keeps the event).
+    #[serde(default = "d256")]
+    pub max_message_kb: u32,
+}
+
+fn d256() -> u32 {
+    256
+}
+
 /// `[handler]`
 #[derive(Debug, Clone, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -404,6 +421,9 @@ pub struct Config {
     /// `[breaker]`: the circuit breaker for the handler's downstream.
     #[serde(default)]
     pub breaker: crate::breaker::BreakerConfig,
+    /// `[dead_letters]`: where dead letters are also published (none by default).
+    #[serde(default)]
+    pub dead_letters: Option<DeadLettersSection>,
 }
 
 const POLICY_KEYS: &[&str] = &[
@@ -631,6 +651,19 @@ impl Config {
                 self.eventhubs.retention_hours
             )));
         }
+        if let Some(d) = &self.dead_letters {
+            if d.queue.trim().is_empty() || d.queue == self.servicebus.queue {
+                return Err(err(
+                    "dead_letters.queue must name a queue other than servicebus.queue",
+                ));
+            }
+            if !(1..=102_400).contains(&d.max_message_kb) {
+                return Err(err(format!(
+                    "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
+                    d.max_message_kb
+                )));
+            }
+        }
         if self.eventhubs.retention_hours == 0 {
             return Err(err("eventhubs.retention_hours must be positive"));
         }
@@ -755,6 +788,28 @@ impl Config {
         }
     }
 
+    /// The dead-letter destination `[dead_letters]` names, if any: a queue of the
+    /// `[servicebus]` namespace, reached as the retry queue is.
+    pub fn dead_letter_destination(
+        &self,
+    ) -> Result<Option<Arc<crate::pipeline::dead_letter::DeadLetterDestination>>, ConfigError> {
+        let Some(d) = &self.dead_letters else {
+            return Ok(None);
+        };
+        let mut same_namespace = self.clone();
+        same_namespace.servicebus.queue = d.queue.clone();
+        let queue = same_namespace
+            .retry_queue()
+            .map_err(|e| err(format!("dead_letters.queue: {}", e.0)))?;
+        Ok(Some(Arc::new(
+            crate::pipeline::dead_letter::DeadLetterDestination::new(
+                Arc::new(queue),
+                &d.queue,
+                d.max_message_kb,
+            ),
+        )))
+    }
+
     /// Everything the pipeline needs, with the given handler.
     pub fn pipeline_parts(
         &self,
@@ -828,6 +883,7 @@ impl Config {
                 retry_concurrency: self.retry.concurrency,
                 retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
                 dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
+                dead_letters: self.dead_letter_destination()?,
                 ..Default::default()
             },
         })

@@ -15,6 +15,7 @@
 
 pub mod attempt;
 pub mod checkpoint;
+pub mod dead_letter;
 pub mod health;
 mod partition;
 mod retry;
@@ -145,6 +146,9 @@ pub struct PipelineOptions {
     /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
     /// clock; tests share one with the Service Bus emulator and advance it.
     pub clock: Arc<crate::clock::Clock>,
+    /// Where dead letters are also published (before the ledger records them); checked at
+    /// start: [`Pipeline::run`] fails if it is missing or refuses messages.
+    pub dead_letters: Option<Arc<dead_letter::DeadLetterDestination>>,
 }
 
 impl Default for PipelineOptions {
@@ -168,6 +172,7 @@ impl Default for PipelineOptions {
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
             clock: Arc::default(),
+            dead_letters: None,
         }
     }
 }
@@ -361,7 +366,8 @@ impl Pipeline {
         );
         let settler = Arc::new(
             Settler::new(ledger, parts.queue.clone(), parts.policies)
-                .with_clock(parts.options.clock.clone()),
+                .with_clock(parts.options.clock.clone())
+                .with_dead_letters(parts.options.dead_letters.clone()),
         );
         let checkpoints = Arc::new(FencedCheckpointStore::new(
             parts.checkpoint_store,
@@ -418,6 +424,18 @@ impl Pipeline {
         cancel: CancellationToken,
         crash: CancellationToken,
     ) -> std::io::Result<()> {
+        if let Some(dl) = self.shared.settler.dead_letters() {
+            dl.probe().await.map_err(std::io::Error::other)?;
+        }
+        if let Some(blocked) = self.shared.handler.blocked() {
+            tokio::spawn(watch_blocked(
+                self.shared.health.clone(),
+                self.shared.handler.downstream(),
+                blocked,
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();
@@ -459,6 +477,31 @@ impl Pipeline {
         let _ = retry.await;
         Ok(())
     }
+}
+
+/// Shows in readiness why the handler cannot deliver (a webhook that has not agreed to
+/// receive): held under `handler {downstream}` until the reason clears.
+async fn watch_blocked(
+    health: Arc<Health>,
+    downstream: String,
+    mut blocked: tokio::sync::watch::Receiver<Option<String>>,
+    cancel: CancellationToken,
+    crash: CancellationToken,
+) {
+    let name = format!("handler {downstream}");
+    loop {
+        let reason = blocked.borrow_and_update().clone();
+        match reason {
+            Some(r) => health.hold(&name, r, 0),
+            None => health.release(&name, 0),
+        }
+        tokio::select! {
+            changed = blocked.changed() => if changed.is_err() { break },
+            _ = cancel.cancelled() => break,
+            _ = crash.cancelled() => break,
+        }
+    }
+    health.release(&name, 0);
 }
 
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.

@@ -87,6 +87,9 @@ pub enum SettleError {
     /// The record kept changing under us.
     #[error("ledger record for {0} is contended")]
     Contended(String),
+    /// The dead-letter destination refused the dead letter or could not be reached.
+    #[error("{0}")]
+    DeadLetters(#[from] super::dead_letter::PublishError),
 }
 
 impl SettleError {
@@ -98,6 +101,7 @@ impl SettleError {
             SettleError::Queue(q) => !q.is_transient(),
             SettleError::Ledger(LedgerError::Store(s)) => !s.is_transient(),
             SettleError::Ledger(LedgerError::Corrupt { .. }) | SettleError::Contended(_) => false,
+            SettleError::DeadLetters(p) => !p.error.is_transient(),
         };
         let how = if refusing {
             "refuses the request"
@@ -112,6 +116,7 @@ impl SettleError {
         match self {
             SettleError::Ledger(_) | SettleError::Contended(_) => "blob storage (ledger)",
             SettleError::Queue(_) => "Service Bus",
+            SettleError::DeadLetters(_) => "Service Bus (dead-letter destination)",
         }
     }
 }
@@ -186,6 +191,7 @@ pub struct Settler {
     queue: Arc<dyn RetryQueue>,
     policies: Policies,
     clock: Arc<crate::clock::Clock>,
+    dead_letters: Option<Arc<super::dead_letter::DeadLetterDestination>>,
 }
 
 impl std::fmt::Debug for Settler {
@@ -222,7 +228,30 @@ impl Settler {
             queue,
             policies,
             clock: Arc::default(),
+            dead_letters: None,
         }
+    }
+
+    /// Also publishes every dead letter to `destination`, before the ledger records it.
+    pub fn with_dead_letters(
+        mut self,
+        destination: Option<Arc<super::dead_letter::DeadLetterDestination>>,
+    ) -> Self {
+        self.dead_letters = destination;
+        self
+    }
+
+    /// The dead-letter destination, if one is configured.
+    pub fn dead_letters(&self) -> Option<&Arc<super::dead_letter::DeadLetterDestination>> {
+        self.dead_letters.as_ref()
+    }
+
+    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any.
+    async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
+        if let Some(d) = &self.dead_letters {
+            d.publish(rec).await?;
+        }
+        Ok(())
     }
 
     /// Computes due times and records times on `clock` instead of the wall clock.
@@ -393,6 +422,7 @@ impl Settler {
                 next_attempt_ms: None,
                 trace_id: None,
             });
+            self.publish_dead_letter(&rec).await?;
             self.ledger.index_dead_letter(key).await?;
             match self.ledger.put(&rec, Some(&etag)).await {
                 Ok(_) => return Ok(()),
@@ -640,6 +670,7 @@ impl Settler {
                         next_attempt_ms: None,
                         trace_id: Some(trace_id.to_string()),
                     });
+                    self.publish_dead_letter(&rec).await?;
                     self.ledger.index_dead_letter(key).await?;
                     match self.ledger.put(&rec, etag).await {
                         Ok(_) => return Ok(Settled::DeadLettered(reason)),

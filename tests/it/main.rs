@@ -21,3 +21,4 @@ mod servicebus;
 mod servicebus_auth;
 mod telemetry;
 mod webhook;
+mod webhook_conventions;
