@@ -367,21 +367,50 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             if !json {
                 println!("{} dead-lettered event(s)", keys.len());
             }
+            // One bad record is reported and the listing carries on; the exit status says
+            // whether every record could be read.
+            let mut unreadable = 0;
             for key in keys {
-                match ledger.get(&key).await? {
-                    Some((rec, _)) if json => println!("{}", crate::status::record_view(&rec)),
-                    Some((rec, _)) => println!(
-                        "{key}\t{}\tattempts {}\t{}\tpartition {} seq {}",
+                // Keys and errors are printed escaped: a tab or newline in one cannot break
+                // the table.
+                let shown = key.escape_debug().to_string();
+                match ledger.get(&key).await {
+                    Ok(Some((rec, _))) if json => println!("{}", crate::status::record_view(&rec)),
+                    Ok(Some((rec, _))) => println!(
+                        "{shown}\t{}\tattempts {}\t{}\tpartition {} seq {}",
                         rec.dead_letter_reason
                             .map(|r| r.to_string())
                             .unwrap_or_default(),
                         rec.attempts,
-                        rec.last_error.unwrap_or_default(),
+                        rec.last_error.unwrap_or_default().escape_debug(),
                         rec.event.partition_id,
                         rec.event.sequence_number
                     ),
-                    None => println!("{key}\t(ledger record missing)"),
+                    Ok(None) if json => println!(
+                        "{}",
+                        serde_json::json!({ "key": key, "error": "the ledger record is missing" })
+                    ),
+                    Ok(None) => println!("{shown}\t(ledger record missing)"),
+                    Err(e) => {
+                        unreadable += 1;
+                        if json {
+                            println!(
+                                "{}",
+                                serde_json::json!({ "key": key, "error": e.to_string() })
+                            );
+                        } else {
+                            println!(
+                                "{shown}\t(cannot be read: {})",
+                                e.to_string().escape_debug()
+                            );
+                        }
+                    }
                 }
+            }
+            if unreadable > 0 {
+                anyhow::bail!(
+                    "{unreadable} dead-lettered record(s) could not be read (listed above)"
+                );
             }
         }
         DeadLettersCommand::Replay { config, key, all } => {
@@ -401,17 +430,28 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             } else {
                 key.into_iter().collect()
             };
-            let mut replayed = 0;
+            // Each key on its own: one that fails is reported and the others go on.
+            let (mut replayed, mut failed) = (0, 0);
             for key in keys {
-                match settler.replay(&key).await? {
-                    Some(attempt) => {
+                let shown = key.escape_debug().to_string();
+                match settler.replay(&key).await {
+                    Ok(Some(attempt)) => {
                         replayed += 1;
-                        println!("{key}: attempt {attempt} scheduled now");
+                        println!("{shown}: attempt {attempt} scheduled now");
                     }
-                    None => println!("{key}: not dead-lettered; nothing to replay"),
+                    Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
+                    Err(e) => {
+                        failed += 1;
+                        println!("{shown}: not replayed: {}", e.to_string().escape_debug());
+                    }
                 }
             }
             println!("{replayed} replayed");
+            if failed > 0 {
+                anyhow::bail!(
+                    "{failed} dead-lettered event(s) could not be replayed (listed above)"
+                );
+            }
         }
     }
     Ok(())

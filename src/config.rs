@@ -322,6 +322,14 @@ pub struct RetrySection {
     /// on (ms; also once at start).
     #[serde(default = "d60000")]
     pub dead_letter_sweep_ms: u64,
+    /// A retry the ledger says was due this long ago (ms), with no retry message arriving,
+    /// is scheduled again under a fresh MessageId by the same sweep.
+    #[serde(default = "d300000")]
+    pub overdue_margin_ms: u64,
+}
+
+fn d300000() -> u64 {
+    300_000
 }
 
 fn d60000() -> u64 {
@@ -342,6 +350,7 @@ impl Default for RetrySection {
             receive_wait_ms: 5000,
             call_deadline_ms: 10_000,
             dead_letter_sweep_ms: 60_000,
+            overdue_margin_ms: 300_000,
         }
     }
 }
@@ -418,6 +427,9 @@ pub struct Config {
     /// `[status]`
     #[serde(default)]
     pub status: StatusSection,
+    /// `[log]`: the log format (read before the rest, so start-up logs follow it).
+    #[serde(default)]
+    pub log: crate::telemetry::logs::LogSection,
     /// `[breaker]`: the circuit breaker for the handler's downstream.
     #[serde(default)]
     pub breaker: crate::breaker::BreakerConfig,
@@ -437,6 +449,32 @@ const POLICY_KEYS: &[&str] = &[
     "delays_s",
     "repeat_last",
 ];
+
+/// `SERVICE_HOST`, `SERVICE_PORT…`, `PORT`, `PORT_…`: what Kubernetes sets for a Service
+/// (its "service links"), after the Service's upper-cased name.
+fn is_service_link(rest: &str) -> bool {
+    rest.ends_with("SERVICE_HOST")
+        || rest.contains("SERVICE_PORT")
+        || rest == "PORT"
+        || rest.ends_with("_PORT")
+        || rest.starts_with("PORT_")
+        || rest.contains("_PORT_")
+}
+
+/// Keys whose values are secrets, never quoted in an error.
+fn is_secret_path(path: &str) -> bool {
+    let p = path.to_ascii_lowercase();
+    [
+        "connection_string",
+        "secret",
+        "key",
+        "token",
+        "password",
+        "authorization",
+    ]
+    .iter()
+    .any(|s| p.contains(s))
+}
 
 /// Describes a TOML error by position and message, never by quoting the source line.
 fn describe(e: &toml::de::Error, source: &str) -> String {
@@ -509,6 +547,9 @@ impl Config {
                 p.insert("default".into(), seed);
             }
         }
+        // Which environment variable set each key, so an error names what the user wrote.
+        let mut from_env: std::collections::HashMap<String, String> =
+            std::collections::HashMap::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix("HUBGUARD_") else {
                 continue;
@@ -520,8 +561,21 @@ impl Config {
             {
                 continue; // settings of other commands and of the test suite
             }
+            if !rest.contains("__") {
+                // Every key lives in a section (`HUBGUARD_SECTION__KEY`). Kubernetes adds
+                // `HUBGUARD_SERVICE_HOST`, `HUBGUARD_PORT_8080_TCP`, … for a Service named
+                // `hubguard`: those are not ours. Anything else is a mistyped override.
+                if is_service_link(rest) {
+                    continue;
+                }
+                return Err(err(format!(
+                    "environment variable {k}: not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)"
+                )));
+            }
             let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
-            set_path(&mut table, &path, env_value(&v))?;
+            from_env.insert(path.join("."), k.clone());
+            set_path(&mut table, &path, env_value(&v))
+                .map_err(|e| err(format!("environment variable {k}: {}", e.0)))?;
         }
         if let Some(toml::Value::Table(policy)) = table.get("policy") {
             let mut tables: Vec<(String, &toml::Table)> = Vec::new();
@@ -544,9 +598,41 @@ impl Config {
                 }
             }
         }
-        let config: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| err(e.message().to_string()))?;
+        // `[handler]` is an internally tagged enum, whose errors serde reports at `handler`:
+        // deserialise its body alone to find the key inside.
+        let handler_body = table.get("handler").and_then(|h| h.as_table()).map(|h| {
+            let mut h = h.clone();
+            h.remove("kind");
+            h
+        });
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let mut path = e.path().to_string();
+                // A policy's curve is a flattened tagged enum: serde names its table only.
+                if path.starts_with("policy.")
+                    && !path.ends_with(".curve")
+                    && e.inner().message().starts_with("unknown variant")
+                {
+                    path.push_str(".curve");
+                }
+                if path == "handler" {
+                    if let Some(Err(inner)) = handler_body.clone().map(|b| {
+                        serde_path_to_error::deserialize::<_, WebhookConfig>(toml::Value::Table(b))
+                    }) {
+                        path = format!("handler.{}", inner.path());
+                    }
+                }
+                let message = if is_secret_path(&path) {
+                    // A misplaced value could be a secret: name the key, not the value.
+                    "invalid value (not shown: this key holds a secret)".to_string()
+                } else {
+                    e.inner().message().to_string()
+                };
+                match from_env.get(&path) {
+                    Some(var) => err(format!("environment variable {var} ({path}): {message}")),
+                    None => err(format!("{path}: {message}")),
+                }
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -584,13 +670,47 @@ impl Config {
         }
         let url = url::Url::parse(&self.storage.container_url)
             .map_err(|e| err(format!("storage.container_url is not a URL: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(err(format!(
+                "storage.container_url must be an https (or, for an emulator, http) URL, not {}:",
+                url.scheme()
+            )));
+        }
         if self.storage.credential.is_some() && url.scheme() != "https" {
             return Err(err(
                 "storage.credential needs an https storage.container_url",
             ));
         }
         let HandlerSection::Webhook(w) = &self.handler;
+        if w.timeout_ms == 0 {
+            return Err(err(
+                "handler.timeout_ms must be positive: a webhook call with no time to answer fails every event",
+            ));
+        }
         WebhookHandler::new(w.clone()).map_err(err)?;
+        for (key, value, min) in [
+            ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
+            ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
+            ("retry.concurrency", self.retry.concurrency as u64, 1),
+            (
+                "processor.update_interval_ms",
+                self.processor.update_interval_ms,
+                100,
+            ),
+            ("processor.prefetch", u64::from(self.processor.prefetch), 1),
+        ] {
+            if value < min {
+                return Err(err(format!(
+                    "{key} must be at least {min} (got {value}): {}",
+                    match key {
+                        "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
+                        "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
+                        "processor.prefetch" => "a partition with no prefetch receives nothing",
+                        _ => "nothing would run",
+                    }
+                )));
+            }
+        }
         if self.processor.ownership_expiration_ms <= self.processor.update_interval_ms {
             return Err(err("processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
         }
@@ -608,6 +728,12 @@ impl Config {
             return Err(err(format!(
                 "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
                 self.retry.dead_letter_sweep_ms
+            )));
+        }
+        if self.retry.overdue_margin_ms < 1000 {
+            return Err(err(format!(
+                "retry.overdue_margin_ms must be at least 1000 (got {})",
+                self.retry.overdue_margin_ms
             )));
         }
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
@@ -884,6 +1010,7 @@ impl Config {
                 retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
                 dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
                 dead_letters: self.dead_letter_destination()?,
+                overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
                 ..Default::default()
             },
         })
@@ -939,6 +1066,81 @@ url = "http://127.0.0.1:9000/events"
         assert_eq!(c.eventhubs.hub, "orders");
         assert_eq!(c.policy.default.max_attempts, 5);
         assert_eq!(c.checkpoint.every_ms, 250);
+    }
+
+    #[test]
+    fn type_errors_and_impossible_values_name_the_key_or_the_variable() {
+        let bad = |extra: &str, env: Vec<(String, String)>| {
+            Config::parse(&format!("{BASE}{extra}"), env)
+                .unwrap_err()
+                .to_string()
+        };
+        let var = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        for (extra, env, named) in [
+            ("[checkpoint]\nevery_events = \"100\"\n", none(), "checkpoint.every_events"),
+            ("", var("HUBGUARD_CHECKPOINT__EVERY_EVENTS", "abc"), "HUBGUARD_CHECKPOINT__EVERY_EVENTS"),
+            ("timeout_ms = -5\n", none(), "timeout_ms"),
+            (
+                "[policy.default]\ncurve = \"fibonaci\"\nbase_s = 1\nfloor_s = 1\ncap_s = 9\nmax_attempts = 3\n",
+                none(),
+                "policy.default.curve",
+            ),
+            ("[status]\nlisten = \"localhost:eighty\"\n", none(), "status.listen"),
+            ("timeout_ms = 0\n", none(), "handler.timeout_ms"),
+            ("[retry]\ncall_deadline_ms = 0\n", none(), "retry.call_deadline_ms"),
+            ("[processor]\nprefetch = 0\n", none(), "processor.prefetch"),
+            (
+                "[policy.default]\ncurve = \"fixed\"\nbase_s = \"ten\"\nfloor_s = 1\ncap_s = 9\nmax_attempts = 3\n",
+                none(),
+                "base_s",
+            ),
+            ("[processor]\nupdate_interval_ms = 0\n", none(), "processor.update_interval_ms"),
+            ("", var("HUBGUARD_RETRY_CONCURRENCY", "4"), "HUBGUARD_RETRY_CONCURRENCY"),
+        ] {
+            let e = bad(extra, env);
+            assert!(e.contains(named), "{named}: {e}");
+        }
+        let ftp = Config::parse(
+            &BASE.replace("http://127.0.0.1:10000", "ftp://127.0.0.1:10000"),
+            none(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            ftp.contains("storage.container_url") && ftp.contains("ftp"),
+            "{ftp}"
+        );
+        // A number where the connection string goes names the key, never a value.
+        let e = bad("", var("HUBGUARD_SERVICEBUS__CONNECTION_STRING", "12"));
+        assert!(
+            e.contains("HUBGUARD_SERVICEBUS__CONNECTION_STRING") && !e.contains("12"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_not_taken_for_overrides() {
+        let env = vec![
+            ("HUBGUARD_SERVICE_HOST".to_string(), "10.0.0.1".to_string()),
+            ("HUBGUARD_SERVICE_PORT".to_string(), "8080".to_string()),
+            (
+                "HUBGUARD_SERVICE_PORT_STATUS".to_string(),
+                "8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT".to_string(),
+                "tcp://10.0.0.1:8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT_8080_TCP".to_string(),
+                "tcp://10.0.0.1:8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT_8080_TCP_ADDR".to_string(),
+                "10.0.0.1".to_string(),
+            ),
+        ];
+        Config::parse(BASE, env).expect("service links are ignored");
     }
 
     #[test]

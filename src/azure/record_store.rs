@@ -14,6 +14,7 @@ use azure_core::http::{ClientOptions, Etag, NoFormat, RequestContent, RetryOptio
 use azure_core::Bytes;
 use azure_storage_blob::models::{
     BlobClientDeleteOptions, BlobContainerClientListBlobsOptions, BlockBlobClientUploadOptions,
+    ListBlobsIncludeItem,
 };
 use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 use futures::TryStreamExt;
@@ -57,7 +58,7 @@ pub struct Record {
 }
 
 /// A listed record (without its body).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Listed {
     /// The record's key.
     pub key: String,
@@ -65,7 +66,14 @@ pub struct Listed {
     pub etag: String,
     /// When it was last written.
     pub last_modified: Option<SystemTime>,
+    /// The tags it was written with ([`RecordStore::write_tagged`]); a listing returns them
+    /// without reading the record.
+    pub tags: std::collections::BTreeMap<String, String>,
 }
+
+/// Small name–value pairs stored beside a record and returned by a listing (blob metadata:
+/// names are C# identifiers, values ASCII, all of them at most 8 KB).
+pub type Tags = std::collections::BTreeMap<String, String>;
 
 /// Records with compare-and-swap.
 #[async_trait]
@@ -78,8 +86,24 @@ pub trait RecordStore: Send + Sync {
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError>;
     /// Deletes `key` if it still has `etag`.
     async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError>;
-    /// Every record whose key starts with `prefix`.
+    /// Every record whose key starts with `prefix`, with its tags.
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError>;
+    /// Creates (`etag` `None`) or replaces `key` like [`create`](Self::create) and
+    /// [`update`](Self::update), storing `tags` beside it in the same write. A store that
+    /// cannot keep tags writes the record alone (the default).
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+    ) -> Result<String, StoreError> {
+        let _ = tags;
+        match etag {
+            None => self.create(key, body).await,
+            Some(e) => self.update(key, body, e).await,
+        }
+    }
 }
 
 /// [`RecordStore`] on an Azure Blob Storage container (`azure_storage_blob` 1.1).
@@ -148,6 +172,7 @@ impl BlobRecordStore {
         body: Bytes,
         condition: Etag,
         not_found_as: Option<StoreError>,
+        tags: Option<&Tags>,
     ) -> Result<String, StoreError> {
         let create = condition.to_string() == "*";
         self.deadline(async {
@@ -155,6 +180,7 @@ impl BlobRecordStore {
                 if_none_match: create.then(|| condition.clone()),
                 if_match: (!create).then(|| condition.clone()),
                 blob_content_type: Some("application/json".into()),
+                metadata: tags.map(|t| t.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
                 ..Default::default()
             };
             let r = self
@@ -235,7 +261,32 @@ impl RecordStore for BlobRecordStore {
     }
 
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError> {
-        self.upload(key, body, Etag::from("*"), None).await
+        self.upload(key, body, Etag::from("*"), None, None).await
+    }
+
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+    ) -> Result<String, StoreError> {
+        match etag {
+            None => {
+                self.upload(key, body, Etag::from("*"), None, Some(tags))
+                    .await
+            }
+            Some(e) => {
+                self.upload(
+                    key,
+                    body,
+                    Etag::from(e.to_string()),
+                    Some(StoreError::Conflict),
+                    Some(tags),
+                )
+                .await
+            }
+        }
     }
 
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError> {
@@ -245,6 +296,7 @@ impl RecordStore for BlobRecordStore {
             body,
             Etag::from(etag.to_string()),
             Some(StoreError::Conflict),
+            None,
         )
         .await
     }
@@ -271,6 +323,7 @@ impl RecordStore for BlobRecordStore {
                 .container
                 .list_blobs(Some(BlobContainerClientListBlobsOptions {
                     prefix: Some(prefix.to_string()),
+                    include: Some(vec![ListBlobsIncludeItem::Metadata]),
                     ..Default::default()
                 }))
                 .map_err(|e| classify(&e))?;
@@ -289,10 +342,17 @@ impl RecordStore for BlobRecordStore {
                         )
                     })
                     .unwrap_or_default();
+                let tags = item
+                    .metadata
+                    .as_ref()
+                    .and_then(|m| m.values.as_ref())
+                    .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+                    .unwrap_or_default();
                 out.push(Listed {
                     key,
                     etag,
                     last_modified,
+                    tags,
                 });
             }
             Ok(out)

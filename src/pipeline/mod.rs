@@ -143,6 +143,9 @@ pub struct PipelineOptions {
     /// How often the retry queue's dead-letter sub-queue is swept for retries Service Bus
     /// gave up on (also once at start).
     pub dead_letter_sweep: Duration,
+    /// A retry the ledger says was due longer ago than this, with no retry message having
+    /// run it, is scheduled again (checked by the same sweep).
+    pub overdue_margin: Duration,
     /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
     /// clock; tests share one with the Service Bus emulator and advance it.
     pub clock: Arc<crate::clock::Clock>,
@@ -171,6 +174,7 @@ impl Default for PipelineOptions {
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
+            overdue_margin: Duration::from_secs(300),
             clock: Arc::default(),
             dead_letters: None,
         }
@@ -369,13 +373,16 @@ impl Pipeline {
                 .with_clock(parts.options.clock.clone())
                 .with_dead_letters(parts.options.dead_letters.clone()),
         );
-        let checkpoints = Arc::new(FencedCheckpointStore::new(
-            parts.checkpoint_store,
-            parts.options.owner_id.clone(),
-            parts.options.deadline,
-            parts.options.ownership_expiration,
-        ));
         let health = Arc::new(Health::default());
+        let checkpoints = Arc::new(
+            FencedCheckpointStore::new(
+                parts.checkpoint_store,
+                parts.options.owner_id.clone(),
+                parts.options.deadline,
+                parts.options.ownership_expiration,
+            )
+            .with_health(health.clone()),
+        );
         Self {
             shared: Arc::new(Shared {
                 _gauges: gauges(&health, breaker.clone()),
@@ -517,6 +524,7 @@ async fn supervise(
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "event processor stopped; rebuilding");
+                shared.health.consumer_failed(e);
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = shared.clock().sleep(backoff) => {}
@@ -540,6 +548,11 @@ async fn run_processor(
     if let Some(e) = &target.custom_endpoint {
         builder = builder.with_custom_endpoint(e.clone());
     }
+    // Errors name the endpoint (never the credential).
+    let endpoint = match &target.custom_endpoint {
+        Some(e) => format!("{} (via {e}), hub {}", target.namespace, target.hub),
+        None => format!("{}, hub {}", target.namespace, target.hub),
+    };
     let consumer = tokio::time::timeout(
         o.deadline,
         builder.open(
@@ -549,8 +562,23 @@ async fn run_processor(
         ),
     )
     .await
-    .map_err(|_| "opening the Event Hubs consumer timed out".to_string())?
-    .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
+    .map_err(|_| {
+        format!(
+            "opening the Event Hubs consumer at {endpoint} timed out after {:?}",
+            o.deadline
+        )
+    })?
+    .map_err(|e| format!("opening the Event Hubs consumer at {endpoint}: {e}"))?;
+    let properties = tokio::time::timeout(o.deadline, consumer.get_eventhub_properties())
+        .await
+        .map_err(|_| {
+            format!(
+                "reading the hub's properties at {endpoint} timed out after {:?}",
+                o.deadline
+            )
+        })?
+        .map_err(|e| format!("reading the hub's properties at {endpoint}: {e}"))?;
+    checkpoints.set_partitions(properties.partition_ids);
     let location = if o.start_at_latest {
         StartLocation::Latest
     } else {
@@ -583,6 +611,7 @@ async fn run_processor(
     .await
     .map_err(|_| "building the event processor timed out".to_string())?
     .map_err(|e| format!("building the event processor: {e}"))?;
+    shared.health.consumer_running();
 
     let mut run = {
         let p = processor.clone();

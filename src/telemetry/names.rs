@@ -86,6 +86,8 @@ pub mod metric {
     pub const DEFERRED: &str = "hubguard.events.deferred";
     /// Counter: retries taken back from Service Bus's dead-letter sub-queue.
     pub const RESCUED: &str = "hubguard.retries.rescued";
+    /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.
+    pub const RECOVERED: &str = "hubguard.retries.recovered";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
