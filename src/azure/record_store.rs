@@ -160,6 +160,20 @@ impl BlobRecordStore {
         tokio::time::timeout(self.deadline, f)
             .await
             .unwrap_or(Err(StoreError::Timeout(self.deadline)))
+            .map_err(|e| match e {
+                // Name the endpoint: "blob storage is unavailable" alone sends nobody anywhere.
+                StoreError::Unavailable(m) => {
+                    StoreError::Unavailable(format!("{}: {m}", self.endpoint()))
+                }
+                other => other,
+            })
+    }
+
+    /// The container's URL without its query (a SAS there is a secret).
+    fn endpoint(&self) -> String {
+        let mut url = self.container.url().clone();
+        url.set_query(None);
+        url.to_string()
     }
 }
 
@@ -228,12 +242,56 @@ fn classify(e: &azure_core::Error) -> StoreError {
             }
             _ => format!("status {}", u16::from(s)),
         }),
-        None => StoreError::Unavailable(e.to_string()),
+        None => StoreError::Unavailable(with_causes(e)),
     }
+}
+
+/// An error and its causes ("failed to execute `reqwest` request: error sending request: …
+/// Connection refused"), each once.
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(": ");
+            text.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    without_urls(&text)
+}
+
+/// Removes reqwest's ` for url (…)`: a URL's query may carry a SAS.
+fn without_urls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(" for url (") {
+        out.push_str(&rest[..i]);
+        match rest[i..].find(')') {
+            Some(j) => rest = &rest[i + j + 1..],
+            None => rest = "",
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 fn etag_of(e: Option<Etag>) -> String {
     e.map(|e| e.to_string()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_with_their_sas_never_reach_an_error() {
+        assert_eq!(
+            without_urls("error sending request for url (http://h/c/b?sig=SECRET): refused"),
+            "error sending request: refused"
+        );
+    }
 }
 
 #[async_trait]

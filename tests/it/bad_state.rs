@@ -57,12 +57,18 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
     .await;
     let (rec, _) = ledger.get("corrupt-on-read").await.unwrap().unwrap();
     assert_eq!(rec.state, State::DeadLettered);
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::CorruptRecord));
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::CorruptRecord)
+    );
     assert!(!rec.event_unknown, "the event was in hand");
     let aside = rec.quarantined.clone().expect("quarantine blob named");
     let kept = bed.records().read(&aside).await.unwrap().unwrap();
     assert_eq!(&kept.body[..], b"{not json");
-    assert!(handler.delivered_keys().contains("behind"), "the partition moved on");
+    assert!(
+        handler.delivered_keys().contains("behind"),
+        "the partition moved on"
+    );
 
     corrupt(&bed, "corrupt-later").await;
     bed.clock().advance(Duration::from_secs(31));
@@ -71,14 +77,22 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
     })
     .await;
     let (rec, _) = ledger.get("corrupt-later").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::CorruptRecord));
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::CorruptRecord)
+    );
     assert!(rec.event_unknown, "the retry message carries only the key");
     assert!(run.health.held_retries().is_empty());
     assert!(run.health.held().is_empty());
-    wait_for("nothing left on Service Bus", &run.health, LIMIT, || async {
-        let c = bed.sb.counters("retries").unwrap();
-        c.active + c.scheduled + c.locked == 0
-    })
+    wait_for(
+        "nothing left on Service Bus",
+        &run.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.active + c.scheduled + c.locked == 0
+        },
+    )
     .await;
     run.stop().await;
 
@@ -116,10 +130,9 @@ async fn an_unreachable_event_hubs_is_named_in_readiness() {
     eh.shutdown().await;
     let run = Bed::run(parts);
     wait_for("consumer failing, named", &run.health, LIMIT, || async {
-        run.health
-            .not_ready_reasons()
-            .iter()
-            .any(|r| r.contains("Event Hubs consumer failing") && r.contains(&addr.port().to_string()))
+        run.health.not_ready_reasons().iter().any(|r| {
+            r.contains("Event Hubs consumer failing") && r.contains(&addr.port().to_string())
+        })
     })
     .await;
     assert!(!run.health.ready());
@@ -138,7 +151,11 @@ impl azure_messaging_eventhubs::CheckpointStore for Unclaimable {
         &self,
         o: &[azure_messaging_eventhubs::models::Ownership],
     ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
-        let wanted: Vec<_> = o.iter().filter(|o| o.partition_id != "1").cloned().collect();
+        let wanted: Vec<_> = o
+            .iter()
+            .filter(|o| o.partition_id != "1")
+            .cloned()
+            .collect();
         self.0.claim_ownership(&wanted).await
     }
     async fn list_checkpoints(
@@ -172,9 +189,12 @@ async fn a_partition_no_replica_owns_makes_readiness_fail_naming_it() {
     let mut parts = bed.parts(handler, fast_policy(5), "replica-a");
     parts.checkpoint_store = Arc::new(Unclaimable(parts.checkpoint_store));
     let run = Bed::run(parts);
-    wait_for("partition 1 reported unowned", &run.health, LIMIT, || async {
-        run.health.unowned() == vec!["1".to_string()]
-    })
+    wait_for(
+        "partition 1 reported unowned",
+        &run.health,
+        LIMIT,
+        || async { run.health.unowned() == vec!["1".to_string()] },
+    )
     .await;
     assert!(!run.health.ready());
     assert!(run
@@ -184,4 +204,26 @@ async fn a_partition_no_replica_owns_makes_readiness_fail_naming_it() {
         .any(|r| r.contains("partitions 1 are owned by no replica")));
     assert!(run.health.owned().contains_key("0"));
     run.stop().await;
+}
+
+#[tokio::test]
+async fn unreachable_blob_storage_is_named_with_its_cause_and_never_its_sas() {
+    use hubguard::azure::{BlobRecordStore, RecordStore};
+    // A port nothing listens on.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/devstoreaccount1/hubguard?sv=2024&sig=SECRETSIG");
+    let store = BlobRecordStore::new(&url, None, Duration::from_secs(5)).unwrap();
+    let e = store.read("ledger/x").await.unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("127.0.0.1:{port}/devstoreaccount1/hubguard")),
+        "{e}"
+    );
+    assert!(
+        e.to_ascii_lowercase().contains("refused") || e.contains("connect"),
+        "{e}"
+    );
+    assert!(!e.contains("SECRETSIG"), "{e}");
 }
