@@ -254,6 +254,18 @@ async fn failure_text(
     text
 }
 
+/// Characters a key header value carries percent-encoded: controls, space (a header value's
+/// edges are trimmed), `%` itself — so an encoded key never equals a literal one — and every
+/// non-ASCII byte (always encoded).
+const KEY_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
+
+/// A key as a header value: as it is when it is printable ASCII without spaces or `%`, else
+/// percent-encoded (RFC 3986 style, UTF-8). Unambiguous: `café` goes as `caf%C3%A9`, and a
+/// literal `caf%C3%A9` as `caf%25C3%25A9`; a `-` stays a `-`.
+fn key_header_value(value: &str) -> String {
+    percent_encoding::utf8_percent_encode(value, KEY_ENCODED).to_string()
+}
+
 /// Header names must be tokens and values visible ASCII; anything else is left out.
 fn header_safe(name: &str, value: &str) -> bool {
     !name.is_empty()
@@ -313,13 +325,7 @@ impl Handler for WebhookHandler {
             ("idempotency-key", &event.identity.idempotency_key),
             ("x-hubguard-correlation-id", &event.identity.correlation_id),
         ] {
-            // Keys with characters a header cannot carry go percent-encoded.
-            let value = if header_safe(name, value) {
-                value.clone()
-            } else {
-                percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC)
-                    .to_string()
-            };
+            let value = key_header_value(value);
             if name == "idempotency-key" {
                 webhook_id = value.clone();
             }
@@ -421,6 +427,15 @@ fn location_for_log(location: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_in_headers_are_unambiguous() {
+        assert_eq!(key_header_value("order-42"), "order-42");
+        assert_eq!(key_header_value("café"), "caf%C3%A9");
+        assert_eq!(key_header_value("caf%C3%A9"), "caf%25C3%25A9");
+        assert_ne!(key_header_value(" a"), key_header_value("a"));
+        assert_eq!(key_header_value("/a|dup-2"), "/a|dup-2");
+    }
 
     #[test]
     fn a_location_is_logged_without_its_query() {
