@@ -7,9 +7,70 @@
 //! Deadlines on network calls are not policy time and stay on tokio's timer. Waits run on
 //! tokio's monotonic timer plus the advances, so a step of the wall clock does not change a
 //! wait already begun.
+//!
+//! Time's formats live here too, one home for each: milliseconds since the epoch ([`ms`],
+//! [`at`]) for records, RFC 3339 ([`rfc3339`]) for people and JSON, the HTTP date
+//! ([`http_date`], [`parse_http_date`]) for the REST APIs, and [`ceil_to_second`] for Service
+//! Bus's scheduled times.
 
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
+
+use time::format_description::well_known::{Rfc2822, Rfc3339};
+use time::macros::format_description;
+use time::OffsetDateTime;
+
+/// Milliseconds since the epoch (0 before it).
+pub fn ms(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// The time at `ms` milliseconds since the epoch.
+pub fn at(ms: i64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// RFC 3339 in UTC (`2026-12-01T15:04:05.123Z`).
+pub fn rfc3339(t: SystemTime) -> String {
+    OffsetDateTime::from(t).format(&Rfc3339).unwrap_or_default()
+}
+
+/// `Wed, 02 Jul 2014 01:33:27 GMT` (RFC 1123, the form every Azure REST API returns).
+pub fn http_date(t: SystemTime) -> String {
+    let fmt = format_description!(
+        "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"
+    );
+    OffsetDateTime::from(t)
+        .format(&fmt)
+        .unwrap_or_else(|_| "Thu, 01 Jan 1970 00:00:00 GMT".into())
+}
+
+/// Parses RFC 2822 / RFC 1123 dates with a numeric offset or `GMT`/`UTC`.
+pub fn parse_http_date(s: &str) -> Option<SystemTime> {
+    let s = s.trim();
+    let normalised = s
+        .strip_suffix(" GMT")
+        .or_else(|| s.strip_suffix(" UTC"))
+        .or_else(|| s.strip_suffix(" UT"))
+        .map(|head| format!("{head} +0000"))
+        .unwrap_or_else(|| s.to_string());
+    OffsetDateTime::parse(&normalised, &Rfc2822)
+        .ok()
+        .map(SystemTime::from)
+}
+
+/// Rounds up to the next whole second (Service Bus's scheduled times carry no fractions):
+/// the time Service Bus will actually enqueue a message scheduled for `t`.
+pub fn ceil_to_second(t: SystemTime) -> SystemTime {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let secs = if d.subsec_nanos() > 0 {
+        d.as_secs() + 1
+    } else {
+        d.as_secs()
+    };
+    SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+}
 
 use tokio::sync::Notify;
 
@@ -78,6 +139,30 @@ impl Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn http_dates_round_trip_in_both_zone_forms() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_404_264_807);
+        assert_eq!(http_date(t), "Wed, 02 Jul 2014 01:33:27 GMT");
+        assert_eq!(parse_http_date("Wed, 02 Jul 2014 01:33:27 GMT"), Some(t));
+        assert_eq!(parse_http_date("Wed, 02 Jul 2014 01:33:27 +0000"), Some(t));
+        assert_eq!(parse_http_date("Wed, 02 Jul 2014 03:33:27 +0200"), Some(t));
+        assert_eq!(parse_http_date("2014-07-02T01:33:27Z"), None);
+    }
+
+    #[test]
+    fn epoch_ms_rfc3339_and_whole_seconds() {
+        let t = SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_001);
+        assert_eq!(at(ms(t)), t);
+        assert_eq!(rfc3339(t), "2023-11-14T22:13:20.001Z");
+        assert_eq!(
+            ceil_to_second(t),
+            SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_001)
+        );
+        let whole = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        assert_eq!(ceil_to_second(whole), whole);
+        assert_eq!(ms(SystemTime::UNIX_EPOCH - Duration::from_secs(1)), 0);
+    }
     use std::sync::Arc;
 
     #[tokio::test]

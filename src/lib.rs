@@ -24,7 +24,8 @@
 //! - [`config`]: `hubguard run`'s TOML + environment configuration.
 //! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
 //!   name in [`telemetry::names`].
-//! - [`clock`]: the clock policy time runs on (wall time; tests advance it).
+//! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
+//!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines.

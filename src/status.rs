@@ -22,11 +22,7 @@ use crate::ledger::{at, Ledger, LedgerRecord, State as LedgerState};
 use crate::pipeline::health::Health;
 
 /// RFC 3339 with milliseconds.
-pub fn rfc3339(t: SystemTime) -> String {
-    time::OffsetDateTime::from(t)
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
-}
+pub use crate::clock::rfc3339;
 
 /// The record as support staff read it (times in RFC 3339).
 pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {

@@ -1089,17 +1089,7 @@ pub fn prove_queue(
     })
 }
 
-/// Rounds up to the next whole second (the wire format has no fractions): the time Service
-/// Bus will actually enqueue a message scheduled for `t`.
-pub fn ceil_to_second(t: SystemTime) -> SystemTime {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = if d.subsec_nanos() > 0 {
-        d.as_secs() + 1
-    } else {
-        d.as_secs()
-    };
-    UNIX_EPOCH + Duration::from_secs(secs)
-}
+pub use crate::clock::ceil_to_second;
 
 /// Every response header, kept for parsing the raw `brokerproperties` and custom properties.
 struct RawHeaders(Vec<(String, String)>);

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::azure::{RecordStore, StoreError};
-use crate::ledger::{at, ms};
+use crate::clock::{at, ms};
 
 /// Breaker settings. It trips on `consecutive_failures` transient failures in a row, or (when
 /// `failure_ratio` is set) when that share of the last `ratio_window` calls failed.

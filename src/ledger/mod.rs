@@ -5,7 +5,7 @@
 //! dead letter can be replayed). The happy path never touches it.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -96,16 +96,7 @@ pub struct LedgerRecord {
     pub event_unknown: bool,
 }
 
-/// Milliseconds since the epoch.
-pub fn ms(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// The time at `ms` milliseconds since the epoch.
-pub fn at(ms: i64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
-}
+pub use crate::clock::{at, ms};
 
 /// A retry waiting on Service Bus, as [`Ledger::pending`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -170,11 +161,7 @@ pub(crate) mod rfc3339 {
 
     /// Serialises `t` as RFC 3339.
     pub(crate) fn serialize<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
-        let t = time::OffsetDateTime::from(*t);
-        let text = t
-            .format(&time::format_description::well_known::Rfc3339)
-            .map_err(serde::ser::Error::custom)?;
-        s.serialize_str(&text)
+        s.serialize_str(&crate::clock::rfc3339(*t))
     }
 }
 

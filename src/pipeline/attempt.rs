@@ -15,9 +15,9 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use super::settle::{SettleError, Settled, Source};
 use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
-use crate::ledger::{at, ms};
+use crate::clock::{at, ms};
 use crate::policy::classify::ErrorClass;
-use crate::status::rfc3339;
+use crate::clock::rfc3339;
 use crate::telemetry::names::{attr, outcome as out, span as span_name};
 use crate::telemetry::{format_traceparent, parse_traceparent};
 

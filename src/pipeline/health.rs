@@ -9,7 +9,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::status::rfc3339;
+use crate::clock::rfc3339;
 
 /// Why a partition is held.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

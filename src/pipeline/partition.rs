@@ -291,7 +291,7 @@ async fn process(
                         pid,
                         format!(
                             "downstream breaker open: until {}",
-                            crate::status::rfc3339(until)
+                            crate::clock::rfc3339(until)
                         ),
                         seq,
                     );

@@ -36,7 +36,8 @@ use super::health::RetryLoopState;
 use super::settle::{RetryMessage, Source};
 use super::{attempt, Shared};
 use crate::azure::ReceivedMessage;
-use crate::ledger::{at, LedgerError, State};
+use crate::clock::at;
+use crate::ledger::{LedgerError, State};
 
 /// Consecutive receive failures before the watchdog takes over.
 const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;

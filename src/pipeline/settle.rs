@@ -21,9 +21,10 @@ use serde::{Deserialize, Serialize};
 use tracing::Instrument;
 
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
+use crate::clock::{at, ms};
 use crate::event::{Event, Identity};
 use crate::handler::{Failure, Outcome};
-use crate::ledger::{at, ms, AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
+use crate::ledger::{AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
@@ -287,7 +288,7 @@ impl Settler {
         until: SystemTime,
         traceparents: &[String],
     ) -> Result<(), SettleError> {
-        let until = crate::azure::retry_queue::ceil_to_second(until);
+        let until = crate::clock::ceil_to_second(until);
         let key = &event.identity.idempotency_key;
         // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
         // not deferred: make sure the recorded next attempt exists instead.
@@ -693,7 +694,7 @@ impl Settler {
                     // Service Bus schedules in whole seconds: record the time it will use, so
                     // the ledger (and `hubguard status`) tells when the retry really runs.
                     let due = if due > now {
-                        crate::azure::retry_queue::ceil_to_second(due)
+                        crate::clock::ceil_to_second(due)
                     } else {
                         due
                     };

@@ -29,7 +29,7 @@ pub fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     if let Ok(secs) = v.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    let at = crate::emulator::clock::parse_http_date(v)?;
+    let at = crate::clock::parse_http_date(v)?;
     Some(at.duration_since(now).unwrap_or_default())
 }
 
