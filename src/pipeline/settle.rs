@@ -794,3 +794,224 @@ impl Settler {
         Err(SettleError::Contended(key.to_string()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+    use crate::azure::RecordStore;
+    use crate::clock::Clock;
+    use crate::event::{Event, Identity};
+    use crate::policy::{Curve, RetryPolicy};
+
+    fn event(key: &str) -> Event {
+        Event {
+            body: b"payload".to_vec(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "hub".into(),
+            partition_id: "0".into(),
+            sequence_number: 7,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: Identity {
+                idempotency_key: key.into(),
+                correlation_id: key.into(),
+                event_type: None,
+            },
+        }
+    }
+
+    struct Bed {
+        clock: Arc<Clock>,
+        records: Arc<MemoryRecordStore>,
+        queue: Arc<MemoryRetryQueue>,
+        settler: Settler,
+    }
+
+    fn bed_with(queue: Option<Arc<dyn RetryQueue>>) -> Bed {
+        let clock = Arc::new(Clock::default());
+        let records = Arc::new(MemoryRecordStore::new());
+        let memory = Arc::new(MemoryRetryQueue::new(clock.clone()));
+        let ledger = Ledger::new(records.clone(), "hub", "$Default");
+        let policy = RetryPolicy {
+            name: "test".into(),
+            curve: Curve::Fixed,
+            base_s: 10,
+            floor_s: 10,
+            cap_s: 60,
+            max_attempts: 3,
+            max_age_s: None,
+        };
+        let settler = Settler::new(
+            ledger,
+            queue.unwrap_or_else(|| memory.clone()),
+            Policies {
+                default: policy,
+                by_type: HashMap::new(),
+            },
+        )
+        .with_clock(clock.clone());
+        Bed {
+            clock,
+            records,
+            queue: memory,
+            settler,
+        }
+    }
+
+    fn bed() -> Bed {
+        bed_with(None)
+    }
+
+    async fn fail(
+        b: &Bed,
+        key: &str,
+        attempt: u32,
+        source: Source,
+    ) -> Result<Settled, SettleError> {
+        b.settler
+            .settle(
+                &event(key),
+                attempt,
+                source,
+                b.clock.now(),
+                &Outcome::Failed(Failure::transient("boom")),
+                "0af7651916cd43dd8448eb211c80319c",
+                &[],
+            )
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_failure_records_the_attempt_then_schedules_a_claim_check() {
+        let b = bed();
+        let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        assert!(
+            matches!(s, Settled::RetryScheduled { attempt: 2, .. }),
+            "{s:?}"
+        );
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+        assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
+        let body: RetryMessage = serde_json::from_str(&b.queue.bodies()[0]).unwrap();
+        assert_eq!((body.v, body.key.as_str(), body.attempt), (2, "k", 2));
+        assert!(body.event.is_none(), "the event stays in the ledger");
+        assert_eq!(Some(at(body.due_ms)), rec.next_attempt_at());
+    }
+
+    #[tokio::test]
+    async fn a_replayed_attempt_resends_the_recorded_retry_and_counts_nothing() {
+        let b = bed();
+        let first = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        b.clock.advance(Duration::from_secs(3));
+        let replay = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        assert_eq!(first, replay, "the same attempt and due time");
+        assert_eq!(
+            b.queue.accepted(),
+            vec!["k-attempt-2"],
+            "the repeat was dropped"
+        );
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(rec.attempts, 1);
+        assert_eq!(rec.history.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_final_record_wins_over_late_attempts() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let delivered = b
+            .settler
+            .settle(
+                &event("k"),
+                2,
+                Source::Retry,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(delivered, Settled::Delivered);
+        let late = fail(&b, "k", 2, Source::Retry).await.unwrap();
+        assert_eq!(late, Settled::AlreadyFinal(State::Delivered));
+    }
+
+    struct Refusing;
+
+    #[async_trait::async_trait]
+    impl RetryQueue for Refusing {
+        async fn schedule(&self, _: OutgoingMessage) -> Result<(), RetryQueueError> {
+            Err(RetryQueueError::Refused {
+                status: 400,
+                detail: "The message was refused.".into(),
+            })
+        }
+        async fn receive(
+            &self,
+            _: Duration,
+        ) -> Result<Option<crate::azure::ReceivedMessage>, RetryQueueError> {
+            Ok(None)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retry_message_service_bus_refuses_dead_letters_the_event() {
+        let b = bed_with(Some(Arc::new(Refusing)));
+        let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        assert_eq!(s, Settled::DeadLettered(DeadLetterReason::RetryRefused));
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(rec.state, State::DeadLettered);
+        assert!(rec.last_error.unwrap().contains("refused"));
+        assert_eq!(
+            b.settler.ledger.dead_letter_keys().await.unwrap(),
+            vec!["k"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_record_is_set_aside_and_the_event_dead_lettered() {
+        let b = bed();
+        let name = b.settler.ledger.record_name("k");
+        b.records
+            .overwrite(&name, bytes::Bytes::from_static(b"{oops"));
+        let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        assert_eq!(s, Settled::DeadLettered(DeadLetterReason::CorruptRecord));
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        let aside = rec.quarantined.unwrap();
+        assert_eq!(
+            b.records.read(&aside).await.unwrap().unwrap().body,
+            bytes::Bytes::from_static(b"{oops")
+        );
+        assert_eq!(
+            rec.event,
+            event("k"),
+            "the event in hand is kept for a replay"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_overdue_retry_is_recovered_once_under_a_fresh_message_id() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        b.clock.advance(Duration::from_secs(600));
+        let overdue_before = b.clock.now() - Duration::from_secs(300);
+        assert!(b.settler.recover("k", overdue_before).await.unwrap());
+        assert!(
+            !b.settler.recover("k", overdue_before).await.unwrap(),
+            "due time moved to now"
+        );
+        let accepted = b.queue.accepted();
+        assert_eq!(accepted.len(), 2);
+        assert!(
+            accepted[1].starts_with("k-attempt-2-recovered-"),
+            "{accepted:?}"
+        );
+        let pending = b.settler.ledger.pending().await.unwrap();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].due, b.clock.now().min(pending[0].due));
+    }
+}
