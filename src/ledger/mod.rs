@@ -98,6 +98,34 @@ pub struct LedgerRecord {
 
 pub use crate::clock::{at, ms};
 
+/// What the ledger says about running attempt `attempt` of an event: the one rule the
+/// settlement, the retry loop, deferrals and the dead-letter sweep all follow. The ledger is
+/// authoritative for the attempt number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// No record: the event never failed (or its record was removed).
+    Unrecorded,
+    /// The event is delivered or dead-lettered: nothing more to do.
+    Final(State),
+    /// This attempt already ran and is recorded (a replay from Event Hubs, or a copy of a
+    /// retry whose lock lapsed): only the recorded next attempt may be re-sent.
+    Stale,
+    /// This is the attempt the ledger waits for.
+    Current,
+}
+
+impl Verdict {
+    /// The verdict of `record` on attempt `attempt`.
+    pub fn of(record: Option<&LedgerRecord>, attempt: u32) -> Self {
+        match record {
+            None => Self::Unrecorded,
+            Some(r) if r.state != State::RetryScheduled => Self::Final(r.state),
+            Some(r) if r.attempts >= attempt => Self::Stale,
+            Some(_) => Self::Current,
+        }
+    }
+}
+
 /// A retry waiting on Service Bus, as [`Ledger::pending`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Pending {
@@ -493,6 +521,51 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_verdict_follows_the_record() {
+        let event = crate::event::Event {
+            body: Vec::new(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "h".into(),
+            partition_id: "0".into(),
+            sequence_number: 1,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: crate::event::Identity {
+                idempotency_key: "k".into(),
+                correlation_id: "k".into(),
+                event_type: None,
+            },
+        };
+        let mut rec = LedgerRecord {
+            key: "k".into(),
+            correlation_id: "k".into(),
+            event_type: None,
+            state: State::RetryScheduled,
+            attempts: 2,
+            next_attempt_ms: Some(0),
+            first_failure_ms: 0,
+            updated_ms: 0,
+            last_error: None,
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy: RetryPolicy::seed_fibonacci(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event,
+            quarantined: None,
+            event_unknown: false,
+        };
+        assert_eq!(Verdict::of(None, 1), Verdict::Unrecorded);
+        assert_eq!(Verdict::of(Some(&rec), 1), Verdict::Stale);
+        assert_eq!(Verdict::of(Some(&rec), 2), Verdict::Stale);
+        assert_eq!(Verdict::of(Some(&rec), 3), Verdict::Current);
+        rec.state = State::Delivered;
+        assert_eq!(Verdict::of(Some(&rec), 3), Verdict::Final(State::Delivered));
+    }
 
     #[test]
     fn blob_names_stay_within_azures_limit_for_any_key() {

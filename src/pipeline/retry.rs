@@ -37,7 +37,7 @@ use super::settle::{RetryMessage, Source};
 use super::{attempt, Shared};
 use crate::azure::ReceivedMessage;
 use crate::clock::at;
-use crate::ledger::{LedgerError, State};
+use crate::ledger::{LedgerError, Verdict};
 
 /// Consecutive receive failures before the watchdog takes over.
 const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
@@ -240,23 +240,23 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
             tracing::error!(key = %key, message_id = %msg.message_id, "a dead-lettered retry has no ledger record; leaving it in the dead-letter sub-queue for an operator");
             return;
         }
-        Ok(Some((rec, _))) if rec.state != State::RetryScheduled => Ok(()),
-        Ok(Some((rec, _))) if rec.attempts >= body.attempt => {
+        Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
+            Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
             // Superseded: only the recorded next attempt matters (dropped if it exists).
-            shared
+            Verdict::Stale => shared
                 .settler
                 .resend_recorded(&rec, &body.traceparents)
                 .await
-                .map(drop)
-        }
-        Ok(Some((rec, _))) => {
-            tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
-            shared.count_rescued();
-            shared
-                .settler
-                .rescue(&rec, &body, msg.sequence_number)
-                .await
-        }
+                .map(drop),
+            Verdict::Current => {
+                tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
+                shared.count_rescued();
+                shared
+                    .settler
+                    .rescue(&rec, &body, msg.sequence_number)
+                    .await
+            }
+        },
     };
     match put_back {
         Ok(()) => settle_message(&msg, true).await,
@@ -377,13 +377,14 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         settle_message(&msg, true).await;
         return;
     };
+    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
     let rec = match current {
-        Some((rec, _)) if rec.state != State::RetryScheduled => {
+        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             settle_message(&msg, true).await;
             return;
         }
-        Some((rec, _)) if rec.attempts >= body.attempt => {
+        Some((rec, _)) if verdict == Verdict::Stale => {
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let scheduled = holding(
                 &mut msg,

@@ -24,7 +24,7 @@ use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
 use crate::event::{Event, Identity};
 use crate::handler::{Failure, Outcome};
-use crate::ledger::{AttemptEntry, Ledger, LedgerError, LedgerRecord, State};
+use crate::ledger::{AttemptEntry, Ledger, LedgerError, LedgerRecord, State, Verdict};
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
@@ -293,12 +293,13 @@ impl Settler {
         // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
         // not deferred: make sure the recorded next attempt exists instead.
         if let Some((rec, _)) = self.ledger.get(key).await? {
-            if rec.state != State::RetryScheduled {
-                return Ok(());
-            }
-            if rec.attempts >= attempt {
-                self.resend_recorded(&rec, traceparents).await?;
-                return Ok(());
+            match Verdict::of(Some(&rec), attempt) {
+                Verdict::Final(_) => return Ok(()),
+                Verdict::Stale => {
+                    self.resend_recorded(&rec, traceparents).await?;
+                    return Ok(());
+                }
+                Verdict::Current | Verdict::Unrecorded => {}
             }
         }
         let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
@@ -580,8 +581,9 @@ impl Settler {
             let Some((mut rec, etag)) = self.ledger.get(key).await? else {
                 return Ok(Settled::Delivered);
             };
-            if rec.state != State::RetryScheduled {
-                return Ok(Settled::AlreadyFinal(rec.state));
+            // A delivery is recorded whatever attempt it was, unless the event is final.
+            if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
+                return Ok(Settled::AlreadyFinal(state));
             }
             let now = self.clock.now();
             rec.state = State::Delivered;
@@ -619,10 +621,10 @@ impl Settler {
         for _ in 0..CAS_ROUNDS {
             let current = self.ledger.get(key).await?;
             if let Some((rec, _)) = &current {
-                if rec.state != State::RetryScheduled {
-                    return Ok(Settled::AlreadyFinal(rec.state));
+                if let Verdict::Final(state) = Verdict::of(Some(rec), attempt) {
+                    return Ok(Settled::AlreadyFinal(state));
                 }
-                if rec.attempts >= attempt {
+                if Verdict::of(Some(rec), attempt) == Verdict::Stale {
                     // This attempt is already recorded (a replay): make sure the recorded next
                     // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
                     super::attempt::mark_replay(&tracing::Span::current());
