@@ -1,6 +1,9 @@
-//! The `hubguard` command line: `run` (the service), `status` and `dead-letters` (the
-//! ledger's answers), `emulator` (the emulators standalone) and `bench` (performance figures
-//! through the real SDK).
+//! The `hubguard` command line: `run` (the service), `status`, `retries` and `dead-letters`
+//! (the ledger's answers), `emulator` (the emulators standalone), `bench` (performance
+//! figures through the real SDK), and `completions` and `man` (generated from this
+//! definition).
+//!
+//! Exit codes: [`EXIT_OK`], [`EXIT_FAILURE`], [`EXIT_USAGE`], [`EXIT_UNKNOWN_KEY`].
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -22,10 +25,34 @@ use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::Pipeline;
 use tokio_util::sync::CancellationToken;
 
+/// Success.
+pub const EXIT_OK: u8 = 0;
+/// A failure: bad configuration, a dependency unreachable, the demo lost an event or a check
+/// failed.
+pub const EXIT_FAILURE: u8 = 1;
+/// The command line is wrong (clap's code for usage errors).
+pub const EXIT_USAGE: u8 = 2;
+/// `hubguard status KEY`: the ledger has no record of the key (the event never failed, or
+/// was never read).
+pub const EXIT_UNKNOWN_KEY: u8 = 3;
+
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
-#[command(name = "hubguard", version, about, long_about = None)]
+#[command(
+    name = "hubguard",
+    version,
+    about,
+    long_about = None,
+    after_help = "Exit status: 0 success; 1 failure (configuration, an unreachable dependency, \
+a demo that lost an event); 2 usage error; 3 `status`: the ledger has no record of the key."
+)]
 pub struct Cli {
+    /// Log format: `text` (human-readable; coloured only on a terminal, never with
+    /// NO_COLOR) or `json` (one object per line). Default: the configuration's
+    /// `[log] format` (HUBGUARD_LOG__FORMAT), else text. Logs go to stderr (the demo's to a
+    /// file); RUST_LOG adds filter directives.
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<crate::telemetry::logs::LogFormat>,
     #[command(subcommand)]
     command: Command,
 }
@@ -39,6 +66,9 @@ enum Command {
     /// List or replay dead-lettered events.
     #[command(name = "dead-letters", subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// What is waiting to retry: pending retries from the ledger.
+    #[command(subcommand)]
+    Retries(RetriesCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
     Demo(crate::demo::DemoArgs),
@@ -46,6 +76,39 @@ enum Command {
     Emulator(EmulatorArgs),
     /// Measure throughput through the real Azure SDK against the in-process emulator.
     Bench(crate::bench::BenchArgs),
+    /// Print a shell completion script (e.g. `hubguard completions bash >
+    /// /etc/bash_completion.d/hubguard`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff) to stdout, or write one page per command into --dir
+    /// (`hubguard man | man -l -`).
+    Man {
+        /// Write hubguard.1, hubguard-run.1, … into this directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+}
+
+/// `hubguard retries …`
+#[derive(Debug, Subcommand)]
+pub enum RetriesCommand {
+    /// List retries waiting (key, attempt, due time, last error), soonest first, from the
+    /// ledger's listing (no record is read).
+    List {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only those due before this time: RFC 3339, `now` (the overdue ones), or a
+        /// duration from now (`90s`, `10m`, `2h`, `1d`).
+        #[arg(long, value_name = "T")]
+        due_before: Option<String>,
+        /// Print JSON lines (`key`, `attempt`, `due`, `last_error`).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `--config FILE`.
@@ -145,9 +208,82 @@ pub struct EmulatorArgs {
     accept_any_token: bool,
 }
 
+impl Command {
+    fn config_path(&self) -> Option<&std::path::Path> {
+        match self {
+            Command::Run(c) => Some(&c.config),
+            Command::Status(s) => Some(&s.config.config),
+            Command::DeadLetters(
+                DeadLettersCommand::List { config, .. } | DeadLettersCommand::Replay { config, .. },
+            ) => Some(&config.config),
+            Command::Retries(RetriesCommand::List { config, .. }) => Some(&config.config),
+            _ => None,
+        }
+    }
+}
+
+/// The demo's log file: its logs stay out of the story it tells on screen.
+fn demo_log_path() -> PathBuf {
+    std::env::temp_dir().join(format!("hubguard-demo-{}.log", std::process::id()))
+}
+
+fn telemetry_options(cli: &Cli) -> crate::telemetry::Options {
+    use crate::telemetry::logs::{format_from_config, LogWriter};
+    let format = cli
+        .log_format
+        .or_else(|| format_from_config(cli.command.config_path(), std::env::vars()))
+        .unwrap_or_default();
+    let writer = match &cli.command {
+        Command::Demo(_) => LogWriter::File(demo_log_path()),
+        _ => LogWriter::Stderr,
+    };
+    crate::telemetry::Options {
+        format,
+        writer,
+        export: crate::telemetry::export_from_env(),
+        ..Default::default()
+    }
+}
+
+fn generated(command: &Command) -> Option<anyhow::Result<()>> {
+    use clap::CommandFactory as _;
+    use std::io::Write as _;
+    match command {
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(*shell, &mut Cli::command(), "hubguard", &mut out);
+            Some(std::io::stdout().write_all(&out).map_err(Into::into))
+        }
+        Command::Man { dir: None } => {
+            let mut out = Vec::new();
+            Some(
+                clap_mangen::Man::new(Cli::command())
+                    .render(&mut out)
+                    .and_then(|()| std::io::stdout().write_all(&out))
+                    .map_err(Into::into),
+            )
+        }
+        Command::Man { dir: Some(dir) } => Some(
+            std::fs::create_dir_all(dir)
+                .and_then(|()| clap_mangen::generate_to(Cli::command(), dir))
+                .with_context(|| format!("cannot write man pages to {}", dir.display())),
+        ),
+        _ => None,
+    }
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(done) = generated(&cli.command) {
+        return match done {
+            Ok(()) => ExitCode::from(EXIT_OK),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -155,26 +291,41 @@ pub fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(EXIT_FAILURE);
         }
     };
+    let options = telemetry_options(&cli);
+    let json_logs = options.format == crate::telemetry::logs::LogFormat::Json;
     let result = runtime.block_on(async move {
-        let _telemetry =
-            crate::telemetry::init("warn,hubguard=info", crate::telemetry::export_from_env());
+        let _telemetry = crate::telemetry::init_with(options);
+        let ok = |r: anyhow::Result<()>| r.map(|()| EXIT_OK);
         match cli.command {
-            Command::Emulator(args) => run_emulator(args).await,
-            Command::Run(args) => run_pipeline(args).await,
-            Command::Demo(args) => demo(args).await,
+            Command::Emulator(args) => ok(run_emulator(args).await),
+            Command::Run(args) => ok(run_pipeline(args).await),
+            Command::Demo(args) => ok(demo(args).await),
             Command::Status(args) => status(args).await,
-            Command::DeadLetters(cmd) => dead_letters(cmd).await,
-            Command::Bench(args) => crate::bench::run(args).await,
+            Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
+            Command::Retries(cmd) => ok(retries(cmd).await),
+            Command::Bench(args) => ok(crate::bench::run(args).await),
+            Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
+        // With JSON logs, the last word is a JSON line too (a collector reads every line).
+        Err(e) if json_logs => {
+            let now = time::OffsetDateTime::now_utc()
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default();
+            eprintln!(
+                "{}",
+                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": format!("{e:#}"), "fields": {}})
+            );
+            ExitCode::from(EXIT_FAILURE)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(EXIT_FAILURE)
         }
     }
 }
@@ -281,6 +432,11 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let status_task = tokio::spawn(async move {
         let _ = axum::serve(status, router).await;
     });
+    // What is waiting, for /metrics: the ledger's listing once a minute.
+    let _pending_gauges = crate::status::PendingGauges::start(
+        pipeline.settler().ledger.clone(),
+        std::time::Duration::from_secs(60),
+    );
     tracing::info!(hub = %config.eventhubs.hub, consumer_group = %config.eventhubs.consumer_group, owner_id = %owner, status = %status_addr, "hubguard running");
     println!(
         "hubguard: consuming {} ({}) as {owner}; status on http://{status_addr}",
@@ -290,7 +446,7 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let c = cancel.clone();
     tokio::spawn(async move {
         shutdown_signal().await;
-        eprintln!("shutting down: finishing in-flight events, writing final checkpoints");
+        tracing::info!("shutting down: finishing in-flight events, writing final checkpoints");
         c.cancel();
     });
     pipeline.run(cancel).await?;
@@ -305,6 +461,10 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
 async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     let json = args.json;
     if !json {
+        eprintln!(
+            "hubguard demo: logs in {} (the story below; warnings and details there)",
+            demo_log_path().display()
+        );
         eprintln!(
             "hubguard demo: {} events over {} partitions, {} replicas (max_in_flight {}); downstream outage {}, Service Bus outage {}, blob outage {}, crashes {}",
             args.events,
@@ -343,17 +503,50 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn status(args: StatusArgs) -> anyhow::Result<()> {
+/// `hubguard status`: exits [`EXIT_UNKNOWN_KEY`] when the ledger has no record of the key.
+async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let config = load_config(&args.config)?;
     let ledger = ledger_of(&config)?;
     match ledger.get(&args.key).await? {
         Some((rec, _)) if args.json => println!("{}", crate::status::record_view(&rec)),
         Some((rec, _)) => print!("{}", crate::status::record_text(&rec)),
-        None if args.json => println!("{}", serde_json::json!({ "key": args.key, "state": "UNKNOWN" })),
-        None => println!(
-            "key:   {}\nstate: UNKNOWN — the ledger has no record: the event never failed (delivered on its first attempt), or was never read",
-            args.key
-        ),
+        None if args.json => {
+            println!(
+                "{}",
+                serde_json::json!({ "key": args.key, "state": "UNKNOWN" })
+            );
+            return Ok(EXIT_UNKNOWN_KEY);
+        }
+        None => {
+            println!(
+                "key:   {}\nstate: UNKNOWN — the ledger has no record: the event never failed (delivered on its first attempt), or was never read",
+                args.key
+            );
+            return Ok(EXIT_UNKNOWN_KEY);
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+async fn retries(cmd: RetriesCommand) -> anyhow::Result<()> {
+    let RetriesCommand::List {
+        config,
+        due_before,
+        json,
+    } = cmd;
+    let due_before = due_before
+        .map(|t| crate::status::parse_due_before(&t, std::time::SystemTime::now()))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--due-before: {e}"))?;
+    let config = load_config(&config)?;
+    let ledger = ledger_of(&config)?;
+    let pending = crate::status::pending_retries(&ledger, due_before).await?;
+    if json {
+        for p in &pending {
+            println!("{}", crate::status::pending_view(p));
+        }
+    } else {
+        print!("{}", crate::status::pending_text(&pending));
     }
     Ok(())
 }

@@ -7,6 +7,8 @@
 //! | `GET /readyz` | 200 when no partition is held and the retry loop runs, else 503; JSON report |
 //! | `GET /v1/status` | the JSON report (held partitions with reasons, retry loop, counters) |
 //! | `GET /v1/events/{key}` | the event's ledger record as JSON; 404 if the ledger has none |
+//! | `GET /v1/retries[?due_before=T]` | retries waiting (key, attempt, due time, last error), soonest first, from the ledger's listing |
+//! | `GET /metrics` | every instrument in the Prometheus text format |
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -18,7 +20,7 @@ use axum::routing::get;
 use axum::Router;
 use serde_json::json;
 
-use crate::ledger::{at, Ledger, LedgerRecord, State as LedgerState};
+use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
 
 /// RFC 3339 with milliseconds.
@@ -104,6 +106,165 @@ pub fn record_text(rec: &LedgerRecord) -> String {
     out
 }
 
+/// Parses `--due-before` / `?due_before=`: an RFC 3339 time, `now`, or a duration from
+/// `now` (`90s`, `10m`, `2h`, `1d`).
+pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+    let t = text.trim();
+    if t == "now" {
+        return Ok(now);
+    }
+    if let Ok(when) = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+    {
+        return Ok(when.into());
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let unit_s = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => 0,
+    };
+    match n.parse::<u64>() {
+        Ok(n) if unit_s > 0 => Ok(now + std::time::Duration::from_secs(n * unit_s)),
+        _ => Err(format!(
+            "`{t}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)"
+        )),
+    }
+}
+
+/// Retries waiting (from [`Ledger::pending`]: a listing, no record read), due before
+/// `due_before` if given, soonest first.
+pub async fn pending_retries(
+    ledger: &Ledger,
+    due_before: Option<SystemTime>,
+) -> Result<Vec<Pending>, crate::ledger::LedgerError> {
+    let mut all = ledger.pending().await?;
+    if let Some(t) = due_before {
+        all.retain(|p| p.due < t);
+    }
+    Ok(all)
+}
+
+/// A pending retry as JSON (`key`, `attempt`, `due`, `last_error`).
+pub fn pending_view(p: &Pending) -> serde_json::Value {
+    json!({
+        "key": p.key,
+        "attempt": p.attempt,
+        "due": rfc3339(p.due),
+        "last_error": p.last_error,
+    })
+}
+
+/// Pending retries as a text table, for `hubguard retries list`.
+pub fn pending_text(pending: &[Pending]) -> String {
+    let mut out = format!(
+        "{} retr{} waiting\n",
+        pending.len(),
+        if pending.len() == 1 { "y" } else { "ies" }
+    );
+    if !pending.is_empty() {
+        out.push_str(&format!(
+            "{:<30} {:>7}  {:<32} LAST ERROR\n",
+            "DUE", "ATTEMPT", "KEY"
+        ));
+    }
+    for p in pending {
+        out.push_str(&format!(
+            "{:<30} {:>7}  {:<32} {}\n",
+            rfc3339(p.due),
+            p.attempt,
+            p.key,
+            p.last_error.as_deref().unwrap_or("")
+        ));
+    }
+    out
+}
+
+/// The `hubguard.retries.pending` and `hubguard.retries.overdue` gauges, from the ledger's
+/// listing refreshed every `every` — the answer to "what
+/// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
+/// with `max`, not `sum`. Stops when dropped.
+pub struct PendingGauges {
+    dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
+    task: tokio::task::JoinHandle<()>,
+    _pending: opentelemetry::metrics::ObservableGauge<u64>,
+    _overdue: opentelemetry::metrics::ObservableGauge<u64>,
+}
+
+impl std::fmt::Debug for PendingGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingGauges")
+    }
+}
+
+impl Drop for PendingGauges {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl PendingGauges {
+    /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
+    /// current Tokio runtime). Overdue is against the wall clock.
+    pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
+        use crate::telemetry::names::metric;
+        let dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>> = Default::default();
+        let meter = crate::telemetry::meter();
+        let d = dues.clone();
+        let pending = meter
+            .u64_observable_gauge(metric::RETRIES_PENDING)
+            .with_description("Retries the ledger says are waiting (from its listing)")
+            .with_callback(move |o| {
+                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                    o.observe(dues.len() as u64, &[]);
+                }
+            })
+            .build();
+        let d = dues.clone();
+        let overdue = meter
+            .u64_observable_gauge(metric::RETRIES_OVERDUE)
+            .with_description("Retries waiting past their due time")
+            .with_callback(move |o| {
+                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                    let now = SystemTime::now();
+                    o.observe(dues.partition_point(|due| *due < now) as u64, &[]);
+                }
+            })
+            .build();
+        let d = dues.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                match ledger.pending().await {
+                    Ok(p) => Self::store(&d, &p),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot list pending retries for the gauges")
+                    }
+                }
+                tokio::time::sleep(every).await;
+            }
+        });
+        PendingGauges {
+            dues,
+            task,
+            _pending: pending,
+            _overdue: overdue,
+        }
+    }
+
+    fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
+        let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
+        v.sort();
+        *dues.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+    }
+
+    /// Updates the gauges from a complete listing just read.
+    pub fn update(&self, pending: &[Pending]) {
+        Self::store(&self.dues, pending);
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     health: Arc<Health>,
@@ -147,6 +308,8 @@ pub fn router(
         .route("/readyz", get(readyz))
         .route("/v1/status", get(report))
         .route("/v1/events/{key}", get(event))
+        .route("/v1/retries", get(retries))
+        .route("/metrics", get(metrics))
         .with_state(AppState {
             health,
             ledger,
@@ -176,5 +339,71 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         )
             .into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": e.to_string() }))).into_response(),
+    }
+}
+
+async fn metrics() -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::telemetry::prometheus::CONTENT_TYPE,
+        )],
+        crate::telemetry::prometheus::scrape(),
+    )
+        .into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct RetriesQuery {
+    due_before: Option<String>,
+}
+
+async fn retries(
+    State(s): State<AppState>,
+    axum::extract::Query(q): axum::extract::Query<RetriesQuery>,
+) -> Response {
+    let due_before = match q
+        .due_before
+        .as_deref()
+        .map(|t| parse_due_before(t, SystemTime::now()))
+    {
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => {
+            return (StatusCode::BAD_REQUEST, Json(json!({ "error": e }))).into_response()
+        }
+    };
+    match pending_retries(&s.ledger, due_before).await {
+        Ok(p) => Json(json!({
+            "count": p.len(),
+            "due_before": due_before.map(rfc3339),
+            "retries": p.iter().map(pending_view).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "error": e.to_string() })),
+        )
+            .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn due_before_takes_times_and_durations() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let p = |t| super::parse_due_before(t, now);
+        assert_eq!(p("now"), Ok(now));
+        assert_eq!(p("10m"), Ok(now + Duration::from_secs(600)));
+        assert_eq!(p("1d"), Ok(now + Duration::from_secs(86_400)));
+        assert_eq!(
+            p("1970-01-12T13:46:40Z"),
+            Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000))
+        );
+        assert!(p("soon").is_err());
+        assert!(p("10").is_err());
     }
 }

@@ -13,11 +13,11 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::settle::{SettleError, Settled, Source};
+use crate::clock::rfc3339;
+use crate::clock::{at, ms};
 use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
-use crate::clock::{at, ms};
 use crate::policy::classify::ErrorClass;
-use crate::clock::rfc3339;
 use crate::telemetry::names::{attr, outcome as out, span as span_name};
 use crate::telemetry::{format_traceparent, parse_traceparent};
 
@@ -36,6 +36,8 @@ pub struct Attempted {
     pub span: tracing::Span,
     /// How long the handler took.
     pub duration: std::time::Duration,
+    /// Where the attempt came from.
+    pub source: Source,
 }
 
 /// A new random W3C `traceparent` and its trace id (when no tracer is installed).
@@ -92,13 +94,16 @@ pub async fn run(
     earlier: &[String],
     cx: Context<'_>,
 ) -> Attempted {
+    // The fields named here are exported once, by the OpenTelemetry layer, under the
+    // conventions' names (and shown in text logs); the rest are set below. The span follows
+    // the messaging conventions for a `process` operation.
     let span = tracing::info_span!(
         target: "hubguard::attempt",
         "attempt",
         otel.name = span_name::ATTEMPT,
         otel.kind = "consumer",
-        correlation_id = %event.identity.correlation_id,
-        attempt = number,
+        messaging.message.conversation_id = %event.identity.correlation_id,
+        hubguard.attempt.number = number,
     );
     // Attributes and links only matter to an exporter: skip the work when nobody listens.
     if !span.is_disabled() {
@@ -110,18 +115,22 @@ pub async fn run(
                 span.add_link(sc);
             }
         }
-        span.set_attribute(attr::CORRELATION_ID, event.identity.correlation_id.clone());
+        use crate::telemetry::names::messaging as m;
+        span.set_attribute(attr::MESSAGING_OPERATION_TYPE, m::PROCESS);
+        span.set_attribute(attr::MESSAGING_OPERATION_NAME, m::PROCESS);
         span.set_attribute(
-            attr::IDEMPOTENCY_KEY,
-            event.identity.idempotency_key.clone(),
+            attr::MESSAGING_SYSTEM,
+            match cx.source {
+                Source::EventHubs => m::EVENTHUBS,
+                Source::Retry => m::SERVICEBUS,
+            },
         );
+        span.set_attribute(attr::MESSAGE_ID, event.identity.idempotency_key.clone());
         if let Some(t) = &event.identity.event_type {
             span.set_attribute(attr::EVENT_TYPE, t.clone());
         }
-        span.set_attribute(attr::ATTEMPT, i64::from(number));
         span.set_attribute(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts));
         span.set_attribute(attr::POLICY, cx.policy.to_string());
-        span.set_attribute(attr::MESSAGING_SYSTEM, "eventhubs");
         span.set_attribute(attr::MESSAGING_DESTINATION, event.hub.clone());
         span.set_attribute(
             attr::MESSAGING_CONSUMER_GROUP,
@@ -129,13 +138,6 @@ pub async fn run(
         );
         span.set_attribute(attr::MESSAGING_PARTITION, event.partition_id.clone());
         span.set_attribute(attr::SEQUENCE_NUMBER, event.sequence_number);
-        span.set_attribute(
-            attr::SOURCE,
-            match cx.source {
-                Source::EventHubs => "eventhubs",
-                Source::Retry => "servicebus",
-            },
-        );
     }
     let sc = span.context().span().span_context().clone();
     let (traceparent, trace_id) = if sc.is_valid() {
@@ -169,6 +171,37 @@ pub async fn run(
         trace_id,
         span,
         duration,
+        source: cx.source,
+    }
+}
+
+/// Marks the attempt span `span` as a replay (`hubguard.replay = true`): the ledger already
+/// recorded this attempt — Event Hubs delivered the event again after a crash, before the
+/// checkpoint passed it, or Service Bus delivered a retry again. Settlement calls it (on the
+/// current span, the attempt's) when it finds the attempt recorded; a replay whose handler
+/// succeeds reads no ledger (the happy path) and is not marked.
+pub fn mark_replay(span: &tracing::Span) {
+    if span.is_disabled() {
+        return;
+    }
+    // Once per span, whatever the number of settlement rounds (the SDK keeps every
+    // `set_attribute`, duplicates included).
+    struct Replay;
+    let first = span
+        .with_subscriber(|(id, dispatch)| {
+            let registry = dispatch.downcast_ref::<tracing_subscriber::Registry>()?;
+            let data = tracing_subscriber::registry::LookupSpan::span(registry, id)?;
+            let mut ext = data.extensions_mut();
+            let first = ext.get_mut::<Replay>().is_none();
+            if first {
+                ext.insert(Replay);
+            }
+            Some(first)
+        })
+        .flatten()
+        .unwrap_or(true);
+    if first {
+        span.set_attribute(attr::REPLAY, true);
     }
 }
 
@@ -177,6 +210,11 @@ pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     let span = &a.span;
     if span.is_disabled() {
         return;
+    }
+    // An attempt from Event Hubs on an event the ledger already holds as final: a replay
+    // (settlement marks the other replays, see [`mark_replay`]).
+    if a.source == Source::EventHubs && matches!(settled, Ok(Settled::AlreadyFinal(_))) {
+        mark_replay(span);
     }
     if let Outcome::Failed(f) = &a.outcome {
         span.set_attribute(

@@ -1,12 +1,16 @@
-//! Telemetry: `tracing` spans exported as OpenTelemetry traces, and OpenTelemetry metrics,
-//! both by OTLP, configured by the standard `OTEL_*` variables
+//! Telemetry: logs ([`logs`]: text or JSON lines), `tracing` spans exported as
+//! OpenTelemetry traces, and OpenTelemetry metrics — pulled at `GET /metrics`
+//! ([`prometheus`]) and, like traces, pushed by OTLP when the standard `OTEL_*` variables
+//! say where
 //! (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_PROTOCOL` = `grpc` or
 //! `http/protobuf`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, …). Without an endpoint
 //! nothing is exported and nothing breaks: spans still give every attempt a W3C trace context.
 //!
 //! Every name lives in [`names`].
 
+pub mod logs;
 pub mod names;
+pub mod prometheus;
 
 use std::time::Duration;
 
@@ -88,11 +92,25 @@ pub fn export_from_env() -> Option<Export> {
     })
 }
 
-fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), String> {
-    let resource = Resource::builder().with_service_name(
-        std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "hubguard".into()),
-    );
-    let resource = resource.build();
+fn resource() -> Resource {
+    Resource::builder()
+        .with_service_name(std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "hubguard".into()))
+        .build()
+}
+
+/// The tracer and meter providers: always a tracer (attempt spans get real trace ids that
+/// logs, the ledger and the webhook's `traceparent` share) and a meter read by `GET /metrics`;
+/// with `export`, both also push by OTLP.
+fn providers(export: Option<&Export>) -> Result<(SdkTracerProvider, SdkMeterProvider), String> {
+    let resource = resource();
+    let mut tracer = SdkTracerProvider::builder().with_resource(resource.clone());
+    let mut meter = SdkMeterProvider::builder().with_resource(resource);
+    if let Some(r) = prometheus::reader() {
+        meter = meter.with_reader(r);
+    }
+    let Some(export) = export else {
+        return Ok((tracer.build(), meter.build()));
+    };
     let (spans, metrics) = match export.protocol {
         Protocol::Grpc => (
             opentelemetry_otlp::SpanExporter::builder()
@@ -129,10 +147,7 @@ fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), S
             opentelemetry_sdk::runtime::Tokio,
         )
         .build();
-    let tracer = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .with_resource(resource.clone())
-        .build();
+    tracer = tracer.with_span_processor(processor);
     let reader =
         opentelemetry_sdk::metrics::periodic_reader_with_async_runtime::PeriodicReader::builder(
             metrics,
@@ -140,58 +155,128 @@ fn providers(export: &Export) -> Result<(SdkTracerProvider, SdkMeterProvider), S
         )
         .with_interval(export.metric_interval)
         .build();
-    let meter = SdkMeterProvider::builder()
-        .with_reader(reader)
-        .with_resource(resource)
-        .build();
-    Ok((tracer, meter))
+    meter = meter.with_reader(reader);
+    Ok((tracer.build(), meter.build()))
 }
 
-/// Installs logging (to stderr, `RUST_LOG` or `default_filter`) and, when `export` is
-/// given, OTLP traces and metrics. Call once per process, inside a Tokio runtime (the
-/// exporters run on it); later calls return an empty guard.
+/// How [`init_with`] sets up logs and telemetry.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Filter directives under `RUST_LOG` (see [`logs::DEFAULT_FILTER`]).
+    pub default_filter: String,
+    /// Text or JSON lines.
+    pub format: logs::LogFormat,
+    /// Standard error or a file.
+    pub writer: logs::LogWriter,
+    /// OTLP export, if any (`GET /metrics` is served either way).
+    pub export: Option<Export>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            default_filter: logs::DEFAULT_FILTER.into(),
+            format: logs::LogFormat::Text,
+            writer: logs::LogWriter::Stderr,
+            export: None,
+        }
+    }
+}
+
+/// Installs logging (to stderr, `default_filter` under `RUST_LOG`), traces and metrics
+/// (`GET /metrics`; OTLP too when `export` is given). See [`init_with`].
 pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
-    let Some(export) = export else {
-        let _ = tracing_subscriber::registry()
-            .with(filter)
-            .with(fmt)
-            .try_init();
-        return Guard::default();
+    init_with(Options {
+        default_filter: default_filter.into(),
+        export,
+        ..Options::default()
+    })
+}
+
+type BoxedLayer = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+fn log_layer(options: &Options) -> BoxedLayer {
+    use tracing_subscriber::fmt;
+    let filter = logs::filter(&options.default_filter);
+    let file = match &options.writer {
+        logs::LogWriter::Stderr => None,
+        logs::LogWriter::File(path) => match std::fs::File::create(path) {
+            Ok(f) => Some(std::sync::Mutex::new(f)),
+            Err(e) => {
+                eprintln!(
+                    "cannot write logs to {}: {e}; logging to stderr",
+                    path.display()
+                );
+                None
+            }
+        },
     };
-    match providers(&export) {
-        Ok((tracer, meter)) => {
-            let otel = tracing_opentelemetry::layer()
-                .with_tracer(tracer.tracer("hubguard"))
-                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
-                    m.target().starts_with("hubguard")
-                }));
-            let installed = tracing_subscriber::registry()
-                .with(filter)
-                .with(fmt)
-                .with(otel)
-                .try_init()
-                .is_ok();
-            if !installed {
-                return Guard::default();
-            }
-            opentelemetry::global::set_meter_provider(meter.clone());
-            opentelemetry::global::set_tracer_provider(tracer.clone());
-            Guard {
-                tracer: Some(tracer),
-                meter: Some(meter),
-            }
-        }
+    let colour = file.is_none() && logs::stderr_colour();
+    match (options.format, file) {
+        (logs::LogFormat::Text, None) => fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(colour)
+            .with_filter(filter)
+            .boxed(),
+        (logs::LogFormat::Text, Some(f)) => fmt::layer()
+            .with_writer(f)
+            .with_ansi(false)
+            .with_filter(filter)
+            .boxed(),
+        (logs::LogFormat::Json, None) => fmt::layer()
+            .event_format(logs::JsonFormat)
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_filter(filter)
+            .boxed(),
+        (logs::LogFormat::Json, Some(f)) => fmt::layer()
+            .event_format(logs::JsonFormat)
+            .with_writer(f)
+            .with_ansi(false)
+            .with_filter(filter)
+            .boxed(),
+    }
+}
+
+/// Installs logging as `options` say, and the tracer and meter providers: every hubguard
+/// span becomes an OpenTelemetry span (only the attributes hubguard sets: none of tracing's
+/// own — code location, thread, busy/idle times, level, target), metrics are served by
+/// [`prometheus::scrape`] and, with `options.export`, pushed by OTLP. Call once per process,
+/// inside a Tokio runtime (the exporters run on it); later calls return an empty guard.
+pub fn init_with(options: Options) -> Guard {
+    let logs = log_layer(&options);
+    let (tracer, meter) = match providers(options.export.as_ref()) {
+        Ok(p) => p,
         Err(e) => {
-            let _ = tracing_subscriber::registry()
-                .with(filter)
-                .with(fmt)
-                .try_init();
+            let _ = tracing_subscriber::registry().with(logs).try_init();
             tracing::warn!(error = %e, "telemetry export disabled");
-            Guard::default()
+            return Guard::default();
         }
+    };
+    // Spans at info and above from hubguard only, whatever RUST_LOG says about logs.
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(tracer.tracer("hubguard"))
+        .with_location(false)
+        .with_threads(false)
+        .with_tracked_inactivity(false)
+        .with_level(false)
+        .with_target(false)
+        .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+            m.target().starts_with("hubguard") && *m.level() <= tracing::Level::INFO
+        }));
+    let installed = tracing_subscriber::registry()
+        .with(logs)
+        .with(otel)
+        .try_init()
+        .is_ok();
+    if !installed {
+        return Guard::default();
+    }
+    opentelemetry::global::set_meter_provider(meter.clone());
+    opentelemetry::global::set_tracer_provider(tracer.clone());
+    Guard {
+        tracer: Some(tracer),
+        meter: Some(meter),
     }
 }
 
@@ -269,7 +354,7 @@ impl Metrics {
     pub fn new() -> Self {
         use names::metric as m;
         let meter = meter();
-        Metrics {
+        let metrics = Metrics {
             delivered: meter
                 .u64_counter(m::DELIVERED)
                 .with_description("Events delivered")
@@ -310,7 +395,20 @@ impl Metrics {
                 .with_unit("s")
                 .with_description("Retry start minus its scheduled time")
                 .build(),
+        };
+        // Every counter starts at 0, so `/metrics` and `rate()` see it from the first scrape.
+        for c in [
+            &metrics.delivered,
+            &metrics.retries_scheduled,
+            &metrics.dead_lettered,
+            &metrics.deferred,
+            &metrics.rescued,
+            &metrics.recovered,
+            &metrics.settle_failures,
+        ] {
+            c.add(0, &[]);
         }
+        metrics
     }
 }
 

@@ -16,10 +16,15 @@ pub mod span {
 
 /// Span attribute keys.
 pub mod attr {
-    /// Correlation id: the same on every attempt of one event (the support query key).
-    pub const CORRELATION_ID: &str = "hubguard.correlation_id";
-    /// Idempotency key.
-    pub const IDEMPOTENCY_KEY: &str = "hubguard.idempotency_key";
+    /// Semantic convention: the operation type (`process`: hubguard processes the event).
+    pub const MESSAGING_OPERATION_TYPE: &str = "messaging.operation.type";
+    /// Semantic convention: the system-specific operation name (`process`).
+    pub const MESSAGING_OPERATION_NAME: &str = "messaging.operation.name";
+    /// Semantic convention: the message id — the event's idempotency key.
+    pub const MESSAGE_ID: &str = "messaging.message.id";
+    /// Semantic convention: the conversation id — the event's correlation id, the same on
+    /// every attempt of one event (the support query key).
+    pub const CONVERSATION_ID: &str = "messaging.message.conversation_id";
     /// Event type (selects the policy).
     pub const EVENT_TYPE: &str = "hubguard.event_type";
     /// Attempt number (1 = first delivery from Event Hubs).
@@ -44,9 +49,10 @@ pub mod attr {
     pub const RETRY_AFTER: &str = "hubguard.retry_after_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
     pub const ERROR_TYPE: &str = "error.type";
-    /// Semantic convention: the messaging system (`eventhubs`).
+    /// Semantic convention: the messaging system the attempt came from: `eventhubs` (the
+    /// first attempt, or a replay of it) or `servicebus` (a retry).
     pub const MESSAGING_SYSTEM: &str = "messaging.system";
-    /// Semantic convention: the hub.
+    /// Semantic convention: the hub (for a retry too: where the event came from).
     pub const MESSAGING_DESTINATION: &str = "messaging.destination.name";
     /// Semantic convention: the consumer group.
     pub const MESSAGING_CONSUMER_GROUP: &str = "messaging.consumer.group.name";
@@ -54,8 +60,20 @@ pub mod attr {
     pub const MESSAGING_PARTITION: &str = "messaging.destination.partition.id";
     /// The event's sequence number in its partition.
     pub const SEQUENCE_NUMBER: &str = "messaging.eventhubs.message.sequence_number";
-    /// Where the attempt came from: `eventhubs` or `servicebus`.
-    pub const SOURCE: &str = "hubguard.source";
+    /// `true` on an attempt the ledger had already recorded: a replay from Event Hubs after
+    /// a crash (its checkpoint had not passed the event), or a retry message delivered
+    /// again. Absent otherwise.
+    pub const REPLAY: &str = "hubguard.replay";
+}
+
+/// Values of the messaging attributes.
+pub mod messaging {
+    /// [`super::attr::MESSAGING_OPERATION_TYPE`] and [`super::attr::MESSAGING_OPERATION_NAME`].
+    pub const PROCESS: &str = "process";
+    /// [`super::attr::MESSAGING_SYSTEM`] of an attempt read from Event Hubs.
+    pub const EVENTHUBS: &str = "eventhubs";
+    /// [`super::attr::MESSAGING_SYSTEM`] of a retry received from Service Bus.
+    pub const SERVICEBUS: &str = "servicebus";
 }
 
 /// Values of [`attr::OUTCOME`].
@@ -88,6 +106,10 @@ pub mod metric {
     pub const RESCUED: &str = "hubguard.retries.rescued";
     /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.
     pub const RECOVERED: &str = "hubguard.retries.recovered";
+    /// Gauge: retries the ledger says are waiting (state RETRY_SCHEDULED), from its listing.
+    pub const RETRIES_PENDING: &str = "hubguard.retries.pending";
+    /// Gauge: of those, the ones already past their due time.
+    pub const RETRIES_OVERDUE: &str = "hubguard.retries.overdue";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
@@ -128,8 +150,10 @@ pub fn all() -> Vec<&'static str> {
         span::HANDLER,
         span::SCHEDULE,
         span::LEDGER_WRITE,
-        attr::CORRELATION_ID,
-        attr::IDEMPOTENCY_KEY,
+        attr::MESSAGING_OPERATION_TYPE,
+        attr::MESSAGING_OPERATION_NAME,
+        attr::MESSAGE_ID,
+        attr::CONVERSATION_ID,
         attr::EVENT_TYPE,
         attr::ATTEMPT,
         attr::MAX_ATTEMPTS,
@@ -147,12 +171,15 @@ pub fn all() -> Vec<&'static str> {
         attr::MESSAGING_CONSUMER_GROUP,
         attr::MESSAGING_PARTITION,
         attr::SEQUENCE_NUMBER,
-        attr::SOURCE,
+        attr::REPLAY,
         metric::DELIVERED,
         metric::RETRIES_SCHEDULED,
         metric::DEAD_LETTERED,
         metric::DEFERRED,
         metric::RESCUED,
+        metric::RECOVERED,
+        metric::RETRIES_PENDING,
+        metric::RETRIES_OVERDUE,
         metric::SETTLE_FAILURES,
         metric::HANDLER_DURATION,
         metric::RETRY_LATENESS,
