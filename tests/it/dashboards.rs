@@ -73,6 +73,41 @@ fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
+/// Every metric name the dashboards and the READMEs use in Prometheus' spelling
+/// (`hubguard_…`), as PromQL would ask for it.
+pub fn promql_names() -> BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut paths = Vec::new();
+    files(&root.join("dashboards"), &mut paths);
+    paths.push(root.join("README.md"));
+    let mut out = BTreeSet::new();
+    for p in paths {
+        let text = std::fs::read_to_string(&p).unwrap();
+        out.extend(
+            tokens(&text)
+                .into_iter()
+                .filter(|t| t.starts_with("hubguard_")),
+        );
+    }
+    out
+}
+
+/// The sample names a Prometheus text exposition serves (`name{labels} value`).
+pub fn served_names(exposition: &str) -> BTreeSet<String> {
+    exposition
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether PromQL's `name` is served: as a sample name, or a histogram's family (its
+/// `_bucket`, `_sum`, `_count` samples).
+pub fn served(name: &str, names: &BTreeSet<String>) -> bool {
+    names.contains(name) || names.contains(&format!("{name}_bucket"))
+}
+
 #[test]
 fn dashboards_and_queries_name_only_what_the_code_emits() {
     let emitted: BTreeSet<String> = names::all().into_iter().map(normalise).collect();
@@ -121,6 +156,10 @@ fn the_check_catches_unknown_names() {
     assert!(known("hubguard_checkpoint_lag_seconds", &emitted));
     assert!(!known("hubguard_events_lost_total", &emitted));
     assert!(!known("hubguard.next_retry", &emitted));
+    let names =
+        served_names("# TYPE a_total counter\na_total{x=\"1\"} 3\nh_bucket{le=\"1\"} 1\nh_sum 2\n");
+    assert!(served("a_total", &names) && served("h", &names) && served("h_bucket", &names));
+    assert!(!served("b_total", &names));
     assert_eq!(
         tokens("x span.hubguard.outcome = 1 and hubguard_a_total."),
         vec!["hubguard.outcome", "hubguard_a_total"]

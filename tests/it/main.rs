@@ -13,6 +13,7 @@ mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
 mod limits;
+mod operable;
 mod otlp;
 mod outage;
 mod pipeline;

@@ -28,6 +28,8 @@ pub struct Span {
     pub parent_span_id: String,
     pub start_ns: u64,
     pub attributes: BTreeMap<String, String>,
+    /// How many attributes arrived (more than `attributes.len()`: a key was sent twice).
+    pub attribute_count: usize,
     /// (trace id, span id) of each link.
     pub links: Vec<(String, String)>,
     pub status_code: i32,
@@ -72,6 +74,7 @@ async fn traces(State(c): State<Arc<Mutex<Collected>>>, body: Bytes) -> Vec<u8> 
                         parent_span_id: hex(&s.parent_span_id),
                         start_ns: s.start_time_unix_nano,
                         attributes: attrs(&s.attributes),
+                        attribute_count: s.attributes.len(),
                         links: s
                             .links
                             .iter()

@@ -19,7 +19,7 @@ fn attempts_of(spans: &[Span], correlation: &str) -> Vec<Span> {
         .iter()
         .filter(|s| {
             s.name == span::ATTEMPT
-                && s.attributes.get(attr::CORRELATION_ID).map(String::as_str) == Some(correlation)
+                && s.attributes.get(attr::CONVERSATION_ID).map(String::as_str) == Some(correlation)
         })
         .cloned()
         .collect();
@@ -126,14 +126,27 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
         ]
     );
     for s in &flaky {
-        assert_eq!(s.attributes[attr::IDEMPOTENCY_KEY], "otel-flaky");
+        assert_eq!(s.attributes[attr::MESSAGE_ID], "otel-flaky");
+        assert_eq!(s.attributes[attr::MESSAGING_OPERATION_TYPE], "process");
+        assert_eq!(s.attributes[attr::MESSAGING_OPERATION_NAME], "process");
+        assert_eq!(s.attributes[attr::MESSAGING_CONSUMER_GROUP], "$Default");
+        assert!(!s.attributes.contains_key(attr::REPLAY), "{s:?}");
+        // Only the documented names: no duplicates, none of tracing's own fields.
+        assert_eq!(s.attribute_count, s.attributes.len(), "a duplicate: {s:?}");
+        for k in s.attributes.keys() {
+            assert!(
+                hubguard::telemetry::names::all().contains(&k.as_str()),
+                "undocumented attribute {k} on {s:?}"
+            );
+        }
         assert_eq!(s.attributes[attr::MESSAGING_DESTINATION], "hub");
         assert_eq!(s.attributes[attr::MESSAGING_PARTITION], "0");
         assert_eq!(s.attributes[attr::MAX_ATTEMPTS], "5");
         assert_eq!(s.attributes[attr::TERMINAL], "false");
     }
-    assert_eq!(flaky[0].attributes[attr::SOURCE], "eventhubs");
-    assert_eq!(flaky[1].attributes[attr::SOURCE], "servicebus");
+    assert_eq!(flaky[0].attributes[attr::MESSAGING_SYSTEM], "eventhubs");
+    assert_eq!(flaky[1].attributes[attr::MESSAGING_SYSTEM], "servicebus");
+    assert_eq!(flaky[2].attributes[attr::MESSAGING_SYSTEM], "servicebus");
     assert_eq!(flaky[0].attributes[attr::ERROR_TYPE], "transient");
     // Links to every earlier attempt.
     let id = |s: &Span| (s.trace_id.clone(), s.span_id.clone());
