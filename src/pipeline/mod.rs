@@ -13,6 +13,7 @@
 //! `!Send`, so the processor and its partition tasks run on a thread of their own
 //! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
 
+mod admission;
 pub mod attempt;
 pub mod checkpoint;
 pub mod dead_letter;

@@ -15,7 +15,7 @@ use azure_messaging_eventhubs::processor::PartitionClient;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 
-use crate::breaker::Admission;
+use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -269,52 +269,36 @@ async fn process(
     };
     // Outage mode: while the downstream's breaker is open the partition waits — Event Hubs
     // holds the backlog — instead of scheduling one retry per event. No attempt is counted.
-    let mut probe = false;
-    if let Some(b) = &shared.breaker {
-        let mut deferred = false;
-        loop {
-            match b.admit(rand::random::<f64>()).await {
-                Admission::Allow => break,
-                Admission::Probe => {
-                    probe = true;
-                    break;
+    let event_type = event.identity.event_type.as_deref();
+    let mut deferred = false;
+    let gate = loop {
+        match shared.admit().await {
+            Gate::Defer(until) => {
+                if !deferred {
+                    deferred = true;
+                    shared.count_deferred(event_type);
                 }
-                Admission::Defer(until) => {
-                    if !deferred {
-                        deferred = true;
-                        shared.metrics.deferred.add(
-                            1,
-                            &crate::telemetry::type_label(event.identity.event_type.as_deref()),
-                        );
-                    }
-                    shared.health.hold(
-                        pid,
-                        format!(
-                            "downstream breaker open: until {}",
-                            crate::clock::rfc3339(until)
-                        ),
-                        seq,
-                    );
-                    tokio::select! {
-                        _ = cancel.cancelled() => return false,
-                        _ = shared.clock().sleep_until(until) => {}
-                    }
+                shared.health.hold(
+                    pid,
+                    format!(
+                        "downstream breaker open: until {}",
+                        crate::clock::rfc3339(until)
+                    ),
+                    seq,
+                );
+                tokio::select! {
+                    _ = cancel.cancelled() => return false,
+                    _ = shared.clock().sleep_until(until) => {}
                 }
             }
+            run => break run,
         }
-        if deferred {
-            shared.health.release(pid, seq);
-        }
+    };
+    if deferred {
+        shared.health.release(pid, seq);
     }
     let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
-    if let Some(b) = &shared.breaker {
-        b.report(!transient_failure(&attempted.outcome), probe)
-            .await;
-    }
-    shared.metrics.handler_duration.record(
-        attempted.duration.as_secs_f64(),
-        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
-    );
+    shared.attempted(&attempted, gate, event_type).await;
     let mut backoff = Duration::from_millis(200);
     loop {
         let settled = shared

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::breaker::Admission;
+use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -413,29 +413,20 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     };
     let event = rec.event.clone();
     // An open breaker defers the attempt past its expiry, without counting it.
-    let mut probe = false;
-    if let Some(b) = &shared.breaker {
-        match b.admit(rand::random::<f64>()).await {
-            Admission::Allow => {}
-            Admission::Probe => probe = true,
-            Admission::Defer(until) => {
-                shared.metrics.deferred.add(
-                    1,
-                    &crate::telemetry::type_label(event.identity.event_type.as_deref()),
-                );
-                let deferred =
-                    holding(&mut msg, key, shared, cancel, "deferring the retry", || {
-                        shared
-                            .settler
-                            .defer(&event, body.attempt, until, &body.traceparents)
-                    })
-                    .await;
-                if deferred.is_some() {
-                    settle_message(&msg, true).await;
-                }
-                return;
-            }
+    let event_type = event.identity.event_type.as_deref();
+    let gate = shared.admit().await;
+    if let Gate::Defer(until) = gate {
+        shared.count_deferred(event_type);
+        let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
+            shared
+                .settler
+                .defer(&event, body.attempt, until, &body.traceparents)
+        })
+        .await;
+        if deferred.is_some() {
+            settle_message(&msg, true).await;
         }
+        return;
     }
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
@@ -479,17 +470,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
             }
         }
     };
-    if let Some(b) = &shared.breaker {
-        b.report(
-            !super::partition::transient_failure(&attempted.outcome),
-            probe,
-        )
-        .await;
-    }
-    shared.metrics.handler_duration.record(
-        attempted.duration.as_secs_f64(),
-        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
-    );
+    shared.attempted(&attempted, gate, event_type).await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
     let settle = || {

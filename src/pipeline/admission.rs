@@ -1,0 +1,66 @@
+//! The admission step both loops take around a handler call: ask the downstream's circuit
+//! breaker whether the attempt may run (or is a half-open probe, or must wait until the
+//! breaker's expiry), and afterwards report the outcome to the breaker and record the
+//! handler's duration. One home, so the partition loop and the retry loop cannot drift.
+
+use std::time::SystemTime;
+
+use super::attempt::Attempted;
+use super::Shared;
+use crate::breaker::Admission;
+
+/// What the breaker says about an attempt that wants to run now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gate {
+    /// Run it; `probe` when it is the half-open window's one probe.
+    Run {
+        /// The half-open probe: its outcome closes or re-opens the breaker.
+        probe: bool,
+    },
+    /// The breaker is open: the attempt waits until then (plus jitter), uncounted.
+    Defer(SystemTime),
+}
+
+impl Shared {
+    /// Asks the breaker, if there is one.
+    pub(crate) async fn admit(&self) -> Gate {
+        match &self.breaker {
+            None => Gate::Run { probe: false },
+            Some(b) => match b.admit(rand::random::<f64>()).await {
+                Admission::Allow => Gate::Run { probe: false },
+                Admission::Probe => Gate::Run { probe: true },
+                Admission::Defer(until) => Gate::Defer(until),
+            },
+        }
+    }
+
+    /// Counts an attempt deferred by an open breaker.
+    pub(crate) fn count_deferred(&self, event_type: Option<&str>) {
+        self.metrics
+            .deferred
+            .add(1, &crate::telemetry::type_label(event_type));
+    }
+
+    /// After the handler ran: the breaker learns the outcome (a transient failure counts
+    /// against the downstream; a permanent one is the event's fault, not the downstream's),
+    /// and the handler's duration is recorded.
+    pub(crate) async fn attempted(
+        &self,
+        attempted: &Attempted,
+        gate: Gate,
+        event_type: Option<&str>,
+    ) {
+        if let Some(b) = &self.breaker {
+            let probe = matches!(gate, Gate::Run { probe: true });
+            b.report(
+                !super::partition::transient_failure(&attempted.outcome),
+                probe,
+            )
+            .await;
+        }
+        self.metrics.handler_duration.record(
+            attempted.duration.as_secs_f64(),
+            &crate::telemetry::type_label(event_type),
+        );
+    }
+}
