@@ -281,19 +281,6 @@ fn etag_of(e: Option<Etag>) -> String {
     e.map(|e| e.to_string()).unwrap_or_default()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_with_their_sas_never_reach_an_error() {
-        assert_eq!(
-            without_urls("error sending request for url (http://h/c/b?sig=SECRET): refused"),
-            "error sending request: refused"
-        );
-    }
-}
-
 #[async_trait]
 impl RecordStore for BlobRecordStore {
     async fn read(&self, key: &str) -> Result<Option<Record>, StoreError> {
@@ -416,5 +403,18 @@ impl RecordStore for BlobRecordStore {
             Ok(out)
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_with_their_sas_never_reach_an_error() {
+        assert_eq!(
+            without_urls("error sending request for url (http://h/c/b?sig=SECRET): refused"),
+            "error sending request: refused"
+        );
     }
 }

@@ -224,7 +224,7 @@ mod tests {
             prop_assert!(steps < 10 * n + 10, "no progress");
             let pick = picks.next().map(|p| p.index(1000)).unwrap_or(0);
             // Read when there is room and (by the pick) or when nothing runs.
-            if next_to_read < n && d.has_room() && (pick % 2 == 0 || running.is_empty()) {
+            if next_to_read < n && d.has_room() && (pick.is_multiple_of(2) || running.is_empty()) {
                 let i = next_to_read;
                 next_to_read += 1;
                 if d.accept(i as i64, key(i).as_deref()) {
