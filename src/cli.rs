@@ -137,7 +137,7 @@ pub struct EmulatorArgs {
     /// SAS key clients must sign with (a well-known development value by default).
     #[arg(long, default_value = DEFAULT_KEY, env = "HUBGUARD_EMULATOR_KEY", hide_default_value = true)]
     key: String,
-    /// Accept any non-empty Event Hubs token (e.g. Entra ID JWTs) instead of verifying SAS signatures.
+    /// Accept any Entra ID token (CBS type `jwt`; unverifiable here). SAS tokens are verified either way, and only under the type `servicebus.windows.net:sastoken`, as Azure does.
     #[arg(long)]
     accept_any_token: bool,
 }
@@ -145,6 +145,7 @@ pub struct EmulatorArgs {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    crate::azure::install_crypto_provider();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
