@@ -166,7 +166,8 @@ impl fmt::Debug for BlobContainer {
 impl BlobContainer {
     /// The container at `url` (`https://acct.blob.core.windows.net/c`, or a path-style emulator
     /// URL `http://127.0.0.1:10000/devstoreaccount1/c`), optionally with a SAS in the query,
-    /// and an Entra ID credential or none. No call takes longer than `timeout`.
+    /// and an Entra ID credential or none. No request outlives `timeout` (plus a second: the
+    /// callers' own deadlines are meant to fire first).
     pub fn new(
         url: &str,
         credential: Option<Arc<dyn TokenCredential>>,
@@ -194,8 +195,9 @@ impl BlobContainer {
         if parsed.path().trim_matches('/').is_empty() {
             return Err("the container URL names no container".into());
         }
+        // A backstop: callers put their own deadline on every call (and report it as theirs).
         let http = reqwest::Client::builder()
-            .timeout(timeout)
+            .timeout(timeout + Duration::from_secs(1))
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("HTTP client: {e}"))?;

@@ -605,7 +605,13 @@ async fn the_official_python_checkpoint_store_reads_hubguards_checkpoints_and_ow
         assert_eq!(owners[0]["has_etag"], true, "{who}");
         assert!(owners[0]["last_modified_time"].as_f64().unwrap() > 1.6e9);
         assert_eq!(owners[1]["partition_id"], "1", "{who}");
-        assert_eq!(owners[1]["owner_id"], "", "{who}: released");
+        // Released: hubguard writes `ownerid` empty (Python's list needs the key); Python's
+        // XML reader gives an empty element back as None.
+        assert!(
+            owners[1]["owner_id"].is_null() || owners[1]["owner_id"] == "",
+            "{who}: released, got {}",
+            owners[1]["owner_id"]
+        );
 
         // What Python wrote, hubguard reads.
         let cps = within("list checkpoints", store.list_checkpoints(NS, HUB, CG))

@@ -438,6 +438,16 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
                     .unwrap_or(false)
             })
             .await;
+            // B's receivers are attached once B has read the first events (no checkpoint was
+            // written: it starts at the earliest). Until then A may still read, legitimately:
+            // events sent between B's claim and B's attach reach both (at least once).
+            wait_until("B attaches and reads both partitions", || {
+                received
+                    .borrow()
+                    .get("replica-b")
+                    .is_some_and(|s| s.iter().filter(|(_, seq)| *seq < 3).count() == 6)
+            })
+            .await;
             // Exactly one receiver per partition, B's, owner level 0: A's were detached.
             wait_until("one receiver per partition", || {
                 (0..2).all(|p| hub.receiver_epochs("$Default", p) == vec![Some(0)])
