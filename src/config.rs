@@ -643,16 +643,14 @@ impl Config {
     pub fn credential(kind: CredentialKind) -> Result<Arc<dyn TokenCredential>, ConfigError> {
         let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let c: Arc<dyn TokenCredential> = match kind {
-            CredentialKind::ManagedIdentity => {
-                azure_identity::ManagedIdentityCredential::new(Some(
-                    azure_identity::ManagedIdentityCredentialOptions {
-                        user_assigned_id: env("AZURE_CLIENT_ID")
-                            .map(azure_identity::UserAssignedId::ClientId),
-                        ..Default::default()
-                    },
-                ))
-                .map_err(|e| err(format!("managed identity: {e}")))?
-            }
+            CredentialKind::ManagedIdentity => azure_identity::ManagedIdentityCredential::new(
+                Some(azure_identity::ManagedIdentityCredentialOptions {
+                    user_assigned_id: env("AZURE_CLIENT_ID")
+                        .map(azure_identity::UserAssignedId::ClientId),
+                    ..Default::default()
+                }),
+            )
+            .map_err(|e| err(format!("managed identity: {e}")))?,
             CredentialKind::ClientSecret => {
                 let (Some(tenant), Some(client), Some(secret)) = (
                     env("AZURE_TENANT_ID"),

@@ -178,17 +178,11 @@ impl BlobContainer {
             return Err("the container URL must be http or https".into());
         }
         // Azure takes bearer tokens over TLS only; a loopback emulator is the one exception.
-        let loopback = matches!(
-            parsed.host_str(),
-            Some("127.0.0.1" | "localhost" | "[::1]")
-        );
+        let loopback = matches!(parsed.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if credential.is_some() && parsed.scheme() != "https" && !loopback {
             return Err("a token credential needs an https container URL".into());
         }
-        let sas = parsed
-            .query()
-            .filter(|q| !q.is_empty())
-            .map(str::to_string);
+        let sas = parsed.query().filter(|q| !q.is_empty()).map(str::to_string);
         parsed.set_query(None);
         parsed.set_fragment(None);
         let base = parsed.as_str().trim_end_matches('/').to_string();
@@ -428,8 +422,8 @@ fn written(resp: &reqwest::Response) -> Result<Written, BlobError> {
     let etag = header(resp, "etag")
         .filter(|e| !e.is_empty())
         .ok_or_else(|| BlobError::Protocol("a write answered without an ETag".into()))?;
-    let last_modified = header(resp, "last-modified")
-        .and_then(|s| azure_core::time::parse_rfc7231(&s).ok());
+    let last_modified =
+        header(resp, "last-modified").and_then(|s| azure_core::time::parse_rfc7231(&s).ok());
     Ok(Written {
         etag,
         last_modified,
@@ -570,10 +564,8 @@ mod tests {
         );
         assert_eq!(items[1].name, "a/b<c");
         assert!(items[1].metadata.is_empty());
-        let (_, next) = parse_list(
-            "<EnumerationResults><Blobs/><NextMarker/></EnumerationResults>",
-        )
-        .unwrap();
+        let (_, next) =
+            parse_list("<EnumerationResults><Blobs/><NextMarker/></EnumerationResults>").unwrap();
         assert_eq!(next.as_deref(), Some(""));
         assert!(parse_list("<Error><Code>X</Code></Error>").is_err());
     }

@@ -21,9 +21,9 @@ pub mod record_store;
 pub mod retry_queue;
 pub mod sas;
 
-pub use connection_string::{ConnectionString, ConnectionStringError};
 pub use blob::BlobContainer;
 pub use checkpoint_store::BlobCheckpointStore;
+pub use connection_string::{ConnectionString, ConnectionStringError};
 pub use record_store::{BlobRecordStore, Record, RecordStore, StoreError};
 pub use retry_queue::{
     OutgoingMessage, ReceivedMessage, RetryQueue, RetryQueueError, ServiceBusRetryQueue,

@@ -60,7 +60,8 @@ async fn produce_keyed(
     events: usize,
     partitions: usize,
 ) -> anyhow::Result<()> {
-    let producer = cs.open_producer(ProducerClient::builder(), "bench")
+    let producer = cs
+        .open_producer(ProducerClient::builder(), "bench")
         .await
         .context("opening the producer")?;
     let mut n = 0;

@@ -385,7 +385,8 @@ pub(crate) async fn produce(
     events: usize,
     size: usize,
 ) -> anyhow::Result<(usize, Duration)> {
-    let producer = cs.open_producer(ProducerClient::builder(), "bench")
+    let producer = cs
+        .open_producer(ProducerClient::builder(), "bench")
         .await
         .context("opening the producer")?;
     let body = vec![b'x'; size];

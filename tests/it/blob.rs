@@ -476,10 +476,7 @@ async fn a_throttled_account_answers_server_busy_and_reads_as_transient() {
 
 fn python_checkpointstore_available() -> bool {
     std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import azure.eventhub.extensions.checkpointstoreblob",
-        ])
+        .args(["-c", "import azure.eventhub.extensions.checkpointstoreblob"])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
@@ -556,8 +553,11 @@ async fn the_official_python_checkpoint_store_reads_hubguards_checkpoints_and_ow
             .map(|l| l.key)
             .collect();
         assert!(
-            names.contains(&"mynamespace.servicebus.windows.net/orders/$default/checkpoint/0".to_string())
-                && names.contains(&"mynamespace.servicebus.windows.net/orders/$default/ownership/1".to_string()),
+            names.contains(
+                &"mynamespace.servicebus.windows.net/orders/$default/checkpoint/0".to_string()
+            ) && names.contains(
+                &"mynamespace.servicebus.windows.net/orders/$default/ownership/1".to_string()
+            ),
             "{who}: {names:?}"
         );
 
@@ -617,7 +617,10 @@ async fn the_official_python_checkpoint_store_reads_hubguards_checkpoints_and_ow
         let cps = within("list checkpoints", store.list_checkpoints(NS, HUB, CG))
             .await
             .unwrap();
-        let p2 = cps.iter().find(|c| c.partition_id == "2").expect("partition 2");
+        let p2 = cps
+            .iter()
+            .find(|c| c.partition_id == "2")
+            .expect("partition 2");
         assert_eq!(p2.sequence_number, Some(7), "{who}");
         assert_eq!(p2.offset.as_deref(), Some("700"), "{who}");
         let owners = within("list ownerships", store.list_ownerships(NS, HUB, CG))

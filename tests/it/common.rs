@@ -71,8 +71,8 @@ pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) 
         b = b.with_consumer_group(g.to_string());
     }
     within("open consumer", cs.open_consumer(b, hub))
-    .await
-    .expect("consumer opens")
+        .await
+        .expect("consumer opens")
 }
 
 /// Opens a receiver on `partition` starting at `location`.

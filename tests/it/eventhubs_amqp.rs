@@ -42,8 +42,14 @@ async fn connect(
 }
 
 /// Puts `token` as `token_type` for `audience` on a fresh connection; the CBS status.
-async fn put_token(emu: &EventHubsEmulator, audience: &str, token_type: &str, token: String) -> i64 {
-    let (client, status) = connect_raw(emu, emu.local_addr(), None, audience, token_type, token).await;
+async fn put_token(
+    emu: &EventHubsEmulator,
+    audience: &str,
+    token_type: &str,
+    token: String,
+) -> i64 {
+    let (client, status) =
+        connect_raw(emu, emu.local_addr(), None, audience, token_type, token).await;
     close(client).await;
     status
 }
@@ -680,7 +686,8 @@ async fn cbs_token_types_and_audiences_are_checked_as_azure_does() {
     };
     let sas = key.token("sb://ns.servicebus.windows.net/hub", expiry);
     let other_hub = key.token("sb://ns.servicebus.windows.net/otherhub", expiry);
-    let jwt = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOiJodHRwczovL2V2ZW50aHVicy5henVyZS5uZXQifQ.c2ln".to_string();
+    let jwt =
+        "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOiJodHRwczovL2V2ZW50aHVicy5henVyZS5uZXQifQ.c2ln".to_string();
     let aud = audience(&strict);
     assert_eq!(put_token(&strict, &aud, SAS_TYPE, sas.clone()).await, 202);
     assert_eq!(
@@ -694,7 +701,10 @@ async fn cbs_token_types_and_audiences_are_checked_as_azure_does() {
         401,
         "without --accept-any-token no jwt is taken"
     );
-    assert_eq!(put_token(&strict, &aud, "unknown:type", sas.clone()).await, 401);
+    assert_eq!(
+        put_token(&strict, &aud, "unknown:type", sas.clone()).await,
+        401
+    );
 
     let lenient = emulator_with(hubguard::emulator::eventhubs::EventHubsConfig {
         accept_any_token: true,

@@ -362,8 +362,8 @@ impl CheckpointStore for Severable {
 /// event sent after the handover reaches both. (With 0.15, which sent no owner level, both
 /// replicas delivered such events.)
 #[tokio::test]
-async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_nothing_is_read_twice(
-) {
+async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_nothing_is_read_twice()
+{
     let emu = emulator(&[("hub", 2)]).await;
     let cs = conn(&emu);
     let prod = producer(&cs, "hub").await;
@@ -397,12 +397,10 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
                                     let stream = pc.stream_events();
                                     futures::pin_mut!(stream);
                                     while let Some(Ok(ev)) = stream.next().await {
-                                        received.borrow_mut().entry(owner).or_default().insert(
-                                            (
-                                                pc.get_partition_id().to_string(),
-                                                ev.sequence_number().unwrap(),
-                                            ),
-                                        );
+                                        received.borrow_mut().entry(owner).or_default().insert((
+                                            pc.get_partition_id().to_string(),
+                                            ev.sequence_number().unwrap(),
+                                        ));
                                     }
                                 });
                             }
@@ -426,14 +424,14 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
             .await;
 
             // A's blob storage goes away; B starts and, once A's claims expire, takes both.
-            a_store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+            a_store
+                .down
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             let b = start("replica-b", shared.clone()).await;
             wait_until("B owns both partitions", || {
                 futures::executor::block_on(shared.list_ownerships(&cs.host, "hub", "$Default"))
                     .map(|o| {
-                        o.len() == 2
-                            && o.iter()
-                                .all(|o| o.owner_id.as_deref() == Some("replica-b"))
+                        o.len() == 2 && o.iter().all(|o| o.owner_id.as_deref() == Some("replica-b"))
                     })
                     .unwrap_or(false)
             })

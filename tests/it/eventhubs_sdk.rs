@@ -521,8 +521,7 @@ async fn refused_connections_recover_when_the_period_ends() {
             Ok(p) => p,
             Err(_) => loop {
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                if let Ok(p) = cs.open_producer(ProducerClient::builder(), "hub").await
-                {
+                if let Ok(p) = cs.open_producer(ProducerClient::builder(), "hub").await {
                     break p;
                 }
             },
@@ -861,7 +860,9 @@ async fn sas_presented_as_jwt_is_refused_and_the_connection_string_path_is_accep
     )
     .await;
     if let Ok(p) = strict {
-        assert!(within("send", p.send_event(event("x"), None)).await.is_err());
+        assert!(within("send", p.send_event(event("x"), None))
+            .await
+            .is_err());
         let _ = within("close", p.close()).await;
     }
     // …and taken by one started with --accept-any-token, end to end.
