@@ -122,9 +122,10 @@ pub struct EmulatorArgs {
     /// `$Default` always exists.
     #[arg(long = "hub", value_name = "NAME:PARTITIONS")]
     hubs: Vec<HubSpec>,
-    /// A Service Bus queue (repeatable; default `retries`).
-    #[arg(long = "queue", value_name = "NAME")]
-    queues: Vec<String>,
+    /// A Service Bus queue (repeatable; default `retries`), optionally with its
+    /// duplicate-detection window in seconds or `off` (default 600).
+    #[arg(long = "queue", value_name = "NAME[:DEDUP_S|off]")]
+    queues: Vec<QueueSpec>,
     /// A blob container created at start (repeatable; default `hubguard`).
     #[arg(long = "container", value_name = "NAME")]
     containers: Vec<String>,
@@ -137,7 +138,11 @@ pub struct EmulatorArgs {
     /// SAS key clients must sign with (a well-known development value by default).
     #[arg(long, default_value = DEFAULT_KEY, env = "HUBGUARD_EMULATOR_KEY", hide_default_value = true)]
     key: String,
-    /// Accept any Entra ID token (CBS type `jwt`; unverifiable here). SAS tokens are verified either way, and only under the type `servicebus.windows.net:sastoken`, as Azure does.
+    /// Accept any non-empty Entra ID token (Event Hubs `jwt` tokens; `Authorization: Bearer` on
+    /// Service Bus and blob storage), which the emulators cannot verify. Without it they
+    /// take SAS only (and blob storage anonymous requests), and refuse a bearer token with 401.
+    /// Event Hubs SAS tokens are verified either way, and only under the CBS type
+    /// `servicebus.windows.net:sastoken`, as Azure does; a SAS string is never taken as a `jwt`.
     #[arg(long)]
     accept_any_token: bool,
 }
@@ -193,7 +198,7 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         queues: if args.queues.is_empty() {
             vec![QueueSpec::new("retries")]
         } else {
-            args.queues.iter().map(QueueSpec::new).collect()
+            args.queues
         },
         containers: if args.containers.is_empty() {
             vec![DEFAULT_CONTAINER.to_string()]
@@ -256,6 +261,11 @@ fn ledger_of(config: &Config) -> anyhow::Result<Ledger> {
 
 async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let config = load_config(&args)?;
+    // Start-up proof: the retry queue must keep hubguard's promise (duplicate detection on,
+    // its window long enough for this configuration), or hubguard does not start.
+    for w in config.prove_retry_queue().await? {
+        tracing::warn!("{w}");
+    }
     let HandlerSection::Webhook(w) = &config.handler;
     let handler = Arc::new(WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?);
     let parts = config.pipeline_parts(handler)?;
@@ -360,21 +370,50 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             if !json {
                 println!("{} dead-lettered event(s)", keys.len());
             }
+            // One bad record is reported and the listing carries on; the exit status says
+            // whether every record could be read.
+            let mut unreadable = 0;
             for key in keys {
-                match ledger.get(&key).await? {
-                    Some((rec, _)) if json => println!("{}", crate::status::record_view(&rec)),
-                    Some((rec, _)) => println!(
-                        "{key}\t{}\tattempts {}\t{}\tpartition {} seq {}",
+                // Keys and errors are printed escaped: a tab or newline in one cannot break
+                // the table.
+                let shown = key.escape_debug().to_string();
+                match ledger.get(&key).await {
+                    Ok(Some((rec, _))) if json => println!("{}", crate::status::record_view(&rec)),
+                    Ok(Some((rec, _))) => println!(
+                        "{shown}\t{}\tattempts {}\t{}\tpartition {} seq {}",
                         rec.dead_letter_reason
                             .map(|r| r.to_string())
                             .unwrap_or_default(),
                         rec.attempts,
-                        rec.last_error.unwrap_or_default(),
+                        rec.last_error.unwrap_or_default().escape_debug(),
                         rec.event.partition_id,
                         rec.event.sequence_number
                     ),
-                    None => println!("{key}\t(ledger record missing)"),
+                    Ok(None) if json => println!(
+                        "{}",
+                        serde_json::json!({ "key": key, "error": "the ledger record is missing" })
+                    ),
+                    Ok(None) => println!("{shown}\t(ledger record missing)"),
+                    Err(e) => {
+                        unreadable += 1;
+                        if json {
+                            println!(
+                                "{}",
+                                serde_json::json!({ "key": key, "error": e.to_string() })
+                            );
+                        } else {
+                            println!(
+                                "{shown}\t(cannot be read: {})",
+                                e.to_string().escape_debug()
+                            );
+                        }
+                    }
                 }
+            }
+            if unreadable > 0 {
+                anyhow::bail!(
+                    "{unreadable} dead-lettered record(s) could not be read (listed above)"
+                );
             }
         }
         DeadLettersCommand::Replay { config, key, all } => {
@@ -394,17 +433,28 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             } else {
                 key.into_iter().collect()
             };
-            let mut replayed = 0;
+            // Each key on its own: one that fails is reported and the others go on.
+            let (mut replayed, mut failed) = (0, 0);
             for key in keys {
-                match settler.replay(&key).await? {
-                    Some(attempt) => {
+                let shown = key.escape_debug().to_string();
+                match settler.replay(&key).await {
+                    Ok(Some(attempt)) => {
                         replayed += 1;
-                        println!("{key}: attempt {attempt} scheduled now");
+                        println!("{shown}: attempt {attempt} scheduled now");
                     }
-                    None => println!("{key}: not dead-lettered; nothing to replay"),
+                    Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
+                    Err(e) => {
+                        failed += 1;
+                        println!("{shown}: not replayed: {}", e.to_string().escape_debug());
+                    }
                 }
             }
             println!("{replayed} replayed");
+            if failed > 0 {
+                anyhow::bail!(
+                    "{failed} dead-lettered event(s) could not be replayed (listed above)"
+                );
+            }
         }
     }
     Ok(())

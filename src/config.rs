@@ -44,8 +44,8 @@ pub enum CredentialKind {
     AzureCli,
     /// Developer tools (Azure CLI, then azd).
     DeveloperTools,
-    /// An app registration's client secret, from `AZURE_TENANT_ID`, `AZURE_CLIENT_ID` and
-    /// `AZURE_CLIENT_SECRET` (never from the file).
+    /// A service principal's client secret, from `AZURE_TENANT_ID`, `AZURE_CLIENT_ID` and
+    /// `AZURE_CLIENT_SECRET` in the environment.
     ClientSecret,
 }
 
@@ -80,12 +80,17 @@ fn default_retention() -> u64 {
     24
 }
 
-/// `[servicebus]`
+/// `[servicebus]`: a connection string (SAS), or `namespace` and an Entra ID `credential`.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceBusSection {
     /// Connection string of the namespace.
-    pub connection_string: String,
+    pub connection_string: Option<String>,
+    /// Namespace host for Entra ID (`myns.servicebus.windows.net`; `http://127.0.0.1:PORT`
+    /// for a local emulator started with `--accept-any-token`).
+    pub namespace: Option<String>,
+    /// Entra ID credential (with `namespace`).
+    pub credential: Option<CredentialKind>,
     /// The retry queue.
     #[serde(default = "default_queue")]
     pub queue: String,
@@ -156,8 +161,13 @@ impl std::fmt::Debug for ServiceBusSection {
         f.debug_struct("ServiceBusSection")
             .field(
                 "connection_string",
-                &redact_connection_string(&self.connection_string),
+                &self
+                    .connection_string
+                    .as_deref()
+                    .map(redact_connection_string),
             )
+            .field("namespace", &self.namespace)
+            .field("credential", &self.credential)
             .field("queue", &self.queue)
             .field(
                 "duplicate_detection_window_s",
@@ -174,6 +184,23 @@ impl std::fmt::Debug for StorageSection {
             .field("credential", &self.credential)
             .finish()
     }
+}
+
+/// `[dead_letters]`: every dead letter is also published to this Service Bus queue (in the
+/// `[servicebus]` namespace), before the ledger records it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLettersSection {
+    /// The queue operators subscribe to (not the retry queue).
+    pub queue: String,
+    /// The largest message the queue takes (KB): 256 on Standard, up to 102400 on Premium.
+    /// A body that would not fit goes as a claim check (the ledger keeps the event).
+    #[serde(default = "d256")]
+    pub max_message_kb: u32,
+}
+
+fn d256() -> u32 {
+    256
 }
 
 /// `[handler]`
@@ -299,6 +326,14 @@ pub struct RetrySection {
     /// on (ms; also once at start).
     #[serde(default = "d60000")]
     pub dead_letter_sweep_ms: u64,
+    /// A retry the ledger says was due this long ago (ms), with no retry message arriving,
+    /// is scheduled again under a fresh MessageId by the same sweep.
+    #[serde(default = "d300000")]
+    pub overdue_margin_ms: u64,
+}
+
+fn d300000() -> u64 {
+    300_000
 }
 
 fn d60000() -> u64 {
@@ -319,6 +354,7 @@ impl Default for RetrySection {
             receive_wait_ms: 5000,
             call_deadline_ms: 10_000,
             dead_letter_sweep_ms: 60_000,
+            overdue_margin_ms: 300_000,
         }
     }
 }
@@ -395,9 +431,15 @@ pub struct Config {
     /// `[status]`
     #[serde(default)]
     pub status: StatusSection,
+    /// `[log]`: the log format (read before the rest, so start-up logs follow it).
+    #[serde(default)]
+    pub log: crate::telemetry::logs::LogSection,
     /// `[breaker]`: the circuit breaker for the handler's downstream.
     #[serde(default)]
     pub breaker: crate::breaker::BreakerConfig,
+    /// `[dead_letters]`: where dead letters are also published (none by default).
+    #[serde(default)]
+    pub dead_letters: Option<DeadLettersSection>,
 }
 
 const POLICY_KEYS: &[&str] = &[
@@ -411,6 +453,32 @@ const POLICY_KEYS: &[&str] = &[
     "delays_s",
     "repeat_last",
 ];
+
+/// `SERVICE_HOST`, `SERVICE_PORT…`, `PORT`, `PORT_…`: what Kubernetes sets for a Service
+/// (its "service links"), after the Service's upper-cased name.
+fn is_service_link(rest: &str) -> bool {
+    rest.ends_with("SERVICE_HOST")
+        || rest.contains("SERVICE_PORT")
+        || rest == "PORT"
+        || rest.ends_with("_PORT")
+        || rest.starts_with("PORT_")
+        || rest.contains("_PORT_")
+}
+
+/// Keys whose values are secrets, never quoted in an error.
+fn is_secret_path(path: &str) -> bool {
+    let p = path.to_ascii_lowercase();
+    [
+        "connection_string",
+        "secret",
+        "key",
+        "token",
+        "password",
+        "authorization",
+    ]
+    .iter()
+    .any(|s| p.contains(s))
+}
 
 /// Describes a TOML error by position and message, never by quoting the source line.
 fn describe(e: &toml::de::Error, source: &str) -> String {
@@ -483,6 +551,9 @@ impl Config {
                 p.insert("default".into(), seed);
             }
         }
+        // Which environment variable set each key, so an error names what the user wrote.
+        let mut from_env: std::collections::HashMap<String, String> =
+            std::collections::HashMap::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix("HUBGUARD_") else {
                 continue;
@@ -494,8 +565,21 @@ impl Config {
             {
                 continue; // settings of other commands and of the test suite
             }
+            if !rest.contains("__") {
+                // Every key lives in a section (`HUBGUARD_SECTION__KEY`). Kubernetes adds
+                // `HUBGUARD_SERVICE_HOST`, `HUBGUARD_PORT_8080_TCP`, … for a Service named
+                // `hubguard`: those are not ours. Anything else is a mistyped override.
+                if is_service_link(rest) {
+                    continue;
+                }
+                return Err(err(format!(
+                    "environment variable {k}: not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)"
+                )));
+            }
             let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
-            set_path(&mut table, &path, env_value(&v))?;
+            from_env.insert(path.join("."), k.clone());
+            set_path(&mut table, &path, env_value(&v))
+                .map_err(|e| err(format!("environment variable {k}: {}", e.0)))?;
         }
         if let Some(toml::Value::Table(policy)) = table.get("policy") {
             let mut tables: Vec<(String, &toml::Table)> = Vec::new();
@@ -518,9 +602,41 @@ impl Config {
                 }
             }
         }
-        let config: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| err(e.message().to_string()))?;
+        // `[handler]` is an internally tagged enum, whose errors serde reports at `handler`:
+        // deserialise its body alone to find the key inside.
+        let handler_body = table.get("handler").and_then(|h| h.as_table()).map(|h| {
+            let mut h = h.clone();
+            h.remove("kind");
+            h
+        });
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let mut path = e.path().to_string();
+                // A policy's curve is a flattened tagged enum: serde names its table only.
+                if path.starts_with("policy.")
+                    && !path.ends_with(".curve")
+                    && e.inner().message().starts_with("unknown variant")
+                {
+                    path.push_str(".curve");
+                }
+                if path == "handler" {
+                    if let Some(Err(inner)) = handler_body.clone().map(|b| {
+                        serde_path_to_error::deserialize::<_, WebhookConfig>(toml::Value::Table(b))
+                    }) {
+                        path = format!("handler.{}", inner.path());
+                    }
+                }
+                let message = if is_secret_path(&path) {
+                    // A misplaced value could be a secret: name the key, not the value.
+                    "invalid value (not shown: this key holds a secret)".to_string()
+                } else {
+                    e.inner().message().to_string()
+                };
+                match from_env.get(&path) {
+                    Some(var) => err(format!("environment variable {var} ({path}): {message}")),
+                    None => err(format!("{path}: {message}")),
+                }
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -541,12 +657,29 @@ impl Config {
         if self.eventhubs.hub.trim().is_empty() {
             return Err(err("eventhubs.hub must not be empty"));
         }
-        self.servicebus
-            .connection_string
-            .parse::<ConnectionString>()
-            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+        match (&self.servicebus.connection_string, &self.servicebus.namespace, self.servicebus.credential) {
+            (Some(cs), None, None) => {
+                cs.parse::<ConnectionString>()
+                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+            }
+            (None, Some(ns), Some(_)) => {
+                crate::azure::retry_queue::ServiceBusEndpoint::parse(ns)
+                    .map_err(|e| err(format!("servicebus.namespace: {e}")))?;
+            }
+            _ => {
+                return Err(err(
+                    "servicebus: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools, client_secret)",
+                ))
+            }
+        }
         let url = url::Url::parse(&self.storage.container_url)
             .map_err(|e| err(format!("storage.container_url is not a URL: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(err(format!(
+                "storage.container_url must be an https (or, for an emulator, http) URL, not {}:",
+                url.scheme()
+            )));
+        }
         let loopback = matches!(url.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if self.storage.credential.is_some() && url.scheme() != "https" && !loopback {
             return Err(err(
@@ -554,7 +687,35 @@ impl Config {
             ));
         }
         let HandlerSection::Webhook(w) = &self.handler;
+        if w.timeout_ms == 0 {
+            return Err(err(
+                "handler.timeout_ms must be positive: a webhook call with no time to answer fails every event",
+            ));
+        }
         WebhookHandler::new(w.clone()).map_err(err)?;
+        for (key, value, min) in [
+            ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
+            ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
+            ("retry.concurrency", self.retry.concurrency as u64, 1),
+            (
+                "processor.update_interval_ms",
+                self.processor.update_interval_ms,
+                100,
+            ),
+            ("processor.prefetch", u64::from(self.processor.prefetch), 1),
+        ] {
+            if value < min {
+                return Err(err(format!(
+                    "{key} must be at least {min} (got {value}): {}",
+                    match key {
+                        "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
+                        "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
+                        "processor.prefetch" => "a partition with no prefetch receives nothing",
+                        _ => "nothing would run",
+                    }
+                )));
+            }
+        }
         if self.processor.ownership_expiration_ms <= self.processor.update_interval_ms {
             return Err(err("processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
         }
@@ -572,6 +733,12 @@ impl Config {
             return Err(err(format!(
                 "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
                 self.retry.dead_letter_sweep_ms
+            )));
+        }
+        if self.retry.overdue_margin_ms < 1000 {
+            return Err(err(format!(
+                "retry.overdue_margin_ms must be at least 1000 (got {})",
+                self.retry.overdue_margin_ms
             )));
         }
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
@@ -594,11 +761,7 @@ impl Config {
         }
         // A replay re-sends a retry message with the same MessageId; if that can happen after
         // the duplicate-detection window, a second retry message would be created.
-        let gap_s = (self.checkpoint.every_ms
-            + self.processor.ownership_expiration_ms
-            + self.retry.call_deadline_ms * 4)
-            / 1000
-            + 60;
+        let gap_s = self.replay_gap().as_secs();
         if self.servicebus.duplicate_detection_window_s < gap_s {
             return Err(err(format!(
                 "servicebus.duplicate_detection_window_s ({}) is shorter than the longest schedule-to-replay gap this configuration allows ({gap_s} s): a replay could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
@@ -618,6 +781,19 @@ impl Config {
                 "breaker.open_ms + breaker.probe_timeout_ms reaches eventhubs.retention_hours ({} h): a partition paused by the breaker would lose events to retention",
                 self.eventhubs.retention_hours
             )));
+        }
+        if let Some(d) = &self.dead_letters {
+            if d.queue.trim().is_empty() || d.queue == self.servicebus.queue {
+                return Err(err(
+                    "dead_letters.queue must name a queue other than servicebus.queue",
+                ));
+            }
+            if !(1..=102_400).contains(&d.max_message_kb) {
+                return Err(err(format!(
+                    "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
+                    d.max_message_kb
+                )));
+            }
         }
         if self.eventhubs.retention_hours == 0 {
             return Err(err("eventhubs.retention_hours must be positive"));
@@ -651,24 +827,6 @@ impl Config {
                 }),
             )
             .map_err(|e| err(format!("managed identity: {e}")))?,
-            CredentialKind::ClientSecret => {
-                let (Some(tenant), Some(client), Some(secret)) = (
-                    env("AZURE_TENANT_ID"),
-                    env("AZURE_CLIENT_ID"),
-                    env("AZURE_CLIENT_SECRET"),
-                ) else {
-                    return Err(err(
-                        "credential client_secret needs AZURE_TENANT_ID, AZURE_CLIENT_ID and AZURE_CLIENT_SECRET in the environment",
-                    ));
-                };
-                azure_identity::ClientSecretCredential::new(
-                    &tenant,
-                    client,
-                    azure_core::credentials::Secret::new(secret),
-                    None,
-                )
-                .map_err(|e| err(format!("client secret: {e}")))?
-            }
             CredentialKind::WorkloadIdentity => {
                 azure_identity::WorkloadIdentityCredential::new(None)
                     .map_err(|e| err(format!("workload identity: {e}")))?
@@ -677,6 +835,19 @@ impl Config {
                 .map_err(|e| err(format!("azure cli: {e}")))?,
             CredentialKind::DeveloperTools => azure_identity::DeveloperToolsCredential::new(None)
                 .map_err(|e| err(format!("developer tools: {e}")))?,
+            CredentialKind::ClientSecret => {
+                let var = |name: &str| {
+                    std::env::var(name)
+                        .map_err(|_| err(format!("client_secret credential: {name} is not set")))
+                };
+                azure_identity::ClientSecretCredential::new(
+                    &var("AZURE_TENANT_ID")?,
+                    var("AZURE_CLIENT_ID")?,
+                    var("AZURE_CLIENT_SECRET")?.into(),
+                    None,
+                )
+                .map_err(|e| err(format!("client secret: {e}")))?
+            }
         };
         Ok(c)
     }
@@ -694,19 +865,89 @@ impl Config {
 
     /// The retry queue this configuration names.
     pub fn retry_queue(&self) -> Result<ServiceBusRetryQueue, ConfigError> {
-        let cs: ConnectionString = self
-            .servicebus
-            .connection_string
-            .parse()
-            .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
-        ServiceBusRetryQueue::new(
-            &cs,
-            &self.servicebus.queue,
-            ServiceBusOptions {
-                deadline: Duration::from_millis(self.retry.call_deadline_ms),
-            },
-        )
+        let sb = &self.servicebus;
+        let options = ServiceBusOptions {
+            deadline: Duration::from_millis(self.retry.call_deadline_ms),
+        };
+        match (&sb.connection_string, &sb.namespace, sb.credential) {
+            (Some(cs), _, _) => {
+                let cs: ConnectionString = cs
+                    .parse()
+                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+                ServiceBusRetryQueue::new(&cs, &sb.queue, options)
+            }
+            (None, Some(ns), Some(kind)) => ServiceBusRetryQueue::with_token_credential(
+                ns,
+                Self::credential(kind)?,
+                &sb.queue,
+                options,
+            ),
+            _ => {
+                return Err(err(
+                    "servicebus: give either connection_string, or namespace and credential",
+                ))
+            }
+        }
         .map_err(|e| err(format!("servicebus: {e}")))
+    }
+
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// re-sending the same MessageId, which the queue's duplicate-detection window must cover.
+    /// A replica schedules the retry, then dies before its checkpoint passes the event: the
+    /// checkpoint was due within `checkpoint.every_ms`; the partition stays with the dead
+    /// owner until `processor.ownership_expiration_ms` runs out; the next owner claims it,
+    /// reads from the checkpoint and reaches the event through a few calls (ownership,
+    /// ledger read, the send itself: 4 × `retry.call_deadline_ms`); a minute of margin covers
+    /// the settle backoff and clock skew between replicas. (A partition *held* before the
+    /// event — an outage — can stretch this without bound; so can a replay by hand.)
+    pub fn replay_gap(&self) -> Duration {
+        Duration::from_millis(
+            self.checkpoint.every_ms
+                + self.processor.ownership_expiration_ms
+                + self.retry.call_deadline_ms * 4,
+        ) + Duration::from_secs(60)
+    }
+
+    /// The start-up proof of the retry queue: reads its description and refuses (naming the
+    /// property and the value needed) when it cannot keep hubguard's promise; returns
+    /// warnings (e.g. no Manage right to read the description). See
+    /// [`prove_queue`](crate::azure::retry_queue::prove_queue).
+    pub async fn prove_retry_queue(&self) -> Result<Vec<String>, ConfigError> {
+        use crate::azure::retry_queue::{prove_queue, QueueNeeds};
+        let queue = self.retry_queue()?;
+        let needs = QueueNeeds {
+            replay_gap: self.replay_gap(),
+            call_deadline: Duration::from_millis(self.retry.call_deadline_ms),
+        };
+        match prove_queue(&self.servicebus.queue, queue.describe().await, &needs) {
+            Ok(proof) => {
+                tracing::info!("{}", proof.summary);
+                Ok(proof.warnings)
+            }
+            Err(refusal) => Err(err(format!("servicebus.queue: {refusal}"))),
+        }
+    }
+
+    /// The dead-letter destination `[dead_letters]` names, if any: a queue of the
+    /// `[servicebus]` namespace, reached as the retry queue is.
+    pub fn dead_letter_destination(
+        &self,
+    ) -> Result<Option<Arc<crate::pipeline::dead_letter::DeadLetterDestination>>, ConfigError> {
+        let Some(d) = &self.dead_letters else {
+            return Ok(None);
+        };
+        let mut same_namespace = self.clone();
+        same_namespace.servicebus.queue = d.queue.clone();
+        let queue = same_namespace
+            .retry_queue()
+            .map_err(|e| err(format!("dead_letters.queue: {}", e.0)))?;
+        Ok(Some(Arc::new(
+            crate::pipeline::dead_letter::DeadLetterDestination::new(
+                Arc::new(queue),
+                &d.queue,
+                d.max_message_kb,
+            ),
+        )))
     }
 
     /// Everything the pipeline needs, with the given handler.
@@ -777,6 +1018,8 @@ impl Config {
                 retry_concurrency: self.retry.concurrency,
                 retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
                 dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
+                dead_letters: self.dead_letter_destination()?,
+                overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
                 ..Default::default()
             },
         })
@@ -832,6 +1075,81 @@ url = "http://127.0.0.1:9000/events"
         assert_eq!(c.eventhubs.hub, "orders");
         assert_eq!(c.policy.default.max_attempts, 5);
         assert_eq!(c.checkpoint.every_ms, 250);
+    }
+
+    #[test]
+    fn type_errors_and_impossible_values_name_the_key_or_the_variable() {
+        let bad = |extra: &str, env: Vec<(String, String)>| {
+            Config::parse(&format!("{BASE}{extra}"), env)
+                .unwrap_err()
+                .to_string()
+        };
+        let var = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        for (extra, env, named) in [
+            ("[checkpoint]\nevery_events = \"100\"\n", none(), "checkpoint.every_events"),
+            ("", var("HUBGUARD_CHECKPOINT__EVERY_EVENTS", "abc"), "HUBGUARD_CHECKPOINT__EVERY_EVENTS"),
+            ("timeout_ms = -5\n", none(), "timeout_ms"),
+            (
+                "[policy.default]\ncurve = \"fibonaci\"\nbase_s = 1\nfloor_s = 1\ncap_s = 9\nmax_attempts = 3\n",
+                none(),
+                "policy.default.curve",
+            ),
+            ("[status]\nlisten = \"localhost:eighty\"\n", none(), "status.listen"),
+            ("timeout_ms = 0\n", none(), "handler.timeout_ms"),
+            ("[retry]\ncall_deadline_ms = 0\n", none(), "retry.call_deadline_ms"),
+            ("[processor]\nprefetch = 0\n", none(), "processor.prefetch"),
+            (
+                "[policy.default]\ncurve = \"fixed\"\nbase_s = \"ten\"\nfloor_s = 1\ncap_s = 9\nmax_attempts = 3\n",
+                none(),
+                "base_s",
+            ),
+            ("[processor]\nupdate_interval_ms = 0\n", none(), "processor.update_interval_ms"),
+            ("", var("HUBGUARD_RETRY_CONCURRENCY", "4"), "HUBGUARD_RETRY_CONCURRENCY"),
+        ] {
+            let e = bad(extra, env);
+            assert!(e.contains(named), "{named}: {e}");
+        }
+        let ftp = Config::parse(
+            &BASE.replace("http://127.0.0.1:10000", "ftp://127.0.0.1:10000"),
+            none(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            ftp.contains("storage.container_url") && ftp.contains("ftp"),
+            "{ftp}"
+        );
+        // A number where the connection string goes names the key, never a value.
+        let e = bad("", var("HUBGUARD_SERVICEBUS__CONNECTION_STRING", "12"));
+        assert!(
+            e.contains("HUBGUARD_SERVICEBUS__CONNECTION_STRING") && !e.contains("12"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_not_taken_for_overrides() {
+        let env = vec![
+            ("HUBGUARD_SERVICE_HOST".to_string(), "10.0.0.1".to_string()),
+            ("HUBGUARD_SERVICE_PORT".to_string(), "8080".to_string()),
+            (
+                "HUBGUARD_SERVICE_PORT_STATUS".to_string(),
+                "8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT".to_string(),
+                "tcp://10.0.0.1:8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT_8080_TCP".to_string(),
+                "tcp://10.0.0.1:8080".to_string(),
+            ),
+            (
+                "HUBGUARD_PORT_8080_TCP_ADDR".to_string(),
+                "10.0.0.1".to_string(),
+            ),
+        ];
+        Config::parse(BASE, env).expect("service links are ignored");
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub use checkpoint_store::BlobCheckpointStore;
 pub use connection_string::{ConnectionString, ConnectionStringError};
 pub use record_store::{BlobRecordStore, Record, RecordStore, StoreError};
 pub use retry_queue::{
-    OutgoingMessage, ReceivedMessage, RetryQueue, RetryQueueError, ServiceBusRetryQueue,
+    OutgoingMessage, QueueDescription, ReceivedMessage, RetryQueue, RetryQueueError,
+    ServiceBusRetryQueue,
 };
 pub use sas::{SasCredential, SasError, SasKey};
 

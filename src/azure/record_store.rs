@@ -53,7 +53,7 @@ pub struct Record {
 }
 
 /// A listed record (without its body).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Listed {
     /// The record's key.
     pub key: String,
@@ -61,7 +61,14 @@ pub struct Listed {
     pub etag: String,
     /// When it was last written.
     pub last_modified: Option<SystemTime>,
+    /// The tags it was written with ([`RecordStore::write_tagged`]); a listing returns them
+    /// without reading the record.
+    pub tags: std::collections::BTreeMap<String, String>,
 }
+
+/// Small name–value pairs stored beside a record and returned by a listing (blob metadata:
+/// names are C# identifiers, values ASCII, all of them at most 8 KB).
+pub type Tags = std::collections::BTreeMap<String, String>;
 
 /// Records with compare-and-swap.
 #[async_trait]
@@ -74,8 +81,24 @@ pub trait RecordStore: Send + Sync {
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError>;
     /// Deletes `key` if it still has `etag`.
     async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError>;
-    /// Every record whose key starts with `prefix`.
+    /// Every record whose key starts with `prefix`, with its tags.
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError>;
+    /// Creates (`etag` `None`) or replaces `key` like [`create`](Self::create) and
+    /// [`update`](Self::update), storing `tags` beside it in the same write. A store that
+    /// cannot keep tags writes the record alone (the default).
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+    ) -> Result<String, StoreError> {
+        let _ = tags;
+        match etag {
+            None => self.create(key, body).await,
+            Some(e) => self.update(key, body, e).await,
+        }
+    }
 }
 
 /// [`RecordStore`] on an Azure Blob Storage container (hubguard's REST client,
@@ -127,6 +150,39 @@ impl BlobRecordStore {
         tokio::time::timeout(self.deadline, f)
             .await
             .unwrap_or(Err(StoreError::Timeout(self.deadline)))
+            .map_err(|e| match e {
+                // Name the endpoint: "blob storage is unavailable" alone sends nobody anywhere.
+                StoreError::Unavailable(m) => {
+                    StoreError::Unavailable(format!("{}: {m}", self.container.url()))
+                }
+                other => other,
+            })
+    }
+
+    /// Put Blob with a condition and, when given, the tags as metadata; `not_found_as`
+    /// replaces a 404 answer.
+    async fn upload(
+        &self,
+        key: &str,
+        body: Bytes,
+        condition: Condition,
+        not_found_as: Option<StoreError>,
+        tags: Option<&Tags>,
+    ) -> Result<String, StoreError> {
+        self.deadline(async {
+            let metadata: Vec<(&str, &str)> = tags
+                .map(|t| t.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+                .unwrap_or_default();
+            self.container
+                .put_blob(key, body, "application/json", &metadata, &condition)
+                .await
+                .map(|w| w.etag)
+                .map_err(|e| match (classify(&e), &not_found_as) {
+                    (StoreError::NotFound, Some(replacement)) => replacement.clone(),
+                    (other, _) => other,
+                })
+        })
+        .await
     }
 }
 
@@ -153,8 +209,23 @@ pub fn classify(e: &BlobError) -> StoreError {
         }),
         // No token is an operator's problem, not an outage.
         None if matches!(e, BlobError::Credential(_)) => StoreError::Misconfigured(e.to_string()),
-        None => StoreError::Unavailable(e.to_string()),
+        None => StoreError::Unavailable(without_urls(&e.to_string())),
     }
+}
+
+/// Removes reqwest's ` for url (…)`: a URL's query may carry a SAS.
+fn without_urls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(" for url (") {
+        out.push_str(&rest[..i]);
+        match rest[i..].find(')') {
+            Some(j) => rest = &rest[i + j + 1..],
+            None => rest = "",
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 #[async_trait]
@@ -174,34 +245,44 @@ impl RecordStore for BlobRecordStore {
     }
 
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError> {
-        self.deadline(async {
-            self.container
-                .put_blob(key, body, "application/json", &[], &Condition::IfNotExists)
+        self.upload(key, body, Condition::IfNotExists, None, None)
+            .await
+    }
+
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+    ) -> Result<String, StoreError> {
+        match etag {
+            None => {
+                self.upload(key, body, Condition::IfNotExists, None, Some(tags))
+                    .await
+            }
+            Some(e) => {
+                self.upload(
+                    key,
+                    body,
+                    Condition::IfMatch(e.to_string()),
+                    Some(StoreError::Conflict),
+                    Some(tags),
+                )
                 .await
-                .map(|w| w.etag)
-                .map_err(|e| classify(&e))
-        })
-        .await
+            }
+        }
     }
 
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError> {
-        self.deadline(async {
-            self.container
-                .put_blob(
-                    key,
-                    body,
-                    "application/json",
-                    &[],
-                    &Condition::IfMatch(etag.to_string()),
-                )
-                .await
-                .map(|w| w.etag)
-                // If-Match on a deleted record: it changed under us.
-                .map_err(|e| match classify(&e) {
-                    StoreError::NotFound => StoreError::Conflict,
-                    other => other,
-                })
-        })
+        // If-Match on a deleted record: it changed under us.
+        self.upload(
+            key,
+            body,
+            Condition::IfMatch(etag.to_string()),
+            Some(StoreError::Conflict),
+            None,
+        )
         .await
     }
 
@@ -219,7 +300,7 @@ impl RecordStore for BlobRecordStore {
         self.deadline(async {
             let items = self
                 .container
-                .list_blobs(prefix, false)
+                .list_blobs(prefix, true)
                 .await
                 .map_err(|e| classify(&e))?;
             Ok(items
@@ -228,9 +309,23 @@ impl RecordStore for BlobRecordStore {
                     key: i.name,
                     etag: i.etag,
                     last_modified: i.last_modified.map(SystemTime::from),
+                    tags: i.metadata.into_iter().collect(),
                 })
                 .collect())
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_with_their_sas_never_reach_an_error() {
+        assert_eq!(
+            without_urls("error sending request for url (http://h/c/b?sig=SECRET): refused"),
+            "error sending request: refused"
+        );
     }
 }

@@ -4,6 +4,13 @@
 //! on the legacy `azure_core` 0.21) and turns what that crate hides into typed errors:
 //! its peek-lock answers `Ok` on 401/404/500 (`EMULATOR_NOTES.md` §8), its scheduled times are
 //! truncated to whole seconds, and it has no deadlines. Every call here has one.
+//!
+//! It authenticates with the SAS key of a connection string (the crate signs every request)
+//! or with an Entra ID [`TokenCredential`] ([`BearerTokenHttpClient`] replaces the crate's
+//! signature with `Authorization: Bearer`, scope [`SERVICE_BUS_SCOPE`]), and reads the queue's
+//! description through the management REST API ([`ServiceBusRetryQueue::describe`]) so
+//! `hubguard run` can prove at start that the queue keeps hubguard's promise
+//! ([`prove_queue`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -11,13 +18,14 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use azure_core_legacy::headers::Headers;
+use azure_core::credentials::{AccessToken, TokenCredential};
+use azure_core_legacy::headers::{HeaderValue, Headers};
 use azure_core_legacy::{HttpClient, Request, Response};
 use azure_messaging_servicebus::service_bus::{
     PeekLockResponse, QueueClient, SendMessageOptions, SettableBrokerProperties,
 };
 
-use super::ConnectionString;
+use super::{ConnectionString, SasKey};
 
 /// Why a retry-queue call failed. Callers branch on it: a refusal of *one request*
 /// ([`Refused`](Self::Refused)) is final for that message and must not hold anything; the
@@ -87,6 +95,10 @@ pub enum RetryQueueError {
     /// The answer could not be understood.
     #[error("Service Bus answered something unexpected: {0}")]
     Protocol(String),
+    /// The Entra ID credential could not get a token (not signed in, no managed identity, a
+    /// refused client secret, …): every request fails until someone acts.
+    #[error("no Entra ID token for Service Bus: {0}")]
+    Credential(String),
 }
 
 fn detail_suffix(detail: &str) -> String {
@@ -246,6 +258,13 @@ pub trait RetryQueue: Send + Sync {
         let _ = wait;
         Ok(None)
     }
+    /// Reads the queue's description (duplicate detection, lock duration, …) for the
+    /// start-up proof ([`prove_queue`]). `EntityNotFound` when the queue does not exist.
+    async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
+        Err(RetryQueueError::Protocol(
+            "this retry queue cannot describe itself".into(),
+        ))
+    }
 }
 
 /// An `HttpClient` for the legacy crate that sends every request (and every lock `Location`)
@@ -311,6 +330,13 @@ pub struct ServiceBusRetryQueue {
     /// The same queue's `$DeadLetterQueue`.
     dead_letters: QueueClient,
     queue: String,
+    /// The HTTP stack every request goes through (redirect, bearer token, error details).
+    http: Arc<dyn HttpClient>,
+    /// `https://{namespace}.servicebus.windows.net/{queue}` as the crate names it (the stack
+    /// redirects it to the real endpoint).
+    entity_url: String,
+    /// The key to sign management requests with (`None` with a token credential).
+    sas: Option<SasKey>,
     options: ServiceBusOptions,
     clock: Arc<crate::clock::Clock>,
 }
@@ -319,51 +345,178 @@ impl fmt::Debug for ServiceBusRetryQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ServiceBusRetryQueue")
             .field("queue", &self.queue)
+            .field("entity_url", &self.entity_url)
+            .field(
+                "auth",
+                &if self.sas.is_some() {
+                    "sas"
+                } else {
+                    "entra id"
+                },
+            )
             .finish_non_exhaustive()
     }
 }
 
+/// Where a namespace's REST API is: `https://{namespace host}` for Azure, or plain
+/// `http://host:port` for a local emulator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceBusEndpoint {
+    /// `https`, or `http` for an emulator.
+    pub scheme: String,
+    /// The namespace's host (`myns.servicebus.windows.net`, `127.0.0.1`).
+    pub host: String,
+    /// The port, when not the scheme's default.
+    pub port: Option<u16>,
+}
+
+impl ServiceBusEndpoint {
+    /// Parses a namespace as configured: `myns.servicebus.windows.net` (also with `sb://` or
+    /// `https://` and a trailing `/`), or `http://127.0.0.1:5380` for a local emulator. Plain
+    /// `http` is allowed only to a loopback host: a bearer token must not cross a network
+    /// unencrypted.
+    pub fn parse(namespace: &str) -> Result<Self, String> {
+        let s = namespace.trim();
+        let (scheme, rest) = match s.split_once("://") {
+            Some((sch, rest)) => (sch.to_ascii_lowercase(), rest),
+            None => ("https".to_string(), s),
+        };
+        let scheme = match scheme.as_str() {
+            "https" | "sb" => "https",
+            "http" => "http",
+            other => return Err(format!("unsupported scheme `{other}` (use a host name, or http://127.0.0.1:PORT for a local emulator)")),
+        };
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        let url = url::Url::parse(&format!("{scheme}://{authority}"))
+            .map_err(|e| format!("not a namespace host: {e}"))?;
+        let host = url
+            .host_str()
+            .filter(|h| !h.is_empty())
+            .ok_or("no host")?
+            .to_string();
+        if scheme == "http" {
+            let loopback = host == "localhost"
+                || host
+                    .trim_matches(['[', ']'])
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback());
+            if !loopback {
+                return Err(format!(
+                    "plain http is only for a local emulator (a loopback host, not {host}): use the namespace's host name"
+                ));
+            }
+        }
+        Ok(Self {
+            scheme: scheme.into(),
+            host,
+            port: url.port(),
+        })
+    }
+
+    fn of_connection_string(connection: &ConnectionString) -> Self {
+        Self {
+            scheme: if connection.use_development_emulator {
+                "http"
+            } else {
+                "https"
+            }
+            .into(),
+            host: connection.host.clone(),
+            port: connection.port,
+        }
+    }
+
+    /// The namespace name the legacy crate builds `https://{name}.servicebus.windows.net`
+    /// URLs from, and the HTTP client that sends them here. Only an Azure public-cloud
+    /// namespace is reached without a redirect.
+    fn legacy_client(&self) -> (String, Arc<dyn HttpClient>) {
+        match self.host.strip_suffix(".servicebus.windows.net") {
+            Some(ns) if self.scheme == "https" && self.port.is_none() => {
+                (ns.to_string(), azure_core_legacy::new_http_client())
+            }
+            _ => (
+                "emulator".into(),
+                Arc::new(RedirectingHttpClient::new(
+                    &self.scheme,
+                    &self.host,
+                    self.port,
+                )),
+            ),
+        }
+    }
+}
+
+/// The API version of the management (entity description) requests, as the official SDKs'
+/// administration clients send it.
+pub const MANAGEMENT_API_VERSION: &str = "2021-05";
+
 impl ServiceBusRetryQueue {
-    /// A retry queue on `queue` of the namespace in `connection`. With
-    /// `UseDevelopmentEmulator=true` requests go over plain HTTP to the endpoint's host and
-    /// port; otherwise to `https://{namespace}.servicebus.windows.net`.
+    /// A retry queue on `queue` of the namespace in `connection`, authenticated with its SAS
+    /// key. With `UseDevelopmentEmulator=true` requests go over plain HTTP to the endpoint's
+    /// host and port; otherwise to `https://{namespace}.servicebus.windows.net`.
     pub fn new(
         connection: &ConnectionString,
         queue: &str,
         options: ServiceBusOptions,
     ) -> Result<Self, RetryQueueError> {
-        let (namespace, http): (String, Arc<dyn HttpClient>) =
-            if connection.use_development_emulator {
-                (
-                    "emulator".into(),
-                    Arc::new(DetailedErrors::new(Arc::new(RedirectingHttpClient::new(
-                        "http",
-                        &connection.host,
-                        connection.port,
-                    )))),
-                )
-            } else {
-                let ns = connection
-                    .host
-                    .strip_suffix(".servicebus.windows.net")
-                    .ok_or_else(|| {
-                        RetryQueueError::Protocol(format!(
-                            "{} is not a *.servicebus.windows.net namespace",
-                            connection.host
-                        ))
-                    })?;
-                (
-                    ns.to_string(),
-                    Arc::new(DetailedErrors::new(azure_core_legacy::new_http_client())),
-                )
-            };
+        let endpoint = ServiceBusEndpoint::of_connection_string(connection);
+        if !connection.use_development_emulator
+            && !connection.host.ends_with(".servicebus.windows.net")
+        {
+            return Err(RetryQueueError::Protocol(format!(
+                "{} is not a *.servicebus.windows.net namespace",
+                connection.host
+            )));
+        }
+        Self::build(
+            &endpoint,
+            Some(connection.key.clone()),
+            None,
+            queue,
+            options,
+        )
+    }
+
+    /// A retry queue on `queue` of `namespace` (see [`ServiceBusEndpoint::parse`]),
+    /// authenticated with an Entra ID token from `credential` for [`SERVICE_BUS_SCOPE`]
+    /// (roles: Azure Service Bus Data Sender and Data Receiver; Data Owner to read the
+    /// queue's description).
+    pub fn with_token_credential(
+        namespace: &str,
+        credential: Arc<dyn TokenCredential>,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let endpoint = ServiceBusEndpoint::parse(namespace).map_err(RetryQueueError::Protocol)?;
+        Self::build(&endpoint, None, Some(credential), queue, options)
+    }
+
+    fn build(
+        endpoint: &ServiceBusEndpoint,
+        sas: Option<SasKey>,
+        credential: Option<Arc<dyn TokenCredential>>,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let (namespace, transport) = endpoint.legacy_client();
+        let authenticated: Arc<dyn HttpClient> = match credential {
+            Some(c) => Arc::new(BearerTokenHttpClient::new(transport, c)),
+            None => transport,
+        };
+        let http: Arc<dyn HttpClient> = Arc::new(DetailedErrors::new(authenticated));
+        // With a token credential the crate still signs a SAS (it cannot do otherwise); the
+        // bearer client replaces it, so the key is a placeholder that never leaves here.
+        let (key_name, key) = match &sas {
+            Some(k) => (k.name().to_string(), k.secret().to_string()),
+            None => ("entra-id".to_string(), "unused".to_string()),
+        };
         let client = |entity: &str| {
             QueueClient::new(
                 http.clone(),
                 namespace.clone(),
                 entity,
-                connection.key.name(),
-                connection.key.secret().to_string(),
+                key_name.clone(),
+                key.clone(),
             )
             .map_err(|e| RetryQueueError::Protocol(e.to_string()))
         };
@@ -371,11 +524,64 @@ impl ServiceBusRetryQueue {
             client: client(queue)?,
             dead_letters: client(&format!("{queue}/$DeadLetterQueue"))?,
             queue: queue.into(),
+            entity_url: format!("https://{namespace}.servicebus.windows.net/{queue}"),
+            http,
+            sas,
             options,
             clock: Arc::default(),
         })
     }
 
+    /// Reads the queue's description: `GET https://{namespace}/{queue}?api-version=2021-05`,
+    /// an Atom entry holding a `QueueDescription`. It needs the Manage right (a SAS policy
+    /// with Manage, or the Azure Service Bus Data Owner role); without it Service Bus answers
+    /// 401 ("Manage,EntityRead claims required for this operation"). A queue that does not
+    /// exist comes back as an empty feed (status 200): `EntityNotFound`.
+    pub async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
+        self.deadline(Duration::ZERO, async {
+            let url = format!("{}?api-version={MANAGEMENT_API_VERSION}", self.entity_url);
+            let url = azure_core_legacy::Url::parse(&url)
+                .map_err(|e| RetryQueueError::Protocol(format!("bad queue URL: {e}")))?;
+            let mut request = Request::new(url, azure_core_legacy::Method::Get);
+            if let Some(key) = &self.sas {
+                let expiry = self
+                    .clock
+                    .now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs()
+                    + 3600;
+                request.insert_header(
+                    azure_core_legacy::headers::AUTHORIZATION,
+                    HeaderValue::from(key.token(&self.entity_url, expiry)),
+                );
+            }
+            let response = self
+                .http
+                .execute_request(&request)
+                .await
+                .map_err(|e| classify(&e))?;
+            let (_status, _headers, body) = response.deconstruct();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| RetryQueueError::Transport(e.to_string()))?;
+            match QueueDescription::from_atom(&String::from_utf8_lossy(&body)) {
+                Ok(Some(d)) => Ok(d),
+                Ok(None) => Err(RetryQueueError::EntityNotFound {
+                    status: 404,
+                    detail: format!(
+                        "the namespace has no queue named '{}' (its description is an empty feed)",
+                        self.queue
+                    ),
+                }),
+                Err(e) => Err(RetryQueueError::Protocol(format!(
+                    "the queue's description cannot be read: {e}"
+                ))),
+            }
+        })
+        .await
+    }
     /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
     /// emulator share) instead of the wall clock.
     pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
@@ -429,6 +635,9 @@ fn classify(e: &azure_core_legacy::Error) -> RetryQueueError {
             status_error(u16::from(*status), error_code.as_deref().unwrap_or(""))
         }
         azure_core_legacy::error::ErrorKind::Io => RetryQueueError::Transport(e.to_string()),
+        azure_core_legacy::error::ErrorKind::Credential => {
+            RetryQueueError::Credential(e.to_string())
+        }
         _ => {
             // Connection failures surface as wrapped reqwest errors.
             RetryQueueError::Transport(e.to_string())
@@ -513,6 +722,371 @@ impl HttpClient for DetailedErrors {
             format!("Service Bus answered {}", u16::from(status)),
         ))
     }
+}
+
+/// The scope of an Entra ID token for Service Bus's data plane ("Authenticate and authorize
+/// an application with Microsoft Entra ID to access Azure Service Bus entities",
+/// learn.microsoft.com).
+pub const SERVICE_BUS_SCOPE: &str = "https://servicebus.azure.net/.default";
+
+/// A cached token is replaced this long before it expires.
+const TOKEN_REFRESH_MARGIN: Duration = Duration::from_secs(300);
+
+/// An `HttpClient` for the legacy crate that authenticates every request with an Entra ID
+/// token (`Authorization: Bearer …` for [`SERVICE_BUS_SCOPE`]) instead of the SAS the crate
+/// signs. The token is cached until [`TOKEN_REFRESH_MARGIN`] before it expires; one request
+/// fetches it while the others wait. `Debug` never shows it, and a credential failure
+/// becomes [`RetryQueueError::Credential`].
+pub struct BearerTokenHttpClient {
+    inner: Arc<dyn HttpClient>,
+    credential: Arc<dyn TokenCredential>,
+    cached: tokio::sync::Mutex<Option<AccessToken>>,
+}
+
+impl fmt::Debug for BearerTokenHttpClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BearerTokenHttpClient")
+            .field("inner", &self.inner)
+            .field("scope", &SERVICE_BUS_SCOPE)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BearerTokenHttpClient {
+    /// Sends through `inner` with tokens from `credential`.
+    pub fn new(inner: Arc<dyn HttpClient>, credential: Arc<dyn TokenCredential>) -> Self {
+        Self {
+            inner,
+            credential,
+            cached: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn authorization(&self) -> azure_core_legacy::Result<String> {
+        let mut cached = self.cached.lock().await;
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs() as i64;
+        let fresh_enough = |t: &AccessToken| {
+            t.expires_on.unix_timestamp() - TOKEN_REFRESH_MARGIN.as_secs() as i64 > now
+        };
+        if let Some(t) = cached.as_ref().filter(|t| fresh_enough(t)) {
+            return Ok(format!("Bearer {}", t.token.secret()));
+        }
+        let token = self
+            .credential
+            .get_token(&[SERVICE_BUS_SCOPE], None)
+            .await
+            .map_err(|e| {
+                azure_core_legacy::Error::message(
+                    azure_core_legacy::error::ErrorKind::Credential,
+                    format!("the credential could not get a token for {SERVICE_BUS_SCOPE}: {e}"),
+                )
+            })?;
+        let header = format!("Bearer {}", token.token.secret());
+        *cached = Some(token);
+        Ok(header)
+    }
+}
+
+#[async_trait]
+impl HttpClient for BearerTokenHttpClient {
+    async fn execute_request(&self, request: &Request) -> azure_core_legacy::Result<Response> {
+        let authorization = self.authorization().await?;
+        let mut req = request.clone();
+        req.insert_header(
+            azure_core_legacy::headers::AUTHORIZATION,
+            HeaderValue::from(authorization),
+        );
+        self.inner.execute_request(&req).await
+    }
+}
+
+/// What hubguard reads of a queue's `QueueDescription` (the management REST API; the
+/// element names are the service's, as the official SDKs' administration clients read them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueDescription {
+    /// `RequiresDuplicateDetection`.
+    pub requires_duplicate_detection: bool,
+    /// `DuplicateDetectionHistoryTimeWindow` (an ISO 8601 duration on the wire).
+    pub duplicate_detection_history_time_window: Option<Duration>,
+    /// `LockDuration`.
+    pub lock_duration: Option<Duration>,
+    /// `MaxDeliveryCount`.
+    pub max_delivery_count: Option<u32>,
+    /// `MaxMessageSizeInKilobytes` (absent on older API versions and some tiers).
+    pub max_message_size_in_kilobytes: Option<u32>,
+}
+
+/// The text of the first element whose local name (without a namespace prefix) is `name`.
+fn element_text<'a>(xml: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = xml;
+    while let Some(open) = rest.find('<') {
+        let after = &rest[open + 1..];
+        let end = after.find('>')?;
+        let tag = &after[..end];
+        rest = &after[end + 1..];
+        if tag.starts_with(['/', '?', '!']) || tag.ends_with('/') {
+            continue;
+        }
+        let qualified = tag.split_whitespace().next().unwrap_or("");
+        let local = qualified.rsplit(':').next().unwrap_or(qualified);
+        if local == name {
+            let close = rest.find("</")?;
+            return Some(rest[..close].trim());
+        }
+    }
+    None
+}
+
+/// Whether the document has an element whose local name is `name`.
+fn has_element(xml: &str, name: &str) -> bool {
+    xml.split('<').skip(1).any(|t| {
+        let qualified = t
+            .split(|c: char| c.is_whitespace() || c == '>' || c == '/')
+            .next()
+            .unwrap_or("");
+        qualified.rsplit(':').next() == Some(name)
+    })
+}
+
+impl QueueDescription {
+    /// Reads the Atom entry Service Bus answers to `GET /{queue}`. `Ok(None)` when the
+    /// document holds no `QueueDescription` (an empty feed: the queue does not exist).
+    pub fn from_atom(xml: &str) -> Result<Option<Self>, String> {
+        if !has_element(xml, "QueueDescription") {
+            return if has_element(xml, "feed") || has_element(xml, "entry") {
+                Ok(None)
+            } else {
+                Err("neither an Atom entry nor a feed".into())
+            };
+        }
+        let start = xml.find("QueueDescription").unwrap_or(0);
+        let body = &xml[start..];
+        let duration = |name: &str| -> Result<Option<Duration>, String> {
+            element_text(body, name)
+                .map(|t| {
+                    parse_iso8601_duration(t)
+                        .ok_or(format!("{name} `{t}` is not an ISO 8601 duration"))
+                })
+                .transpose()
+        };
+        let number = |name: &str| -> Result<Option<u32>, String> {
+            element_text(body, name)
+                .map(|t| {
+                    t.parse::<u32>()
+                        .map_err(|_| format!("{name} `{t}` is not a number"))
+                })
+                .transpose()
+        };
+        let requires = match element_text(body, "RequiresDuplicateDetection") {
+            Some(t) if t.eq_ignore_ascii_case("true") => true,
+            Some(t) if t.eq_ignore_ascii_case("false") => false,
+            Some(t) => return Err(format!("RequiresDuplicateDetection `{t}` is not a boolean")),
+            // The service's default.
+            None => false,
+        };
+        Ok(Some(Self {
+            requires_duplicate_detection: requires,
+            duplicate_detection_history_time_window: duration(
+                "DuplicateDetectionHistoryTimeWindow",
+            )?,
+            lock_duration: duration("LockDuration")?,
+            max_delivery_count: number("MaxDeliveryCount")?,
+            max_message_size_in_kilobytes: number("MaxMessageSizeInKilobytes")?,
+        }))
+    }
+}
+
+/// Parses an ISO 8601 duration as .NET writes a `TimeSpan` (`PT10M`, `P7D`, `PT0.5S`,
+/// `P10675199DT2H48M5.4775807S` for `TimeSpan.MaxValue`); years and months count as 365 and
+/// 30 days. Saturates instead of overflowing.
+pub fn parse_iso8601_duration(s: &str) -> Option<Duration> {
+    let rest = s.trim().strip_prefix('P')?;
+    let (date, time) = match rest.split_once('T') {
+        Some((d, t)) => (d, Some(t)),
+        None => (rest, None),
+    };
+    let mut total = Duration::ZERO;
+    let mut any = false;
+    let mut add = |part: &str, units: &[(char, f64)]| -> Option<()> {
+        let mut number = String::new();
+        for c in part.chars() {
+            if c.is_ascii_digit() || c == '.' || c == ',' {
+                number.push(if c == ',' { '.' } else { c });
+                continue;
+            }
+            let secs = units.iter().find(|(u, _)| *u == c)?.1;
+            let n: f64 = number.parse().ok()?;
+            number.clear();
+            total = total
+                .saturating_add(Duration::try_from_secs_f64(n * secs).unwrap_or(Duration::MAX));
+            any = true;
+        }
+        number.is_empty().then_some(())
+    };
+    const DAY: f64 = 86_400.0;
+    add(
+        date,
+        &[
+            ('Y', 365.0 * DAY),
+            ('M', 30.0 * DAY),
+            ('W', 7.0 * DAY),
+            ('D', DAY),
+        ],
+    )?;
+    if let Some(t) = time {
+        if t.is_empty() {
+            return None;
+        }
+        add(t, &[('H', 3600.0), ('M', 60.0), ('S', 1.0)])?;
+    }
+    any.then_some(total)
+}
+
+/// A duration as ISO 8601 (`PT2M40S`), for messages that name a queue property's value.
+pub fn iso8601(d: Duration) -> String {
+    let secs = d.as_secs();
+    let (days, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    let mut out = String::from("P");
+    if days > 0 {
+        out.push_str(&format!("{days}D"));
+    }
+    if h + m + s > 0 || days == 0 {
+        out.push('T');
+        if h > 0 {
+            out.push_str(&format!("{h}H"));
+        }
+        if m > 0 {
+            out.push_str(&format!("{m}M"));
+        }
+        if s > 0 || (h == 0 && m == 0) {
+            out.push_str(&format!("{s}S"));
+        }
+    }
+    out
+}
+
+/// What the retry queue must offer for this configuration (see [`prove_queue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueNeeds {
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// from Event Hubs re-sending the same MessageId (`Config::replay_gap`).
+    pub replay_gap: Duration,
+    /// The deadline of every call (`retry.call_deadline_ms`).
+    pub call_deadline: Duration,
+}
+
+impl QueueNeeds {
+    /// The duplicate-detection window needed with a queue whose locks last `lock`: the
+    /// longer of the Event Hubs replay gap and the retry loop's own re-send path (a process
+    /// dies after sending attempt n+1 but before completing the message of attempt n; the
+    /// lock lapses, Service Bus redelivers it, and the next receiver re-sends attempt n+1
+    /// after reading the ledger: the lock, plus a few calls, plus a minute of margin).
+    pub fn window(&self, lock: Option<Duration>) -> Duration {
+        let redelivery = lock.unwrap_or(Duration::from_secs(60))
+            + self.call_deadline * 4
+            + Duration::from_secs(60);
+        self.replay_gap.max(redelivery)
+    }
+}
+
+/// What the start-up proof found: a summary for the log and warnings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueProof {
+    /// One line with the properties read (or why they could not be).
+    pub summary: String,
+    /// Allowed but risky, or not verifiable.
+    pub warnings: Vec<String>,
+}
+
+/// Checks `queue`'s description against what the configuration needs. `Err` when the queue
+/// cannot keep hubguard's promise (it does not exist, duplicate detection is off, or its
+/// window is shorter than [`QueueNeeds::window`]): the message names the property and the
+/// value needed. When the description cannot be read (no Manage right: 401/403; Service
+/// Bus unreachable) the proof is a warning, not a refusal: sending and receiving need no
+/// Manage right, and least privilege should not stop hubguard.
+pub fn prove_queue(
+    queue: &str,
+    described: Result<QueueDescription, RetryQueueError>,
+    needs: &QueueNeeds,
+) -> Result<QueueProof, String> {
+    let d = match described {
+        Ok(d) => d,
+        Err(RetryQueueError::EntityNotFound { detail, .. }) => {
+            let need = needs.window(None);
+            return Err(format!(
+                "the retry queue '{queue}' does not exist ({detail}): create it with RequiresDuplicateDetection = true and DuplicateDetectionHistoryTimeWindow at least {} ({} s)",
+                iso8601(need),
+                need.as_secs()
+            ));
+        }
+        Err(e @ RetryQueueError::Unauthorized { .. }) => {
+            let need = needs.window(None);
+            let w = format!(
+                "cannot read the retry queue '{queue}''s description ({e}): the credential lacks the Manage right (a SAS policy with Manage, or the Azure Service Bus Data Owner role); sending and receiving work without it, but duplicate detection is not verified: make sure the queue has RequiresDuplicateDetection = true and DuplicateDetectionHistoryTimeWindow at least {} ({} s)",
+                iso8601(need),
+                need.as_secs()
+            );
+            return Ok(QueueProof {
+                summary: format!(
+                    "retry queue '{queue}': description not readable (no Manage right)"
+                ),
+                warnings: vec![w],
+            });
+        }
+        Err(e) => {
+            return Ok(QueueProof {
+                summary: format!("retry queue '{queue}': description not read"),
+                warnings: vec![format!(
+                    "cannot read the retry queue '{queue}''s description ({e}): duplicate detection is not verified"
+                )],
+            });
+        }
+    };
+    let need = needs.window(d.lock_duration);
+    if !d.requires_duplicate_detection {
+        return Err(format!(
+            "the retry queue '{queue}' has RequiresDuplicateDetection = false; hubguard needs true, with DuplicateDetectionHistoryTimeWindow at least {} ({} s): a replayed event re-sends its retry under the same MessageId, and without duplicate detection it would be retried twice. Duplicate detection can only be chosen when a queue is created: create a queue with it and set servicebus.queue",
+            iso8601(need),
+            need.as_secs()
+        ));
+    }
+    let window = d
+        .duplicate_detection_history_time_window
+        .unwrap_or(Duration::from_secs(600));
+    if window < need {
+        return Err(format!(
+            "the retry queue '{queue}' has DuplicateDetectionHistoryTimeWindow = {} ({} s); this configuration needs at least {} ({} s): the longest time from scheduling a retry to a replay re-sending the same MessageId (checkpoint.every_ms + processor.ownership_expiration_ms + 4 × retry.call_deadline_ms + 60 s, or the queue's LockDuration + 4 × retry.call_deadline_ms + 60 s). Raise the window on the queue, or checkpoint more often",
+            iso8601(window),
+            window.as_secs(),
+            iso8601(need),
+            need.as_secs()
+        ));
+    }
+    let mut warnings = Vec::new();
+    if let Some(lock) = d.lock_duration {
+        if lock < needs.call_deadline * 2 {
+            warnings.push(format!(
+                "the retry queue '{queue}' has LockDuration = {} ({} s), less than twice retry.call_deadline_ms: a held retry's lock is renewed at half its time, and a slow renewal may let it lapse (Service Bus then delivers the message again)",
+                iso8601(lock),
+                lock.as_secs()
+            ));
+        }
+    }
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "not given".into());
+    Ok(QueueProof {
+        summary: format!(
+            "retry queue '{queue}': RequiresDuplicateDetection true, DuplicateDetectionHistoryTimeWindow {} (needs {}), LockDuration {}, MaxDeliveryCount {}, MaxMessageSizeInKilobytes {}",
+            iso8601(window),
+            iso8601(need),
+            opt(d.lock_duration.map(iso8601)),
+            opt(d.max_delivery_count.map(|n| n.to_string())),
+            opt(d.max_message_size_in_kilobytes.map(|n| n.to_string())),
+        ),
+        warnings,
+    })
 }
 
 /// Rounds up to the next whole second (the wire format has no fractions): the time Service
@@ -637,6 +1211,10 @@ impl RetryQueue for ServiceBusRetryQueue {
     ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
         self.receive_from(&self.dead_letters, wait).await
     }
+
+    async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
+        ServiceBusRetryQueue::describe(self).await
+    }
 }
 
 impl ServiceBusRetryQueue {
@@ -760,5 +1338,131 @@ mod tests {
         assert_eq!(error_detail(body), "Bad <id>  line");
         let long = format!("<Error><Detail>{}</Detail></Error>", "x".repeat(1000));
         assert!(error_detail(long.as_bytes()).chars().count() <= DETAIL_LIMIT + 1);
+    }
+    #[test]
+    fn iso8601_durations_as_dotnet_writes_them() {
+        let p = |s: &str| parse_iso8601_duration(s);
+        assert_eq!(p("PT10M"), Some(Duration::from_secs(600)));
+        assert_eq!(p("PT1M30S"), Some(Duration::from_secs(90)));
+        assert_eq!(p("P7D"), Some(Duration::from_secs(7 * 86_400)));
+        assert_eq!(p("P1DT2H"), Some(Duration::from_secs(93_600)));
+        assert_eq!(p("PT0.5S"), Some(Duration::from_millis(500)));
+        let max = p("P10675199DT2H48M5.4775807S").unwrap();
+        assert!(max > Duration::from_secs(10_675_199 * 86_400));
+        for bad in ["", "P", "PT", "10M", "PT10X", "PT10", "P1H"] {
+            assert_eq!(p(bad), None, "{bad}");
+        }
+        for secs in [
+            1,
+            20,
+            59,
+            60,
+            90,
+            600,
+            3600,
+            3661,
+            86_400,
+            7 * 86_400,
+            90_061,
+        ] {
+            let d = Duration::from_secs(secs);
+            assert_eq!(p(&iso8601(d)), Some(d), "{}", iso8601(d));
+        }
+        assert_eq!(iso8601(Duration::from_secs(160)), "PT2M40S");
+        assert_eq!(iso8601(Duration::ZERO), "PT0S");
+    }
+
+    /// The shape Service Bus answers (the Get Queue reference on learn.microsoft.com), with
+    /// prefixes and the runtime counters the service adds.
+    const ENTRY: &str = r#"<entry xmlns="http://www.w3.org/2005/Atom"><id>https://ns.servicebus.windows.net/retries?api-version=2021-05</id><title type="text">retries</title><content type="application/xml"><QueueDescription xmlns="http://schemas.microsoft.com/netservices/2010/10/servicebus/connect" xmlns:i="http://www.w3.org/2001/XMLSchema-instance"><LockDuration>PT1M</LockDuration><MaxSizeInMegabytes>1024</MaxSizeInMegabytes><RequiresDuplicateDetection>true</RequiresDuplicateDetection><RequiresSession>false</RequiresSession><DefaultMessageTimeToLive>P10675199DT2H48M5.4775807S</DefaultMessageTimeToLive><DeadLetteringOnMessageExpiration>false</DeadLetteringOnMessageExpiration><DuplicateDetectionHistoryTimeWindow>PT10M</DuplicateDetectionHistoryTimeWindow><MaxDeliveryCount>10</MaxDeliveryCount><AuthorizationRules/><CountDetails xmlns:d2p1="http://schemas.microsoft.com/netservices/2011/06/servicebus"><d2p1:ActiveMessageCount>0</d2p1:ActiveMessageCount></CountDetails><MaxMessageSizeInKilobytes>256</MaxMessageSizeInKilobytes></QueueDescription></content></entry>"#;
+
+    #[test]
+    fn a_queue_description_is_read_from_its_atom_entry() {
+        let d = QueueDescription::from_atom(ENTRY).unwrap().unwrap();
+        assert_eq!(
+            d,
+            QueueDescription {
+                requires_duplicate_detection: true,
+                duplicate_detection_history_time_window: Some(Duration::from_secs(600)),
+                lock_duration: Some(Duration::from_secs(60)),
+                max_delivery_count: Some(10),
+                max_message_size_in_kilobytes: Some(256),
+            }
+        );
+        let feed = r#"<feed xmlns="http://www.w3.org/2005/Atom"><title type="text">Publicly Listed Services</title><id>uuid:1</id><updated>2024-01-01T00:00:00Z</updated><generator>Service Bus 1.1</generator></feed>"#;
+        assert_eq!(QueueDescription::from_atom(feed), Ok(None));
+        assert!(QueueDescription::from_atom("not xml").is_err());
+        let bad = ENTRY.replace("PT10M", "ten minutes");
+        let e = QueueDescription::from_atom(&bad).unwrap_err();
+        assert!(e.contains("DuplicateDetectionHistoryTimeWindow"), "{e}");
+    }
+
+    #[test]
+    fn the_proof_refuses_naming_the_property_and_the_value_needed() {
+        let needs = QueueNeeds {
+            replay_gap: Duration::from_secs(121),
+            call_deadline: Duration::from_secs(10),
+        };
+        let good = QueueDescription::from_atom(ENTRY).unwrap().unwrap();
+        let proof = prove_queue("retries", Ok(good.clone()), &needs).unwrap();
+        assert!(proof.warnings.is_empty(), "{proof:?}");
+        assert!(proof.summary.contains("needs PT2M40S"), "{}", proof.summary);
+        let off = QueueDescription {
+            requires_duplicate_detection: false,
+            ..good.clone()
+        };
+        let e = prove_queue("retries", Ok(off), &needs).unwrap_err();
+        assert!(
+            e.contains("RequiresDuplicateDetection = false") && e.contains("PT2M40S (160 s)"),
+            "{e}"
+        );
+        let short = QueueDescription {
+            duplicate_detection_history_time_window: Some(Duration::from_secs(60)),
+            ..good.clone()
+        };
+        let e = prove_queue("retries", Ok(short), &needs).unwrap_err();
+        assert!(
+            e.contains("DuplicateDetectionHistoryTimeWindow = PT1M (60 s)")
+                && e.contains("at least PT2M40S (160 s)"),
+            "{e}"
+        );
+        let no_manage = RetryQueueError::Unauthorized {
+            status: 401,
+            detail: "Manage,EntityRead claims required for this operation.".into(),
+        };
+        let proof = prove_queue("retries", Err(no_manage), &needs).unwrap();
+        assert!(proof.warnings[0].contains("Manage right"), "{proof:?}");
+        let missing = RetryQueueError::EntityNotFound {
+            status: 404,
+            detail: String::new(),
+        };
+        assert!(prove_queue("retries", Err(missing), &needs)
+            .unwrap_err()
+            .contains("does not exist"));
+        let short_lock = QueueDescription {
+            lock_duration: Some(Duration::from_secs(5)),
+            ..good
+        };
+        let proof = prove_queue("retries", Ok(short_lock), &needs).unwrap();
+        assert!(
+            proof.warnings[0].contains("LockDuration = PT5S"),
+            "{proof:?}"
+        );
+    }
+
+    #[test]
+    fn namespaces_parse_and_plain_http_stays_local() {
+        let e = ServiceBusEndpoint::parse("myns.servicebus.windows.net").unwrap();
+        assert_eq!(
+            (e.scheme.as_str(), e.host.as_str(), e.port),
+            ("https", "myns.servicebus.windows.net", None)
+        );
+        let e = ServiceBusEndpoint::parse("sb://myns.servicebus.windows.net/").unwrap();
+        assert_eq!(e.host, "myns.servicebus.windows.net");
+        let e = ServiceBusEndpoint::parse("http://127.0.0.1:5380").unwrap();
+        assert_eq!((e.scheme.as_str(), e.port), ("http", Some(5380)));
+        assert!(ServiceBusEndpoint::parse("http://myns.servicebus.windows.net").is_err());
+        assert!(ServiceBusEndpoint::parse("ftp://x").is_err());
+        assert!(ServiceBusEndpoint::parse("").is_err());
     }
 }

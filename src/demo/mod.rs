@@ -304,6 +304,7 @@ impl Bed {
                     url: self.hook.url(),
                     timeout_ms: 2000,
                     conflict_is_permanent: true,
+                    ..Default::default()
                 })
                 .map_err(|e| anyhow::anyhow!(e))?,
             ),

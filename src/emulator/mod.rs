@@ -60,7 +60,8 @@ pub struct EmulatorsConfig {
     pub data_dir: Option<PathBuf>,
     /// The SAS key for Event Hubs and Service Bus.
     pub key: SasKey,
-    /// Accept any non-empty Event Hubs token.
+    /// Accept any non-empty Entra ID token: Event Hubs `jwt` tokens, and
+    /// `Authorization: Bearer` on Service Bus and blob storage (refused with 401 otherwise).
     pub accept_any_token: bool,
 }
 
@@ -123,6 +124,7 @@ impl Emulators {
                     queues: config.queues.clone(),
                     data_dir: config.data_dir.clone(),
                     key: config.key.clone(),
+                    accept_any_token: config.accept_any_token,
                     ..Default::default()
                 })
                 .await
@@ -136,6 +138,7 @@ impl Emulators {
                     listen: at(p),
                     containers: config.containers.clone(),
                     data_dir: config.data_dir.clone(),
+                    accept_any_token: config.accept_any_token,
                     ..Default::default()
                 })
                 .await

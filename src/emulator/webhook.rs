@@ -3,6 +3,12 @@
 //! records each successful delivery by `Idempotency-Key`; faults (error status, delay,
 //! refused connections) make it misbehave as told. `GET /deliveries` lists what arrived:
 //! key → number of successful deliveries.
+//!
+//! It answers the CloudEvents abuse-protection handshake (`OPTIONS /events` with
+//! `WebHook-Request-Origin`) with `WebHook-Allowed-Origin` — and `WebHook-Allowed-Rate` when
+//! told a rate — or refuses it (403, no allowed origin) when told to
+//! ([`WebhookReceiver::set_handshake`]). Tests can also have it keep every request
+//! ([`WebhookReceiver::record_requests`]).
 
 use std::collections::BTreeMap;
 use std::io;
@@ -11,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use axum::response::Json;
 use axum::routing::{get, post};
 use axum::Router;
@@ -33,6 +40,44 @@ struct Deliveries {
     /// The `x-hubguard-attempt` of every call per key, in arrival order.
     attempts: Mutex<BTreeMap<String, Vec<u32>>>,
     behaviour: Behaviour,
+    /// How the handshake is answered.
+    handshake: Mutex<HandshakeAnswer>,
+    /// The `WebHook-Request-Origin` of every handshake, in arrival order.
+    handshakes: Mutex<Vec<String>>,
+    /// Every request, when recording.
+    requests: Mutex<Option<Vec<Recorded>>>,
+}
+
+/// How the receiver answers the abuse-protection handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandshakeAnswer {
+    /// 200 with `WebHook-Allowed-Origin` (the requested origin) and, with a rate,
+    /// `WebHook-Allowed-Rate` (requests per minute).
+    Allow {
+        /// The rate granted (`None`: `*`).
+        rate: Option<u32>,
+    },
+    /// 403 without `WebHook-Allowed-Origin`.
+    Refuse,
+}
+
+/// A request as it arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    /// Header names (lower case) and values, in order.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+impl Recorded {
+    /// The first value of header `name`.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 impl std::fmt::Debug for Deliveries {
@@ -51,7 +96,70 @@ pub struct WebhookReceiver {
     task: Option<JoinHandle<()>>,
 }
 
-async fn receive(State(d): State<Arc<Deliveries>>, headers: HeaderMap) -> StatusCode {
+async fn handshake(
+    State(d): State<Arc<Deliveries>>,
+    headers: HeaderMap,
+) -> axum::response::Response {
+    let origin = headers
+        .get("webhook-request-origin")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
+    let Some(origin) = origin else {
+        // Not a handshake: what an endpoint without CORS or handshake support answers.
+        return (StatusCode::OK, [("allow", "POST, OPTIONS")]).into_response();
+    };
+    d.handshakes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(origin.clone());
+    let answer = *d.handshake.lock().unwrap_or_else(|p| p.into_inner());
+    match answer {
+        HandshakeAnswer::Allow { rate } => {
+            let mut h = HeaderMap::new();
+            h.insert(
+                "allow",
+                axum::http::HeaderValue::from_static("POST, OPTIONS"),
+            );
+            if let Ok(v) = axum::http::HeaderValue::from_str(&origin) {
+                h.insert("webhook-allowed-origin", v);
+            }
+            let rate = rate.map_or("*".to_string(), |r| r.to_string());
+            if let Ok(v) = axum::http::HeaderValue::from_str(&rate) {
+                h.insert("webhook-allowed-rate", v);
+            }
+            (StatusCode::OK, h).into_response()
+        }
+        HandshakeAnswer::Refuse => (
+            StatusCode::FORBIDDEN,
+            "this endpoint does not accept events from this origin",
+        )
+            .into_response(),
+    }
+}
+
+async fn receive(
+    State(d): State<Arc<Deliveries>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> StatusCode {
+    if let Some(r) = d
+        .requests
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_mut()
+    {
+        r.push(Recorded {
+            headers: headers
+                .iter()
+                .map(|(n, v)| {
+                    (
+                        n.as_str().to_string(),
+                        String::from_utf8_lossy(v.as_bytes()).to_string(),
+                    )
+                })
+                .collect(),
+            body: body.to_vec(),
+        });
+    }
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -109,11 +217,14 @@ impl WebhookReceiver {
             first: Mutex::default(),
             attempts: Mutex::default(),
             behaviour,
+            handshake: Mutex::new(HandshakeAnswer::Allow { rate: None }),
+            handshakes: Mutex::default(),
+            requests: Mutex::default(),
         });
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
         let router = Router::new()
-            .route("/events", post(receive))
+            .route("/events", post(receive).options(handshake))
             .route("/deliveries", get(list))
             .with_state(deliveries.clone());
         let (addr, task) =
@@ -171,6 +282,46 @@ impl WebhookReceiver {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Answers the abuse-protection handshake as `answer` says from now on.
+    pub fn set_handshake(&self, answer: HandshakeAnswer) {
+        *self
+            .deliveries
+            .handshake
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = answer;
+    }
+
+    /// The `WebHook-Request-Origin` of every handshake so far.
+    pub fn handshakes(&self) -> Vec<String> {
+        self.deliveries
+            .handshakes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Keeps every `POST /events` request from now on (headers and body), for tests.
+    pub fn record_requests(&self) {
+        let mut r = self
+            .deliveries
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if r.is_none() {
+            *r = Some(Vec::new());
+        }
+    }
+
+    /// The requests kept since [`record_requests`](Self::record_requests).
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.deliveries
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or_default()
     }
 
     /// Stops it.

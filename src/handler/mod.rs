@@ -1,6 +1,13 @@
 //! The [`Handler`] trait — what library users implement — and the built-in
-//! [`webhook::WebhookHandler`] that makes `hubguard run` useful with no Rust code.
+//! [`webhook::WebhookHandler`] that makes `hubguard run` useful with no Rust code, with the
+//! conventions receivers already speak: the CloudEvents HTTP binding ([`cloudevents`]),
+//! Standard Webhooks signatures ([`signing`]), the CloudEvents abuse-protection handshake
+//! ([`handshake`]) and credentials read from the environment or files ([`secret`]).
 
+pub mod cloudevents;
+pub mod handshake;
+pub mod secret;
+pub mod signing;
 pub mod webhook;
 
 use std::time::Duration;
@@ -28,6 +35,8 @@ pub struct Failure {
     pub error: String,
     /// The downstream asked to wait at least this long.
     pub retry_after: Option<Duration>,
+    /// The HTTP status the downstream answered, when it answered (for the attempt's span).
+    pub http_status: Option<u16>,
 }
 
 impl Failure {
@@ -37,6 +46,7 @@ impl Failure {
             class: ErrorClass::Transient,
             error: error.into(),
             retry_after: None,
+            http_status: None,
         }
     }
 
@@ -46,12 +56,19 @@ impl Failure {
             class: ErrorClass::Permanent,
             error: error.into(),
             retry_after: None,
+            http_status: None,
         }
     }
 
     /// With a `Retry-After`.
     pub fn with_retry_after(mut self, d: Option<Duration>) -> Self {
         self.retry_after = d;
+        self
+    }
+
+    /// With the HTTP status the downstream answered.
+    pub fn with_http_status(mut self, status: u16) -> Self {
+        self.http_status = Some(status);
         self
     }
 }
@@ -75,5 +92,12 @@ pub trait Handler: Send + Sync + 'static {
     /// The downstream this handler calls, for the circuit breaker (one breaker per name).
     fn downstream(&self) -> String {
         "handler".into()
+    }
+
+    /// Why the handler cannot deliver anything at the moment (`Some(reason)`), watched by
+    /// the pipeline and shown in readiness until it clears — e.g. a webhook that has not
+    /// agreed to receive (the abuse-protection handshake). `None`: nothing to watch.
+    fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
     }
 }

@@ -6,14 +6,46 @@
 //! or 302 turns the POST into a GET without the body, which the new URL may well answer
 //! 200). The attempt fails as transient — the receiver moved, and the URL in the
 //! configuration must follow it — with the status and the `Location` in the error.
+//!
+//! What receivers already speak, each a per-webhook setting:
+//! - the CloudEvents HTTP binding, binary or structured ([`super::cloudevents`]);
+//! - Standard Webhooks signatures (`[handler.signing]`, [`super::signing`]);
+//! - the abuse-protection handshake (`[handler.handshake]`, [`super::handshake`]);
+//! - an `Authorization` value (`[handler.authorization]`) and a TLS client certificate
+//!   (`[handler.tls]`), read from the environment or files, never from the configuration
+//!   text, and never in an error, a log line or `Debug` output.
+//!
+//! A failed attempt's error keeps what support staff need: the status, `Retry-After` and the
+//! first [`BODY_EXCERPT`] bytes of the response body, sanitised (control characters
+//! dropped, invalid UTF-8 replaced).
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
+use reqwest::header::HeaderValue;
 
+use super::cloudevents::{self, ContentMode};
+use super::handshake::{Handshake, HandshakeConfig};
+use super::secret::{Live, SecretSource};
+use super::signing::SigningKeys;
 use super::{Attempt, Failure, Handler, Outcome};
 use crate::event::Event;
-use crate::policy::classify::{self, ErrorClass};
+use crate::policy::classify;
+
+/// How much of a failed response's body an error keeps (bytes).
+pub const BODY_EXCERPT: usize = 300;
+
+/// `[handler.tls]`: a client certificate for receivers that require mutual TLS.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate (chain) file.
+    pub client_cert_file: PathBuf,
+    /// PEM private key file (PKCS#8, PKCS#1 or SEC1).
+    pub client_key_file: PathBuf,
+}
 
 /// Webhook settings.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
@@ -27,6 +59,47 @@ pub struct WebhookConfig {
     /// Treat 409 Conflict as permanent (default) or transient.
     #[serde(default = "yes")]
     pub conflict_is_permanent: bool,
+    /// CloudEvents content mode for events that are CloudEvents: `binary` (default) or
+    /// `structured`.
+    #[serde(default)]
+    pub content_mode: ContentMode,
+    /// Standard Webhooks signing secrets (`whsec_…`, several for a rotation): where they are.
+    #[serde(default)]
+    pub signing: Option<SecretSource>,
+    /// The `Authorization` header value (e.g. `Bearer …`): where it is.
+    #[serde(default)]
+    pub authorization: Option<SecretSource>,
+    /// A TLS client certificate (mutual TLS).
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// The CloudEvents abuse-protection handshake.
+    #[serde(default)]
+    pub handshake: HandshakeConfig,
+}
+
+impl Default for WebhookConfig {
+    fn default() -> Self {
+        Self {
+            url: String::new(),
+            timeout_ms: default_timeout_ms(),
+            conflict_is_permanent: true,
+            content_mode: ContentMode::default(),
+            signing: None,
+            authorization: None,
+            tls: None,
+            handshake: HandshakeConfig::default(),
+        }
+    }
+}
+
+impl WebhookConfig {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
 }
 
 fn default_timeout_ms() -> u64 {
@@ -41,6 +114,40 @@ fn yes() -> bool {
 pub struct WebhookHandler {
     client: reqwest::Client,
     config: WebhookConfig,
+    signing: Option<Arc<Live<SigningKeys>>>,
+    authorization: Option<Arc<Live<HeaderValue>>>,
+    handshake: Option<Arc<Handshake>>,
+}
+
+fn parse_authorization(key: &str, text: &str) -> Result<HeaderValue, String> {
+    let mut v = HeaderValue::from_str(text).map_err(|_| {
+        format!("{key}: the value is not a valid header value (visible ASCII only)")
+    })?;
+    v.set_sensitive(true);
+    Ok(v)
+}
+
+fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, String> {
+    let read = |what: &str, p: &PathBuf| {
+        std::fs::read(p).map_err(|e| {
+            format!(
+                "handler.tls.{what}: cannot read {}: {}",
+                p.display(),
+                e.kind()
+            )
+        })
+    };
+    let mut pem = read("client_cert_file", &tls.client_cert_file)?;
+    pem.push(b'\n');
+    pem.extend(read("client_key_file", &tls.client_key_file)?);
+    // The library's error could describe the key material: it is not passed on.
+    reqwest::Identity::from_pem(&pem).map_err(|_| {
+        format!(
+            "handler.tls: {} and {} are not a PEM certificate and a PEM private key",
+            tls.client_cert_file.display(),
+            tls.client_key_file.display()
+        )
+    })
 }
 
 impl WebhookHandler {
@@ -51,13 +158,112 @@ impl WebhookHandler {
         if !matches!(url.scheme(), "http" | "https") {
             return Err("handler.url must be an http or https URL".into());
         }
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .timeout(Duration::from_millis(config.timeout_ms))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-        Ok(Self { client, config })
+            .redirect(reqwest::redirect::Policy::none());
+        if let Some(tls) = &config.tls {
+            builder = builder.identity(client_identity(tls)?);
+        }
+        let client = builder.build().map_err(|e| match &config.tls {
+            // The client reads the certificate and key here; its error could describe them.
+            Some(tls) => format!(
+                "handler.tls: cannot use {} and {} as a client certificate and key",
+                tls.client_cert_file.display(),
+                tls.client_key_file.display()
+            ),
+            None => format!("cannot build the HTTP client: {e}"),
+        })?;
+        let signing = config
+            .signing
+            .as_ref()
+            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
+            .transpose()?;
+        let authorization = config
+            .authorization
+            .as_ref()
+            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
+            .transpose()?;
+        if config.handshake.enabled && config.handshake.origin.trim().is_empty() {
+            return Err("handler.handshake.origin must not be empty".into());
+        }
+        let handshake = config
+            .handshake
+            .enabled
+            .then(|| Arc::new(Handshake::new(config.handshake.clone())));
+        Ok(Self {
+            client,
+            config,
+            signing,
+            authorization,
+            handshake,
+        })
     }
+}
+
+/// Keeps the first `limit` bytes of `bytes` as text fit for an error: invalid UTF-8
+/// replaced, line breaks and tabs as spaces, other control characters dropped, `…` when cut.
+pub fn sanitise(bytes: &[u8], limit: usize) -> String {
+    let cut = bytes.len() > limit;
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(limit)]);
+    let mut out: String = text
+        .chars()
+        .filter_map(|c| match c {
+            '\n' | '\r' | '\t' => Some(' '),
+            c if c.is_control() => None,
+            c => Some(c),
+        })
+        .collect();
+    out = out.trim().to_string();
+    if cut {
+        out.push('…');
+    }
+    out
+}
+
+/// Reads at most `limit` bytes of a response body (the rest is not downloaded).
+async fn body_excerpt(resp: &mut reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
+    let mut buf = Vec::new();
+    while buf.len() <= limit {
+        match resp.chunk().await {
+            Ok(Some(c)) => buf.extend_from_slice(&c),
+            _ => return (buf, false),
+        }
+    }
+    (buf, true)
+}
+
+/// The error of a failed (non-2xx, non-redirect) answer: status, `Retry-After` and the
+/// start of the body, e.g. `HTTP 503 from the webhook; Retry-After: 30; body: {"error":…}`.
+async fn failure_text(
+    status: u16,
+    retry_after: Option<&str>,
+    resp: &mut reqwest::Response,
+) -> String {
+    let mut text = format!("HTTP {status} from the webhook");
+    if let Some(ra) = retry_after {
+        text.push_str(&format!("; Retry-After: {}", sanitise(ra.as_bytes(), 64)));
+    }
+    let (body, more) = body_excerpt(resp, BODY_EXCERPT).await;
+    if !body.is_empty() {
+        let mut excerpt = sanitise(&body, BODY_EXCERPT);
+        if more && !excerpt.ends_with('…') {
+            excerpt.push('…');
+        }
+        text.push_str(&format!("; body: {excerpt}"));
+    }
+    text
+}
+
+/// Characters a key header value carries percent-encoded: controls, space (a header value's
+/// edges are trimmed), `%` itself — so an encoded key never equals a literal one — and every
+/// non-ASCII byte (always encoded).
+const KEY_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
+
+/// A key as a header value: as it is when it is printable ASCII without spaces or `%`, else
+/// percent-encoded (RFC 3986 style, UTF-8). Unambiguous: `café` goes as `caf%C3%A9`, and a
+/// literal `caf%C3%A9` as `caf%25C3%25A9`; a `-` stays a `-`.
+fn key_header_value(value: &str) -> String {
+    percent_encoding::utf8_percent_encode(value, KEY_ENCODED).to_string()
 }
 
 /// Header names must be tokens and values visible ASCII; anything else is left out.
@@ -83,17 +289,30 @@ impl Handler for WebhookHandler {
             .unwrap_or_else(|| "webhook".into())
     }
 
+    fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        self.handshake.as_ref().map(|h| h.blocked())
+    }
+
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+        let authorization = self.authorization.as_ref().map(|a| a.get());
+        if let Some(h) = &self.handshake {
+            if let Err(f) = h
+                .ensure(
+                    &self.client,
+                    &self.config.url,
+                    authorization.as_deref(),
+                    Duration::from_millis(self.config.timeout_ms),
+                )
+                .await
+            {
+                return Outcome::Failed(f);
+            }
+        }
+        let encoded = cloudevents::encode(event, self.config.content_mode);
         let mut req = self
             .client
             .post(&self.config.url)
-            .header(
-                "content-type",
-                event
-                    .content_type
-                    .as_deref()
-                    .unwrap_or("application/octet-stream"),
-            )
+            .header("content-type", &encoded.content_type)
             .header("traceparent", &attempt.traceparent)
             .header("x-hubguard-attempt", attempt.number.to_string())
             .header("x-hubguard-partition", &event.partition_id)
@@ -101,30 +320,38 @@ impl Handler for WebhookHandler {
                 "x-hubguard-sequence-number",
                 event.sequence_number.to_string(),
             );
+        let mut webhook_id = String::new();
         for (name, value) in [
             ("idempotency-key", &event.identity.idempotency_key),
             ("x-hubguard-correlation-id", &event.identity.correlation_id),
         ] {
+            let value = key_header_value(value);
+            if name == "idempotency-key" {
+                webhook_id = value.clone();
+            }
+            req = req.header(name, value);
+        }
+        for (name, value) in &encoded.headers {
             if header_safe(name, value) {
-                req = req.header(name, value);
-            } else {
-                // Keys with characters a header cannot carry go percent-encoded.
-                req = req.header(
-                    name,
-                    percent_encoding::utf8_percent_encode(
-                        value,
-                        percent_encoding::NON_ALPHANUMERIC,
-                    )
-                    .to_string(),
-                );
+                req = req.header(name.as_str(), value.as_str());
             }
         }
-        if let Some(t) = &event.identity.event_type {
-            if header_safe("ce-type", t) {
-                req = req.header("ce-type", t);
-            }
+        if let Some(keys) = &self.signing {
+            // Standard Webhooks: the id is stable across retries (the idempotency key).
+            let timestamp = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or_default();
+            let signature = keys.get().sign(&webhook_id, timestamp, &encoded.body);
+            req = req
+                .header("webhook-id", &webhook_id)
+                .header("webhook-timestamp", timestamp.to_string())
+                .header("webhook-signature", signature);
         }
-        match req.body(event.body.clone()).send().await {
+        if let Some(a) = &authorization {
+            req = req.header(reqwest::header::AUTHORIZATION, HeaderValue::clone(a));
+        }
+        match req.body(encoded.body).send().await {
             Ok(resp) if resp.status().is_success() => Outcome::Delivered,
             Ok(resp) if resp.status().is_redirection() => {
                 let status = resp.status().as_u16();
@@ -135,38 +362,41 @@ impl Handler for WebhookHandler {
                     .unwrap_or_else(|| "none".into());
                 Outcome::Failed(Failure::transient(format!(
                     "HTTP {status} redirect from the webhook (Location: {location}); hubguard does not follow redirects: point handler.url at the new location"
-                )))
+                )).with_http_status(status))
             }
-            Ok(resp) => {
+            Ok(mut resp) => {
                 let status = resp.status().as_u16();
-                let retry_after = resp
+                let retry_after_raw = resp
                     .headers()
                     .get("retry-after")
-                    .and_then(|v| v.to_str().ok())
+                    .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
+                let retry_after = retry_after_raw
+                    .as_deref()
                     .and_then(|v| classify::retry_after(v, SystemTime::now()));
                 let class = classify::http_status(status, self.config.conflict_is_permanent);
+                let error = failure_text(status, retry_after_raw.as_deref(), &mut resp).await;
                 Outcome::Failed(Failure {
                     class,
-                    error: format!("HTTP {status} from the webhook"),
+                    error,
                     retry_after,
+                    http_status: Some(status),
                 })
             }
             Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(
                 "the webhook did not answer within {} ms",
                 self.config.timeout_ms
             ))),
-            Err(e) => Outcome::Failed(Failure {
-                class: ErrorClass::Transient,
-                error: format!("webhook unreachable: {}", without_url(&e)),
-                retry_after: None,
-            }),
+            Err(e) => Outcome::Failed(Failure::transient(format!(
+                "webhook unreachable: {}",
+                without_url(&e)
+            ))),
         }
     }
 }
 
 /// The error text without the URL (which may carry credentials in its query), followed by
 /// its causes ("error sending request: … connection reset by peer").
-fn without_url(e: &reqwest::Error) -> String {
+pub(crate) fn without_url(e: &reqwest::Error) -> String {
     let mut text = e.to_string();
     if let Some(i) = text.find(" for url (") {
         text.truncate(i);
@@ -197,6 +427,15 @@ fn location_for_log(location: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_in_headers_are_unambiguous() {
+        assert_eq!(key_header_value("order-42"), "order-42");
+        assert_eq!(key_header_value("café"), "caf%C3%A9");
+        assert_eq!(key_header_value("caf%C3%A9"), "caf%25C3%25A9");
+        assert_ne!(key_header_value(" a"), key_header_value("a"));
+        assert_eq!(key_header_value("/a|dup-2"), "/a|dup-2");
+    }
 
     #[test]
     fn a_location_is_logged_without_its_query() {

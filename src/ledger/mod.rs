@@ -86,6 +86,14 @@ pub struct LedgerRecord {
     pub history: Vec<AttemptEntry>,
     /// The event.
     pub event: Event,
+    /// Where the bytes of a record that could not be parsed were set aside
+    /// ([`Ledger::quarantine`]); with `event_unknown`, the event itself is only there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantined: Option<String>,
+    /// The event could not be recovered (its record was corrupt and the retry message only
+    /// carries its key): `event` is a stand-in with an empty body, and a replay is refused.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub event_unknown: bool,
 }
 
 /// Milliseconds since the epoch.
@@ -97,6 +105,77 @@ pub fn ms(t: SystemTime) -> i64 {
 /// The time at `ms` milliseconds since the epoch.
 pub fn at(ms: i64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// A retry waiting on Service Bus, as [`Ledger::pending`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Pending {
+    /// The idempotency key.
+    pub key: String,
+    /// The attempt that is waiting.
+    pub attempt: u32,
+    /// When it is due.
+    #[serde(with = "crate::ledger::rfc3339")]
+    pub due: SystemTime,
+    /// The last attempt's error.
+    pub last_error: Option<String>,
+}
+
+/// Tag names beside a ledger record (blob metadata names: C# identifiers).
+const TAG_STATE: &str = "hubguard_state";
+const TAG_DUE: &str = "hubguard_due_ms";
+const TAG_NEXT: &str = "hubguard_next_attempt";
+const TAG_KEY: &str = "hubguard_key";
+const TAG_ERROR: &str = "hubguard_last_error";
+const STATE_RETRY_SCHEDULED: &str = "RETRY_SCHEDULED";
+/// Longest key, and longest error, copied into a tag (all tags stay far under 8 KB).
+const TAG_TEXT_LIMIT: usize = 512;
+
+/// What a listing needs to answer "what is waiting?" without reading the record. Values are
+/// header values: printable ASCII only (other characters become `?`).
+fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags {
+    let ascii = |s: &str| -> String {
+        s.chars()
+            .take(TAG_TEXT_LIMIT)
+            .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
+            .collect()
+    };
+    let mut tags = crate::azure::record_store::Tags::new();
+    let state = match record.state {
+        State::RetryScheduled => STATE_RETRY_SCHEDULED,
+        State::Delivered => "DELIVERED",
+        State::DeadLettered => "DEAD_LETTERED",
+    };
+    tags.insert(TAG_STATE.into(), state.into());
+    if let Some(due) = record.next_attempt_ms {
+        tags.insert(TAG_DUE.into(), due.to_string());
+        tags.insert(TAG_NEXT.into(), (record.attempts + 1).to_string());
+    }
+    // Only a key the tag carries exactly (printable ASCII, short): others are read.
+    if record.key.len() <= TAG_TEXT_LIMIT
+        && record.key.trim() == record.key
+        && record.key.chars().all(|c| (' '..='~').contains(&c))
+    {
+        tags.insert(TAG_KEY.into(), record.key.clone());
+    }
+    if let Some(e) = &record.last_error {
+        tags.insert(TAG_ERROR.into(), ascii(e));
+    }
+    tags
+}
+
+/// RFC 3339 (UTC, milliseconds) for serde.
+pub(crate) mod rfc3339 {
+    use std::time::SystemTime;
+
+    /// Serialises `t` as RFC 3339.
+    pub(crate) fn serialize<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        let t = time::OffsetDateTime::from(*t);
+        let text = t
+            .format(&time::format_description::well_known::Rfc3339)
+            .map_err(serde::ser::Error::custom)?;
+        s.serialize_str(&text)
+    }
 }
 
 impl LedgerRecord {
@@ -239,14 +318,85 @@ impl Ledger {
             })?,
         );
         let name = self.record_name(&record.key);
+        let tags = tags_of(record);
         let span = tracing::info_span!(target: "hubguard::attempt", "ledger", otel.name = crate::telemetry::names::span::LEDGER_WRITE);
-        let write = async {
-            Ok(match etag {
-                None => self.store.create(&name, body).await?,
-                Some(e) => self.store.update(&name, body, e).await?,
-            })
-        };
+        let write = async { Ok(self.store.write_tagged(&name, body, etag, &tags).await?) };
         tracing::Instrument::instrument(write, span).await
+    }
+
+    /// Sets aside a record that cannot be parsed, so it never holds its event forever: its
+    /// bytes are copied to `quarantine/{hub}/{consumer group}/{name}-{ms}` for an operator,
+    /// and the record is replaced (if it is still the same bytes) by a DEAD_LETTERED one with
+    /// reason [`DeadLetterReason::CorruptRecord`] — for `event` when the caller has it (read
+    /// from Event Hubs), else for a stand-in marked `event_unknown`. Returns the quarantine
+    /// blob's name; [`StoreError::Conflict`] means the record changed meanwhile: read again.
+    pub async fn quarantine(
+        &self,
+        key: &str,
+        event: Option<&Event>,
+        reason: &str,
+        now: SystemTime,
+    ) -> Result<String, LedgerError> {
+        let name = self.record_name(key);
+        let Some(raw) = self.store.read(&name).await? else {
+            return Err(LedgerError::Store(StoreError::Conflict));
+        };
+        if serde_json::from_slice::<LedgerRecord>(&raw.body).is_ok() {
+            return Err(LedgerError::Store(StoreError::Conflict)); // repaired meanwhile
+        }
+        let aside = format!(
+            "quarantine/{}{}-{}",
+            self.prefix,
+            name.rsplit('/').next().unwrap_or_default(),
+            ms(now)
+        );
+        match self.store.create(&aside, raw.body.clone()).await {
+            Ok(_) | Err(StoreError::Conflict) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let stand_in = || Event {
+            body: Vec::new(),
+            content_type: None,
+            properties: Default::default(),
+            hub: String::new(),
+            partition_id: String::new(),
+            sequence_number: -1,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: crate::event::Identity {
+                idempotency_key: key.to_string(),
+                correlation_id: key.to_string(),
+                event_type: None,
+            },
+        };
+        let error = format!(
+            "the ledger record could not be parsed ({reason}); its bytes are kept in blob {aside}"
+        );
+        let record = LedgerRecord {
+            key: key.to_string(),
+            correlation_id: event
+                .map_or_else(|| key.to_string(), |e| e.identity.correlation_id.clone()),
+            event_type: event.and_then(|e| e.identity.event_type.clone()),
+            state: State::DeadLettered,
+            attempts: 0,
+            next_attempt_ms: None,
+            first_failure_ms: ms(now),
+            updated_ms: ms(now),
+            last_error: Some(error),
+            dead_letter_reason: Some(DeadLetterReason::CorruptRecord),
+            last_delay_ms: None,
+            policy: RetryPolicy::seed_fibonacci(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event: event.cloned().unwrap_or_else(stand_in),
+            quarantined: Some(aside.clone()),
+            event_unknown: event.is_none(),
+        };
+        self.index_dead_letter(key).await?;
+        self.put(&record, Some(&raw.etag)).await?;
+        tracing::error!(key = %key, quarantine = %aside, %reason, "a ledger record could not be parsed: set aside and its event dead-lettered");
+        Ok(aside)
     }
 
     /// Marks `key` dead-lettered in the index (idempotent), before the record says so.
@@ -282,6 +432,63 @@ impl Ledger {
         // An index entry's body is its key.
         self.listed_keys(&prefix, |body| String::from_utf8(body.to_vec()).ok())
             .await
+    }
+
+    /// Every retry the ledger says is waiting (state RETRY_SCHEDULED), soonest first, read
+    /// from a listing: the state, the due time, the attempt and the last error are tags
+    /// beside each record, so no record is read — except records written before the tags
+    /// existed, and keys too long for a tag, which are read once here.
+    pub async fn pending(&self) -> Result<Vec<Pending>, LedgerError> {
+        let prefix = format!("ledger/{}", self.prefix);
+        let mut out = Vec::new();
+        for l in self.store.list(&prefix).await? {
+            let from_tags = match l.tags.get(TAG_STATE).map(String::as_str) {
+                Some(state) if state != STATE_RETRY_SCHEDULED => continue,
+                Some(_) => l
+                    .tags
+                    .get(TAG_DUE)
+                    .and_then(|d| d.parse::<i64>().ok())
+                    .map(|due| {
+                        (
+                            due,
+                            l.tags.get(TAG_NEXT).and_then(|n| n.parse::<u32>().ok()),
+                            l.tags
+                                .get(TAG_KEY)
+                                .cloned()
+                                .or_else(|| l.key.strip_prefix(&prefix).and_then(decode_key)),
+                        )
+                    }),
+                None => None,
+            };
+            match from_tags {
+                Some((due, Some(attempt), Some(key))) => out.push(Pending {
+                    key,
+                    attempt,
+                    due: at(due),
+                    last_error: l.tags.get(TAG_ERROR).cloned(),
+                }),
+                // Untagged (older) records, or a key only the record holds: read it.
+                _ => {
+                    let Some(r) = self.store.read(&l.key).await? else {
+                        continue;
+                    };
+                    match serde_json::from_slice::<LedgerRecord>(&r.body) {
+                        Ok(rec) if rec.state == State::RetryScheduled => out.push(Pending {
+                            due: rec.next_attempt_at().unwrap_or(SystemTime::UNIX_EPOCH),
+                            attempt: rec.attempts + 1,
+                            last_error: rec.last_error.clone(),
+                            key: rec.key,
+                        }),
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(blob = %l.key, error = %e, "a ledger record cannot be parsed; leaving it out of the pending retries");
+                        }
+                    }
+                }
+            }
+        }
+        out.sort_by(|a, b| a.due.cmp(&b.due).then_with(|| a.key.cmp(&b.key)));
+        Ok(out)
     }
 
     /// Keys of every record (for tests and the demo's verification).

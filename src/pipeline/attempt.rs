@@ -187,6 +187,12 @@ pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
             },
         );
         span.set_attribute(attr::ERROR_MESSAGE, f.error.clone());
+        if let Some(status) = f.http_status {
+            span.set_attribute(attr::HTTP_STATUS, i64::from(status));
+        }
+        if let Some(ra) = f.retry_after {
+            span.set_attribute(attr::RETRY_AFTER, ra.as_secs_f64());
+        }
     }
     let (outcome, terminal) = match settled {
         Ok(Settled::Delivered) => (out::DELIVERED, false),

@@ -25,6 +25,7 @@ pub struct FencedCheckpointStore {
     deadline: Duration,
     expiration: Duration,
     state: Mutex<FenceState>,
+    health: Option<Arc<crate::pipeline::health::Health>>,
 }
 
 #[derive(Default)]
@@ -35,6 +36,10 @@ struct FenceState {
     written: HashMap<String, i64>,
     /// partition → the ownership as last claimed (with its ETag), for releasing it.
     held: HashMap<String, Ownership>,
+    /// The hub's partitions, once known.
+    partitions: Vec<String>,
+    /// partition → since when no replica has held a live claim on it.
+    unowned_since: HashMap<String, Instant>,
 }
 
 impl std::fmt::Debug for FencedCheckpointStore {
@@ -63,7 +68,56 @@ impl FencedCheckpointStore {
             deadline,
             expiration,
             state: Mutex::default(),
+            health: None,
         }
+    }
+
+    /// Reports partitions that no replica owns to `health` (see
+    /// [`set_partitions`](Self::set_partitions)).
+    pub fn with_health(mut self, health: Arc<crate::pipeline::health::Health>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// The hub's partitions: each listing of ownerships (every processor cycle) then checks
+    /// that each has a live owner. One that has had none for longer than an ownership takes
+    /// to expire and be claimed again (twice the expiration) is reported: nothing reads it.
+    pub fn set_partitions(&self, partitions: Vec<String>) {
+        self.state().partitions = partitions;
+    }
+
+    fn note_owners(&self, owners: &[Ownership]) {
+        let Some(health) = &self.health else {
+            return;
+        };
+        let now = time::OffsetDateTime::now_utc();
+        let live: std::collections::HashSet<&str> = owners
+            .iter()
+            .filter(|o| o.owner_id.as_deref().is_some_and(|id| !id.is_empty()))
+            .filter(|o| {
+                o.last_modified_time
+                    .is_some_and(|t| now - t < self.expiration)
+            })
+            .map(|o| o.partition_id.as_str())
+            .collect();
+        let unowned = {
+            let mut st = self.state();
+            let st = &mut *st;
+            let partitions = st.partitions.clone();
+            st.unowned_since.retain(|p, _| !live.contains(p.as_str()));
+            let mut unowned = Vec::new();
+            for p in partitions.iter().filter(|p| !live.contains(p.as_str())) {
+                let since = *st
+                    .unowned_since
+                    .entry(p.clone())
+                    .or_insert_with(Instant::now);
+                if since.elapsed() > self.expiration * 2 {
+                    unowned.push(p.clone());
+                }
+            }
+            unowned
+        };
+        health.set_unowned(unowned);
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
@@ -172,6 +226,7 @@ impl CheckpointStore for FencedCheckpointStore {
                 self.inner.list_ownerships(namespace, hub, cg),
             )
             .await?;
+        self.note_owners(&owners);
         let mut st = self.state();
         for o in &owners {
             if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {

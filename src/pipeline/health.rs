@@ -48,6 +48,36 @@ pub enum RetryLoopState {
     Stopped,
 }
 
+/// The Event Hubs consumer's state: is this replica reading the hub at all?
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "state")]
+pub enum ConsumerState {
+    /// Not connected yet.
+    Starting,
+    /// The processor runs: partitions are claimed and read.
+    Running,
+    /// Opening the consumer or running the processor fails; it is rebuilt with backoff.
+    Failing {
+        /// Since when (RFC 3339).
+        since: String,
+        /// Consecutive failures.
+        failures: u32,
+        /// The last error, naming the endpoint.
+        error: String,
+    },
+}
+
+/// A due retry held (its settlement keeps failing) under a renewed lock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HeldRetry {
+    /// The event's idempotency key.
+    pub key: String,
+    /// Since when (RFC 3339).
+    pub since: String,
+    /// What failed.
+    pub reason: String,
+}
+
 /// Counters of the pipeline.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -65,6 +95,8 @@ pub struct Counters {
     pub attempts: AtomicU64,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: AtomicU64,
+    /// Overdue retries the ledger recorded and nothing ran, scheduled again.
+    pub recovered: AtomicU64,
 }
 
 /// A snapshot of the counters.
@@ -84,6 +116,8 @@ pub struct CounterSnapshot {
     pub attempts: u64,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: u64,
+    /// Overdue retries the ledger recorded and nothing ran, scheduled again.
+    pub recovered: u64,
 }
 
 /// Shared health of one pipeline.
@@ -92,6 +126,9 @@ pub struct Health {
     held: Mutex<BTreeMap<String, BTreeMap<i64, Held>>>,
     owned: Mutex<BTreeMap<String, i64>>,
     retry_loop: Mutex<RetryLoopState>,
+    consumer: Mutex<(ConsumerState, Option<std::time::Instant>)>,
+    held_retries: Mutex<BTreeMap<String, HeldRetry>>,
+    unowned: Mutex<Vec<String>>,
     lag: Mutex<BTreeMap<String, (u64, f64)>>,
     /// Counters.
     pub counters: Counters,
@@ -104,6 +141,9 @@ impl Default for Health {
             held: Mutex::default(),
             owned: Mutex::default(),
             retry_loop: Mutex::new(RetryLoopState::Starting),
+            consumer: Mutex::new((ConsumerState::Starting, None)),
+            held_retries: Mutex::default(),
+            unowned: Mutex::default(),
             lag: Mutex::default(),
             counters: Counters::default(),
             changed: watch::channel(0).0,
@@ -250,9 +290,170 @@ impl Health {
             .clone()
     }
 
-    /// Ready: no partition held and the retry loop running.
+    /// The consumer is running (the processor was built and runs).
+    pub fn consumer_running(&self) {
+        let mut c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
+        if c.0 != ConsumerState::Running {
+            if matches!(c.0, ConsumerState::Failing { .. }) {
+                tracing::info!("the Event Hubs consumer recovered");
+            }
+            *c = (ConsumerState::Running, None);
+            drop(c);
+            self.bump();
+        }
+    }
+
+    /// The consumer failed with `error` (and is being rebuilt).
+    pub fn consumer_failed(&self, error: String) {
+        let mut c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
+        let (since, failures, started) = match (&c.0, c.1) {
+            (
+                ConsumerState::Failing {
+                    since, failures, ..
+                },
+                Some(t),
+            ) => (since.clone(), failures + 1, t),
+            _ => (rfc3339(SystemTime::now()), 1, std::time::Instant::now()),
+        };
+        *c = (
+            ConsumerState::Failing {
+                since,
+                failures,
+                error,
+            },
+            Some(started),
+        );
+        drop(c);
+        self.bump();
+    }
+
+    /// The consumer's state.
+    pub fn consumer(&self) -> ConsumerState {
+        self.consumer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .clone()
+    }
+
+    /// How long the consumer has been failing without a break, if it is.
+    pub fn consumer_failing_for(&self) -> Option<std::time::Duration> {
+        self.consumer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .map(|t| t.elapsed())
+    }
+
+    /// Records that the due retry `message_id` (of `key`) is held: `reason` keeps failing.
+    pub fn hold_retry(&self, message_id: &str, key: &str, reason: String) {
+        let mut h = self.held_retries.lock().unwrap_or_else(|p| p.into_inner());
+        let since = h
+            .get(message_id)
+            .map(|x| x.since.clone())
+            .unwrap_or_else(|| rfc3339(SystemTime::now()));
+        h.insert(
+            message_id.to_string(),
+            HeldRetry {
+                key: key.to_string(),
+                since,
+                reason,
+            },
+        );
+        drop(h);
+        self.bump();
+    }
+
+    /// Records that the retry `message_id` is no longer held.
+    pub fn release_retry(&self, message_id: &str) {
+        let removed = self
+            .held_retries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(message_id);
+        if removed.is_some() {
+            self.bump();
+        }
+    }
+
+    /// Due retries held now, by MessageId.
+    pub fn held_retries(&self) -> BTreeMap<String, HeldRetry> {
+        self.held_retries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Sets the partitions of the hub that no replica has owned for longer than ownership
+    /// takes to expire and be claimed again.
+    pub fn set_unowned(&self, partitions: Vec<String>) {
+        let mut u = self.unowned.lock().unwrap_or_else(|p| p.into_inner());
+        if *u != partitions {
+            if !partitions.is_empty() {
+                tracing::warn!(
+                    ?partitions,
+                    "partitions of the hub are owned by no replica: nothing reads them"
+                );
+            }
+            *u = partitions;
+            drop(u);
+            self.bump();
+        }
+    }
+
+    /// Partitions no replica owns.
+    pub fn unowned(&self) -> Vec<String> {
+        self.unowned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Why this replica is not making the progress it should, one line per cause; empty when
+    /// ready. `/readyz` answers 503 with these.
+    pub fn not_ready_reasons(&self) -> Vec<String> {
+        let mut r = Vec::new();
+        match self.consumer() {
+            ConsumerState::Running => {}
+            ConsumerState::Starting => r.push("Event Hubs consumer starting".to_string()),
+            ConsumerState::Failing {
+                since,
+                failures,
+                error,
+            } => r.push(format!(
+                "Event Hubs consumer failing since {since} ({failures} attempts): {error}"
+            )),
+        }
+        let unowned = self.unowned();
+        if !unowned.is_empty() {
+            r.push(format!(
+                "partitions {} are owned by no replica",
+                unowned.join(", ")
+            ));
+        }
+        for (p, h) in self.held() {
+            r.push(format!(
+                "partition {p} held since {}: {}; oldest unsettled sequence number {}",
+                h.since, h.reason, h.oldest_unsettled
+            ));
+        }
+        for (id, h) in self.held_retries() {
+            r.push(format!(
+                "retry {id} (key {}) held since {}: {}",
+                h.key, h.since, h.reason
+            ));
+        }
+        match self.retry_loop() {
+            RetryLoopState::Running => {}
+            other => r.push(format!("retry loop {other:?}")),
+        }
+        r
+    }
+
+    /// Ready: the consumer runs, every partition has an owner, nothing is held and the retry
+    /// loop runs.
     pub fn ready(&self) -> bool {
-        self.held().is_empty() && self.retry_loop() == RetryLoopState::Running
+        self.not_ready_reasons().is_empty()
     }
 
     /// Adds one to a counter (counters do not wake [`subscribe`](Self::subscribe)rs: they
@@ -272,6 +473,7 @@ impl Health {
             checkpoints: c.checkpoints.load(Ordering::Relaxed),
             attempts: c.attempts.load(Ordering::Relaxed),
             rescued: c.rescued.load(Ordering::Relaxed),
+            recovered: c.recovered.load(Ordering::Relaxed),
         }
     }
 
@@ -279,6 +481,10 @@ impl Health {
     pub fn report(&self) -> serde_json::Value {
         serde_json::json!({
             "ready": self.ready(),
+            "not_ready": self.not_ready_reasons(),
+            "consumer": self.consumer(),
+            "unowned_partitions": self.unowned(),
+            "held_retries": self.held_retries(),
             "held_partitions": self.held(),
             "owned_partitions": self.owned(),
             "retry_loop": self.retry_loop(),

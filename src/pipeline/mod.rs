@@ -15,6 +15,7 @@
 
 pub mod attempt;
 pub mod checkpoint;
+pub mod dead_letter;
 pub mod health;
 mod partition;
 mod retry;
@@ -143,9 +144,15 @@ pub struct PipelineOptions {
     /// How often the retry queue's dead-letter sub-queue is swept for retries Service Bus
     /// gave up on (also once at start).
     pub dead_letter_sweep: Duration,
+    /// A retry the ledger says was due longer ago than this, with no retry message having
+    /// run it, is scheduled again (checked by the same sweep).
+    pub overdue_margin: Duration,
     /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
     /// clock; tests share one with the Service Bus emulator and advance it.
     pub clock: Arc<crate::clock::Clock>,
+    /// Where dead letters are also published (before the ledger records them); checked at
+    /// start: [`Pipeline::run`] fails if it is missing or refuses messages.
+    pub dead_letters: Option<Arc<dead_letter::DeadLetterDestination>>,
 }
 
 impl Default for PipelineOptions {
@@ -168,7 +175,9 @@ impl Default for PipelineOptions {
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
+            overdue_margin: Duration::from_secs(300),
             clock: Arc::default(),
+            dead_letters: None,
         }
     }
 }
@@ -362,15 +371,19 @@ impl Pipeline {
         );
         let settler = Arc::new(
             Settler::new(ledger, parts.queue.clone(), parts.policies)
-                .with_clock(parts.options.clock.clone()),
+                .with_clock(parts.options.clock.clone())
+                .with_dead_letters(parts.options.dead_letters.clone()),
         );
-        let checkpoints = Arc::new(FencedCheckpointStore::new(
-            parts.checkpoint_store,
-            parts.options.owner_id.clone(),
-            parts.options.deadline,
-            parts.options.ownership_expiration,
-        ));
         let health = Arc::new(Health::default());
+        let checkpoints = Arc::new(
+            FencedCheckpointStore::new(
+                parts.checkpoint_store,
+                parts.options.owner_id.clone(),
+                parts.options.deadline,
+                parts.options.ownership_expiration,
+            )
+            .with_health(health.clone()),
+        );
         Self {
             shared: Arc::new(Shared {
                 _gauges: gauges(&health, breaker.clone()),
@@ -419,6 +432,18 @@ impl Pipeline {
         cancel: CancellationToken,
         crash: CancellationToken,
     ) -> std::io::Result<()> {
+        if let Some(dl) = self.shared.settler.dead_letters() {
+            dl.probe().await.map_err(std::io::Error::other)?;
+        }
+        if let Some(blocked) = self.shared.handler.blocked() {
+            tokio::spawn(watch_blocked(
+                self.shared.health.clone(),
+                self.shared.handler.downstream(),
+                blocked,
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();
@@ -462,6 +487,31 @@ impl Pipeline {
     }
 }
 
+/// Shows in readiness why the handler cannot deliver (a webhook that has not agreed to
+/// receive): held under `handler {downstream}` until the reason clears.
+async fn watch_blocked(
+    health: Arc<Health>,
+    downstream: String,
+    mut blocked: tokio::sync::watch::Receiver<Option<String>>,
+    cancel: CancellationToken,
+    crash: CancellationToken,
+) {
+    let name = format!("handler {downstream}");
+    loop {
+        let reason = blocked.borrow_and_update().clone();
+        match reason {
+            Some(r) => health.hold(&name, r, 0),
+            None => health.release(&name, 0),
+        }
+        tokio::select! {
+            changed = blocked.changed() => if changed.is_err() { break },
+            _ = cancel.cancelled() => break,
+            _ = crash.cancelled() => break,
+        }
+    }
+    health.release(&name, 0);
+}
+
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
 async fn supervise(
     shared: Arc<Shared>,
@@ -475,6 +525,7 @@ async fn supervise(
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "event processor stopped; rebuilding");
+                shared.health.consumer_failed(e);
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = shared.clock().sleep(backoff) => {}
@@ -498,6 +549,11 @@ async fn run_processor(
     if let Some(e) = &target.custom_endpoint {
         builder = builder.with_custom_endpoint(e.clone());
     }
+    // Errors name the endpoint (never the credential).
+    let endpoint = match &target.custom_endpoint {
+        Some(e) => format!("{} (via {e}), hub {}", target.namespace, target.hub),
+        None => format!("{}, hub {}", target.namespace, target.hub),
+    };
     let consumer = tokio::time::timeout(
         o.deadline,
         target
@@ -505,8 +561,23 @@ async fn run_processor(
             .open_consumer(builder, &target.namespace, &target.hub),
     )
     .await
-    .map_err(|_| "opening the Event Hubs consumer timed out".to_string())?
-    .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
+    .map_err(|_| {
+        format!(
+            "opening the Event Hubs consumer at {endpoint} timed out after {:?}",
+            o.deadline
+        )
+    })?
+    .map_err(|e| format!("opening the Event Hubs consumer at {endpoint}: {e}"))?;
+    let properties = tokio::time::timeout(o.deadline, consumer.get_eventhub_properties())
+        .await
+        .map_err(|_| {
+            format!(
+                "reading the hub's properties at {endpoint} timed out after {:?}",
+                o.deadline
+            )
+        })?
+        .map_err(|e| format!("reading the hub's properties at {endpoint}: {e}"))?;
+    checkpoints.set_partitions(properties.partition_ids);
     let location = if o.start_at_latest {
         StartLocation::Latest
     } else {
@@ -539,6 +610,7 @@ async fn run_processor(
     .await
     .map_err(|_| "building the event processor timed out".to_string())?
     .map_err(|e| format!("building the event processor: {e}"))?;
+    shared.health.consumer_running();
 
     let mut run = {
         let p = processor.clone();

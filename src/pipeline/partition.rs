@@ -362,6 +362,11 @@ pub(crate) fn transient_failure(o: &crate::handler::Outcome) -> bool {
 
 impl Shared {
     /// Counts a retry taken back from Service Bus's dead-letter sub-queue.
+    pub(crate) fn count_recovered(&self) {
+        self.health.count(&self.health.counters.recovered);
+        self.metrics.recovered.add(1, &[]);
+    }
+
     pub(crate) fn count_rescued(&self) {
         self.health.count(&self.health.counters.rescued);
         self.metrics.rescued.add(1, &[]);

@@ -36,7 +36,7 @@ use super::health::RetryLoopState;
 use super::settle::{RetryMessage, Source};
 use super::{attempt, Shared};
 use crate::azure::ReceivedMessage;
-use crate::ledger::{at, State};
+use crate::ledger::{at, LedgerError, State};
 
 /// Consecutive receive failures before the watchdog takes over.
 const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
@@ -157,9 +157,14 @@ async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: Cancellation
     }
 }
 
-/// Sweeps the dead-letter sub-queue at start and then every `dead_letter_sweep`.
+/// Sweeps the dead-letter sub-queue at start and then every `dead_letter_sweep`, and with it
+/// the ledger for overdue retries.
 async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
     loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = recover_overdue(&shared) => {}
+        }
         loop {
             let received = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -177,6 +182,40 @@ async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = shared.clock().sleep(shared.options.dead_letter_sweep) => {}
+        }
+    }
+}
+
+/// The ledger is authoritative: a retry it records as RETRY_SCHEDULED whose due time passed
+/// more than `overdue_margin` ago has no message that will run it — Service Bus dropped it
+/// (a repeat MessageId after a ledger record was removed and written anew), or it was lost
+/// some other way. Each is scheduled again, due now, under a fresh MessageId. The ledger's
+/// due time moves to now first (compare-and-swap, so of several replicas sweeping only one
+/// recovers it); a copy that still arrives is stale by then and only re-sends the recorded
+/// attempt. Reads a listing, not every record.
+async fn recover_overdue(shared: &Shared) {
+    let ledger = &shared.settler.ledger;
+    let pending = match ledger.pending().await {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the ledger's pending retries; trying again at the next sweep");
+            return;
+        }
+    };
+    let now = shared.clock().now();
+    let Some(overdue_before) = now.checked_sub(shared.options.overdue_margin) else {
+        return;
+    };
+    for p in pending.into_iter().take_while(|p| p.due < overdue_before) {
+        match shared.settler.recover(&p.key, overdue_before).await {
+            Ok(true) => {
+                tracing::warn!(key = %p.key, attempt = p.attempt, due = ?p.due, "a retry the ledger records was overdue with no message to run it; scheduled it again");
+                shared.count_recovered();
+            }
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(key = %p.key, error = %e, "could not recover an overdue retry; trying again at the next sweep");
+            }
         }
     }
 }
@@ -241,6 +280,7 @@ async fn settle_message(msg: &ReceivedMessage, complete: bool) {
 /// loop stops first (the message is abandoned then, so Service Bus redelivers it).
 async fn holding<T, E, F, Fut>(
     msg: &mut ReceivedMessage,
+    key: &str,
     shared: &Shared,
     cancel: &CancellationToken,
     what: &str,
@@ -254,16 +294,24 @@ where
     let mut backoff = Duration::from_millis(200);
     loop {
         match op().await {
-            Ok(v) => return Some(v),
+            Ok(v) => {
+                shared.health.release_retry(&msg.message_id);
+                return Some(v);
+            }
             Err(e) => {
                 shared.health.count(&shared.health.counters.settle_failures);
                 tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
+                // Readiness says so while it lasts.
+                shared
+                    .health
+                    .hold_retry(&msg.message_id, key, format!("{what} failed: {e}"));
                 let wait = shared.clock().sleep(backoff);
                 tokio::pin!(wait);
                 loop {
                     let renew_in = shared.clock().until(msg.locked_until) / 2;
                     tokio::select! {
                         _ = cancel.cancelled() => {
+                            shared.health.release_retry(&msg.message_id);
                             settle_message(msg, false).await;
                             return None;
                         }
@@ -299,11 +347,33 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         .duration_since(at(body.due_ms))
         .unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
-    let Some(current) = holding(&mut msg, shared, cancel, "reading the ledger", || {
-        shared.settler.ledger.get(key)
-    })
+    // A record that cannot be parsed is set aside and its event dead-lettered (the message
+    // carries only the key), never held forever.
+    let Some(current) = holding(
+        &mut msg,
+        key,
+        shared,
+        cancel,
+        "reading the ledger",
+        || async {
+            match shared.settler.ledger.get(key).await {
+                Err(LedgerError::Corrupt { reason, .. }) => shared
+                    .settler
+                    .ledger
+                    .quarantine(key, None, &reason, shared.clock().now())
+                    .await
+                    .map(|_| None),
+                other => other.map(Some),
+            }
+        },
+    )
     .await
     else {
+        return;
+    };
+    let Some(current) = current else {
+        shared.health.count(&shared.health.counters.dead_lettered);
+        settle_message(&msg, true).await;
         return;
     };
     let rec = match current {
@@ -316,6 +386,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let scheduled = holding(
                 &mut msg,
+                key,
                 shared,
                 cancel,
                 "re-sending the recorded retry",
@@ -350,12 +421,13 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
                     1,
                     &crate::telemetry::type_label(event.identity.event_type.as_deref()),
                 );
-                let deferred = holding(&mut msg, shared, cancel, "deferring the retry", || {
-                    shared
-                        .settler
-                        .defer(&event, body.attempt, until, &body.traceparents)
-                })
-                .await;
+                let deferred =
+                    holding(&mut msg, key, shared, cancel, "deferring the retry", || {
+                        shared
+                            .settler
+                            .defer(&event, body.attempt, until, &body.traceparents)
+                    })
+                    .await;
                 if deferred.is_some() {
                     settle_message(&msg, true).await;
                 }
@@ -437,11 +509,18 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         Err(e) => {
             shared.settle_failed(&e);
             tracing::warn!(key = %key, error = %e, "settling the retry failed; holding it until it settles");
-            match holding(&mut msg, shared, cancel, "settling the retry", || async {
-                settle()
-                    .await
-                    .inspect_err(|e| shared.settle_failed_metric(e))
-            })
+            match holding(
+                &mut msg,
+                key,
+                shared,
+                cancel,
+                "settling the retry",
+                || async {
+                    settle()
+                        .await
+                        .inspect_err(|e| shared.settle_failed_metric(e))
+                },
+            )
             .await
             {
                 Some(s) => Ok(s),

@@ -87,6 +87,18 @@ pub enum SettleError {
     /// The record kept changing under us.
     #[error("ledger record for {0} is contended")]
     Contended(String),
+    /// A dead letter whose event is not known (its record was corrupt and set aside): only
+    /// an operator can restore it from the quarantined bytes.
+    #[error("the event of {key} is not known: its ledger record was corrupt; its bytes are in blob {quarantined}")]
+    EventUnknown {
+        /// The key.
+        key: String,
+        /// The quarantine blob.
+        quarantined: String,
+    },
+    /// The dead-letter destination refused the dead letter or could not be reached.
+    #[error("{0}")]
+    DeadLetters(#[from] super::dead_letter::PublishError),
 }
 
 impl SettleError {
@@ -98,6 +110,8 @@ impl SettleError {
             SettleError::Queue(q) => !q.is_transient(),
             SettleError::Ledger(LedgerError::Store(s)) => !s.is_transient(),
             SettleError::Ledger(LedgerError::Corrupt { .. }) | SettleError::Contended(_) => false,
+            SettleError::EventUnknown { .. } => true,
+            SettleError::DeadLetters(p) => !p.error.is_transient(),
         };
         let how = if refusing {
             "refuses the request"
@@ -110,8 +124,11 @@ impl SettleError {
     /// The dependency at fault, for the held reason.
     pub fn dependency(&self) -> &'static str {
         match self {
-            SettleError::Ledger(_) | SettleError::Contended(_) => "blob storage (ledger)",
+            SettleError::Ledger(_)
+            | SettleError::Contended(_)
+            | SettleError::EventUnknown { .. } => "blob storage (ledger)",
             SettleError::Queue(_) => "Service Bus",
+            SettleError::DeadLetters(_) => "Service Bus (dead-letter destination)",
         }
     }
 }
@@ -186,6 +203,7 @@ pub struct Settler {
     queue: Arc<dyn RetryQueue>,
     policies: Policies,
     clock: Arc<crate::clock::Clock>,
+    dead_letters: Option<Arc<super::dead_letter::DeadLetterDestination>>,
 }
 
 impl std::fmt::Debug for Settler {
@@ -222,7 +240,30 @@ impl Settler {
             queue,
             policies,
             clock: Arc::default(),
+            dead_letters: None,
         }
+    }
+
+    /// Also publishes every dead letter to `destination`, before the ledger records it.
+    pub fn with_dead_letters(
+        mut self,
+        destination: Option<Arc<super::dead_letter::DeadLetterDestination>>,
+    ) -> Self {
+        self.dead_letters = destination;
+        self
+    }
+
+    /// The dead-letter destination, if one is configured.
+    pub fn dead_letters(&self) -> Option<&Arc<super::dead_letter::DeadLetterDestination>> {
+        self.dead_letters.as_ref()
+    }
+
+    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any.
+    async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
+        if let Some(d) = &self.dead_letters {
+            d.publish(rec).await?;
+        }
+        Ok(())
     }
 
     /// Computes due times and records times on `clock` instead of the wall clock.
@@ -310,6 +351,44 @@ impl Settler {
         self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
     }
 
+    /// Schedules again, due now and under a fresh MessageId, the retry `key`'s record says is
+    /// waiting, if it is still waiting and was due before `overdue_before`. The record's due
+    /// time moves to now first (compare-and-swap: one sweeper wins). `Ok(true)` when it was
+    /// recovered.
+    pub async fn recover(
+        &self,
+        key: &str,
+        overdue_before: SystemTime,
+    ) -> Result<bool, SettleError> {
+        for _ in 0..CAS_ROUNDS {
+            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+                return Ok(false);
+            };
+            let overdue = rec.state == State::RetryScheduled
+                && rec
+                    .next_attempt_at()
+                    .is_some_and(|due| due < overdue_before);
+            if !overdue {
+                return Ok(false);
+            }
+            let now = self.clock.now();
+            rec.next_attempt_ms = Some(ms(now));
+            rec.updated_ms = ms(now);
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => {}
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let attempt = rec.attempts + 1;
+            let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
+            let sent = self
+                .schedule_as(&id, &rec.event.identity, attempt, now, &[])
+                .await;
+            return Ok(self.sent_or_dead_lettered(key, sent).await?.is_some());
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+
     /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
     /// duplicate-detection window is dropped); returns its due time, or `None` when Service
     /// Bus refused the message and the event was dead-lettered instead. For copies of
@@ -393,6 +472,7 @@ impl Settler {
                 next_attempt_ms: None,
                 trace_id: None,
             });
+            self.publish_dead_letter(&rec).await?;
             self.ledger.index_dead_letter(key).await?;
             match self.ledger.put(&rec, Some(&etag)).await {
                 Ok(_) => return Ok(()),
@@ -459,15 +539,31 @@ impl Settler {
         trace_id: &str,
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
-        match outcome {
+        let settled = match outcome {
             Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
-                Ok(Settled::Delivered)
+                return Ok(Settled::Delivered)
             }
             Outcome::Delivered => self.delivered(event, attempt, started, trace_id).await,
             Outcome::Failed(f) => {
                 self.failed(event, attempt, started, f, trace_id, traceparents)
                     .await
             }
+        };
+        match settled {
+            // A record that cannot be parsed would hold the event (and its partition) forever:
+            // set it aside and dead-letter the event, which is in hand.
+            Err(SettleError::Ledger(LedgerError::Corrupt { reason, .. })) => {
+                self.ledger
+                    .quarantine(
+                        &event.identity.idempotency_key,
+                        Some(event),
+                        &reason,
+                        self.clock.now(),
+                    )
+                    .await?;
+                Ok(Settled::DeadLettered(DeadLetterReason::CorruptRecord))
+            }
+            other => other,
         }
     }
 
@@ -526,8 +622,9 @@ impl Settler {
                     return Ok(Settled::AlreadyFinal(rec.state));
                 }
                 if rec.attempts >= attempt {
-                    // This attempt is already recorded: make sure the recorded next attempt
-                    // exists on Service Bus (a repeat is dropped by duplicate detection).
+                    // This attempt is already recorded (a replay): make sure the recorded next
+                    // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
+                    super::attempt::mark_replay(&tracing::Span::current());
                     return Ok(match self.resend_recorded(rec, traceparents).await? {
                         Some(due) => Settled::RetryScheduled {
                             attempt: rec.attempts + 1,
@@ -583,6 +680,8 @@ impl Settler {
                     attempt_base: 0,
                     history: Vec::new(),
                     event: event.clone(),
+                    quarantined: None,
+                    event_unknown: false,
                 },
             };
             rec.attempts = attempt;
@@ -640,6 +739,7 @@ impl Settler {
                         next_attempt_ms: None,
                         trace_id: Some(trace_id.to_string()),
                     });
+                    self.publish_dead_letter(&rec).await?;
                     self.ledger.index_dead_letter(key).await?;
                     match self.ledger.put(&rec, etag).await {
                         Ok(_) => return Ok(Settled::DeadLettered(reason)),
@@ -661,6 +761,12 @@ impl Settler {
             };
             if rec.state != State::DeadLettered {
                 return Ok(None);
+            }
+            if rec.event_unknown {
+                return Err(SettleError::EventUnknown {
+                    key: key.to_string(),
+                    quarantined: rec.quarantined.clone().unwrap_or_default(),
+                });
             }
             let now = self.clock.now();
             rec.state = State::RetryScheduled;

@@ -140,6 +140,9 @@ pub enum DeadLetterReason {
     /// would refuse it every time, so the event cannot wait there. The last error says what
     /// was refused.
     RetryRefused,
+    /// The event's ledger record could not be parsed: it was set aside (see the record's
+    /// `quarantined` blob) and the event dead-lettered rather than held forever.
+    CorruptRecord,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -150,6 +153,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::AgeExceeded => "maximum age exceeded",
             Self::ScheduleExhausted => "retry schedule exhausted",
             Self::RetryRefused => "Service Bus refused the retry message",
+            Self::CorruptRecord => "corrupt ledger record",
         })
     }
 }

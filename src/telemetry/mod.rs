@@ -242,6 +242,8 @@ pub struct Metrics {
     pub deferred: Counter<u64>,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: Counter<u64>,
+    /// Overdue retries the ledger recorded and nothing ran, scheduled again.
+    pub recovered: Counter<u64>,
     /// Failed settlements.
     pub settle_failures: Counter<u64>,
     /// Handler duration (s).
@@ -287,6 +289,12 @@ impl Metrics {
             rescued: meter
                 .u64_counter(m::RESCUED)
                 .with_description("Retries Service Bus dead-lettered, put back on the queue")
+                .build(),
+            recovered: meter
+                .u64_counter(m::RECOVERED)
+                .with_description(
+                    "Retries the ledger recorded that were overdue with no message to run them, scheduled again",
+                )
                 .build(),
             settle_failures: meter
                 .u64_counter(m::SETTLE_FAILURES)

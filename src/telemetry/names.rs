@@ -38,6 +38,10 @@ pub mod attr {
     pub const DEAD_LETTER_REASON: &str = "hubguard.dead_letter_reason";
     /// The error message.
     pub const ERROR_MESSAGE: &str = "hubguard.error.message";
+    /// Semantic convention: the HTTP status the downstream answered a failed attempt with.
+    pub const HTTP_STATUS: &str = "http.response.status_code";
+    /// Seconds the downstream asked to wait (`Retry-After`) on a failed attempt.
+    pub const RETRY_AFTER: &str = "hubguard.retry_after_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
     pub const ERROR_TYPE: &str = "error.type";
     /// Semantic convention: the messaging system (`eventhubs`).
@@ -82,6 +86,8 @@ pub mod metric {
     pub const DEFERRED: &str = "hubguard.events.deferred";
     /// Counter: retries taken back from Service Bus's dead-letter sub-queue.
     pub const RESCUED: &str = "hubguard.retries.rescued";
+    /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.
+    pub const RECOVERED: &str = "hubguard.retries.recovered";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
@@ -134,6 +140,8 @@ pub fn all() -> Vec<&'static str> {
         attr::DEAD_LETTER_REASON,
         attr::ERROR_MESSAGE,
         attr::ERROR_TYPE,
+        attr::HTTP_STATUS,
+        attr::RETRY_AFTER,
         attr::MESSAGING_SYSTEM,
         attr::MESSAGING_DESTINATION,
         attr::MESSAGING_CONSUMER_GROUP,

@@ -334,7 +334,7 @@ async fn blob_faults_surface_as_typed_errors() {
         .error_status_for(503, Duration::from_secs(3600));
     let e = within("503", s.read("k")).await.unwrap_err();
     assert!(
-        matches!(&e, StoreError::Unavailable(m) if m.starts_with("status 503")),
+        matches!(&e, StoreError::Unavailable(m) if m.contains("status 503") && m.contains("/devstoreaccount1/hubguard")),
         "{e:?}"
     );
     emu.faults().clear();

@@ -1,6 +1,7 @@
 //! hubguard's integration tests: the real Azure SDK crates over loopback against the
 //! in-process emulators. One binary, so linking happens once.
 
+mod bad_state;
 mod blob;
 mod cli;
 mod common;
@@ -18,5 +19,7 @@ mod pipeline;
 mod pipeline_support;
 mod run_command;
 mod servicebus;
+mod servicebus_auth;
 mod telemetry;
 mod webhook;
+mod webhook_conventions;

@@ -714,3 +714,82 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
         "left for an operator"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_sweep() {
+    use hubguard::emulator::servicebus::broker::Entity;
+    let bed = Bed::start(1).await;
+    bed.sb.queue("retries").unwrap().record_accepted();
+    bed.send(0, &[("orphan", "fail:1")]).await;
+    let slow = hubguard::policy::RetryPolicy {
+        base_s: 60,
+        floor_s: 60,
+        ..fast_policy(5)
+    };
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), slow.clone(), "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("retry recorded and checkpointed", &run.health, LIMIT, || async {
+        matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
+            && bed.checkpoint_of("0").await == Some(0)
+    })
+    .await;
+    run.stop().await;
+    // The retry message vanishes (as when Service Bus drops a repeat MessageId after a ledger
+    // record was removed and written anew): nothing will ever run the retry.
+    let clock = bed.clock();
+    clock.advance(Duration::from_secs(61));
+    let queue = bed.sb.queue("retries").unwrap();
+    let taken = queue.take(Entity::Main, clock.now()).unwrap();
+    assert!(taken.is_some_and(|m| m.message_id == "orphan-attempt-2"));
+    clock.advance(Duration::from_secs(10));
+
+    let mut parts = bed.parts(handler.clone(), slow, "replica-a");
+    parts.options.overdue_margin = Duration::from_secs(5);
+    let run = Bed::run(parts);
+    wait_for("recovered and delivered", &run.health, LIMIT, || async {
+        matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::Delivered)
+    })
+    .await;
+    assert_eq!(handler.calls_of("orphan"), vec![1, 2]);
+    assert_eq!(run.health.snapshot().recovered, 1);
+    run.stop().await;
+    let accepted: Vec<String> = queue.accepted().into_iter().map(|(id, _)| id).collect();
+    assert_eq!(accepted.len(), 2, "{accepted:?}");
+    assert!(
+        accepted[1].starts_with("orphan-attempt-2-recovered-"),
+        "{accepted:?}"
+    );
+    // The pending list answered from the listing's tags: nothing waits any more.
+    assert!(ledger.pending().await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_lists_what_is_waiting_without_reading_records() {
+    let bed = Bed::start(1).await;
+    bed.send(0, &[("w-1", "fail:9"), ("w-2", "ok"), ("w-3", "perm")])
+        .await;
+    let slow = hubguard::policy::RetryPolicy {
+        base_s: 600,
+        floor_s: 600,
+        cap_s: 3600,
+        ..fast_policy(5)
+    };
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), slow, "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("settled", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(2)
+    })
+    .await;
+    run.stop().await;
+    let pending = ledger.pending().await.unwrap();
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!((pending[0].key.as_str(), pending[0].attempt), ("w-1", 2));
+    assert!(pending[0]
+        .last_error
+        .as_deref()
+        .is_some_and(|e| e.contains("scripted failure 1")));
+    let (rec, _) = ledger.get("w-1").await.unwrap().unwrap();
+    assert_eq!(Some(pending[0].due), rec.next_attempt_at());
+}

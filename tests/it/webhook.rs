@@ -63,6 +63,7 @@ async fn a_redirect_is_a_failed_attempt_naming_the_status_and_location_never_a_d
             url,
             timeout_ms: 5_000,
             conflict_is_permanent: true,
+            ..Default::default()
         })
         .unwrap();
         let outcome = within(

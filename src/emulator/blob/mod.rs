@@ -10,7 +10,13 @@
 //!   Put Blob (412 elsewhere), 404 `BlobNotFound`/`ContainerNotFound`, with `x-ms-error-code`
 //!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write.
 //!
-//! Anonymous requests are accepted, and so is a SAS in the query string.
+//! Anonymous requests are accepted, and so is a SAS in the query string (neither is
+//! verified). An Entra ID token (`Authorization: Bearer …`) cannot be verified here, so, like
+//! the Service Bus emulator, this one accepts it only when started with `accept_any_token`
+//! (`--accept-any-token`); otherwise it answers as Azure answers a token it refuses: 401
+//! `InvalidAuthenticationInfo` with a `WWW-Authenticate: Bearer` challenge ("Authorize access
+//! to blobs using Microsoft Entra ID", learn.microsoft.com). A bearer token over plain HTTP is
+//! the emulator's exception: Azure takes one only over HTTPS.
 //!
 //! What Azure refuses, this refuses the same way ("Naming and referencing containers, blobs,
 //! and metadata" and "Blob service error codes", learn.microsoft.com; Azurite, Microsoft's
@@ -61,6 +67,8 @@ pub struct BlobConfig {
     pub containers: Vec<String>,
     /// Where to keep blobs; `None` keeps them in memory.
     pub data_dir: Option<PathBuf>,
+    /// Accept any non-empty `Authorization: Bearer` token; without it one gets 401.
+    pub accept_any_token: bool,
 }
 
 impl Default for BlobConfig {
@@ -70,6 +78,7 @@ impl Default for BlobConfig {
             account: DEFAULT_ACCOUNT.into(),
             containers: vec![DEFAULT_CONTAINER.into()],
             data_dir: None,
+            accept_any_token: false,
         }
     }
 }
@@ -79,6 +88,7 @@ struct Shared {
     account: String,
     store: BlobStore,
     clock: Arc<Clock>,
+    accept_any_token: bool,
 }
 
 /// A running blob emulator. Dropping it stops it.
@@ -100,6 +110,7 @@ impl BlobEmulator {
             account: config.account,
             store,
             clock,
+            accept_any_token: config.accept_any_token,
         });
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
@@ -331,6 +342,41 @@ fn parse_range(spec: &str, len: u64) -> Option<Result<(u64, u64), ()>> {
     Some(Ok((start, end)))
 }
 
+/// `Some(401)` for a bearer token the emulator was not told to accept (see the module doc).
+fn refuse_bearer(
+    shared: &Shared,
+    headers: &HeaderMap,
+    head: bool,
+    now: std::time::SystemTime,
+) -> Option<Response> {
+    let auth = headers.get("authorization")?.to_str().unwrap_or("");
+    let (scheme, token) = auth.split_once(' ').unwrap_or((auth, ""));
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let message = if !shared.accept_any_token {
+        "Server failed to authenticate the request: this emulator cannot verify Entra ID (Bearer) tokens and accepts them only when started with --accept-any-token."
+    } else if token.trim().is_empty() {
+        "Server failed to authenticate the request: the Bearer token is empty."
+    } else {
+        return None;
+    };
+    let mut r = error_response(
+        StatusCode::UNAUTHORIZED,
+        "InvalidAuthenticationInfo",
+        message,
+        head,
+        now,
+    );
+    r.headers_mut().insert(
+        "www-authenticate",
+        HeaderValue::from_static(
+            "Bearer authorization_uri=https://login.microsoftonline.com/common/oauth2/authorize resource_id=https://storage.azure.com",
+        ),
+    );
+    Some(r)
+}
+
 async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -340,6 +386,9 @@ async fn handle(
 ) -> Response {
     let now = shared.clock.now();
     let head = method == Method::HEAD;
+    if let Some(refusal) = refuse_bearer(&shared, &headers, head, now) {
+        return refusal;
+    }
     let raw = uri.path().trim_start_matches('/');
     let (account, rest) = raw.split_once('/').unwrap_or((raw, ""));
     if account != shared.account {

@@ -108,6 +108,36 @@ impl QueueSpec {
     }
 }
 
+impl std::str::FromStr for QueueSpec {
+    type Err = String;
+
+    /// `NAME[:DUPLICATE_DETECTION]`, as `hubguard emulator --queue` takes it: the service's
+    /// defaults, with the duplicate-detection window in seconds, or `off` (e.g. `retries:off`,
+    /// `retries:86400`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, dedup) = match s.split_once(':') {
+            Some((n, d)) => (n, Some(d)),
+            None => (s, None),
+        };
+        if name.trim().is_empty() {
+            return Err(format!("`{s}`: a queue needs a name"));
+        }
+        let mut spec = Self::new(name.trim());
+        match dedup.map(str::trim) {
+            None => {}
+            Some(d) if d.eq_ignore_ascii_case("off") => spec.duplicate_detection_window = None,
+            Some(d) => {
+                let secs: u64 = d.parse().map_err(|_| {
+                    format!("`{s}`: the duplicate-detection window is seconds or `off`")
+                })?;
+                spec.duplicate_detection_window = Some(Duration::from_secs(secs));
+            }
+        }
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
 /// A message as stored.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct StoredMessage {

@@ -10,8 +10,20 @@
 //! | `PUT /{entity}/messages/{seq}/{lock}` | abandon: 200; stale lock 404 |
 //! | `POST /{entity}/messages/{seq}/{lock}` | renew: 200; stale lock 404 |
 //!
-//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`. Every request must carry a SAS
-//! `Authorization` signed with the configured key (401 otherwise).
+//! | `GET /{queue}?api-version=2021-05` | the queue's description: an Atom entry holding a `QueueDescription` (Manage right); an empty feed for a queue that does not exist |
+//!
+//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`.
+//!
+//! Authentication is Azure's: every request carries `Authorization`, either a SAS signed
+//! with the configured key (a rule with Manage, Send and Listen) or with the optional
+//! send-and-listen key (no Manage: reading a description answers 401 "Manage,EntityRead
+//! claims required for this operation", as Service Bus does), or an Entra ID
+//! `Bearer` token. The emulator cannot verify an Entra ID token, so it accepts one only when
+//! started with `accept_any_token` (`--accept-any-token`), with every right; otherwise a
+//! bearer token gets 401 with a detail saying so. Sources: "Service Bus authentication and
+//! authorization" and "Service Bus access control with Shared Access Signatures"
+//! (learn.microsoft.com): SAS rules carry Send, Listen and Manage rights; Entra ID requests
+//! carry `Authorization: Bearer` for `https://servicebus.azure.net/.default`.
 //!
 //! What Azure refuses, this refuses the same way (status and an XML `<Error>` whose
 //! `<Detail>` says why), so hubguard's handling of each refusal is tested here:
@@ -62,6 +74,12 @@ pub struct ServiceBusConfig {
     pub key: SasKey,
     /// How long a peek-lock without `timeout` waits (the service waits 60 s; 0 answers at once).
     pub default_receive_wait: Duration,
+    /// Accept any non-empty `Authorization: Bearer` token (Entra ID tokens cannot be verified
+    /// here); without it a bearer token is refused with 401.
+    pub accept_any_token: bool,
+    /// A second SAS rule with Send and Listen but not Manage, as applications are usually
+    /// given: it may send and receive, not read a queue's description.
+    pub send_listen_key: Option<SasKey>,
 }
 
 impl Default for ServiceBusConfig {
@@ -72,6 +90,8 @@ impl Default for ServiceBusConfig {
             data_dir: None,
             key: SasKey::new(super::DEFAULT_KEY_NAME, super::DEFAULT_KEY),
             default_receive_wait: Duration::ZERO,
+            accept_any_token: false,
+            send_listen_key: None,
         }
     }
 }
@@ -80,6 +100,8 @@ impl Default for ServiceBusConfig {
 struct Shared {
     broker: Broker,
     key: SasKey,
+    send_listen_key: Option<SasKey>,
+    accept_any_token: bool,
     default_receive_wait: Duration,
     /// MessageId fragments whose sends are refused with 400 (a test's stand-in for a message
     /// Azure refuses for what it is).
@@ -108,6 +130,8 @@ impl ServiceBusEmulator {
         let shared = Arc::new(Shared {
             broker,
             key: config.key,
+            send_listen_key: config.send_listen_key,
+            accept_any_token: config.accept_any_token,
             default_receive_wait: config.default_receive_wait,
             refused: std::sync::Mutex::default(),
         });
@@ -290,26 +314,130 @@ fn parse_entity(path: &str) -> Option<(String, Entity, Vec<String>)> {
     }
 }
 
-/// `Some(401 response)` when the request's SAS does not verify.
-fn refuse_unauthorised(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Option<Response> {
+/// The rights a request's credential carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rights {
+    /// Manage, Send and Listen (the configured key, or an accepted bearer token).
+    All,
+    /// Send and Listen only.
+    SendListen,
+}
+
+/// The request's rights, or why its `Authorization` does not verify (answered with 401).
+fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Rights, String> {
     let Some(token) = headers.get("authorization").and_then(|v| v.to_str().ok()) else {
-        return Some(error(
-            StatusCode::UNAUTHORIZED,
-            "40100",
-            "Unauthorized: the request carries no Authorization header",
-        ));
+        return Err("Unauthorized: the request carries no Authorization header".into());
     };
-    shared
-        .key
-        .verify(token, uri.path(), shared.broker.clock.now())
-        .err()
-        .map(|e| {
-            error(
-                StatusCode::UNAUTHORIZED,
-                "40100",
-                format!("Unauthorized: {e}"),
-            )
-        })
+    if let Some(bearer) = token
+        .strip_prefix("Bearer ")
+        .or_else(|| token.strip_prefix("bearer "))
+    {
+        return if !shared.accept_any_token {
+            Err("Unauthorized: this emulator cannot verify Entra ID (Bearer) tokens and accepts them only when started with --accept-any-token; sign with the SAS key instead".into())
+        } else if bearer.trim().is_empty() {
+            Err("Unauthorized: the Bearer token is empty".into())
+        } else {
+            Ok(Rights::All)
+        };
+    }
+    let now = shared.broker.clock.now();
+    match shared.key.verify(token, uri.path(), now) {
+        Ok(_) => Ok(Rights::All),
+        Err(e) => match &shared.send_listen_key {
+            Some(k) if k.verify(token, uri.path(), now).is_ok() => Ok(Rights::SendListen),
+            _ => Err(format!("Unauthorized: {e}")),
+        },
+    }
+}
+
+/// `GET /{queue}`: the queue's description, as the management REST API answers it.
+fn describe(shared: &Shared, name: &str, host: &str) -> Response {
+    let atom = [(
+        "content-type",
+        "application/atom+xml;type=entry;charset=utf-8",
+    )];
+    let Some(queue) = shared.broker.queue(name) else {
+        // Service Bus answers a missing entity with an empty feed, not an error (the
+        // official administration clients turn it into "does not exist").
+        return (
+            StatusCode::OK,
+            [("content-type", "application/atom+xml;type=feed;charset=utf-8")],
+            format!(
+                "<feed xmlns=\"http://www.w3.org/2005/Atom\"><title type=\"text\">Publicly Listed Services</title><subtitle type=\"text\">This is the list of publicly-listed services currently available.</subtitle><id>uuid:{}</id><updated>{}</updated><generator>Service Bus 1.1</generator></feed>",
+                uuid::Uuid::new_v4(),
+                atom_time(shared.broker.clock.now())
+            ),
+        )
+            .into_response();
+    };
+    (
+        StatusCode::OK,
+        atom,
+        queue_entry(&queue.spec(), host, shared.broker.clock.now()),
+    )
+        .into_response()
+}
+
+fn atom_time(t: SystemTime) -> String {
+    time::OffsetDateTime::from(t)
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// A duration as .NET writes a `TimeSpan` in XML (`PT1M`, `P7D`, `PT0.5S`).
+fn xml_timespan(d: Duration) -> String {
+    let secs = d.as_secs();
+    let (days, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    let nanos = d.subsec_nanos();
+    let mut time = String::new();
+    if h > 0 {
+        time += &format!("{h}H");
+    }
+    if m > 0 {
+        time += &format!("{m}M");
+    }
+    if s > 0 || nanos > 0 {
+        if nanos > 0 {
+            let frac = format!("{:07}", nanos / 100);
+            time += &format!("{s}.{}S", frac.trim_end_matches('0'));
+        } else {
+            time += &format!("{s}S");
+        }
+    }
+    match (days, time.is_empty()) {
+        (0, true) => "PT0S".into(),
+        (0, false) => format!("PT{time}"),
+        (d, true) => format!("P{d}D"),
+        (d, false) => format!("P{d}DT{time}"),
+    }
+}
+
+/// .NET's `TimeSpan.MaxValue`, the default time to live and auto-delete interval.
+const TIMESPAN_MAX: &str = "P10675199DT2H48M5.4775807S";
+
+/// The Atom entry of a queue, in the shape of the Get Queue reference (the management REST
+/// API, api-version 2021-05), from its [`QueueSpec`].
+fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
+    let url = format!("https://{host}/{}?api-version=2021-05", spec.name);
+    let window = spec
+        .duplicate_detection_window
+        .unwrap_or(Duration::from_secs(600));
+    let ttl = spec
+        .default_ttl
+        .map(xml_timespan)
+        .unwrap_or_else(|| TIMESPAN_MAX.into());
+    let t = atom_time(now);
+    format!(
+        "<entry xmlns=\"http://www.w3.org/2005/Atom\"><id>{url}</id><title type=\"text\">{name}</title><published>{t}</published><updated>{t}</updated><author><name>emulator</name></author><link rel=\"self\" href=\"{url}\"/><content type=\"application/xml\"><QueueDescription xmlns=\"http://schemas.microsoft.com/netservices/2010/10/servicebus/connect\" xmlns:i=\"http://www.w3.org/2001/XMLSchema-instance\"><LockDuration>{lock}</LockDuration><MaxSizeInMegabytes>1024</MaxSizeInMegabytes><RequiresDuplicateDetection>{requires}</RequiresDuplicateDetection><RequiresSession>false</RequiresSession><DefaultMessageTimeToLive>{ttl}</DefaultMessageTimeToLive><DeadLetteringOnMessageExpiration>{dlq}</DeadLetteringOnMessageExpiration><DuplicateDetectionHistoryTimeWindow>{window}</DuplicateDetectionHistoryTimeWindow><MaxDeliveryCount>{mdc}</MaxDeliveryCount><EnableBatchedOperations>true</EnableBatchedOperations><SizeInBytes>0</SizeInBytes><MessageCount>0</MessageCount><IsAnonymousAccessible>false</IsAnonymousAccessible><AuthorizationRules/><Status>Active</Status><CreatedAt>{t}</CreatedAt><UpdatedAt>{t}</UpdatedAt><AccessedAt>{t}</AccessedAt><SupportOrdering>true</SupportOrdering><AutoDeleteOnIdle>{max}</AutoDeleteOnIdle><EnablePartitioning>false</EnablePartitioning><EntityAvailabilityStatus>Available</EntityAvailabilityStatus><EnableExpress>false</EnableExpress><MaxMessageSizeInKilobytes>{kb}</MaxMessageSizeInKilobytes></QueueDescription></content></entry>",
+        name = xml_escape(&spec.name),
+        lock = xml_timespan(spec.lock_duration),
+        requires = spec.duplicate_detection_window.is_some(),
+        dlq = spec.dead_letter_on_expiration,
+        window = xml_timespan(window),
+        mdc = spec.max_delivery_count,
+        max = TIMESPAN_MAX,
+        kb = spec.max_message_size_kb,
+    )
 }
 
 async fn handle(
@@ -320,8 +448,27 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(refusal) = refuse_unauthorised(&shared, &headers, &uri) {
-        return refusal;
+    let rights = match authenticate(&shared, &headers, &uri) {
+        Ok(r) => r,
+        Err(detail) => return error(StatusCode::UNAUTHORIZED, "40100", detail),
+    };
+    if method == Method::GET && !uri.path().to_ascii_lowercase().contains("/messages") {
+        let segs: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
+        if let [name] = segs.as_slice() {
+            if rights != Rights::All {
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    "40100",
+                    "Unauthorized: Manage,EntityRead claims required for this operation.",
+                );
+            }
+            let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
+            let host = headers
+                .get("host")
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or("localhost");
+            return describe(&shared, &name, host);
+        }
     }
     let Some((name, entity, rest)) = parse_entity(uri.path()) else {
         return error(

@@ -1,0 +1,229 @@
+//! Broken state and unreachable dependencies: contained, named, and never hidden behind a
+//! readiness of 200.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hubguard::ledger::State;
+use hubguard::pipeline::settle::{Policies, Settler};
+use hubguard::policy::DeadLetterReason;
+
+use crate::pipeline_support::*;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Overwrites `key`'s ledger record with bytes that do not parse.
+async fn corrupt(bed: &Bed, key: &str) {
+    let store = bed.records();
+    let name = bed.ledger().record_name(key);
+    match store.read(&name).await.unwrap() {
+        Some(r) => {
+            store
+                .update(&name, Bytes::from_static(b"{not json"), &r.etag)
+                .await
+                .unwrap();
+        }
+        None => {
+            store
+                .create(&name, Bytes::from_static(b"{not json"))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_held() {
+    let bed = Bed::start(1).await;
+    let ledger = bed.ledger();
+    // On the partition path: the record is corrupt before the event's first failure.
+    corrupt(&bed, "corrupt-on-read").await;
+    bed.send(0, &[("corrupt-on-read", "fail:1"), ("behind", "ok")])
+        .await;
+    // On the retry path: the record turns corrupt while its retry waits.
+    let slow = hubguard::policy::RetryPolicy {
+        base_s: 30,
+        floor_s: 30,
+        ..fast_policy(5)
+    };
+    bed.send(0, &[("corrupt-later", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), slow, "replica-a"));
+    wait_for("partition path settled", &run.health, LIMIT, || async {
+        matches!(ledger.get("corrupt-later").await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
+            && bed.checkpoint_of("0").await == Some(2)
+    })
+    .await;
+    let (rec, _) = ledger.get("corrupt-on-read").await.unwrap().unwrap();
+    assert_eq!(rec.state, State::DeadLettered);
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::CorruptRecord)
+    );
+    assert!(!rec.event_unknown, "the event was in hand");
+    let aside = rec.quarantined.clone().expect("quarantine blob named");
+    let kept = bed.records().read(&aside).await.unwrap().unwrap();
+    assert_eq!(&kept.body[..], b"{not json");
+    assert!(
+        handler.delivered_keys().contains("behind"),
+        "the partition moved on"
+    );
+
+    corrupt(&bed, "corrupt-later").await;
+    bed.clock().advance(Duration::from_secs(31));
+    wait_for("retry path dead-lettered", &run.health, LIMIT, || async {
+        matches!(ledger.get("corrupt-later").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+    })
+    .await;
+    let (rec, _) = ledger.get("corrupt-later").await.unwrap().unwrap();
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::CorruptRecord)
+    );
+    assert!(rec.event_unknown, "the retry message carries only the key");
+    assert!(run.health.held_retries().is_empty());
+    assert!(run.health.held().is_empty());
+    wait_for(
+        "nothing left on Service Bus",
+        &run.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.active + c.scheduled + c.locked == 0
+        },
+    )
+    .await;
+    run.stop().await;
+
+    // Both are listed as dead letters; the one whose event is known replays, the other says why not.
+    let mut keys = ledger.dead_letter_keys().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, vec!["corrupt-later", "corrupt-on-read"]);
+    let sb_cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
+    let queue = hubguard::azure::ServiceBusRetryQueue::new(
+        &sb_cs,
+        "retries",
+        hubguard::azure::retry_queue::ServiceBusOptions::default(),
+    )
+    .unwrap();
+    let settler = Settler::new(
+        ledger.clone(),
+        Arc::new(queue),
+        Policies {
+            default: fast_policy(5),
+            by_type: Default::default(),
+        },
+    );
+    assert!(settler.replay("corrupt-on-read").await.unwrap().is_some());
+    let e = settler.replay("corrupt-later").await.unwrap_err();
+    assert!(e.to_string().contains("quarantine"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_event_hubs_is_named_in_readiness() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let parts = bed.parts(handler, fast_policy(5), "replica-a");
+    let Bed { eh, sb, blob, cs } = bed;
+    let addr = eh.local_addr();
+    eh.shutdown().await;
+    let run = Bed::run(parts);
+    wait_for("consumer failing, named", &run.health, LIMIT, || async {
+        run.health.not_ready_reasons().iter().any(|r| {
+            r.contains("Event Hubs consumer failing") && r.contains(&addr.port().to_string())
+        })
+    })
+    .await;
+    assert!(!run.health.ready());
+    let reasons = run.health.not_ready_reasons().join("\n");
+    assert!(!reasons.contains("SharedAccessKey"), "no secret: {reasons}");
+    run.stop().await;
+    drop((sb, blob, cs));
+}
+
+/// A checkpoint store through which partition `1` can never be claimed.
+struct Unclaimable(Arc<dyn azure_messaging_eventhubs::CheckpointStore + Send + Sync>);
+
+#[async_trait::async_trait]
+impl azure_messaging_eventhubs::CheckpointStore for Unclaimable {
+    async fn claim_ownership(
+        &self,
+        o: &[azure_messaging_eventhubs::models::Ownership],
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        let wanted: Vec<_> = o
+            .iter()
+            .filter(|o| o.partition_id != "1")
+            .cloned()
+            .collect();
+        self.0.claim_ownership(&wanted).await
+    }
+    async fn list_checkpoints(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
+        self.0.list_checkpoints(n, h, c).await
+    }
+    async fn list_ownerships(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.0.list_ownerships(n, h, c).await
+    }
+    async fn update_checkpoint(
+        &self,
+        c: azure_messaging_eventhubs::models::Checkpoint,
+    ) -> azure_core::Result<()> {
+        self.0.update_checkpoint(c).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_no_replica_owns_makes_readiness_fail_naming_it() {
+    let bed = Bed::start(2).await;
+    let handler = Arc::new(Scripted::default());
+    let mut parts = bed.parts(handler, fast_policy(5), "replica-a");
+    parts.checkpoint_store = Arc::new(Unclaimable(parts.checkpoint_store));
+    let run = Bed::run(parts);
+    wait_for(
+        "partition 1 reported unowned",
+        &run.health,
+        LIMIT,
+        || async { run.health.unowned() == vec!["1".to_string()] },
+    )
+    .await;
+    assert!(!run.health.ready());
+    assert!(run
+        .health
+        .not_ready_reasons()
+        .iter()
+        .any(|r| r.contains("partitions 1 are owned by no replica")));
+    assert!(run.health.owned().contains_key("0"));
+    run.stop().await;
+}
+
+#[tokio::test]
+async fn unreachable_blob_storage_is_named_with_its_cause_and_never_its_sas() {
+    use hubguard::azure::{BlobRecordStore, RecordStore};
+    // A port nothing listens on.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/devstoreaccount1/hubguard?sv=2024&sig=SECRETSIG");
+    let store = BlobRecordStore::new(&url, None, Duration::from_secs(5)).unwrap();
+    let e = store.read("ledger/x").await.unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("127.0.0.1:{port}/devstoreaccount1/hubguard")),
+        "{e}"
+    );
+    assert!(
+        e.to_ascii_lowercase().contains("refused") || e.contains("connect"),
+        "{e}"
+    );
+    assert!(!e.contains("SECRETSIG"), "{e}");
+}
