@@ -204,6 +204,8 @@ pub struct EmulatorArgs {
     /// Accept any non-empty Entra ID token (Event Hubs `jwt` tokens; `Authorization: Bearer` on
     /// Service Bus and blob storage), which the emulators cannot verify. Without it they
     /// take SAS only (and blob storage anonymous requests), and refuse a bearer token with 401.
+    /// Event Hubs SAS tokens are verified either way, and only under the CBS type
+    /// `servicebus.windows.net:sastoken`, as Azure does; a SAS string is never taken as a `jwt`.
     #[arg(long)]
     accept_any_token: bool,
 }
@@ -284,6 +286,7 @@ pub fn main() -> ExitCode {
             }
         };
     }
+    crate::azure::install_crypto_provider();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

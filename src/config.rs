@@ -49,6 +49,10 @@ pub enum CredentialKind {
     ClientSecret,
 }
 
+/// The credential kinds, as the configuration spells them.
+const CREDENTIAL_KINDS: &str =
+    "managed_identity, workload_identity, azure_cli, developer_tools, client_secret";
+
 /// `[eventhubs]`
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -646,7 +650,7 @@ impl Config {
             (None, Some(_), Some(_)) => {}
             _ => {
                 return Err(err(
-                    "eventhubs: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools)",
+                    format!("eventhubs: give either connection_string, or namespace and credential ({CREDENTIAL_KINDS})"),
                 ))
             }
         }
@@ -676,9 +680,10 @@ impl Config {
                 url.scheme()
             )));
         }
-        if self.storage.credential.is_some() && url.scheme() != "https" {
+        let loopback = matches!(url.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
+        if self.storage.credential.is_some() && url.scheme() != "https" && !loopback {
             return Err(err(
-                "storage.credential needs an https storage.container_url",
+                "storage.credential needs an https storage.container_url (Azure takes bearer tokens over TLS only)",
             ));
         }
         let HandlerSection::Webhook(w) = &self.handler;
@@ -809,10 +814,19 @@ impl Config {
         w
     }
 
-    fn credential(kind: CredentialKind) -> Result<Arc<dyn TokenCredential>, ConfigError> {
+    /// The Entra ID credential of `kind`. A user-assigned managed identity is chosen by
+    /// `AZURE_CLIENT_ID`, as `DefaultAzureCredential` does in every SDK.
+    pub fn credential(kind: CredentialKind) -> Result<Arc<dyn TokenCredential>, ConfigError> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let c: Arc<dyn TokenCredential> = match kind {
-            CredentialKind::ManagedIdentity => azure_identity::ManagedIdentityCredential::new(None)
-                .map_err(|e| err(format!("managed identity: {e}")))?,
+            CredentialKind::ManagedIdentity => azure_identity::ManagedIdentityCredential::new(
+                Some(azure_identity::ManagedIdentityCredentialOptions {
+                    user_assigned_id: env("AZURE_CLIENT_ID")
+                        .map(azure_identity::UserAssignedId::ClientId),
+                    ..Default::default()
+                }),
+            )
+            .map_err(|e| err(format!("managed identity: {e}")))?,
             CredentialKind::WorkloadIdentity => {
                 azure_identity::WorkloadIdentityCredential::new(None)
                     .map_err(|e| err(format!("workload identity: {e}")))?
@@ -948,11 +962,11 @@ impl Config {
                     .parse()
                     .map_err(|e| err(format!("eventhubs.connection_string: {e}")))?;
                 EventHubsTarget {
-                    namespace: cs.namespace(),
+                    namespace: cs.host.clone(),
                     custom_endpoint: cs.custom_endpoint(),
                     hub: eh.hub.clone(),
                     consumer_group: eh.consumer_group.clone(),
-                    credential: Arc::new(cs.credential(Some(&eh.hub))),
+                    auth: crate::azure::EventHubsAuth::ConnectionString(cs),
                 }
             }
             None => EventHubsTarget {
@@ -960,23 +974,18 @@ impl Config {
                 custom_endpoint: None,
                 hub: eh.hub.clone(),
                 consumer_group: eh.consumer_group.clone(),
-                credential: Self::credential(
+                auth: crate::azure::EventHubsAuth::Credential(Self::credential(
                     eh.credential.unwrap_or(CredentialKind::DeveloperTools),
-                )?,
+                )?),
             },
         };
-        let cred = self.storage.credential.map(Self::credential).transpose()?;
-        let url = url::Url::parse(&self.storage.container_url)
-            .map_err(|e| err(format!("storage.container_url: {e}")))?;
-        let container = azure_storage_blob::BlobContainerClient::new(url, cred, None)
-            .map_err(|e| err(format!("storage.container_url: {e}")))?;
-        let checkpoint_store =
-            azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore::new(container);
+        let records = self.record_store()?;
+        let checkpoint_store = crate::azure::BlobCheckpointStore::new(records.container());
         let deadline = Duration::from_millis(self.retry.call_deadline_ms);
         Ok(PipelineParts {
             eventhubs: target,
             checkpoint_store,
-            records: Arc::new(self.record_store()?),
+            records: Arc::new(records),
             queue: Arc::new(self.retry_queue()?),
             handler,
             policies: Policies {

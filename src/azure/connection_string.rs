@@ -122,7 +122,57 @@ impl ConnectionString {
             .then(|| format!("amqp://{}:{}", self.host, self.port.unwrap_or(5672)))
     }
 
-    /// A credential whose tokens cover `entity` (or the whole namespace when `None`).
+    /// The connection string as `azure_messaging_eventhubs` parses it (`Endpoint`, key name
+    /// and key; hubguard's own keys left out). A secret: never log it.
+    pub fn sdk_connection_string(&self) -> String {
+        format!(
+            "Endpoint=sb://{}/;SharedAccessKeyName={};SharedAccessKey={}",
+            self.namespace(),
+            self.key.name(),
+            self.key.secret()
+        )
+    }
+
+    /// Opens a consumer for `hub` with the SDK's own connection-string credential, which
+    /// presents its SAS tokens as `servicebus.windows.net:sastoken` (what Azure requires), to
+    /// the emulator's endpoint when `UseDevelopmentEmulator=true`. The SDK names the namespace
+    /// by the endpoint's host (no port).
+    pub async fn open_consumer(
+        &self,
+        builder: azure_messaging_eventhubs::builders::ConsumerClientBuilder,
+        hub: &str,
+    ) -> azure_messaging_eventhubs::Result<azure_messaging_eventhubs::ConsumerClient> {
+        super::install_crypto_provider();
+        let builder = match self.custom_endpoint() {
+            Some(e) => builder.with_custom_endpoint(e),
+            None => builder,
+        };
+        builder
+            .open_with_connection_string(&self.sdk_connection_string(), Some(hub))
+            .await
+    }
+
+    /// Opens a producer for `hub`, as [`open_consumer`](Self::open_consumer) does.
+    pub async fn open_producer(
+        &self,
+        builder: azure_messaging_eventhubs::builders::ProducerClientBuilder,
+        hub: &str,
+    ) -> azure_messaging_eventhubs::Result<azure_messaging_eventhubs::ProducerClient> {
+        super::install_crypto_provider();
+        let builder = match self.custom_endpoint() {
+            Some(e) => builder.with_custom_endpoint(e),
+            None => builder,
+        };
+        builder
+            .open_with_connection_string(&self.sdk_connection_string(), Some(hub))
+            .await
+    }
+
+    /// A `TokenCredential` that signs SAS tokens covering `entity` (or the whole namespace
+    /// when `None`). The Event Hubs clients' `open` presents every credential's tokens as
+    /// `jwt`, which Azure refuses for a SAS token: use [`open_consumer`](Self::open_consumer)
+    /// and [`open_producer`](Self::open_producer) for Event Hubs. This one is for checks and
+    /// raw protocol tests.
     pub fn credential(&self, entity: Option<&str>) -> SasCredential {
         let resource = match entity.or(self.entity_path.as_deref()) {
             Some(e) => format!("sb://{}/{e}", self.namespace()),

@@ -10,14 +10,9 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use azure_core::credentials::TokenCredential;
-use azure_core::http::{ClientOptions, Etag, NoFormat, RequestContent, RetryOptions, StatusCode};
-use azure_core::Bytes;
-use azure_storage_blob::models::{
-    BlobClientDeleteOptions, BlobContainerClientListBlobsOptions, BlockBlobClientUploadOptions,
-    ListBlobsIncludeItem,
-};
-use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
-use futures::TryStreamExt;
+use bytes::Bytes;
+
+use super::blob::{BlobContainer, BlobError, Condition};
 
 /// Why a record-store call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,51 +101,46 @@ pub trait RecordStore: Send + Sync {
     }
 }
 
-/// [`RecordStore`] on an Azure Blob Storage container (`azure_storage_blob` 1.1).
+/// [`RecordStore`] on an Azure Blob Storage container (hubguard's REST client,
+/// [`BlobContainer`]).
 pub struct BlobRecordStore {
-    container: BlobContainerClient,
+    container: Arc<BlobContainer>,
     deadline: Duration,
 }
 
 impl fmt::Debug for BlobRecordStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut url = self.container.url().clone();
-        url.set_query(None); // a SAS in the query is a secret
         f.debug_struct("BlobRecordStore")
-            .field("container", &url.as_str())
+            .field("container", &self.container.url())
             .finish()
     }
 }
 
 impl BlobRecordStore {
     /// A store on the container at `url` (`https://acct.blob.core.windows.net/c`, a path-style
-    /// emulator URL, either optionally with a SAS query), with an Entra ID credential or none.
-    /// The SDK's own retries are off: the caller retries, and every call has `deadline`.
+    /// emulator URL, either optionally with a SAS in the query), with an Entra ID credential or
+    /// none. No retries inside: the caller retries, and every call has `deadline`.
     pub fn new(
         url: &str,
         credential: Option<Arc<dyn TokenCredential>>,
         deadline: Duration,
     ) -> Result<Self, StoreError> {
-        let parsed = url::Url::parse(url.trim_end_matches('/'))
-            .map_err(|e| StoreError::Misconfigured(format!("invalid container URL: {e}")))?;
-        let options = BlobContainerClientOptions {
-            client_options: ClientOptions {
-                retry: RetryOptions::none(),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        let container = BlobContainerClient::new(parsed, credential, Some(options))
-            .map_err(|e| StoreError::Misconfigured(e.to_string()))?;
-        Ok(Self {
-            container,
-            deadline,
-        })
+        let container = BlobContainer::new(url, credential, deadline)
+            .map_err(|e| StoreError::Misconfigured(format!("container URL: {e}")))?;
+        Ok(Self::on(Arc::new(container), deadline))
     }
 
-    /// The underlying container client (for the official checkpoint store).
-    pub fn container_client(&self) -> &BlobContainerClient {
-        &self.container
+    /// A store on an existing container client.
+    pub fn on(container: Arc<BlobContainer>, deadline: Duration) -> Self {
+        Self {
+            container,
+            deadline,
+        }
+    }
+
+    /// The container client (shared with the checkpoint store).
+    pub fn container(&self) -> Arc<BlobContainer> {
+        self.container.clone()
     }
 
     async fn deadline<T>(
@@ -163,103 +153,64 @@ impl BlobRecordStore {
             .map_err(|e| match e {
                 // Name the endpoint: "blob storage is unavailable" alone sends nobody anywhere.
                 StoreError::Unavailable(m) => {
-                    StoreError::Unavailable(format!("{}: {m}", self.endpoint()))
+                    StoreError::Unavailable(format!("{}: {m}", self.container.url()))
                 }
                 other => other,
             })
     }
 
-    /// The container's URL without its query (a SAS there is a secret).
-    fn endpoint(&self) -> String {
-        let mut url = self.container.url().clone();
-        url.set_query(None);
-        url.to_string()
-    }
-}
-
-impl BlobRecordStore {
-    /// Put Blob with a condition: `If-None-Match: *` (`create`) or `If-Match` (`update`);
-    /// `not_found_as` replaces a 404 answer.
+    /// Put Blob with a condition and, when given, the tags as metadata; `not_found_as`
+    /// replaces a 404 answer.
     async fn upload(
         &self,
         key: &str,
         body: Bytes,
-        condition: Etag,
+        condition: Condition,
         not_found_as: Option<StoreError>,
         tags: Option<&Tags>,
     ) -> Result<String, StoreError> {
-        let create = condition.to_string() == "*";
         self.deadline(async {
-            let options = BlockBlobClientUploadOptions {
-                if_none_match: create.then(|| condition.clone()),
-                if_match: (!create).then(|| condition.clone()),
-                blob_content_type: Some("application/json".into()),
-                metadata: tags.map(|t| t.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
-                ..Default::default()
-            };
-            let r = self
-                .container
-                .blob_client(key)
-                .upload(
-                    RequestContent::<Bytes, NoFormat>::from(body.to_vec()),
-                    Some(options),
-                )
+            let metadata: Vec<(&str, &str)> = tags
+                .map(|t| t.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+                .unwrap_or_default();
+            self.container
+                .put_blob(key, body, "application/json", &metadata, &condition)
                 .await
+                .map(|w| w.etag)
                 .map_err(|e| match (classify(&e), &not_found_as) {
                     (StoreError::NotFound, Some(replacement)) => replacement.clone(),
                     (other, _) => other,
-                })?;
-            Ok(etag_of(r.etag))
+                })
         })
         .await
     }
 }
 
-fn classify(e: &azure_core::Error) -> StoreError {
-    let code = match e.kind() {
-        azure_core::error::ErrorKind::HttpResponse { error_code, .. } => error_code.clone(),
-        _ => None,
-    };
-    match e.http_status() {
-        Some(StatusCode::PreconditionFailed) | Some(StatusCode::Conflict) => StoreError::Conflict,
-        Some(StatusCode::NotFound) if code.as_deref() == Some("ContainerNotFound") => {
+/// What a blob error means to a caller of the record store.
+pub fn classify(e: &BlobError) -> StoreError {
+    let code = e.code().map(str::to_string);
+    match e.status() {
+        Some(412) | Some(409) => StoreError::Conflict,
+        Some(404) if code.as_deref() == Some("ContainerNotFound") => {
             StoreError::Misconfigured("the container does not exist".into())
         }
-        Some(StatusCode::NotFound) => StoreError::NotFound,
-        Some(StatusCode::Unauthorized) | Some(StatusCode::Forbidden) => {
+        Some(404) => StoreError::NotFound,
+        Some(401) | Some(403) => {
             StoreError::Misconfigured(format!("access refused ({})", code.unwrap_or_default()))
         }
         // A 400 is a refusal of this request for what it is (a name or metadata Azure does
         // not take): it will not pass by waiting, but it concerns one record, so the caller
         // holds that record's work and says why.
-        Some(StatusCode::BadRequest) => {
-            StoreError::Misconfigured(format!("status 400 {}", code.unwrap_or_default()))
-        }
+        Some(400) => StoreError::Misconfigured(format!("status 400 {}", code.unwrap_or_default())),
         // 503 `ServerBusy` is a throttled account ("Blob service error codes"): transient.
         Some(s) => StoreError::Unavailable(match code {
-            Some(c) if c == "ServerBusy" => {
-                format!("status {} ServerBusy (throttled)", u16::from(s))
-            }
-            _ => format!("status {}", u16::from(s)),
+            Some(c) if c == "ServerBusy" => format!("status {s} ServerBusy (throttled)"),
+            _ => format!("status {s}"),
         }),
-        None => StoreError::Unavailable(with_causes(e)),
+        // No token is an operator's problem, not an outage.
+        None if matches!(e, BlobError::Credential(_)) => StoreError::Misconfigured(e.to_string()),
+        None => StoreError::Unavailable(without_urls(&e.to_string())),
     }
-}
-
-/// An error and its causes ("failed to execute `reqwest` request: error sending request: …
-/// Connection refused"), each once.
-fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let c_text = c.to_string();
-        if !text.contains(&c_text) {
-            text.push_str(": ");
-            text.push_str(&c_text);
-        }
-        cause = c.source();
-    }
-    without_urls(&text)
 }
 
 /// Removes reqwest's ` for url (…)`: a URL's query may carry a SAS.
@@ -277,36 +228,25 @@ fn without_urls(text: &str) -> String {
     out
 }
 
-fn etag_of(e: Option<Etag>) -> String {
-    e.map(|e| e.to_string()).unwrap_or_default()
-}
-
 #[async_trait]
 impl RecordStore for BlobRecordStore {
     async fn read(&self, key: &str) -> Result<Option<Record>, StoreError> {
         self.deadline(async {
-            let blob = self.container.blob_client(key);
-            match blob.download(None).await {
-                Ok(r) => {
-                    let etag = etag_of(r.properties.etag.clone());
-                    let body = r
-                        .body
-                        .collect()
-                        .await
-                        .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                    Ok(Some(Record { body, etag }))
-                }
-                Err(e) => match classify(&e) {
-                    StoreError::NotFound => Ok(None),
-                    other => Err(other),
-                },
+            match self.container.get_blob(key).await {
+                Ok(Some(d)) => Ok(Some(Record {
+                    body: d.body,
+                    etag: d.etag,
+                })),
+                Ok(None) => Ok(None),
+                Err(e) => Err(classify(&e)),
             }
         })
         .await
     }
 
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError> {
-        self.upload(key, body, Etag::from("*"), None, None).await
+        self.upload(key, body, Condition::IfNotExists, None, None)
+            .await
     }
 
     async fn write_tagged(
@@ -318,14 +258,14 @@ impl RecordStore for BlobRecordStore {
     ) -> Result<String, StoreError> {
         match etag {
             None => {
-                self.upload(key, body, Etag::from("*"), None, Some(tags))
+                self.upload(key, body, Condition::IfNotExists, None, Some(tags))
                     .await
             }
             Some(e) => {
                 self.upload(
                     key,
                     body,
-                    Etag::from(e.to_string()),
+                    Condition::IfMatch(e.to_string()),
                     Some(StoreError::Conflict),
                     Some(tags),
                 )
@@ -339,7 +279,7 @@ impl RecordStore for BlobRecordStore {
         self.upload(
             key,
             body,
-            Etag::from(etag.to_string()),
+            Condition::IfMatch(etag.to_string()),
             Some(StoreError::Conflict),
             None,
         )
@@ -348,59 +288,30 @@ impl RecordStore for BlobRecordStore {
 
     async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError> {
         self.deadline(async {
-            let options = BlobClientDeleteOptions {
-                if_match: Some(Etag::from(etag.to_string())),
-                ..Default::default()
-            };
             self.container
-                .blob_client(key)
-                .delete(Some(options))
+                .delete_blob(key, Some(etag))
                 .await
-                .map_err(|e| classify(&e))?;
-            Ok(())
+                .map_err(|e| classify(&e))
         })
         .await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError> {
         self.deadline(async {
-            let mut pager = self
+            let items = self
                 .container
-                .list_blobs(Some(BlobContainerClientListBlobsOptions {
-                    prefix: Some(prefix.to_string()),
-                    include: Some(vec![ListBlobsIncludeItem::Metadata]),
-                    ..Default::default()
-                }))
+                .list_blobs(prefix, true)
+                .await
                 .map_err(|e| classify(&e))?;
-            let mut out = Vec::new();
-            while let Some(item) = pager.try_next().await.map_err(|e| classify(&e))? {
-                let Some(key) = item.name.clone() else {
-                    continue;
-                };
-                let (etag, last_modified) = item
-                    .properties
-                    .as_ref()
-                    .map(|p| {
-                        (
-                            etag_of(p.etag.clone()),
-                            p.last_modified.map(SystemTime::from),
-                        )
-                    })
-                    .unwrap_or_default();
-                let tags = item
-                    .metadata
-                    .as_ref()
-                    .and_then(|m| m.values.as_ref())
-                    .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-                    .unwrap_or_default();
-                out.push(Listed {
-                    key,
-                    etag,
-                    last_modified,
-                    tags,
-                });
-            }
-            Ok(out)
+            Ok(items
+                .into_iter()
+                .map(|i| Listed {
+                    key: i.name,
+                    etag: i.etag,
+                    last_modified: i.last_modified.map(SystemTime::from),
+                    tags: i.metadata.into_iter().collect(),
+                })
+                .collect())
         })
         .await
     }

@@ -60,13 +60,8 @@ async fn produce_keyed(
     events: usize,
     partitions: usize,
 ) -> anyhow::Result<()> {
-    let producer = ProducerClient::builder()
-        .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
-        .open(
-            &cs.namespace(),
-            "bench",
-            Arc::new(cs.credential(Some("bench"))),
-        )
+    let producer = cs
+        .open_producer(ProducerClient::builder(), "bench")
         .await
         .context("opening the producer")?;
     let mut n = 0;

@@ -385,13 +385,8 @@ pub(crate) async fn produce(
     events: usize,
     size: usize,
 ) -> anyhow::Result<(usize, Duration)> {
-    let producer = ProducerClient::builder()
-        .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
-        .open(
-            &cs.namespace(),
-            "bench",
-            Arc::new(cs.credential(Some("bench"))),
-        )
+    let producer = cs
+        .open_producer(ProducerClient::builder(), "bench")
         .await
         .context("opening the producer")?;
     let body = vec![b'x'; size];
@@ -433,13 +428,7 @@ async fn consume(
     prefetch: u32,
 ) -> anyhow::Result<(usize, Duration)> {
     let consumer = Arc::new(
-        ConsumerClient::builder()
-            .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
-            .open(
-                &cs.namespace(),
-                "bench".into(),
-                Arc::new(cs.credential(Some("bench"))),
-            )
+        cs.open_consumer(ConsumerClient::builder(), "bench")
             .await
             .context("opening the consumer")?,
     );
@@ -546,11 +535,12 @@ pub async fn guard_vs_bare(
             custom_endpoint: Some(endpoint),
             hub: "bench".into(),
             consumer_group: "$Default".into(),
-            credential: Arc::new(cs.credential(Some("bench"))),
+            auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
         },
-        checkpoint_store: azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore::new(
-            azure_storage_blob::BlobContainerClient::new(url::Url::parse(&container)?, None, None)?,
-        ),
+        checkpoint_store: crate::azure::BlobCheckpointStore::new(std::sync::Arc::new(
+            crate::azure::BlobContainer::new(&container, None, Duration::from_secs(10))
+                .map_err(anyhow::Error::msg)?,
+        )),
         records: records.clone(),
         queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
             &sb_cs,

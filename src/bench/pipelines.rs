@@ -109,11 +109,12 @@ pub(crate) fn parts(
             custom_endpoint: cs.custom_endpoint(),
             hub: "bench".into(),
             consumer_group: "$Default".into(),
-            credential: Arc::new(cs.credential(Some("bench"))),
+            auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
         },
-        checkpoint_store: azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore::new(
-            azure_storage_blob::BlobContainerClient::new(url::Url::parse(&container)?, None, None)?,
-        ),
+        checkpoint_store: crate::azure::BlobCheckpointStore::new(std::sync::Arc::new(
+            crate::azure::BlobContainer::new(&container, None, Duration::from_secs(10))
+                .map_err(anyhow::Error::msg)?,
+        )),
         records: Arc::new(crate::azure::BlobRecordStore::new(
             &container,
             None,

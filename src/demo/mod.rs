@@ -281,25 +281,19 @@ impl Bed {
             max_attempts: 8,
             max_age_s: None,
         };
+        let records = Arc::new(crate::azure::BlobRecordStore::new(
+            &container, None, deadline,
+        )?);
         Ok(PipelineParts {
             eventhubs: EventHubsTarget {
                 namespace: cs.namespace(),
                 custom_endpoint: cs.custom_endpoint(),
                 hub: HUB.into(),
                 consumer_group: "$Default".into(),
-                credential: Arc::new(cs.credential(Some(HUB))),
+                auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
             },
-            checkpoint_store:
-                azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore::new(
-                    azure_storage_blob::BlobContainerClient::new(
-                        url::Url::parse(&container)?,
-                        None,
-                        None,
-                    )?,
-                ),
-            records: Arc::new(crate::azure::BlobRecordStore::new(
-                &container, None, deadline,
-            )?),
+            checkpoint_store: crate::azure::BlobCheckpointStore::new(records.container()),
+            records,
             queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
                 &sb,
                 "retries",
@@ -379,10 +373,7 @@ async fn produce(
     partitions: usize,
     over: Duration,
 ) -> anyhow::Result<Vec<String>> {
-    let producer = ProducerClient::builder()
-        .with_custom_endpoint(cs.custom_endpoint().context("emulator endpoint")?)
-        .open(&cs.namespace(), HUB, Arc::new(cs.credential(Some(HUB))))
-        .await?;
+    let producer = cs.open_producer(ProducerClient::builder(), HUB).await?;
     let mut keys = Vec::with_capacity(events);
     let rounds = 10usize;
     let per_round = events.div_ceil(rounds);

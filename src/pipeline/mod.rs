@@ -25,7 +25,6 @@ pub mod settle;
 use std::sync::Arc;
 use std::time::Duration;
 
-use azure_core::credentials::TokenCredential;
 use azure_messaging_eventhubs::models::StartPositions;
 use azure_messaging_eventhubs::{
     CheckpointStore, ConsumerClient, EventProcessor, StartLocation, StartPosition,
@@ -43,7 +42,8 @@ use crate::ledger::Ledger;
 /// How to reach the Event Hub.
 #[derive(Clone)]
 pub struct EventHubsTarget {
-    /// Namespace as the SDK names it (`ns.servicebus.windows.net`, `127.0.0.1:5672`).
+    /// Namespace as the SDK names it (`ns.servicebus.windows.net`); with a connection string
+    /// the SDK takes the endpoint's host instead.
     pub namespace: String,
     /// `amqp://host:port` for an emulator; `None` for the service's TLS endpoint.
     pub custom_endpoint: Option<String>,
@@ -51,8 +51,8 @@ pub struct EventHubsTarget {
     pub hub: String,
     /// The consumer group.
     pub consumer_group: String,
-    /// The credential.
-    pub credential: Arc<dyn TokenCredential>,
+    /// How to authenticate (connection string or Entra ID credential).
+    pub auth: crate::azure::EventHubsAuth,
 }
 
 impl std::fmt::Debug for EventHubsTarget {
@@ -62,7 +62,8 @@ impl std::fmt::Debug for EventHubsTarget {
             .field("custom_endpoint", &self.custom_endpoint)
             .field("hub", &self.hub)
             .field("consumer_group", &self.consumer_group)
-            .finish_non_exhaustive()
+            .field("auth", &self.auth)
+            .finish()
     }
 }
 
@@ -556,11 +557,9 @@ async fn run_processor(
     };
     let consumer = tokio::time::timeout(
         o.deadline,
-        builder.open(
-            &target.namespace,
-            target.hub.clone(),
-            target.credential.clone(),
-        ),
+        target
+            .auth
+            .open_consumer(builder, &target.namespace, &target.hub),
     )
     .await
     .map_err(|_| {

@@ -2,7 +2,6 @@
 //! deadline on every await so a hang fails the test instead of stalling the run.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use azure_messaging_eventhubs::models::ReceivedEventData;
@@ -36,6 +35,7 @@ pub async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
 
 /// Starts an emulator with a full configuration.
 pub async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
+    hubguard::azure::install_crypto_provider();
     EventHubsEmulator::start(config)
         .await
         .expect("emulator starts")
@@ -48,13 +48,12 @@ pub fn conn(emu: &EventHubsEmulator) -> ConnectionString {
         .expect("valid connection string")
 }
 
-/// A producer for `hub`, authenticated by the connection string's key.
+/// A producer for `hub`, authenticated by the connection string (the SDK's own
+/// connection-string credential: SAS tokens under `servicebus.windows.net:sastoken`).
 pub async fn producer(cs: &ConnectionString, hub: &str) -> ProducerClient {
     within(
         "open producer",
-        ProducerClient::builder()
-            .with_custom_endpoint(cs.custom_endpoint().unwrap())
-            .open(&cs.namespace(), hub, Arc::new(cs.credential(Some(hub)))),
+        cs.open_producer(ProducerClient::builder(), hub),
     )
     .await
     .expect("producer opens")
@@ -67,20 +66,13 @@ pub async fn consumer(cs: &ConnectionString, hub: &str) -> ConsumerClient {
 
 /// A consumer for `hub` in a consumer group.
 pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) -> ConsumerClient {
-    let mut b = ConsumerClient::builder().with_custom_endpoint(cs.custom_endpoint().unwrap());
+    let mut b = ConsumerClient::builder();
     if let Some(g) = group {
         b = b.with_consumer_group(g.to_string());
     }
-    within(
-        "open consumer",
-        b.open(
-            &cs.namespace(),
-            hub.to_string(),
-            Arc::new(cs.credential(Some(hub))),
-        ),
-    )
-    .await
-    .expect("consumer opens")
+    within("open consumer", cs.open_consumer(b, hub))
+        .await
+        .expect("consumer opens")
 }
 
 /// Opens a receiver on `partition` starting at `location`.

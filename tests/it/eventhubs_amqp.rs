@@ -17,6 +17,7 @@ use fe2o3_amqp::types::messaging::{
 };
 use fe2o3_amqp::types::primitives::{Binary, SimpleValue, Symbol, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
+use hubguard::azure::SasKey;
 use hubguard::emulator::eventhubs::EventHubsEmulator;
 use serde_amqp::described::Described;
 use serde_amqp::descriptor::Descriptor;
@@ -40,6 +41,19 @@ async fn connect(
     connect_via(emu, emu.local_addr(), None, audience, key).await
 }
 
+/// Puts `token` as `token_type` for `audience` on a fresh connection; the CBS status.
+async fn put_token(
+    emu: &EventHubsEmulator,
+    audience: &str,
+    token_type: &str,
+    token: String,
+) -> i64 {
+    let (client, status) =
+        connect_raw(emu, emu.local_addr(), None, audience, token_type, token).await;
+    close(client).await;
+    status
+}
+
 /// Like [`connect`], but dialling `addr` (the emulator or a tap in front of it) and
 /// announcing `max_frame_size` in the `open` when given.
 async fn connect_via(
@@ -48,6 +62,25 @@ async fn connect_via(
     max_frame_size: Option<u32>,
     audience: &str,
     key: &hubguard::azure::SasKey,
+) -> (Client, i64) {
+    let expiry = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let token = key.token(&format!("sb://{}/hub", emu.local_addr()), expiry);
+    connect_raw(emu, addr, max_frame_size, audience, SAS_TYPE, token).await
+}
+
+const SAS_TYPE: &str = "servicebus.windows.net:sastoken";
+
+async fn connect_raw(
+    _emu: &EventHubsEmulator,
+    addr: SocketAddr,
+    max_frame_size: Option<u32>,
+    audience: &str,
+    token_type: &str,
+    token: String,
 ) -> (Client, i64) {
     let url = format!("amqp://{addr}");
     let mut builder = Connection::builder()
@@ -78,12 +111,6 @@ async fn connect_via(
     )
     .await
     .unwrap();
-    let expiry = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 600;
-    let token = key.token(&format!("sb://{}/hub", emu.local_addr()), expiry);
     let request = Message::builder()
         .properties(Properties {
             message_id: Some(7u64.into()),
@@ -93,10 +120,7 @@ async fn connect_via(
         .application_properties(
             ApplicationProperties::builder()
                 .insert("operation", SimpleValue::String("put-token".into()))
-                .insert(
-                    "type",
-                    SimpleValue::String("servicebus.windows.net:sastoken".into()),
-                )
+                .insert("type", SimpleValue::String(token_type.into()))
                 .insert("name", SimpleValue::String(audience.into()))
                 .build(),
         )
@@ -640,4 +664,65 @@ async fn a_delivery_over_one_mebibyte_is_rejected_with_message_size_exceeded() {
     );
     let _ = sender.close().await;
     close(client).await;
+}
+
+/// Azure's broker takes a SAS token only under `servicebus.windows.net:sastoken` and answers
+/// 401 otherwise (azure-sdk-for-rust #4587); Entra ID tokens come as `jwt`, which the
+/// emulator accepts only with `--accept-any-token` (it cannot verify them).
+#[tokio::test]
+async fn cbs_token_types_and_audiences_are_checked_as_azure_does() {
+    let strict = emulator(&[("hub", 1)]).await;
+    let key = conn(&strict).key;
+    let expiry = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let audience = |emu: &EventHubsEmulator| {
+        format!(
+            "amqps://{}/hub/ConsumerGroups/$Default/Partitions/0",
+            emu.local_addr()
+        )
+    };
+    let sas = key.token("sb://ns.servicebus.windows.net/hub", expiry);
+    let other_hub = key.token("sb://ns.servicebus.windows.net/otherhub", expiry);
+    let jwt =
+        "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOiJodHRwczovL2V2ZW50aHVicy5henVyZS5uZXQifQ.c2ln".to_string();
+    let aud = audience(&strict);
+    assert_eq!(put_token(&strict, &aud, SAS_TYPE, sas.clone()).await, 202);
+    assert_eq!(
+        put_token(&strict, &aud, "jwt", sas.clone()).await,
+        401,
+        "a SAS token presented as jwt (what azure_messaging_eventhubs 0.15 sent) is refused"
+    );
+    assert_eq!(put_token(&strict, &aud, SAS_TYPE, other_hub).await, 401);
+    assert_eq!(
+        put_token(&strict, &aud, "jwt", jwt.clone()).await,
+        401,
+        "without --accept-any-token no jwt is taken"
+    );
+    assert_eq!(
+        put_token(&strict, &aud, "unknown:type", sas.clone()).await,
+        401
+    );
+
+    let lenient = emulator_with(hubguard::emulator::eventhubs::EventHubsConfig {
+        accept_any_token: true,
+        ..Default::default()
+    })
+    .await;
+    let aud = audience(&lenient);
+    assert_eq!(put_token(&lenient, &aud, "jwt", jwt).await, 202);
+    assert_eq!(
+        put_token(&lenient, &aud, "jwt", sas.clone()).await,
+        401,
+        "a SAS string is no jwt, whatever the flag"
+    );
+    assert_eq!(put_token(&lenient, &aud, SAS_TYPE, sas).await, 202);
+    let forged = SasKey::new(key.name(), "not-the-key").token("sb://x/hub", expiry);
+    assert_eq!(
+        put_token(&lenient, &aud, SAS_TYPE, forged).await,
+        401,
+        "SAS signatures are verified even with --accept-any-token"
+    );
 }

@@ -50,14 +50,10 @@ async fn processor(
 ) -> Arc<EventProcessor> {
     let client = within(
         "open consumer",
-        ConsumerClient::builder()
-            .with_custom_endpoint(cs.custom_endpoint().unwrap())
-            .with_application_id(owner.to_string())
-            .open(
-                &cs.namespace(),
-                "hub".into(),
-                Arc::new(cs.credential(Some("hub"))),
-            ),
+        cs.open_consumer(
+            ConsumerClient::builder().with_application_id(owner.to_string()),
+            "hub",
+        ),
     )
     .await
     .unwrap();
@@ -287,6 +283,198 @@ async fn two_processors_split_the_partitions() {
                 dispatcher.abort();
                 within("shutdown", p.shutdown()).await.unwrap();
                 within("run returns", run).await.unwrap();
+            }
+        })
+        .await;
+    within("close producer", prod.close()).await.unwrap();
+}
+
+/// Waits (within [`STEP`]) until `cond` holds.
+async fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + STEP;
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A checkpoint store one replica loses (its blob storage is unreachable) while the other
+/// keeps it: the split brain of a one-sided blob outage.
+struct Severable {
+    inner: Arc<dyn CheckpointStore + Send + Sync>,
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl Severable {
+    fn check(&self) -> azure_core::Result<()> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(azure_core::Error::with_message(
+                azure_core::error::ErrorKind::Io,
+                "blob storage unreachable (test)",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl CheckpointStore for Severable {
+    async fn claim_ownership(
+        &self,
+        o: &[azure_messaging_eventhubs::models::Ownership],
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.check()?;
+        self.inner.claim_ownership(o).await
+    }
+    async fn list_checkpoints(
+        &self,
+        ns: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
+        self.check()?;
+        self.inner.list_checkpoints(ns, hub, cg).await
+    }
+    async fn list_ownerships(
+        &self,
+        ns: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.check()?;
+        self.inner.list_ownerships(ns, hub, cg).await
+    }
+    async fn update_checkpoint(
+        &self,
+        c: azure_messaging_eventhubs::models::Checkpoint,
+    ) -> azure_core::Result<()> {
+        self.check()?;
+        self.inner.update_checkpoint(c).await
+    }
+}
+
+/// 0.16's processor attaches every partition receiver with owner level 0
+/// (`com.microsoft:epoch`), and the emulator applies Azure's rule: an equal or higher owner
+/// level takes the partition and the old receiver is detached (`amqp:link:stolen`). So when
+/// replica A loses blob storage (it can neither renew nor learn that it lost its partitions)
+/// and replica B takes the partitions over, A stops receiving the moment B attaches: no
+/// event sent after the handover reaches both. (With 0.15, which sent no owner level, both
+/// replicas delivered such events.)
+#[tokio::test]
+async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_nothing_is_read_twice()
+{
+    let emu = emulator(&[("hub", 2)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    let shared: Arc<dyn CheckpointStore + Send + Sync> = Arc::new(InMemoryCheckpointStore::new());
+    let a_store = Arc::new(Severable {
+        inner: shared.clone(),
+        down: false.into(),
+    });
+    let hub = emu.store().hub("hub").unwrap();
+
+    LocalSet::new()
+        .run_until(async {
+            let received: Received = Default::default();
+            let start = |owner: &'static str, store: Arc<dyn CheckpointStore + Send + Sync>| {
+                let cs = cs.clone();
+                let received = received.clone();
+                async move {
+                    let p = processor(&cs, owner, store).await;
+                    let run = {
+                        let p = p.clone();
+                        tokio::task::spawn_local(async move {
+                            let _ = p.run().await;
+                        })
+                    };
+                    let dispatch = {
+                        let p = p.clone();
+                        tokio::task::spawn_local(async move {
+                            while let Ok(pc) = p.next_partition_client().await {
+                                let received = received.clone();
+                                tokio::task::spawn_local(async move {
+                                    let stream = pc.stream_events();
+                                    futures::pin_mut!(stream);
+                                    while let Some(Ok(ev)) = stream.next().await {
+                                        received.borrow_mut().entry(owner).or_default().insert((
+                                            pc.get_partition_id().to_string(),
+                                            ev.sequence_number().unwrap(),
+                                        ));
+                                    }
+                                });
+                            }
+                        })
+                    };
+                    (p, run, dispatch)
+                }
+            };
+
+            // Replica A owns both partitions and reads; on the wire its receivers carry owner
+            // level 0.
+            let a = start("replica-a", a_store.clone()).await;
+            wait_until("A attaches both partitions", || {
+                (0..2).all(|p| hub.receiver_epochs("$Default", p) == vec![Some(0)])
+            })
+            .await;
+            fill(&prod, 2, 3, "before").await;
+            wait_until("A reads the first events", || {
+                received.borrow().get("replica-a").map_or(0, |s| s.len()) == 6
+            })
+            .await;
+
+            // A's blob storage goes away; B starts and, once A's claims expire, takes both.
+            a_store
+                .down
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let b = start("replica-b", shared.clone()).await;
+            wait_until("B owns both partitions", || {
+                futures::executor::block_on(shared.list_ownerships(&cs.host, "hub", "$Default"))
+                    .map(|o| {
+                        o.len() == 2 && o.iter().all(|o| o.owner_id.as_deref() == Some("replica-b"))
+                    })
+                    .unwrap_or(false)
+            })
+            .await;
+            // B's receivers are attached once B has read the first events (no checkpoint was
+            // written: it starts at the earliest). Until then A may still read, legitimately:
+            // events sent between B's claim and B's attach reach both (at least once).
+            wait_until("B attaches and reads both partitions", || {
+                received
+                    .borrow()
+                    .get("replica-b")
+                    .is_some_and(|s| s.iter().filter(|(_, seq)| *seq < 3).count() == 6)
+            })
+            .await;
+            // Exactly one receiver per partition, B's, owner level 0: A's were detached.
+            wait_until("one receiver per partition", || {
+                (0..2).all(|p| hub.receiver_epochs("$Default", p) == vec![Some(0)])
+            })
+            .await;
+
+            fill(&prod, 2, 5, "after").await;
+            wait_until("B reads the new events", || {
+                received
+                    .borrow()
+                    .get("replica-b")
+                    .is_some_and(|s| s.iter().filter(|(_, seq)| *seq >= 3).count() == 10)
+            })
+            .await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let got = received.borrow().clone();
+            let a_after: Vec<_> = got
+                .get("replica-a")
+                .map(|s| s.iter().filter(|(_, seq)| *seq >= 3).cloned().collect())
+                .unwrap_or_default();
+            assert!(
+                a_after.is_empty(),
+                "the old owner read events sent after the handover: {a_after:?}"
+            );
+
+            for (p, run, dispatch) in [a, b] {
+                dispatch.abort();
+                let _ = within("shutdown", p.shutdown()).await;
+                let _ = within("run returns", run).await;
             }
         })
         .await;

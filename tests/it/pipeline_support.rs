@@ -8,7 +8,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
 use azure_messaging_eventhubs::{CheckpointStore, EventDataBatchOptions};
-use azure_messaging_eventhubs_checkpointstore_blob::BlobCheckpointStore;
 use hubguard::azure::{BlobRecordStore, ConnectionString, RecordStore, ServiceBusRetryQueue};
 use hubguard::emulator::blob::{BlobConfig, BlobEmulator};
 use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
@@ -162,10 +161,14 @@ impl Bed {
     }
 
     pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
-        let url = url::Url::parse(&self.blob.container_url("hubguard")).unwrap();
-        BlobCheckpointStore::new(
-            azure_storage_blob::BlobContainerClient::new(url, None, None).unwrap(),
-        )
+        hubguard::azure::BlobCheckpointStore::new(Arc::new(
+            hubguard::azure::BlobContainer::new(
+                &self.blob.container_url("hubguard"),
+                None,
+                Duration::from_secs(3),
+            )
+            .unwrap(),
+        ))
     }
 
     /// The clock the pipeline and the Service Bus emulator share (tests may advance it).
@@ -190,7 +193,7 @@ impl Bed {
                 custom_endpoint: self.cs.custom_endpoint(),
                 hub: "hub".into(),
                 consumer_group: "$Default".into(),
-                credential: Arc::new(self.cs.credential(Some("hub"))),
+                auth: hubguard::azure::EventHubsAuth::ConnectionString(self.cs.clone()),
             },
             checkpoint_store: self.checkpoint_store(),
             records: self.records(),

@@ -79,7 +79,9 @@ pub struct EventHubsConfig {
     pub data_dir: Option<PathBuf>,
     /// The SAS key tokens must be signed with.
     pub key: SasKey,
-    /// Accept any non-empty token (for Entra ID style JWTs) instead of verifying SAS tokens.
+    /// Accept any non-empty token presented as `jwt` (Entra ID), which the emulator cannot
+    /// verify. SAS tokens are verified either way, and only under the type
+    /// `servicebus.windows.net:sastoken`, as Azure does (`--accept-any-token`).
     pub accept_any_token: bool,
 }
 

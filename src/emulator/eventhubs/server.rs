@@ -485,27 +485,48 @@ fn token_body(msg: &Msg) -> Option<String> {
     }
 }
 
-/// Checks a token for `audience`; `Ok(expiry)` or a description of the refusal.
+/// The CBS token type of a SAS token. Azure's broker takes a SAS token under this type only
+/// (azure-sdk-for-rust pull request #4587; the Service Bus AMQP guide, "claims-based
+/// authorization").
+pub const SAS_TOKEN_TYPE: &str = "servicebus.windows.net:sastoken";
+/// The CBS token type of an Entra ID (JWT) token.
+pub const JWT_TOKEN_TYPE: &str = "jwt";
+
+/// Checks a token presented as `token_type` for `audience`, as Azure does: a SAS token only
+/// under [`SAS_TOKEN_TYPE`] (signature, expiry and audience verified); a `jwt` only when the
+/// emulator accepts any token (it cannot verify Entra ID signatures), and never a SAS string
+/// posing as one; any other type is refused. `Ok(expiry)` or the refusal's description.
 fn check_token(
     shared: &Shared,
+    token_type: &str,
     token: &str,
     audience: &str,
     requested_expiry: Option<u64>,
 ) -> Result<u64, String> {
-    if shared.accept_any_token {
-        if token.is_empty() {
-            return Err("empty token".into());
-        }
-        let default = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-            + 3600;
-        return Ok(requested_expiry.unwrap_or(default));
+    if token.is_empty() {
+        return Err("Unauthorized: empty token".into());
     }
-    shared
-        .key
-        .verify(token, audience, SystemTime::now())
-        .map_err(|e| format!("Unauthorized: {e}"))
+    let is_sas = token.trim_start().starts_with("SharedAccessSignature ");
+    match token_type {
+        SAS_TOKEN_TYPE => shared
+            .key
+            .verify(token, audience, SystemTime::now())
+            .map_err(|e| format!("Unauthorized: {e}")),
+        JWT_TOKEN_TYPE if is_sas => Err(format!(
+            "Unauthorized: a SharedAccessSignature token was presented as type '{JWT_TOKEN_TYPE}'; SAS tokens must use type '{SAS_TOKEN_TYPE}'"
+        )),
+        JWT_TOKEN_TYPE if shared.accept_any_token => {
+            let default = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+                + 3600;
+            Ok(requested_expiry.unwrap_or(default))
+        }
+        JWT_TOKEN_TYPE => Err(
+            "Unauthorized: this emulator cannot verify Entra ID tokens; start it with --accept-any-token to accept any 'jwt'".into(),
+        ),
+        other => Err(format!("Unauthorized: unsupported token type '{other}'")),
+    }
 }
 
 fn reply(request: &Msg, status: i32, description: &str, body: Value) -> Msg {
@@ -577,7 +598,15 @@ fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Ms
             Value::Null,
         );
     };
-    match check_token(shared, &token, &audience, expiration_prop(request)) {
+    // A put-token without a type is taken as `jwt`, the AMQP CBS draft's default.
+    let token_type = string_prop(request, "type").unwrap_or_else(|| JWT_TOKEN_TYPE.into());
+    match check_token(
+        shared,
+        &token_type,
+        &token,
+        &audience,
+        expiration_prop(request),
+    ) {
         Ok(expiry) => {
             auth.grant(audience, expiry);
             reply(request, 202, "Accepted", Value::Null)
@@ -610,7 +639,14 @@ fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> M
     };
     let audience = format!("amqps://emulator/{}/$management", hub.name);
     let authorised = match string_prop(request, "security_token") {
-        Some(t) => check_token(shared, &t, &audience, None).is_ok(),
+        Some(t) => {
+            let token_type = if t.starts_with("SharedAccessSignature ") {
+                SAS_TOKEN_TYPE
+            } else {
+                JWT_TOKEN_TYPE
+            };
+            check_token(shared, token_type, &t, &audience, None).is_ok()
+        }
         None => auth.covers(&audience),
     };
     if !authorised {
@@ -710,7 +746,7 @@ async fn serve_producer(
             return;
         }
     };
-    if !shared.accept_any_token && !auth.covers(&address) {
+    if !auth.covers(&address) {
         let _ = receiver
             .close_with_error(error(
                 AmqpError::UnauthorizedAccess,
@@ -793,7 +829,7 @@ async fn serve_consumer(
             return;
         }
     };
-    if !shared.accept_any_token && !auth.covers(&address) {
+    if !auth.covers(&address) {
         let _ = sender
             .close_with_error(error(
                 AmqpError::UnauthorizedAccess,

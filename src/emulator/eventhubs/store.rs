@@ -548,6 +548,14 @@ impl Hub {
         ))
     }
 
+    /// The owner levels (epochs) of the receivers attached to (`cg`, `partition`), as their
+    /// attach carried them (`com.microsoft:epoch`; `None`: no owner level).
+    pub fn receiver_epochs(&self, cg: &str, partition: usize) -> Vec<Option<i64>> {
+        let all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
+        all.get(&(cg.to_ascii_lowercase(), partition))
+            .map_or_else(Vec::new, |v| v.iter().map(|s| s.epoch).collect())
+    }
+
     /// Number of receivers currently attached to (`cg`, `partition`).
     pub fn receiver_count(&self, cg: &str, partition: usize) -> usize {
         let all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
