@@ -118,33 +118,39 @@ impl BlobCheckpointStore {
             .list_blobs(prefix, true)
             .await
             .map_err(|e| to_azure("list checkpoints", e))?;
-        items
+        Ok(items
             .into_iter()
             .map(|item| {
-                let sequence_number = item
-                    .meta(SEQUENCE_NUMBER)
-                    .map(|s| {
-                        s.parse::<i64>().map_err(|_| {
-                            azure_core::Error::with_message(
-                                ErrorKind::DataConversion,
-                                format!(
-                                    "checkpoint store: {} has sequencenumber {s:?}, not a number",
-                                    item.name
-                                ),
-                            )
+                // A checkpoint whose position cannot be read must not fail every partition's
+                // listing (the processor would rebuild forever and read nothing). It comes
+                // back with no position at all — which no checkpoint this store writes has —
+                // and the pipeline's fence holds that partition instead of reading it from a
+                // guessed position.
+                let sequence_number = item.meta(SEQUENCE_NUMBER).and_then(|s| {
+                    s.parse::<i64>()
+                        .ok()
+                        .filter(|n| *n >= -1)
+                        .or_else(|| {
+                            tracing::error!(blob = %item.name, sequencenumber = %s, "a checkpoint's sequencenumber is not a valid sequence number; its partition is held");
+                            None
                         })
-                    })
-                    .transpose()?;
-                Ok(Checkpoint {
+                });
+                let offset = item.meta(OFFSET).map(str::to_string);
+                let (sequence_number, offset) = match (sequence_number, item.meta(SEQUENCE_NUMBER)) {
+                    // Unreadable sequence number: drop the offset too (no usable position).
+                    (None, Some(_)) => (None, None),
+                    (n, _) => (n, offset),
+                };
+                Checkpoint {
                     fully_qualified_namespace: namespace.to_string(),
                     event_hub_name: hub.to_string(),
                     consumer_group: cg.to_string(),
                     partition_id: partition_of(&item.name),
-                    offset: item.meta(OFFSET).map(str::to_string),
+                    offset,
                     sequence_number,
-                })
+                }
             })
-            .collect()
+            .collect())
     }
 }
 

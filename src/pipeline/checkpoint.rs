@@ -40,6 +40,8 @@ struct FenceState {
     partitions: Vec<String>,
     /// partition → since when no replica has held a live claim on it.
     unowned_since: HashMap<String, Instant>,
+    /// partition → its checkpoint blob, when that holds no usable position.
+    poisoned: HashMap<String, String>,
 }
 
 impl std::fmt::Debug for FencedCheckpointStore {
@@ -172,6 +174,72 @@ impl FencedCheckpointStore {
     }
 }
 
+impl FencedCheckpointStore {
+    /// Reads the checkpoints and notes the partitions whose checkpoint holds no usable
+    /// position (the store returns one with neither a sequence number nor an offset for a
+    /// blob it cannot read): those are held — not claimed, not read from a guessed position —
+    /// with a reason naming the blob, until someone repairs or deletes it. Returns the
+    /// readable checkpoints.
+    async fn checked_checkpoints(
+        &self,
+        namespace: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<Checkpoint>> {
+        let mut cps = self
+            .deadline(
+                "list_checkpoints",
+                self.inner.list_checkpoints(namespace, hub, cg),
+            )
+            .await?;
+        let bad: HashMap<String, String> = cps
+            .iter()
+            .filter(|c| c.sequence_number.is_none() && c.offset.is_none())
+            .map(|c| {
+                let blob = format!(
+                    "{}{}",
+                    crate::azure::checkpoint_store::blob_prefix(namespace, hub, cg, "checkpoint"),
+                    c.partition_id.to_lowercase()
+                );
+                (c.partition_id.clone(), blob)
+            })
+            .collect();
+        cps.retain(|c| !bad.contains_key(&c.partition_id));
+        let (newly, healed) = {
+            let mut st = self.state();
+            let newly: Vec<(String, String)> = bad
+                .iter()
+                .filter(|(p, _)| !st.poisoned.contains_key(*p))
+                .map(|(p, b)| (p.clone(), b.clone()))
+                .collect();
+            let healed: Vec<String> = st
+                .poisoned
+                .keys()
+                .filter(|p| !bad.contains_key(*p))
+                .cloned()
+                .collect();
+            st.poisoned = bad;
+            (newly, healed)
+        };
+        if let Some(health) = &self.health {
+            for (p, blob) in newly {
+                health.hold(
+                    &p,
+                    format!("checkpoint blob {blob} holds no readable position (sequencenumber/offset): the partition is not read until the blob is repaired or deleted"),
+                    POISONED_SEQ,
+                );
+            }
+            for p in healed {
+                health.release(&p, POISONED_SEQ);
+            }
+        }
+        Ok(cps)
+    }
+}
+
+/// The sequence number a poisoned checkpoint is held under in [`Health`](crate::pipeline::health::Health).
+const POISONED_SEQ: i64 = -1;
+
 #[async_trait]
 impl CheckpointStore for FencedCheckpointStore {
     async fn claim_ownership(
@@ -179,8 +247,30 @@ impl CheckpointStore for FencedCheckpointStore {
         ownerships: &[Ownership],
     ) -> azure_core::Result<Vec<Ownership>> {
         let asked_at = Instant::now();
+        // A partition whose checkpoint cannot be read is not claimed: the processor would
+        // start it from the default position.
+        let wanted: Vec<Ownership> = match ownerships.first() {
+            Some(o) if o.owner_id.as_deref() == Some(self.owner_id.as_str()) => {
+                self.checked_checkpoints(
+                    &o.fully_qualified_namespace,
+                    &o.event_hub_name,
+                    &o.consumer_group,
+                )
+                .await?;
+                let st = self.state();
+                ownerships
+                    .iter()
+                    .filter(|o| !st.poisoned.contains_key(&o.partition_id))
+                    .cloned()
+                    .collect()
+            }
+            _ => ownerships.to_vec(),
+        };
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
         let claimed = self
-            .deadline("claim_ownership", self.inner.claim_ownership(ownerships))
+            .deadline("claim_ownership", self.inner.claim_ownership(&wanted))
             .await?;
         let mut st = self.state();
         for o in &claimed {
@@ -198,12 +288,7 @@ impl CheckpointStore for FencedCheckpointStore {
         hub: &str,
         cg: &str,
     ) -> azure_core::Result<Vec<Checkpoint>> {
-        let cps = self
-            .deadline(
-                "list_checkpoints",
-                self.inner.list_checkpoints(namespace, hub, cg),
-            )
-            .await?;
+        let cps = self.checked_checkpoints(namespace, hub, cg).await?;
         let mut st = self.state();
         for c in &cps {
             if let Some(seq) = c.sequence_number {

@@ -227,3 +227,85 @@ async fn unreachable_blob_storage_is_named_with_its_cause_and_never_its_sas() {
     );
     assert!(!e.contains("SECRETSIG"), "{e}");
 }
+
+/// Writes a checkpoint blob for `partition` with the given `sequencenumber` text.
+async fn bad_checkpoint(bed: &Bed, partition: &str, sequence: &str) -> String {
+    let container = hubguard::azure::BlobContainer::new(
+        &bed.blob.container_url("hubguard"),
+        None,
+        Duration::from_secs(3),
+    )
+    .unwrap();
+    let name = format!(
+        "{}{partition}",
+        hubguard::azure::checkpoint_store::blob_prefix(
+            &bed.cs.host,
+            "hub",
+            "$Default",
+            "checkpoint"
+        )
+    );
+    container
+        .put_blob(
+            &name,
+            Bytes::new(),
+            "application/octet-stream",
+            &[("sequencenumber", sequence), ("offset", "0")],
+            &hubguard::azure::blob::Condition::None,
+        )
+        .await
+        .unwrap();
+    name
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_checkpoint_holds_only_its_partition_and_names_the_blob() {
+    for bad in ["not-a-number", "99999999999999999999", "-7"] {
+        let bed = Bed::start(2).await;
+        let blob = bad_checkpoint(&bed, "0", bad).await;
+        bed.send(0, &[("p0-a", "ok")]).await;
+        bed.send(1, &[("p1-a", "ok"), ("p1-b", "ok")]).await;
+        let handler = Arc::new(Scripted::default());
+        let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+        wait_for("partition 1 consumed", &run.health, LIMIT, || async {
+            let d = handler.delivered_keys();
+            d.contains("p1-a") && d.contains("p1-b")
+        })
+        .await;
+        wait_for(
+            "partition 0 held, naming the blob",
+            &run.health,
+            LIMIT,
+            || async {
+                run.health
+                    .held()
+                    .get("0")
+                    .is_some_and(|h| h.reason.contains(&blob))
+            },
+        )
+        .await;
+        assert!(!run.health.ready(), "{bad}");
+        assert!(
+            !handler.delivered_keys().contains("p0-a"),
+            "{bad}: partition 0 is not read from a guessed position"
+        );
+        // An operator deletes the bad blob: the partition is claimed and read again.
+        hubguard::azure::BlobContainer::new(
+            &bed.blob.container_url("hubguard"),
+            None,
+            Duration::from_secs(3),
+        )
+        .unwrap()
+        .delete_blob(&blob, None)
+        .await
+        .unwrap();
+        wait_for(
+            "partition 0 read after the repair",
+            &run.health,
+            LIMIT,
+            || async { handler.delivered_keys().contains("p0-a") && run.health.held().is_empty() },
+        )
+        .await;
+        run.stop().await;
+    }
+}
