@@ -366,6 +366,14 @@ pub struct StatusSection {
     /// Where `/healthz`, `/readyz` and `/v1/events/{key}` are served.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// `/healthz` answers 503 once the Event Hubs consumer has failed without a break for
+    /// this long (ms), so an orchestrator restarts the process; 0 never.
+    #[serde(default = "d900000")]
+    pub unhealthy_after_ms: u64,
+}
+
+fn d900000() -> u64 {
+    900_000
 }
 
 fn default_listen() -> SocketAddr {
@@ -376,6 +384,7 @@ impl Default for StatusSection {
     fn default() -> Self {
         Self {
             listen: default_listen(),
+            unhealthy_after_ms: 900_000,
         }
     }
 }
@@ -1020,6 +1029,8 @@ impl Config {
                 dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
                 dead_letters: self.dead_letter_destination()?,
                 overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
+                unhealthy_after: (self.status.unhealthy_after_ms > 0)
+                    .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
                 ..Default::default()
             },
         })

@@ -304,7 +304,7 @@ pub fn router(
     breaker: Option<Arc<crate::breaker::Shared>>,
 ) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/v1/status", get(report))
         .route("/v1/events/{key}", get(event))
@@ -315,6 +315,17 @@ pub fn router(
             ledger,
             breaker,
         })
+}
+
+async fn healthz(State(s): State<AppState>) -> Response {
+    match s.health.live() {
+        Ok(()) => "ok".into_response(),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "live": false, "reason": reason })),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(s): State<AppState>) -> Response {

@@ -129,6 +129,7 @@ pub struct Health {
     consumer: Mutex<(ConsumerState, Option<std::time::Instant>)>,
     held_retries: Mutex<BTreeMap<String, HeldRetry>>,
     unowned: Mutex<Vec<String>>,
+    unhealthy_after: Mutex<Option<std::time::Duration>>,
     lag: Mutex<BTreeMap<String, (u64, f64)>>,
     /// Counters.
     pub counters: Counters,
@@ -144,6 +145,7 @@ impl Default for Health {
             consumer: Mutex::new((ConsumerState::Starting, None)),
             held_retries: Mutex::default(),
             unowned: Mutex::default(),
+            unhealthy_after: Mutex::default(),
             lag: Mutex::default(),
             counters: Counters::default(),
             changed: watch::channel(0).0,
@@ -401,6 +403,39 @@ impl Health {
         }
     }
 
+    /// Sets how long the consumer may fail without a break before [`live`](Self::live) says no.
+    pub fn set_unhealthy_after(&self, limit: Option<std::time::Duration>) {
+        *self
+            .unhealthy_after
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = limit;
+    }
+
+    /// Liveness (`/healthz`): `Err(reason)` once the Event Hubs consumer has failed without a
+    /// break for longer than the limit. hubguard never exits on a failing dependency by itself
+    /// — everything it must not lose is durable, and it rebuilds the consumer with backoff —
+    /// but a process that has not read the hub for that long is better restarted by its
+    /// orchestrator with fresh connections. Everything else (a held partition, a retry loop
+    /// in its watchdog) is readiness, not liveness: a restart would not mend a dependency.
+    pub fn live(&self) -> Result<(), String> {
+        let limit = *self
+            .unhealthy_after
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match (limit, self.consumer_failing_for()) {
+            (Some(limit), Some(failing)) if failing >= limit => Err(format!(
+                "the Event Hubs consumer has failed without a break for {}s (limit {}s): {}",
+                failing.as_secs(),
+                limit.as_secs(),
+                match self.consumer() {
+                    ConsumerState::Failing { error, .. } => error,
+                    _ => String::new(),
+                }
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Partitions no replica owns.
     pub fn unowned(&self) -> Vec<String> {
         self.unowned
@@ -491,5 +526,51 @@ impl Health {
             "checkpoint_lag": self.lag().into_iter().map(|(p, (e, s))| (p, serde_json::json!({ "events": e, "seconds": s }))).collect::<serde_json::Map<_, _>>(),
             "counters": self.snapshot(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_fails_only_after_the_consumer_failed_for_the_limit() {
+        let h = Health::default();
+        h.set_unhealthy_after(Some(std::time::Duration::ZERO));
+        assert!(h.live().is_ok(), "starting is not a failure");
+        h.consumer_failed("opening the Event Hubs consumer at ns: refused".into());
+        let e = h.live().unwrap_err();
+        assert!(e.contains("refused"), "{e}");
+        h.consumer_running();
+        assert!(h.live().is_ok());
+        h.consumer_failed("again".into());
+        h.set_unhealthy_after(Some(std::time::Duration::from_secs(3600)));
+        assert!(h.live().is_ok(), "not for long enough");
+        h.set_unhealthy_after(None);
+        assert!(h.live().is_ok(), "disabled");
+    }
+
+    #[test]
+    fn readiness_names_every_cause() {
+        let h = Health::default();
+        h.consumer_running();
+        h.set_retry_loop(RetryLoopState::Running);
+        assert!(h.ready(), "{:?}", h.not_ready_reasons());
+        h.hold("3", "Service Bus unavailable: down".into(), 42);
+        h.hold_retry("k-attempt-2", "k", "reading the ledger failed: x".into());
+        h.set_unowned(vec!["5".into()]);
+        let reasons = h.not_ready_reasons().join("\n");
+        for needle in [
+            "partition 3 held",
+            "Service Bus unavailable",
+            "retry k-attempt-2",
+            "partitions 5",
+        ] {
+            assert!(reasons.contains(needle), "{needle}: {reasons}");
+        }
+        h.release("3", 42);
+        h.release_retry("k-attempt-2");
+        h.set_unowned(Vec::new());
+        assert!(h.ready());
     }
 }

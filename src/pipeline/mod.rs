@@ -148,6 +148,9 @@ pub struct PipelineOptions {
     /// A retry the ledger says was due longer ago than this, with no retry message having
     /// run it, is scheduled again (checked by the same sweep).
     pub overdue_margin: Duration,
+    /// Liveness: `/healthz` fails once the Event Hubs consumer has failed without a break
+    /// for this long (`None`: never).
+    pub unhealthy_after: Option<Duration>,
     /// The clock policy time runs on: due times, breaker expiry, deferrals, backoff. The wall
     /// clock; tests share one with the Service Bus emulator and advance it.
     pub clock: Arc<crate::clock::Clock>,
@@ -177,6 +180,7 @@ impl Default for PipelineOptions {
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
             overdue_margin: Duration::from_secs(300),
+            unhealthy_after: Some(Duration::from_secs(900)),
             clock: Arc::default(),
             dead_letters: None,
         }
@@ -376,6 +380,7 @@ impl Pipeline {
                 .with_dead_letters(parts.options.dead_letters.clone()),
         );
         let health = Arc::new(Health::default());
+        health.set_unhealthy_after(parts.options.unhealthy_after);
         let checkpoints = Arc::new(
             FencedCheckpointStore::new(
                 parts.checkpoint_store,

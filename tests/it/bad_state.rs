@@ -124,7 +124,8 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
 async fn an_unreachable_event_hubs_is_named_in_readiness() {
     let bed = Bed::start(1).await;
     let handler = Arc::new(Scripted::default());
-    let parts = bed.parts(handler, fast_policy(5), "replica-a");
+    let mut parts = bed.parts(handler, fast_policy(5), "replica-a");
+    parts.options.unhealthy_after = Some(Duration::ZERO);
     let Bed { eh, sb, blob, cs } = bed;
     let addr = eh.local_addr();
     eh.shutdown().await;
@@ -136,6 +137,8 @@ async fn an_unreachable_event_hubs_is_named_in_readiness() {
     })
     .await;
     assert!(!run.health.ready());
+    // With a zero limit liveness fails at once too, so an orchestrator would restart it.
+    assert!(run.health.live().is_err());
     let reasons = run.health.not_ready_reasons().join("\n");
     assert!(!reasons.contains("SharedAccessKey"), "no secret: {reasons}");
     run.stop().await;
