@@ -613,6 +613,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let config = load_config(&config)?;
             let ledger = ledger_of(&config)?;
             let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(config.retry_queue()?);
+            // A replay Service Bus refuses is dead-lettered again: published like any other.
             let settler = Settler::new(
                 ledger.clone(),
                 queue,
@@ -620,7 +621,8 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     default: config.policy.default.clone(),
                     by_type: config.policy.types.clone(),
                 },
-            );
+            )
+            .with_dead_letters(config.dead_letter_destination()?);
             let keys = if all {
                 ledger.dead_letter_keys().await?
             } else {
