@@ -29,19 +29,27 @@
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines.
-//! - [`emulator`]: in-process emulators that speak the services' wire protocols, so every test
+//!
+//! Behind the default feature `testbed` (what the `hubguard` binary and the tests need; a
+//! program embedding the pipeline turns it off and compiles none of it):
+//!
+//! - `emulator`: in-process emulators that speak the services' wire protocols, so every test
 //!   and the demo drive the real SDK crates with no Azure and no Docker.
-//! - [`demo`]: `hubguard demo`, the whole story in one process on the emulators.
-//! - [`bench`]: performance figures measured through the real SDK.
-//! - [`cli`]: the `hubguard` command line.
+//! - `demo`: `hubguard demo`, the whole story in one process on the emulators.
+//! - `bench`: performance figures measured through the real SDK.
+//! - `cli`: the `hubguard` command line.
 
 pub mod azure;
+#[cfg(feature = "testbed")]
 pub mod bench;
 pub mod breaker;
+#[cfg(feature = "testbed")]
 pub mod cli;
 pub mod clock;
 pub mod config;
+#[cfg(feature = "testbed")]
 pub mod demo;
+#[cfg(feature = "testbed")]
 pub mod emulator;
 pub mod event;
 pub mod guard;
