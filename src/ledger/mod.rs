@@ -238,6 +238,24 @@ pub enum LedgerError {
         /// The decoding error.
         reason: String,
     },
+    /// The record kept changing under an [`update`](Ledger::update).
+    #[error("ledger record for {key} is contended")]
+    Contended {
+        /// The key.
+        key: String,
+    },
+}
+
+/// Compare-and-swap rounds of an [`update`](Ledger::update) before it gives up.
+const CAS_ROUNDS: usize = 16;
+
+/// What an [`update`](Ledger::update) does with the record it was shown.
+#[derive(Debug)]
+pub enum Change<T> {
+    /// Write this record (create it if there was none), then return the value.
+    Write(LedgerRecord, T),
+    /// Write nothing; return the value.
+    Keep(T),
 }
 
 fn encode_key(key: &str) -> String {
@@ -412,6 +430,33 @@ impl Ledger {
         self.put(&record, Some(&raw.etag)).await?;
         tracing::error!(key = %key, quarantine = %aside, %reason, "a ledger record could not be parsed: set aside and its event dead-lettered");
         Ok(aside)
+    }
+
+    /// Reads `key`'s record, lets `decide` choose what to do with it, and writes the choice
+    /// with compare-and-swap (`If-None-Match: *` when there was no record, `If-Match` with the
+    /// ETag it was read with otherwise). When someone else wrote first, reads and decides again.
+    pub async fn update<T>(
+        &self,
+        key: &str,
+        mut decide: impl FnMut(Option<LedgerRecord>) -> Change<T>,
+    ) -> Result<T, LedgerError> {
+        for _ in 0..CAS_ROUNDS {
+            let (record, etag) = match self.get(key).await? {
+                Some((r, e)) => (Some(r), Some(e)),
+                None => (None, None),
+            };
+            match decide(record) {
+                Change::Keep(value) => return Ok(value),
+                Change::Write(record, value) => match self.put(&record, etag.as_deref()).await {
+                    Ok(_) => return Ok(value),
+                    Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+        Err(LedgerError::Contended {
+            key: key.to_string(),
+        })
     }
 
     /// Marks `key` dead-lettered in the index (idempotent), before the record says so.

@@ -24,7 +24,7 @@ use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
 use crate::event::{Event, Identity};
 use crate::handler::{Failure, Outcome};
-use crate::ledger::{AttemptEntry, Ledger, LedgerError, LedgerRecord, State, Verdict};
+use crate::ledger::{AttemptEntry, Change, Ledger, LedgerError, LedgerRecord, State, Verdict};
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
@@ -110,7 +110,8 @@ impl SettleError {
         let refusing = match self {
             SettleError::Queue(q) => !q.is_transient(),
             SettleError::Ledger(LedgerError::Store(s)) => !s.is_transient(),
-            SettleError::Ledger(LedgerError::Corrupt { .. }) | SettleError::Contended(_) => false,
+            SettleError::Ledger(LedgerError::Corrupt { .. } | LedgerError::Contended { .. })
+            | SettleError::Contended(_) => false,
             SettleError::EventUnknown { .. } => true,
             SettleError::DeadLetters(p) => !p.error.is_transient(),
         };
@@ -205,6 +206,10 @@ pub struct Settler {
     policies: Policies,
     clock: Arc<crate::clock::Clock>,
     dead_letters: Option<Arc<super::dead_letter::DeadLetterDestination>>,
+    /// Retry messages are scheduled this long before their due time, so the retry loop has
+    /// them (and their ledger record) in hand when they come due; it starts them at the due
+    /// time the message carries.
+    lead: Duration,
 }
 
 impl std::fmt::Debug for Settler {
@@ -242,6 +247,7 @@ impl Settler {
             policies,
             clock: Arc::default(),
             dead_letters: None,
+            lead: Duration::ZERO,
         }
     }
 
@@ -270,6 +276,12 @@ impl Settler {
     /// Computes due times and records times on `clock` instead of the wall clock.
     pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// Schedules retry messages `lead` before their due time (see the retry loop).
+    pub fn with_schedule_lead(mut self, lead: Duration) -> Self {
+        self.lead = lead;
         self
     }
 
@@ -309,20 +321,18 @@ impl Settler {
         if self.sent_or_dead_lettered(key, sent).await?.is_none() {
             return Ok(());
         }
-        for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
-                return Ok(());
-            };
-            if rec.state != State::RetryScheduled || rec.attempts + 1 != attempt {
-                return Ok(());
-            }
-            rec.next_attempt_ms = Some(ms(until));
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => return Ok(()),
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
+        // The ledger's next attempt time follows, if the record still waits for it.
+        self.ledger
+            .update(key, |rec| match rec {
+                Some(mut rec)
+                    if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
+                {
+                    rec.next_attempt_ms = Some(ms(until));
+                    Change::Write(rec, ())
+                }
+                _ => Change::Keep(()),
+            })
+            .await?;
         Ok(())
     }
 
@@ -362,33 +372,32 @@ impl Settler {
         key: &str,
         overdue_before: SystemTime,
     ) -> Result<bool, SettleError> {
-        for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
-                return Ok(false);
-            };
-            let overdue = rec.state == State::RetryScheduled
-                && rec
-                    .next_attempt_at()
-                    .is_some_and(|due| due < overdue_before);
-            if !overdue {
-                return Ok(false);
-            }
-            let now = self.clock.now();
-            rec.next_attempt_ms = Some(ms(now));
-            rec.updated_ms = ms(now);
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => {}
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
-            }
-            let attempt = rec.attempts + 1;
-            let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
-            let sent = self
-                .schedule_as(&id, &rec.event.identity, attempt, now, &[])
-                .await;
-            return Ok(self.sent_or_dead_lettered(key, sent).await?.is_some());
-        }
-        Err(SettleError::Contended(key.to_string()))
+        let now = self.clock.now();
+        let recovering = self
+            .ledger
+            .update(key, |rec| match rec {
+                Some(mut rec)
+                    if rec.state == State::RetryScheduled
+                        && rec
+                            .next_attempt_at()
+                            .is_some_and(|due| due < overdue_before) =>
+                {
+                    rec.next_attempt_ms = Some(ms(now));
+                    rec.updated_ms = ms(now);
+                    Change::Write(rec.clone(), Some(rec))
+                }
+                _ => Change::Keep(None),
+            })
+            .await?;
+        let Some(rec) = recovering else {
+            return Ok(false);
+        };
+        let attempt = rec.attempts + 1;
+        let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
+        let sent = self
+            .schedule_as(&id, &rec.event.identity, attempt, now, &[])
+            .await;
+        Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
     }
 
     /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
@@ -521,7 +530,9 @@ impl Settler {
                 body: serde_json::to_string(&body)
                     .map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
                 content_type: Some("application/json".into()),
-                due,
+                // The body carries the due time; Service Bus hands the message over `lead`
+                // earlier (whole seconds either way: `due` is on one, or now).
+                due: due.checked_sub(self.lead).unwrap_or(due),
                 time_to_live: None,
                 properties,
             })
@@ -577,35 +588,33 @@ impl Settler {
         trace_id: &str,
     ) -> Result<Settled, SettleError> {
         let key = &event.identity.idempotency_key;
-        for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
-                return Ok(Settled::Delivered);
-            };
-            // A delivery is recorded whatever attempt it was, unless the event is final.
-            if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
-                return Ok(Settled::AlreadyFinal(state));
-            }
-            let now = self.clock.now();
-            rec.state = State::Delivered;
-            rec.attempts = rec.attempts.max(attempt);
-            rec.next_attempt_ms = None;
-            rec.updated_ms = ms(now);
-            rec.push_history(AttemptEntry {
-                attempt,
-                started_ms: ms(started),
-                finished_ms: ms(now),
-                outcome: "delivered".into(),
-                error: None,
-                next_attempt_ms: None,
-                trace_id: Some(trace_id.to_string()),
-            });
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => return Ok(Settled::Delivered),
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(SettleError::Contended(key.clone()))
+        let now = self.clock.now();
+        Ok(self
+            .ledger
+            .update(key, |rec| {
+                let Some(mut rec) = rec else {
+                    return Change::Keep(Settled::Delivered);
+                };
+                // A delivery is recorded whatever attempt it was, unless the event is final.
+                if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
+                    return Change::Keep(Settled::AlreadyFinal(state));
+                }
+                rec.state = State::Delivered;
+                rec.attempts = rec.attempts.max(attempt);
+                rec.next_attempt_ms = None;
+                rec.updated_ms = ms(now);
+                rec.push_history(AttemptEntry {
+                    attempt,
+                    started_ms: ms(started),
+                    finished_ms: ms(now),
+                    outcome: "delivered".into(),
+                    error: None,
+                    next_attempt_ms: None,
+                    trace_id: Some(trace_id.to_string()),
+                });
+                Change::Write(rec, Settled::Delivered)
+            })
+            .await?)
     }
 
     async fn failed(
@@ -758,42 +767,40 @@ impl Settler {
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
     /// budget, and takes it off the dead-letter index.
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
-        for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
-                return Ok(None);
-            };
-            if rec.state != State::DeadLettered {
-                return Ok(None);
-            }
-            if rec.event_unknown {
-                return Err(SettleError::EventUnknown {
-                    key: key.to_string(),
-                    quarantined: rec.quarantined.clone().unwrap_or_default(),
-                });
-            }
-            let now = self.clock.now();
-            rec.state = State::RetryScheduled;
-            rec.attempt_base = rec.attempts;
-            rec.first_failure_ms = ms(now);
-            rec.next_attempt_ms = Some(ms(now));
-            rec.dead_letter_reason = None;
-            rec.updated_ms = ms(now);
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => {}
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
-            }
-            if let Err(e) = self.schedule(&rec.event, rec.attempts + 1, now, &[]).await {
-                if e.is_refusal_of_request() {
-                    // Refused again: it stays a dead letter, with Service Bus's reason.
-                    self.dead_letter_refused(key, &e).await?;
+        let now = self.clock.now();
+        let replaying = self
+            .ledger
+            .update(key, |rec| match rec {
+                Some(rec) if rec.state == State::DeadLettered && rec.event_unknown => {
+                    Change::Keep(Err(SettleError::EventUnknown {
+                        key: key.to_string(),
+                        quarantined: rec.quarantined.clone().unwrap_or_default(),
+                    }))
                 }
-                return Err(e.into());
+                Some(mut rec) if rec.state == State::DeadLettered => {
+                    rec.state = State::RetryScheduled;
+                    rec.attempt_base = rec.attempts;
+                    rec.first_failure_ms = ms(now);
+                    rec.next_attempt_ms = Some(ms(now));
+                    rec.dead_letter_reason = None;
+                    rec.updated_ms = ms(now);
+                    Change::Write(rec.clone(), Ok(Some(rec)))
+                }
+                _ => Change::Keep(Ok(None)),
+            })
+            .await??;
+        let Some(rec) = replaying else {
+            return Ok(None);
+        };
+        if let Err(e) = self.schedule(&rec.event, rec.attempts + 1, now, &[]).await {
+            if e.is_refusal_of_request() {
+                // Refused again: it stays a dead letter, with Service Bus's reason.
+                self.dead_letter_refused(key, &e).await?;
             }
-            self.ledger.unindex_dead_letter(key).await?;
-            return Ok(Some(rec.attempts + 1));
+            return Err(e.into());
         }
-        Err(SettleError::Contended(key.to_string()))
+        self.ledger.unindex_dead_letter(key).await?;
+        Ok(Some(rec.attempts + 1))
     }
 }
 
