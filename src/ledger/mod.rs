@@ -253,7 +253,7 @@ const CAS_ROUNDS: usize = 16;
 #[derive(Debug)]
 pub enum Change<T> {
     /// Write this record (create it if there was none), then return the value.
-    Write(LedgerRecord, T),
+    Write(Box<LedgerRecord>, T),
     /// Write nothing; return the value.
     Keep(T),
 }

@@ -328,7 +328,7 @@ impl Settler {
                     if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
                     rec.next_attempt_ms = Some(ms(until));
-                    Change::Write(rec, ())
+                    Change::Write(Box::new(rec), ())
                 }
                 _ => Change::Keep(()),
             })
@@ -384,7 +384,7 @@ impl Settler {
                 {
                     rec.next_attempt_ms = Some(ms(now));
                     rec.updated_ms = ms(now);
-                    Change::Write(rec.clone(), Some(rec))
+                    Change::Write(Box::new(rec.clone()), Some(rec))
                 }
                 _ => Change::Keep(None),
             })
@@ -612,7 +612,7 @@ impl Settler {
                     next_attempt_ms: None,
                     trace_id: Some(trace_id.to_string()),
                 });
-                Change::Write(rec, Settled::Delivered)
+                Change::Write(Box::new(rec), Settled::Delivered)
             })
             .await?)
     }
@@ -784,7 +784,7 @@ impl Settler {
                     rec.next_attempt_ms = Some(ms(now));
                     rec.dead_letter_reason = None;
                     rec.updated_ms = ms(now);
-                    Change::Write(rec.clone(), Ok(Some(rec)))
+                    Change::Write(Box::new(rec.clone()), Ok(Some(rec)))
                 }
                 _ => Change::Keep(Ok(None)),
             })
