@@ -312,3 +312,111 @@ async fn a_corrupt_checkpoint_holds_only_its_partition_and_names_the_blob() {
         run.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_list_and_replay_report_a_bad_record_and_carry_on() {
+    use hubguard::handler::{Failure, Outcome};
+    use hubguard::pipeline::settle::Source;
+    let bed = Bed::start(1).await;
+    let sb_cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
+    let queue = hubguard::azure::ServiceBusRetryQueue::new(
+        &sb_cs,
+        "retries",
+        hubguard::azure::retry_queue::ServiceBusOptions::default(),
+    )
+    .unwrap();
+    let settler = Settler::new(
+        bed.ledger(),
+        Arc::new(queue),
+        Policies {
+            default: fast_policy(5),
+            by_type: Default::default(),
+        },
+    );
+    for key in ["dl-a", "dl\tb", "dl-c"] {
+        let event = hubguard::event::Event {
+            body: b"x".to_vec(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "hub".into(),
+            partition_id: "0".into(),
+            sequence_number: 1,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: hubguard::event::Identity {
+                idempotency_key: key.into(),
+                correlation_id: key.into(),
+                event_type: None,
+            },
+        };
+        let s = settler
+            .settle(
+                &event,
+                1,
+                Source::EventHubs,
+                std::time::SystemTime::now(),
+                &Outcome::Failed(Failure::permanent("400 from the webhook")),
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert!(matches!(
+            s,
+            hubguard::pipeline::settle::Settled::DeadLettered(_)
+        ));
+    }
+    corrupt(&bed, "dl-c").await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+    let run = move |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .env("NO_COLOR", "1")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, out, err) = tokio::task::spawn_blocking({
+        let run = run.clone();
+        move || run(&["dead-letters", "list"])
+    })
+    .await
+    .unwrap();
+    assert!(out.contains("3 dead-lettered"), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("dl-a\t")), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("dl\\tb\t")),
+        "the tab is escaped: {out}"
+    );
+    assert!(out.contains("dl-c\t(cannot be read"), "{out}");
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("1 dead-lettered record(s) could not be read"),
+        "{err}"
+    );
+    let (code, out, err) =
+        tokio::task::spawn_blocking(move || run(&["dead-letters", "replay", "--all"]))
+            .await
+            .unwrap();
+    assert!(out.contains("2 replayed"), "{out}");
+    assert!(out.contains("dl-c: not replayed"), "{out}");
+    assert_eq!(code, Some(1), "{err}");
+}
