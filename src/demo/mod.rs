@@ -543,7 +543,7 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
                 r.health
                     .held()
                     .into_iter()
-                    .map(|(p, h)| (p, h.reason.split(':').next().unwrap_or("").to_string()))
+                    .map(|(p, h)| (p, h.cause.label().replace('_', " ")))
             })
             .collect();
         let produced = keys.as_ref().map_or(0, Vec::len);

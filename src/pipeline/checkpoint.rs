@@ -225,6 +225,7 @@ impl FencedCheckpointStore {
             for (p, blob) in newly {
                 health.hold(
                     &p,
+                    crate::pipeline::health::HoldCause::CorruptCheckpoint,
                     format!("checkpoint blob {blob} holds no readable position (sequencenumber/offset): the partition is not read until the blob is repaired or deleted"),
                     POISONED_SEQ,
                 );

@@ -11,9 +11,44 @@ use tokio::sync::watch;
 
 use crate::clock::rfc3339;
 
+/// What holds a partition, as a closed set: the `reason` label of
+/// `hubguard_partitions_held`, and what callers branch on. [`Held::reason`] says the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldCause {
+    /// Service Bus (the retry queue) is unavailable or refuses the request.
+    ServiceBus,
+    /// Blob storage (the ledger) is unavailable or refuses the request.
+    Ledger,
+    /// The dead-letter destination is unavailable or refuses the dead letter.
+    DeadLetterDestination,
+    /// The downstream's circuit breaker is open: Event Hubs holds the backlog.
+    BreakerOpen,
+    /// The handler cannot deliver yet (a webhook that has not agreed to receive).
+    HandlerBlocked,
+    /// The partition's checkpoint blob holds no readable position.
+    CorruptCheckpoint,
+}
+
+impl HoldCause {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::ServiceBus => "service_bus",
+            Self::Ledger => "ledger",
+            Self::DeadLetterDestination => "dead_letter_destination",
+            Self::BreakerOpen => "breaker_open",
+            Self::HandlerBlocked => "handler_blocked",
+            Self::CorruptCheckpoint => "corrupt_checkpoint",
+        }
+    }
+}
+
 /// Why a partition is held.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Held {
+    /// What holds it.
+    pub cause: HoldCause,
     /// Since when (RFC 3339).
     pub since: String,
     /// The dependency that failed and how.
@@ -166,7 +201,7 @@ impl Health {
     /// Records that event `seq` of `partition` is held (its settlement is failing). With
     /// `max_in_flight` above 1 several events of a partition can hold at once; the partition
     /// is reported held until the last of them settles, with the oldest one's reason.
-    pub fn hold(&self, partition: &str, reason: String, seq: i64) {
+    pub fn hold(&self, partition: &str, cause: HoldCause, reason: String, seq: i64) {
         let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let events = h.entry(partition.to_string()).or_default();
         let since = events
@@ -179,6 +214,7 @@ impl Health {
         events.insert(
             seq,
             Held {
+                cause,
                 since,
                 reason,
                 oldest_unsettled: seq,
@@ -556,7 +592,12 @@ mod tests {
         h.consumer_running();
         h.set_retry_loop(RetryLoopState::Running);
         assert!(h.ready(), "{:?}", h.not_ready_reasons());
-        h.hold("3", "Service Bus unavailable: down".into(), 42);
+        h.hold(
+            "3",
+            HoldCause::ServiceBus,
+            "Service Bus unavailable: down".into(),
+            42,
+        );
         h.hold_retry("k-attempt-2", "k", "reading the ledger failed: x".into());
         h.set_unowned(vec!["5".into()]);
         let reasons = h.not_ready_reasons().join("\n");

@@ -231,13 +231,9 @@ fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) ->
         .with_callback(move |o| {
             let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
             for held in h.held().values() {
-                let reason = held
-                    .reason
-                    .split(" unavailable")
-                    .next()
-                    .unwrap_or("")
-                    .to_string();
-                *by_reason.entry(reason).or_default() += 1;
+                *by_reason
+                    .entry(held.cause.label().to_string())
+                    .or_default() += 1;
             }
             if by_reason.is_empty() {
                 o.observe(0, &[]);
@@ -506,7 +502,7 @@ async fn watch_blocked(
     loop {
         let reason = blocked.borrow_and_update().clone();
         match reason {
-            Some(r) => health.hold(&name, r, 0),
+            Some(r) => health.hold(&name, self::health::HoldCause::HandlerBlocked, r, 0),
             None => health.release(&name, 0),
         }
         tokio::select! {

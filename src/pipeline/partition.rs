@@ -280,6 +280,7 @@ async fn process(
                 }
                 shared.health.hold(
                     pid,
+                    super::health::HoldCause::BreakerOpen,
                     format!(
                         "downstream breaker open: until {}",
                         crate::clock::rfc3339(until)
@@ -324,7 +325,9 @@ async fn process(
             Err(e) => {
                 shared.settle_failed(&e);
                 shared.health.set_lag(pid, lag.0, age(lag.1));
-                shared.health.hold(pid, e.held_reason(), seq);
+                shared
+                    .health
+                    .hold(pid, e.hold_cause(), e.held_reason(), seq);
                 tokio::select! {
                     _ = cancel.cancelled() => {
                         attempt::finish(&attempted, Err(&e));

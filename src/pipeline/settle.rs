@@ -123,6 +123,18 @@ impl SettleError {
         format!("{} {how}: {self}", self.dependency())
     }
 
+    /// What holds the partition.
+    pub fn hold_cause(&self) -> super::health::HoldCause {
+        use super::health::HoldCause;
+        match self {
+            SettleError::Ledger(_)
+            | SettleError::Contended(_)
+            | SettleError::EventUnknown { .. } => HoldCause::Ledger,
+            SettleError::Queue(_) => HoldCause::ServiceBus,
+            SettleError::DeadLetters(_) => HoldCause::DeadLetterDestination,
+        }
+    }
+
     /// The dependency at fault, for the held reason.
     pub fn dependency(&self) -> &'static str {
         match self {
