@@ -231,9 +231,7 @@ fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) ->
         .with_callback(move |o| {
             let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
             for held in h.held().values() {
-                *by_reason
-                    .entry(held.cause.label().to_string())
-                    .or_default() += 1;
+                *by_reason.entry(held.cause.label().to_string()).or_default() += 1;
             }
             if by_reason.is_empty() {
                 o.observe(0, &[]);
