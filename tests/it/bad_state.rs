@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hubguard::ledger::State;
-use hubguard::pipeline::settle::{Policies, Settler};
 use hubguard::policy::DeadLetterReason;
 
 use crate::pipeline_support::*;
@@ -100,21 +99,7 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
     let mut keys = ledger.dead_letter_keys().await.unwrap();
     keys.sort();
     assert_eq!(keys, vec!["corrupt-later", "corrupt-on-read"]);
-    let sb_cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
-    let queue = hubguard::azure::ServiceBusRetryQueue::new(
-        &sb_cs,
-        "retries",
-        hubguard::azure::retry_queue::ServiceBusOptions::default(),
-    )
-    .unwrap();
-    let settler = Settler::new(
-        ledger.clone(),
-        Arc::new(queue),
-        Policies {
-            default: fast_policy(5),
-            by_type: Default::default(),
-        },
-    );
+    let settler = bed.settler(fast_policy(5));
     assert!(settler.replay("corrupt-on-read").await.unwrap().is_some());
     let e = settler.replay("corrupt-later").await.unwrap_err();
     assert!(e.to_string().contains("quarantine"), "{e}");
@@ -233,12 +218,7 @@ async fn unreachable_blob_storage_is_named_with_its_cause_and_never_its_sas() {
 
 /// Writes a checkpoint blob for `partition` with the given `sequencenumber` text.
 async fn bad_checkpoint(bed: &Bed, partition: &str, sequence: &str) -> String {
-    let container = hubguard::azure::BlobContainer::new(
-        &bed.blob.container_url("hubguard"),
-        None,
-        Duration::from_secs(3),
-    )
-    .unwrap();
+    let container = bed.container();
     let name = format!(
         "{}{partition}",
         hubguard::azure::checkpoint_store::blob_prefix(
@@ -293,15 +273,7 @@ async fn a_corrupt_checkpoint_holds_only_its_partition_and_names_the_blob() {
             "{bad}: partition 0 is not read from a guessed position"
         );
         // An operator deletes the bad blob: the partition is claimed and read again.
-        hubguard::azure::BlobContainer::new(
-            &bed.blob.container_url("hubguard"),
-            None,
-            Duration::from_secs(3),
-        )
-        .unwrap()
-        .delete_blob(&blob, None)
-        .await
-        .unwrap();
+        bed.container().delete_blob(&blob, None).await.unwrap();
         wait_for(
             "partition 0 read after the repair",
             &run.health,
@@ -318,21 +290,7 @@ async fn dead_letters_list_and_replay_report_a_bad_record_and_carry_on() {
     use hubguard::handler::{Failure, Outcome};
     use hubguard::pipeline::settle::Source;
     let bed = Bed::start(1).await;
-    let sb_cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
-    let queue = hubguard::azure::ServiceBusRetryQueue::new(
-        &sb_cs,
-        "retries",
-        hubguard::azure::retry_queue::ServiceBusOptions::default(),
-    )
-    .unwrap();
-    let settler = Settler::new(
-        bed.ledger(),
-        Arc::new(queue),
-        Policies {
-            default: fast_policy(5),
-            by_type: Default::default(),
-        },
-    );
+    let settler = bed.settler(fast_policy(5));
     for key in ["dl-a", "dl\tb", "dl-c"] {
         let event = hubguard::event::Event {
             body: b"x".to_vec(),

@@ -16,7 +16,7 @@ use hubguard::event::{Event, IdentityConfig};
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::Ledger;
 use hubguard::pipeline::health::Health;
-use hubguard::pipeline::settle::Policies;
+use hubguard::pipeline::settle::{Policies, Settler};
 use hubguard::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use hubguard::policy::{Curve, RetryPolicy};
 use tokio_util::sync::CancellationToken;
@@ -161,14 +161,36 @@ impl Bed {
     }
 
     pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
-        hubguard::azure::BlobCheckpointStore::new(Arc::new(
-            hubguard::azure::BlobContainer::new(
-                &self.blob.container_url("hubguard"),
-                None,
-                Duration::from_secs(3),
-            )
-            .unwrap(),
-        ))
+        hubguard::azure::BlobCheckpointStore::new(Arc::new(self.container()))
+    }
+
+    /// The blob container the checkpoints and the ledger live in, for raw access.
+    pub fn container(&self) -> hubguard::azure::BlobContainer {
+        hubguard::azure::BlobContainer::new(
+            &self.blob.container_url("hubguard"),
+            None,
+            Duration::from_secs(3),
+        )
+        .unwrap()
+    }
+
+    /// A settler on the bed's ledger and retry queue, outside any pipeline (as the CLI uses).
+    pub fn settler(&self, policy: RetryPolicy) -> Settler {
+        let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
+        let queue = ServiceBusRetryQueue::new(
+            &sb_cs,
+            "retries",
+            hubguard::azure::retry_queue::ServiceBusOptions::default(),
+        )
+        .unwrap();
+        Settler::new(
+            self.ledger(),
+            Arc::new(queue),
+            Policies {
+                default: policy,
+                by_type: HashMap::new(),
+            },
+        )
     }
 
     /// The clock the pipeline and the Service Bus emulator share (tests may advance it).
