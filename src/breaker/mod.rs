@@ -1,4 +1,4 @@
-//! The circuit breaker (seed 003): one per downstream, its state shared by every replica in
+//! The circuit breaker: one per downstream, its state shared by every replica in
 //! blob storage with compare-and-swap.
 //!
 //! - Opened **once**, on the transition from closed, when a replica sees

@@ -1,4 +1,5 @@
-//! The webhook handler: HTTP POST of the event to a URL, as Event Grid delivers (seed 002).
+//! The webhook handler: HTTP POST of the event to a URL, as Event Grid delivers
+//! (learn.microsoft.com, "Event Grid message delivery and retry").
 //! 2xx within the timeout is delivered; 408, 429, 5xx, timeouts and connection errors are
 //! transient; other 4xx permanent (409 configurable); a `Retry-After` is honoured.
 //!

@@ -1,8 +1,9 @@
 //! The attempt ledger: one record per idempotency key in blob storage, written with
-//! compare-and-swap, authoritative for the attempt number (fixes seed 000's "attempts are not
-//! persisted"). It holds the state, the attempt count, the next attempt time, the last error,
-//! a bounded history, the policy pinned at the first failure, and the event itself (so a
-//! dead letter can be replayed). The happy path never touches it.
+//! compare-and-swap, authoritative for the attempt number (attempt counts survive restarts
+//! and redeliveries). It holds the state, the attempt count, the next attempt time, the last
+//! error, a bounded history, the policy pinned at the first failure, and the event itself (so
+//! a dead letter can be replayed, and a retry message need only carry the key). The happy
+//! path never touches it.
 
 use std::sync::Arc;
 use std::time::SystemTime;

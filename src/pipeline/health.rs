@@ -57,7 +57,7 @@ pub struct Held {
     pub oldest_unsettled: i64,
 }
 
-/// The retry loop's state (seed 000's three layers of recovery).
+/// The retry loop's state (three layers of recovery: retry at once with backoff, then a watchdog at a slow pace).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "state")]
 pub enum RetryLoopState {

@@ -15,7 +15,7 @@
 //! would wait where nothing reads it while the ledger promises a next attempt, so a sweep
 //! of the dead-letter sub-queue (at start, then every `dead_letter_sweep`) puts it back.
 //!
-//! The loop never dies silently (seed 000's three layers): receive errors are retried at
+//! The loop never dies silently (three layers): receive errors are retried at
 //! once with backoff, then by a watchdog at a slow pace; the state shows in readiness.
 //!
 //! Service Bus's REST API hands out one message per receive, so one receiver drains a burst

@@ -1,4 +1,4 @@
-//! Transient or permanent: how an attempt's failure is classified (seeds 001 and 002).
+//! Transient or permanent: how an attempt's failure is classified.
 //! HTTP 408, 429 and 5xx, timeouts and connection errors are transient; other 4xx are
 //! permanent, with 409 configurable; a `Retry-After` is carried along.
 

@@ -15,14 +15,14 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 /// Service Bus refuses to hold a scheduled message longer than its maximum TTL (14 days);
-/// hubguard never schedules further than 7 days ahead, as seed 000 does.
+/// hubguard never schedules further than 7 days ahead.
 pub const MAX_SCHEDULE_AHEAD: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// How the wait grows with the attempt number.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "curve", rename_all = "snake_case")]
 pub enum Curve {
-    /// `fib(n) × base` (1, 1, 2, 3, 5, 8, …), seed 000's curve.
+    /// `fib(n) × base` (1, 1, 2, 3, 5, 8, …), the classic Fibonacci backoff.
     Fibonacci,
     /// `base × 2^(n−1)`.
     Exponential,
@@ -169,7 +169,7 @@ fn fibonacci(n: u32) -> u64 {
 }
 
 impl RetryPolicy {
-    /// Seed 000's policy: Fibonacci × 10 s, floor 10 s, cap 7 days, 29 attempts.
+    /// The default policy: Fibonacci × 10 s, floor 10 s, cap 7 days, 29 attempts.
     pub fn seed_fibonacci() -> Self {
         Self {
             name: "fibonacci".into(),
@@ -351,7 +351,7 @@ mod tests {
             got,
             vec![10, 30, 60, 300, 600, 1800, 3600, 10_800, 21_600, 43_200, 43_200, 43_200]
         );
-        // Seed 002's variant: then every 30 minutes.
+        // The variant some Event Grid documentation describes: then every 30 minutes.
         let variant = RetryPolicy {
             curve: Curve::Schedule {
                 delays_s: vec![10, 30, 60, 300, 600, 1800],

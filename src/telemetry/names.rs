@@ -125,7 +125,7 @@ pub mod metric {
     /// Gauge: retry loop state (1 running, 2 reconnecting, 3 watchdog, 0 stopped/starting).
     pub const RETRY_LOOP_STATE: &str = "hubguard.retry_loop.state";
     /// Gauge (s): how long the downstream's breaker has been open (0 when closed). Alert when
-    /// it never returns to 0: something keeps feeding it (seed 003).
+    /// it never returns to 0: something keeps feeding it.
     pub const BREAKER_AGE: &str = "hubguard.breaker.age";
     /// Gauge: how many times the downstream's breaker opened.
     pub const BREAKER_OPENS: &str = "hubguard.breaker.opens";
