@@ -1,6 +1,6 @@
 //! An event as hubguard handles it, and its identity: the idempotency key, the correlation id
 //! and the event type, taken from CloudEvents attributes or configured properties, else
-//! derived (`DESIGN.md`, "Identity of an event"). Any body — JSON or not, UTF-8 or not — is
+//! derived. Any body — JSON or not, UTF-8 or not — is
 //! handled; nothing about an event's content can make hubguard drop it.
 
 use std::collections::BTreeMap;

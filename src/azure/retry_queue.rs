@@ -2,7 +2,7 @@
 //! messages. [`RetryQueue`] is the trait the pipeline uses; [`ServiceBusRetryQueue`]
 //! implements it on `azure_messaging_servicebus` 0.21 (the only published crate; REST based,
 //! on the legacy `azure_core` 0.21) and turns what that crate hides into typed errors:
-//! its peek-lock answers `Ok` on 401/404/500 (`EMULATOR_NOTES.md` §8), its scheduled times are
+//! its peek-lock answers `Ok` on 401/404/500 (read in its source), its scheduled times are
 //! truncated to whole seconds, and it has no deadlines. Every call here has one.
 //!
 //! It authenticates with the SAS key of a connection string (the crate signs every request)

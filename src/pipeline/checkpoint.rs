@@ -1,4 +1,4 @@
-//! The checkpoint store, fenced (`DESIGN.md`, "The checkpoint store, fenced"): the official
+//! The checkpoint store, fenced: the official
 //! checkpoint stores write checkpoints unconditionally (last writer wins) and have no timeouts,
 //! and a replica that lost its partition learns it only at its next load-balancing cycle (the
 //! owner level 0.16 sends stops it *reading*, not a checkpoint it already holds). This

@@ -1,6 +1,6 @@
 //! Blob storage emulator: the REST subset the official `BlobCheckpointStore` and hubguard's
 //! record store (ledger, breaker) use, path-style `/{account}/{container}/{blob}`, behaving as
-//! the service documents each operation (`EMULATOR_NOTES.md` §3, §7, §9.9):
+//! the service documents each operation (learn.microsoft.com/rest/api/storageservices):
 //!
 //! - containers: create (201/409), properties (200/404), delete (202), list blobs
 //!   (`prefix`, `marker`, `maxresults`, `include=metadata`);

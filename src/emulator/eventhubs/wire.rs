@@ -3,7 +3,7 @@
 //!
 //! - **Full-length performatives.** serde_amqp drops trailing null fields; the Python SDK
 //!   indexes performative fields by position and fails on a short list. Every outgoing
-//!   performative is re-encoded with its full field count (`EMULATOR_NOTES.md` §9.0).
+//!   performative is re-encoded with its full field count (AMQP 1.0 §1.4 allows the short form).
 //! - **Held-back `detach` and `disposition` frames.** The Rust SDK's AMQP client (fe2o3 0.14)
 //!   loses a disposition that arrives before it has recorded the transfer as unsettled, and
 //!   tears its connection down when a detach reply beats its own bookkeeping. On loopback both

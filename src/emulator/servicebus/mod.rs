@@ -1,5 +1,5 @@
 //! Service Bus emulator: the REST API exactly as `azure_messaging_servicebus` 0.21 uses it
-//! (`EMULATOR_NOTES.md` §2 and §8), with the service's semantics from [`broker`].
+//! (learn.microsoft.com/rest/api/servicebus), with the service's semantics from [`broker`].
 //!
 //! | request | answer |
 //! |---|---|
