@@ -516,7 +516,14 @@ impl Health {
         }
         match self.retry_loop() {
             RetryLoopState::Running => {}
-            other => r.push(format!("retry loop {other:?}")),
+            RetryLoopState::Starting => r.push("retry loop starting".into()),
+            RetryLoopState::Stopped => r.push("retry loop stopped".into()),
+            RetryLoopState::Reconnecting { failures, error } => r.push(format!(
+                "retry loop reconnecting after {failures} failed receive(s): {error}"
+            )),
+            RetryLoopState::Watchdog { failures, error } => r.push(format!(
+                "retry loop in its watchdog after {failures} failed receives: {error}"
+            )),
         }
         r
     }
