@@ -254,6 +254,11 @@ impl std::fmt::Debug for Shared {
     }
 }
 
+/// Where the breaker of `downstream` is kept in the record store.
+pub fn record_name(downstream: &str) -> String {
+    format!("breakers/{downstream}")
+}
+
 impl Shared {
     /// The breaker of `downstream`, shared through `store`, seen by replica `who`.
     pub fn new(
@@ -264,7 +269,7 @@ impl Shared {
     ) -> Self {
         Self {
             store,
-            key: format!("breakers/{downstream}"),
+            key: record_name(downstream),
             who: who.into(),
             config,
             consecutive: Mutex::new(0),
@@ -402,7 +407,7 @@ impl Shared {
 
     /// The downstream's name.
     pub fn downstream(&self) -> &str {
-        self.key.trim_start_matches("breakers/")
+        self.key.trim_start_matches(&record_name(""))
     }
 
     /// How long the breaker has been open, as last seen (zero when closed).

@@ -661,12 +661,11 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
         records: &ledger_records,
     });
     let sb = bed.sb.counters("retries").unwrap_or_default();
-    let breaker_key = format!(
-        "breakers/{}",
+    let breaker_key = crate::breaker::record_name(
         bed.hook
             .url()
             .trim_start_matches("http://")
-            .trim_end_matches("/events")
+            .trim_end_matches("/events"),
     );
     let records = crate::azure::BlobRecordStore::new(
         &bed.blob.container_url("hubguard"),

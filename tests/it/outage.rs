@@ -71,7 +71,12 @@ impl Downstream {
 }
 
 async fn breaker(bed: &Bed) -> BreakerRecord {
-    match bed.records().read("breakers/orders-api").await.unwrap() {
+    match bed
+        .records()
+        .read(&hubguard::breaker::record_name("orders-api"))
+        .await
+        .unwrap()
+    {
         Some(r) => serde_json::from_slice(&r.body).unwrap(),
         None => BreakerRecord::default(),
     }

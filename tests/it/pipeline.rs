@@ -551,7 +551,7 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
     run.stop().await;
     let record = bed
         .records()
-        .read("breakers/handler")
+        .read(&hubguard::breaker::record_name("handler"))
         .await
         .unwrap()
         .expect("breaker record");
