@@ -28,16 +28,65 @@ pub struct Memory {
     /// Resident set once the failure path ran (ledger, Service Bus clients) with
     /// `warm_pending` retries pending, MB.
     pub rss_warm_mb: f64,
-    /// Resident set with `pending` retries scheduled, MB.
+    /// Resident set with `pending` retries scheduled, MB (the median of its readings).
     pub rss_pending_mb: f64,
+    /// The growth for `pending` retries of each reading with them pending (from the warm-up
+    /// median, scaled as [`Memory::growth_per_pending_mb`]), MB, in order.
+    pub growth_readings_mb: Vec<f64>,
+}
+
+/// Readings of the resident set at each stage, a second apart: one reading moved with
+/// whatever the process was doing at that instant (a pool growing, a batch in flight).
+pub const READINGS: usize = 7;
+
+/// The median of `v` (NaN if empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+async fn readings(pid: u32) -> anyhow::Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(READINGS);
+    for i in 0..READINGS {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        out.push(rss_mb(pid)?);
+    }
+    Ok(out)
 }
 
 impl Memory {
+    /// The growth's readings: the smallest and the largest (their spread).
+    pub fn growth_range_mb(&self) -> (f64, f64) {
+        let lo = self
+            .growth_readings_mb
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let hi = self
+            .growth_readings_mb
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
+        (lo, hi)
+    }
+
     /// Growth attributable to pending retries: from `warm_pending` to `pending`, scaled to
-    /// `pending` (the failure path's fixed cost, its clients and pools, is left out).
+    /// `pending` (the failure path's fixed cost, its clients and pools, is left out); the
+    /// median of the readings.
     pub fn growth_per_pending_mb(&self) -> f64 {
+        median(&self.growth_readings_mb)
+    }
+
+    fn scale(&self) -> f64 {
         let extra = self.pending.saturating_sub(self.warm_pending).max(1) as f64;
-        (self.rss_pending_mb - self.rss_warm_mb) * self.pending as f64 / extra
+        self.pending as f64 / extra
     }
 }
 
@@ -191,7 +240,7 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     )
     .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_idle_mb = rss_mb(pid)?;
+    let rss_idle_mb = median(&readings(pid).await?);
     // Warm up the failure path (webhook failures, ledger writes, Service Bus sends, their
     // connection pools at full concurrency) with 5,000 retries (at most half of them), then
     // schedule the rest.
@@ -206,10 +255,10 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
         )
         .await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        rss_mb(pid)
+        readings(pid).await
     };
-    let rss_warm_mb = fail_and_read("fail-warm", warm, warm).await?;
-    let rss_pending_mb = fail_and_read("fail", pending - warm, pending).await?;
+    let warm_readings = fail_and_read("fail-warm", warm, warm).await?;
+    let pending_readings = fail_and_read("fail", pending - warm, pending).await?;
     let pending_now = sb.counters("retries").map_or(0, |c| c.scheduled);
     if pending_now < pending as u64 {
         bail!("only {pending_now} retries pending");
@@ -217,13 +266,20 @@ pub async fn memory(events: usize, pending: usize, partitions: usize) -> anyhow:
     drop(child);
     emulators.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(Memory {
+    let mut m = Memory {
         pending: pending_now,
         warm_pending: warm as u64,
         rss_idle_mb,
-        rss_warm_mb,
-        rss_pending_mb,
-    })
+        rss_warm_mb: median(&warm_readings),
+        rss_pending_mb: median(&pending_readings),
+        growth_readings_mb: Vec::new(),
+    };
+    let scale = m.scale();
+    m.growth_readings_mb = pending_readings
+        .iter()
+        .map(|r| (r - m.rss_warm_mb) * scale)
+        .collect();
+    Ok(m)
 }
 
 fn tempdir() -> anyhow::Result<PathBuf> {

@@ -229,13 +229,20 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             "\"rss_growth_mb_100k_pending\":{:.1}",
             m.growth_per_pending_mb()
         ));
+        let (lo, hi) = m.growth_range_mb();
+        fields.push(format!("\"rss_growth_min_mb\":{lo:.1}"));
+        fields.push(format!("\"rss_growth_max_mb\":{hi:.1}"));
+        fields.push(format!(
+            "\"rss_growth_readings\":{}",
+            m.growth_readings_mb.len()
+        ));
     }
     format!("{{{}}}", fields.join(","))
 }
 
 fn print_tables(args: &BenchArgs, f: &Figures) {
     if !f.eventhubs.is_empty() {
-        println!("Event Hubs emulator through azure_messaging_eventhubs 0.15 ({} events of {} B, batched sends)", args.events, args.size);
+        println!("Event Hubs emulator through azure_messaging_eventhubs 0.16 ({} events of {} B, batched sends)", args.events, args.size);
         println!(
             "{:>10} {:>16} {:>16}",
             "partitions", "produce ev/s", "consume ev/s"
@@ -317,9 +324,12 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "the failure path's fixed cost".into(),
             m.rss_warm_mb - m.rss_idle_mb,
         );
-        row(
+        let (lo, hi) = m.growth_range_mb();
+        println!(
+            "{:>44} {:>10.1} MB (median of {} readings a second apart; {lo:.1} to {hi:.1})",
             format!("growth for {} pending retries", m.pending),
             m.growth_per_pending_mb(),
+            m.growth_readings_mb.len()
         );
     }
 }
