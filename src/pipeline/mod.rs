@@ -134,16 +134,8 @@ pub struct PipelineOptions {
     pub deadline: Duration,
     /// Longest wait between settlement retries of a held partition.
     pub settle_backoff_max: Duration,
-    /// Retry attempts run at once, and the most retry-queue receivers polling at once (one
-    /// polls while the queue is idle; more join while receives keep returning messages).
+    /// Retry messages handled at once.
     pub retry_concurrency: usize,
-    /// Retry messages taken from Service Bus and not yet settled, at most: those waiting for
-    /// their due time (see `retry_lead`) and those running.
-    pub retry_prefetch: usize,
-    /// Retry messages are scheduled this long before their due time: the retry loop receives
-    /// them early, reads their ledger record, and starts each at its due time. Service Bus
-    /// still holds the wait; a process that dies holding one leaves it to its lock's expiry.
-    pub retry_lead: Duration,
     /// Long-poll wait of each retry-queue receive.
     pub retry_receive_wait: Duration,
     /// First reconnect delay of the retry loop (then 2×, 3×).
@@ -183,8 +175,6 @@ impl Default for PipelineOptions {
             deadline: Duration::from_secs(10),
             settle_backoff_max: Duration::from_secs(10),
             retry_concurrency: 8,
-            retry_prefetch: 1024,
-            retry_lead: Duration::from_secs(2),
             retry_receive_wait: Duration::from_secs(5),
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
@@ -381,8 +371,7 @@ impl Pipeline {
         let settler = Arc::new(
             Settler::new(ledger, parts.queue.clone(), parts.policies)
                 .with_clock(parts.options.clock.clone())
-                .with_dead_letters(parts.options.dead_letters.clone())
-                .with_schedule_lead(parts.options.retry_lead),
+                .with_dead_letters(parts.options.dead_letters.clone()),
         );
         let health = Arc::new(Health::default());
         health.set_unhealthy_after(parts.options.unhealthy_after);

@@ -19,20 +19,14 @@
 //! once with backoff, then by a watchdog at a slow pace; the state shows in readiness.
 //!
 //! Service Bus's REST API hands out one message per receive, so one receiver drains a burst
-//! of due retries one round trip at a time. While the loop is healthy and receives keep
-//! returning messages, more receivers join (up to `retry_concurrency` in all) and stop again
-//! when a receive comes back empty; failures are the primary receiver's business. Retry
-//! messages are scheduled `retry_lead` before their due time, so the loop takes a burst in
-//! hand before it comes due and starts each retry at its due time (the ledger is read then);
-//! at most `retry_prefetch` messages are in hand, and `retry_concurrency` attempts run at
-//! once. The breaker is asked at the due time, as before.
+//! of due retries one round trip at a time. While the loop is healthy, helper receivers (up
+//! to `retry_concurrency` in all) receive in parallel; failures are the primary loop's
+//! business: helpers stand by until it reports the queue reachable again.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
@@ -48,144 +42,42 @@ use crate::ledger::{LedgerError, Verdict};
 /// Consecutive receive failures before the watchdog takes over.
 const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
 
-/// What receivers hand the loop.
-enum Work {
-    /// A message to process, with its place among the messages in hand.
-    Process(Box<ReceivedMessage>, OwnedSemaphorePermit),
-    /// Receives keep returning messages: start one more receiver.
-    Grow,
-}
-
-/// The loop's limits, shared by its receivers and attempts.
-struct Limits {
-    /// Messages in hand (waiting for their due time, or running): `retry_prefetch`.
-    held: Arc<Semaphore>,
-    /// Attempts at once: `retry_concurrency`.
-    attempts: Arc<Semaphore>,
-    /// Receivers polling now, and at most.
-    receivers: AtomicUsize,
-    max_receivers: usize,
-}
-
 /// Runs until `cancel` fires.
-///
-/// One receiver polls while the queue is idle. Each receive that returns a message asks for
-/// one more receiver, up to `retry_concurrency`, so a burst of due retries is drained by
-/// many round trips at once within a few of them; an extra receiver whose receive comes back
-/// empty stops. Messages are scheduled `retry_lead` early (see [`super::settle::Settler`]):
-/// each is processed on a task of its own that waits for the due time its body carries,
-/// reads the ledger and waits for an attempt slot, so a burst that
-/// comes due in one second starts on time instead of draining one receive at a time after it.
 pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
-    let o = &shared.options;
-    let limits = Arc::new(Limits {
-        held: Arc::new(Semaphore::new(o.retry_prefetch.max(1))),
-        attempts: Arc::new(Semaphore::new(o.retry_concurrency.max(1))),
-        receivers: AtomicUsize::new(1),
-        max_receivers: o.retry_concurrency.max(1),
-    });
+    let slots = Arc::new(Semaphore::new(shared.options.retry_concurrency.max(1)));
+    let mut failures = 0u32;
     shared.health.set_retry_loop(RetryLoopState::Running);
-    // Owned here: if this future is dropped (a crash), every receiver and attempt goes with it.
+    // Owned here: if this future is dropped (a crash), every helper and attempt goes with it.
     let mut tasks = tokio::task::JoinSet::new();
-    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<Work>();
-    // Receivers hold the senders: the channel ends when the last one stops.
-    let weak = work_tx.downgrade();
-    tasks.spawn(receiver(
-        shared.clone(),
-        limits.clone(),
-        cancel.clone(),
-        work_tx,
-        true,
-    ));
+    for _ in 1..shared.options.retry_concurrency.max(1) {
+        tasks.spawn(helper(shared.clone(), slots.clone(), cancel.clone()));
+    }
     tasks.spawn(sweep_dead_letters(shared.clone(), cancel.clone()));
     loop {
-        tokio::select! {
-            work = work_rx.recv() => match work {
-                Some(Work::Process(msg, held)) => {
-                    let (shared, cancel, limits) = (shared.clone(), cancel.clone(), limits.clone());
-                    tasks.spawn(async move {
-                        process(*msg, &shared, &cancel, &limits).await;
-                        drop(held);
-                    });
-                }
-                Some(Work::Grow) => {
-                    if let Some(tx) = weak.upgrade() {
-                        tasks.spawn(receiver(shared.clone(), limits.clone(), cancel.clone(), tx, false));
-                    } else {
-                        limits.receivers.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-                None => break,
-            },
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-        }
-    }
-    // Let in-flight attempts finish and settle; receivers stopped on `cancel`.
-    while tasks.join_next().await.is_some() {}
-    shared.health.set_retry_loop(RetryLoopState::Stopped);
-}
-
-/// Asks for one more receiver if the limit allows.
-fn grow(limits: &Limits, work: &tokio::sync::mpsc::UnboundedSender<Work>) {
-    let more = limits
-        .receivers
-        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < limits.max_receivers).then_some(n + 1)
-        })
-        .is_ok();
-    if more && work.send(Work::Grow).is_err() {
-        limits.receivers.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A receiver. The first (`primary`) runs until `cancel` and owns the loop's state: its
-/// receive failures are retried with backoff, then by the watchdog. The others run while
-/// receives return messages and the queue is healthy.
-async fn receiver(
-    shared: Arc<Shared>,
-    limits: Arc<Limits>,
-    cancel: CancellationToken,
-    work: tokio::sync::mpsc::UnboundedSender<Work>,
-    primary: bool,
-) {
-    let mut failures = 0u32;
-    loop {
-        if !primary && shared.health.retry_loop() != RetryLoopState::Running {
+        while tasks.try_join_next().is_some() {}
+        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
             break;
-        }
-        let held = tokio::select! {
-            _ = cancel.cancelled() => break,
-            p = limits.held.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let received = tokio::select! {
-            _ = cancel.cancelled() => break,
-            r = shared.queue.receive(shared.options.retry_receive_wait) => r,
         };
         match received {
             Ok(Some(msg)) => {
-                if primary && failures > 0 {
+                if failures > 0 {
                     tracing::info!(failures, "retry loop recovered");
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
-                if work.send(Work::Process(Box::new(msg), held)).is_err() {
-                    break;
-                }
-                grow(&limits, &work);
+                let (shared, cancel) = (shared.clone(), cancel.clone());
+                tasks.spawn(async move {
+                    process(msg, &shared, &cancel).await;
+                    drop(permit);
+                });
             }
             Ok(None) => {
-                if !primary {
-                    break;
-                }
                 if failures > 0 {
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
             }
-            // The primary sees the same failure and changes the state.
-            Err(_) if !primary => break,
             Err(e) => {
-                drop(held);
                 failures += 1;
                 let error = e.to_string();
                 let (state, wait) = if failures <= RECONNECTS_BEFORE_WATCHDOG {
@@ -208,8 +100,61 @@ async fn receiver(
             }
         }
     }
-    if !primary {
-        limits.receivers.fetch_sub(1, Ordering::AcqRel);
+    // Let in-flight attempts finish and settle; helpers stop on `cancel`.
+    while tasks.join_next().await.is_some() {}
+    shared.health.set_retry_loop(RetryLoopState::Stopped);
+}
+
+/// Takes a slot, then receives one message; `None` once `cancel` fires.
+async fn receive(
+    shared: &Shared,
+    slots: &Arc<Semaphore>,
+    cancel: &CancellationToken,
+) -> Option<(
+    tokio::sync::OwnedSemaphorePermit,
+    Result<Option<ReceivedMessage>, crate::azure::RetryQueueError>,
+)> {
+    let permit = tokio::select! {
+        _ = cancel.cancelled() => return None,
+        p = slots.clone().acquire_owned() => p.ok()?,
+    };
+    let received = tokio::select! {
+        _ = cancel.cancelled() => return None,
+        r = shared.queue.receive(shared.options.retry_receive_wait) => r,
+    };
+    Some((permit, received))
+}
+
+/// A helper receiver: receives and processes in parallel with the primary loop, but only
+/// while it reports the queue healthy.
+async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: CancellationToken) {
+    let mut changes = shared.health.subscribe();
+    loop {
+        while shared.health.retry_loop() != RetryLoopState::Running {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = changes.changed() => if r.is_err() { return },
+            }
+        }
+        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
+            return;
+        };
+        match received {
+            Ok(Some(msg)) => process(msg, &shared, &cancel).await,
+            Ok(None) => {}
+            Err(_) => {
+                // The primary loop sees the same failure and changes the state; stand by
+                // until it does (or briefly, if it already recovered).
+                drop(permit);
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = changes.changed() => {}
+                    _ = shared.clock().sleep(shared.options.reconnect_base) => {}
+                }
+                continue;
+            }
+        }
+        drop(permit);
     }
 }
 
@@ -332,36 +277,6 @@ async fn settle_message(msg: &ReceivedMessage, complete: bool) {
     }
 }
 
-/// Waits until `due_ms`, renewing `msg`'s lock meanwhile; `false` (the message abandoned, so
-/// Service Bus hands it to another replica at once) if the loop stops first.
-async fn wait_until_due(
-    msg: &mut ReceivedMessage,
-    due_ms: i64,
-    shared: &Shared,
-    cancel: &CancellationToken,
-) -> bool {
-    let due = at(due_ms);
-    loop {
-        if shared.clock().now() >= due {
-            return true;
-        }
-        let renew_in = (shared.clock().until(msg.locked_until) / 2).max(Duration::from_millis(500));
-        let until = shared.clock().until(due);
-        tokio::select! {
-            _ = cancel.cancelled() => {
-                settle_message(msg, false).await;
-                return false;
-            }
-            _ = shared.clock().sleep_until(due), if until <= renew_in => return true,
-            _ = shared.clock().sleep(renew_in), if until > renew_in => {
-                if let Err(e) = msg.renew().await {
-                    tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
-                }
-            }
-        }
-    }
-}
-
 /// Runs `op` until it succeeds, with backoff, renewing `msg`'s lock meanwhile; `None` if the
 /// loop stops first (the message is abandoned then, so Service Bus redelivers it).
 async fn holding<T, E, F, Fut>(
@@ -415,12 +330,7 @@ where
     }
 }
 
-async fn process(
-    mut msg: ReceivedMessage,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    limits: &Limits,
-) {
+async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &CancellationToken) {
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -438,11 +348,6 @@ async fn process(
         .duration_since(at(body.due_ms))
         .unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
-    // Received early (`retry_lead`): wait for the due time, under the lock. The ledger is
-    // read then, not before, so what decides the attempt is the ledger at its due time.
-    if !wait_until_due(&mut msg, body.due_ms, shared, cancel).await {
-        return;
-    }
     // A record that cannot be parsed is set aside and its event dead-lettered (the message
     // carries only the key), never held forever.
     let Some(current) = holding(
@@ -507,16 +412,6 @@ async fn process(
         }
     };
     let event = rec.event.clone();
-    let slot = tokio::select! {
-        _ = cancel.cancelled() => {
-            settle_message(&msg, false).await;
-            return;
-        }
-        s = limits.attempts.acquire() => match s {
-            Ok(s) => s,
-            Err(_) => return,
-        },
-    };
     // An open breaker defers the attempt past its expiry, without counting it.
     let event_type = event.identity.event_type.as_deref();
     let gate = shared.admit().await;
@@ -575,8 +470,6 @@ async fn process(
             }
         }
     };
-    // The slot bounds calls to the downstream; settling is hubguard's own work.
-    drop(slot);
     shared.attempted(&attempted, gate, event_type).await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
