@@ -722,9 +722,16 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
                 progress(&format!("  {l}"));
             }
             progress("The trace query that finds every attempt (Grafana Tempo):");
+            // Built from the names the spans are emitted with, so it cannot go stale.
+            use crate::telemetry::names::{attr, span};
             progress(&format!(
-                "  {{ name = \"hubguard.attempt\" && span.hubguard.correlation_id = \"{}\" }} | select(span.hubguard.attempt.number, span.hubguard.outcome, span.hubguard.next_attempt_at)",
-                rec.correlation_id
+                "  {{ name = \"{}\" && span.{} = \"{}\" }} | select(span.{}, span.{}, span.{})",
+                span::ATTEMPT,
+                attr::CONVERSATION_ID,
+                rec.correlation_id,
+                attr::ATTEMPT,
+                attr::OUTCOME,
+                attr::NEXT_ATTEMPT_AT
             ));
         }
     }
