@@ -211,169 +211,116 @@ pub enum HandlerSection {
     Webhook(WebhookConfig),
 }
 
-/// `[processor]`
+/// Milliseconds of a default duration.
+fn ms_of(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// `[processor]`. Defaults: [`PipelineOptions::default`], the one source of the pipeline's
+/// defaults (the sections' `Default` impls read it; a missing key takes the section's default).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ProcessorSection {
     /// Unique per live replica; default: a random id per process.
-    #[serde(default)]
     pub owner_id: Option<String>,
     /// Load-balancing interval (ms).
-    #[serde(default = "d5000")]
     pub update_interval_ms: u64,
     /// Ownership expiration (ms); must exceed the update interval.
-    #[serde(default = "d20000")]
     pub ownership_expiration_ms: u64,
     /// Prefetch per partition.
-    #[serde(default = "d300")]
     pub prefetch: u32,
     /// Where partitions without a checkpoint start: `earliest` or `latest`.
-    #[serde(default = "earliest")]
     pub start: String,
     /// Events of one partition handled at once (1: strictly one by one).
-    #[serde(default = "d1usize")]
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
     /// `property:<name>` or `none`.
-    #[serde(default = "partition_key")]
     pub ordering_key: String,
-}
-
-fn d1usize() -> usize {
-    1
-}
-fn partition_key() -> String {
-    "partition_key".into()
-}
-
-fn d5000() -> u64 {
-    5000
-}
-fn d20000() -> u64 {
-    20_000
-}
-fn d300() -> u32 {
-    300
-}
-fn earliest() -> String {
-    "earliest".into()
 }
 
 impl Default for ProcessorSection {
     fn default() -> Self {
+        let o = PipelineOptions::default();
         Self {
             owner_id: None,
-            update_interval_ms: 5000,
-            ownership_expiration_ms: 20_000,
-            prefetch: 300,
-            start: earliest(),
-            max_in_flight: 1,
-            ordering_key: partition_key(),
+            update_interval_ms: ms_of(o.update_interval),
+            ownership_expiration_ms: ms_of(o.ownership_expiration),
+            prefetch: o.prefetch,
+            start: if o.start_at_latest {
+                "latest"
+            } else {
+                "earliest"
+            }
+            .into(),
+            max_in_flight: o.max_in_flight,
+            ordering_key: o.ordering.to_string(),
         }
     }
 }
 
-/// `[checkpoint]`
+/// `[checkpoint]` (defaults: [`PipelineOptions::default`]).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CheckpointSection {
     /// Checkpoint after this many settled events…
-    #[serde(default = "d100")]
     pub every_events: u64,
     /// …or this many milliseconds…
-    #[serde(default = "d1000")]
     pub every_ms: u64,
     /// …but never more often than this per partition (ms): writes are bounded by time.
-    #[serde(default = "d200")]
     pub min_interval_ms: u64,
-}
-
-fn d200() -> u64 {
-    200
-}
-
-fn d100() -> u64 {
-    100
-}
-fn d1000() -> u64 {
-    1000
 }
 
 impl Default for CheckpointSection {
     fn default() -> Self {
+        let o = PipelineOptions::default();
         Self {
-            every_events: 100,
-            every_ms: 1000,
-            min_interval_ms: 200,
+            every_events: o.checkpoint_every_events,
+            every_ms: ms_of(o.checkpoint_every),
+            min_interval_ms: ms_of(o.checkpoint_min_interval),
         }
     }
 }
 
-/// `[retry]`
+/// `[retry]` (defaults: [`PipelineOptions::default`]).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RetrySection {
     /// Retry messages handled at once.
-    #[serde(default = "d8")]
     pub concurrency: usize,
     /// Long-poll wait per receive (ms).
-    #[serde(default = "d5000")]
     pub receive_wait_ms: u64,
     /// Deadline of every call to Service Bus, blob storage and Event Hubs (ms).
-    #[serde(default = "d10000")]
     pub call_deadline_ms: u64,
     /// How often the queue's dead-letter sub-queue is swept for retries Service Bus gave up
     /// on (ms; also once at start).
-    #[serde(default = "d60000")]
     pub dead_letter_sweep_ms: u64,
     /// A retry the ledger says was due this long ago (ms), with no retry message arriving,
     /// is scheduled again under a fresh MessageId by the same sweep.
-    #[serde(default = "d300000")]
     pub overdue_margin_ms: u64,
-}
-
-fn d300000() -> u64 {
-    300_000
-}
-
-fn d60000() -> u64 {
-    60_000
-}
-
-fn d8() -> usize {
-    8
-}
-fn d10000() -> u64 {
-    10_000
 }
 
 impl Default for RetrySection {
     fn default() -> Self {
+        let o = PipelineOptions::default();
         Self {
-            concurrency: 8,
-            receive_wait_ms: 5000,
-            call_deadline_ms: 10_000,
-            dead_letter_sweep_ms: 60_000,
-            overdue_margin_ms: 300_000,
+            concurrency: o.retry_concurrency,
+            receive_wait_ms: ms_of(o.retry_receive_wait),
+            call_deadline_ms: ms_of(o.deadline),
+            dead_letter_sweep_ms: ms_of(o.dead_letter_sweep),
+            overdue_margin_ms: ms_of(o.overdue_margin),
         }
     }
 }
 
 /// `[status]`
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct StatusSection {
     /// Where `/healthz`, `/readyz` and `/v1/events/{key}` are served.
-    #[serde(default = "default_listen")]
     pub listen: SocketAddr,
     /// `/healthz` answers 503 once the Event Hubs consumer has failed without a break for
     /// this long (ms), so an orchestrator restarts the process; 0 never.
-    #[serde(default = "d900000")]
     pub unhealthy_after_ms: u64,
-}
-
-fn d900000() -> u64 {
-    900_000
 }
 
 fn default_listen() -> SocketAddr {
@@ -384,7 +331,7 @@ impl Default for StatusSection {
     fn default() -> Self {
         Self {
             listen: default_listen(),
-            unhealthy_after_ms: 900_000,
+            unhealthy_after_ms: PipelineOptions::default().unhealthy_after.map_or(0, ms_of),
         }
     }
 }

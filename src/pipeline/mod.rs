@@ -106,6 +106,17 @@ impl std::str::FromStr for OrderingKey {
     }
 }
 
+impl std::fmt::Display for OrderingKey {
+    /// The configuration's spelling, which [`FromStr`](std::str::FromStr) reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PartitionKey => f.write_str("partition_key"),
+            Self::Property(p) => write!(f, "property:{p}"),
+            Self::None => f.write_str("none"),
+        }
+    }
+}
+
 /// Tunables.
 #[derive(Debug, Clone)]
 pub struct PipelineOptions {
