@@ -130,52 +130,16 @@ async fn an_unreachable_event_hubs_is_named_in_readiness() {
     drop((sb, blob, cs));
 }
 
-/// A checkpoint store through which partition `1` can never be claimed.
-struct Unclaimable(Arc<dyn azure_messaging_eventhubs::CheckpointStore + Send + Sync>);
-
-#[async_trait::async_trait]
-impl azure_messaging_eventhubs::CheckpointStore for Unclaimable {
-    async fn claim_ownership(
-        &self,
-        o: &[azure_messaging_eventhubs::models::Ownership],
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
-        let wanted: Vec<_> = o
-            .iter()
-            .filter(|o| o.partition_id != "1")
-            .cloned()
-            .collect();
-        self.0.claim_ownership(&wanted).await
-    }
-    async fn list_checkpoints(
-        &self,
-        n: &str,
-        h: &str,
-        c: &str,
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
-        self.0.list_checkpoints(n, h, c).await
-    }
-    async fn list_ownerships(
-        &self,
-        n: &str,
-        h: &str,
-        c: &str,
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
-        self.0.list_ownerships(n, h, c).await
-    }
-    async fn update_checkpoint(
-        &self,
-        c: azure_messaging_eventhubs::models::Checkpoint,
-    ) -> azure_core::Result<()> {
-        self.0.update_checkpoint(c).await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_no_replica_owns_makes_readiness_fail_naming_it() {
     let bed = Bed::start(2).await;
     let handler = Arc::new(Scripted::default());
     let mut parts = bed.parts(handler, fast_policy(5), "replica-a");
-    parts.checkpoint_store = Arc::new(Unclaimable(parts.checkpoint_store));
+    parts.checkpoint_store = Arc::new(ShapedStore {
+        inner: parts.checkpoint_store,
+        unclaimable: Some("1"),
+        no_checkpoints: false,
+    });
     let run = Bed::run(parts);
     wait_for(
         "partition 1 reported unowned",

@@ -274,45 +274,6 @@ async fn blob_storage_down_holds_the_partition_and_everything_settles_after_reco
     run.stop().await;
 }
 
-/// A checkpoint store that never writes checkpoints: a process that "crashes" before its
-/// first checkpoint.
-struct NoCheckpoints(Arc<dyn azure_messaging_eventhubs::CheckpointStore + Send + Sync>);
-
-#[async_trait::async_trait]
-impl azure_messaging_eventhubs::CheckpointStore for NoCheckpoints {
-    async fn claim_ownership(
-        &self,
-        o: &[azure_messaging_eventhubs::models::Ownership],
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
-        self.0.claim_ownership(o).await
-    }
-    async fn list_checkpoints(
-        &self,
-        n: &str,
-        h: &str,
-        c: &str,
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
-        self.0.list_checkpoints(n, h, c).await
-    }
-    async fn list_ownerships(
-        &self,
-        n: &str,
-        h: &str,
-        c: &str,
-    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
-        self.0.list_ownerships(n, h, c).await
-    }
-    async fn update_checkpoint(
-        &self,
-        _: azure_messaging_eventhubs::models::Checkpoint,
-    ) -> azure_core::Result<()> {
-        Err(azure_core::Error::with_message(
-            azure_core::error::ErrorKind::Other,
-            "crashed before checkpointing",
-        ))
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the_count() {
     let bed = Bed::start(1).await;
@@ -326,7 +287,11 @@ async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the
     policy.floor_s = 700;
     policy.cap_s = 700;
     let mut parts = bed.parts(handler.clone(), policy.clone(), "replica-a");
-    parts.checkpoint_store = Arc::new(NoCheckpoints(bed.checkpoint_store()));
+    parts.checkpoint_store = Arc::new(ShapedStore {
+        inner: bed.checkpoint_store(),
+        unclaimable: None,
+        no_checkpoints: true,
+    });
     let run = Bed::run(parts);
     let ledger = bed.ledger();
     wait_for("retry scheduled", &run.health, LIMIT, || async {

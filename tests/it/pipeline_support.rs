@@ -358,3 +358,57 @@ where
         }
     }
 }
+
+/// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
+/// claimed, or checkpoints that never get written (a process that "crashes" before its first).
+pub struct ShapedStore {
+    /// The real store.
+    pub inner: Arc<dyn CheckpointStore + Send + Sync>,
+    /// Claims of this partition are dropped.
+    pub unclaimable: Option<&'static str>,
+    /// Every checkpoint write fails.
+    pub no_checkpoints: bool,
+}
+
+#[async_trait]
+impl CheckpointStore for ShapedStore {
+    async fn claim_ownership(
+        &self,
+        o: &[azure_messaging_eventhubs::models::Ownership],
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        let wanted: Vec<_> = o
+            .iter()
+            .filter(|o| Some(o.partition_id.as_str()) != self.unclaimable)
+            .cloned()
+            .collect();
+        self.inner.claim_ownership(&wanted).await
+    }
+    async fn list_checkpoints(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Checkpoint>> {
+        self.inner.list_checkpoints(n, h, c).await
+    }
+    async fn list_ownerships(
+        &self,
+        n: &str,
+        h: &str,
+        c: &str,
+    ) -> azure_core::Result<Vec<azure_messaging_eventhubs::models::Ownership>> {
+        self.inner.list_ownerships(n, h, c).await
+    }
+    async fn update_checkpoint(
+        &self,
+        c: azure_messaging_eventhubs::models::Checkpoint,
+    ) -> azure_core::Result<()> {
+        if self.no_checkpoints {
+            return Err(azure_core::Error::with_message(
+                azure_core::error::ErrorKind::Other,
+                "crashed before checkpointing",
+            ));
+        }
+        self.inner.update_checkpoint(c).await
+    }
+}
