@@ -421,19 +421,18 @@ fn is_service_link(rest: &str) -> bool {
         || rest.contains("_PORT_")
 }
 
-/// Keys whose values are secrets, never quoted in an error.
+/// Keys whose values are (or may carry) secrets, never quoted in an error: connection
+/// strings, a container URL (its query may hold a SAS), and anything named like a secret.
+/// Matched on the key's last segment, so `processor.ordering_key` or
+/// `identity.idempotency_key_properties` keep their helpful messages.
 fn is_secret_path(path: &str) -> bool {
-    let p = path.to_ascii_lowercase();
-    [
-        "connection_string",
-        "secret",
-        "key",
-        "token",
-        "password",
-        "authorization",
-    ]
-    .iter()
-    .any(|s| p.contains(s))
+    let last = path.rsplit('.').next().unwrap_or(path).to_ascii_lowercase();
+    matches!(
+        last.as_str(),
+        "connection_string" | "container_url" | "key" | "sas"
+    ) || ["secret", "token", "password", "authorization"]
+        .iter()
+        .any(|s| last.contains(s))
 }
 
 /// Describes a TOML error by position and message, never by quoting the source line.
@@ -1081,6 +1080,22 @@ url = "http://127.0.0.1:9000/events"
         let e = bad("", var("HUBGUARD_SERVICEBUS__CONNECTION_STRING", "12"));
         assert!(
             e.contains("HUBGUARD_SERVICEBUS__CONNECTION_STRING") && !e.contains("12"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn secret_keys_are_redacted_and_others_keep_their_message() {
+        assert!(is_secret_path("eventhubs.connection_string"));
+        assert!(is_secret_path("storage.container_url"));
+        assert!(is_secret_path("handler.signing.secret"));
+        assert!(!is_secret_path("processor.ordering_key"));
+        assert!(!is_secret_path("identity.idempotency_key_properties"));
+        let e = Config::parse(&format!("{BASE}[processor]\nordering_key = 5\n"), none())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("processor.ordering_key") && e.contains("expected"),
             "{e}"
         );
     }
