@@ -180,33 +180,6 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
     assert!(dir.path().join("servicebus/other.journal").exists());
 }
 
-/// A minimal HTTP/1.1 client for the admin endpoint.
-async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = within("admin connect", tokio::net::TcpStream::connect(addr))
-        .await
-        .unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = String::new();
-    within("admin response", s.read_to_string(&mut resp))
-        .await
-        .unwrap();
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
-
 #[test]
 fn bad_hub_spec_is_refused_with_a_clear_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))

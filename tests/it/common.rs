@@ -120,3 +120,36 @@ pub fn body(ev: &ReceivedEventData) -> String {
     String::from_utf8(ev.event_data().body().expect("one data section").to_vec())
         .expect("utf-8 body")
 }
+
+/// A minimal HTTP/1.1 client (one request per connection) for the admin endpoint and the
+/// status API: the status code and the body.
+pub async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = within("http connect", tokio::net::TcpStream::connect(addr))
+        .await
+        .unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = String::new();
+    within("http response", s.read_to_string(&mut resp))
+        .await
+        .unwrap();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `GET path` with [`http`].
+pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    http(addr, "GET", path, "").await
+}

@@ -14,33 +14,11 @@ use axum::Router;
 use hubguard::telemetry::names::{attr, span};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 
-use crate::common::within;
+use crate::common::{http_get, within};
 use crate::otlp::telemetry;
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-async fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use tokio::io::AsyncWriteExt;
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).await.unwrap();
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = resp
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
 
 async fn json_get(addr: &str, path: &str) -> (u16, serde_json::Value) {
     let (code, body) = http_get(addr, path).await;

@@ -13,7 +13,7 @@ use axum::routing::post;
 use axum::Router;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::common::within;
+use crate::common::{http_get, within};
 use crate::pipeline_support::Bed;
 
 #[derive(Default)]
@@ -58,29 +58,6 @@ async fn start_receiver() -> (Arc<Receiver>, std::net::SocketAddr) {
         .with_state(receiver.clone());
     tokio::spawn(async move { axum::serve(hook, app).await.unwrap() });
     (receiver, hook_addr)
-}
-
-async fn http_get(addr: &str, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).await.unwrap();
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (
-        status,
-        resp.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default(),
-    )
 }
 
 fn write_config(
