@@ -223,13 +223,22 @@ async fn two_processors_split_the_partitions() {
                         while let Ok(pc) = p.next_partition_client().await {
                             let received = received.clone();
                             tokio::task::spawn_local(async move {
-                                let stream = pc.stream_events();
-                                futures::pin_mut!(stream);
-                                while let Some(Ok(ev)) = stream.next().await {
-                                    received.borrow_mut().entry(owner).or_default().insert((
-                                        pc.get_partition_id().to_string(),
-                                        ev.sequence_number().unwrap(),
-                                    ));
+                                {
+                                    let stream = pc.stream_events();
+                                    futures::pin_mut!(stream);
+                                    while let Some(Ok(ev)) = stream.next().await {
+                                        received.borrow_mut().entry(owner).or_default().insert((
+                                            pc.get_partition_id().to_string(),
+                                            ev.sequence_number().unwrap(),
+                                        ));
+                                    }
+                                }
+                                // Give the partition back on any end (revoked, or evicted by
+                                // the old owner's receiver before its cycle revoked it), as
+                                // hubguard does: only then does the processor hand it out
+                                // again (a dropped client stalls its partition for good).
+                                if let Ok(pc) = Arc::try_unwrap(pc) {
+                                    let _ = pc.close().await;
                                 }
                             });
                         }
@@ -276,6 +285,16 @@ async fn two_processors_split_the_partitions() {
                     all.len()
                 );
                 tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // Until the old owner's next cycle revokes it, its receiver and the new owner's
+            // can evict each other (same owner level): keep sending (bounded) until the new
+            // owner, handed the partition again, has read too.
+            let deadline = Instant::now() + STEP;
+            let mut round = 0;
+            while received.borrow().len() < 2 && Instant::now() < deadline {
+                round += 1;
+                fill(&prod, 4, 1, &format!("more-{round}")).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             let readers = received.borrow().len();
             assert_eq!(readers, 2, "both replicas read events");
