@@ -267,6 +267,98 @@ pub trait RetryQueue: Send + Sync {
     }
 }
 
+/// The legacy crate's transport, with connections kept alive between requests.
+///
+/// `azure_core` 0.21's own reqwest client turns the connection pool off
+/// (`pool_max_idle_per_host(0)`, Azure/azure-sdk-for-rust#1550, a workaround for a hang
+/// reported in hyperium/hyper#2312), so every Service Bus request — each receive, complete,
+/// renew and send — opened a new TCP (and, on Azure, TLS) connection and closed it after one
+/// response. The 1.x `azure_core` turned pooling back on by default for its performance.
+/// hubguard puts a deadline on every Service Bus call ([`ServiceBusRetryQueue`]), so a
+/// request that hangs on a pooled connection fails at its deadline like any other, and is
+/// retried. Response bodies are small (one message, or an error) and read whole.
+#[derive(Debug, Clone)]
+pub struct PooledHttpClient {
+    http: reqwest::Client,
+}
+
+impl Default for PooledHttpClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PooledHttpClient {
+    /// A client with reqwest's default pool (idle connections closed after 90 s).
+    pub fn new() -> Self {
+        let http = reqwest::Client::builder()
+            // Service Bus does not redirect; a 3xx is an answer, as with the crate's client.
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap_or_default();
+        Self { http }
+    }
+}
+
+fn transport_error(e: reqwest::Error) -> azure_core_legacy::Error {
+    // reqwest's Display hides the cause; keep the chain (never the URL).
+    let e = e.without_url();
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    azure_core_legacy::Error::message(azure_core_legacy::error::ErrorKind::Io, msg)
+}
+
+#[async_trait]
+impl HttpClient for PooledHttpClient {
+    async fn execute_request(&self, request: &Request) -> azure_core_legacy::Result<Response> {
+        use futures::AsyncReadExt as _;
+        let other = |m: String| {
+            azure_core_legacy::Error::message(azure_core_legacy::error::ErrorKind::Other, m)
+        };
+        let method = reqwest::Method::from_bytes(request.method().as_ref().as_bytes())
+            .map_err(|e| other(format!("bad method: {e}")))?;
+        let mut req = self.http.request(method, request.url().as_str());
+        for (name, value) in request.headers().iter() {
+            req = req.header(name.as_str(), value.as_str());
+        }
+        let body = match request.body() {
+            azure_core_legacy::Body::Bytes(b) => b.clone(),
+            azure_core_legacy::Body::SeekableStream(s) => {
+                let mut s = s.clone();
+                let mut buf = Vec::with_capacity(s.len());
+                s.read_to_end(&mut buf)
+                    .await
+                    .map_err(|e| other(format!("reading the request body: {e}")))?;
+                bytes::Bytes::from(buf)
+            }
+        };
+        let resp = req.body(body).send().await.map_err(transport_error)?;
+        let status = azure_core_legacy::StatusCode::try_from(resp.status().as_u16())
+            .map_err(|_| other(format!("invalid status code {}", resp.status())))?;
+        let headers: HashMap<_, _> = resp
+            .headers()
+            .iter()
+            .filter_map(|(k, v)| {
+                Some((
+                    azure_core_legacy::headers::HeaderName::from(k.as_str().to_owned()),
+                    HeaderValue::from(v.to_str().ok()?.to_owned()),
+                ))
+            })
+            .collect();
+        let body = resp.bytes().await.map_err(transport_error)?;
+        Ok(Response::new(
+            status,
+            Headers::from(headers),
+            Box::pin(futures::stream::iter([Ok(body)])),
+        ))
+    }
+}
+
 /// An `HttpClient` for the legacy crate that sends every request (and every lock `Location`)
 /// to a fixed endpoint, e.g. the local emulator, instead of `https://{ns}.servicebus.windows.net`.
 #[derive(Debug)]
@@ -284,7 +376,7 @@ impl RedirectingHttpClient {
             scheme: scheme.into(),
             host: host.into(),
             port,
-            inner: azure_core_legacy::new_http_client(),
+            inner: Arc::new(PooledHttpClient::new()),
         }
     }
 }
@@ -432,7 +524,7 @@ impl ServiceBusEndpoint {
     fn legacy_client(&self) -> (String, Arc<dyn HttpClient>) {
         match self.host.strip_suffix(".servicebus.windows.net") {
             Some(ns) if self.scheme == "https" && self.port.is_none() => {
-                (ns.to_string(), azure_core_legacy::new_http_client())
+                (ns.to_string(), Arc::new(PooledHttpClient::new()))
             }
             _ => (
                 "emulator".into(),

@@ -27,6 +27,7 @@ struct FaultState {
     delay: Duration,
     connections: CancellationToken,
     dropped: u64,
+    accepted: u64,
 }
 
 impl Faults {
@@ -40,6 +41,7 @@ impl Faults {
                 delay: Duration::ZERO,
                 connections: shutdown.child_token(),
                 dropped: 0,
+                accepted: 0,
             }),
             shutdown,
         }
@@ -115,6 +117,17 @@ impl Faults {
     /// A token cancelled when the connection it is given to must be dropped.
     pub fn connection_token(&self) -> CancellationToken {
         self.state().connections.child_token()
+    }
+
+    /// Counts a connection the emulator accepted and kept (see [`accepted`](Self::accepted)).
+    pub fn count_accepted(&self) {
+        self.state().accepted += 1;
+    }
+
+    /// How many connections the emulator accepted (refused ones not counted): whether
+    /// clients keep their connections alive.
+    pub fn accepted(&self) -> u64 {
+        self.state().accepted
     }
 
     /// Remove every fault.

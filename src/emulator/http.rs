@@ -98,6 +98,7 @@ impl axum::serve::Listener for FaultyListener {
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
+                    self.faults.count_accepted();
                     return (Killable::new(stream, self.faults.connection_token()), addr);
                 }
                 Err(e) => {

@@ -116,6 +116,48 @@ async fn a_long_poll_wakes_for_a_message_that_comes_due() {
 }
 
 #[tokio::test]
+async fn the_retry_queue_keeps_its_connections_alive() {
+    // azure_core 0.21's own transport opens a connection per request; hubguard's keeps them
+    // (a receive, a complete, a send: each one round trip on a live connection).
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = queue_client(&emu, "retries");
+    let before = emu.faults().accepted();
+    for i in 0..10 {
+        within(
+            "schedule",
+            q.schedule(message(&format!("m{i}"), SystemTime::now())),
+        )
+        .await
+        .unwrap();
+        let m = within("receive", q.receive(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .expect("due now");
+        within("complete", m.complete()).await.unwrap();
+    }
+    let opened = emu.faults().accepted() - before;
+    assert!(
+        opened <= 2,
+        "30 requests one after another opened {opened} connections"
+    );
+    // A dropped connection is replaced. A request already on its way over the dead
+    // connection fails as a transient transport error (the caller retries it, as any other);
+    // the next one opens a new connection.
+    emu.faults().drop_connections();
+    let mut failures = 0;
+    while let Err(e) = within(
+        "after a drop",
+        q.schedule(message("after", SystemTime::now())),
+    )
+    .await
+    {
+        assert!(e.is_transient(), "{e:?}");
+        failures += 1;
+        assert!(failures < 3, "still failing after a drop: {e:?}");
+    }
+}
+
+#[tokio::test]
 async fn duplicate_message_ids_are_dropped_inside_the_window_only() {
     let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
     let q = queue_client(&emu, "retries");
