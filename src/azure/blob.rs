@@ -11,7 +11,8 @@
 //!
 //! Operations ("Blob service REST API", learn.microsoft.com): Put Blob (block blob, with
 //! metadata and `If-Match` / `If-None-Match: *`), Set Blob Metadata (with the same
-//! conditions), Get Blob, Delete Blob (`If-Match`), List Blobs (`prefix`, `marker`,
+//! conditions), Get Blob (also with `If-None-Match`, answered 304 Not Modified while the
+//! blob is unchanged), Delete Blob (`If-Match`), List Blobs (`prefix`, `marker`,
 //! `include=metadata`; the XML `EnumerationResults`). Every request carries `x-ms-version`
 //! and `x-ms-date`; authentication is a SAS in the container URL's query, or
 //! `Authorization: Bearer` with a token for `https://storage.azure.com/.default`, or none
@@ -140,6 +141,17 @@ pub struct Downloaded {
     pub body: Bytes,
     /// The ETag.
     pub etag: String,
+}
+
+/// What a conditional Get Blob found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Revalidated {
+    /// The blob still has the ETag the caller holds (304 Not Modified, no body sent).
+    NotModified,
+    /// The blob changed: its content and ETag now.
+    Changed(Downloaded),
+    /// The blob no longer exists.
+    Missing,
 }
 
 /// One container, reached by its URL.
@@ -358,6 +370,36 @@ impl BlobContainer {
                 Ok(Some(Downloaded { body, etag }))
             }
             Err(e) if e.status() == Some(404) && e.code() != Some("ContainerNotFound") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Get Blob with `If-None-Match: <etag>`: [`Revalidated::NotModified`] when the blob
+    /// still has `etag` (Azure answers 304 Not Modified without the body: "Specifying
+    /// conditional headers for Blob service operations", learn.microsoft.com), else the blob
+    /// as it is now, or [`Revalidated::Missing`].
+    pub async fn get_blob_if_none_match(
+        &self,
+        name: &str,
+        etag: &str,
+    ) -> Result<Revalidated, BlobError> {
+        let req = self
+            .http
+            .get(self.url_for(Some(name), &[]))
+            .header("if-none-match", etag);
+        match self.send(req).await {
+            Ok(resp) => {
+                let etag = header(&resp, "etag").unwrap_or_default();
+                let body = resp
+                    .bytes()
+                    .await
+                    .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+                Ok(Revalidated::Changed(Downloaded { body, etag }))
+            }
+            Err(e) if e.status() == Some(304) => Ok(Revalidated::NotModified),
+            Err(e) if e.status() == Some(404) && e.code() != Some("ContainerNotFound") => {
+                Ok(Revalidated::Missing)
+            }
             Err(e) => Err(e),
         }
     }

@@ -26,7 +26,7 @@ pub mod sas;
 pub use blob::BlobContainer;
 pub use checkpoint_store::BlobCheckpointStore;
 pub use connection_string::{ConnectionString, ConnectionStringError};
-pub use record_store::{BlobRecordStore, Record, RecordStore, StoreError};
+pub use record_store::{BlobRecordStore, IfChanged, Record, RecordStore, StoreError};
 pub use retry_queue::{
     OutgoingMessage, QueueDescription, ReceivedMessage, RetryQueue, RetryQueueError,
     ServiceBusRetryQueue,

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use azure_core::credentials::TokenCredential;
 use bytes::Bytes;
 
-use super::blob::{BlobContainer, BlobError, Condition};
+use super::blob::{BlobContainer, BlobError, Condition, Revalidated};
 
 /// Why a record-store call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +52,17 @@ pub struct Record {
     pub etag: String,
 }
 
+/// What [`RecordStore::read_if_changed`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IfChanged {
+    /// The record still has the ETag the caller read it with.
+    Unchanged,
+    /// The record changed: as it is now.
+    Changed(Record),
+    /// The record no longer exists.
+    Missing,
+}
+
 /// A listed record (without its body).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Listed {
@@ -75,6 +86,16 @@ pub type Tags = std::collections::BTreeMap<String, String>;
 pub trait RecordStore: Send + Sync {
     /// The record at `key`, if any.
     async fn read(&self, key: &str) -> Result<Option<Record>, StoreError>;
+    /// Whether the record at `key` still has `etag`, and if not, the record as it is now:
+    /// a cheap re-validation of a record read earlier. The default reads the record and
+    /// compares; blob storage answers a conditional read (`If-None-Match`) without the body.
+    async fn read_if_changed(&self, key: &str, etag: &str) -> Result<IfChanged, StoreError> {
+        Ok(match self.read(key).await? {
+            None => IfChanged::Missing,
+            Some(r) if r.etag == etag => IfChanged::Unchanged,
+            Some(r) => IfChanged::Changed(r),
+        })
+    }
     /// Creates `key`; [`StoreError::Conflict`] if it exists. Returns the new ETag.
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError>;
     /// Replaces `key` if it still has `etag`; [`StoreError::Conflict`] if it changed.
@@ -238,6 +259,21 @@ impl RecordStore for BlobRecordStore {
                     etag: d.etag,
                 })),
                 Ok(None) => Ok(None),
+                Err(e) => Err(classify(&e)),
+            }
+        })
+        .await
+    }
+
+    async fn read_if_changed(&self, key: &str, etag: &str) -> Result<IfChanged, StoreError> {
+        self.deadline(async {
+            match self.container.get_blob_if_none_match(key, etag).await {
+                Ok(Revalidated::NotModified) => Ok(IfChanged::Unchanged),
+                Ok(Revalidated::Changed(d)) => Ok(IfChanged::Changed(Record {
+                    body: d.body,
+                    etag: d.etag,
+                })),
+                Ok(Revalidated::Missing) => Ok(IfChanged::Missing),
                 Err(e) => Err(classify(&e)),
             }
         })

@@ -338,6 +338,31 @@ impl Ledger {
         Ok(Some((record, r.etag)))
     }
 
+    /// Re-validates `key`'s record read earlier with `etag`: `Ok(None)` when it is unchanged
+    /// (blob storage answers 304 without the body), else the record as it is now (`Some(None)`
+    /// when it no longer exists).
+    #[allow(clippy::type_complexity)]
+    pub async fn get_if_changed(
+        &self,
+        key: &str,
+        etag: &str,
+    ) -> Result<Option<Option<(LedgerRecord, String)>>, LedgerError> {
+        let r = match self
+            .store
+            .read_if_changed(&self.record_name(key), etag)
+            .await?
+        {
+            crate::azure::IfChanged::Unchanged => return Ok(None),
+            crate::azure::IfChanged::Missing => return Ok(Some(None)),
+            crate::azure::IfChanged::Changed(r) => r,
+        };
+        let record = serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
+            key: key.to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(Some(Some((record, r.etag))))
+    }
+
     /// Writes `record`: creates it when `etag` is `None`, else replaces it if unchanged.
     /// [`StoreError::Conflict`] means someone else wrote first: read and decide again.
     pub async fn put(

@@ -923,6 +923,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_record_read_early_is_revalidated_by_its_etag() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let ledger = &b.settler.ledger;
+        let (_, etag) = ledger.get("k").await.unwrap().unwrap();
+        assert!(ledger.get_if_changed("k", &etag).await.unwrap().is_none());
+        fail(&b, "k", 2, Source::Retry).await.unwrap();
+        let (rec, now) = ledger
+            .get_if_changed("k", &etag)
+            .await
+            .unwrap()
+            .expect("changed")
+            .expect("still there");
+        assert_eq!(rec.attempts, 2);
+        assert_ne!(now, etag);
+        assert!(ledger.get_if_changed("k", &now).await.unwrap().is_none());
+        assert_eq!(
+            ledger.get_if_changed("gone", &now).await.unwrap(),
+            Some(None)
+        );
+    }
+
+    #[tokio::test]
     async fn a_replayed_attempt_resends_the_recorded_retry_and_counts_nothing() {
         let b = bed();
         let first = fail(&b, "k", 1, Source::EventHubs).await.unwrap();

@@ -385,6 +385,138 @@ async fn blob_emulator_restart_on_the_same_data_dir_keeps_records() {
     .unwrap();
 }
 
+/// A blob's URL on `b` (with Azurite's SAS in the query).
+fn blob_url(b: &Backend, container: &str, blob: &str) -> String {
+    let c = b.container_url(container);
+    match c.split_once('?') {
+        Some((base, query)) => format!("{base}/{blob}?{query}"),
+        None => format!("{c}/{blob}"),
+    }
+}
+
+/// A raw Get Blob with `headers`: status, `x-ms-error-code`, `ETag`, body length.
+async fn raw_get(url: &str, headers: &[(&str, &str)]) -> (u16, String, String, usize) {
+    let mut req = reqwest::Client::new()
+        .get(url)
+        .header("x-ms-version", "2025-01-05");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = within("raw get", req.send()).await.unwrap();
+    let h = |n: &str| {
+        r.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let (status, code, etag) = (r.status().as_u16(), h("x-ms-error-code"), h("etag"));
+    let body = within("raw body", r.bytes()).await.unwrap();
+    (status, code, etag, body.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conditional_read_revalidates_a_record_without_its_body_on_every_backend() {
+    use hubguard::azure::IfChanged;
+    for b in backends().await {
+        let s = record_store(&b, "conditional").await;
+        let who = b.name();
+        let key = "ledger/hub/k";
+        let e1 = within("create", s.create(key, Bytes::from_static(b"one")))
+            .await
+            .unwrap();
+        assert_eq!(
+            within("unchanged", s.read_if_changed(key, &e1))
+                .await
+                .unwrap(),
+            IfChanged::Unchanged,
+            "{who}"
+        );
+
+        // On the wire: 304 without a body, the unmet condition named as for any refusal.
+        let url = blob_url(&b, "conditional", key);
+        let (status, code, _, len) = raw_get(&url, &[("if-none-match", &e1)]).await;
+        assert_eq!(
+            (status, code.as_str(), len),
+            (304, "ConditionNotMet", 0),
+            "{who}: If-None-Match on the current ETag"
+        );
+        assert_eq!(
+            raw_get(&url, &[("if-none-match", "\"0x0\"")]).await.0,
+            200,
+            "{who}: another ETag reads the blob"
+        );
+        let (status, code, _, _) = raw_get(&url, &[("if-match", "\"0x0\"")]).await;
+        assert_eq!((status, code.as_str()), (412, "ConditionNotMet"), "{who}");
+        assert_eq!(raw_get(&url, &[("if-match", &e1)]).await.0, 200, "{who}");
+        let (status, code, _, _) = raw_get(&url, &[("if-none-match", "*")]).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "UnsatisfiableCondition"),
+            "{who}: If-None-Match: * cannot hold for a read"
+        );
+        let (past, future) = (
+            "Mon, 01 Jan 2001 00:00:00 GMT",
+            "Fri, 01 Jan 2100 00:00:00 GMT",
+        );
+        assert_eq!(
+            raw_get(&url, &[("if-modified-since", future)]).await.0,
+            304,
+            "{who}"
+        );
+        assert_eq!(
+            raw_get(&url, &[("if-modified-since", past)]).await.0,
+            200,
+            "{who}"
+        );
+        assert_eq!(
+            raw_get(&url, &[("if-unmodified-since", past)]).await.0,
+            412,
+            "{who}"
+        );
+        // Either condition of the pair lets the read through.
+        assert_eq!(
+            raw_get(&url, &[("if-none-match", &e1), ("if-modified-since", past)])
+                .await
+                .0,
+            200,
+            "{who}"
+        );
+
+        let e2 = within("update", s.update(key, Bytes::from_static(b"two"), &e1))
+            .await
+            .unwrap();
+        match within("changed", s.read_if_changed(key, &e1))
+            .await
+            .unwrap()
+        {
+            IfChanged::Changed(r) => {
+                assert_eq!(
+                    (r.body.as_ref(), r.etag.as_str()),
+                    (&b"two"[..], e2.as_str()),
+                    "{who}"
+                )
+            }
+            other => panic!("{who}: {other:?}"),
+        }
+        assert_eq!(
+            within("unchanged again", s.read_if_changed(key, &e2))
+                .await
+                .unwrap(),
+            IfChanged::Unchanged,
+            "{who}"
+        );
+        within("delete", s.delete(key, &e2)).await.unwrap();
+        assert_eq!(
+            within("missing", s.read_if_changed(key, &e2))
+                .await
+                .unwrap(),
+            IfChanged::Missing,
+            "{who}"
+        );
+    }
+}
+
 /// Sends a raw request to the emulator's default container.
 async fn raw(
     emu: &BlobEmulator,
