@@ -285,8 +285,13 @@ impl Default for CheckpointSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetrySection {
-    /// Retry messages handled at once.
+    /// Retry attempts at once (calls to the downstream in flight), and the most receivers.
     pub concurrency: usize,
+    /// Retry messages are scheduled this long before their due time (ms; never before the
+    /// next whole second), received early and started at the due time; 0: received when due.
+    pub lead_ms: u64,
+    /// Retry messages in hand at most (waiting for their due time, or running).
+    pub prefetch: usize,
     /// Long-poll wait per receive (ms).
     pub receive_wait_ms: u64,
     /// Deadline of every call to Service Bus, blob storage and Event Hubs (ms).
@@ -304,6 +309,8 @@ impl Default for RetrySection {
         let o = PipelineOptions::default();
         Self {
             concurrency: o.retry_concurrency,
+            lead_ms: ms_of(o.retry_lead),
+            prefetch: o.retry_prefetch,
             receive_wait_ms: ms_of(o.retry_receive_wait),
             call_deadline_ms: ms_of(o.deadline),
             dead_letter_sweep_ms: ms_of(o.dead_letter_sweep),
@@ -652,6 +659,7 @@ impl Config {
             ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
             ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
             ("retry.concurrency", self.retry.concurrency as u64, 1),
+            ("retry.prefetch", self.retry.prefetch as u64, 1),
             (
                 "processor.update_interval_ms",
                 self.processor.update_interval_ms,
@@ -971,6 +979,8 @@ impl Config {
                 start_at_latest: self.processor.start == "latest",
                 deadline,
                 retry_concurrency: self.retry.concurrency,
+                retry_lead: Duration::from_millis(self.retry.lead_ms),
+                retry_prefetch: self.retry.prefetch,
                 retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
                 dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
                 dead_letters: self.dead_letter_destination()?,
@@ -1232,6 +1242,23 @@ url = "http://127.0.0.1:9000/events"
         assert!(e.contains("checkpoint.min_interval_ms"), "{e}");
         let e = bad("[retry]\ndead_letter_sweep_ms = 0\n");
         assert!(e.contains("retry.dead_letter_sweep_ms"), "{e}");
+        let e = bad("[retry]\nprefetch = 0\n");
+        assert!(e.contains("retry.prefetch"), "{e}");
+        let o = Config::parse(
+            &format!("{BASE}[retry]\nlead_ms = 0\nprefetch = 64\n"),
+            none(),
+        )
+        .unwrap()
+        .pipeline_parts(Arc::new(Nothing))
+        .unwrap()
+        .options;
+        assert_eq!((o.retry_lead, o.retry_prefetch), (Duration::ZERO, 64));
+        let o = defaults.pipeline_parts(Arc::new(Nothing)).unwrap().options;
+        let d = PipelineOptions::default();
+        assert_eq!(
+            (o.retry_lead, o.retry_prefetch),
+            (d.retry_lead, d.retry_prefetch)
+        );
         let e = Config::parse(
             BASE,
             vec![("HUBGUARD_PROCESSOR__MAX_IN_FLIGHT".into(), "8".into())],

@@ -145,8 +145,19 @@ pub struct PipelineOptions {
     pub deadline: Duration,
     /// Longest wait between settlement retries of a held partition.
     pub settle_backoff_max: Duration,
-    /// Retry messages handled at once.
+    /// Retry attempts at once: calls to the downstream in flight (each holds its slot until
+    /// the breaker has its outcome), and the most retry-queue receivers polling at once (one
+    /// while the queue is idle, more while receives keep returning messages).
     pub retry_concurrency: usize,
+    /// Retry messages are scheduled this long before their due time (never before the next
+    /// whole second, so they stay scheduled messages): the retry loop receives each early,
+    /// reads its ledger record, and at the due time re-validates the record with a
+    /// conditional read and starts the attempt. Service Bus still holds the wait; a process
+    /// that dies holding one leaves it to its lock's expiry. Zero: received when due.
+    pub retry_lead: Duration,
+    /// Retry messages in hand at most (received and not yet settled: waiting for their due
+    /// time, or running). Each holds its ledger record, which holds its event.
+    pub retry_prefetch: usize,
     /// Long-poll wait of each retry-queue receive.
     pub retry_receive_wait: Duration,
     /// First reconnect delay of the retry loop (then 2×, 3×).
@@ -186,6 +197,8 @@ impl Default for PipelineOptions {
             deadline: Duration::from_secs(10),
             settle_backoff_max: Duration::from_secs(10),
             retry_concurrency: 8,
+            retry_lead: Duration::from_secs(2),
+            retry_prefetch: 1024,
             retry_receive_wait: Duration::from_secs(5),
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
@@ -382,7 +395,8 @@ impl Pipeline {
         let settler = Arc::new(
             Settler::new(ledger, parts.queue.clone(), parts.policies)
                 .with_clock(parts.options.clock.clone())
-                .with_dead_letters(parts.options.dead_letters.clone()),
+                .with_dead_letters(parts.options.dead_letters.clone())
+                .with_schedule_lead(parts.options.retry_lead),
         );
         let health = Arc::new(Health::default());
         health.set_unhealthy_after(parts.options.unhealthy_after);

@@ -19,14 +19,28 @@
 //! once with backoff, then by a watchdog at a slow pace; the state shows in readiness.
 //!
 //! Service Bus's REST API hands out one message per receive, so one receiver drains a burst
-//! of due retries one round trip at a time. While the loop is healthy, helper receivers (up
-//! to `retry_concurrency` in all) receive in parallel; failures are the primary loop's
-//! business: helpers stand by until it reports the queue reachable again.
+//! of due retries one round trip at a time. While the loop is healthy and receives keep
+//! returning messages, more receivers join (up to `retry_concurrency` in all) and stop again
+//! when a receive comes back empty; failures are the primary receiver's business.
+//!
+//! Retry messages are scheduled `retry_lead` before their due time (never before the next
+//! whole second), so the loop has a burst in hand before it comes due: it reads each one's
+//! ledger record when the message arrives, waits under the lock until the due time its body
+//! carries, then re-validates the record with a conditional read (blob storage answers 304
+//! without the body while it is unchanged; storage down means no attempt, as before) and
+//! starts the attempt. At most `retry_prefetch` messages are in hand.
+//!
+//! Admission is rationed: `retry_concurrency` slots, one per attempt, taken before the
+//! record is re-validated and the breaker asked, and held until the breaker has been told
+//! the attempt's outcome. However many held messages come due in one instant, at most that
+//! many calls reach the downstream before a failure can trip the breaker; settling the
+//! attempt afterwards does not hold the slot.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
@@ -42,42 +56,184 @@ use crate::ledger::{LedgerError, Verdict};
 /// Consecutive receive failures before the watchdog takes over.
 const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
 
+/// What receivers hand the loop.
+enum Work {
+    /// A message to process, with its place among the messages in hand.
+    Process(Box<ReceivedMessage>, OwnedSemaphorePermit),
+    /// Receives keep returning messages: start one more receiver.
+    Grow,
+}
+
+/// The loop's limits, shared by its receivers and attempts.
+struct Limits {
+    /// Messages in hand (waiting for their due time, or running): `retry_prefetch`.
+    held: Arc<Semaphore>,
+    /// Attempts at once, each until the breaker has its outcome: `retry_concurrency`.
+    attempts: Semaphore,
+    /// Receivers polling now, and at most.
+    receivers: AtomicUsize,
+    max_receivers: usize,
+    /// Messages past their due time whose attempt has not started yet (see [`Starting`]).
+    starting: AtomicUsize,
+    started: tokio::sync::Notify,
+}
+
+/// Settling an attempt waits at most this long for due attempts to start first.
+const SETTLE_YIELD_MAX: Duration = Duration::from_millis(500);
+
+impl Limits {
+    /// Lets the attempts that are due start before this one's settlement (a ledger write and
+    /// a complete) takes its share of the machine: when a burst comes due in one instant,
+    /// every attempt starts first, then they settle. Waits at most [`SETTLE_YIELD_MAX`]; the
+    /// message stays locked meanwhile.
+    async fn yield_to_starts(&self) {
+        let wait = tokio::time::sleep(SETTLE_YIELD_MAX);
+        tokio::pin!(wait);
+        loop {
+            let started = self.started.notified();
+            if self.starting.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = started => {}
+                _ = &mut wait => return,
+            }
+        }
+    }
+}
+
+/// One message past its due time whose attempt has not started: counted from the due time
+/// until the attempt starts or the message leaves without one.
+struct Starting<'a>(&'a Limits);
+
+impl<'a> Starting<'a> {
+    fn new(limits: &'a Limits) -> Self {
+        limits.starting.fetch_add(1, Ordering::AcqRel);
+        Self(limits)
+    }
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        if self.0.starting.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.started.notify_waiters();
+        }
+    }
+}
+
 /// Runs until `cancel` fires.
 pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
-    let slots = Arc::new(Semaphore::new(shared.options.retry_concurrency.max(1)));
-    let mut failures = 0u32;
+    let o = &shared.options;
+    let limits = Arc::new(Limits {
+        held: Arc::new(Semaphore::new(o.retry_prefetch.max(1))),
+        attempts: Semaphore::new(o.retry_concurrency.max(1)),
+        receivers: AtomicUsize::new(1),
+        max_receivers: o.retry_concurrency.max(1),
+        starting: AtomicUsize::new(0),
+        started: tokio::sync::Notify::new(),
+    });
     shared.health.set_retry_loop(RetryLoopState::Running);
-    // Owned here: if this future is dropped (a crash), every helper and attempt goes with it.
+    // Owned here: if this future is dropped (a crash), every receiver and attempt goes with it.
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 1..shared.options.retry_concurrency.max(1) {
-        tasks.spawn(helper(shared.clone(), slots.clone(), cancel.clone()));
-    }
+    let (work_tx, mut work_rx) = tokio::sync::mpsc::unbounded_channel::<Work>();
+    // Receivers hold the senders: the channel ends when the last one stops.
+    let weak = work_tx.downgrade();
+    tasks.spawn(receiver(
+        shared.clone(),
+        limits.clone(),
+        cancel.clone(),
+        work_tx,
+        true,
+    ));
     tasks.spawn(sweep_dead_letters(shared.clone(), cancel.clone()));
     loop {
-        while tasks.try_join_next().is_some() {}
-        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
+        tokio::select! {
+            work = work_rx.recv() => match work {
+                Some(Work::Process(msg, held)) => {
+                    let (shared, cancel, limits) = (shared.clone(), cancel.clone(), limits.clone());
+                    tasks.spawn(async move {
+                        process(*msg, &shared, &cancel, &limits).await;
+                        drop(held);
+                    });
+                }
+                Some(Work::Grow) => {
+                    if let Some(tx) = weak.upgrade() {
+                        tasks.spawn(receiver(shared.clone(), limits.clone(), cancel.clone(), tx, false));
+                    } else {
+                        limits.receivers.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+                None => break,
+            },
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    // Let in-flight attempts finish and settle; receivers stopped on `cancel`.
+    while tasks.join_next().await.is_some() {}
+    shared.health.set_retry_loop(RetryLoopState::Stopped);
+}
+
+/// Asks for one more receiver if the limit allows.
+fn grow(limits: &Limits, work: &tokio::sync::mpsc::UnboundedSender<Work>) {
+    let more = limits
+        .receivers
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < limits.max_receivers).then_some(n + 1)
+        })
+        .is_ok();
+    if more && work.send(Work::Grow).is_err() {
+        limits.receivers.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A receiver. The first (`primary`) runs until `cancel` and owns the loop's state: its
+/// receive failures are retried with backoff, then by the watchdog. The others run while
+/// receives return messages and the queue is healthy.
+async fn receiver(
+    shared: Arc<Shared>,
+    limits: Arc<Limits>,
+    cancel: CancellationToken,
+    work: tokio::sync::mpsc::UnboundedSender<Work>,
+    primary: bool,
+) {
+    let mut failures = 0u32;
+    loop {
+        if !primary && shared.health.retry_loop() != RetryLoopState::Running {
             break;
+        }
+        let held = tokio::select! {
+            _ = cancel.cancelled() => break,
+            p = limits.held.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let received = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = shared.queue.receive(shared.options.retry_receive_wait) => r,
         };
         match received {
             Ok(Some(msg)) => {
-                if failures > 0 {
+                if primary && failures > 0 {
                     tracing::info!(failures, "retry loop recovered");
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
-                let (shared, cancel) = (shared.clone(), cancel.clone());
-                tasks.spawn(async move {
-                    process(msg, &shared, &cancel).await;
-                    drop(permit);
-                });
+                if work.send(Work::Process(Box::new(msg), held)).is_err() {
+                    break;
+                }
+                grow(&limits, &work);
             }
             Ok(None) => {
+                if !primary {
+                    break;
+                }
                 if failures > 0 {
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
             }
+            // The primary sees the same failure and changes the state.
+            Err(_) if !primary => break,
             Err(e) => {
+                drop(held);
                 failures += 1;
                 let error = e.to_string();
                 let (state, wait) = if failures <= RECONNECTS_BEFORE_WATCHDOG {
@@ -100,61 +256,8 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
             }
         }
     }
-    // Let in-flight attempts finish and settle; helpers stop on `cancel`.
-    while tasks.join_next().await.is_some() {}
-    shared.health.set_retry_loop(RetryLoopState::Stopped);
-}
-
-/// Takes a slot, then receives one message; `None` once `cancel` fires.
-async fn receive(
-    shared: &Shared,
-    slots: &Arc<Semaphore>,
-    cancel: &CancellationToken,
-) -> Option<(
-    tokio::sync::OwnedSemaphorePermit,
-    Result<Option<ReceivedMessage>, crate::azure::RetryQueueError>,
-)> {
-    let permit = tokio::select! {
-        _ = cancel.cancelled() => return None,
-        p = slots.clone().acquire_owned() => p.ok()?,
-    };
-    let received = tokio::select! {
-        _ = cancel.cancelled() => return None,
-        r = shared.queue.receive(shared.options.retry_receive_wait) => r,
-    };
-    Some((permit, received))
-}
-
-/// A helper receiver: receives and processes in parallel with the primary loop, but only
-/// while it reports the queue healthy.
-async fn helper(shared: Arc<Shared>, slots: Arc<Semaphore>, cancel: CancellationToken) {
-    let mut changes = shared.health.subscribe();
-    loop {
-        while shared.health.retry_loop() != RetryLoopState::Running {
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                r = changes.changed() => if r.is_err() { return },
-            }
-        }
-        let Some((permit, received)) = receive(&shared, &slots, &cancel).await else {
-            return;
-        };
-        match received {
-            Ok(Some(msg)) => process(msg, &shared, &cancel).await,
-            Ok(None) => {}
-            Err(_) => {
-                // The primary loop sees the same failure and changes the state; stand by
-                // until it does (or briefly, if it already recovered).
-                drop(permit);
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = changes.changed() => {}
-                    _ = shared.clock().sleep(shared.options.reconnect_base) => {}
-                }
-                continue;
-            }
-        }
-        drop(permit);
+    if !primary {
+        limits.receivers.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -330,7 +433,41 @@ where
     }
 }
 
-async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &CancellationToken) {
+/// Waits until `due`, renewing `msg`'s lock meanwhile; `false` (the message abandoned, so
+/// Service Bus hands it to another replica at once) if the loop stops first.
+async fn wait_until_due(
+    msg: &mut ReceivedMessage,
+    due: std::time::SystemTime,
+    shared: &Shared,
+    cancel: &CancellationToken,
+) -> bool {
+    loop {
+        if shared.clock().now() >= due {
+            return true;
+        }
+        let renew_in = (shared.clock().until(msg.locked_until) / 2).max(Duration::from_millis(500));
+        let until = shared.clock().until(due);
+        tokio::select! {
+            _ = cancel.cancelled() => {
+                settle_message(msg, false).await;
+                return false;
+            }
+            _ = shared.clock().sleep_until(due), if until <= renew_in => return true,
+            _ = shared.clock().sleep(renew_in), if until > renew_in => {
+                if let Err(e) = msg.renew().await {
+                    tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                }
+            }
+        }
+    }
+}
+
+async fn process(
+    mut msg: ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    limits: &Limits,
+) {
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -342,12 +479,34 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     };
     let key = body.key().to_string();
     let key = &key;
-    let lateness = shared
-        .clock()
-        .now()
-        .duration_since(at(body.due_ms))
-        .unwrap_or_default();
-    tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, "retry due");
+    let due = at(body.due_ms);
+    // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
+    // the due time under the lock. What decides the attempt is still the ledger at the due
+    // time: the record is re-validated then (a conditional read, no body while unchanged).
+    // A failed or unreadable early read only means the full read happens at the due time.
+    let early = if shared.clock().now() < due {
+        shared.settler.ledger.get(key).await.ok().flatten()
+    } else {
+        None
+    };
+    if !wait_until_due(&mut msg, due, shared, cancel).await {
+        return;
+    }
+    let starting = Starting::new(limits);
+    let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
+    tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
+    // The attempt's slot: taken before the record is re-validated and the breaker asked, and
+    // held until the breaker knows the outcome (or no call is made).
+    let slot = tokio::select! {
+        _ = cancel.cancelled() => {
+            settle_message(&msg, false).await;
+            return;
+        }
+        s = limits.attempts.acquire() => match s {
+            Ok(s) => s,
+            Err(_) => return,
+        },
+    };
     // A record that cannot be parsed is set aside and its event dead-lettered (the message
     // carries only the key), never held forever.
     let Some(current) = holding(
@@ -357,7 +516,16 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         cancel,
         "reading the ledger",
         || async {
-            match shared.settler.ledger.get(key).await {
+            let read = match &early {
+                Some((rec, etag)) => shared
+                    .settler
+                    .ledger
+                    .get_if_changed(key, etag)
+                    .await
+                    .map(|changed| changed.unwrap_or_else(|| Some((rec.clone(), etag.clone())))),
+                None => shared.settler.ledger.get(key).await,
+            };
+            match read {
                 Err(LedgerError::Corrupt { reason, .. }) => shared
                     .settler
                     .ledger
@@ -372,7 +540,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     else {
         return;
     };
+    drop(early);
     let Some(current) = current else {
+        drop((slot, starting));
         shared.health.count(&shared.health.counters.dead_lettered);
         settle_message(&msg, true).await;
         return;
@@ -380,11 +550,13 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
     let rec = match current {
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
+            drop((slot, starting));
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             settle_message(&msg, true).await;
             return;
         }
         Some((rec, _)) if verdict == Verdict::Stale => {
+            drop((slot, starting));
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let scheduled = holding(
                 &mut msg,
@@ -402,6 +574,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         }
         Some((rec, _)) => rec,
         None => {
+            drop((slot, starting));
             // The ledger is written before any retry message is sent, and the event lives
             // there (the message is a claim check): a message without a record means the
             // record was removed by hand. Nothing can be retried; abandon it, so Service Bus
@@ -416,6 +589,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
     let event_type = event.identity.event_type.as_deref();
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
+        drop((slot, starting));
         shared.count_deferred(event_type);
         let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
             shared
@@ -428,6 +602,7 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         }
         return;
     }
+    drop(starting);
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
     shared.metrics.retry_lateness.record(
@@ -471,6 +646,9 @@ async fn process(mut msg: ReceivedMessage, shared: &Shared, cancel: &Cancellatio
         }
     };
     shared.attempted(&attempted, gate, event_type).await;
+    // The breaker knows the outcome: the next attempt may ask it.
+    drop(slot);
+    limits.yield_to_starts().await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
     let settle = || {

@@ -542,9 +542,16 @@ impl Settler {
                 body: serde_json::to_string(&body)
                     .map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
                 content_type: Some("application/json".into()),
-                // The body carries the due time; Service Bus hands the message over `lead`
-                // earlier (whole seconds either way: `due` is on one, or now).
-                due: due.checked_sub(self.lead).unwrap_or(due),
+                // The body carries the due time; Service Bus hands the message over up to
+                // `lead` earlier, but never before the next whole second: it stays a
+                // scheduled message, as without a lead.
+                due: due
+                    .checked_sub(self.lead)
+                    .unwrap_or(due)
+                    .max(crate::clock::ceil_to_second(
+                        self.clock.now() + Duration::from_millis(1),
+                    ))
+                    .min(due),
                 time_to_live: None,
                 properties,
             })

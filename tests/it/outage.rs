@@ -82,13 +82,30 @@ async fn breaker(bed: &Bed) -> BreakerRecord {
     }
 }
 
-/// Waits until nothing is due or locked on Service Bus: every retry the last step made due
-/// has been received and settled (deferred, attempted, completed).
+/// Waits until nothing is due on Service Bus: every retry the last step made due has been
+/// received and settled (deferred, attempted, completed). A message the retry loop took
+/// early (`retry_lead`) and holds until its due time, still ahead, waits on the clock.
 async fn idle(bed: &Bed, what: &str) {
     let deadline = tokio::time::Instant::now() + LIMIT;
+    let queue = bed.sb.queue("retries").unwrap();
+    let clock = bed.clock();
     loop {
         let c = bed.sb.counters("retries").unwrap();
-        if c.active + c.locked == 0 {
+        let waiting_early = |m: &hubguard::emulator::servicebus::broker::StoredMessage| {
+            m.locked_until().is_some()
+                && serde_json::from_slice::<serde_json::Value>(&m.body)
+                    .ok()
+                    .and_then(|b| b["due_ms"].as_i64())
+                    .is_some_and(|due| due > ms(clock.now()))
+        };
+        if c.active == 0
+            && (c.locked == 0
+                || queue
+                    .messages(hubguard::emulator::servicebus::broker::Entity::Main)
+                    .iter()
+                    .filter(|m| m.locked_until().is_some())
+                    .all(waiting_early))
+        {
             return;
         }
         assert!(

@@ -171,6 +171,13 @@ pub struct StoredMessage {
     lock: Option<Lock>,
 }
 
+impl StoredMessage {
+    /// Until when a receiver holds it (`None`: not locked).
+    pub fn locked_until(&self) -> Option<SystemTime> {
+        self.lock.as_ref().map(|l| l.until)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 struct Lock {
     token: String,
