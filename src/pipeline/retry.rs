@@ -73,25 +73,35 @@ struct Limits {
     /// Receivers polling now, and at most.
     receivers: AtomicUsize,
     max_receivers: usize,
-    /// Messages past their due time whose attempt has not started yet (see [`Starting`]).
-    starting: AtomicUsize,
+    /// Messages past their due time whose attempt has not started yet, by due time (ms):
+    /// see [`Starting`].
+    starting: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
     started: tokio::sync::Notify,
 }
 
 /// Settling an attempt waits at most this long for due attempts to start first.
-const SETTLE_YIELD_MAX: Duration = Duration::from_millis(500);
+const SETTLE_YIELD_MAX: Duration = Duration::from_millis(250);
 
 impl Limits {
-    /// Lets the attempts that are due start before this one's settlement (a ledger write and
-    /// a complete) takes its share of the machine: when a burst comes due in one instant,
-    /// every attempt starts first, then they settle. Waits at most [`SETTLE_YIELD_MAX`]; the
-    /// message stays locked meanwhile.
-    async fn yield_to_starts(&self) {
+    fn starting(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<i64, usize>> {
+        self.starting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets the attempts due no later than this one (`due_ms`) start before its settlement
+    /// (a ledger write and a complete) takes its share of the machine: when a burst comes
+    /// due in one instant, every attempt of it starts first, then they settle. Attempts due
+    /// later never hold it up, and it waits at most [`SETTLE_YIELD_MAX`]; the message stays
+    /// locked meanwhile.
+    async fn yield_to_starts(&self, due_ms: i64) {
         let wait = tokio::time::sleep(SETTLE_YIELD_MAX);
         tokio::pin!(wait);
         loop {
             let started = self.started.notified();
-            if self.starting.load(Ordering::Acquire) == 0 {
+            if self
+                .starting()
+                .first_key_value()
+                .is_none_or(|(d, _)| *d > due_ms)
+            {
                 return;
             }
             tokio::select! {
@@ -104,18 +114,26 @@ impl Limits {
 
 /// One message past its due time whose attempt has not started: counted from the due time
 /// until the attempt starts or the message leaves without one.
-struct Starting<'a>(&'a Limits);
+struct Starting<'a>(&'a Limits, i64);
 
 impl<'a> Starting<'a> {
-    fn new(limits: &'a Limits) -> Self {
-        limits.starting.fetch_add(1, Ordering::AcqRel);
-        Self(limits)
+    fn new(limits: &'a Limits, due_ms: i64) -> Self {
+        *limits.starting().entry(due_ms).or_default() += 1;
+        Self(limits, due_ms)
     }
 }
 
 impl Drop for Starting<'_> {
     fn drop(&mut self) {
-        if self.0.starting.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let mut starting = self.0.starting();
+        let Some(n) = starting.get_mut(&self.1) else {
+            return;
+        };
+        *n -= 1;
+        // Waiters only care when every attempt due at some instant has started.
+        if *n == 0 {
+            starting.remove(&self.1);
+            drop(starting);
             self.0.started.notify_waiters();
         }
     }
@@ -129,7 +147,7 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         attempts: Semaphore::new(o.retry_concurrency.max(1)),
         receivers: AtomicUsize::new(1),
         max_receivers: o.retry_concurrency.max(1),
-        starting: AtomicUsize::new(0),
+        starting: Default::default(),
         started: tokio::sync::Notify::new(),
     });
     shared.health.set_retry_loop(RetryLoopState::Running);
@@ -492,7 +510,7 @@ async fn process(
     if !wait_until_due(&mut msg, due, shared, cancel).await {
         return;
     }
-    let starting = Starting::new(limits);
+    let starting = Starting::new(limits, body.due_ms);
     let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
     // The attempt's slot: taken before the record is re-validated and the breaker asked, and
@@ -648,7 +666,7 @@ async fn process(
     shared.attempted(&attempted, gate, event_type).await;
     // The breaker knows the outcome: the next attempt may ask it.
     drop(slot);
-    limits.yield_to_starts().await;
+    limits.yield_to_starts(body.due_ms).await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
     let settle = || {
