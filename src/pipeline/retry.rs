@@ -49,7 +49,7 @@ use tracing::Instrument;
 use super::health::RetryLoopState;
 use super::settle::{RetryMessage, Source};
 use super::{attempt, Shared};
-use crate::azure::ReceivedMessage;
+use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
 use crate::ledger::{LedgerError, Verdict};
 
@@ -451,8 +451,10 @@ where
     }
 }
 
-/// Waits until `due`, renewing `msg`'s lock meanwhile; `false` (the message abandoned, so
-/// Service Bus hands it to another replica at once) if the loop stops first.
+/// Waits until `due`, renewing `msg`'s lock meanwhile; `false` if the loop stops first (the
+/// message abandoned, so Service Bus hands it to another replica at once) or the lock is
+/// lost (Service Bus hands the message to another receiver: running it here too would be a
+/// second attempt).
 async fn wait_until_due(
     msg: &mut ReceivedMessage,
     due: std::time::SystemTime,
@@ -460,7 +462,14 @@ async fn wait_until_due(
     cancel: &CancellationToken,
 ) -> bool {
     loop {
-        if shared.clock().now() >= due {
+        let now = shared.clock().now();
+        if now >= msg.locked_until {
+            // Paused past the lock's expiry (a stalled process, a step of the clock): Service
+            // Bus hands the message to another receiver, which runs it.
+            tracing::warn!(message_id = %msg.message_id, "the lock on a retry held until its due time lapsed; leaving it to its next receiver");
+            return false;
+        }
+        if now >= due {
             return true;
         }
         let renew_in = (shared.clock().until(msg.locked_until) / 2).max(Duration::from_millis(500));
@@ -470,10 +479,17 @@ async fn wait_until_due(
                 settle_message(msg, false).await;
                 return false;
             }
-            _ = shared.clock().sleep_until(due), if until <= renew_in => return true,
+            _ = shared.clock().sleep_until(due), if until <= renew_in => {}
             _ = shared.clock().sleep(renew_in), if until > renew_in => {
-                if let Err(e) = msg.renew().await {
-                    tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                match msg.renew().await {
+                    Ok(()) => {}
+                    Err(RetryQueueError::LockLost) => {
+                        tracing::warn!(message_id = %msg.message_id, "lost the lock on a retry held until its due time; Service Bus hands it to another receiver");
+                        return false;
+                    }
+                    Err(e) => {
+                        tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                    }
                 }
             }
         }

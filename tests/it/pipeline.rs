@@ -758,3 +758,249 @@ async fn the_ledger_lists_what_is_waiting_without_reading_records() {
     let (rec, _) = ledger.get("w-1").await.unwrap().unwrap();
     assert_eq!(Some(pending[0].due), rec.next_attempt_at());
 }
+
+/// A downstream that counts the calls in flight and holds every retry until the test lets
+/// it go; first attempts fail at once.
+struct Gated {
+    clock: Arc<hubguard::clock::Clock>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+    gate: tokio::sync::Semaphore,
+    retries: std::sync::Mutex<Vec<(String, std::time::SystemTime)>>,
+}
+
+#[async_trait::async_trait]
+impl hubguard::handler::Handler for Gated {
+    async fn handle(
+        &self,
+        event: &hubguard::event::Event,
+        attempt: &hubguard::handler::Attempt,
+    ) -> hubguard::handler::Outcome {
+        use std::sync::atomic::Ordering::SeqCst;
+        if attempt.number == 1 {
+            return hubguard::handler::Outcome::Failed(hubguard::handler::Failure::transient(
+                "first attempt fails",
+            ));
+        }
+        self.retries
+            .lock()
+            .unwrap()
+            .push((event.identity.idempotency_key.clone(), self.clock.now()));
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        self.gate.acquire().await.unwrap().forget();
+        self.in_flight.fetch_sub(1, SeqCst);
+        hubguard::handler::Outcome::Delivered
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_at_once() {
+    use std::sync::atomic::Ordering::SeqCst;
+    const N: usize = 24;
+    const SLOTS: usize = 3;
+    let bed = Bed::start(1).await;
+    let clock = bed.clock();
+    let keys: Vec<String> = (0..N).map(|i| format!("burst-{i:02}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
+    bed.send(0, &events).await;
+    let handler = Arc::new(Gated {
+        clock: clock.clone(),
+        in_flight: Default::default(),
+        most: Default::default(),
+        gate: tokio::sync::Semaphore::new(0),
+        retries: Default::default(),
+    });
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    let mut parts = bed.parts(handler.clone(), policy, "replica-a");
+    parts.options.retry_concurrency = SLOTS;
+    parts.options.retry_lead = Duration::from_secs(10);
+    let run = Bed::run(parts);
+    wait_for("every retry is scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    let ledger = bed.ledger();
+    let mut due = std::collections::BTreeMap::new();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        due.insert(k.clone(), rec.next_attempt_at().unwrap());
+    }
+    let last = *due.values().max().unwrap();
+
+    // Ten seconds before they come due, Service Bus hands them over; the loop takes them all
+    // in hand and starts none.
+    clock.advance(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("every retry is in hand", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    assert!(
+        handler.retries.lock().unwrap().is_empty(),
+        "none before its due time"
+    );
+
+    // They come due in one instant: the attempts start, at most SLOTS at once.
+    clock.advance(last.duration_since(clock.now()).unwrap_or_default());
+    wait_for("the slots fill", &run.health, LIMIT, || async {
+        handler.in_flight.load(SeqCst) == SLOTS
+    })
+    .await;
+    handler.gate.add_permits(N);
+    wait_for("every retry delivered", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        handler.retries.lock().unwrap().len() == N && c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    assert_eq!(handler.most.load(SeqCst), SLOTS, "calls in flight at most");
+    for (k, started) in handler.retries.lock().unwrap().iter() {
+        assert!(*started >= due[k], "{k} started before its due time");
+    }
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let clock = bed.clock();
+    let keys: Vec<String> = (0..N).map(|i| format!("held-{i}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
+    bed.send(0, &events).await;
+    let handler = Arc::new(Gated {
+        clock: clock.clone(),
+        in_flight: Default::default(),
+        most: Default::default(),
+        gate: tokio::sync::Semaphore::new(1000),
+        retries: Default::default(),
+    });
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    let replica = |owner: &str| {
+        let mut parts = bed.parts(handler.clone(), policy.clone(), owner);
+        parts.options.retry_lead = Duration::from_secs(10);
+        parts
+    };
+    // replica-a runs until a crash: its futures are dropped, nothing is closed or settled.
+    let pipeline = hubguard::pipeline::Pipeline::new(replica("replica-a"));
+    let health = pipeline.health();
+    let crash = tokio_util::sync::CancellationToken::new();
+    let crashed =
+        tokio::spawn(pipeline.run_until(tokio_util::sync::CancellationToken::new(), crash.clone()));
+    wait_for("every retry is scheduled", &health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    clock.advance(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("every retry is in hand", &health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+
+    // The process dies holding them: nothing is abandoned; their locks run out.
+    crash.cancel();
+    crate::common::within("crashed", crashed)
+        .await
+        .unwrap()
+        .unwrap();
+    let c = bed.sb.counters("retries").unwrap();
+    assert_eq!((c.locked, c.abandons), (N as u64, 0), "{c:?}");
+    assert!(handler.retries.lock().unwrap().is_empty());
+    clock.advance(Duration::from_secs(61));
+
+    // Another replica takes them once the locks lapse: each runs once, nothing is lost.
+    let run = Bed::run(replica("replica-b"));
+    wait_for("every retry delivered", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        handler.retries.lock().unwrap().len() >= N && c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    let mut ran: Vec<String> = handler
+        .retries
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.clone())
+        .collect();
+    ran.sort();
+    assert_eq!(ran, keys, "each retry ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+    run.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let clock = bed.clock();
+    let keys: Vec<String> = (0..N).map(|i| format!("lapsed-{i}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
+    bed.send(0, &events).await;
+    let handler = Arc::new(Gated {
+        clock: clock.clone(),
+        in_flight: Default::default(),
+        most: Default::default(),
+        gate: tokio::sync::Semaphore::new(1000),
+        retries: Default::default(),
+    });
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    let mut parts = bed.parts(handler.clone(), policy, "replica-a");
+    parts.options.retry_lead = Duration::from_secs(10);
+    let run = Bed::run(parts);
+    wait_for("every retry is scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    clock.advance(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("every retry is in hand", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    // Time jumps past the locks' expiry (a paused process): Service Bus hands the messages
+    // out again, and the holder, whose renewal now fails, lets them go.
+    clock.advance(Duration::from_secs(61));
+    wait_for("every retry delivered", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        handler.retries.lock().unwrap().len() >= N && c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    let mut ran: Vec<String> = handler
+        .retries
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.clone())
+        .collect();
+    ran.sort();
+    assert_eq!(ran, keys, "each retry ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    run.stop().await;
+}
