@@ -21,7 +21,9 @@
 //! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
 //! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
 //! - [`event`]: an event and its identity (idempotency key, correlation id, type).
-//! - [`config`]: `hubguard run`'s TOML + environment configuration.
+//! - [`config`]: `hubguard run`'s TOML + environment configuration: schema and validation.
+//! - [`wiring`]: credentials, clients and stores, and the one builder of the pipeline's parts
+//!   ([`wiring::Wiring`]) that `run`, the demo, the bench and the tests use.
 //! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
 //!   name in [`telemetry::names`].
 //! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
@@ -59,3 +61,4 @@ pub mod pipeline;
 pub mod policy;
 pub mod status;
 pub mod telemetry;
+pub mod wiring;

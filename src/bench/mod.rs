@@ -511,7 +511,7 @@ pub async fn guard_vs_bare(
     size: usize,
 ) -> anyhow::Result<GuardFigures> {
     use crate::emulator::{Emulators, EmulatorsConfig};
-    use crate::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
+    use crate::pipeline::Pipeline;
 
     let emulators = Emulators::start(EmulatorsConfig {
         hubs: vec![HubSpec::new("bench", partitions)],
@@ -519,10 +519,7 @@ pub async fn guard_vs_bare(
     })
     .await?;
     let eh = emulators.eventhubs.as_ref().context("event hubs")?;
-    let sb = emulators.servicebus.as_ref().context("service bus")?;
-    let blob = emulators.blob.as_ref().context("blob")?;
     let cs: ConnectionString = eh.connection_string().parse()?;
-    let endpoint = cs.custom_endpoint().context("emulator endpoint")?;
     produce(&cs, partitions, events, size).await?;
     let per_partition: Vec<usize> = (0..partitions)
         .map(|p| eh.store().hub("bench").map_or(0, |h| h.partitions[p].len()))
@@ -531,45 +528,14 @@ pub async fn guard_vs_bare(
     let (bare, bare_elapsed) = consume(&cs, &per_partition, 300).await?;
 
     // hubguard, no-op handler.
-    let container = blob.container_url("hubguard");
-    let sb_cs: ConnectionString = sb.connection_string().parse()?;
-    let records = Arc::new(crate::azure::BlobRecordStore::new(
-        &container,
-        None,
-        Duration::from_secs(10),
-    )?);
     let handler = Arc::new(pipelines::BenchHandler::new(Duration::ZERO, 0, false));
-    let parts = PipelineParts {
-        eventhubs: EventHubsTarget {
-            namespace: cs.namespace(),
-            custom_endpoint: Some(endpoint),
-            hub: "bench".into(),
-            consumer_group: "$Default".into(),
-            auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
-        },
-        checkpoint_store: crate::azure::BlobCheckpointStore::new(std::sync::Arc::new(
-            crate::azure::BlobContainer::new(&container, None, Duration::from_secs(10))
-                .map_err(anyhow::Error::msg)?,
-        )),
-        records: records.clone(),
-        queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
-            &sb_cs,
-            "retries",
-            Default::default(),
-        )?),
-        handler: handler.clone(),
-        policies: crate::pipeline::settle::Policies {
-            default: crate::policy::RetryPolicy::seed_fibonacci(),
-            by_type: Default::default(),
-        },
-        identity: crate::event::IdentityConfig::default(),
-        breaker: Some(crate::breaker::BreakerConfig::default()),
-        options: PipelineOptions {
-            update_interval: Duration::from_millis(500),
-            ownership_expiration: Duration::from_secs(5),
-            ..Default::default()
-        },
-    };
+    let wiring = pipelines::wiring(&emulators)?
+        .breaker(crate::breaker::BreakerConfig::default())
+        .options(pipelines::bench_options());
+    let records = Arc::new(wiring.record_store()?);
+    let parts = wiring
+        .with_records(records.clone())
+        .parts(handler.clone())?;
     let min_interval = parts.options.checkpoint_min_interval;
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
@@ -586,7 +552,12 @@ pub async fn guard_vs_bare(
     cancel.cancel();
     run.await??;
     let snap = health.snapshot();
-    let sb_sends = sb.counters("retries").map_or(0, |c| c.sends);
+    let sb_sends = emulators
+        .servicebus
+        .as_ref()
+        .context("service bus")?
+        .counters("retries")
+        .map_or(0, |c| c.sends);
     let ledger_records = records_count(&*records).await?;
     emulators.shutdown().await;
     let secs = guard_elapsed.as_secs_f64().max(1e-9);

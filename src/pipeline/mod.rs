@@ -198,7 +198,35 @@ impl Default for PipelineOptions {
     }
 }
 
-/// What the pipeline is built from.
+impl PipelineOptions {
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// re-sending the same MessageId, which the retry queue's duplicate-detection window must
+    /// cover: see [`replay_gap`].
+    pub fn replay_gap(&self) -> Duration {
+        replay_gap(
+            self.checkpoint_every,
+            self.ownership_expiration,
+            self.deadline,
+        )
+    }
+}
+
+/// A replica schedules a retry, then dies before its checkpoint passes the event: the
+/// checkpoint was due within `checkpoint_every`; the partition stays with the dead owner
+/// until `ownership_expiration` runs out; the next owner claims it, reads from the
+/// checkpoint and reaches the event through a few calls (ownership, ledger read, the send
+/// itself: 4 × the call `deadline`); a minute of margin covers the settle backoff and clock
+/// skew between replicas. (A partition *held* before the event — an outage — can stretch
+/// this without bound; so can a replay by hand.)
+pub fn replay_gap(
+    checkpoint_every: Duration,
+    ownership_expiration: Duration,
+    deadline: Duration,
+) -> Duration {
+    checkpoint_every + ownership_expiration + deadline * 4 + Duration::from_secs(60)
+}
+
+/// What the pipeline is built from; [`Wiring`](crate::wiring::Wiring) builds it.
 pub struct PipelineParts {
     /// The Event Hub.
     pub eventhubs: EventHubsTarget,

@@ -12,13 +12,14 @@ use hubguard::azure::{BlobRecordStore, ConnectionString, RecordStore, ServiceBus
 use hubguard::emulator::blob::{BlobConfig, BlobEmulator};
 use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
 use hubguard::emulator::servicebus::{QueueSpec, ServiceBusConfig, ServiceBusEmulator};
-use hubguard::event::{Event, IdentityConfig};
+use hubguard::event::Event;
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::Ledger;
 use hubguard::pipeline::health::Health;
 use hubguard::pipeline::settle::{Policies, Settler};
 use hubguard::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use hubguard::policy::{Curve, RetryPolicy};
+use hubguard::wiring::{ServiceBusAccess, StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -202,56 +203,37 @@ impl Bed {
         Ledger::new(self.records(), "hub", "$Default")
     }
 
+    /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
+    /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
+    pub fn wiring(&self, owner: &str) -> Wiring {
+        Wiring::new(
+            EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
+            StorageAccess::url(&self.blob.container_url("hubguard")),
+            ServiceBusAccess::ConnectionString(self.sb.connection_string().parse().unwrap()),
+        )
+        .options(PipelineOptions {
+            owner_id: owner.into(),
+            update_interval: Duration::from_millis(500),
+            ownership_expiration: Duration::from_secs(3),
+            checkpoint_every_events: 1000,
+            checkpoint_every: Duration::from_millis(300),
+            deadline: Duration::from_secs(3),
+            settle_backoff_max: Duration::from_millis(500),
+            retry_receive_wait: Duration::from_secs(1),
+            reconnect_base: Duration::from_millis(200),
+            watchdog_interval: Duration::from_millis(500),
+            clock: self.clock(),
+            ..Default::default()
+        })
+    }
+
     pub fn parts(
         &self,
         handler: Arc<dyn Handler>,
         policy: RetryPolicy,
         owner: &str,
     ) -> PipelineParts {
-        let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
-        PipelineParts {
-            eventhubs: EventHubsTarget {
-                namespace: self.cs.namespace(),
-                custom_endpoint: self.cs.custom_endpoint(),
-                hub: "hub".into(),
-                consumer_group: "$Default".into(),
-                auth: hubguard::azure::EventHubsAuth::ConnectionString(self.cs.clone()),
-            },
-            checkpoint_store: self.checkpoint_store(),
-            records: self.records(),
-            queue: Arc::new(
-                ServiceBusRetryQueue::new(
-                    &sb_cs,
-                    "retries",
-                    hubguard::azure::retry_queue::ServiceBusOptions {
-                        deadline: Duration::from_secs(3),
-                    },
-                )
-                .unwrap()
-                .with_clock(self.clock()),
-            ),
-            handler,
-            policies: Policies {
-                default: policy,
-                by_type: HashMap::new(),
-            },
-            identity: IdentityConfig::default(),
-            breaker: None,
-            options: PipelineOptions {
-                owner_id: owner.into(),
-                update_interval: Duration::from_millis(500),
-                ownership_expiration: Duration::from_secs(3),
-                checkpoint_every_events: 1000,
-                checkpoint_every: Duration::from_millis(300),
-                deadline: Duration::from_secs(3),
-                settle_backoff_max: Duration::from_millis(500),
-                retry_receive_wait: Duration::from_secs(1),
-                reconnect_base: Duration::from_millis(200),
-                watchdog_interval: Duration::from_millis(500),
-                clock: self.clock(),
-                ..Default::default()
-            },
-        }
+        self.wiring(owner).policy(policy).parts(handler).unwrap()
     }
 
     pub fn run(parts: PipelineParts) -> Running {
