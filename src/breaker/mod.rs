@@ -428,6 +428,20 @@ impl Shared {
     }
 }
 
+impl crate::telemetry::gauges::BreakerReadings for Shared {
+    fn downstream_name(&self) -> String {
+        self.downstream().to_string()
+    }
+
+    fn open_for(&self) -> Duration {
+        Shared::open_for(self)
+    }
+
+    fn opens(&self) -> u64 {
+        self.cached().map_or(0, |r| r.opens)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

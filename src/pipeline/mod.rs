@@ -226,7 +226,7 @@ pub fn replay_gap(
     checkpoint_every + ownership_expiration + deadline * 4 + Duration::from_secs(60)
 }
 
-/// What the pipeline is built from; [`Wiring`](crate::wiring::Wiring) builds it.
+/// What the pipeline is built from (`wiring::Wiring` builds it).
 pub struct PipelineParts {
     /// The Event Hub.
     pub eventhubs: EventHubsTarget,
@@ -249,111 +249,8 @@ pub struct PipelineParts {
 }
 
 /// What partition tasks and the retry loop share.
-/// Observable gauges reading the pipeline's health; kept alive with it.
-struct Gauges {
-    _held: opentelemetry::metrics::ObservableGauge<u64>,
-    _retry_loop: opentelemetry::metrics::ObservableGauge<u64>,
-    _lag_events: opentelemetry::metrics::ObservableGauge<u64>,
-    _lag_seconds: opentelemetry::metrics::ObservableGauge<f64>,
-    _breaker_age: opentelemetry::metrics::ObservableGauge<f64>,
-    _breaker_opens: opentelemetry::metrics::ObservableGauge<u64>,
-}
-
-fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) -> Gauges {
-    use crate::telemetry::names::{metric, metric_attr};
-    use opentelemetry::KeyValue;
-    let meter = crate::telemetry::meter();
-    let h = health.clone();
-    let held = meter
-        .u64_observable_gauge(metric::PARTITIONS_HELD)
-        .with_description("Partitions whose settlement is failing (held), by reason")
-        .with_callback(move |o| {
-            let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
-            for held in h.held().values() {
-                *by_reason.entry(held.cause.label().to_string()).or_default() += 1;
-            }
-            if by_reason.is_empty() {
-                o.observe(0, &[]);
-            }
-            for (reason, n) in by_reason {
-                o.observe(n, &[KeyValue::new(metric_attr::REASON, reason)]);
-            }
-        })
-        .build();
-    let h = health.clone();
-    let retry_loop = meter
-        .u64_observable_gauge(metric::RETRY_LOOP_STATE)
-        .with_description("Retry loop: 1 running, 2 reconnecting, 3 watchdog, 0 stopped")
-        .with_callback(move |o| o.observe(h.retry_loop_code(), &[]))
-        .build();
-    let h = health.clone();
-    let lag_events = meter
-        .u64_observable_gauge(metric::CHECKPOINT_LAG_EVENTS)
-        .with_description("Events received but not covered by the checkpoint")
-        .with_callback(move |o| {
-            for (p, (events, _)) in h.lag() {
-                o.observe(events, &[KeyValue::new(metric_attr::PARTITION, p)]);
-            }
-        })
-        .build();
-    let h = health.clone();
-    let lag_seconds = meter
-        .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
-        .with_unit("s")
-        .with_description("Age of the oldest event not covered by the checkpoint")
-        .with_callback(move |o| {
-            for (p, (_, secs)) in h.lag() {
-                o.observe(secs, &[KeyValue::new(metric_attr::PARTITION, p)]);
-            }
-        })
-        .build();
-    let b = breaker.clone();
-    let breaker_age = meter
-        .f64_observable_gauge(metric::BREAKER_AGE)
-        .with_unit("s")
-        .with_description("How long the downstream's breaker has been open (0 when closed)")
-        .with_callback(move |o| {
-            if let Some(b) = &b {
-                let age = b.open_for().as_secs_f64();
-                o.observe(
-                    age,
-                    &[KeyValue::new(
-                        metric_attr::DOWNSTREAM,
-                        b.downstream().to_string(),
-                    )],
-                );
-            }
-        })
-        .build();
-    let b = breaker;
-    let breaker_opens = meter
-        .u64_observable_gauge(metric::BREAKER_OPENS)
-        .with_description("How many times the downstream's breaker opened")
-        .with_callback(move |o| {
-            if let Some(b) = &b {
-                let opens = b.cached().map_or(0, |r| r.opens);
-                o.observe(
-                    opens,
-                    &[KeyValue::new(
-                        metric_attr::DOWNSTREAM,
-                        b.downstream().to_string(),
-                    )],
-                );
-            }
-        })
-        .build();
-    Gauges {
-        _held: held,
-        _retry_loop: retry_loop,
-        _lag_events: lag_events,
-        _lag_seconds: lag_seconds,
-        _breaker_age: breaker_age,
-        _breaker_opens: breaker_opens,
-    }
-}
-
 pub(crate) struct Shared {
-    _gauges: Gauges,
+    _gauges: crate::telemetry::gauges::PipelineGauges,
     pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
     pub(crate) metrics: crate::telemetry::Metrics,
     pub(crate) hub: String,
@@ -425,7 +322,12 @@ impl Pipeline {
         );
         Self {
             shared: Arc::new(Shared {
-                _gauges: gauges(&health, breaker.clone()),
+                _gauges: crate::telemetry::gauges::PipelineGauges::register(
+                    health.clone(),
+                    breaker
+                        .clone()
+                        .map(|b| b as Arc<dyn crate::telemetry::gauges::BreakerReadings>),
+                ),
                 breaker,
                 metrics: crate::telemetry::Metrics::new(),
                 hub: parts.eventhubs.hub.clone(),
