@@ -18,6 +18,7 @@ pub mod attempt;
 pub mod checkpoint;
 pub mod dead_letter;
 pub mod health;
+mod observe;
 mod partition;
 mod retry;
 pub mod settle;
@@ -248,19 +249,35 @@ pub struct PipelineParts {
     pub breaker: Option<crate::breaker::BreakerConfig>,
 }
 
-/// What partition tasks and the retry loop share.
+/// What partition tasks and the retry loop share, by concern.
 pub(crate) struct Shared {
-    _gauges: crate::telemetry::gauges::PipelineGauges,
-    pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
-    pub(crate) metrics: crate::telemetry::Metrics,
+    /// Where events come from and how their identity is read.
+    pub(crate) origin: Origin,
+    /// The handler and its circuit breaker (asked and told in [`admission`]).
+    pub(crate) downstream: Downstream,
+    /// Settlement: the ledger, the retry queue and the policies.
+    pub(crate) settler: Arc<Settler>,
+    /// The retry queue the retry loop receives from.
+    pub(crate) queue: Arc<dyn RetryQueue>,
+    /// Readiness and liveness.
+    pub(crate) health: Arc<Health>,
+    /// Counters, instruments and gauges.
+    pub(crate) observe: observe::Observer,
+    /// Tunables and the clock.
+    pub(crate) options: PipelineOptions,
+}
+
+/// The hub and consumer group events come from, and the rules for their identity.
+pub(crate) struct Origin {
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
-    pub(crate) settler: Arc<Settler>,
-    pub(crate) queue: Arc<dyn RetryQueue>,
-    pub(crate) handler: Arc<dyn Handler>,
-    pub(crate) health: Arc<Health>,
     pub(crate) identity: IdentityConfig,
-    pub(crate) options: PipelineOptions,
+}
+
+/// The handler, and the circuit breaker for its downstream (`None`: no breaker).
+pub(crate) struct Downstream {
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
 }
 
 impl Shared {
@@ -322,21 +339,24 @@ impl Pipeline {
         );
         Self {
             shared: Arc::new(Shared {
-                _gauges: crate::telemetry::gauges::PipelineGauges::register(
+                origin: Origin {
+                    hub: parts.eventhubs.hub.clone(),
+                    consumer_group: parts.eventhubs.consumer_group.clone(),
+                    identity: parts.identity,
+                },
+                observe: observe::Observer::new(
                     health.clone(),
                     breaker
                         .clone()
                         .map(|b| b as Arc<dyn crate::telemetry::gauges::BreakerReadings>),
                 ),
-                breaker,
-                metrics: crate::telemetry::Metrics::new(),
-                hub: parts.eventhubs.hub.clone(),
-                consumer_group: parts.eventhubs.consumer_group.clone(),
+                downstream: Downstream {
+                    handler: parts.handler,
+                    breaker,
+                },
                 settler,
                 queue: parts.queue,
-                handler: parts.handler,
                 health,
-                identity: parts.identity,
                 options: parts.options,
             }),
             eventhubs: parts.eventhubs,
@@ -351,7 +371,7 @@ impl Pipeline {
 
     /// The downstream's circuit breaker, if enabled.
     pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
-        self.shared.breaker.clone()
+        self.shared.downstream.breaker.clone()
     }
 
     /// The settler (ledger reads, dead-letter replay).
@@ -376,10 +396,10 @@ impl Pipeline {
         if let Some(dl) = self.shared.settler.dead_letters() {
             dl.probe().await.map_err(std::io::Error::other)?;
         }
-        if let Some(blocked) = self.shared.handler.blocked() {
+        if let Some(blocked) = self.shared.downstream.handler.blocked() {
             tokio::spawn(watch_blocked(
                 self.shared.health.clone(),
-                self.shared.handler.downstream(),
+                self.shared.downstream.handler.downstream(),
                 blocked,
                 cancel.clone(),
                 crash.clone(),
