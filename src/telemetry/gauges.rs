@@ -1,7 +1,7 @@
 //! The pipeline's observable gauges: what `/metrics` and OTLP read from the pipeline's
-//! health and the downstream's breaker at each collection, under the names in
-//! [`names::metric`]. The pipeline and the breaker implement the readings; this module
-//! knows only the readings, so telemetry depends on neither.
+//! health and the downstream's breaker at each collection, under the names in [`metric`].
+//! The pipeline and the breaker implement the readings; this module knows only the readings,
+//! so telemetry depends on neither.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
