@@ -29,7 +29,15 @@ pub async fn run(args: &DemoArgs, mut progress: impl FnMut(&str)) -> anyhow::Res
     let started = Instant::now();
     let bed = bed::Bed::start(args).await?;
     let ending = script::play(&bed, args, started, &mut progress).await?;
-    let (report, records) = report::gather(&bed, args, ending, started).await?;
+    let (report, records) = report::gather(
+        &bed,
+        args,
+        &ending.keys,
+        ending.crashes,
+        &ending.replicas,
+        started,
+    )
+    .await?;
     if !args.json {
         report::tell_one_retry(&records, &mut progress);
     }

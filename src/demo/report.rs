@@ -4,13 +4,13 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::{IsTerminal, Write};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::bed::{Bed, HUB, QUEUE};
-use super::script::Ending;
 use super::{verify, DemoArgs};
 use crate::ledger::{LedgerRecord, State};
-use crate::pipeline::health::HoldCause;
+use crate::pipeline::health::{Health, HoldCause};
 
 /// What the demo found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -135,18 +135,17 @@ impl Progress {
 }
 
 /// Reads the outcome from the bed once the script ended (the replicas stopped) and runs the
-/// independent checks; returns the report and the ledger's records by key.
+/// independent checks: `keys` are the events produced, `replicas` the health of every replica
+/// that ran, `started` when the demo started. Returns the report and the ledger's records by
+/// key.
 pub(super) async fn gather(
     bed: &Bed,
     args: &DemoArgs,
-    ending: Ending,
+    keys: &[String],
+    crashes: usize,
+    replicas: &[Arc<Health>],
     started: Instant,
 ) -> anyhow::Result<(Report, HashMap<String, LedgerRecord>)> {
-    let Ending {
-        keys,
-        crashes,
-        replicas,
-    } = ending;
     let ledger = bed.ledger()?;
     let delivered = bed.hook.deliveries();
     let dead: BTreeSet<String> = ledger.dead_letter_keys().await?.into_iter().collect();
