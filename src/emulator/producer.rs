@@ -171,7 +171,7 @@ pub async fn produce(
     plan: &Plan,
     mut event: impl FnMut(usize) -> Outgoing,
 ) -> anyhow::Result<Produced> {
-    if plan.partitions == 0 || plan.per_pass == 0 {
+    if plan.events > 0 && (plan.partitions == 0 || plan.per_pass == 0) {
         bail!("producing needs at least one partition and one event per pass");
     }
     let producer = cs
@@ -293,6 +293,12 @@ mod tests {
         assert_eq!(keys(0), ["k-0", "k-1", "k-6", "k-7"]);
         assert_eq!(keys(1), ["k-2", "k-3", "k-8", "k-9"]);
         assert_eq!(keys(2), ["k-4", "k-5", "k-10"]);
+        let none = produce(&cs, &Plan::partition_by_partition("h", 0, 3), |_| {
+            Outgoing::filler(1)
+        })
+        .await
+        .unwrap();
+        assert_eq!(none.sent, 0);
         let first = &hub.partitions[2].events_from(2, 1)[0];
         assert_eq!(first.string_property("ce_type").as_deref(), Some("even"));
         let m = &first.message;
