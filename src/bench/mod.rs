@@ -17,16 +17,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use azure_messaging_eventhubs::models::EventData;
 use azure_messaging_eventhubs::{
-    ConsumerClient, OpenReceiverOptions, ProducerClient, SendBatchOptions, StartLocation,
-    StartPosition,
+    ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
 };
 use clap::Args;
 use futures::StreamExt;
 
 use crate::azure::ConnectionString;
 use crate::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
+use crate::emulator::producer::{self, Outgoing, Plan};
 
 /// Options of `hubguard bench`.
 #[derive(Debug, Args)]
@@ -387,47 +386,17 @@ pub struct GuardFigures {
     pub happy_path_ops_per_event: f64,
 }
 
-/// Sends `events` events of `size` bytes in batches, spread evenly over the partitions;
-/// returns how many and how long the sends took.
+/// Sends `events` events of `size` bytes in batches, one partition after another (each gets
+/// its share); returns how many and how long the sends took.
 pub(crate) async fn produce(
     cs: &ConnectionString,
     partitions: usize,
     events: usize,
     size: usize,
 ) -> anyhow::Result<(usize, Duration)> {
-    let producer = cs
-        .open_producer(ProducerClient::builder(), "bench")
-        .await
-        .context("opening the producer")?;
-    let body = vec![b'x'; size];
-    let per_partition = events.div_ceil(partitions);
-    let started = Instant::now();
-    let mut sent = 0usize;
-    for p in 0..partitions {
-        let target = per_partition.min(events - sent);
-        let mut done = 0;
-        while done < target {
-            let batch = producer
-                .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
-                    partition_id: Some(p.to_string()),
-                    ..Default::default()
-                }))
-                .await?;
-            while done < target
-                && batch.try_add_event_data(
-                    EventData::builder().with_body(body.clone()).build(),
-                    None,
-                )?
-            {
-                done += 1;
-            }
-            producer.send_batch(batch, None::<SendBatchOptions>).await?;
-        }
-        sent += target;
-    }
-    let elapsed = started.elapsed();
-    producer.close().await?;
-    Ok((sent, elapsed))
+    let plan = Plan::partition_by_partition("bench", events, partitions);
+    let produced = producer::produce(cs, &plan, |_| Outgoing::filler(size)).await?;
+    Ok((produced.sent, produced.elapsed))
 }
 
 /// A bare SDK consumer loop: one receiver per partition reading `per_partition[p]` events
