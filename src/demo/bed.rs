@@ -19,9 +19,9 @@ use crate::handler::webhook::{WebhookConfig, WebhookHandler};
 use crate::handler::Handler as _;
 use crate::ledger::Ledger;
 use crate::pipeline::health::Health;
-use crate::pipeline::settle::Policies;
 use crate::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use crate::policy::{Curve, RetryPolicy};
+use crate::wiring::{ServiceBusAccess, StorageAccess, Wiring};
 
 /// The demo's hub.
 pub(super) const HUB: &str = "demo";
@@ -153,9 +153,6 @@ impl Bed {
 
     fn parts(&self, owner: &str) -> anyhow::Result<PipelineParts> {
         let cs = self.eventhubs()?;
-        let sb: ConnectionString = self.sb.connection_string().parse()?;
-        let container = self.blob.container_url(CONTAINER);
-        let deadline = Duration::from_secs(3);
         let policy = RetryPolicy {
             name: "demo".into(),
             curve: Curve::Exponential,
@@ -165,53 +162,38 @@ impl Bed {
             max_attempts: 8,
             max_age_s: None,
         };
-        let records = Arc::new(BlobRecordStore::new(&container, None, deadline)?);
-        Ok(PipelineParts {
-            eventhubs: EventHubsTarget {
-                namespace: cs.namespace(),
-                custom_endpoint: cs.custom_endpoint(),
-                hub: HUB.into(),
-                consumer_group: "$Default".into(),
-                auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
-            },
-            checkpoint_store: crate::azure::BlobCheckpointStore::new(records.container()),
-            records,
-            queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
-                &sb,
-                QUEUE,
-                crate::azure::retry_queue::ServiceBusOptions { deadline },
-            )?),
-            handler: Arc::new(self.webhook()?),
-            policies: Policies {
-                default: policy,
-                by_type: Default::default(),
-            },
-            identity: crate::event::IdentityConfig::default(),
-            breaker: Some(crate::breaker::BreakerConfig {
-                enabled: true,
-                consecutive_failures: 12,
-                failure_ratio: None,
-                ratio_window: 20,
-                open_ms: 3000,
-                spread_ms: 2000,
-                probe_timeout_ms: 3000,
-            }),
-            options: PipelineOptions {
-                owner_id: owner.into(),
-                update_interval: Duration::from_millis(500),
-                ownership_expiration: Duration::from_secs(3),
-                checkpoint_every_events: 50,
-                checkpoint_every: Duration::from_millis(500),
-                max_in_flight: self.max_in_flight,
-                deadline,
-                settle_backoff_max: Duration::from_millis(500),
-                retry_concurrency: 16,
-                retry_receive_wait: Duration::from_secs(1),
-                reconnect_base: Duration::from_millis(200),
-                watchdog_interval: Duration::from_secs(1),
-                ..Default::default()
-            },
+        Ok(Wiring::new(
+            EventHubsTarget::with_connection_string(&cs, HUB, "$Default"),
+            StorageAccess::url(&self.blob.container_url(CONTAINER)),
+            ServiceBusAccess::ConnectionString(self.sb.connection_string().parse()?),
+        )
+        .queue(QUEUE)
+        .policy(policy)
+        .breaker(crate::breaker::BreakerConfig {
+            enabled: true,
+            consecutive_failures: 12,
+            failure_ratio: None,
+            ratio_window: 20,
+            open_ms: 3000,
+            spread_ms: 2000,
+            probe_timeout_ms: 3000,
         })
+        .options(PipelineOptions {
+            owner_id: owner.into(),
+            update_interval: Duration::from_millis(500),
+            ownership_expiration: Duration::from_secs(3),
+            checkpoint_every_events: 50,
+            checkpoint_every: Duration::from_millis(500),
+            max_in_flight: self.max_in_flight,
+            deadline: Duration::from_secs(3),
+            settle_backoff_max: Duration::from_millis(500),
+            retry_concurrency: 16,
+            retry_receive_wait: Duration::from_secs(1),
+            reconnect_base: Duration::from_millis(200),
+            watchdog_interval: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .parts(Arc::new(self.webhook()?))?)
     }
 
     /// Starts replica `owner`.
