@@ -14,8 +14,8 @@
 //! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
 
 mod admission;
-pub mod attempt;
-pub mod checkpoint;
+mod attempt;
+mod checkpoint;
 pub mod dead_letter;
 pub mod health;
 mod observe;

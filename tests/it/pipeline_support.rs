@@ -28,7 +28,7 @@ use crate::common::*;
 /// `perm` (permanent failure), `retry-after:S` (one 429-like failure asking for S seconds);
 /// anything after a `#` is padding.
 #[derive(Default)]
-pub struct Scripted {
+pub(crate) struct Scripted {
     /// key → attempt numbers seen, in order.
     pub calls: Mutex<HashMap<String, Vec<u32>>>,
     /// keys delivered (in delivery order, duplicates included).
@@ -38,7 +38,7 @@ pub struct Scripted {
 }
 
 impl Scripted {
-    pub fn calls_of(&self, key: &str) -> Vec<u32> {
+    pub(crate) fn calls_of(&self, key: &str) -> Vec<u32> {
         self.calls
             .lock()
             .unwrap()
@@ -46,7 +46,7 @@ impl Scripted {
             .cloned()
             .unwrap_or_default()
     }
-    pub fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
+    pub(crate) fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
         self.delivered.lock().unwrap().iter().cloned().collect()
     }
 }
@@ -94,7 +94,7 @@ impl Handler for Scripted {
     }
 }
 
-pub struct Bed {
+pub(crate) struct Bed {
     pub eh: EventHubsEmulator,
     pub sb: ServiceBusEmulator,
     pub blob: BlobEmulator,
@@ -102,7 +102,7 @@ pub struct Bed {
 }
 
 /// A fast policy for tests: fixed 1 s waits.
-pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
+pub(crate) fn fast_policy(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         name: "test".into(),
         curve: Curve::Fixed,
@@ -114,25 +114,25 @@ pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
     }
 }
 
-pub struct Running {
+pub(crate) struct Running {
     pub cancel: CancellationToken,
     pub health: Arc<Health>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.cancel.cancel();
         within("pipeline stops", self.task).await.unwrap();
     }
 }
 
 impl Bed {
-    pub async fn start(partitions: usize) -> Self {
+    pub(crate) async fn start(partitions: usize) -> Self {
         Self::start_with_queue(partitions, QueueSpec::new("retries")).await
     }
 
-    pub async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
+    pub(crate) async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
         let eh = EventHubsEmulator::start(EventHubsConfig {
             hubs: vec![HubSpec::new("hub", partitions)],
             ..Default::default()
@@ -150,7 +150,7 @@ impl Bed {
         Self { eh, sb, blob, cs }
     }
 
-    pub fn records(&self) -> Arc<dyn RecordStore> {
+    pub(crate) fn records(&self) -> Arc<dyn RecordStore> {
         Arc::new(
             BlobRecordStore::new(
                 &self.blob.container_url("hubguard"),
@@ -161,12 +161,12 @@ impl Bed {
         )
     }
 
-    pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
+    pub(crate) fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
         hubguard::azure::BlobCheckpointStore::new(Arc::new(self.container()))
     }
 
     /// The blob container the checkpoints and the ledger live in, for raw access.
-    pub fn container(&self) -> hubguard::azure::BlobContainer {
+    pub(crate) fn container(&self) -> hubguard::azure::BlobContainer {
         hubguard::azure::BlobContainer::new(
             &self.blob.container_url("hubguard"),
             None,
@@ -176,7 +176,7 @@ impl Bed {
     }
 
     /// A settler on the bed's ledger and retry queue, outside any pipeline (as the CLI uses).
-    pub fn settler(&self, policy: RetryPolicy) -> Settler {
+    pub(crate) fn settler(&self, policy: RetryPolicy) -> Settler {
         let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
         let queue = ServiceBusRetryQueue::new(
             &sb_cs,
@@ -195,17 +195,17 @@ impl Bed {
     }
 
     /// The clock the pipeline and the Service Bus emulator share (tests may advance it).
-    pub fn clock(&self) -> Arc<hubguard::clock::Clock> {
+    pub(crate) fn clock(&self) -> Arc<hubguard::clock::Clock> {
         self.sb.clock().clone()
     }
 
-    pub fn ledger(&self) -> Ledger {
+    pub(crate) fn ledger(&self) -> Ledger {
         Ledger::new(self.records(), "hub", "$Default")
     }
 
     /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
     /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
-    pub fn wiring(&self, owner: &str) -> Wiring {
+    pub(crate) fn wiring(&self, owner: &str) -> Wiring {
         Wiring::new(
             EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
             StorageAccess::url(&self.blob.container_url("hubguard")),
@@ -227,7 +227,7 @@ impl Bed {
         })
     }
 
-    pub fn parts(
+    pub(crate) fn parts(
         &self,
         handler: Arc<dyn Handler>,
         policy: RetryPolicy,
@@ -236,7 +236,7 @@ impl Bed {
         self.wiring(owner).policy(policy).parts(handler).unwrap()
     }
 
-    pub fn run(parts: PipelineParts) -> Running {
+    pub(crate) fn run(parts: PipelineParts) -> Running {
         let pipeline = Pipeline::new(parts);
         let health = pipeline.health();
         let cancel = CancellationToken::new();
@@ -252,7 +252,7 @@ impl Bed {
     }
 
     /// Sends events with `ce_id` = key and the given body to a partition.
-    pub async fn send(&self, partition: usize, events: &[(&str, &str)]) {
+    pub(crate) async fn send(&self, partition: usize, events: &[(&str, &str)]) {
         let prod = producer(&self.cs, "hub").await;
         let batch = within(
             "batch",
@@ -280,7 +280,7 @@ impl Bed {
 
     /// Sends one event on its own (not in a batch: the 0.15 SDK counts a batch's first
     /// event twice, so an event near 1 MB only goes out alone).
-    pub async fn send_one(&self, partition: usize, key: &str, body: &str) {
+    pub(crate) async fn send_one(&self, partition: usize, key: &str, body: &str) {
         let prod = producer(&self.cs, "hub").await;
         let ev = EventData::builder()
             .with_body(body.as_bytes().to_vec())
@@ -305,7 +305,7 @@ impl Bed {
     }
 
     /// The checkpointed sequence number of a partition, if any.
-    pub async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
+    pub(crate) async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
         let cps = self
             .checkpoint_store()
             .list_checkpoints(&self.cs.host, "hub", "$Default")
@@ -318,7 +318,7 @@ impl Bed {
 }
 
 /// Waits (bounded) until `cond` holds, re-checking on every health change and every 50 ms.
-pub async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
+pub(crate) async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -343,7 +343,7 @@ where
 
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
 /// claimed, or checkpoints that never get written (a process that "crashes" before its first).
-pub struct ShapedStore {
+pub(crate) struct ShapedStore {
     /// The real store.
     pub inner: Arc<dyn CheckpointStore + Send + Sync>,
     /// Claims of this partition are dropped.
