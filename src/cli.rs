@@ -9,6 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
@@ -23,6 +24,7 @@ use crate::handler::webhook::WebhookHandler;
 use crate::ledger::Ledger;
 use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::Pipeline;
+use crate::wiring::{StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
 /// Success.
@@ -403,8 +405,9 @@ fn load_config(arg: &ConfigArg) -> anyhow::Result<Config> {
 }
 
 fn ledger_of(config: &Config) -> anyhow::Result<Ledger> {
+    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
     Ok(Ledger::new(
-        Arc::new(config.record_store()?),
+        Arc::new(StorageAccess::from_config(config)?.record_store(deadline)?),
         &config.eventhubs.hub,
         &config.eventhubs.consumer_group,
     ))
@@ -414,12 +417,13 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     // Start-up proof: the retry queue must keep hubguard's promise (duplicate detection on,
     // its window long enough for this configuration), or hubguard does not start.
-    for w in config.prove_retry_queue().await? {
+    let wiring = Wiring::from_config(&config)?;
+    for w in wiring.prove_retry_queue().await? {
         tracing::warn!("{w}");
     }
     let HandlerSection::Webhook(w) = &config.handler;
     let handler = Arc::new(WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?);
-    let parts = config.pipeline_parts(handler)?;
+    let parts = wiring.parts(handler)?;
     let owner = parts.options.owner_id.clone();
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
@@ -612,7 +616,8 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
         DeadLettersCommand::Replay { config, key, all } => {
             let config = load_config(&config)?;
             let ledger = ledger_of(&config)?;
-            let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(config.retry_queue()?);
+            let wiring = Wiring::from_config(&config)?;
+            let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
             // A replay Service Bus refuses is dead-lettered again: published like any other.
             let settler = Settler::new(
                 ledger.clone(),
@@ -622,7 +627,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     by_type: config.policy.types.clone(),
                 },
             )
-            .with_dead_letters(config.dead_letter_destination()?);
+            .with_dead_letters(wiring.dead_letter_destination()?);
             let keys = if all {
                 ledger.dead_letter_keys().await?
             } else {

@@ -9,27 +9,79 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use azure_core::credentials::TokenCredential;
 use serde::Deserialize;
 
-use crate::azure::retry_queue::ServiceBusOptions;
-use crate::azure::{BlobRecordStore, ConnectionString, ServiceBusRetryQueue};
+use crate::azure::ConnectionString;
 use crate::event::IdentityConfig;
 use crate::handler::webhook::{WebhookConfig, WebhookHandler};
-use crate::pipeline::settle::Policies;
-use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
+use crate::pipeline::PipelineOptions;
 use crate::policy::RetryPolicy;
 
-/// A configuration problem.
+/// A configuration problem: where (the file, a key, an environment variable) and why. No
+/// variant ever carries a secret's value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("configuration: {0}")]
-pub struct ConfigError(pub String);
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("configuration: cannot read {}: {reason}", path.display())]
+    Unreadable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why (the operating system's words).
+        reason: String,
+    },
+    /// The text is not TOML: the line, and what the parser says (never the line itself).
+    #[error("configuration: {0}")]
+    Syntax(String),
+    /// A `HUBGUARD_*` variable that is not a configuration key, or cannot be placed.
+    #[error("configuration: environment variable {var}: {reason}")]
+    Environment {
+        /// The variable's name.
+        var: String,
+        /// Why.
+        reason: String,
+    },
+    /// A value of the wrong type or shape, or an unknown key, at `key` (set by `env_var` when
+    /// an environment override wrote it).
+    #[error("configuration: {}", match env_var {
+        Some(var) => format!("environment variable {var} ({key}): {message}"),
+        None => format!("{key}: {message}"),
+    })]
+    Value {
+        /// The key's dotted path (`retry.concurrency`).
+        key: String,
+        /// The environment variable that set it, if one did.
+        env_var: Option<String>,
+        /// What is wrong (not the value when the key holds a secret).
+        message: String,
+    },
+    /// A value hubguard cannot run with (checked after parsing); `message` names the key and
+    /// what is allowed.
+    #[error("configuration: {message}")]
+    Invalid {
+        /// The key (or section) at fault.
+        key: String,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+}
 
-fn err(s: impl Into<String>) -> ConfigError {
-    ConfigError(s.into())
+impl ConfigError {
+    /// The key at fault, when the problem is one key's.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Value { key, .. } | Self::Invalid { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+fn invalid(key: impl Into<String>, message: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.to_string(),
+    }
 }
 
 /// Which Entra ID credential to use where no connection string is given.
@@ -453,14 +505,10 @@ fn describe(e: &toml::de::Error, source: &str) -> String {
     }
 }
 
-fn set_path(
-    root: &mut toml::Table,
-    path: &[String],
-    value: toml::Value,
-) -> Result<(), ConfigError> {
+fn set_path(root: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
     let (last, parents) = path
         .split_last()
-        .ok_or_else(|| err("empty environment override"))?;
+        .ok_or_else(|| "empty environment override".to_string())?;
     let mut table = root;
     for p in parents {
         let entry = table
@@ -468,7 +516,7 @@ fn set_path(
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         table = entry
             .as_table_mut()
-            .ok_or_else(|| err(format!("environment override: `{p}` is not a table")))?;
+            .ok_or_else(|| format!("environment override: `{p}` is not a table"))?;
     }
     table.insert(last.clone(), value);
     Ok(())
@@ -489,8 +537,10 @@ impl Config {
         path: &Path,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let source = std::fs::read_to_string(path)
-            .map_err(|e| err(format!("cannot read {}: {e}", path.display())))?;
+        let source = std::fs::read_to_string(path).map_err(|e| ConfigError::Unreadable {
+            path: path.into(),
+            reason: e.to_string(),
+        })?;
         Self::parse(&source, env)
     }
 
@@ -501,7 +551,7 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         let mut table: toml::Table = source
             .parse()
-            .map_err(|e: toml::de::Error| err(describe(&e, source)))?;
+            .map_err(|e: toml::de::Error| ConfigError::Syntax(describe(&e, source)))?;
         // Overrides of single policy fields apply on top of the default policy.
         let policy = table
             .entry("policy")
@@ -509,7 +559,7 @@ impl Config {
         if let toml::Value::Table(p) = policy {
             if !p.contains_key("default") {
                 let seed = toml::Value::try_from(RetryPolicy::seed_fibonacci())
-                    .map_err(|e| err(e.to_string()))?;
+                    .map_err(|e| invalid("policy.default", e))?;
                 p.insert("default".into(), seed);
             }
         }
@@ -534,14 +584,19 @@ impl Config {
                 if is_service_link(rest) {
                     continue;
                 }
-                return Err(err(format!(
-                    "environment variable {k}: not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)"
-                )));
+                return Err(ConfigError::Environment {
+                    var: k,
+                    reason: "not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)".into(),
+                });
             }
             let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
             from_env.insert(path.join("."), k.clone());
-            set_path(&mut table, &path, env_value(&v))
-                .map_err(|e| err(format!("environment variable {k}: {}", e.0)))?;
+            set_path(&mut table, &path, env_value(&v)).map_err(|reason| {
+                ConfigError::Environment {
+                    var: k.clone(),
+                    reason,
+                }
+            })?;
         }
         if let Some(toml::Value::Table(policy)) = table.get("policy") {
             let mut tables: Vec<(String, &toml::Table)> = Vec::new();
@@ -557,10 +612,11 @@ impl Config {
             }
             for (where_, t) in tables {
                 if let Some(k) = t.keys().find(|k| !POLICY_KEYS.contains(&k.as_str())) {
-                    return Err(err(format!(
-                        "{where_}: unknown key `{k}` (allowed: {})",
-                        POLICY_KEYS.join(", ")
-                    )));
+                    return Err(ConfigError::Value {
+                        message: format!("unknown key `{k}` (allowed: {})", POLICY_KEYS.join(", ")),
+                        key: where_,
+                        env_var: None,
+                    });
                 }
             }
         }
@@ -594,9 +650,10 @@ impl Config {
                 } else {
                     e.inner().message().to_string()
                 };
-                match from_env.get(&path) {
-                    Some(var) => err(format!("environment variable {var} ({path}): {message}")),
-                    None => err(format!("{path}: {message}")),
+                ConfigError::Value {
+                    env_var: from_env.get(&path).cloned(),
+                    key: path,
+                    message,
                 }
             })?;
         config.validate()?;
@@ -607,54 +664,61 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         match (&self.eventhubs.connection_string, &self.eventhubs.namespace, self.eventhubs.credential) {
             (Some(cs), None, None) => {
-                cs.parse::<ConnectionString>().map_err(|e| err(format!("eventhubs.connection_string: {e}")))?;
+                cs.parse::<ConnectionString>().map_err(|e| invalid("eventhubs.connection_string", format!("eventhubs.connection_string: {e}")))?;
             }
             (None, Some(_), Some(_)) => {}
             _ => {
-                return Err(err(
+                return Err(invalid("eventhubs", 
                     format!("eventhubs: give either connection_string, or namespace and credential ({CREDENTIAL_KINDS})"),
                 ))
             }
         }
         if self.eventhubs.hub.trim().is_empty() {
-            return Err(err("eventhubs.hub must not be empty"));
+            return Err(invalid("eventhubs.hub", "eventhubs.hub must not be empty"));
         }
         match (&self.servicebus.connection_string, &self.servicebus.namespace, self.servicebus.credential) {
             (Some(cs), None, None) => {
                 cs.parse::<ConnectionString>()
-                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
+                    .map_err(|e| invalid("servicebus.connection_string", format!("servicebus.connection_string: {e}")))?;
             }
             (None, Some(ns), Some(_)) => {
                 crate::azure::retry_queue::ServiceBusEndpoint::parse(ns)
-                    .map_err(|e| err(format!("servicebus.namespace: {e}")))?;
+                    .map_err(|e| invalid("servicebus.namespace", format!("servicebus.namespace: {e}")))?;
             }
             _ => {
-                return Err(err(
+                return Err(invalid("servicebus", 
                     "servicebus: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools, client_secret)",
                 ))
             }
         }
-        let url = url::Url::parse(&self.storage.container_url)
-            .map_err(|e| err(format!("storage.container_url is not a URL: {e}")))?;
+        let url = url::Url::parse(&self.storage.container_url).map_err(|e| {
+            invalid(
+                "storage.container_url",
+                format!("storage.container_url is not a URL: {e}"),
+            )
+        })?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(err(format!(
+            return Err(invalid(
+                "storage.container_url",
+                format!(
                 "storage.container_url must be an https (or, for an emulator, http) URL, not {}:",
                 url.scheme()
-            )));
+            ),
+            ));
         }
         let loopback = matches!(url.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if self.storage.credential.is_some() && url.scheme() != "https" && !loopback {
-            return Err(err(
+            return Err(invalid("storage.credential", 
                 "storage.credential needs an https storage.container_url (Azure takes bearer tokens over TLS only)",
             ));
         }
         let HandlerSection::Webhook(w) = &self.handler;
         if w.timeout_ms == 0 {
-            return Err(err(
+            return Err(invalid("handler.timeout_ms", 
                 "handler.timeout_ms must be positive: a webhook call with no time to answer fails every event",
             ));
         }
-        WebhookHandler::new(w.clone()).map_err(err)?;
+        WebhookHandler::new(w.clone()).map_err(|e| invalid("handler", e))?;
         for (key, value, min) in [
             ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
             ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
@@ -668,7 +732,7 @@ impl Config {
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
         ] {
             if value < min {
-                return Err(err(format!(
+                return Err(invalid(key, format!(
                     "{key} must be at least {min} (got {value}): {}",
                     match key {
                         "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
@@ -680,53 +744,76 @@ impl Config {
             }
         }
         if self.processor.ownership_expiration_ms <= self.processor.update_interval_ms {
-            return Err(err("processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
+            return Err(invalid("processor.ownership_expiration_ms", "processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
         }
         if !matches!(self.processor.start.as_str(), "earliest" | "latest") {
-            return Err(err("processor.start must be `earliest` or `latest`"));
+            return Err(invalid(
+                "processor.start",
+                "processor.start must be `earliest` or `latest`",
+            ));
         }
         if !(1..=10_000).contains(&self.processor.max_in_flight) {
-            return Err(err("processor.max_in_flight must be between 1 and 10000"));
+            return Err(invalid(
+                "processor.max_in_flight",
+                "processor.max_in_flight must be between 1 and 10000",
+            ));
         }
         self.processor
             .ordering_key
             .parse::<crate::pipeline::OrderingKey>()
-            .map_err(|e| err(format!("processor.ordering_key: {e}")))?;
+            .map_err(|e| {
+                invalid(
+                    "processor.ordering_key",
+                    format!("processor.ordering_key: {e}"),
+                )
+            })?;
         if self.retry.dead_letter_sweep_ms < 1000 {
-            return Err(err(format!(
-                "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
-                self.retry.dead_letter_sweep_ms
-            )));
+            return Err(invalid(
+                "retry.dead_letter_sweep_ms",
+                format!(
+                    "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
+                    self.retry.dead_letter_sweep_ms
+                ),
+            ));
         }
         if self.retry.overdue_margin_ms < 1000 {
-            return Err(err(format!(
-                "retry.overdue_margin_ms must be at least 1000 (got {})",
-                self.retry.overdue_margin_ms
-            )));
+            return Err(invalid(
+                "retry.overdue_margin_ms",
+                format!(
+                    "retry.overdue_margin_ms must be at least 1000 (got {})",
+                    self.retry.overdue_margin_ms
+                ),
+            ));
         }
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
-            return Err(err(
+            return Err(invalid(
+                "checkpoint.every_events",
                 "checkpoint.every_events and checkpoint.every_ms must be positive",
             ));
         }
         if self.checkpoint.min_interval_ms > self.checkpoint.every_ms {
-            return Err(err(
+            return Err(invalid(
+                "checkpoint.min_interval_ms",
                 "checkpoint.min_interval_ms must not exceed checkpoint.every_ms",
             ));
         }
         self.policy
             .default
             .validate()
-            .map_err(|e| err(format!("policy.default: {e}")))?;
+            .map_err(|e| invalid("policy.default", format!("policy.default: {e}")))?;
         for (t, p) in &self.policy.types {
-            p.validate()
-                .map_err(|e| err(format!("policy.types.\"{t}\": {e}")))?;
+            p.validate().map_err(|e| {
+                invalid(
+                    format!("policy.types.\"{t}\""),
+                    format!("policy.types.\"{t}\": {e}"),
+                )
+            })?;
         }
         // A replay re-sends a retry message with the same MessageId; if that can happen after
         // the duplicate-detection window, a second retry message would be created.
         let gap_s = self.replay_gap().as_secs();
         if self.servicebus.duplicate_detection_window_s < gap_s {
-            return Err(err(format!(
+            return Err(invalid("servicebus.duplicate_detection_window_s", format!(
                 "servicebus.duplicate_detection_window_s ({}) is shorter than the longest schedule-to-replay gap this configuration allows ({gap_s} s): a replay could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
                 self.servicebus.duplicate_detection_window_s
             )));
@@ -734,32 +821,36 @@ impl Config {
         if self.breaker.enabled
             && (self.breaker.consecutive_failures == 0 || self.breaker.open_ms == 0)
         {
-            return Err(err("breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
+            return Err(invalid("breaker", "breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
         }
         if self.breaker.enabled
             && Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
                 >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
         {
-            return Err(err(format!(
+            return Err(invalid("breaker.open_ms", format!(
                 "breaker.open_ms + breaker.probe_timeout_ms reaches eventhubs.retention_hours ({} h): a partition paused by the breaker would lose events to retention",
                 self.eventhubs.retention_hours
             )));
         }
         if let Some(d) = &self.dead_letters {
             if d.queue.trim().is_empty() || d.queue == self.servicebus.queue {
-                return Err(err(
+                return Err(invalid(
+                    "dead_letters.queue",
                     "dead_letters.queue must name a queue other than servicebus.queue",
                 ));
             }
             if !(1..=102_400).contains(&d.max_message_kb) {
-                return Err(err(format!(
+                return Err(invalid("dead_letters.max_message_kb", format!(
                     "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
                     d.max_message_kb
                 )));
             }
         }
         if self.eventhubs.retention_hours == 0 {
-            return Err(err("eventhubs.retention_hours must be positive"));
+            return Err(invalid(
+                "eventhubs.retention_hours",
+                "eventhubs.retention_hours must be positive",
+            ));
         }
         Ok(())
     }
@@ -777,218 +868,51 @@ impl Config {
         w
     }
 
-    /// The Entra ID credential of `kind`. A user-assigned managed identity is chosen by
-    /// `AZURE_CLIENT_ID`, as `DefaultAzureCredential` does in every SDK.
-    pub fn credential(kind: CredentialKind) -> Result<Arc<dyn TokenCredential>, ConfigError> {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let c: Arc<dyn TokenCredential> = match kind {
-            CredentialKind::ManagedIdentity => azure_identity::ManagedIdentityCredential::new(
-                Some(azure_identity::ManagedIdentityCredentialOptions {
-                    user_assigned_id: env("AZURE_CLIENT_ID")
-                        .map(azure_identity::UserAssignedId::ClientId),
-                    ..Default::default()
-                }),
-            )
-            .map_err(|e| err(format!("managed identity: {e}")))?,
-            CredentialKind::WorkloadIdentity => {
-                azure_identity::WorkloadIdentityCredential::new(None)
-                    .map_err(|e| err(format!("workload identity: {e}")))?
-            }
-            CredentialKind::AzureCli => azure_identity::AzureCliCredential::new(None)
-                .map_err(|e| err(format!("azure cli: {e}")))?,
-            CredentialKind::DeveloperTools => azure_identity::DeveloperToolsCredential::new(None)
-                .map_err(|e| err(format!("developer tools: {e}")))?,
-            CredentialKind::ClientSecret => {
-                let var = |name: &str| {
-                    std::env::var(name)
-                        .map_err(|_| err(format!("client_secret credential: {name} is not set")))
-                };
-                azure_identity::ClientSecretCredential::new(
-                    &var("AZURE_TENANT_ID")?,
-                    var("AZURE_CLIENT_ID")?,
-                    var("AZURE_CLIENT_SECRET")?.into(),
-                    None,
-                )
-                .map_err(|e| err(format!("client secret: {e}")))?
-            }
-        };
-        Ok(c)
-    }
-
-    /// The record store (ledger) this configuration names.
-    pub fn record_store(&self) -> Result<BlobRecordStore, ConfigError> {
-        let cred = self.storage.credential.map(Self::credential).transpose()?;
-        BlobRecordStore::new(
-            &self.storage.container_url,
-            cred,
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// re-sending the same MessageId, which the queue's duplicate-detection window must cover
+    /// ([`crate::pipeline::replay_gap`], from `checkpoint.every_ms`,
+    /// `processor.ownership_expiration_ms` and `retry.call_deadline_ms`).
+    pub fn replay_gap(&self) -> Duration {
+        crate::pipeline::replay_gap(
+            Duration::from_millis(self.checkpoint.every_ms),
+            Duration::from_millis(self.processor.ownership_expiration_ms),
             Duration::from_millis(self.retry.call_deadline_ms),
         )
-        .map_err(|e| err(format!("storage.container_url: {e}")))
     }
 
-    /// The retry queue this configuration names.
-    pub fn retry_queue(&self) -> Result<ServiceBusRetryQueue, ConfigError> {
-        let sb = &self.servicebus;
-        let options = ServiceBusOptions {
+    /// The tunables this configuration sets (the rest at their defaults).
+    pub fn pipeline_options(&self) -> Result<PipelineOptions, ConfigError> {
+        Ok(PipelineOptions {
+            owner_id: self
+                .processor
+                .owner_id
+                .clone()
+                .filter(|o| !o.is_empty())
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+            update_interval: Duration::from_millis(self.processor.update_interval_ms),
+            ownership_expiration: Duration::from_millis(self.processor.ownership_expiration_ms),
+            checkpoint_every_events: self.checkpoint.every_events,
+            checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
+            checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
+            max_in_flight: self.processor.max_in_flight,
+            ordering: self.processor.ordering_key.parse().map_err(|e| {
+                invalid(
+                    "processor.ordering_key",
+                    format!("processor.ordering_key: {e}"),
+                )
+            })?,
+            prefetch: self.processor.prefetch,
+            start_at_latest: self.processor.start == "latest",
             deadline: Duration::from_millis(self.retry.call_deadline_ms),
-        };
-        match (&sb.connection_string, &sb.namespace, sb.credential) {
-            (Some(cs), _, _) => {
-                let cs: ConnectionString = cs
-                    .parse()
-                    .map_err(|e| err(format!("servicebus.connection_string: {e}")))?;
-                ServiceBusRetryQueue::new(&cs, &sb.queue, options)
-            }
-            (None, Some(ns), Some(kind)) => ServiceBusRetryQueue::with_token_credential(
-                ns,
-                Self::credential(kind)?,
-                &sb.queue,
-                options,
-            ),
-            _ => {
-                return Err(err(
-                    "servicebus: give either connection_string, or namespace and credential",
-                ))
-            }
-        }
-        .map_err(|e| err(format!("servicebus: {e}")))
-    }
-
-    /// The longest time from Service Bus accepting a retry message to a replay of its event
-    /// re-sending the same MessageId, which the queue's duplicate-detection window must cover.
-    /// A replica schedules the retry, then dies before its checkpoint passes the event: the
-    /// checkpoint was due within `checkpoint.every_ms`; the partition stays with the dead
-    /// owner until `processor.ownership_expiration_ms` runs out; the next owner claims it,
-    /// reads from the checkpoint and reaches the event through a few calls (ownership,
-    /// ledger read, the send itself: 4 × `retry.call_deadline_ms`); a minute of margin covers
-    /// the settle backoff and clock skew between replicas. (A partition *held* before the
-    /// event — an outage — can stretch this without bound; so can a replay by hand.)
-    pub fn replay_gap(&self) -> Duration {
-        Duration::from_millis(
-            self.checkpoint.every_ms
-                + self.processor.ownership_expiration_ms
-                + self.retry.call_deadline_ms * 4,
-        ) + Duration::from_secs(60)
-    }
-
-    /// The start-up proof of the retry queue: reads its description and refuses (naming the
-    /// property and the value needed) when it cannot keep hubguard's promise; returns
-    /// warnings (e.g. no Manage right to read the description). See
-    /// [`prove_queue`](crate::azure::retry_queue::prove_queue).
-    pub async fn prove_retry_queue(&self) -> Result<Vec<String>, ConfigError> {
-        use crate::azure::retry_queue::{prove_queue, QueueNeeds};
-        let queue = self.retry_queue()?;
-        let needs = QueueNeeds {
-            replay_gap: self.replay_gap(),
-            call_deadline: Duration::from_millis(self.retry.call_deadline_ms),
-        };
-        match prove_queue(&self.servicebus.queue, queue.describe().await, &needs) {
-            Ok(proof) => {
-                tracing::info!("{}", proof.summary);
-                Ok(proof.warnings)
-            }
-            Err(refusal) => Err(err(format!("servicebus.queue: {refusal}"))),
-        }
-    }
-
-    /// The dead-letter destination `[dead_letters]` names, if any: a queue of the
-    /// `[servicebus]` namespace, reached as the retry queue is.
-    pub fn dead_letter_destination(
-        &self,
-    ) -> Result<Option<Arc<crate::pipeline::dead_letter::DeadLetterDestination>>, ConfigError> {
-        let Some(d) = &self.dead_letters else {
-            return Ok(None);
-        };
-        let mut same_namespace = self.clone();
-        same_namespace.servicebus.queue = d.queue.clone();
-        let queue = same_namespace
-            .retry_queue()
-            .map_err(|e| err(format!("dead_letters.queue: {}", e.0)))?;
-        Ok(Some(Arc::new(
-            crate::pipeline::dead_letter::DeadLetterDestination::new(
-                Arc::new(queue),
-                &d.queue,
-                d.max_message_kb,
-            ),
-        )))
-    }
-
-    /// Everything the pipeline needs, with the given handler.
-    pub fn pipeline_parts(
-        &self,
-        handler: Arc<dyn crate::handler::Handler>,
-    ) -> Result<PipelineParts, ConfigError> {
-        let eh = &self.eventhubs;
-        let target = match &eh.connection_string {
-            Some(cs) => {
-                let cs: ConnectionString = cs
-                    .parse()
-                    .map_err(|e| err(format!("eventhubs.connection_string: {e}")))?;
-                EventHubsTarget {
-                    namespace: cs.host.clone(),
-                    custom_endpoint: cs.custom_endpoint(),
-                    hub: eh.hub.clone(),
-                    consumer_group: eh.consumer_group.clone(),
-                    auth: crate::azure::EventHubsAuth::ConnectionString(cs),
-                }
-            }
-            None => EventHubsTarget {
-                namespace: eh.namespace.clone().unwrap_or_default(),
-                custom_endpoint: None,
-                hub: eh.hub.clone(),
-                consumer_group: eh.consumer_group.clone(),
-                auth: crate::azure::EventHubsAuth::Credential(Self::credential(
-                    eh.credential.unwrap_or(CredentialKind::DeveloperTools),
-                )?),
-            },
-        };
-        let records = self.record_store()?;
-        let checkpoint_store = crate::azure::BlobCheckpointStore::new(records.container());
-        let deadline = Duration::from_millis(self.retry.call_deadline_ms);
-        Ok(PipelineParts {
-            eventhubs: target,
-            checkpoint_store,
-            records: Arc::new(records),
-            queue: Arc::new(self.retry_queue()?),
-            handler,
-            policies: Policies {
-                default: self.policy.default.clone(),
-                by_type: self.policy.types.clone(),
-            },
-            identity: self.identity.clone(),
-            breaker: Some(self.breaker.clone()),
-            options: PipelineOptions {
-                owner_id: self
-                    .processor
-                    .owner_id
-                    .clone()
-                    .filter(|o| !o.is_empty())
-                    .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                update_interval: Duration::from_millis(self.processor.update_interval_ms),
-                ownership_expiration: Duration::from_millis(self.processor.ownership_expiration_ms),
-                checkpoint_every_events: self.checkpoint.every_events,
-                checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
-                checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
-                max_in_flight: self.processor.max_in_flight,
-                ordering: self
-                    .processor
-                    .ordering_key
-                    .parse()
-                    .map_err(|e| err(format!("processor.ordering_key: {e}")))?,
-                prefetch: self.processor.prefetch,
-                start_at_latest: self.processor.start == "latest",
-                deadline,
-                retry_concurrency: self.retry.concurrency,
-                retry_lead: Duration::from_millis(self.retry.lead_ms),
-                retry_prefetch: self.retry.prefetch,
-                retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
-                dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
-                dead_letters: self.dead_letter_destination()?,
-                overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
-                unhealthy_after: (self.status.unhealthy_after_ms > 0)
-                    .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
-                ..Default::default()
-            },
+            retry_concurrency: self.retry.concurrency,
+            retry_lead: Duration::from_millis(self.retry.lead_ms),
+            retry_prefetch: self.retry.prefetch,
+            retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
+            dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
+            overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
+            unhealthy_after: (self.status.unhealthy_after_ms > 0)
+                .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
+            ..Default::default()
         })
     }
 }
@@ -1042,6 +966,34 @@ url = "http://127.0.0.1:9000/events"
         assert_eq!(c.eventhubs.hub, "orders");
         assert_eq!(c.policy.default.max_attempts, 5);
         assert_eq!(c.checkpoint.every_ms, 250);
+    }
+
+    #[test]
+    fn errors_are_typed_by_where_the_problem_is() {
+        let parse = |extra: &str, env: Vec<(String, String)>| {
+            Config::parse(&format!("{BASE}{extra}"), env).unwrap_err()
+        };
+        let var = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        assert!(matches!(
+            Config::parse("[eventhubs\n", none()).unwrap_err(),
+            ConfigError::Syntax(_)
+        ));
+        assert!(matches!(
+            parse("", var("HUBGUARD_RETRY_CONCURRENCY", "4")),
+            ConfigError::Environment { var, .. } if var == "HUBGUARD_RETRY_CONCURRENCY"
+        ));
+        let e = parse("", var("HUBGUARD_CHECKPOINT__EVERY_EVENTS", "abc"));
+        assert_eq!(e.key(), Some("checkpoint.every_events"));
+        assert!(matches!(
+            &e,
+            ConfigError::Value { env_var: Some(v), .. } if v == "HUBGUARD_CHECKPOINT__EVERY_EVENTS"
+        ));
+        let e = parse("[retry]\ncall_deadline_ms = 0\n", none());
+        assert!(matches!(e, ConfigError::Invalid { .. }), "{e:?}");
+        assert_eq!(e.key(), Some("retry.call_deadline_ms"));
+        let e = Config::load(Path::new("/nonexistent/hubguard.toml"), none()).unwrap_err();
+        assert!(matches!(e, ConfigError::Unreadable { .. }), "{e:?}");
+        assert!(e.to_string().contains("/nonexistent/hubguard.toml"), "{e}");
     }
 
     #[test]
@@ -1203,18 +1155,7 @@ url = "http://127.0.0.1:9000/events"
             none(),
         )
         .unwrap();
-        struct Nothing;
-        #[async_trait::async_trait]
-        impl crate::handler::Handler for Nothing {
-            async fn handle(
-                &self,
-                _: &crate::event::Event,
-                _: &crate::handler::Attempt,
-            ) -> crate::handler::Outcome {
-                crate::handler::Outcome::Delivered
-            }
-        }
-        let o = c.pipeline_parts(Arc::new(Nothing)).unwrap().options;
+        let o = c.pipeline_options().unwrap();
         assert_eq!(o.max_in_flight, 32);
         assert_eq!(
             o.ordering,
@@ -1249,11 +1190,10 @@ url = "http://127.0.0.1:9000/events"
             none(),
         )
         .unwrap()
-        .pipeline_parts(Arc::new(Nothing))
-        .unwrap()
-        .options;
+        .pipeline_options()
+        .unwrap();
         assert_eq!((o.retry_lead, o.retry_prefetch), (Duration::ZERO, 64));
-        let o = defaults.pipeline_parts(Arc::new(Nothing)).unwrap().options;
+        let o = defaults.pipeline_options().unwrap();
         let d = PipelineOptions::default();
         assert_eq!(
             (o.retry_lead, o.retry_prefetch),

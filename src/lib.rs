@@ -15,20 +15,34 @@
 //! ```
 //!
 //! - [`pipeline`]: the partition loop, the retry loop, settlement, the fenced checkpoint
-//!   store, health; [`pipeline::Pipeline`] runs it all.
+//!   store, health; the admission step both loops take around a handler call (the breaker),
+//!   and what they count; [`pipeline::Pipeline`] runs it all.
+//! - [`breaker`]: the downstream's circuit breaker shared by every replica (a blob record) —
+//!   pure decide/apply over the record and `now`.
 //! - [`handler`]: the [`handler::Handler`] trait library users implement, and the webhook.
 //! - [`policy`]: backoff curves, budgets and error classification — pure functions.
 //! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
 //! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
 //! - [`event`]: an event and its identity (idempotency key, correlation id, type).
-//! - [`config`]: `hubguard run`'s TOML + environment configuration.
+//! - [`config`]: `hubguard run`'s TOML + environment configuration: schema and validation.
+//! - [`wiring`]: credentials, clients and stores, and the one builder of the pipeline's parts
+//!   ([`wiring::Wiring`]) that `run`, the demo, the bench and the tests use.
 //! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
-//!   name in [`telemetry::names`].
+//!   name in [`telemetry::names`], the gauges beside them ([`telemetry::gauges`]).
 //! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
-//!   blob record store — hubguard's clients, with typed errors and deadlines.
+//!   blob record store — hubguard's clients, with typed errors and deadlines; in-memory twins
+//!   of the record store and the retry queue ([`azure::memory`]).
+//!
+//! Dependencies point downwards only; each layer may use anything below it, and the
+//! integration test `architecture` checks there is no cycle and no use of the test bed:
+//!
+//! ```text
+//!  wiring ─► config, status ─► pipeline ─► ledger, breaker, handler ─► policy, azure
+//!        ─► clock, event, guard, telemetry
+//! ```
 //!
 //! Behind the default feature `testbed` (what the `hubguard` binary and the tests need; a
 //! program embedding the pipeline turns it off and compiles none of it):
@@ -59,3 +73,4 @@ pub mod pipeline;
 pub mod policy;
 pub mod status;
 pub mod telemetry;
+pub mod wiring;

@@ -9,11 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
-use azure_messaging_eventhubs::{EventDataBatchOptions, ProducerClient};
 
 use crate::azure::ConnectionString;
 use crate::emulator::eventhubs::HubSpec;
+use crate::emulator::producer::{self, Outgoing, Plan};
 use crate::emulator::{Emulators, EmulatorsConfig};
 
 /// What the memory scenario measured.
@@ -103,46 +102,18 @@ pub fn rss_mb(pid: u32) -> anyhow::Result<f64> {
     Ok(kb / 1024.0)
 }
 
+/// Sends `events` events keyed `{prefix}-{n}`, 500 to each partition in turn.
 async fn produce_keyed(
     cs: &ConnectionString,
     prefix: &str,
     events: usize,
     partitions: usize,
 ) -> anyhow::Result<()> {
-    let producer = cs
-        .open_producer(ProducerClient::builder(), "bench")
-        .await
-        .context("opening the producer")?;
-    let mut n = 0;
-    while n < events {
-        for p in 0..partitions {
-            let batch = producer
-                .create_batch(Some(EventDataBatchOptions {
-                    partition_id: Some(p.to_string()),
-                    ..Default::default()
-                }))
-                .await?;
-            let mut added = 0;
-            while n < events && added < 500 {
-                let ev = EventData::builder()
-                    .with_body(format!("{{\"n\":{n}}}").into_bytes())
-                    .add_property(
-                        "ce_id".into(),
-                        AmqpSimpleValue::String(format!("{prefix}-{n}")),
-                    )
-                    .build();
-                if !batch.try_add_event_data(ev, None)? {
-                    break;
-                }
-                n += 1;
-                added += 1;
-            }
-            if added > 0 {
-                producer.send_batch(batch, None).await?;
-            }
-        }
-    }
-    producer.close().await?;
+    let plan = Plan::round_robin("bench", events, partitions, 500);
+    producer::produce(cs, &plan, |n| {
+        Outgoing::keyed(format!("{prefix}-{n}"), format!("{{\"n\":{n}}}"))
+    })
+    .await?;
     Ok(())
 }
 

@@ -17,16 +17,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use azure_messaging_eventhubs::models::EventData;
 use azure_messaging_eventhubs::{
-    ConsumerClient, OpenReceiverOptions, ProducerClient, SendBatchOptions, StartLocation,
-    StartPosition,
+    ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
 };
 use clap::Args;
 use futures::StreamExt;
 
 use crate::azure::ConnectionString;
 use crate::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
+use crate::emulator::producer::{self, Outgoing, Plan};
 
 /// Options of `hubguard bench`.
 #[derive(Debug, Args)]
@@ -387,47 +386,17 @@ pub struct GuardFigures {
     pub happy_path_ops_per_event: f64,
 }
 
-/// Sends `events` events of `size` bytes in batches, spread evenly over the partitions;
-/// returns how many and how long the sends took.
+/// Sends `events` events of `size` bytes in batches, one partition after another (each gets
+/// its share); returns how many and how long the sends took.
 pub(crate) async fn produce(
     cs: &ConnectionString,
     partitions: usize,
     events: usize,
     size: usize,
 ) -> anyhow::Result<(usize, Duration)> {
-    let producer = cs
-        .open_producer(ProducerClient::builder(), "bench")
-        .await
-        .context("opening the producer")?;
-    let body = vec![b'x'; size];
-    let per_partition = events.div_ceil(partitions);
-    let started = Instant::now();
-    let mut sent = 0usize;
-    for p in 0..partitions {
-        let target = per_partition.min(events - sent);
-        let mut done = 0;
-        while done < target {
-            let batch = producer
-                .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
-                    partition_id: Some(p.to_string()),
-                    ..Default::default()
-                }))
-                .await?;
-            while done < target
-                && batch.try_add_event_data(
-                    EventData::builder().with_body(body.clone()).build(),
-                    None,
-                )?
-            {
-                done += 1;
-            }
-            producer.send_batch(batch, None::<SendBatchOptions>).await?;
-        }
-        sent += target;
-    }
-    let elapsed = started.elapsed();
-    producer.close().await?;
-    Ok((sent, elapsed))
+    let plan = Plan::partition_by_partition("bench", events, partitions);
+    let produced = producer::produce(cs, &plan, |_| Outgoing::filler(size)).await?;
+    Ok((produced.sent, produced.elapsed))
 }
 
 /// A bare SDK consumer loop: one receiver per partition reading `per_partition[p]` events
@@ -511,7 +480,7 @@ pub async fn guard_vs_bare(
     size: usize,
 ) -> anyhow::Result<GuardFigures> {
     use crate::emulator::{Emulators, EmulatorsConfig};
-    use crate::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
+    use crate::pipeline::Pipeline;
 
     let emulators = Emulators::start(EmulatorsConfig {
         hubs: vec![HubSpec::new("bench", partitions)],
@@ -519,10 +488,7 @@ pub async fn guard_vs_bare(
     })
     .await?;
     let eh = emulators.eventhubs.as_ref().context("event hubs")?;
-    let sb = emulators.servicebus.as_ref().context("service bus")?;
-    let blob = emulators.blob.as_ref().context("blob")?;
     let cs: ConnectionString = eh.connection_string().parse()?;
-    let endpoint = cs.custom_endpoint().context("emulator endpoint")?;
     produce(&cs, partitions, events, size).await?;
     let per_partition: Vec<usize> = (0..partitions)
         .map(|p| eh.store().hub("bench").map_or(0, |h| h.partitions[p].len()))
@@ -531,45 +497,14 @@ pub async fn guard_vs_bare(
     let (bare, bare_elapsed) = consume(&cs, &per_partition, 300).await?;
 
     // hubguard, no-op handler.
-    let container = blob.container_url("hubguard");
-    let sb_cs: ConnectionString = sb.connection_string().parse()?;
-    let records = Arc::new(crate::azure::BlobRecordStore::new(
-        &container,
-        None,
-        Duration::from_secs(10),
-    )?);
     let handler = Arc::new(pipelines::BenchHandler::new(Duration::ZERO, 0, false));
-    let parts = PipelineParts {
-        eventhubs: EventHubsTarget {
-            namespace: cs.namespace(),
-            custom_endpoint: Some(endpoint),
-            hub: "bench".into(),
-            consumer_group: "$Default".into(),
-            auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
-        },
-        checkpoint_store: crate::azure::BlobCheckpointStore::new(std::sync::Arc::new(
-            crate::azure::BlobContainer::new(&container, None, Duration::from_secs(10))
-                .map_err(anyhow::Error::msg)?,
-        )),
-        records: records.clone(),
-        queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
-            &sb_cs,
-            "retries",
-            Default::default(),
-        )?),
-        handler: handler.clone(),
-        policies: crate::pipeline::settle::Policies {
-            default: crate::policy::RetryPolicy::seed_fibonacci(),
-            by_type: Default::default(),
-        },
-        identity: crate::event::IdentityConfig::default(),
-        breaker: Some(crate::breaker::BreakerConfig::default()),
-        options: PipelineOptions {
-            update_interval: Duration::from_millis(500),
-            ownership_expiration: Duration::from_secs(5),
-            ..Default::default()
-        },
-    };
+    let wiring = pipelines::wiring(&emulators)?
+        .breaker(crate::breaker::BreakerConfig::default())
+        .options(pipelines::bench_options());
+    let records = Arc::new(wiring.record_store()?);
+    let parts = wiring
+        .with_records(records.clone())
+        .parts(handler.clone())?;
     let min_interval = parts.options.checkpoint_min_interval;
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
@@ -586,7 +521,12 @@ pub async fn guard_vs_bare(
     cancel.cancel();
     run.await??;
     let snap = health.snapshot();
-    let sb_sends = sb.counters("retries").map_or(0, |c| c.sends);
+    let sb_sends = emulators
+        .servicebus
+        .as_ref()
+        .context("service bus")?
+        .counters("retries")
+        .map_or(0, |c| c.sends);
     let ledger_records = records_count(&*records).await?;
     emulators.shutdown().await;
     let secs = guard_elapsed.as_secs_f64().max(1e-9);

@@ -16,6 +16,7 @@ use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
 use crate::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
+use crate::wiring::{ServiceBusAccess, StorageAccess, Wiring};
 
 /// Per key: (attempt, started, returned) of every call.
 type Calls = HashMap<String, Vec<(u32, SystemTime, SystemTime)>>;
@@ -97,46 +98,24 @@ pub(crate) fn parts(
     policy: RetryPolicy,
     options: PipelineOptions,
 ) -> anyhow::Result<PipelineParts> {
+    Ok(wiring(emulators)?
+        .policy(policy)
+        .options(options)
+        .parts(handler)?)
+}
+
+/// The bench's emulators, wired: hub `bench`, queue `retries`, container `hubguard` (no
+/// breaker unless the caller sets one).
+pub(crate) fn wiring(emulators: &Emulators) -> anyhow::Result<Wiring> {
     let eh = emulators.eventhubs.as_ref().context("event hubs")?;
     let sb = emulators.servicebus.as_ref().context("service bus")?;
     let blob = emulators.blob.as_ref().context("blob")?;
     let cs: ConnectionString = eh.connection_string().parse()?;
-    let container = blob.container_url("hubguard");
-    let sb_cs: ConnectionString = sb.connection_string().parse()?;
-    Ok(PipelineParts {
-        eventhubs: EventHubsTarget {
-            namespace: cs.namespace(),
-            custom_endpoint: cs.custom_endpoint(),
-            hub: "bench".into(),
-            consumer_group: "$Default".into(),
-            auth: crate::azure::EventHubsAuth::ConnectionString(cs.clone()),
-        },
-        checkpoint_store: crate::azure::BlobCheckpointStore::new(std::sync::Arc::new(
-            crate::azure::BlobContainer::new(&container, None, Duration::from_secs(10))
-                .map_err(anyhow::Error::msg)?,
-        )),
-        records: Arc::new(crate::azure::BlobRecordStore::new(
-            &container,
-            None,
-            Duration::from_secs(10),
-        )?),
-        queue: Arc::new(crate::azure::ServiceBusRetryQueue::new(
-            &sb_cs,
-            "retries",
-            Default::default(),
-        )?),
-        handler,
-        policies: crate::pipeline::settle::Policies {
-            default: policy,
-            by_type: Default::default(),
-        },
-        identity: crate::event::IdentityConfig::default(),
-        breaker: Some(crate::breaker::BreakerConfig {
-            enabled: false,
-            ..Default::default()
-        }),
-        options,
-    })
+    Ok(Wiring::new(
+        EventHubsTarget::with_connection_string(&cs, "bench", "$Default"),
+        StorageAccess::url(&blob.container_url("hubguard")),
+        ServiceBusAccess::ConnectionString(sb.connection_string().parse()?),
+    ))
 }
 
 pub(crate) fn bench_options() -> PipelineOptions {

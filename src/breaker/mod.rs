@@ -259,6 +259,18 @@ pub fn record_name(downstream: &str) -> String {
     format!("breakers/{downstream}")
 }
 
+/// The breaker record of `downstream` as kept in `store` (`None`: it never opened). A body
+/// that does not parse reads as a closed breaker, as [`Shared`] reads it.
+pub async fn read(
+    store: &dyn RecordStore,
+    downstream: &str,
+) -> Result<Option<BreakerRecord>, StoreError> {
+    Ok(store
+        .read(&record_name(downstream))
+        .await?
+        .map(|r| serde_json::from_slice(&r.body).unwrap_or_default()))
+}
+
 impl Shared {
     /// The breaker of `downstream`, shared through `store`, seen by replica `who`.
     pub fn new(
@@ -425,6 +437,20 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .map(|(r, _, _)| r.clone())
+    }
+}
+
+impl crate::telemetry::gauges::BreakerReadings for Shared {
+    fn downstream_name(&self) -> String {
+        self.downstream().to_string()
+    }
+
+    fn open_for(&self) -> Duration {
+        Shared::open_for(self)
+    }
+
+    fn opens(&self) -> u64 {
+        self.cached().map_or(0, |r| r.opens)
     }
 }
 

@@ -11,6 +11,8 @@
 //! - [`clock`]: the emulators' clock, which tests advance instead of sleeping.
 //! - [`http`]: the serve loop and fault plumbing the REST emulators share.
 //! - [`webhook`]: a local webhook receiver, the downstream that misbehaves as told.
+//! - [`producer`]: the upstream: sends events through the SDK's producer, batched, round the
+//!   partitions, optionally spread over time (the demo and the bench use it).
 //! - [`admin`]: the HTTP admin endpoint (faults, counters) of `hubguard emulator`.
 //!
 //! [`Emulators`] starts any subset of the three together, as `hubguard emulator` and the demo do.
@@ -21,6 +23,7 @@ pub mod clock;
 pub mod eventhubs;
 pub mod faults;
 pub mod http;
+pub mod producer;
 pub mod servicebus;
 pub mod webhook;
 

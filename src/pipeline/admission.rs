@@ -24,7 +24,7 @@ pub(crate) enum Gate {
 impl Shared {
     /// Asks the breaker, if there is one.
     pub(crate) async fn admit(&self) -> Gate {
-        match &self.breaker {
+        match &self.downstream.breaker {
             None => Gate::Run { probe: false },
             Some(b) => match b.admit(rand::random::<f64>()).await {
                 Admission::Allow => Gate::Run { probe: false },
@@ -32,13 +32,6 @@ impl Shared {
                 Admission::Defer(until) => Gate::Defer(until),
             },
         }
-    }
-
-    /// Counts an attempt deferred by an open breaker.
-    pub(crate) fn count_deferred(&self, event_type: Option<&str>) {
-        self.metrics
-            .deferred
-            .add(1, &crate::telemetry::type_label(event_type));
     }
 
     /// After the handler ran: the breaker learns the outcome (a transient failure counts
@@ -50,7 +43,7 @@ impl Shared {
         gate: Gate,
         event_type: Option<&str>,
     ) {
-        if let Some(b) = &self.breaker {
+        if let Some(b) = &self.downstream.breaker {
             let probe = matches!(gate, Gate::Run { probe: true });
             b.report(
                 !super::partition::transient_failure(&attempted.outcome),
@@ -58,9 +51,7 @@ impl Shared {
             )
             .await;
         }
-        self.metrics.handler_duration.record(
-            attempted.duration.as_secs_f64(),
-            &crate::telemetry::type_label(event_type),
-        );
+        self.observe
+            .handler_duration(attempted.duration, event_type);
     }
 }

@@ -24,7 +24,7 @@ use crate::telemetry::{format_traceparent, parse_traceparent};
 
 /// A finished attempt.
 #[derive(Debug, Clone)]
-pub struct Attempted {
+pub(crate) struct Attempted {
     /// What the handler answered.
     pub outcome: Outcome,
     /// When it started.
@@ -42,7 +42,7 @@ pub struct Attempted {
 }
 
 /// A new random W3C `traceparent` and its trace id (when no tracer is installed).
-pub fn new_traceparent() -> (String, String) {
+pub(super) fn new_traceparent() -> (String, String) {
     let mut rng = rand::thread_rng();
     let mut trace = [0u8; 16];
     let mut span = [0u8; 8];
@@ -67,7 +67,7 @@ pub fn new_traceparent() -> (String, String) {
 
 /// What the attempt's span says about where it runs.
 #[derive(Debug, Clone, Copy)]
-pub struct Context<'a> {
+pub(super) struct Context<'a> {
     /// The consumer group.
     pub consumer_group: &'a str,
     /// Where the attempt came from.
@@ -88,7 +88,7 @@ fn producer_trace(event: &Event) -> Option<opentelemetry::trace::SpanContext> {
 }
 
 /// Runs attempt `number` of `event`; `earlier` are the `traceparent`s of its earlier attempts.
-pub async fn run(
+pub(super) async fn run(
     handler: &Arc<dyn Handler>,
     event: &Event,
     number: u32,
@@ -193,7 +193,7 @@ pub async fn run(
 /// checkpoint passed it, or Service Bus delivered a retry again. Settlement calls it (on the
 /// current span, the attempt's) when it finds the attempt recorded; a replay whose handler
 /// succeeds reads no ledger (the happy path) and is not marked.
-pub fn mark_replay(span: &tracing::Span) {
+pub(super) fn mark_replay(span: &tracing::Span) {
     if span.is_disabled() {
         return;
     }
@@ -219,7 +219,7 @@ pub fn mark_replay(span: &tracing::Span) {
 }
 
 /// Records the settled outcome on the attempt's span.
-pub fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
+pub(super) fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     let span = &a.span;
     if span.is_disabled() {
         return;

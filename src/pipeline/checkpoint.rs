@@ -19,7 +19,7 @@ use azure_messaging_eventhubs::CheckpointStore;
 use tokio::time::Instant;
 
 /// A fenced wrapper around another checkpoint store.
-pub struct FencedCheckpointStore {
+pub(super) struct FencedCheckpointStore {
     inner: Arc<dyn CheckpointStore + Send + Sync>,
     owner_id: String,
     deadline: Duration,
@@ -58,7 +58,7 @@ fn fence_error(msg: String) -> azure_core::Error {
 
 impl FencedCheckpointStore {
     /// Wraps `inner` for the replica `owner_id`.
-    pub fn new(
+    pub(super) fn new(
         inner: Arc<dyn CheckpointStore + Send + Sync>,
         owner_id: String,
         deadline: Duration,
@@ -76,7 +76,7 @@ impl FencedCheckpointStore {
 
     /// Reports partitions that no replica owns to `health` (see
     /// [`set_partitions`](Self::set_partitions)).
-    pub fn with_health(mut self, health: Arc<crate::pipeline::health::Health>) -> Self {
+    pub(super) fn with_health(mut self, health: Arc<crate::pipeline::health::Health>) -> Self {
         self.health = Some(health);
         self
     }
@@ -84,7 +84,7 @@ impl FencedCheckpointStore {
     /// The hub's partitions: each listing of ownerships (every processor cycle) then checks
     /// that each has a live owner. One that has had none for longer than an ownership takes
     /// to expire and be claimed again (twice the expiration) is reported: nothing reads it.
-    pub fn set_partitions(&self, partitions: Vec<String>) {
+    pub(super) fn set_partitions(&self, partitions: Vec<String>) {
         self.state().partitions = partitions;
     }
 
@@ -144,7 +144,7 @@ impl FencedCheckpointStore {
     /// Gives up every partition this replica holds (owner id cleared, with the claim's ETag),
     /// so other replicas take them at their next cycle instead of waiting for expiry. Call
     /// after the processor has stopped, at shutdown.
-    pub async fn release_all(&self) {
+    pub(super) async fn release_all(&self) {
         let held: Vec<Ownership> = {
             let mut st = self.state();
             st.claimed.clear();
@@ -165,8 +165,9 @@ impl FencedCheckpointStore {
         }
     }
 
-    /// Whether this replica holds a fresh claim on `partition`.
-    pub fn owns(&self, partition: &str) -> bool {
+    /// Whether this replica holds a fresh claim on `partition` (what the tests check).
+    #[cfg(test)]
+    pub(super) fn owns(&self, partition: &str) -> bool {
         self.state()
             .claimed
             .get(partition)

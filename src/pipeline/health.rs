@@ -572,6 +572,24 @@ impl Health {
     }
 }
 
+impl crate::telemetry::gauges::PipelineReadings for Health {
+    fn held_by_reason(&self) -> BTreeMap<&'static str, u64> {
+        let mut by_reason = BTreeMap::new();
+        for held in self.held().values() {
+            *by_reason.entry(held.cause.label()).or_default() += 1;
+        }
+        by_reason
+    }
+
+    fn retry_loop_code(&self) -> u64 {
+        Health::retry_loop_code(self)
+    }
+
+    fn checkpoint_lag(&self) -> BTreeMap<String, (u64, f64)> {
+        self.lag()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

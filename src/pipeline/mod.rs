@@ -14,10 +14,11 @@
 //! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
 
 mod admission;
-pub mod attempt;
-pub mod checkpoint;
+mod attempt;
+mod checkpoint;
 pub mod dead_letter;
 pub mod health;
+mod observe;
 mod partition;
 mod retry;
 pub mod settle;
@@ -211,7 +212,35 @@ impl Default for PipelineOptions {
     }
 }
 
-/// What the pipeline is built from.
+impl PipelineOptions {
+    /// The longest time from Service Bus accepting a retry message to a replay of its event
+    /// re-sending the same MessageId, which the retry queue's duplicate-detection window must
+    /// cover: see [`replay_gap`].
+    pub fn replay_gap(&self) -> Duration {
+        replay_gap(
+            self.checkpoint_every,
+            self.ownership_expiration,
+            self.deadline,
+        )
+    }
+}
+
+/// A replica schedules a retry, then dies before its checkpoint passes the event: the
+/// checkpoint was due within `checkpoint_every`; the partition stays with the dead owner
+/// until `ownership_expiration` runs out; the next owner claims it, reads from the
+/// checkpoint and reaches the event through a few calls (ownership, ledger read, the send
+/// itself: 4 × the call `deadline`); a minute of margin covers the settle backoff and clock
+/// skew between replicas. (A partition *held* before the event — an outage — can stretch
+/// this without bound; so can a replay by hand.)
+pub fn replay_gap(
+    checkpoint_every: Duration,
+    ownership_expiration: Duration,
+    deadline: Duration,
+) -> Duration {
+    checkpoint_every + ownership_expiration + deadline * 4 + Duration::from_secs(60)
+}
+
+/// What the pipeline is built from (`wiring::Wiring` builds it).
 pub struct PipelineParts {
     /// The Event Hub.
     pub eventhubs: EventHubsTarget,
@@ -233,122 +262,35 @@ pub struct PipelineParts {
     pub breaker: Option<crate::breaker::BreakerConfig>,
 }
 
-/// What partition tasks and the retry loop share.
-/// Observable gauges reading the pipeline's health; kept alive with it.
-struct Gauges {
-    _held: opentelemetry::metrics::ObservableGauge<u64>,
-    _retry_loop: opentelemetry::metrics::ObservableGauge<u64>,
-    _lag_events: opentelemetry::metrics::ObservableGauge<u64>,
-    _lag_seconds: opentelemetry::metrics::ObservableGauge<f64>,
-    _breaker_age: opentelemetry::metrics::ObservableGauge<f64>,
-    _breaker_opens: opentelemetry::metrics::ObservableGauge<u64>,
-}
-
-fn gauges(health: &Arc<Health>, breaker: Option<Arc<crate::breaker::Shared>>) -> Gauges {
-    use crate::telemetry::names::{metric, metric_attr};
-    use opentelemetry::KeyValue;
-    let meter = crate::telemetry::meter();
-    let h = health.clone();
-    let held = meter
-        .u64_observable_gauge(metric::PARTITIONS_HELD)
-        .with_description("Partitions whose settlement is failing (held), by reason")
-        .with_callback(move |o| {
-            let mut by_reason: std::collections::BTreeMap<String, u64> = Default::default();
-            for held in h.held().values() {
-                *by_reason.entry(held.cause.label().to_string()).or_default() += 1;
-            }
-            if by_reason.is_empty() {
-                o.observe(0, &[]);
-            }
-            for (reason, n) in by_reason {
-                o.observe(n, &[KeyValue::new(metric_attr::REASON, reason)]);
-            }
-        })
-        .build();
-    let h = health.clone();
-    let retry_loop = meter
-        .u64_observable_gauge(metric::RETRY_LOOP_STATE)
-        .with_description("Retry loop: 1 running, 2 reconnecting, 3 watchdog, 0 stopped")
-        .with_callback(move |o| o.observe(h.retry_loop_code(), &[]))
-        .build();
-    let h = health.clone();
-    let lag_events = meter
-        .u64_observable_gauge(metric::CHECKPOINT_LAG_EVENTS)
-        .with_description("Events received but not covered by the checkpoint")
-        .with_callback(move |o| {
-            for (p, (events, _)) in h.lag() {
-                o.observe(events, &[KeyValue::new(metric_attr::PARTITION, p)]);
-            }
-        })
-        .build();
-    let h = health.clone();
-    let lag_seconds = meter
-        .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
-        .with_unit("s")
-        .with_description("Age of the oldest event not covered by the checkpoint")
-        .with_callback(move |o| {
-            for (p, (_, secs)) in h.lag() {
-                o.observe(secs, &[KeyValue::new(metric_attr::PARTITION, p)]);
-            }
-        })
-        .build();
-    let b = breaker.clone();
-    let breaker_age = meter
-        .f64_observable_gauge(metric::BREAKER_AGE)
-        .with_unit("s")
-        .with_description("How long the downstream's breaker has been open (0 when closed)")
-        .with_callback(move |o| {
-            if let Some(b) = &b {
-                let age = b.open_for().as_secs_f64();
-                o.observe(
-                    age,
-                    &[KeyValue::new(
-                        metric_attr::DOWNSTREAM,
-                        b.downstream().to_string(),
-                    )],
-                );
-            }
-        })
-        .build();
-    let b = breaker;
-    let breaker_opens = meter
-        .u64_observable_gauge(metric::BREAKER_OPENS)
-        .with_description("How many times the downstream's breaker opened")
-        .with_callback(move |o| {
-            if let Some(b) = &b {
-                let opens = b.cached().map_or(0, |r| r.opens);
-                o.observe(
-                    opens,
-                    &[KeyValue::new(
-                        metric_attr::DOWNSTREAM,
-                        b.downstream().to_string(),
-                    )],
-                );
-            }
-        })
-        .build();
-    Gauges {
-        _held: held,
-        _retry_loop: retry_loop,
-        _lag_events: lag_events,
-        _lag_seconds: lag_seconds,
-        _breaker_age: breaker_age,
-        _breaker_opens: breaker_opens,
-    }
-}
-
+/// What partition tasks and the retry loop share, by concern.
 pub(crate) struct Shared {
-    _gauges: Gauges,
-    pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
-    pub(crate) metrics: crate::telemetry::Metrics,
+    /// Where events come from and how their identity is read.
+    pub(crate) origin: Origin,
+    /// The handler and its circuit breaker (asked and told in [`admission`]).
+    pub(crate) downstream: Downstream,
+    /// Settlement: the ledger, the retry queue and the policies.
+    pub(crate) settler: Arc<Settler>,
+    /// The retry queue the retry loop receives from.
+    pub(crate) queue: Arc<dyn RetryQueue>,
+    /// Readiness and liveness.
+    pub(crate) health: Arc<Health>,
+    /// Counters, instruments and gauges.
+    pub(crate) observe: observe::Observer,
+    /// Tunables and the clock.
+    pub(crate) options: PipelineOptions,
+}
+
+/// The hub and consumer group events come from, and the rules for their identity.
+pub(crate) struct Origin {
     pub(crate) hub: String,
     pub(crate) consumer_group: String,
-    pub(crate) settler: Arc<Settler>,
-    pub(crate) queue: Arc<dyn RetryQueue>,
-    pub(crate) handler: Arc<dyn Handler>,
-    pub(crate) health: Arc<Health>,
     pub(crate) identity: IdentityConfig,
-    pub(crate) options: PipelineOptions,
+}
+
+/// The handler, and the circuit breaker for its downstream (`None`: no breaker).
+pub(crate) struct Downstream {
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
 }
 
 impl Shared {
@@ -411,16 +353,24 @@ impl Pipeline {
         );
         Self {
             shared: Arc::new(Shared {
-                _gauges: gauges(&health, breaker.clone()),
-                breaker,
-                metrics: crate::telemetry::Metrics::new(),
-                hub: parts.eventhubs.hub.clone(),
-                consumer_group: parts.eventhubs.consumer_group.clone(),
+                origin: Origin {
+                    hub: parts.eventhubs.hub.clone(),
+                    consumer_group: parts.eventhubs.consumer_group.clone(),
+                    identity: parts.identity,
+                },
+                observe: observe::Observer::new(
+                    health.clone(),
+                    breaker
+                        .clone()
+                        .map(|b| b as Arc<dyn crate::telemetry::gauges::BreakerReadings>),
+                ),
+                downstream: Downstream {
+                    handler: parts.handler,
+                    breaker,
+                },
                 settler,
                 queue: parts.queue,
-                handler: parts.handler,
                 health,
-                identity: parts.identity,
                 options: parts.options,
             }),
             eventhubs: parts.eventhubs,
@@ -435,7 +385,7 @@ impl Pipeline {
 
     /// The downstream's circuit breaker, if enabled.
     pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
-        self.shared.breaker.clone()
+        self.shared.downstream.breaker.clone()
     }
 
     /// The settler (ledger reads, dead-letter replay).
@@ -460,10 +410,10 @@ impl Pipeline {
         if let Some(dl) = self.shared.settler.dead_letters() {
             dl.probe().await.map_err(std::io::Error::other)?;
         }
-        if let Some(blocked) = self.shared.handler.blocked() {
+        if let Some(blocked) = self.shared.downstream.handler.blocked() {
             tokio::spawn(watch_blocked(
                 self.shared.health.clone(),
-                self.shared.handler.downstream(),
+                self.shared.downstream.handler.downstream(),
                 blocked,
                 cancel.clone(),
                 crash.clone(),

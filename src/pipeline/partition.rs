@@ -19,7 +19,7 @@ use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::settle::{Settled, Source};
+use super::settle::Source;
 use super::{attempt, Shared};
 use crate::event::Event;
 use crate::guard::Dispatcher;
@@ -194,7 +194,7 @@ pub(crate) async fn run(
                         }
                         last_seq = Some(seq);
                         ended.received += 1;
-                        let event = shared.identity.event(&shared.hub, &pid, &received);
+                        let event = shared.origin.identity.event(&shared.origin.hub, &pid, &received);
                         cp.uncovered += 1;
                         if cp.oldest_uncovered.is_none() {
                             cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(SystemTime::now));
@@ -261,7 +261,7 @@ async fn process(
         .policies()
         .for_type(event.identity.event_type.as_deref());
     let cx = attempt::Context {
-        consumer_group: &shared.consumer_group,
+        consumer_group: &shared.origin.consumer_group,
         source: Source::EventHubs,
         policy: &policy.name,
         max_attempts: policy.max_attempts,
@@ -276,7 +276,7 @@ async fn process(
             Gate::Defer(until) => {
                 if !deferred {
                     deferred = true;
-                    shared.count_deferred(event_type);
+                    shared.observe.count_deferred(event_type);
                 }
                 shared.health.hold(
                     pid,
@@ -298,7 +298,7 @@ async fn process(
     if deferred {
         shared.health.release(pid, seq);
     }
-    let attempted = attempt::run(&shared.handler, &event, 1, &[], cx).await;
+    let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
     shared.attempted(&attempted, gate, event_type).await;
     let mut backoff = Duration::from_millis(200);
     loop {
@@ -318,12 +318,14 @@ async fn process(
         match settled {
             Ok(s) => {
                 attempt::finish(&attempted, Ok(&s));
-                shared.count_settled(&s, event.identity.event_type.as_deref());
+                shared
+                    .observe
+                    .count_settled(&s, event.identity.event_type.as_deref());
                 shared.health.release(pid, seq);
                 return true;
             }
             Err(e) => {
-                shared.settle_failed(&e);
+                shared.observe.settle_failed(&e);
                 shared.health.set_lag(pid, lag.0, age(lag.1));
                 shared
                     .health
@@ -345,56 +347,4 @@ async fn process(
 /// means the downstream answered: it is up.
 pub(crate) fn transient_failure(o: &crate::handler::Outcome) -> bool {
     matches!(o, crate::handler::Outcome::Failed(f) if f.class == crate::policy::classify::ErrorClass::Transient)
-}
-
-impl Shared {
-    /// Counts a retry taken back from Service Bus's dead-letter sub-queue.
-    pub(crate) fn count_recovered(&self) {
-        self.health.count(&self.health.counters.recovered);
-        self.metrics.recovered.add(1, &[]);
-    }
-
-    pub(crate) fn count_rescued(&self) {
-        self.health.count(&self.health.counters.rescued);
-        self.metrics.rescued.add(1, &[]);
-    }
-
-    /// Counts a settlement (health counters and OpenTelemetry metrics).
-    pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
-        let c = &self.health.counters;
-        let m = &self.metrics;
-        let labels = crate::telemetry::type_label(event_type);
-        match s {
-            Settled::Delivered => {
-                self.health.count(&c.delivered);
-                m.delivered.add(1, &labels);
-            }
-            Settled::RetryScheduled { .. } => {
-                self.health.count(&c.retries_scheduled);
-                m.retries_scheduled.add(1, &labels);
-            }
-            Settled::DeadLettered(_) => {
-                self.health.count(&c.dead_lettered);
-                m.dead_lettered.add(1, &labels);
-            }
-            Settled::AlreadyFinal(_) => {}
-        }
-    }
-
-    /// Counts a failed settlement.
-    pub(crate) fn settle_failed(&self, e: &super::settle::SettleError) {
-        self.health.count(&self.health.counters.settle_failures);
-        self.settle_failed_metric(e);
-    }
-
-    /// Records a failed settlement in the metrics only.
-    pub(crate) fn settle_failed_metric(&self, e: &super::settle::SettleError) {
-        self.metrics.settle_failures.add(
-            1,
-            &[opentelemetry::KeyValue::new(
-                crate::telemetry::names::metric_attr::REASON,
-                e.dependency(),
-            )],
-        );
-    }
 }

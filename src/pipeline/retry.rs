@@ -332,7 +332,7 @@ async fn recover_overdue(shared: &Shared) {
         match shared.settler.recover(&p.key, overdue_before).await {
             Ok(true) => {
                 tracing::warn!(key = %p.key, attempt = p.attempt, due = ?p.due, "a retry the ledger records was overdue with no message to run it; scheduled it again");
-                shared.count_recovered();
+                shared.observe.count_recovered();
             }
             Ok(false) => {}
             Err(e) => {
@@ -371,7 +371,7 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                 .map(drop),
             Verdict::Current => {
                 tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
-                shared.count_rescued();
+                shared.observe.count_rescued();
                 shared
                     .settler
                     .rescue(&rec, &body, msg.sequence_number)
@@ -624,7 +624,7 @@ async fn process(
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
         drop((slot, starting));
-        shared.count_deferred(event_type);
+        shared.observe.count_deferred(event_type);
         let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
             shared
                 .settler
@@ -639,19 +639,18 @@ async fn process(
     drop(starting);
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
-    shared.metrics.retry_lateness.record(
+    shared.observe.retry_lateness(
         shared
             .clock()
             .now()
             .duration_since(at(body.due_ms))
-            .unwrap_or_default()
-            .as_secs_f64(),
-        &crate::telemetry::type_label(event.identity.event_type.as_deref()),
+            .unwrap_or_default(),
+        event_type,
     );
     // The policy in force is the one pinned in the ledger at the first failure.
     let pinned = rec.policy;
     let cx = attempt::Context {
-        consumer_group: &shared.consumer_group,
+        consumer_group: &shared.origin.consumer_group,
         source: Source::Retry,
         policy: &pinned.name,
         max_attempts: pinned.max_attempts,
@@ -660,7 +659,7 @@ async fn process(
     // Keep the lock while the handler runs.
     let attempted = {
         let run = attempt::run(
-            &shared.handler,
+            &shared.downstream.handler,
             &event,
             body.attempt,
             &body.traceparents,
@@ -702,7 +701,7 @@ async fn process(
     let settled = match settle().await {
         Ok(s) => Ok(s),
         Err(e) => {
-            shared.settle_failed(&e);
+            shared.observe.settle_failed(&e);
             tracing::warn!(key = %key, error = %e, "settling the retry failed; holding it until it settles");
             match holding(
                 &mut msg,
@@ -713,7 +712,7 @@ async fn process(
                 || async {
                     settle()
                         .await
-                        .inspect_err(|e| shared.settle_failed_metric(e))
+                        .inspect_err(|e| shared.observe.settle_failed_metric(e))
                 },
             )
             .await
@@ -725,7 +724,9 @@ async fn process(
     };
     attempt::finish(&attempted, settled.as_ref());
     if let Ok(s) = settled {
-        shared.count_settled(&s, event.identity.event_type.as_deref());
+        shared
+            .observe
+            .count_settled(&s, event.identity.event_type.as_deref());
         settle_message(&msg, true).await;
     }
 }

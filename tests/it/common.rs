@@ -14,10 +14,10 @@ use hubguard::azure::ConnectionString;
 use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
 
 /// The deadline for any single step of a test.
-pub const STEP: Duration = Duration::from_secs(30);
+pub(crate) const STEP: Duration = Duration::from_secs(30);
 
 /// Awaits `f` or panics naming `what` after [`STEP`].
-pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
+pub(crate) async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
     match tokio::time::timeout(STEP, f).await {
         Ok(v) => v,
         Err(_) => panic!("{what}: no answer within {STEP:?}"),
@@ -25,7 +25,7 @@ pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
 }
 
 /// Starts an emulator with the given hubs on a free port (memory only).
-pub async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
+pub(crate) async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
     emulator_with(EventHubsConfig {
         hubs: hubs.iter().map(|(n, p)| HubSpec::new(*n, *p)).collect(),
         ..Default::default()
@@ -34,7 +34,7 @@ pub async fn emulator(hubs: &[(&str, usize)]) -> EventHubsEmulator {
 }
 
 /// Starts an emulator with a full configuration.
-pub async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
+pub(crate) async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
     hubguard::azure::install_crypto_provider();
     EventHubsEmulator::start(config)
         .await
@@ -42,7 +42,7 @@ pub async fn emulator_with(config: EventHubsConfig) -> EventHubsEmulator {
 }
 
 /// The emulator's connection string, parsed.
-pub fn conn(emu: &EventHubsEmulator) -> ConnectionString {
+pub(crate) fn conn(emu: &EventHubsEmulator) -> ConnectionString {
     emu.connection_string()
         .parse()
         .expect("valid connection string")
@@ -50,7 +50,7 @@ pub fn conn(emu: &EventHubsEmulator) -> ConnectionString {
 
 /// A producer for `hub`, authenticated by the connection string (the SDK's own
 /// connection-string credential: SAS tokens under `servicebus.windows.net:sastoken`).
-pub async fn producer(cs: &ConnectionString, hub: &str) -> ProducerClient {
+pub(crate) async fn producer(cs: &ConnectionString, hub: &str) -> ProducerClient {
     within(
         "open producer",
         cs.open_producer(ProducerClient::builder(), hub),
@@ -60,12 +60,16 @@ pub async fn producer(cs: &ConnectionString, hub: &str) -> ProducerClient {
 }
 
 /// A consumer for `hub` in `$Default`.
-pub async fn consumer(cs: &ConnectionString, hub: &str) -> ConsumerClient {
+pub(crate) async fn consumer(cs: &ConnectionString, hub: &str) -> ConsumerClient {
     consumer_in(cs, hub, None).await
 }
 
 /// A consumer for `hub` in a consumer group.
-pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) -> ConsumerClient {
+pub(crate) async fn consumer_in(
+    cs: &ConnectionString,
+    hub: &str,
+    group: Option<&str>,
+) -> ConsumerClient {
     let mut b = ConsumerClient::builder();
     if let Some(g) = group {
         b = b.with_consumer_group(g.to_string());
@@ -76,7 +80,7 @@ pub async fn consumer_in(cs: &ConnectionString, hub: &str, group: Option<&str>) 
 }
 
 /// Opens a receiver on `partition` starting at `location`.
-pub async fn receiver(
+pub(crate) async fn receiver(
     consumer: &ConsumerClient,
     partition: &str,
     location: StartLocation,
@@ -100,7 +104,7 @@ pub async fn receiver(
 }
 
 /// Receives exactly `n` events (each within [`STEP`]).
-pub async fn take(receiver: &EventReceiver, n: usize) -> Vec<ReceivedEventData> {
+pub(crate) async fn take(receiver: &EventReceiver, n: usize) -> Vec<ReceivedEventData> {
     let stream = receiver.stream_events();
     futures::pin_mut!(stream);
     let mut out = Vec::with_capacity(n);
@@ -116,14 +120,14 @@ pub async fn take(receiver: &EventReceiver, n: usize) -> Vec<ReceivedEventData> 
 }
 
 /// The body of an event as text.
-pub fn body(ev: &ReceivedEventData) -> String {
+pub(crate) fn body(ev: &ReceivedEventData) -> String {
     String::from_utf8(ev.event_data().body().expect("one data section").to_vec())
         .expect("utf-8 body")
 }
 
 /// A minimal HTTP/1.1 client (one request per connection) for the admin endpoint and the
 /// status API: the status code and the body.
-pub async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+pub(crate) async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = within("http connect", tokio::net::TcpStream::connect(addr))
         .await
@@ -150,6 +154,6 @@ pub async fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, Str
 }
 
 /// `GET path` with [`http`].
-pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
+pub(crate) async fn http_get(addr: &str, path: &str) -> (u16, String) {
     http(addr, "GET", path, "").await
 }

@@ -75,7 +75,7 @@ fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 
 /// Every metric name the dashboards and the READMEs use in Prometheus' spelling
 /// (`hubguard_…`), as PromQL would ask for it.
-pub fn promql_names() -> BTreeSet<String> {
+pub(crate) fn promql_names() -> BTreeSet<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut paths = Vec::new();
     files(&root.join("dashboards"), &mut paths);
@@ -93,7 +93,7 @@ pub fn promql_names() -> BTreeSet<String> {
 }
 
 /// The sample names a Prometheus text exposition serves (`name{labels} value`).
-pub fn served_names(exposition: &str) -> BTreeSet<String> {
+pub(crate) fn served_names(exposition: &str) -> BTreeSet<String> {
     exposition
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
@@ -104,7 +104,7 @@ pub fn served_names(exposition: &str) -> BTreeSet<String> {
 
 /// Whether PromQL's `name` is served: as a sample name, or a histogram's family (its
 /// `_bucket`, `_sum`, `_count` samples).
-pub fn served(name: &str, names: &BTreeSet<String>) -> bool {
+pub(crate) fn served(name: &str, names: &BTreeSet<String>) -> bool {
     names.contains(name) || names.contains(&format!("{name}_bucket"))
 }
 

@@ -1,6 +1,7 @@
 //! hubguard's integration tests: the real Azure SDK crates over loopback against the
 //! in-process emulators. One binary, so linking happens once.
 
+mod architecture;
 mod bad_state;
 mod blob;
 mod cli;

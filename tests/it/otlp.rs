@@ -21,7 +21,7 @@ use prost::Message;
 
 /// A received span.
 #[derive(Debug, Clone)]
-pub struct Span {
+pub(crate) struct Span {
     pub name: String,
     pub trace_id: String,
     pub span_id: String,
@@ -37,7 +37,7 @@ pub struct Span {
 
 /// A received metric data point: name → value (sum / histogram count).
 #[derive(Debug, Default)]
-pub struct Collected {
+pub(crate) struct Collected {
     pub spans: Vec<Span>,
     pub metrics: BTreeMap<String, f64>,
 }
@@ -129,7 +129,7 @@ async fn metrics(State(c): State<Arc<Mutex<Collected>>>, body: Bytes) -> Vec<u8>
     ExportMetricsServiceResponse::default().encode_to_vec()
 }
 
-pub struct Telemetry {
+pub(crate) struct Telemetry {
     pub collected: Arc<Mutex<Collected>>,
     guard: hubguard::telemetry::Guard,
     /// Keeps the exporters' runtime alive for the whole test binary.
@@ -138,7 +138,7 @@ pub struct Telemetry {
 
 impl Telemetry {
     /// Exports what is buffered (from a blocking thread: the exporters run on our runtime).
-    pub async fn flush(&'static self) {
+    pub(crate) async fn flush(&'static self) {
         tokio::task::spawn_blocking(move || self.guard.flush())
             .await
             .unwrap();
@@ -147,7 +147,7 @@ impl Telemetry {
 
 /// The process-wide telemetry and its collector, started once on a runtime of its own (the
 /// exporters must outlive every test's runtime).
-pub fn telemetry() -> &'static Telemetry {
+pub(crate) fn telemetry() -> &'static Telemetry {
     static T: OnceLock<Telemetry> = OnceLock::new();
     T.get_or_init(|| {
         std::thread::spawn(|| {

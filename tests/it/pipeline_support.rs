@@ -12,13 +12,14 @@ use hubguard::azure::{BlobRecordStore, ConnectionString, RecordStore, ServiceBus
 use hubguard::emulator::blob::{BlobConfig, BlobEmulator};
 use hubguard::emulator::eventhubs::{EventHubsConfig, EventHubsEmulator, HubSpec};
 use hubguard::emulator::servicebus::{QueueSpec, ServiceBusConfig, ServiceBusEmulator};
-use hubguard::event::{Event, IdentityConfig};
+use hubguard::event::Event;
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::Ledger;
 use hubguard::pipeline::health::Health;
 use hubguard::pipeline::settle::{Policies, Settler};
 use hubguard::pipeline::{EventHubsTarget, Pipeline, PipelineOptions, PipelineParts};
 use hubguard::policy::{Curve, RetryPolicy};
+use hubguard::wiring::{ServiceBusAccess, StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -27,7 +28,7 @@ use crate::common::*;
 /// `perm` (permanent failure), `retry-after:S` (one 429-like failure asking for S seconds);
 /// anything after a `#` is padding.
 #[derive(Default)]
-pub struct Scripted {
+pub(crate) struct Scripted {
     /// key → attempt numbers seen, in order.
     pub calls: Mutex<HashMap<String, Vec<u32>>>,
     /// keys delivered (in delivery order, duplicates included).
@@ -37,7 +38,7 @@ pub struct Scripted {
 }
 
 impl Scripted {
-    pub fn calls_of(&self, key: &str) -> Vec<u32> {
+    pub(crate) fn calls_of(&self, key: &str) -> Vec<u32> {
         self.calls
             .lock()
             .unwrap()
@@ -45,7 +46,7 @@ impl Scripted {
             .cloned()
             .unwrap_or_default()
     }
-    pub fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
+    pub(crate) fn delivered_keys(&self) -> std::collections::BTreeSet<String> {
         self.delivered.lock().unwrap().iter().cloned().collect()
     }
 }
@@ -93,7 +94,7 @@ impl Handler for Scripted {
     }
 }
 
-pub struct Bed {
+pub(crate) struct Bed {
     pub eh: EventHubsEmulator,
     pub sb: ServiceBusEmulator,
     pub blob: BlobEmulator,
@@ -101,7 +102,7 @@ pub struct Bed {
 }
 
 /// A fast policy for tests: fixed 1 s waits.
-pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
+pub(crate) fn fast_policy(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         name: "test".into(),
         curve: Curve::Fixed,
@@ -113,25 +114,25 @@ pub fn fast_policy(max_attempts: u32) -> RetryPolicy {
     }
 }
 
-pub struct Running {
+pub(crate) struct Running {
     pub cancel: CancellationToken,
     pub health: Arc<Health>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.cancel.cancel();
         within("pipeline stops", self.task).await.unwrap();
     }
 }
 
 impl Bed {
-    pub async fn start(partitions: usize) -> Self {
+    pub(crate) async fn start(partitions: usize) -> Self {
         Self::start_with_queue(partitions, QueueSpec::new("retries")).await
     }
 
-    pub async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
+    pub(crate) async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
         let eh = EventHubsEmulator::start(EventHubsConfig {
             hubs: vec![HubSpec::new("hub", partitions)],
             ..Default::default()
@@ -149,7 +150,7 @@ impl Bed {
         Self { eh, sb, blob, cs }
     }
 
-    pub fn records(&self) -> Arc<dyn RecordStore> {
+    pub(crate) fn records(&self) -> Arc<dyn RecordStore> {
         Arc::new(
             BlobRecordStore::new(
                 &self.blob.container_url("hubguard"),
@@ -160,12 +161,12 @@ impl Bed {
         )
     }
 
-    pub fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
+    pub(crate) fn checkpoint_store(&self) -> Arc<dyn CheckpointStore + Send + Sync> {
         hubguard::azure::BlobCheckpointStore::new(Arc::new(self.container()))
     }
 
     /// The blob container the checkpoints and the ledger live in, for raw access.
-    pub fn container(&self) -> hubguard::azure::BlobContainer {
+    pub(crate) fn container(&self) -> hubguard::azure::BlobContainer {
         hubguard::azure::BlobContainer::new(
             &self.blob.container_url("hubguard"),
             None,
@@ -175,7 +176,7 @@ impl Bed {
     }
 
     /// A settler on the bed's ledger and retry queue, outside any pipeline (as the CLI uses).
-    pub fn settler(&self, policy: RetryPolicy) -> Settler {
+    pub(crate) fn settler(&self, policy: RetryPolicy) -> Settler {
         let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
         let queue = ServiceBusRetryQueue::new(
             &sb_cs,
@@ -194,67 +195,48 @@ impl Bed {
     }
 
     /// The clock the pipeline and the Service Bus emulator share (tests may advance it).
-    pub fn clock(&self) -> Arc<hubguard::clock::Clock> {
+    pub(crate) fn clock(&self) -> Arc<hubguard::clock::Clock> {
         self.sb.clock().clone()
     }
 
-    pub fn ledger(&self) -> Ledger {
+    pub(crate) fn ledger(&self) -> Ledger {
         Ledger::new(self.records(), "hub", "$Default")
     }
 
-    pub fn parts(
+    /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
+    /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
+    pub(crate) fn wiring(&self, owner: &str) -> Wiring {
+        Wiring::new(
+            EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
+            StorageAccess::url(&self.blob.container_url("hubguard")),
+            ServiceBusAccess::ConnectionString(self.sb.connection_string().parse().unwrap()),
+        )
+        .options(PipelineOptions {
+            owner_id: owner.into(),
+            update_interval: Duration::from_millis(500),
+            ownership_expiration: Duration::from_secs(3),
+            checkpoint_every_events: 1000,
+            checkpoint_every: Duration::from_millis(300),
+            deadline: Duration::from_secs(3),
+            settle_backoff_max: Duration::from_millis(500),
+            retry_receive_wait: Duration::from_secs(1),
+            reconnect_base: Duration::from_millis(200),
+            watchdog_interval: Duration::from_millis(500),
+            clock: self.clock(),
+            ..Default::default()
+        })
+    }
+
+    pub(crate) fn parts(
         &self,
         handler: Arc<dyn Handler>,
         policy: RetryPolicy,
         owner: &str,
     ) -> PipelineParts {
-        let sb_cs: ConnectionString = self.sb.connection_string().parse().unwrap();
-        PipelineParts {
-            eventhubs: EventHubsTarget {
-                namespace: self.cs.namespace(),
-                custom_endpoint: self.cs.custom_endpoint(),
-                hub: "hub".into(),
-                consumer_group: "$Default".into(),
-                auth: hubguard::azure::EventHubsAuth::ConnectionString(self.cs.clone()),
-            },
-            checkpoint_store: self.checkpoint_store(),
-            records: self.records(),
-            queue: Arc::new(
-                ServiceBusRetryQueue::new(
-                    &sb_cs,
-                    "retries",
-                    hubguard::azure::retry_queue::ServiceBusOptions {
-                        deadline: Duration::from_secs(3),
-                    },
-                )
-                .unwrap()
-                .with_clock(self.clock()),
-            ),
-            handler,
-            policies: Policies {
-                default: policy,
-                by_type: HashMap::new(),
-            },
-            identity: IdentityConfig::default(),
-            breaker: None,
-            options: PipelineOptions {
-                owner_id: owner.into(),
-                update_interval: Duration::from_millis(500),
-                ownership_expiration: Duration::from_secs(3),
-                checkpoint_every_events: 1000,
-                checkpoint_every: Duration::from_millis(300),
-                deadline: Duration::from_secs(3),
-                settle_backoff_max: Duration::from_millis(500),
-                retry_receive_wait: Duration::from_secs(1),
-                reconnect_base: Duration::from_millis(200),
-                watchdog_interval: Duration::from_millis(500),
-                clock: self.clock(),
-                ..Default::default()
-            },
-        }
+        self.wiring(owner).policy(policy).parts(handler).unwrap()
     }
 
-    pub fn run(parts: PipelineParts) -> Running {
+    pub(crate) fn run(parts: PipelineParts) -> Running {
         let pipeline = Pipeline::new(parts);
         let health = pipeline.health();
         let cancel = CancellationToken::new();
@@ -270,7 +252,7 @@ impl Bed {
     }
 
     /// Sends events with `ce_id` = key and the given body to a partition.
-    pub async fn send(&self, partition: usize, events: &[(&str, &str)]) {
+    pub(crate) async fn send(&self, partition: usize, events: &[(&str, &str)]) {
         let prod = producer(&self.cs, "hub").await;
         let batch = within(
             "batch",
@@ -298,7 +280,7 @@ impl Bed {
 
     /// Sends one event on its own (not in a batch: the 0.15 SDK counts a batch's first
     /// event twice, so an event near 1 MB only goes out alone).
-    pub async fn send_one(&self, partition: usize, key: &str, body: &str) {
+    pub(crate) async fn send_one(&self, partition: usize, key: &str, body: &str) {
         let prod = producer(&self.cs, "hub").await;
         let ev = EventData::builder()
             .with_body(body.as_bytes().to_vec())
@@ -323,7 +305,7 @@ impl Bed {
     }
 
     /// The checkpointed sequence number of a partition, if any.
-    pub async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
+    pub(crate) async fn checkpoint_of(&self, partition: &str) -> Option<i64> {
         let cps = self
             .checkpoint_store()
             .list_checkpoints(&self.cs.host, "hub", "$Default")
@@ -336,7 +318,7 @@ impl Bed {
 }
 
 /// Waits (bounded) until `cond` holds, re-checking on every health change and every 50 ms.
-pub async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
+pub(crate) async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -361,7 +343,7 @@ where
 
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
 /// claimed, or checkpoints that never get written (a process that "crashes" before its first).
-pub struct ShapedStore {
+pub(crate) struct ShapedStore {
     /// The real store.
     pub inner: Arc<dyn CheckpointStore + Send + Sync>,
     /// Claims of this partition are dropped.

@@ -391,7 +391,9 @@ async fn the_start_up_proof_weighs_the_window_against_the_configuration() {
     })
     .await;
     let config = |servicebus: String, extra: &str| {
-        Config::parse(&format!("{}{extra}", config_text(&servicebus)), Vec::new()).unwrap()
+        let config =
+            Config::parse(&format!("{}{extra}", config_text(&servicebus)), Vec::new()).unwrap();
+        hubguard::wiring::Wiring::from_config(&config).unwrap()
     };
     let root = format!(
         "connection_string = \"{}\"\nqueue = \"short\"",

@@ -488,9 +488,9 @@ fn token_body(msg: &Msg) -> Option<String> {
 /// The CBS token type of a SAS token. Azure's broker takes a SAS token under this type only
 /// (azure-sdk-for-rust pull request #4587; the Service Bus AMQP guide, "claims-based
 /// authorization").
-pub const SAS_TOKEN_TYPE: &str = "servicebus.windows.net:sastoken";
+pub(super) const SAS_TOKEN_TYPE: &str = "servicebus.windows.net:sastoken";
 /// The CBS token type of an Entra ID (JWT) token.
-pub const JWT_TOKEN_TYPE: &str = "jwt";
+pub(super) const JWT_TOKEN_TYPE: &str = "jwt";
 
 /// Checks a token presented as `token_type` for `audience`, as Azure does: a SAS token only
 /// under [`SAS_TOKEN_TYPE`] (signature, expiry and audience verified); a `jwt` only when the

@@ -1,0 +1,227 @@
+//! The demo's script: what happens when. The replicas start, the producer sends the events
+//! spread over `--produce-over`, each outage starts at its time, a replica crashes every
+//! `--crash-every` and starts again; once a second the progress is drawn. The script ends
+//! once every event is delivered or dead-lettered, every outage is over, no retry waits and
+//! no partition is held — or at the timeout — and stops the replicas.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+use super::bed::{Bed, Replica, HUB, QUEUE};
+use super::report::{Progress, Tick};
+use super::{DemoArgs, Outage, Window};
+use crate::emulator::producer::{self, Outgoing, Plan};
+use crate::pipeline::health::Health;
+
+/// How the script ended.
+pub(super) struct Ending {
+    /// The keys of the events produced, in the order sent.
+    pub(super) keys: Vec<String>,
+    /// Replica crashes.
+    pub(super) crashes: usize,
+    /// The health of every replica that ran, crashed or stopped.
+    pub(super) replicas: Vec<Arc<Health>>,
+}
+
+/// The `n`-th event: key `demo-0000n`, a JSON body, every other one `order.created`, the
+/// rest `campaign.fired`.
+fn event(n: usize) -> Outgoing {
+    let key = format!("demo-{n:05}");
+    let kind = if n.is_multiple_of(2) {
+        "order.created"
+    } else {
+        "campaign.fired"
+    };
+    Outgoing::keyed(&key, format!("{{\"id\":\"{key}\"}}"))
+        .content_type("application/json")
+        .property("ce_type", kind)
+}
+
+/// Outage windows of one kind, and which have started.
+struct Outages {
+    windows: Vec<Window>,
+    started: Vec<bool>,
+}
+
+impl Outages {
+    fn new(outages: &[Outage]) -> Self {
+        let windows: Vec<Window> = outages.iter().filter_map(|o| o.0).collect();
+        Self {
+            started: vec![false; windows.len()],
+            windows,
+        }
+    }
+
+    /// The windows whose start time `t` has reached, not started before (now started).
+    fn due(&mut self, t: Duration) -> Vec<Window> {
+        let mut due = Vec::new();
+        for (w, started) in self.windows.iter().zip(self.started.iter_mut()) {
+            if !*started && t >= w.start {
+                *started = true;
+                due.push(*w);
+            }
+        }
+        due
+    }
+
+    fn all_started(&self) -> bool {
+        self.started.iter().all(|s| *s)
+    }
+}
+
+/// Plays the script on `bed`; `started` is when the demo started (the outages' and crashes'
+/// times count from it).
+pub(super) async fn play(
+    bed: &Bed,
+    args: &DemoArgs,
+    started: Instant,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<Ending> {
+    let mut replicas: Vec<Replica> = (0..args.replicas)
+        .map(|i| bed.start_replica(&format!("replica-{i}")))
+        .collect::<anyhow::Result<_>>()?;
+    let mut retired: Vec<Arc<Health>> = Vec::new();
+
+    let cs = bed.eventhubs()?;
+    let plan = Plan::spread(HUB, args.events, args.partitions, 10, args.produce_over)
+        .send_timeout(Duration::from_secs(10));
+    let mut producer = Some(tokio::spawn(async move {
+        producer::produce(&cs, &plan, event).await
+    }));
+    let ledger = bed.ledger()?;
+    let mut keys: Option<Vec<String>> = None;
+    let mut downstream = Outages::new(std::slice::from_ref(&args.downstream_outage));
+    let mut servicebus = Outages::new(&args.servicebus_outage);
+    let mut blob = Outages::new(&args.blob_outage);
+    let mut next_crash = args.crash_every.0;
+    let mut crashes = 0usize;
+    let drawing = Progress::new(args);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let t = started.elapsed();
+        for w in downstream.due(t) {
+            bed.hook.faults().error_status_for(503, w.duration);
+            progress(&format!(
+                "t={:>3}s  downstream outage: the webhook answers 503 for {:?}",
+                t.as_secs(),
+                w.duration
+            ));
+        }
+        for w in servicebus.due(t) {
+            bed.sb.faults().error_status_for(503, w.duration);
+            progress(&format!(
+                "t={:>3}s  Service Bus outage: 503 for {:?}; partitions with failures will hold",
+                t.as_secs(),
+                w.duration
+            ));
+        }
+        for w in blob.due(t) {
+            bed.blob.faults().error_status_for(503, w.duration);
+            progress(&format!(
+                "t={:>3}s  blob storage outage: 503 for {:?}; checkpoints, ownership and the ledger fail",
+                t.as_secs(),
+                w.duration
+            ));
+        }
+        if let Some(every) = next_crash.filter(|n| t >= *n) {
+            let i = crashes % replicas.len();
+            let victim = replicas.remove(i);
+            let owner = victim.owner.clone();
+            retired.push(victim.crash().await);
+            progress(&format!("t={:>3}s  crash: {owner} killed (no final checkpoint, no ownership release); restarting it", t.as_secs()));
+            replicas.insert(i, bed.start_replica(&owner)?);
+            crashes += 1;
+            next_crash = args.crash_every.0.map(|e| every + e);
+        }
+        if producer.as_ref().is_some_and(|p| p.is_finished()) {
+            keys = Some(producer.take().context("producer")?.await??.keys);
+        }
+        let delivered = bed.hook.deliveries();
+        let dead: BTreeSet<String> = ledger
+            .dead_letter_keys()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        let sb = bed.sb.counters(QUEUE).unwrap_or_default();
+        let held: BTreeMap<String, _> = replicas
+            .iter()
+            .flat_map(|r| r.health().held().into_iter().map(|(p, h)| (p, h.cause)))
+            .collect();
+        let produced = keys.as_ref().map_or(0, Vec::len);
+        let tick = Tick {
+            t,
+            delivered: delivered.len(),
+            events: if produced > 0 { produced } else { args.events },
+            retrying: sb.scheduled + sb.active + sb.locked,
+            dead_lettered: dead.len(),
+            held,
+        };
+        drawing.tick(&tick, progress);
+        if let Some(keys) = &keys {
+            let settled = keys
+                .iter()
+                .all(|k| delivered.contains_key(k) || dead.contains(k));
+            let outages_over = downstream.all_started()
+                && servicebus.all_started()
+                && blob.all_started()
+                && bed.sb.faults().error_status().is_none()
+                && bed.blob.faults().error_status().is_none()
+                && bed.hook.faults().error_status().is_none();
+            if settled && outages_over && tick.retrying == 0 && tick.held.is_empty() {
+                break;
+            }
+        }
+        if t > args.timeout {
+            break;
+        }
+    }
+    drawing.finish();
+    for r in replicas {
+        retired.push(r.stop().await);
+    }
+    let Some(keys) = keys else {
+        bail!("the producer did not finish");
+    };
+    Ok(Ending {
+        keys,
+        crashes,
+        replicas: retired,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outages_start_once_at_their_time() {
+        let w = |s, d| {
+            Outage(Some(Window {
+                start: Duration::from_secs(s),
+                duration: Duration::from_secs(d),
+            }))
+        };
+        let mut o = Outages::new(&[w(5, 2), Outage(None), w(3, 1)]);
+        assert!(o.due(Duration::from_secs(2)).is_empty());
+        assert_eq!(o.due(Duration::from_secs(4)), [o.windows[1]]);
+        assert!(!o.all_started());
+        assert_eq!(o.due(Duration::from_secs(9)), [o.windows[0]]);
+        assert!(o.due(Duration::from_secs(10)).is_empty());
+        assert!(o.all_started());
+        assert!(Outages::new(&[Outage(None)]).all_started());
+    }
+
+    #[test]
+    fn events_are_the_demos() {
+        let e = event(12);
+        assert_eq!(e.key.as_deref(), Some("demo-00012"));
+        assert_eq!(e.body, br#"{"id":"demo-00012"}"#);
+        assert_eq!(e.content_type.as_deref(), Some("application/json"));
+        assert_eq!(e.properties, [("ce_type".into(), "order.created".into())]);
+        assert_eq!(event(1).properties[0].1, "campaign.fired");
+    }
+}
