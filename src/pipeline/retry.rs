@@ -73,6 +73,9 @@ struct Limits {
     /// Receivers polling now, and at most.
     receivers: AtomicUsize,
     max_receivers: usize,
+    /// Messages past their due time waiting for an attempt slot (see [`DueWaiting`]).
+    due_waiting: AtomicUsize,
+    slot_taken: tokio::sync::Notify,
     /// Messages past their due time whose attempt has not started yet, by due time (ms):
     /// see [`Starting`].
     starting: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
@@ -139,6 +142,42 @@ impl Drop for Starting<'_> {
     }
 }
 
+/// One message past its due time waiting for an attempt slot.
+struct DueWaiting<'a>(&'a Limits);
+
+impl<'a> DueWaiting<'a> {
+    fn new(limits: &'a Limits) -> Self {
+        limits.due_waiting.fetch_add(1, Ordering::AcqRel);
+        Self(limits)
+    }
+}
+
+impl Drop for DueWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.due_waiting.fetch_sub(1, Ordering::AcqRel);
+        self.0.slot_taken.notify_waiters();
+    }
+}
+
+impl Limits {
+    /// Waits while as many messages as there are attempt slots are already due and waiting
+    /// for one: taking more would only hold them locked here while other replicas, or this
+    /// one's slots later, could run them. Messages that arrive early are not held back
+    /// (`retry_prefetch` bounds those). `false` if `cancel` fires.
+    async fn room_for_due(&self, cancel: &CancellationToken) -> bool {
+        loop {
+            let taken = self.slot_taken.notified();
+            if self.due_waiting.load(Ordering::Acquire) < self.max_receivers {
+                return true;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return false,
+                _ = taken => {}
+            }
+        }
+    }
+}
+
 /// Runs until `cancel` fires.
 pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     let o = &shared.options;
@@ -147,6 +186,8 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         attempts: Semaphore::new(o.retry_concurrency.max(1)),
         receivers: AtomicUsize::new(1),
         max_receivers: o.retry_concurrency.max(1),
+        due_waiting: AtomicUsize::new(0),
+        slot_taken: tokio::sync::Notify::new(),
         starting: Default::default(),
         started: tokio::sync::Notify::new(),
     });
@@ -217,6 +258,9 @@ async fn receiver(
     let mut failures = 0u32;
     loop {
         if !primary && shared.health.retry_loop() != RetryLoopState::Running {
+            break;
+        }
+        if !limits.room_for_due(&cancel).await {
             break;
         }
         let held = tokio::select! {
@@ -451,49 +495,49 @@ where
     }
 }
 
-/// Waits until `due`, renewing `msg`'s lock meanwhile; `false` if the loop stops first (the
-/// message abandoned, so Service Bus hands it to another replica at once) or the lock is
-/// lost (Service Bus hands the message to another receiver: running it here too would be a
-/// second attempt).
-async fn wait_until_due(
+/// Waits for `fut` while holding `msg`: its lock renewed meanwhile. `None` if the loop
+/// stops first (the message abandoned, so Service Bus hands it to another replica at once),
+/// or if the lock is lost or lapsed (a stalled process, a step of the clock): Service Bus
+/// hands the message to another receiver, and running it here too would be a second attempt.
+async fn under_lock<T>(
     msg: &mut ReceivedMessage,
-    due: std::time::SystemTime,
     shared: &Shared,
     cancel: &CancellationToken,
-) -> bool {
+    fut: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::pin!(fut);
     loop {
-        let now = shared.clock().now();
-        if now >= msg.locked_until {
-            // Paused past the lock's expiry (a stalled process, a step of the clock): Service
-            // Bus hands the message to another receiver, which runs it.
-            tracing::warn!(message_id = %msg.message_id, "the lock on a retry held until its due time lapsed; leaving it to its next receiver");
-            return false;
-        }
-        if now >= due {
-            return true;
+        if !lock_held(msg, shared) {
+            return None;
         }
         let renew_in = (shared.clock().until(msg.locked_until) / 2).max(Duration::from_millis(500));
-        let until = shared.clock().until(due);
         tokio::select! {
             _ = cancel.cancelled() => {
                 settle_message(msg, false).await;
-                return false;
+                return None;
             }
-            _ = shared.clock().sleep_until(due), if until <= renew_in => {}
-            _ = shared.clock().sleep(renew_in), if until > renew_in => {
-                match msg.renew().await {
-                    Ok(()) => {}
-                    Err(RetryQueueError::LockLost) => {
-                        tracing::warn!(message_id = %msg.message_id, "lost the lock on a retry held until its due time; Service Bus hands it to another receiver");
-                        return false;
-                    }
-                    Err(e) => {
-                        tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
-                    }
+            v = &mut fut => return lock_held(msg, shared).then_some(v),
+            _ = shared.clock().sleep(renew_in) => match msg.renew().await {
+                Ok(()) => {}
+                Err(RetryQueueError::LockLost) => {
+                    tracing::warn!(message_id = %msg.message_id, "lost the lock on a retry waiting to start; Service Bus hands it to another receiver");
+                    return None;
                 }
-            }
+                Err(e) => {
+                    tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                }
+            },
         }
     }
+}
+
+/// Whether `msg`'s lock still holds on the clock; says so when it lapsed.
+fn lock_held(msg: &ReceivedMessage, shared: &Shared) -> bool {
+    let held = shared.clock().now() < msg.locked_until;
+    if !held {
+        tracing::warn!(message_id = %msg.message_id, "the lock on a retry waiting to start lapsed; leaving it to its next receiver");
+    }
+    held
 }
 
 async fn process(
@@ -523,24 +567,23 @@ async fn process(
     } else {
         None
     };
-    if !wait_until_due(&mut msg, due, shared, cancel).await {
+    if under_lock(&mut msg, shared, cancel, shared.clock().sleep_until(due))
+        .await
+        .is_none()
+    {
         return;
     }
     let starting = Starting::new(limits, body.due_ms);
+    let waiting = DueWaiting::new(limits);
     let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
     // The attempt's slot: taken before the record is re-validated and the breaker asked, and
     // held until the breaker knows the outcome (or no call is made).
-    let slot = tokio::select! {
-        _ = cancel.cancelled() => {
-            settle_message(&msg, false).await;
-            return;
-        }
-        s = limits.attempts.acquire() => match s {
-            Ok(s) => s,
-            Err(_) => return,
-        },
+    let Some(Ok(slot)) = under_lock(&mut msg, shared, cancel, limits.attempts.acquire()).await
+    else {
+        return;
     };
+    drop(waiting);
     // A record that cannot be parsed is set aside and its event dead-lettered (the message
     // carries only the key), never held forever.
     let Some(current) = holding(

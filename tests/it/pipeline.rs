@@ -1004,3 +1004,64 @@ async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
     }
     run.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
+    const N: usize = 30;
+    const SLOTS: usize = 3;
+    let bed = Bed::start(1).await;
+    let clock = bed.clock();
+    let keys: Vec<String> = (0..N).map(|i| format!("backlog-{i:02}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
+    bed.send(0, &events).await;
+    let gated = |permits: usize| {
+        Arc::new(Gated {
+            clock: clock.clone(),
+            in_flight: Default::default(),
+            most: Default::default(),
+            gate: tokio::sync::Semaphore::new(permits),
+            retries: Default::default(),
+        })
+    };
+    let (slow, quick) = (gated(0), gated(1000));
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    let replica = |handler: Arc<Gated>, owner: &str| {
+        let mut parts = bed.parts(handler, policy.clone(), owner);
+        parts.options.retry_concurrency = SLOTS;
+        parts.options.retry_lead = Duration::ZERO;
+        parts
+    };
+    let a = Bed::run(replica(slow.clone(), "replica-a"));
+    wait_for("every retry is scheduled", &a.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    // All come due while replica-a's downstream hangs on its first calls.
+    clock.advance(Duration::from_secs(61));
+    wait_for("replica-a's slots fill", &a.health, LIMIT, || async {
+        slow.in_flight.load(std::sync::atomic::Ordering::SeqCst) == SLOTS
+    })
+    .await;
+    // replica-a holds its calls and a few waiting for a slot, not the backlog: replica-b
+    // runs the rest meanwhile.
+    let b = Bed::run(replica(quick.clone(), "replica-b"));
+    wait_for("replica-b runs the backlog", &b.health, LIMIT, || async {
+        quick.retries.lock().unwrap().len() >= N - 3 * SLOTS
+    })
+    .await;
+    slow.gate.add_permits(N);
+    wait_for("every retry delivered", &a.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    let ledger = bed.ledger();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    a.stop().await;
+    b.stop().await;
+}
