@@ -34,7 +34,14 @@
 //! record is re-validated and the breaker asked, and held until the breaker has been told
 //! the attempt's outcome. However many held messages come due in one instant, at most that
 //! many calls reach the downstream before a failure can trip the breaker; settling the
-//! attempt afterwards does not hold the slot.
+//! attempt afterwards does not hold the slot. A message waiting for a slot keeps its lock
+//! renewed, and receivers pause while as many due messages as there are slots already wait
+//! for one (a busy replica leaves the backlog to the others).
+//!
+//! Settling (a ledger write and a complete) yields to the attempts due no later than its own
+//! until they have started, at most [`SETTLE_YIELD_MAX`]: a burst that comes due in one
+//! instant starts first and settles after, instead of every start queueing behind the
+//! settlements of the ones before it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
