@@ -3,7 +3,7 @@
 //! - [`connection_string`]: the `Endpoint=…;SharedAccessKeyName=…;SharedAccessKey=…` form,
 //!   parsed with errors that name the missing key and never echo the secret.
 //! - [`sas`]: Shared Access Signature tokens (HMAC-SHA256 over the audience) — the
-//!   [`SasCredential`](sas::SasCredential) (a `TokenCredential`; Event Hubs clients use the SDK's
+//!   [`SasCredential`] (a `TokenCredential`; Event Hubs clients use the SDK's
 //!   own connection-string credential instead, see [`ConnectionString::open_consumer`]), and
 //!   the verifier the emulators use.
 //! - [`blob`]: hubguard's small Blob Storage REST client (SAS, Entra ID or anonymous), under

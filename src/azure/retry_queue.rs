@@ -749,7 +749,7 @@ fn lock_error(e: &azure_core_legacy::Error) -> RetryQueueError {
 const DETAIL_LIMIT: usize = 300;
 
 /// The `<Detail>` (else `<Message>`) of a Service Bus error body, unescaped, with control
-/// characters removed and cut to [`DETAIL_LIMIT`] characters: what the service said about a
+/// characters removed and cut to `DETAIL_LIMIT` (300) characters: what the service said about a
 /// refusal, fit for a log line, a ledger record and `hubguard status`.
 pub fn error_detail(body: &[u8]) -> String {
     let text = String::from_utf8_lossy(body);
@@ -826,7 +826,7 @@ const TOKEN_REFRESH_MARGIN: Duration = Duration::from_secs(300);
 
 /// An `HttpClient` for the legacy crate that authenticates every request with an Entra ID
 /// token (`Authorization: Bearer …` for [`SERVICE_BUS_SCOPE`]) instead of the SAS the crate
-/// signs. The token is cached until [`TOKEN_REFRESH_MARGIN`] before it expires; one request
+/// signs. The token is cached until `TOKEN_REFRESH_MARGIN` before it expires; one request
 /// fetches it while the others wait. `Debug` never shows it, and a credential failure
 /// becomes [`RetryQueueError::Credential`].
 pub struct BearerTokenHttpClient {
