@@ -25,6 +25,7 @@ use crate::clock::Clock;
 pub struct MemoryRecordStore {
     records: Mutex<BTreeMap<String, (Bytes, u64, Tags)>>,
     next_etag: std::sync::atomic::AtomicU64,
+    reads: std::sync::atomic::AtomicU64,
 }
 
 impl MemoryRecordStore {
@@ -37,6 +38,11 @@ impl MemoryRecordStore {
         self.next_etag
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             + 1
+    }
+
+    /// How many reads it has answered (a test counts what a step costs).
+    pub fn reads(&self) -> u64 {
+        self.reads.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Replaces a record's bytes unconditionally (for tests that corrupt a record).
@@ -54,6 +60,8 @@ impl MemoryRecordStore {
 #[async_trait]
 impl RecordStore for MemoryRecordStore {
     async fn read(&self, key: &str) -> Result<Option<Record>, StoreError> {
+        self.reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.lock().get(key).map(|(body, etag, _)| Record {
             body: body.clone(),
             etag: etag.to_string(),

@@ -464,10 +464,26 @@ impl Ledger {
     pub async fn update<T>(
         &self,
         key: &str,
+        decide: impl FnMut(Option<LedgerRecord>) -> Change<T>,
+    ) -> Result<T, LedgerError> {
+        self.update_from(key, None, decide).await
+    }
+
+    /// [`update`](Self::update), starting from a record the caller already read with its
+    /// ETag (no read when nobody wrote since: the write's `If-Match` proves it; a conflict
+    /// reads and decides again).
+    pub async fn update_from<T>(
+        &self,
+        key: &str,
+        mut read: Option<(LedgerRecord, String)>,
         mut decide: impl FnMut(Option<LedgerRecord>) -> Change<T>,
     ) -> Result<T, LedgerError> {
         for _ in 0..CAS_ROUNDS {
-            let (record, etag) = match self.get(key).await? {
+            let current = match read.take() {
+                Some(known) => Some(known),
+                None => self.get(key).await?,
+            };
+            let (record, etag) = match current {
                 Some((r, e)) => (Some(r), Some(e)),
                 None => (None, None),
             };

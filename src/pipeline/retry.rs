@@ -656,7 +656,7 @@ async fn process(
             }
             return;
         }
-        Some((rec, _)) => rec,
+        Some(read) => read,
         None => {
             drop((slot, starting));
             // The ledger is written before any retry message is sent, and the event lives
@@ -668,6 +668,7 @@ async fn process(
             return;
         }
     };
+    let (rec, etag) = rec;
     let event = rec.event.clone();
     // An open breaker defers the attempt past its expiry, without counting it.
     let event_type = event.identity.event_type.as_deref();
@@ -698,7 +699,7 @@ async fn process(
         event_type,
     );
     // The policy in force is the one pinned in the ledger at the first failure.
-    let pinned = rec.policy;
+    let pinned = rec.policy.clone();
     let cx = attempt::Context {
         consumer_group: &shared.origin.consumer_group,
         source: Source::Retry,
@@ -734,10 +735,15 @@ async fn process(
     limits.yield_to_starts(body.due_ms).await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
+    // The first settlement starts from the record read at the due time (one read per
+    // retry); one tried again after a failure reads afresh.
+    let read = std::sync::Mutex::new(Some((rec, etag)));
     let settle = || {
+        let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
         shared
             .settler
-            .settle(
+            .settle_from(
+                read,
                 &event,
                 body.attempt,
                 Source::Retry,

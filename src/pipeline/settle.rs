@@ -571,13 +571,45 @@ impl Settler {
         trace_id: &str,
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
+        self.settle_from(
+            None,
+            event,
+            attempt,
+            source,
+            started,
+            outcome,
+            trace_id,
+            traceparents,
+        )
+        .await
+    }
+
+    /// [`settle`](Self::settle), starting from the ledger record (and its ETag) the caller
+    /// read to decide that this attempt was the current one: the retry loop's one read of a
+    /// retry. The write's `If-Match` proves nobody wrote since; if somebody did, the record is
+    /// read again and the decision made again.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn settle_from(
+        &self,
+        read: Option<(LedgerRecord, String)>,
+        event: &Event,
+        attempt: u32,
+        source: Source,
+        started: SystemTime,
+        outcome: &Outcome,
+        trace_id: &str,
+        traceparents: &[String],
+    ) -> Result<Settled, SettleError> {
         let settled = match outcome {
             Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
                 return Ok(Settled::Delivered)
             }
-            Outcome::Delivered => self.delivered(event, attempt, started, trace_id).await,
+            Outcome::Delivered => {
+                self.delivered(read, event, attempt, started, trace_id)
+                    .await
+            }
             Outcome::Failed(f) => {
-                self.failed(event, attempt, started, f, trace_id, traceparents)
+                self.failed(read, event, attempt, started, f, trace_id, traceparents)
                     .await
             }
         };
@@ -601,6 +633,7 @@ impl Settler {
 
     async fn delivered(
         &self,
+        read: Option<(LedgerRecord, String)>,
         event: &Event,
         attempt: u32,
         started: SystemTime,
@@ -610,7 +643,7 @@ impl Settler {
         let now = self.clock.now();
         Ok(self
             .ledger
-            .update(key, |rec| {
+            .update_from(key, read, |rec| {
                 let Some(mut rec) = rec else {
                     return Change::Keep(Settled::Delivered);
                 };
@@ -636,8 +669,10 @@ impl Settler {
             .await?)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn failed(
         &self,
+        mut read: Option<(LedgerRecord, String)>,
         event: &Event,
         attempt: u32,
         started: SystemTime,
@@ -647,7 +682,11 @@ impl Settler {
     ) -> Result<Settled, SettleError> {
         let key = &event.identity.idempotency_key;
         for _ in 0..CAS_ROUNDS {
-            let current = self.ledger.get(key).await?;
+            // The caller's read first; after a conflict, a fresh one.
+            let current = match read.take() {
+                Some(known) => Some(known),
+                None => self.ledger.get(key).await?,
+            };
             if let Some((rec, _)) = &current {
                 if let Verdict::Final(state) = Verdict::of(Some(rec), attempt) {
                     return Ok(Settled::AlreadyFinal(state));
@@ -927,6 +966,64 @@ mod tests {
         assert_eq!((body.v, body.key.as_str(), body.attempt), (2, "k", 2));
         assert!(body.event.is_none(), "the event stays in the ledger");
         assert_eq!(Some(at(body.due_ms)), rec.next_attempt_at());
+    }
+
+    #[tokio::test]
+    async fn settling_from_the_record_in_hand_reads_nothing_unless_someone_wrote_since() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let read = b.settler.ledger.get("k").await.unwrap().unwrap();
+        let k = event("k");
+        let delivered = |read| {
+            b.settler.settle_from(
+                read,
+                &k,
+                2,
+                Source::Retry,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "0af7651916cd43dd8448eb211c80319c",
+                &[],
+            )
+        };
+        // Nobody wrote since the read: the write's If-Match proves it, no second read.
+        let before = b.records.reads();
+        assert_eq!(delivered(Some(read)).await.unwrap(), Settled::Delivered);
+        assert_eq!(b.records.reads(), before, "one read per retry");
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+
+        // Somebody wrote after the read (attempt 2 failed elsewhere): the conflict reads the
+        // record again and decides on what it says now.
+        fail(&b, "j", 1, Source::EventHubs).await.unwrap();
+        let stale = b.settler.ledger.get("j").await.unwrap().unwrap();
+        fail(&b, "j", 2, Source::Retry).await.unwrap();
+        let messages = b.queue.len();
+        let failed = b
+            .settler
+            .settle_from(
+                Some(stale),
+                &event("j"),
+                2,
+                Source::Retry,
+                b.clock.now(),
+                &Outcome::Failed(Failure::transient("boom")),
+                "0af7651916cd43dd8448eb211c80319c",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert!(
+            matches!(failed, Settled::RetryScheduled { attempt: 3, .. }),
+            "{failed:?}"
+        );
+        let (rec, _) = b.settler.ledger.get("j").await.unwrap().unwrap();
+        assert_eq!(rec.attempts, 2, "attempt 2 recorded once");
+        assert_eq!(
+            b.queue.len(),
+            messages,
+            "no second retry message for attempt 3"
+        );
     }
 
     #[tokio::test]
