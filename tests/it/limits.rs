@@ -35,8 +35,16 @@ async fn a_million_byte_event_is_delivered_first_time_and_after_a_failure() {
         d.contains("big-ok") && d.contains("big-flaky")
     })
     .await;
-    assert_eq!(handler.calls_of("big-ok"), vec![1]);
-    assert_eq!(handler.calls_of("big-flaky"), vec![1, 2]);
+    // Which attempts ran (a partition that changes hands on a loaded machine may replay an
+    // attempt before its checkpoint: at least once, never a new attempt number).
+    let attempts = |key: &str| {
+        let mut a = handler.calls_of(key);
+        a.sort_unstable();
+        a.dedup();
+        a
+    };
+    assert_eq!(attempts("big-ok"), vec![1]);
+    assert_eq!(attempts("big-flaky"), vec![1, 2]);
     let (rec, _) = bed.ledger().get("big-flaky").await.unwrap().unwrap();
     assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
     assert_eq!(
