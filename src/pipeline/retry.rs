@@ -65,8 +65,9 @@ const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
 
 /// What receivers hand the loop.
 enum Work {
-    /// A message to process, with its place among the messages in hand.
-    Process(Box<ReceivedMessage>, OwnedSemaphorePermit),
+    /// A message to process, with its place among the messages in hand, counted as due
+    /// and waiting until it is known to be early.
+    Process(Box<ReceivedMessage>, OwnedSemaphorePermit, Arrived),
     /// Receives keep returning messages: start one more receiver.
     Grow,
 }
@@ -166,6 +167,24 @@ impl Drop for DueWaiting<'_> {
     }
 }
 
+/// A message just received, counted among the due ones waiting for a slot until its task
+/// knows better (early: not counted until its due time; due: counted by [`DueWaiting`]).
+struct Arrived(Arc<Limits>);
+
+impl Arrived {
+    fn new(limits: Arc<Limits>) -> Self {
+        limits.due_waiting.fetch_add(1, Ordering::AcqRel);
+        Self(limits)
+    }
+}
+
+impl Drop for Arrived {
+    fn drop(&mut self) {
+        self.0.due_waiting.fetch_sub(1, Ordering::AcqRel);
+        self.0.slot_taken.notify_waiters();
+    }
+}
+
 impl Limits {
     /// Waits while as many messages as there are attempt slots are already due and waiting
     /// for one: taking more would only hold them locked here while other replicas, or this
@@ -215,10 +234,10 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     loop {
         tokio::select! {
             work = work_rx.recv() => match work {
-                Some(Work::Process(msg, held)) => {
+                Some(Work::Process(msg, held, arrived)) => {
                     let (shared, cancel, limits) = (shared.clone(), cancel.clone(), limits.clone());
                     tasks.spawn(async move {
-                        process(*msg, &shared, &cancel, &limits).await;
+                        process(*msg, &shared, &cancel, &limits, arrived).await;
                         drop(held);
                     });
                 }
@@ -285,7 +304,13 @@ async fn receiver(
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
-                if work.send(Work::Process(Box::new(msg), held)).is_err() {
+                // Counted from the moment it is in hand, so the next `room_for_due` sees it
+                // however long its task takes to start.
+                let arrived = Arrived::new(limits.clone());
+                if work
+                    .send(Work::Process(Box::new(msg), held, arrived))
+                    .is_err()
+                {
                     break;
                 }
                 grow(&limits, &work);
@@ -552,7 +577,9 @@ async fn process(
     shared: &Shared,
     cancel: &CancellationToken,
     limits: &Limits,
+    arrived: Arrived,
 ) {
+    let mut arrived = Some(arrived);
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -570,6 +597,8 @@ async fn process(
     // time: the record is re-validated then (a conditional read, no body while unchanged).
     // A failed or unreadable early read only means the full read happens at the due time.
     let early = if shared.clock().now() < due {
+        // Not due yet: it does not hold receivers back while it waits.
+        arrived = None;
         shared.settler.ledger.get(key).await.ok().flatten()
     } else {
         None
@@ -582,6 +611,7 @@ async fn process(
     }
     let starting = Starting::new(limits, body.due_ms);
     let waiting = DueWaiting::new(limits);
+    drop(arrived);
     let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
     // The attempt's slot: taken before the record is re-validated and the breaker asked, and

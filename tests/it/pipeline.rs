@@ -548,7 +548,13 @@ async fn a_retry_due_while_blob_storage_is_down_is_held_not_burnt_into_the_dead_
     let bed = Bed::start_with_queue(1, queue).await;
     bed.send(0, &[("flaky", "fail:1")]).await;
     let handler = Arc::new(Scripted::default());
-    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    // Due 5 s after the failure: Service Bus holds the message (scheduled up to the retry
+    // lead early, never before the next whole second) for seconds, time to take the ledger
+    // down before it comes due however slow the machine.
+    let mut policy = fast_policy(5);
+    policy.base_s = 5;
+    policy.floor_s = 5;
+    let run = Bed::run(bed.parts(handler.clone(), policy, "replica-a"));
     wait_for("the retry is scheduled", &run.health, LIMIT, || async {
         bed.sb.counters("retries").unwrap().scheduled == 1
     })
