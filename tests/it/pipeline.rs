@@ -722,7 +722,12 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
         matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::Delivered)
     })
     .await;
-    assert_eq!(handler.calls_of("orphan"), vec![1, 2]);
+    // Attempt numbers that ran (a replica restarting on a loaded machine may replay attempt 1
+    // before its checkpoint: at least once, never a new number).
+    let mut attempts = handler.calls_of("orphan");
+    attempts.sort_unstable();
+    attempts.dedup();
+    assert_eq!(attempts, vec![1, 2]);
     assert_eq!(run.health.snapshot().recovered, 1);
     run.stop().await;
     let accepted: Vec<String> = queue.accepted().into_iter().map(|(id, _)| id).collect();
