@@ -93,38 +93,42 @@ pub(super) async fn play(
     }));
     let ledger = bed.ledger()?;
     let mut keys: Option<Vec<String>> = None;
-    let mut downstream = Outages::new(std::slice::from_ref(&args.downstream_outage));
-    let mut servicebus = Outages::new(&args.servicebus_outage);
-    let mut blob = Outages::new(&args.blob_outage);
+    // Each service's outages: when, whose faults, and what the progress line says.
+    let mut outages = [
+        (
+            Outages::new(std::slice::from_ref(&args.downstream_outage)),
+            bed.hook.faults(),
+            "downstream outage: the webhook answers 503 for",
+            "",
+        ),
+        (
+            Outages::new(&args.servicebus_outage),
+            bed.sb.faults(),
+            "Service Bus outage: 503 for",
+            "; partitions with failures will hold",
+        ),
+        (
+            Outages::new(&args.blob_outage),
+            bed.blob.faults(),
+            "blob storage outage: 503 for",
+            "; checkpoints, ownership and the ledger fail",
+        ),
+    ];
     let mut next_crash = args.crash_every.0;
     let mut crashes = 0usize;
     let drawing = Progress::new(args);
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let t = started.elapsed();
-        for w in downstream.due(t) {
-            bed.hook.faults().error_status_for(503, w.duration);
-            progress(&format!(
-                "t={:>3}s  downstream outage: the webhook answers 503 for {:?}",
-                t.as_secs(),
-                w.duration
-            ));
-        }
-        for w in servicebus.due(t) {
-            bed.sb.faults().error_status_for(503, w.duration);
-            progress(&format!(
-                "t={:>3}s  Service Bus outage: 503 for {:?}; partitions with failures will hold",
-                t.as_secs(),
-                w.duration
-            ));
-        }
-        for w in blob.due(t) {
-            bed.blob.faults().error_status_for(503, w.duration);
-            progress(&format!(
-                "t={:>3}s  blob storage outage: 503 for {:?}; checkpoints, ownership and the ledger fail",
-                t.as_secs(),
-                w.duration
-            ));
+        for (windows, faults, what, then) in &mut outages {
+            for w in windows.due(t) {
+                faults.error_status_for(503, w.duration);
+                progress(&format!(
+                    "t={:>3}s  {what} {:?}{then}",
+                    t.as_secs(),
+                    w.duration
+                ));
+            }
         }
         if let Some(every) = next_crash.filter(|n| t >= *n) {
             let i = crashes % replicas.len();
@@ -165,12 +169,9 @@ pub(super) async fn play(
             let settled = keys
                 .iter()
                 .all(|k| delivered.contains_key(k) || dead.contains(k));
-            let outages_over = downstream.all_started()
-                && servicebus.all_started()
-                && blob.all_started()
-                && bed.sb.faults().error_status().is_none()
-                && bed.blob.faults().error_status().is_none()
-                && bed.hook.faults().error_status().is_none();
+            let outages_over = outages.iter().all(|(windows, faults, _, _)| {
+                windows.all_started() && faults.error_status().is_none()
+            });
             if settled && outages_over && tick.retrying == 0 && tick.held.is_empty() {
                 break;
             }

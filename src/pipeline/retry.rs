@@ -67,7 +67,7 @@ const RECONNECTS_BEFORE_WATCHDOG: u32 = 3;
 enum Work {
     /// A message to process, with its place among the messages in hand, counted as due
     /// and waiting until it is known to be early.
-    Process(Box<ReceivedMessage>, OwnedSemaphorePermit, Arrived),
+    Process(Box<ReceivedMessage>, OwnedSemaphorePermit, DueWaiting),
     /// Receives keep returning messages: start one more receiver.
     Grow,
 }
@@ -150,35 +150,19 @@ impl Drop for Starting<'_> {
     }
 }
 
-/// One message past its due time waiting for an attempt slot.
-struct DueWaiting<'a>(&'a Limits);
+/// One message counted among the due ones waiting for an attempt slot: from the moment a
+/// receiver has it in hand (so the next `room_for_due` sees it however late its task
+/// starts), until its task finds it early (counted again at its due time) or takes a slot.
+struct DueWaiting(Arc<Limits>);
 
-impl<'a> DueWaiting<'a> {
-    fn new(limits: &'a Limits) -> Self {
-        limits.due_waiting.fetch_add(1, Ordering::AcqRel);
-        Self(limits)
-    }
-}
-
-impl Drop for DueWaiting<'_> {
-    fn drop(&mut self) {
-        self.0.due_waiting.fetch_sub(1, Ordering::AcqRel);
-        self.0.slot_taken.notify_waiters();
-    }
-}
-
-/// A message just received, counted among the due ones waiting for a slot until its task
-/// knows better (early: not counted until its due time; due: counted by [`DueWaiting`]).
-struct Arrived(Arc<Limits>);
-
-impl Arrived {
+impl DueWaiting {
     fn new(limits: Arc<Limits>) -> Self {
         limits.due_waiting.fetch_add(1, Ordering::AcqRel);
         Self(limits)
     }
 }
 
-impl Drop for Arrived {
+impl Drop for DueWaiting {
     fn drop(&mut self) {
         self.0.due_waiting.fetch_sub(1, Ordering::AcqRel);
         self.0.slot_taken.notify_waiters();
@@ -234,10 +218,10 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
     loop {
         tokio::select! {
             work = work_rx.recv() => match work {
-                Some(Work::Process(msg, held, arrived)) => {
+                Some(Work::Process(msg, held, waiting)) => {
                     let (shared, cancel, limits) = (shared.clone(), cancel.clone(), limits.clone());
                     tasks.spawn(async move {
-                        process(*msg, &shared, &cancel, &limits, arrived).await;
+                        process(*msg, &shared, &cancel, &limits, waiting).await;
                         drop(held);
                     });
                 }
@@ -304,11 +288,9 @@ async fn receiver(
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
-                // Counted from the moment it is in hand, so the next `room_for_due` sees it
-                // however long its task takes to start.
-                let arrived = Arrived::new(limits.clone());
+                let waiting = DueWaiting::new(limits.clone());
                 if work
-                    .send(Work::Process(Box::new(msg), held, arrived))
+                    .send(Work::Process(Box::new(msg), held, waiting))
                     .is_err()
                 {
                     break;
@@ -576,10 +558,10 @@ async fn process(
     mut msg: ReceivedMessage,
     shared: &Shared,
     cancel: &CancellationToken,
-    limits: &Limits,
-    arrived: Arrived,
+    limits: &Arc<Limits>,
+    waiting: DueWaiting,
 ) {
-    let mut arrived = Some(arrived);
+    let mut waiting = Some(waiting);
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -598,7 +580,7 @@ async fn process(
     // A failed or unreadable early read only means the full read happens at the due time.
     let early = if shared.clock().now() < due {
         // Not due yet: it does not hold receivers back while it waits.
-        arrived = None;
+        waiting = None;
         shared.settler.ledger.get(key).await.ok().flatten()
     } else {
         None
@@ -610,8 +592,7 @@ async fn process(
         return;
     }
     let starting = Starting::new(limits, body.due_ms);
-    let waiting = DueWaiting::new(limits);
-    drop(arrived);
+    let waiting = waiting.unwrap_or_else(|| DueWaiting::new(limits.clone()));
     let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
     // The attempt's slot: taken before the record is re-validated and the breaker asked, and

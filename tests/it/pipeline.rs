@@ -612,9 +612,7 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
     )
     .await;
     let handler = Arc::new(Scripted::default());
-    let mut policy = fast_policy(5);
-    policy.base_s = 60;
-    policy.floor_s = 60;
+    let policy = minute_policy();
     let run = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
     wait_for("both retries scheduled", &run.health, LIMIT, || async {
         bed.sb.counters("retries").unwrap().scheduled == 2
@@ -808,6 +806,33 @@ impl hubguard::handler::Handler for Gated {
     }
 }
 
+impl Gated {
+    /// A gated downstream on `clock` that lets `permits` retries through.
+    fn new(clock: &Arc<hubguard::clock::Clock>, permits: usize) -> Arc<Self> {
+        Arc::new(Self {
+            clock: clock.clone(),
+            in_flight: Default::default(),
+            most: Default::default(),
+            gate: tokio::sync::Semaphore::new(permits),
+            retries: Default::default(),
+        })
+    }
+}
+
+/// Retries a minute after the failure: they sit scheduled until the test moves the clock.
+fn minute_policy() -> hubguard::policy::RetryPolicy {
+    let mut policy = fast_policy(5);
+    policy.base_s = 60;
+    policy.floor_s = 60;
+    policy
+}
+
+/// Sends one event per key, bodies empty, to partition 0.
+async fn send_keys(bed: &Bed, keys: &[String]) {
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
+    bed.send(0, &events).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_at_once() {
     use std::sync::atomic::Ordering::SeqCst;
@@ -816,18 +841,9 @@ async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_a
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let keys: Vec<String> = (0..N).map(|i| format!("burst-{i:02}")).collect();
-    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
-    bed.send(0, &events).await;
-    let handler = Arc::new(Gated {
-        clock: clock.clone(),
-        in_flight: Default::default(),
-        most: Default::default(),
-        gate: tokio::sync::Semaphore::new(0),
-        retries: Default::default(),
-    });
-    let mut policy = fast_policy(5);
-    policy.base_s = 60;
-    policy.floor_s = 60;
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 0);
+    let policy = minute_policy();
     let mut parts = bed.parts(handler.clone(), policy, "replica-a");
     parts.options.retry_concurrency = SLOTS;
     parts.options.retry_lead = Duration::from_secs(10);
@@ -885,18 +901,9 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let keys: Vec<String> = (0..N).map(|i| format!("held-{i}")).collect();
-    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
-    bed.send(0, &events).await;
-    let handler = Arc::new(Gated {
-        clock: clock.clone(),
-        in_flight: Default::default(),
-        most: Default::default(),
-        gate: tokio::sync::Semaphore::new(1000),
-        retries: Default::default(),
-    });
-    let mut policy = fast_policy(5);
-    policy.base_s = 60;
-    policy.floor_s = 60;
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let policy = minute_policy();
     let replica = |owner: &str| {
         let mut parts = bed.parts(handler.clone(), policy.clone(), owner);
         parts.options.retry_lead = Duration::from_secs(10);
@@ -965,18 +972,9 @@ async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let keys: Vec<String> = (0..N).map(|i| format!("lapsed-{i}")).collect();
-    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
-    bed.send(0, &events).await;
-    let handler = Arc::new(Gated {
-        clock: clock.clone(),
-        in_flight: Default::default(),
-        most: Default::default(),
-        gate: tokio::sync::Semaphore::new(1000),
-        retries: Default::default(),
-    });
-    let mut policy = fast_policy(5);
-    policy.base_s = 60;
-    policy.floor_s = 60;
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let policy = minute_policy();
     let mut parts = bed.parts(handler.clone(), policy, "replica-a");
     parts.options.retry_lead = Duration::from_secs(10);
     let run = Bed::run(parts);
@@ -1026,21 +1024,9 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let keys: Vec<String> = (0..N).map(|i| format!("backlog-{i:02}")).collect();
-    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "")).collect();
-    bed.send(0, &events).await;
-    let gated = |permits: usize| {
-        Arc::new(Gated {
-            clock: clock.clone(),
-            in_flight: Default::default(),
-            most: Default::default(),
-            gate: tokio::sync::Semaphore::new(permits),
-            retries: Default::default(),
-        })
-    };
-    let (slow, quick) = (gated(0), gated(1000));
-    let mut policy = fast_policy(5);
-    policy.base_s = 60;
-    policy.floor_s = 60;
+    send_keys(&bed, &keys).await;
+    let (slow, quick) = (Gated::new(&clock, 0), Gated::new(&clock, 1000));
+    let policy = minute_policy();
     let replica = |handler: Arc<Gated>, owner: &str| {
         let mut parts = bed.parts(handler, policy.clone(), owner);
         parts.options.retry_concurrency = SLOTS;
