@@ -67,8 +67,9 @@ impl std::fmt::Debug for EventHubsAuth {
 }
 
 impl EventHubsAuth {
-    /// Opens a consumer for `hub` in `namespace` (with a connection string, its own namespace
-    /// wins). The endpoint is the builder's: set `with_custom_endpoint` for an emulator.
+    /// Opens a consumer for `hub` in `namespace`: with a connection string, as
+    /// [`ConnectionString::open_consumer`] does (its own namespace, and its emulator endpoint
+    /// with `UseDevelopmentEmulator=true`); with a credential, at the builder's endpoint.
     pub async fn open_consumer(
         &self,
         builder: azure_messaging_eventhubs::builders::ConsumerClientBuilder,
@@ -77,11 +78,7 @@ impl EventHubsAuth {
     ) -> azure_messaging_eventhubs::Result<azure_messaging_eventhubs::ConsumerClient> {
         install_crypto_provider();
         match self {
-            Self::ConnectionString(cs) => {
-                builder
-                    .open_with_connection_string(&cs.sdk_connection_string(), Some(hub))
-                    .await
-            }
+            Self::ConnectionString(cs) => cs.open_consumer(builder, hub).await,
             Self::Credential(c) => builder.open(namespace, hub.to_string(), c.clone()).await,
         }
     }
@@ -95,11 +92,7 @@ impl EventHubsAuth {
     ) -> azure_messaging_eventhubs::Result<azure_messaging_eventhubs::ProducerClient> {
         install_crypto_provider();
         match self {
-            Self::ConnectionString(cs) => {
-                builder
-                    .open_with_connection_string(&cs.sdk_connection_string(), Some(hub))
-                    .await
-            }
+            Self::ConnectionString(cs) => cs.open_producer(builder, hub).await,
             Self::Credential(c) => builder.open(namespace, hub, c.clone()).await,
         }
     }
