@@ -444,6 +444,10 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         pipeline.settler().ledger.clone(),
         std::time::Duration::from_secs(60),
     );
+    // The figures alerts compare readings with (retention headroom).
+    let _config_gauges = crate::telemetry::gauges::ConfigGauges::register(
+        std::time::Duration::from_secs(config.eventhubs.retention_hours * 3600),
+    );
     tracing::info!(hub = %config.eventhubs.hub, consumer_group = %config.eventhubs.consumer_group, owner_id = %owner, status = %status_addr, "hubguard running");
     println!(
         "hubguard: consuming {} ({}) as {owner}; status on http://{status_addr}",

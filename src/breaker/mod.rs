@@ -452,6 +452,10 @@ impl crate::telemetry::gauges::BreakerReadings for Shared {
     fn opens(&self) -> u64 {
         self.cached().map_or(0, |r| r.opens)
     }
+
+    fn open_duration(&self) -> Duration {
+        Duration::from_millis(self.config.open_ms)
+    }
 }
 
 #[cfg(test)]

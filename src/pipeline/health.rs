@@ -588,6 +588,41 @@ impl crate::telemetry::gauges::PipelineReadings for Health {
     fn checkpoint_lag(&self) -> BTreeMap<String, (u64, f64)> {
         self.lag()
     }
+
+    fn held_for(&self) -> BTreeMap<String, (&'static str, f64)> {
+        let now = time::OffsetDateTime::now_utc();
+        self.held()
+            .into_iter()
+            .map(|(p, h)| {
+                let since = time::OffsetDateTime::parse(
+                    &h.since,
+                    &time::format_description::well_known::Rfc3339,
+                )
+                .map_or(0.0, |t| (now - t).as_seconds_f64().max(0.0));
+                (p, (h.cause.label(), since))
+            })
+            .collect()
+    }
+
+    fn owned_count(&self) -> u64 {
+        self.owned().len() as u64
+    }
+
+    fn unowned(&self) -> Vec<String> {
+        Health::unowned(self)
+    }
+
+    fn ready(&self) -> bool {
+        Health::ready(self)
+    }
+
+    fn consumer_code(&self) -> u64 {
+        match self.consumer() {
+            ConsumerState::Running => 1,
+            ConsumerState::Failing { .. } => 2,
+            ConsumerState::Starting => 0,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -609,6 +644,35 @@ mod tests {
         assert!(h.live().is_ok(), "not for long enough");
         h.set_unhealthy_after(None);
         assert!(h.live().is_ok(), "disabled");
+    }
+
+    #[test]
+    fn the_gauges_read_held_time_ownership_readiness_and_the_consumer() {
+        use crate::telemetry::gauges::PipelineReadings;
+        let h = Health::default();
+        assert_eq!(h.consumer_code(), 0, "starting");
+        assert!(!PipelineReadings::ready(&h));
+        h.consumer_running();
+        h.set_retry_loop(RetryLoopState::Running);
+        assert_eq!(h.consumer_code(), 1);
+        assert!(PipelineReadings::ready(&h));
+        assert!(h.held_for().is_empty());
+        h.set_owned("0", Some(4));
+        h.set_owned("1", None);
+        assert_eq!(h.owned_count(), 2);
+        h.hold("1", HoldCause::ServiceBus, "Service Bus unavailable".into(), 7);
+        let held = h.held_for();
+        let (reason, secs) = held["1"];
+        assert_eq!(reason, "service_bus");
+        assert!((0.0..60.0).contains(&secs), "{secs}");
+        assert!(!PipelineReadings::ready(&h));
+        h.set_unowned(vec!["3".into()]);
+        assert_eq!(PipelineReadings::unowned(&h), vec!["3".to_string()]);
+        h.consumer_failed("refused".into());
+        assert_eq!(h.consumer_code(), 2);
+        h.unset_owned("1");
+        assert_eq!(h.owned_count(), 1);
+        assert!(h.held_for().is_empty(), "giving a partition up ends its hold");
     }
 
     #[test]

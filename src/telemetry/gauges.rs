@@ -21,6 +21,16 @@ pub trait PipelineReadings: Send + Sync + 'static {
     /// Per partition: events received but not covered by the checkpoint, and the age in
     /// seconds of the oldest of them.
     fn checkpoint_lag(&self) -> BTreeMap<String, (u64, f64)>;
+    /// Per held partition: the hold's bounded label and how long (s) it has been held.
+    fn held_for(&self) -> BTreeMap<String, (&'static str, f64)>;
+    /// How many partitions this replica owns.
+    fn owned_count(&self) -> u64;
+    /// The partitions of the hub no replica owns.
+    fn unowned(&self) -> Vec<String>;
+    /// Whether the replica is ready (what `/readyz` answers).
+    fn ready(&self) -> bool;
+    /// The Event Hubs consumer's state: 1 running, 2 failing, 0 starting.
+    fn consumer_code(&self) -> u64;
 }
 
 /// What the breaker gauges read from the downstream's circuit breaker.
@@ -31,6 +41,8 @@ pub trait BreakerReadings: Send + Sync + 'static {
     fn open_for(&self) -> Duration;
     /// How many times it opened.
     fn opens(&self) -> u64;
+    /// How long it stays open once opened (`breaker.open_ms`).
+    fn open_duration(&self) -> Duration;
 }
 
 /// The gauges, registered while this lives.
@@ -41,6 +53,12 @@ pub struct PipelineGauges {
     _lag_seconds: ObservableGauge<f64>,
     _breaker_age: ObservableGauge<f64>,
     _breaker_opens: ObservableGauge<u64>,
+    _breaker_open_duration: ObservableGauge<f64>,
+    _held_for: ObservableGauge<f64>,
+    _owned: ObservableGauge<u64>,
+    _unowned: ObservableGauge<u64>,
+    _ready: ObservableGauge<u64>,
+    _consumer: ObservableGauge<u64>,
 }
 
 impl std::fmt::Debug for PipelineGauges {
@@ -86,6 +104,59 @@ impl PipelineGauges {
                 }
             })
             .build();
+        let p = pipeline.clone();
+        let held_for = meter
+            .f64_observable_gauge(metric::PARTITION_HELD_SECONDS)
+            .with_unit("s")
+            .with_description("How long each held partition has been held, by partition and reason")
+            .with_callback(move |o| {
+                let held = p.held_for();
+                if held.is_empty() {
+                    o.observe(0.0, &[]);
+                }
+                for (partition, (reason, secs)) in held {
+                    o.observe(
+                        secs,
+                        &[
+                            KeyValue::new(metric_attr::PARTITION, partition),
+                            KeyValue::new(metric_attr::REASON, reason),
+                        ],
+                    );
+                }
+            })
+            .build();
+        let p = pipeline.clone();
+        let owned = meter
+            .u64_observable_gauge(metric::PARTITIONS_OWNED)
+            .with_description("Partitions this replica owns")
+            .with_callback(move |o| o.observe(p.owned_count(), &[]))
+            .build();
+        let p = pipeline.clone();
+        let unowned = meter
+            .u64_observable_gauge(metric::PARTITIONS_UNOWNED)
+            .with_description("1 per partition of the hub no replica owns")
+            .with_callback(move |o| {
+                let unowned = p.unowned();
+                if unowned.is_empty() {
+                    o.observe(0, &[]);
+                }
+                for partition in unowned {
+                    o.observe(1, &[KeyValue::new(metric_attr::PARTITION, partition)]);
+                }
+            })
+            .build();
+        let p = pipeline.clone();
+        let ready = meter
+            .u64_observable_gauge(metric::READY)
+            .with_description("1 when the replica is ready (/readyz answers 200), else 0")
+            .with_callback(move |o| o.observe(u64::from(p.ready()), &[]))
+            .build();
+        let p = pipeline.clone();
+        let consumer = meter
+            .u64_observable_gauge(metric::CONSUMER_STATE)
+            .with_description("Event Hubs consumer: 1 running, 2 failing, 0 starting")
+            .with_callback(move |o| o.observe(p.consumer_code(), &[]))
+            .build();
         let p = pipeline;
         let lag_seconds = meter
             .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
@@ -111,6 +182,20 @@ impl PipelineGauges {
                 }
             })
             .build();
+        let b = breaker.clone();
+        let breaker_open_duration = meter
+            .f64_observable_gauge(metric::BREAKER_OPEN_DURATION)
+            .with_unit("s")
+            .with_description("How long the downstream's breaker stays open once opened (breaker.open_ms)")
+            .with_callback(move |o| {
+                if let Some(b) = &b {
+                    o.observe(
+                        b.open_duration().as_secs_f64(),
+                        &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
+                    );
+                }
+            })
+            .build();
         let b = breaker;
         let breaker_opens = meter
             .u64_observable_gauge(metric::BREAKER_OPENS)
@@ -131,6 +216,40 @@ impl PipelineGauges {
             _lag_seconds: lag_seconds,
             _breaker_age: breaker_age,
             _breaker_opens: breaker_opens,
+            _breaker_open_duration: breaker_open_duration,
+            _held_for: held_for,
+            _owned: owned,
+            _unowned: unowned,
+            _ready: ready,
+            _consumer: consumer,
+        }
+    }
+}
+
+/// The configuration's own figures that alerts compare readings with, registered while this
+/// lives (one per process: the binary registers it for its configuration).
+pub struct ConfigGauges {
+    _retention: ObservableGauge<f64>,
+}
+
+impl std::fmt::Debug for ConfigGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfigGauges").finish_non_exhaustive()
+    }
+}
+
+impl ConfigGauges {
+    /// Registers [`metric::RETENTION`] (the hub's retention) on the global meter.
+    pub fn register(retention: Duration) -> Self {
+        let secs = retention.as_secs_f64();
+        let retention = super::meter()
+            .f64_observable_gauge(metric::RETENTION)
+            .with_unit("s")
+            .with_description("The hub's retention as configured (eventhubs.retention_hours)")
+            .with_callback(move |o| o.observe(secs, &[]))
+            .build();
+        Self {
+            _retention: retention,
         }
     }
 }

@@ -344,6 +344,17 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
+/// Bucket boundaries (s) of the duration histograms. The SDK's default boundaries are made
+/// for milliseconds (0, 5, 10, 25, …, 10000): in seconds every retry on time and every webhook
+/// call would land in one bucket, (0, 5], and `histogram_quantile(0.99, …)` would read about
+/// 4.95 s whatever happened. These follow OpenTelemetry's advice for durations in seconds
+/// (https://opentelemetry.io/docs/specs/semconv/http/http-metrics/#metric-httpserverrequestduration:
+/// 0.005 … 10), extended to an hour for retries that wait out an outage.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+    300.0, 600.0, 1800.0, 3600.0,
+];
+
 /// The meter hubguard's instruments come from.
 pub fn meter() -> Meter {
     opentelemetry::global::meter("hubguard")
@@ -353,8 +364,12 @@ impl Metrics {
     /// The instruments, from the meter provider installed now (create them after
     /// [`init`]; each pipeline creates its own).
     pub fn new() -> Self {
+        Self::with_meter(&meter())
+    }
+
+    /// The instruments, from `meter`.
+    pub fn with_meter(meter: &Meter) -> Self {
         use names::metric as m;
-        let meter = meter();
         let metrics = Metrics {
             delivered: meter
                 .u64_counter(m::DELIVERED)
@@ -390,11 +405,13 @@ impl Metrics {
                 .f64_histogram(m::HANDLER_DURATION)
                 .with_unit("s")
                 .with_description("Handler call duration")
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
                 .build(),
             retry_lateness: meter
                 .f64_histogram(m::RETRY_LATENESS)
                 .with_unit("s")
                 .with_description("Retry start minus its scheduled time")
+                .with_boundaries(SECONDS_BUCKETS.to_vec())
                 .build(),
         };
         // Every counter starts at 0, so `/metrics` and `rate()` see it from the first scrape.
@@ -443,6 +460,43 @@ mod tests {
         assert!(
             parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7").is_none()
         );
+    }
+
+    /// A retry 50 ms late and a webhook call of 30 ms read as such: the quantiles the
+    /// dashboard and the lateness alert compute come out in the right bucket, not in (0, 5].
+    #[test]
+    fn duration_histograms_have_buckets_in_seconds() {
+        let registry = ::prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .build()
+            .unwrap();
+        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        let metrics = Metrics::with_meter(&opentelemetry::metrics::MeterProvider::meter(
+            &provider, "hubguard",
+        ));
+        metrics.retry_lateness.record(0.05, &type_label(None));
+        metrics.handler_duration.record(0.03, &type_label(None));
+        for name in [
+            "hubguard_retry_lateness_seconds",
+            "hubguard_handler_duration_seconds",
+        ] {
+            let family = registry
+                .gather()
+                .into_iter()
+                .find(|f| f.name() == name)
+                .unwrap_or_else(|| panic!("{name} not gathered"));
+            let h = family.get_metric()[0].get_histogram();
+            let bounds: Vec<f64> = h.get_bucket().iter().map(|b| b.upper_bound()).collect();
+            assert_eq!(bounds, SECONDS_BUCKETS, "{name}");
+            // The one observation is in the bucket up to 0.05 s, not only in (0, 5].
+            let le_005 = h
+                .get_bucket()
+                .iter()
+                .find(|b| b.upper_bound() == 0.05)
+                .unwrap();
+            assert_eq!(le_005.cumulative_count(), 1, "{name}");
+        }
     }
 
     #[test]

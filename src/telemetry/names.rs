@@ -129,6 +129,25 @@ pub mod metric {
     pub const BREAKER_AGE: &str = "hubguard.breaker.age";
     /// Gauge: how many times the downstream's breaker opened.
     pub const BREAKER_OPENS: &str = "hubguard.breaker.opens";
+    /// Gauge (s): how long the downstream's breaker stays open once opened
+    /// (`breaker.open_ms`), for alerts on an age of a few times that.
+    pub const BREAKER_OPEN_DURATION: &str = "hubguard.breaker.open_duration";
+    /// Gauge (s): how long each held partition has been held, per partition and reason
+    /// (0, unlabelled, when none is).
+    pub const PARTITION_HELD_SECONDS: &str = "hubguard.partition.held.seconds";
+    /// Gauge: partitions this replica owns (processes) now.
+    pub const PARTITIONS_OWNED: &str = "hubguard.partitions.owned";
+    /// Gauge: 1 per partition of the hub no replica has owned for longer than ownership takes
+    /// to expire and be claimed again, by partition (0, unlabelled, when every one has an
+    /// owner). Every replica reports the same: use `max`.
+    pub const PARTITIONS_UNOWNED: &str = "hubguard.partitions.unowned";
+    /// Gauge: 1 when the replica is ready (`/readyz` answers 200), else 0.
+    pub const READY: &str = "hubguard.ready";
+    /// Gauge: the Event Hubs consumer (1 running, 2 failing and being rebuilt, 0 starting).
+    pub const CONSUMER_STATE: &str = "hubguard.consumer.state";
+    /// Gauge (s): the hub's retention as configured (`eventhubs.retention_hours`), for
+    /// alerts on the headroom a held partition has left.
+    pub const RETENTION: &str = "hubguard.eventhubs.retention";
 }
 
 /// Metric attribute keys.
@@ -189,6 +208,13 @@ pub fn all() -> Vec<&'static str> {
         metric::RETRY_LOOP_STATE,
         metric::BREAKER_AGE,
         metric::BREAKER_OPENS,
+        metric::BREAKER_OPEN_DURATION,
+        metric::PARTITION_HELD_SECONDS,
+        metric::PARTITIONS_OWNED,
+        metric::PARTITIONS_UNOWNED,
+        metric::READY,
+        metric::CONSUMER_STATE,
+        metric::RETENTION,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
