@@ -660,7 +660,12 @@ mod tests {
         h.set_owned("0", Some(4));
         h.set_owned("1", None);
         assert_eq!(h.owned_count(), 2);
-        h.hold("1", HoldCause::ServiceBus, "Service Bus unavailable".into(), 7);
+        h.hold(
+            "1",
+            HoldCause::ServiceBus,
+            "Service Bus unavailable".into(),
+            7,
+        );
         let held = h.held_for();
         let (reason, secs) = held["1"];
         assert_eq!(reason, "service_bus");
@@ -672,7 +677,10 @@ mod tests {
         assert_eq!(h.consumer_code(), 2);
         h.unset_owned("1");
         assert_eq!(h.owned_count(), 1);
-        assert!(h.held_for().is_empty(), "giving a partition up ends its hold");
+        assert!(
+            h.held_for().is_empty(),
+            "giving a partition up ends its hold"
+        );
     }
 
     #[test]

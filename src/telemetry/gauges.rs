@@ -186,7 +186,9 @@ impl PipelineGauges {
         let breaker_open_duration = meter
             .f64_observable_gauge(metric::BREAKER_OPEN_DURATION)
             .with_unit("s")
-            .with_description("How long the downstream's breaker stays open once opened (breaker.open_ms)")
+            .with_description(
+                "How long the downstream's breaker stays open once opened (breaker.open_ms)",
+            )
             .with_callback(move |o| {
                 if let Some(b) = &b {
                     o.observe(

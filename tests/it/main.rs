@@ -1,6 +1,7 @@
 //! hubguard's integration tests: the real Azure SDK crates over loopback against the
 //! in-process emulators. One binary, so linking happens once.
 
+mod alerts;
 mod architecture;
 mod bad_state;
 mod blob;
@@ -23,5 +24,6 @@ mod run_command;
 mod servicebus;
 mod servicebus_auth;
 mod telemetry;
+mod test_log;
 mod webhook;
 mod webhook_conventions;

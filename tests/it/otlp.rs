@@ -165,14 +165,19 @@ pub(crate) fn telemetry() -> &'static Telemetry {
                     .route("/v1/metrics", post(metrics))
                     .with_state(collected.clone());
                 tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-                hubguard::telemetry::init(
-                    "warn,hubguard=info",
-                    Some(hubguard::telemetry::Export {
+                // Logs go to a file (printed when a test fails), not to the terminal.
+                hubguard::telemetry::init_with(hubguard::telemetry::Options {
+                    default_filter: "warn,hubguard=info".into(),
+                    writer: hubguard::telemetry::logs::LogWriter::File(
+                        crate::test_log::in_process_path(),
+                    ),
+                    export: Some(hubguard::telemetry::Export {
                         endpoint: format!("http://{addr}"),
                         protocol: opentelemetry_otlp::Protocol::HttpBinary,
                         metric_interval: Duration::from_millis(300),
                     }),
-                )
+                    ..Default::default()
+                })
             });
             Telemetry {
                 collected,

@@ -118,6 +118,8 @@ pub(crate) struct Running {
     pub cancel: CancellationToken,
     pub health: Arc<Health>,
     pub task: tokio::task::JoinHandle<()>,
+    /// The pipeline's logs, printed if the test fails while it runs.
+    _log: crate::test_log::TestLog,
 }
 
 impl Running {
@@ -248,6 +250,7 @@ impl Bed {
             cancel,
             health,
             task,
+            _log: crate::test_log::TestLog::in_process(),
         }
     }
 
