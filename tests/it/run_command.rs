@@ -15,6 +15,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::common::{http_get, within};
 use crate::pipeline_support::Bed;
+use crate::test_log::TestLog;
 
 #[derive(Default)]
 struct Receiver {
@@ -115,13 +116,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn spawn_run(config: &std::path::Path) -> tokio::process::Child {
+fn spawn_run(config: &std::path::Path, log: &TestLog) -> tokio::process::Child {
     tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["run", "--config"])
         .arg(config)
         .env("HUBGUARD_EVENTHUBS__HUB", "hub")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(log.stdio())
+        .stderr(log.stdio())
         .kill_on_drop(true)
         .spawn()
         .unwrap()
@@ -135,8 +136,12 @@ async fn a_replica_killed_mid_stream_loses_nothing() {
     let (c1, c2) = (dir.path().join("r1.toml"), dir.path().join("r2.toml"));
     write_config(&c1, &bed, hook_addr, "replica-1", free_port());
     write_config(&c2, &bed, hook_addr, "replica-2", free_port());
-    let mut r1 = spawn_run(&c1);
-    let mut r2 = spawn_run(&c2);
+    let (log1, log2) = (
+        TestLog::file("run_command-killed-replica-1"),
+        TestLog::file("run_command-killed-replica-2"),
+    );
+    let mut r1 = spawn_run(&c1, &log1);
+    let mut r2 = spawn_run(&c2, &log2);
     let mut keys = Vec::new();
     for p in 0..4 {
         let ks: Vec<String> = (0..50).map(|i| format!("kill-{p}-{i}")).collect();
@@ -224,12 +229,13 @@ async fn run_status_and_dead_letters_from_the_command_line() {
     .await;
     bed.send(1, &[("cli-ok-2", "ok")]).await;
 
+    let log = TestLog::file("run_command-cli-replica");
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["run", "--config"])
         .arg(&config)
         .env("HUBGUARD_EVENTHUBS__HUB", "hub")
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(log.stdio())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
