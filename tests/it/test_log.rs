@@ -88,16 +88,72 @@ impl TestLog {
     }
 }
 
+impl TestLog {
+    /// What a failing test prints: the log's path and its end.
+    fn failure_report(&self) -> String {
+        format!(
+            "---- log of {} ({}) ----\n{}\n---- end of {} ----",
+            self.what,
+            self.path.display(),
+            self.tail(),
+            self.path.display()
+        )
+    }
+}
+
 impl Drop for TestLog {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!(
-                "---- log of {} ({}) ----\n{}\n---- end of {} ----",
-                self.what,
-                self.path.display(),
-                self.tail(),
-                self.path.display()
-            );
+            eprintln!("{}", self.failure_report());
         }
     }
+}
+
+#[test]
+fn a_failing_test_reports_its_log_with_its_path() {
+    let log = TestLog::file("test_log-self-check");
+    std::fs::write(log.path(), "first line\nthe line that explains the failure\n").unwrap();
+    let report = log.failure_report();
+    assert!(
+        report.contains(&log.path().display().to_string())
+            && report.contains("the line that explains the failure"),
+        "{report}"
+    );
+    // The in-process log reports only what was written after the test began.
+    let shared = TestLog {
+        what: "shared".into(),
+        path: log.path().to_path_buf(),
+        from: "first line\n".len() as u64,
+    };
+    let report = shared.failure_report();
+    assert!(!report.contains("first line"), "{report}");
+}
+
+/// The pipelines running in the test process log to the file, not to the terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pipelines_in_the_test_process_log_to_a_file() {
+    use crate::pipeline_support::*;
+    crate::otlp::telemetry();
+    let before = std::fs::metadata(in_process_path()).map_or(0, |m| m.len());
+    let bed = Bed::start(1).await;
+    bed.send(0, &[("quiet-1", "ok")]).await;
+    let handler = std::sync::Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(3), "replica-quiet"));
+    wait_for(
+        "delivered",
+        &run.health,
+        std::time::Duration::from_secs(60),
+        || async { handler.delivered_keys().contains("quiet-1") },
+    )
+    .await;
+    run.stop().await;
+    let mut f = File::open(in_process_path()).expect("the in-process log exists");
+    f.seek(SeekFrom::Start(before)).unwrap();
+    let mut text = String::new();
+    f.read_to_string(&mut text).unwrap();
+    assert!(
+        text.contains("partition claimed"),
+        "the pipeline's log lines are in {}: {text}",
+        in_process_path().display()
+    );
 }
