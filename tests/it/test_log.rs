@@ -112,7 +112,11 @@ impl Drop for TestLog {
 #[test]
 fn a_failing_test_reports_its_log_with_its_path() {
     let log = TestLog::file("test_log-self-check");
-    std::fs::write(log.path(), "first line\nthe line that explains the failure\n").unwrap();
+    std::fs::write(
+        log.path(),
+        "first line\nthe line that explains the failure\n",
+    )
+    .unwrap();
     let report = log.failure_report();
     assert!(
         report.contains(&log.path().display().to_string())
