@@ -95,7 +95,27 @@ async fn a_second_process_with_the_same_owner_id_claims_nothing_names_the_confli
         keys.extend(batch);
     }
     let b = start(bed.parts(hb.clone(), fast_policy(5), "copy-pasted"));
-    // The first process's owner record, beside the ledger: which instance holds the id.
+    wait_for(
+        "the second refuses the id, or takes partitions",
+        &b.health,
+        LIMIT,
+        || async {
+            !b.health.owned().is_empty()
+                || b.health
+                    .not_ready_reasons()
+                    .iter()
+                    .any(|r| r.contains("owner id `copy-pasted`"))
+        },
+    )
+    .await;
+    assert!(
+        b.health.owned().is_empty(),
+        "the second claims nothing: {:?}",
+        b.health.owned()
+    );
+    assert!(!b.health.ready(), "/readyz is not 200 on the second");
+    // Its readiness names the other instance, as the first process's owner record (beside
+    // the ledger) says it.
     let record = bed
         .records()
         .read("owners/hub/$default/copy-pasted")
@@ -104,20 +124,8 @@ async fn a_second_process_with_the_same_owner_id_claims_nothing_names_the_confli
         .expect("the first process's owner record");
     let first: serde_json::Value = serde_json::from_slice(&record.body).unwrap();
     let first = first["instance"].as_str().unwrap().to_string();
-    wait_for(
-        "the second's readiness names the id and the other instance",
-        &b.health,
-        LIMIT,
-        || async {
-            b.health
-                .not_ready_reasons()
-                .iter()
-                .any(|r| r.contains("owner id `copy-pasted`") && r.contains(&first))
-        },
-    )
-    .await;
-    assert!(!b.health.ready(), "/readyz is not 200 on the second");
-    assert!(b.health.owned().is_empty(), "the second claims nothing");
+    let reasons = b.health.not_ready_reasons().join("; ");
+    assert!(reasons.contains(&first), "{reasons}");
 
     // The backlog flows: every event once, all by the first.
     ha.open.send_replace(true);
