@@ -158,7 +158,8 @@ impl OwnerLease {
                 }
                 Err(StoreError::Conflict | StoreError::NotFound) => {
                     // Someone wrote it (took it over while we could not renew) or deleted
-                    // it: read what it says now.
+                    // it: claim nothing until a read says who holds it now.
+                    *self.state() = LeaseState::Unknown;
                 }
                 Err(e) => {
                     tracing::warn!(owner_id = %self.me.owner_id, error = %e, "could not renew this instance's owner record");
@@ -170,6 +171,12 @@ impl OwnerLease {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(owner_id = %self.me.owner_id, error = %e, "could not read the owner record");
+                if !self.holds() {
+                    self.health.set_owner_conflict(Some(format!(
+                        "owner id `{}`: this instance ({}) cannot read its owner record ({e}) and claims no partition until it can",
+                        self.me.owner_id, self.me.instance
+                    )));
+                }
                 return self.holds();
             }
         };
@@ -218,7 +225,7 @@ impl OwnerLease {
             return false;
         }
         let mut st = self.state();
-        let keep_since = match &*st {
+        let since = match &*st {
             LeaseState::Other {
                 etag,
                 unchanged_since,
@@ -229,10 +236,11 @@ impl OwnerLease {
         let first_sight = !matches!(&*st, LeaseState::Other { .. });
         *st = LeaseState::Other {
             etag: record.etag,
-            unchanged_since: keep_since.unwrap_or_else(Instant::now),
+            unchanged_since: since.unwrap_or_else(Instant::now),
         };
         drop(st);
-        let reason = self.conflict(holder.as_ref());
+        let silent_for = since.map_or(Duration::ZERO, |t| t.elapsed());
+        let reason = self.conflict(holder.as_ref(), silent_for);
         if first_sight {
             tracing::error!(owner_id = %self.me.owner_id, instance = %self.me.instance, "{reason}");
         }
@@ -258,14 +266,15 @@ impl OwnerLease {
         )));
     }
 
-    fn conflict(&self, holder: Option<&OwnerInstance>) -> String {
+    fn conflict(&self, holder: Option<&OwnerInstance>, silent_for: Duration) -> String {
         let other = holder.map_or_else(
             || "an instance whose owner record cannot be read".to_string(),
             ToString::to_string,
         );
         format!(
-            "owner id `{}` is in use by another live process ({other}); this one ({}) claims no partition while that one renews it (it is taken over {}s after its last renewal). Every replica needs its own processor.owner_id: leave it unset (a random id per process) or set it to the pod name",
+            "owner id `{}` is held by another process ({other}), whose record last changed {}s ago as seen from here; this one ({}) claims no partition until that one stops (a graceful stop hands the id over at once) or leaves it unrenewed for {}s (a crash). Two live processes with one owner id would both read every partition: every replica needs its own processor.owner_id — leave it unset (a random id per process) or set it to the pod name",
             self.me.owner_id,
+            silent_for.as_secs(),
             self.me,
             self.expiration.as_secs()
         )
