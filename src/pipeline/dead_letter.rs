@@ -467,23 +467,24 @@ mod tests {
             matches!(out, Published::ClaimCheck { refused: Some(_) }),
             "{out:?}"
         );
-        let sent = q.sent.lock().unwrap();
-        let full = &sent[0];
-        assert!(full.properties.len() <= PROPERTY_COUNT_LIMIT);
-        assert!(
-            full.properties.len() <= EVENT_PROPERTY_LIMIT + 16,
-            "{}",
-            full.properties.len()
-        );
-        let check = &sent[1];
-        assert!(check
-            .properties
-            .iter()
-            .all(|(k, _)| k.starts_with("hubguard-")));
-        assert!(check
-            .properties
-            .contains(&("hubguard-properties-omitted".into(), "300".into())));
-        drop(sent);
+        {
+            let sent = q.sent.lock().unwrap();
+            let full = &sent[0];
+            assert!(full.properties.len() <= PROPERTY_COUNT_LIMIT);
+            assert!(
+                full.properties.len() <= EVENT_PROPERTY_LIMIT + 16,
+                "{}",
+                full.properties.len()
+            );
+            let check = &sent[1];
+            assert!(check
+                .properties
+                .iter()
+                .all(|(k, _)| k.starts_with("hubguard-")));
+            assert!(check
+                .properties
+                .contains(&("hubguard-properties-omitted".into(), "300".into())));
+        }
 
         // Refused whatever its shape: the ledger alone is the dead letter; nothing holds.
         let (_, dl) = destination(|_| Err(refused(400)));
