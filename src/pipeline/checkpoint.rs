@@ -337,7 +337,12 @@ impl CheckpointStore for FencedCheckpointStore {
         // Every load-balancing cycle starts here: renew (or check) the hold on the owner id
         // before the processor decides what to claim.
         if let Some(lease) = &self.lease {
-            if !lease.check().await {
+            // At most three record calls (renew; read; create or take over), each with the
+            // record store's own deadline; a check past them all keeps the last verdict.
+            let holds = tokio::time::timeout(self.deadline * 3, lease.check())
+                .await
+                .unwrap_or_else(|_| lease.holds());
+            if !holds {
                 let mut st = self.state();
                 st.claimed.clear();
                 st.held.clear();
