@@ -178,3 +178,55 @@ async fn a_second_process_with_the_same_owner_id_claims_nothing_names_the_confli
     assert_eq!(duplicates(&all), Vec::<String>::new(), "no event twice");
     assert_eq!(all.len(), keys.len() + later.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_started_at_once_with_one_owner_id_deliver_a_backlog_once() {
+    let bed = Bed::start(4).await;
+    let mut keys = Vec::new();
+    for p in 0..4 {
+        let batch: Vec<String> = (0..50).map(|i| format!("q{p}-{i}")).collect();
+        let evs: Vec<(&str, &str)> = batch.iter().map(|k| (k.as_str(), "ok")).collect();
+        bed.send(p, &evs).await;
+        keys.extend(batch);
+    }
+    // A Deployment's two pods, the same fixed id, started together on a backlog.
+    let (ha, hb) = (Gated::new(), Gated::new());
+    ha.open.send_replace(true);
+    hb.open.send_replace(true);
+    let a = start(bed.parts(ha.clone(), fast_policy(5), "same-id"));
+    let b = start(bed.parts(hb.clone(), fast_policy(5), "same-id"));
+    wait_for("the backlog delivered", &a.health, LIMIT, || async {
+        let mut d = ha.inner.delivered_keys();
+        d.extend(hb.inner.delivered_keys());
+        keys.iter().all(|k| d.contains(k))
+    })
+    .await;
+    // Exactly one of them works; the other names the conflict.
+    let (worker, idle) = if a.health.owned().is_empty() {
+        (&b, &a)
+    } else {
+        (&a, &b)
+    };
+    wait_for(
+        "the idle one names the conflict",
+        &idle.health,
+        LIMIT,
+        || async {
+            idle.health
+                .not_ready_reasons()
+                .iter()
+                .any(|r| r.contains("owner id `same-id`"))
+        },
+    )
+    .await;
+    assert_eq!(worker.health.owned().len(), 4);
+    assert!(idle.health.owned().is_empty());
+    for r in [a, b] {
+        r.cancel.cancel();
+        within("stops", r.task).await.unwrap();
+    }
+    let mut all: Vec<String> = ha.inner.delivered.lock().unwrap().clone();
+    all.extend(hb.inner.delivered.lock().unwrap().iter().cloned());
+    assert_eq!(duplicates(&all), Vec::<String>::new(), "no event twice");
+    assert_eq!(all.len(), keys.len());
+}
