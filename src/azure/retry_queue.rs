@@ -697,8 +697,16 @@ impl ServiceBusRetryQueue {
 fn status_error(status: u16, detail: &str) -> RetryQueueError {
     let detail = detail.to_string();
     let lower = detail.to_ascii_lowercase();
+    // What the request is, not what the service is: too large, too many properties or
+    // headers, malformed. The same request gets the same answer every time, so it must not
+    // hold anything (HTTP semantics, RFC 9110 §15.5.1, §15.5.14, §15.5.15; 431: RFC 6585
+    // §5), whatever front end said it.
+    let about_the_request = lower.contains("too large")
+        || lower.contains("too many properties")
+        || lower.contains("too many headers");
     match status {
-        400 | 413 => RetryQueueError::Refused { status, detail },
+        400 | 413 | 414 | 431 => RetryQueueError::Refused { status, detail },
+        403 if about_the_request => RetryQueueError::Refused { status, detail },
         401 => RetryQueueError::Unauthorized { status, detail },
         // 403 is "quota exceeded or message too large": the detail tells which. A message
         // too large is refused for what it is; anything else at 403 concerns every request.
@@ -1390,6 +1398,14 @@ mod tests {
         assert!(status_error(429, "").is_transient());
         assert!(!status_error(401, "").is_transient());
         assert!(status_error(400, "bad MessageId").is_refusal_of_request());
+        // Whatever the front end: a request too large or with too many headers concerns
+        // that request only.
+        for status in [413, 414, 431] {
+            let e = status_error(status, "");
+            assert!(e.is_refusal_of_request() && !e.is_transient(), "{e:?}");
+        }
+        let many = status_error(403, "The message has too many properties: 300");
+        assert!(many.is_refusal_of_request(), "{many:?}");
     }
 
     #[test]

@@ -157,24 +157,65 @@ pub async fn fault_layer(
     next.run(request).await
 }
 
+/// Most request headers a connection accepts. hyper's server refuses a request with more
+/// than 100 headers with its own 431 (Request Header Fields Too Large), an answer no Azure
+/// service documents: Service Bus over REST carries each custom property as a header and
+/// allows up to 255 of them, blob storage takes up to 8 KB of `x-ms-meta-*` headers. Raised
+/// far above both, so the emulators' own checks give Azure's answer (see each emulator's
+/// table of what it refuses).
+pub const MAX_REQUEST_HEADERS: usize = 4096;
+
+/// Most bytes of a request's head (start line and headers) a connection buffers: above
+/// every header limit the emulators enforce themselves (64 KB on Service Bus), so those
+/// limits, not the HTTP server's, decide.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 1024 * 1024;
+
 /// Binds `listen` and serves `router` with fault injection until `shutdown` is cancelled.
+/// HTTP/1.1 (what every Azure SDK's REST client speaks to these services), with the header
+/// limits above instead of the HTTP server's defaults; on shutdown each connection finishes
+/// its request in flight and the task ends once all have closed.
 pub async fn serve(
     listen: SocketAddr,
     router: Router,
     faults: Arc<Faults>,
     shutdown: CancellationToken,
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
+    use axum::serve::Listener as _;
+
     let inner = TcpListener::bind(listen).await?;
     let addr = inner.local_addr()?;
     let router = router.layer(axum::middleware::from_fn_with_state(
         faults.clone(),
         fault_layer,
     ));
-    let listener = FaultyListener { inner, faults };
+    let mut listener = FaultyListener { inner, faults };
     let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
+        let mut connections = tokio::task::JoinSet::new();
+        loop {
+            let io = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+                (io, _) = listener.accept() => io,
+            };
+            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            let shutdown = shutdown.clone();
+            connections.spawn(async move {
+                let mut builder = hyper::server::conn::http1::Builder::new();
+                builder
+                    .max_headers(MAX_REQUEST_HEADERS)
+                    .max_buf_size(MAX_REQUEST_HEAD_BYTES);
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+                tokio::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    _ = shutdown.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
+                    }
+                }
+            });
+        }
+        while connections.join_next().await.is_some() {}
     });
     Ok((addr, task))
 }

@@ -6,7 +6,9 @@
 //! - puts a deadline on every call;
 //! - never moves a partition's checkpoint backwards;
 //! - refuses checkpoints for partitions whose ownership this replica has not claimed within
-//!   the ownership expiration (stale or lost ownership).
+//!   the ownership expiration (stale or lost ownership);
+//! - claims nothing while another live process uses the same owner id (see
+//!   [`owner`](super::owner)): the SDK would take that process's partitions for its own.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +28,7 @@ pub(super) struct FencedCheckpointStore {
     expiration: Duration,
     state: Mutex<FenceState>,
     health: Option<Arc<crate::pipeline::health::Health>>,
+    lease: Option<super::owner::OwnerLease>,
 }
 
 #[derive(Default)]
@@ -71,7 +74,20 @@ impl FencedCheckpointStore {
             expiration,
             state: Mutex::default(),
             health: None,
+            lease: None,
         }
+    }
+
+    /// Claims partitions only while this process holds its owner id (`lease`, renewed at
+    /// every listing of ownerships, that is every load-balancing cycle).
+    pub(super) fn with_lease(mut self, lease: super::owner::OwnerLease) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Whether this process may claim partitions (it holds its owner id).
+    fn may_claim(&self) -> bool {
+        self.lease.as_ref().is_none_or(|l| l.holds())
     }
 
     /// Reports partitions that no replica owns to `health` (see
@@ -163,6 +179,9 @@ impl FencedCheckpointStore {
                 }
             }
         }
+        if let Some(lease) = &self.lease {
+            lease.release().await;
+        }
     }
 
     /// Whether this replica holds a fresh claim on `partition` (what the tests check).
@@ -253,6 +272,14 @@ impl CheckpointStore for FencedCheckpointStore {
         // start it from the default position.
         let wanted: Vec<Ownership> = match ownerships.first() {
             Some(o) if o.owner_id.as_deref() == Some(self.owner_id.as_str()) => {
+                if !self.may_claim() {
+                    // Another live process uses this owner id: claim (and renew) nothing, so
+                    // the processor revokes any partition it still reads.
+                    let mut st = self.state();
+                    st.claimed.clear();
+                    st.held.clear();
+                    return Ok(Vec::new());
+                }
                 self.checked_checkpoints(
                     &o.fully_qualified_namespace,
                     &o.event_hub_name,
@@ -307,6 +334,20 @@ impl CheckpointStore for FencedCheckpointStore {
         hub: &str,
         cg: &str,
     ) -> azure_core::Result<Vec<Ownership>> {
+        // Every load-balancing cycle starts here: renew (or check) the hold on the owner id
+        // before the processor decides what to claim.
+        if let Some(lease) = &self.lease {
+            // At most three record calls (renew; read; create or take over), each with the
+            // record store's own deadline; a check past them all keeps the last verdict.
+            let holds = tokio::time::timeout(self.deadline * 3, lease.check())
+                .await
+                .unwrap_or_else(|_| lease.holds());
+            if !holds {
+                let mut st = self.state();
+                st.claimed.clear();
+                st.held.clear();
+            }
+        }
         let owners = self
             .deadline(
                 "list_ownerships",

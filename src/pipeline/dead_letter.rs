@@ -5,17 +5,27 @@
 //! dead-lettered, under the MessageId `{key}-deadletter-{attempts}` (the key's readable or
 //! digest form, [`message_id_base`]): a crash between the two, or a compare-and-swap round
 //! that runs again, re-sends the same MessageId, which duplicate detection drops — so a dead
-//! letter is never left unpublished, and a repeat is harmless. A failure to publish fails the
-//! settlement: the partition is held (or the retry message kept) until it goes through.
+//! letter is never left unpublished, and a repeat is harmless. A failure that concerns every
+//! request (Service Bus unreachable, credentials, a missing or full queue, throttling) fails
+//! the settlement: the partition is held (or the retry message kept) until it goes through.
+//! A refusal of *this message* for what it is never holds anything (see below).
 //!
 //! The message carries the original body and properties, plus `hubguard-dead-letter-reason`,
 //! `hubguard-last-error`, `hubguard-attempts`, `hubguard-correlation-id` (also the
-//! CorrelationId), `hubguard-idempotency-key` and where the event was read. Service Bus
-//! Standard refuses messages over 256 KB while Event Hubs accepts events up to 1 MB, so a
-//! body that would not fit `max_message_kb` — or that the queue refuses as too large — is
-//! left out and the message becomes a *claim check*: `hubguard-body: omitted` with the
-//! body's size, and the ledger record (which keeps the event) is where to read it
-//! (`hubguard status KEY --json`). A dead letter never waits on the size of its event.
+//! CorrelationId), `hubguard-idempotency-key` and where the event was read. Over REST every
+//! property is an HTTP header, and Service Bus allows 32 KB per property, 64 KB of headers
+//! and at most 255 properties ("Service Bus quotas",
+//! https://learn.microsoft.com/azure/service-bus-messaging/service-bus-quotas), while an
+//! Event Hubs event may carry far more: the event's properties are copied as far as those
+//! limits allow, and `hubguard-properties-omitted` counts the rest. Service Bus Standard
+//! refuses messages over 256 KB while Event Hubs accepts events up to 1 MB, so a body that
+//! would not fit `max_message_kb` — or a message the queue refuses for what it is (too
+//! large, too many properties, a header it will not take) — is sent again as a *claim
+//! check*: `hubguard-body: omitted` with the body's size, none of the event's properties,
+//! and the ledger record (which keeps the event) is where to read it (`hubguard status KEY
+//! --json`). A claim check is small and bounded whatever the event; should Service Bus
+//! refuse even that for what it is, the ledger record alone is the dead letter and the
+//! refusal is logged. A dead letter never waits on the shape of its event.
 //!
 //! At start-up [`DeadLetterDestination::probe`] proves the queue exists and takes messages
 //! (one message labelled [`PROBE_LABEL`], living 1 s); `hubguard run` refuses to start if it
@@ -38,6 +48,17 @@ pub const PROBE_LABEL: &str = "hubguard.dead_letter.probe";
 const PROPERTY_VALUE_LIMIT: usize = 4096;
 /// Room for all properties (bytes).
 const PROPERTIES_BUDGET: usize = 48 * 1024;
+/// Most custom properties in one message: "Maximum number of header properties in property
+/// bag: byte/int.MaxValue", read strictly as `byte.MaxValue`
+/// (https://learn.microsoft.com/azure/service-bus-messaging/service-bus-quotas); over REST
+/// each is one HTTP header.
+const PROPERTY_COUNT_LIMIT: usize = u8::MAX as usize;
+/// Most of the event's own properties copied: a subscriber reading over REST gets each as a
+/// response header, and common HTTP clients refuse a response with more than 100 headers
+/// (hyper's `max_headers` default, under the Rust SDKs' reqwest:
+/// https://docs.rs/hyper/1/hyper/client/conn/http1/struct.Builder.html#method.max_headers),
+/// so a dead letter stays readable with room for hubguard's own and the service's headers.
+const EVENT_PROPERTY_LIMIT: usize = 64;
 
 /// Where dead letters go.
 pub struct DeadLetterDestination {
@@ -53,6 +74,31 @@ impl std::fmt::Debug for DeadLetterDestination {
             .field("max_message_bytes", &self.max_message_bytes)
             .finish_non_exhaustive()
     }
+}
+
+/// How a dead letter went out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// With the event's body and properties.
+    Full,
+    /// As a claim check (the body was too large for the queue, or Service Bus refused the
+    /// full message for what it is: `refused`).
+    ClaimCheck {
+        /// Why the full message was refused, if it was sent and refused.
+        refused: Option<RetryQueueError>,
+    },
+    /// Service Bus refused even the claim check for what it is: the ledger record is the
+    /// only dead letter.
+    Unpublishable(RetryQueueError),
+}
+
+/// The shape of a dead-letter message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// Body and properties of the event.
+    Full,
+    /// hubguard's own properties only.
+    ClaimCheck,
 }
 
 /// A dead letter could not be published.
@@ -137,27 +183,58 @@ impl DeadLetterDestination {
     }
 
     /// Publishes the dead letter of `rec` (its state, reason, last error and attempts
-    /// already set as they are about to be written). A body too large for the queue is
-    /// replaced by a claim check (see the module's documentation).
-    pub async fn publish(&self, rec: &LedgerRecord) -> Result<(), PublishError> {
-        let full = self.message(rec, true);
+    /// already set as they are about to be written), in the most complete shape Service Bus
+    /// takes (see the module's documentation):
+    ///
+    /// 1. the event's body and properties, when the body fits `max_message_kb`;
+    /// 2. else, or when Service Bus refuses that message for what it is (too large, too many
+    ///    properties, a header it will not take: [`RetryQueueError::is_refusal_of_request`]),
+    ///    a claim check: hubguard's own bounded properties only, no body and none of the
+    ///    event's properties (the ledger record holds them);
+    /// 3. if even the claim check is refused for what it is, nothing more can be sent: the
+    ///    ledger record (and the dead-letter index `hubguard dead-letters` lists) is the dead
+    ///    letter, and the refusal is logged as an error naming the key. A refusal of one
+    ///    message never holds the partition.
+    ///
+    /// What concerns every request (unreachable, credentials, a missing or full queue,
+    /// throttling) is returned: the caller holds the work and tries again.
+    pub async fn publish(&self, rec: &LedgerRecord) -> Result<Published, PublishError> {
+        let full = self.message(rec, Shape::Full);
         let fits = full.body.len() + 8 * 1024 <= self.max_message_bytes;
-        let message = if fits { full } else { self.message(rec, false) };
-        let with_body = fits;
-        match self.queue.schedule(message).await {
-            Err(e) if with_body && e.is_refusal_of_request() => {
-                tracing::warn!(key = %rec.key, queue = %self.name, error = %e, "the dead-letter destination refused the message with its body; sending a claim check instead");
-                self.queue.schedule(self.message(rec, false)).await
+        let mut refused = None;
+        if fits {
+            match self.queue.schedule(full).await {
+                Ok(()) => return Ok(Published::Full),
+                Err(e) if e.is_refusal_of_request() => {
+                    tracing::warn!(key = %rec.key, queue = %self.name, error = %e, "the dead-letter destination refused the message with the event's body and properties; sending a claim check instead");
+                    refused = Some(e);
+                }
+                Err(error) => return Err(self.failed(error)),
             }
-            other => other,
         }
-        .map_err(|error| PublishError {
-            queue: self.name.clone(),
-            error,
-        })
+        match self
+            .queue
+            .schedule(self.message(rec, Shape::ClaimCheck))
+            .await
+        {
+            Ok(()) => Ok(Published::ClaimCheck { refused }),
+            Err(e) if e.is_refusal_of_request() => {
+                tracing::error!(key = %rec.key, queue = %self.name, error = %e, "the dead-letter destination refused even the claim check of this dead letter: it is recorded in the ledger only (`hubguard dead-letters` lists it, `hubguard status KEY --json` shows it)");
+                Ok(Published::Unpublishable(e))
+            }
+            Err(error) => Err(self.failed(error)),
+        }
     }
 
-    fn message(&self, rec: &LedgerRecord, with_body: bool) -> OutgoingMessage {
+    fn failed(&self, error: RetryQueueError) -> PublishError {
+        PublishError {
+            queue: self.name.clone(),
+            error,
+        }
+    }
+
+    fn message(&self, rec: &LedgerRecord, shape: Shape) -> OutgoingMessage {
+        let with_body = shape == Shape::Full;
         let event = &rec.event;
         let mut properties: Vec<(String, String)> = Vec::new();
         let push = |props: &mut Vec<(String, String)>, k: &str, v: &str| {
@@ -232,19 +309,28 @@ impl DeadLetterDestination {
             String::new()
         };
         // The event's own properties, as they are where Service Bus can carry them (a header
-        // name must be a token), within the headers budget; the rest are counted.
+        // name must be a token), within the headers budget and the number of properties a
+        // message may have; the rest are counted. A claim check carries none of them.
         let mut used: usize = properties.iter().map(|(k, v)| k.len() + v.len()).sum();
+        // One left for `hubguard-properties-omitted`.
+        let room = PROPERTY_COUNT_LIMIT
+            .saturating_sub(properties.len() + 1)
+            .min(EVENT_PROPERTY_LIMIT);
+        let mut copied = 0usize;
         let mut left_out = 0usize;
         for (k, v) in &event.properties {
             let v = ascii_value(v, PROPERTY_VALUE_LIMIT);
-            if !token(k)
+            if shape == Shape::ClaimCheck
+                || !token(k)
                 || k.starts_with("hubguard-")
+                || copied >= room
                 || used + k.len() + v.len() > PROPERTIES_BUDGET
             {
                 left_out += 1;
                 continue;
             }
             used += k.len() + v.len();
+            copied += 1;
             properties.push((k.clone(), v));
         }
         if left_out > 0 {
@@ -277,6 +363,145 @@ impl DeadLetterDestination {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+
+    /// A destination that answers each message with what `answer` says.
+    struct Answering {
+        answer: fn(&OutgoingMessage) -> Result<(), RetryQueueError>,
+        sent: Mutex<Vec<OutgoingMessage>>,
+    }
+
+    #[async_trait::async_trait]
+    impl RetryQueue for Answering {
+        async fn schedule(&self, m: OutgoingMessage) -> Result<(), RetryQueueError> {
+            let answer = (self.answer)(&m);
+            self.sent.lock().unwrap().push(m);
+            answer
+        }
+        async fn receive(
+            &self,
+            _: Duration,
+        ) -> Result<Option<crate::azure::ReceivedMessage>, RetryQueueError> {
+            Ok(None)
+        }
+    }
+
+    fn record(properties: usize) -> LedgerRecord {
+        let event = crate::event::Event {
+            body: b"perm".to_vec(),
+            content_type: None,
+            properties: (0..properties)
+                .map(|i| (format!("p{i}"), format!("v{i}")))
+                .collect(),
+            hub: "hub".into(),
+            partition_id: "3".into(),
+            sequence_number: 7,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: crate::event::Identity {
+                idempotency_key: "k".into(),
+                correlation_id: "k".into(),
+                event_type: None,
+            },
+        };
+        LedgerRecord {
+            key: "k".into(),
+            correlation_id: "k".into(),
+            event_type: None,
+            state: crate::ledger::State::DeadLettered,
+            attempts: 1,
+            next_attempt_ms: None,
+            first_failure_ms: 0,
+            updated_ms: 0,
+            last_error: Some("refused".into()),
+            dead_letter_reason: Some(crate::policy::DeadLetterReason::Permanent),
+            last_delay_ms: None,
+            policy: crate::policy::RetryPolicy {
+                name: "t".into(),
+                curve: crate::policy::Curve::Fixed,
+                base_s: 1,
+                floor_s: 1,
+                cap_s: 1,
+                max_attempts: 1,
+                max_age_s: None,
+            },
+            attempt_base: 0,
+            history: Vec::new(),
+            event,
+            quarantined: None,
+            event_unknown: false,
+        }
+    }
+
+    fn destination(
+        answer: fn(&OutgoingMessage) -> Result<(), RetryQueueError>,
+    ) -> (Arc<Answering>, DeadLetterDestination) {
+        let q = Arc::new(Answering {
+            answer,
+            sent: Mutex::default(),
+        });
+        (q.clone(), DeadLetterDestination::new(q, "dl", 256))
+    }
+
+    fn refused(status: u16) -> RetryQueueError {
+        RetryQueueError::Refused {
+            status,
+            detail: "Request Header Fields Too Large".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_message_refused_for_what_it_is_goes_as_a_claim_check_and_never_holds() {
+        // The full message is refused (a front end's 431): the claim check goes out, with
+        // none of the event's properties and a bounded number of headers.
+        let (q, dl) = destination(|m| {
+            if m.body.is_empty() {
+                Ok(())
+            } else {
+                Err(refused(431))
+            }
+        });
+        let out = dl.publish(&record(300)).await.unwrap();
+        assert!(
+            matches!(out, Published::ClaimCheck { refused: Some(_) }),
+            "{out:?}"
+        );
+        {
+            let sent = q.sent.lock().unwrap();
+            let full = &sent[0];
+            assert!(full.properties.len() <= PROPERTY_COUNT_LIMIT);
+            assert!(
+                full.properties.len() <= EVENT_PROPERTY_LIMIT + 16,
+                "{}",
+                full.properties.len()
+            );
+            let check = &sent[1];
+            assert!(check
+                .properties
+                .iter()
+                .all(|(k, _)| k.starts_with("hubguard-")));
+            assert!(check
+                .properties
+                .contains(&("hubguard-properties-omitted".into(), "300".into())));
+        }
+
+        // Refused whatever its shape: the ledger alone is the dead letter; nothing holds.
+        let (_, dl) = destination(|_| Err(refused(400)));
+        assert!(matches!(
+            dl.publish(&record(3)).await.unwrap(),
+            Published::Unpublishable(RetryQueueError::Refused { status: 400, .. })
+        ));
+
+        // What concerns every request is returned: the caller holds and tries again.
+        let (_, dl) = destination(|_| {
+            Err(RetryQueueError::Unavailable {
+                status: 503,
+                detail: String::new(),
+            })
+        });
+        assert!(dl.publish(&record(3)).await.is_err());
+    }
 
     #[test]
     fn message_ids_stay_within_service_bus_limits() {

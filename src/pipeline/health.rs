@@ -166,6 +166,7 @@ pub struct Health {
     unowned: Mutex<Vec<String>>,
     unhealthy_after: Mutex<Option<std::time::Duration>>,
     lag: Mutex<BTreeMap<String, (u64, f64)>>,
+    owner_conflict: Mutex<Option<String>>,
     /// Counters.
     pub counters: Counters,
     changed: watch::Sender<u64>,
@@ -182,6 +183,7 @@ impl Default for Health {
             unowned: Mutex::default(),
             unhealthy_after: Mutex::default(),
             lag: Mutex::default(),
+            owner_conflict: Mutex::default(),
             counters: Counters::default(),
             changed: watch::channel(0).0,
         }
@@ -495,6 +497,9 @@ impl Health {
                 "Event Hubs consumer failing since {since} ({failures} attempts): {error}"
             )),
         }
+        if let Some(conflict) = self.owner_conflict() {
+            r.push(conflict);
+        }
         let unowned = self.unowned();
         if !unowned.is_empty() {
             r.push(format!(
@@ -526,6 +531,28 @@ impl Health {
             )),
         }
         r
+    }
+
+    /// Records why this process may not use its owner id (another live process holds it),
+    /// or that it may (`None`).
+    pub fn set_owner_conflict(&self, reason: Option<String>) {
+        let mut c = self
+            .owner_conflict
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if *c != reason {
+            *c = reason;
+            drop(c);
+            self.bump();
+        }
+    }
+
+    /// Why this process may not use its owner id, if it may not.
+    pub fn owner_conflict(&self) -> Option<String> {
+        self.owner_conflict
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Ready: the consumer runs, every partition has an owner, nothing is held and the retry

@@ -19,6 +19,7 @@ mod checkpoint;
 pub mod dead_letter;
 pub mod health;
 mod observe;
+pub mod owner;
 mod partition;
 mod retry;
 pub mod settle;
@@ -329,6 +330,7 @@ impl Pipeline {
                 .with_clock(parts.options.clock.clone()),
             )
         });
+        let records = parts.records.clone();
         let ledger = Ledger::new(
             parts.records,
             &parts.eventhubs.hub,
@@ -349,7 +351,15 @@ impl Pipeline {
                 parts.options.deadline,
                 parts.options.ownership_expiration,
             )
-            .with_health(health.clone()),
+            .with_health(health.clone())
+            .with_lease(owner::OwnerLease::new(
+                records,
+                &parts.eventhubs.hub,
+                &parts.eventhubs.consumer_group,
+                &parts.options.owner_id,
+                parts.options.ownership_expiration,
+                health.clone(),
+            )),
         );
         Self {
             shared: Arc::new(Shared {

@@ -55,6 +55,11 @@ pub mod limits {
     pub const PROPERTY_BYTES: usize = 32 * 1024;
     /// All of a message's headers (system and custom properties): at most 64 KB.
     pub const HEADER_BYTES: usize = 64 * 1024;
+    /// Custom properties of one message: "Maximum number of header properties in property
+    /// bag: byte/int.MaxValue" — the stricter reading, `byte.MaxValue` (255). Over REST each
+    /// custom property is one HTTP header (REST reference, "Send Message"). Source:
+    /// https://learn.microsoft.com/azure/service-bus-messaging/service-bus-quotas
+    pub const CUSTOM_PROPERTIES: usize = u8::MAX as usize;
 }
 
 impl QueueSpec {

@@ -34,6 +34,7 @@
 //! | MessageId over 128 characters | 400 | "Service Bus quotas": MessageId, SessionId, PartitionKey at most 128 characters |
 //! | `TimeToLive` not positive | 400 | `BrokerProperties` reference: a TimeSpan greater than zero |
 //! | one custom property over 32 KB, all headers over 64 KB | 403, message too large | "Service Bus quotas": message property size, header size |
+//! | more than 255 custom properties (headers) | 400, too many properties | "Service Bus quotas": "Maximum number of header properties in property bag: byte/int.MaxValue" (the stricter reading, `byte.MaxValue`) |
 //! | body and headers over the queue's maximum message size (256 KB on Standard; 1 MB to 100 MB on Premium, per queue) | 403, message too large | "Service Bus quotas": message size; Send Message: "403 quota exceeded or message too large" |
 //! | a throttled namespace (fault kind `throttle`) | 503 (or 429) "server busy", `Retry-After` | "Service Bus messaging exceptions": ServerBusy; "Throttling operations on Azure Service Bus" |
 //! | a queue configured outside Azure's ranges (lock 5 s–5 min, duplicate detection 20 s–7 days, message size) | the emulator refuses to start | "Service Bus quotas"; `QueueDescription` |
@@ -556,6 +557,16 @@ fn check_limits(
                 "The value supplied for TimeToLive ({ttl}) must be a positive TimeSpan."
             )));
         }
+    }
+    // Each custom property is one header ("Send Message", REST reference); Azure counts
+    // them in the message's property bag, at most `byte.MaxValue` of them
+    // (https://learn.microsoft.com/azure/service-bus-messaging/service-bus-quotas).
+    let custom = headers.keys().filter(|n| !is_plumbing(n.as_str())).count();
+    if custom > limits::CUSTOM_PROPERTIES {
+        return Err(BrokerError::BadRequest(format!(
+            "The message has too many properties: {custom} custom properties, while at most {} are allowed in a message's property bag.",
+            limits::CUSTOM_PROPERTIES
+        )));
     }
     let mut header_bytes = 0;
     for (n, v) in headers {
