@@ -24,6 +24,7 @@ use crate::handler::webhook::WebhookHandler;
 use crate::ledger::Ledger;
 use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::Pipeline;
+use crate::redact::{redact, redacted};
 use crate::wiring::{StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
@@ -324,12 +325,12 @@ pub fn main() -> ExitCode {
                 .unwrap_or_default();
             eprintln!(
                 "{}",
-                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": format!("{e:#}"), "fields": {}})
+                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": redacted(&format!("{e:#}")), "fields": {}})
             );
             ExitCode::from(EXIT_FAILURE)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", redact(&format!("{e:#}")));
             ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -582,7 +583,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                             .map(|r| r.to_string())
                             .unwrap_or_default(),
                         rec.attempts,
-                        rec.last_error.unwrap_or_default().escape_debug(),
+                        redact(&rec.last_error.unwrap_or_default()).escape_debug(),
                         rec.event.partition_id,
                         rec.event.sequence_number
                     ),
@@ -596,12 +597,12 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                         if json {
                             println!(
                                 "{}",
-                                serde_json::json!({ "key": key, "error": e.to_string() })
+                                serde_json::json!({ "key": key, "error": redacted(&e.to_string()) })
                             );
                         } else {
                             println!(
                                 "{shown}\t(cannot be read: {})",
-                                e.to_string().escape_debug()
+                                redact(&e.to_string()).escape_debug()
                             );
                         }
                     }
@@ -645,7 +646,10 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
                     Err(e) => {
                         failed += 1;
-                        println!("{shown}: not replayed: {}", e.to_string().escape_debug());
+                        println!(
+                            "{shown}: not replayed: {}",
+                            redact(&e.to_string()).escape_debug()
+                        );
                     }
                 }
             }

@@ -139,7 +139,7 @@ impl Handshake {
             if fresh {
                 match self.validate(client, url, authorization).await {
                     Ok(rate) => {
-                        tracing::info!(url = %without_query(url), origin = %self.config.origin, rate = ?rate, "webhook agreed to receive (abuse-protection handshake)");
+                        tracing::info!(url = %crate::redact::redact(url), origin = %self.config.origin, rate = ?rate, "webhook agreed to receive (abuse-protection handshake)");
                         *st = Some(Agreement::Allowed {
                             url: url.to_string(),
                             pacer: rate.map(Pacer::new),
@@ -187,7 +187,7 @@ impl Handshake {
         let origin = &self.config.origin;
         let what = format!(
             "the webhook {} has not agreed to receive events from {origin} (CloudEvents abuse-protection handshake)",
-            without_query(url)
+            crate::redact::redact(url)
         );
         let mut req = client
             .request(reqwest::Method::OPTIONS, url)
@@ -234,13 +234,8 @@ impl Handshake {
                 super::webhook::sanitise(&body, super::webhook::BODY_EXCERPT)
             ));
         }
-        Err(reason)
+        Err(crate::redact::redact_owned(reason))
     }
-}
-
-/// A URL without its query and fragment (which may carry credentials).
-pub(crate) fn without_query(url: &str) -> &str {
-    &url[..url.find(['?', '#']).unwrap_or(url.len())]
 }
 
 #[cfg(test)]
