@@ -108,13 +108,31 @@ fn urls(b: &[u8], spans: &mut Vec<(usize, usize)>) {
     let mut from = 0;
     while let Some(p) = find(b, from, b"://") {
         let start = p + 3;
-        let end = (start..b.len()).find(|&i| ends_url(b[i])).unwrap_or(b.len());
-        let auth_end = (start..end)
+        let end = (start..b.len())
+            .find(|&i| ends_url(b[i]))
+            .unwrap_or(b.len());
+        let first_end = (start..end)
             .find(|&i| matches!(b[i], b'/' | b'?' | b'#'))
             .unwrap_or(end);
-        if let Some(at) = (start..auth_end).rev().find(|&i| b[i] == b'@') {
-            spans.push((start, at));
+        let mut at = (start..first_end).rev().find(|&i| b[i] == b'@');
+        if at.is_none() {
+            // `user:pa/ss@host`: a password with a raw `/`, `?` or `#` (a malformed URL, but
+            // still a password) — unless what follows the `:` is a port.
+            if let Some(colon) = (start..first_end).find(|&i| b[i] == b':') {
+                if !b[colon + 1..first_end].iter().all(u8::is_ascii_digit) {
+                    at = (first_end..end).find(|&i| b[i] == b'@');
+                }
+            }
         }
+        let auth_end = match at {
+            Some(at) => {
+                spans.push((start, at));
+                (at..end)
+                    .find(|&i| matches!(b[i], b'/' | b'?' | b'#'))
+                    .unwrap_or(end)
+            }
+            None => first_end,
+        };
         if let Some(q) = (auth_end..end).find(|&i| matches!(b[i], b'?' | b'#')) {
             let mut param = q + 1;
             for i in q + 1..=end {
@@ -175,7 +193,9 @@ fn secret_name(word: &[u8]) -> bool {
     let last = word.rsplit(|&c| c == b'.').next().unwrap_or(word);
     let lower = last.to_ascii_lowercase();
     SECRET_NAMES.iter().any(|n| lower == n.as_bytes())
-        || SECRET_SUFFIXES.iter().any(|s| lower.ends_with(s.as_bytes()))
+        || SECRET_SUFFIXES
+            .iter()
+            .any(|s| lower.ends_with(s.as_bytes()))
 }
 
 /// Rule 2: `name=value`, `"name": "value"` for a credential's name.
@@ -380,9 +400,14 @@ mod tests {
             r("sb://u:p@127.0.0.1:5672/ and more"),
             "sb://***@127.0.0.1:5672/ and more"
         );
+        // A raw `/` in a password (a malformed URL) still ends at its `@`.
+        assert_eq!(r("http://u:pa/ss@h:1/x"), "http://***@h:1/x");
         // A path with `@` is not userinfo.
         assert_eq!(r("http://h/users/@me"), "http://h/users/@me");
-        assert_eq!(r("http://127.0.0.1:9000/events"), "http://127.0.0.1:9000/events");
+        assert_eq!(
+            r("http://127.0.0.1:9000/events"),
+            "http://127.0.0.1:9000/events"
+        );
         assert_eq!(
             r("\"http://a:b@h/x?sig=Zm9v%2B\"}"),
             "\"http://***@h/x?sig=***\"}"
@@ -403,7 +428,10 @@ mod tests {
             r("Authorization: SharedAccessSignature sr=sb%3A%2F%2Fns&sig=AbC%3D&se=1&skn=Root"),
             "Authorization: SharedAccessSignature ***"
         );
-        assert_eq!(r("sv=2022-11-02&sp=r&sig=AbC%3D"), "sv=2022-11-02&sp=r&sig=***");
+        assert_eq!(
+            r("sv=2022-11-02&sp=r&sig=AbC%3D"),
+            "sv=2022-11-02&sp=r&sig=***"
+        );
     }
 
     #[test]
@@ -414,12 +442,18 @@ mod tests {
             r("authorization=Basic dXNlcjpwYXNz,x-other=1"),
             "authorization=***,x-other=1"
         );
-        assert_eq!(r(r#"{"error":"bad","token":"abc123"}"#), r#"{"error":"bad","token":"***"}"#);
+        assert_eq!(
+            r(r#"{"error":"bad","token":"abc123"}"#),
+            r#"{"error":"bad","token":"***"}"#
+        );
         assert_eq!(
             r(r#"body: {\"password\":\"hunter2\"}"#),
             r#"body: {\"password\":\"***\"}"#
         );
-        assert_eq!(r("AZURE_CLIENT_SECRET=abc def"), "AZURE_CLIENT_SECRET=*** def");
+        assert_eq!(
+            r("AZURE_CLIENT_SECRET=abc def"),
+            "AZURE_CLIENT_SECRET=*** def"
+        );
         assert_eq!(r("x-api-key=k1"), "x-api-key=***");
     }
 
@@ -472,9 +506,12 @@ mod tests {
             after in filler(),
             form in 0usize..10,
         ) {
+            // In userinfo a `/` is percent-encoded (RFC 3986 §3.2.1); a raw one would make
+            // the rest a path, and the URL a different one.
+            let u = s.replace('/', "%2F");
             let placed = match form {
-                0 => format!("http://{user}:{s}@host:1/p"),
-                1 => format!("https://{s}@host/p"),
+                0 => format!("http://{user}:{u}@host:1/p"),
+                1 => format!("https://{u}@host/p"),
                 2 => format!("https://host/p?a=1&sig={s}&b=2"),
                 3 => format!("http://h/x?code={s}"),
                 4 => format!("Endpoint=sb://ns/;SharedAccessKeyName={user};SharedAccessKey={s}"),
@@ -486,7 +523,7 @@ mod tests {
             };
             let text = format!("{before} {placed} {after}");
             let out = r(&text);
-            prop_assert!(!out.contains(&s), "{text:?} -> {out:?}");
+            prop_assert!(!out.contains(&s) && !out.contains(&u), "{text:?} -> {out:?}");
             // Idempotent: masking masked text changes nothing.
             prop_assert_eq!(r(&out), out.clone());
         }

@@ -85,10 +85,7 @@ impl FromStr for ConnectionString {
             return Err(bad());
         }
         let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => (
-                h.to_string(),
-                Some(p.parse::<u16>().map_err(|_| bad())?),
-            ),
+            Some((h, p)) => (h.to_string(), Some(p.parse::<u16>().map_err(|_| bad())?)),
             None => (authority.to_string(), None),
         };
         if host.is_empty() {

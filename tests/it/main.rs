@@ -20,6 +20,7 @@ mod outage;
 mod pipeline;
 mod pipeline_support;
 mod run_command;
+mod secrets;
 mod servicebus;
 mod servicebus_auth;
 mod telemetry;
