@@ -651,7 +651,8 @@ fn a_refused_configuration_never_quotes_a_secret() {
             vec![],
         ),
         (
-            "HUBGUARD_STORAGE__CONTAINER_URL",
+            // Validation names the key (the override wrote it).
+            "storage.container_url",
             base(&good_eh, good_container, ""),
             vec![(
                 "HUBGUARD_STORAGE__CONTAINER_URL",
