@@ -410,6 +410,16 @@ async fn no_credential_reaches_any_output() {
     bed.send(1, &[("sec-ok-2", "ok"), ("sec-flaky-2", "fail:2")])
         .await;
 
+    // Both replicas start (the status listener is up once this line is printed).
+    for r in [&ra, &rb] {
+        within("replica starts", async {
+            while !r.stdout.lock().unwrap().contains("consuming hub") {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+    }
+
     // Outputs collected along the way, named for the report.
     let mut outputs: Vec<(String, String)> = Vec::new();
 
