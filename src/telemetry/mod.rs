@@ -509,6 +509,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn exported_string_attributes_pass_the_redaction_rule() {
+        let mut kv = KeyValue::new(
+            "hubguard.error.message",
+            "GET http://u:pw1@h/x?sig=s1 failed",
+        );
+        redact_kv(&mut kv);
+        assert_eq!(kv.value.as_str(), "GET http://***@h/x?sig=*** failed");
+        let mut kv = KeyValue::new(
+            "a",
+            opentelemetry::Value::Array(
+                vec![opentelemetry::StringValue::from("Bearer Tok3n")].into(),
+            ),
+        );
+        redact_kv(&mut kv);
+        assert!(!format!("{:?}", kv.value).contains("Tok3n"));
+        let mut kv = KeyValue::new("n", 5_i64);
+        redact_kv(&mut kv);
+        assert_eq!(kv.value, opentelemetry::Value::I64(5));
+    }
+
+    #[test]
     fn traceparents_round_trip_and_reject_garbage() {
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let sc = parse_traceparent(tp).unwrap();

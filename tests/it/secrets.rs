@@ -661,6 +661,23 @@ fn a_refused_configuration_never_quotes_a_secret() {
             vec![],
         ),
         (
+            "servicebus.namespace",
+            base(&good_eh, good_container, "")
+                .replace(
+                    &format!("connection_string = \"Endpoint=sb://127.0.0.1:1;SharedAccessKeyName=k;SharedAccessKey={SB_KEY}\""),
+                    &format!("namespace = \"http://user:{HOOK_PASS}@127.0.0.1:1\"\ncredential = \"developer_tools\""),
+                ),
+            vec![],
+        ),
+        (
+            "eventhubs.namespace",
+            base(&good_eh, good_container, "").replace(
+                &format!("connection_string = \"{good_eh}\""),
+                &format!("namespace = \"user:{HOOK_PASS}@ns.servicebus.windows.net\"\ncredential = \"developer_tools\""),
+            ),
+            vec![],
+        ),
+        (
             // Validation names the key (the override wrote it).
             "storage.container_url",
             base(&good_eh, good_container, ""),
