@@ -277,8 +277,33 @@ fn generated(command: &Command) -> Option<anyhow::Result<()>> {
     }
 }
 
+/// A panic's message reaches stderr without the log layer (the handler's panics are caught,
+/// but the hook prints them first): it passes the redaction rule too.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "Box<dyn Any>".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_default();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        eprintln!("thread '{name}' panicked{at}:\n{}", redact(&message));
+        let trace = std::backtrace::Backtrace::capture();
+        if trace.status() == std::backtrace::BacktraceStatus::Captured {
+            eprintln!("{}", redact(&trace.to_string()));
+        }
+    }));
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    install_panic_hook();
     let cli = Cli::parse();
     if let Some(done) = generated(&cli.command) {
         return match done {

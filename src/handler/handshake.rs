@@ -79,7 +79,6 @@ impl Pacer {
     }
 }
 
-#[derive(Debug)]
 enum Agreement {
     Allowed {
         url: String,
@@ -90,6 +89,24 @@ enum Agreement {
         reason: String,
         at: Instant,
     },
+}
+
+impl std::fmt::Debug for Agreement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Allowed { url, pacer } => f
+                .debug_struct("Allowed")
+                .field("url", &crate::redact::redact(url))
+                .field("pacer", pacer)
+                .finish(),
+            Self::Refused { url, reason, at } => f
+                .debug_struct("Refused")
+                .field("url", &crate::redact::redact(url))
+                .field("reason", reason)
+                .field("at", at)
+                .finish(),
+        }
+    }
 }
 
 /// The handshake state of one webhook.

@@ -48,8 +48,8 @@ pub struct TlsConfig {
     pub client_key_file: PathBuf,
 }
 
-/// Webhook settings.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+/// Webhook settings. `Debug` shows the URL through the redaction rule ([`crate::redact`]).
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Where to POST.
@@ -76,6 +76,21 @@ pub struct WebhookConfig {
     /// The CloudEvents abuse-protection handshake.
     #[serde(default)]
     pub handshake: HandshakeConfig,
+}
+
+impl std::fmt::Debug for WebhookConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookConfig")
+            .field("url", &crate::redact::redact(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("conflict_is_permanent", &self.conflict_is_permanent)
+            .field("content_mode", &self.content_mode)
+            .field("signing", &self.signing)
+            .field("authorization", &self.authorization)
+            .field("tls", &self.tls)
+            .field("handshake", &self.handshake)
+            .finish()
+    }
 }
 
 impl Default for WebhookConfig {
