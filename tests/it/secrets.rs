@@ -458,6 +458,27 @@ async fn no_credential_reaches_any_output() {
         "/v1/retries (handshake refused)".into(),
         get(&ra.status, "/v1/retries").await,
     ));
+    // Blob storage (with its SAS) answers 503 for a while: what is held names the container.
+    bed.blob
+        .faults()
+        .error_status_for(503, Duration::from_secs(60));
+    let body = within("readiness names the storage outage", async {
+        loop {
+            let (code, body) = http_get(&ra.status, "/readyz").await;
+            if code == 503 && body.contains("blob storage is unavailable") {
+                break body;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(body.contains("devstoreaccount1/hubguard"), "{body}");
+    outputs.push(("/readyz (blob storage down)".into(), body));
+    outputs.push((
+        "/v1/status (blob storage down)".into(),
+        get(&ra.status, "/v1/status").await,
+    ));
+    bed.blob.faults().clear();
     receiver.refuse_handshake.store(false, Ordering::SeqCst);
 
     // Delivered, dead-lettered for good (400) and after its attempts (a redirect each time).
@@ -645,7 +666,9 @@ fn a_refused_configuration_never_quotes_a_secret() {
     let good_eh =
         format!("Endpoint=sb://127.0.0.1:1;SharedAccessKeyName=k;SharedAccessKey={EH_KEY}");
     let good_container = "http://127.0.0.1:1/devstoreaccount1/c";
-    let cases: Vec<(&str, String, Vec<(&str, String)>)> = vec![
+    // (the key the error must name, the file, the environment)
+    type Case<'a> = (&'a str, String, Vec<(&'a str, String)>);
+    let cases: Vec<Case> = vec![
         (
             "eventhubs.connection_string",
             base(
