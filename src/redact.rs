@@ -6,7 +6,8 @@
 //! 1. **In a URL** (`scheme://…`): the userinfo (`https://***@host/`, RFC 3986 §3.2.1: "Use
 //!    of the format "user:password" in the userinfo field is deprecated", because it puts a
 //!    password in clear text wherever the URL is shown), and the value of every query and
-//!    fragment parameter (`?sig=***&code=***`): a URL's query is where Azure puts a shared
+//!    fragment parameter (`?sig=***&code=***`) but a few that are never secret
+//!    (`api-version`, a SAS's `sv`, `se`, `sp`, …): a URL's query is where Azure puts a shared
 //!    access signature (`sig`, <https://learn.microsoft.com/en-us/rest/api/storageservices/create-service-sas>)
 //!    and Azure Functions its function key (`code`,
 //!    <https://learn.microsoft.com/en-us/azure/azure-functions/function-keys-how-to>).
@@ -138,8 +139,10 @@ fn urls(b: &[u8], spans: &mut Vec<(usize, usize)>) {
             for i in q + 1..=end {
                 if i == end || matches!(b[i], b'&' | b'#' | b';') {
                     if param < i {
-                        let value = (param..i).find(|&j| b[j] == b'=').map_or(param, |j| j + 1);
-                        if value < i {
+                        let eq = (param..i).find(|&j| b[j] == b'=');
+                        let public = eq.is_some_and(|eq| public_param(&b[param..eq]));
+                        let value = eq.map_or(param, |j| j + 1);
+                        if value < i && !public {
                             spans.push((value, i));
                         }
                     }
@@ -149,6 +152,39 @@ fn urls(b: &[u8], spans: &mut Vec<(usize, usize)>) {
         }
         from = start;
     }
+}
+
+/// Query parameters whose values are never secret and help a reader: the REST APIs'
+/// `api-version`, `timeout`, listing parameters, and a SAS's fields other than its signature
+/// (version, services, resource types, permissions, start, expiry, protocol, resource, IP
+/// range, policy id, key name:
+/// <https://learn.microsoft.com/en-us/rest/api/storageservices/create-service-sas>).
+const PUBLIC_PARAMS: &[&str] = &[
+    "api-version",
+    "timeout",
+    "comp",
+    "restype",
+    "prefix",
+    "marker",
+    "include",
+    "maxresults",
+    "sv",
+    "ss",
+    "srt",
+    "sp",
+    "st",
+    "se",
+    "spr",
+    "sr",
+    "sip",
+    "si",
+    "skn",
+];
+
+fn public_param(name: &[u8]) -> bool {
+    PUBLIC_PARAMS
+        .iter()
+        .any(|p| name.eq_ignore_ascii_case(p.as_bytes()))
 }
 
 /// Names a credential goes by, compared without case.
@@ -165,6 +201,11 @@ const SECRET_NAMES: &[&str] = &[
     "api_key",
     "apikey",
     "api-key",
+    "sas",
+    "sastoken",
+    "accesskey",
+    "access_key",
+    "access-key",
     "authorization",
     "proxy-authorization",
 ];
@@ -182,6 +223,10 @@ const SECRET_SUFFIXES: &[&str] = &[
     "_apikey",
     "-apikey",
     "_accesskey",
+    "_access_key",
+    "-access-key",
+    "_sas_key",
+    "-sas-key",
 ];
 
 fn is_name_char(c: u8) -> bool {
@@ -432,6 +477,16 @@ mod tests {
             r("sv=2022-11-02&sp=r&sig=AbC%3D"),
             "sv=2022-11-02&sp=r&sig=***"
         );
+        // In a URL, a SAS keeps its readable fields (an expired `se` is worth seeing).
+        assert_eq!(
+            r("https://a.blob.core.windows.net/c?sv=2022-11-02&se=2026-01-01&sr=c&sp=rl&sig=AbC%3D&comp=list"),
+            "https://a.blob.core.windows.net/c?sv=2022-11-02&se=2026-01-01&sr=c&sp=rl&sig=***&comp=list"
+        );
+        assert_eq!(
+            r("GET https://ns.servicebus.windows.net/q?api-version=2021-05 answered 401"),
+            "GET https://ns.servicebus.windows.net/q?api-version=2021-05 answered 401"
+        );
+        assert_eq!(r("aeg-sas-key=k1 sas=k2"), "aeg-sas-key=*** sas=***");
     }
 
     #[test]
