@@ -91,11 +91,6 @@ pub fn redact_json(v: &mut serde_json::Value) {
     }
 }
 
-/// Whether `url` carries a user name or password (`scheme://user:pass@host`).
-pub fn has_userinfo(url: &str) -> bool {
-    url::Url::parse(url).is_ok_and(|u| !u.username().is_empty() || u.password().is_some())
-}
-
 /// Where a URL (or a bare value) ends in text: whitespace, controls, quotes, angle brackets,
 /// a backslash (JSON escapes) and a backtick.
 fn ends_url(c: u8) -> bool {
