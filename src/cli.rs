@@ -24,6 +24,7 @@ use crate::handler::webhook::WebhookHandler;
 use crate::ledger::Ledger;
 use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::Pipeline;
+use crate::redact::{redact, redacted};
 use crate::wiring::{StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
@@ -276,8 +277,33 @@ fn generated(command: &Command) -> Option<anyhow::Result<()>> {
     }
 }
 
+/// A panic's message reaches stderr without the log layer (the handler's panics are caught,
+/// but the hook prints them first): it passes the redaction rule too.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "Box<dyn Any>".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_default();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        eprintln!("thread '{name}' panicked{at}:\n{}", redact(&message));
+        let trace = std::backtrace::Backtrace::capture();
+        if trace.status() == std::backtrace::BacktraceStatus::Captured {
+            eprintln!("{}", redact(&trace.to_string()));
+        }
+    }));
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    install_panic_hook();
     let cli = Cli::parse();
     if let Some(done) = generated(&cli.command) {
         return match done {
@@ -324,12 +350,12 @@ pub fn main() -> ExitCode {
                 .unwrap_or_default();
             eprintln!(
                 "{}",
-                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": format!("{e:#}"), "fields": {}})
+                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": redacted(&format!("{e:#}")), "fields": {}})
             );
             ExitCode::from(EXIT_FAILURE)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", redact(&format!("{e:#}")));
             ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -586,7 +612,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                             .map(|r| r.to_string())
                             .unwrap_or_default(),
                         rec.attempts,
-                        rec.last_error.unwrap_or_default().escape_debug(),
+                        redact(&rec.last_error.unwrap_or_default()).escape_debug(),
                         rec.event.partition_id,
                         rec.event.sequence_number
                     ),
@@ -600,12 +626,12 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                         if json {
                             println!(
                                 "{}",
-                                serde_json::json!({ "key": key, "error": e.to_string() })
+                                serde_json::json!({ "key": key, "error": redacted(&e.to_string()) })
                             );
                         } else {
                             println!(
                                 "{shown}\t(cannot be read: {})",
-                                e.to_string().escape_debug()
+                                redact(&e.to_string()).escape_debug()
                             );
                         }
                     }
@@ -649,7 +675,10 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
                     Err(e) => {
                         failed += 1;
-                        println!("{shown}: not replayed: {}", e.to_string().escape_debug());
+                        println!(
+                            "{shown}: not replayed: {}",
+                            redact(&e.to_string()).escape_debug()
+                        );
                     }
                 }
             }

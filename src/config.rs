@@ -176,15 +176,10 @@ fn redact_connection_string(cs: &str) -> String {
     }
 }
 
-/// A URL for display: without its query (a SAS is a secret).
+/// A URL for display: its userinfo and query values masked ([`crate::redact`]).
 fn redact_url(u: &str) -> String {
     match url::Url::parse(u) {
-        Ok(mut u) => {
-            if u.query().is_some() {
-                u.set_query(Some("<redacted>"));
-            }
-            u.to_string()
-        }
+        Ok(u) => crate::redact::redacted(u.as_str()),
         Err(_) => "<unparsable, redacted>".into(),
     }
 }
@@ -666,6 +661,11 @@ impl Config {
             (Some(cs), None, None) => {
                 cs.parse::<ConnectionString>().map_err(|e| invalid("eventhubs.connection_string", format!("eventhubs.connection_string: {e}")))?;
             }
+            // A host name: a user name or password has no place in it, and would be shown
+            // wherever the namespace is named.
+            (None, Some(ns), Some(_)) if ns.contains('@') => {
+                return Err(invalid("eventhubs.namespace", "eventhubs.namespace must be the namespace's host name (myns.servicebus.windows.net), without a user name or password"));
+            }
             (None, Some(_), Some(_)) => {}
             _ => {
                 return Err(invalid("eventhubs", 
@@ -697,6 +697,15 @@ impl Config {
                 format!("storage.container_url is not a URL: {e}"),
             )
         })?;
+        // Azure Storage authorizes a request by Shared Key, a SAS in the query, Entra ID or
+        // anonymous read access — never by a user name and password in the URL
+        // (https://learn.microsoft.com/en-us/rest/api/storageservices/authorize-requests-to-azure-storage).
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(invalid(
+                "storage.container_url",
+                "storage.container_url must not carry a user name or password (Azure Storage takes a SAS in the query, or storage.credential)",
+            ));
+        }
         if !matches!(url.scheme(), "http" | "https") {
             return Err(invalid(
                 "storage.container_url",

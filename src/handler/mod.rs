@@ -44,7 +44,7 @@ impl Failure {
     pub fn transient(error: impl Into<String>) -> Self {
         Self {
             class: ErrorClass::Transient,
-            error: error.into(),
+            error: crate::redact::redact_owned(error.into()),
             retry_after: None,
             http_status: None,
         }
@@ -54,7 +54,7 @@ impl Failure {
     pub fn permanent(error: impl Into<String>) -> Self {
         Self {
             class: ErrorClass::Permanent,
-            error: error.into(),
+            error: crate::redact::redact_owned(error.into()),
             retry_after: None,
             http_status: None,
         }

@@ -184,6 +184,27 @@ fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags {
     tags
 }
 
+/// `record` with its errors passed through the one redaction rule ([`crate::redact`]), or
+/// `None` when they hold nothing to mask.
+fn redacted_errors(record: &LedgerRecord) -> Option<LedgerRecord> {
+    let masks = |e: &Option<String>| {
+        e.as_deref()
+            .is_some_and(|e| matches!(crate::redact::redact(e), std::borrow::Cow::Owned(_)))
+    };
+    if !masks(&record.last_error) && !record.history.iter().any(|h| masks(&h.error)) {
+        return None;
+    }
+    let mut r = record.clone();
+    let mask = |e: &mut Option<String>| {
+        if let Some(t) = e {
+            *t = crate::redact::redacted(t);
+        }
+    };
+    mask(&mut r.last_error);
+    r.history.iter_mut().for_each(|h| mask(&mut h.error));
+    Some(r)
+}
+
 /// RFC 3339 (UTC, milliseconds) for serde.
 pub(crate) mod rfc3339 {
     use std::time::SystemTime;
@@ -370,6 +391,10 @@ impl Ledger {
         record: &LedgerRecord,
         etag: Option<&str>,
     ) -> Result<String, LedgerError> {
+        // Errors quote what dependencies answered: no credential reaches the record, its
+        // metadata, or anything that reads them (status, dead letters).
+        let clean = redacted_errors(record);
+        let record = clean.as_ref().unwrap_or(record);
         let body = Bytes::from(
             serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
                 key: record.key.clone(),

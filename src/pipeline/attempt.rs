@@ -175,7 +175,7 @@ pub(super) async fn run(
     };
     let duration = t0.elapsed();
     if let Outcome::Failed(f) = &outcome {
-        tracing::info!(parent: &span, error = %f.error, class = ?f.class, "attempt failed");
+        tracing::info!(parent: &span, error = %crate::redact::redact(&f.error), class = ?f.class, "attempt failed");
     }
     Attempted {
         outcome,
@@ -237,7 +237,7 @@ pub(super) fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
                 ErrorClass::Permanent => "permanent",
             },
         );
-        span.set_attribute(attr::ERROR_MESSAGE, f.error.clone());
+        span.set_attribute(attr::ERROR_MESSAGE, crate::redact::redacted(&f.error));
         if let Some(status) = f.http_status {
             span.set_attribute(attr::HTTP_STATUS, i64::from(status));
         }

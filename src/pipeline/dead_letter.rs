@@ -256,7 +256,7 @@ impl DeadLetterDestination {
         push(
             &mut properties,
             "hubguard-last-error",
-            rec.last_error.as_deref().unwrap_or(""),
+            &crate::redact::redact(rec.last_error.as_deref().unwrap_or("")),
         );
         push(
             &mut properties,

@@ -23,6 +23,7 @@ mod pipeline;
 mod pipeline_support;
 mod refusals;
 mod run_command;
+mod secrets;
 mod servicebus;
 mod servicebus_auth;
 mod telemetry;
