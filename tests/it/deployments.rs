@@ -134,6 +134,88 @@ async fn two_consumer_groups_sharing_a_queue_and_a_container_each_retry_every_ev
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_hands_another_deployments_retries_back_and_never_runs_them() {
+    let bed = two_group_bed(1).await;
+    let keys: Vec<String> = (0..8).map(|i| format!("theirs-{i}")).collect();
+    let evs: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "ok")).collect();
+    bed.send(0, &evs).await;
+    let slow = hubguard::policy::RetryPolicy {
+        base_s: 60,
+        floor_s: 60,
+        ..fast_policy(5)
+    };
+    // cg2's downstream is down: every event waits for a retry a minute later. Then it stops.
+    let second = Arc::new(Scripted::default());
+    second
+        .outage
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let cg2 = Ledger::new(bed.records(), "hub", "cg2");
+    let run = Bed::run(
+        bed.wiring_in("replica-cg2", "cg2")
+            .policy(slow.clone())
+            .parts(second.clone())
+            .unwrap(),
+    );
+    wait_for("cg2's retries scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == 8
+    })
+    .await;
+    run.stop().await;
+    bed.clock().advance(Duration::from_secs(61));
+    // Only $Default runs while cg2's retries come due: it gets every one of them.
+    let first = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(first.clone(), fast_policy(5), "replica-default"));
+    wait_for(
+        "$Default delivered its own and handed cg2's back",
+        &run.health,
+        LIMIT,
+        || async { first.delivered_keys().len() == 8 && run.health.snapshot().forwarded >= 8 },
+    )
+    .await;
+    let report = run.health.report().to_string();
+    assert!(report.contains("consumer group cg2 of hub hub"), "{report}");
+    run.stop().await;
+    for k in &keys {
+        assert_eq!(first.calls_of(k), vec![1], "$Default never ran cg2's retry of {k}");
+    }
+    assert!(
+        Ledger::new(bed.records(), "hub", "$Default")
+            .keys()
+            .await
+            .unwrap()
+            .is_empty(),
+        "nothing of cg2's written to $Default's ledger"
+    );
+    // cg2 comes back: every retry is there, whole, and runs once.
+    second
+        .outage
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    bed.clock().advance(Duration::from_secs(61));
+    let run = Bed::run(
+        bed.wiring_in("replica-cg2", "cg2")
+            .policy(slow)
+            .parts(second.clone())
+            .unwrap(),
+    );
+    wait_for("cg2 delivered every event", &run.health, LIMIT, || async {
+        let mut all = true;
+        for k in &keys {
+            all &= matches!(cg2.get(k).await, Ok(Some((r, _))) if r.state == State::Delivered);
+        }
+        all
+    })
+    .await;
+    run.stop().await;
+    for k in &keys {
+        assert_eq!(second.calls_of(k), vec![1, 2], "cg2 ran {k}'s retry once");
+    }
+    let sb = bed.sb.counters("retries").unwrap();
+    assert_eq!(sb.duplicates_dropped, 0);
+    assert_eq!(sb.dead_lettered, 0, "nothing burnt into Service Bus's dead-letter queue");
+    assert_eq!(sb.active + sb.scheduled + sb.locked, 0, "nothing left behind");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ledger_another_namespace_claimed_in_a_shared_container_refuses_the_start_naming_both() {
     let bed = Bed::start(1).await;
     let other = Deployment::new("other.servicebus.windows.net", "hub", "$Default");
