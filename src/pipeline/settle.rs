@@ -255,6 +255,19 @@ pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
     }
 }
 
+/// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
+pub fn unqualified(id: &str) -> &str {
+    match id.split_at_checked(crate::event::DEPLOYMENT_ID_LEN) {
+        Some((d, rest))
+            if rest.starts_with('.')
+                && d.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
+        {
+            &rest[1..]
+        }
+        _ => id,
+    }
+}
+
 /// The properties that name a deployment on a message, for operators browsing a queue and
 /// for subscribers of a shared dead-letter queue (header values: printable ASCII only).
 pub fn deployment_properties(deployment: Option<&Deployment>) -> Vec<(String, String)> {
