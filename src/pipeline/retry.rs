@@ -465,12 +465,27 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
             tracing::warn!(key = %key, error = %e, "cannot read the ledger for a dead-lettered retry; leaving it for the next sweep");
             return;
         }
-        Ok(None) => {
-            // The ledger holds the event (the message is a claim check): without the record
-            // there is nothing to retry. Left where an operator finds it.
-            tracing::error!(key = %key, message_id = %msg.message_id, "a dead-lettered retry has no ledger record; leaving it in the dead-letter sub-queue for an operator");
-            return;
-        }
+        // The ledger held the event (the message is a claim check) and its record is gone:
+        // read the event back from Event Hubs and put the retry back, or dead-letter it as
+        // `record_missing`. Anything failing leaves it for the next sweep.
+        Ok(None) => match recover_missing(shared, &body).await {
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "a dead-lettered retry has no ledger record and recovering it failed; leaving it for the next sweep");
+                return;
+            }
+            Ok(None) => {
+                shared.observe.count_record_missing(key);
+                Ok(())
+            }
+            Ok(Some((rec, _))) => {
+                shared.observe.count_record_rebuilt();
+                shared.observe.count_rescued();
+                shared
+                    .settler
+                    .rescue(&rec, &body, msg.sequence_number)
+                    .await
+            }
+        },
         Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
             Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
             // Superseded: only the recorded next attempt matters (dropped if it exists).

@@ -244,8 +244,14 @@ pub fn message_id(key: &str, attempt: u32) -> String {
 }
 
 /// Forwards of another deployment's retry that go back to the queue at once; later ones
-/// wait longer each time (see [`Settler::forward`]).
-pub const FORWARD_FAST_HOPS: u32 = 8;
+/// wait longer each time (see [`Settler::forward`]). Competing receivers take messages in no
+/// particular order, and the replica that hands a message back is often the one polling
+/// when it reappears: a live owner gets its message within a few hops, and dozens in a row
+/// mean the owner is not receiving.
+pub const FORWARD_FAST_HOPS: u32 = 64;
+
+/// The longest a handed-back copy waits before Service Bus shows it again.
+pub const FORWARD_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// `id` under `deployment`: `{deployment id}.{id}`, or `id` alone for an unnamed one.
 pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
@@ -663,8 +669,8 @@ impl Settler {
     /// under a MessageId of its own — `{its deployment}.{key}-attempt-{n}-fwd-{sequence
     /// number of this copy}` — so duplicate detection drops a second forward of the same copy
     /// (a crash before it was completed) and nothing else. `forwards` counts the hops so far:
-    /// after [`FORWARD_FAST_HOPS`] a copy waits a little longer each time (up to a minute),
-    /// so a deployment that no longer runs costs the others next to nothing.
+    /// after [`FORWARD_FAST_HOPS`] a copy waits a little longer each time (up to
+    /// [`FORWARD_WAIT_MAX`]), so a deployment that no longer runs costs the others little.
     pub async fn forward(
         &self,
         raw_body: &str,
@@ -682,7 +688,7 @@ impl Settler {
         );
         let mut visible = self.visible_at(at(message.due_ms));
         if let Some(extra) = forwards.checked_sub(FORWARD_FAST_HOPS) {
-            let wait = Duration::from_secs(1u64 << extra.min(6)).min(Duration::from_secs(60));
+            let wait = Duration::from_secs(1u64 << extra.min(6)).min(FORWARD_WAIT_MAX);
             visible = visible.max(crate::clock::ceil_to_second(self.clock.now() + wait));
         }
         let mut properties = vec![

@@ -314,3 +314,43 @@ async fn a_retry_whose_record_and_event_are_gone_is_dead_lettered_record_missing
     assert_eq!(sb.active + sb.scheduled + sb.locked, 0, "the message was settled");
     assert_eq!(sb.dead_lettered, 0, "not abandoned into Service Bus's dead-letter queue");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_retry_service_bus_dead_lettered_without_its_record_is_reported_not_left() {
+    use hubguard::emulator::servicebus::broker::{Entity, NewMessage};
+    // What an older hubguard left behind: a retry without a record, abandoned until Service
+    // Bus dead-lettered it, in the format before messages said where their event was.
+    let mut queue = QueueSpec::new("retries");
+    queue.max_delivery_count = 1;
+    let bed = Bed::start_with_queue(1, queue).await;
+    let q = bed.sb.queue("retries").unwrap();
+    let clock = bed.clock();
+    q.send(
+        NewMessage {
+            message_id: Some("stranded-attempt-2".into()),
+            body: br#"{"v":2,"attempt":2,"due_ms":0,"key":"stranded","traceparents":[]}"#.to_vec(),
+            ..Default::default()
+        },
+        clock.now(),
+    )
+    .unwrap();
+    let l = q.try_lock(Entity::Main, clock.now()).unwrap().unwrap();
+    let seq = l.message.sequence_number.to_string();
+    q.abandon(Entity::Main, &seq, &l.lock_token, clock.now())
+        .unwrap();
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 1);
+
+    let run = Bed::run(bed.parts(Arc::new(Scripted::default()), fast_policy(5), "a"));
+    let ledger = bed.ledger();
+    wait_for("reported as record_missing", &run.health, LIMIT, || async {
+        matches!(ledger.get("stranded").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+            && bed.sb.counters("retries").unwrap().dead_lettered == 0
+    })
+    .await;
+    let (rec, _) = ledger.get("stranded").await.unwrap().unwrap();
+    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RecordMissing));
+    let error = rec.last_error.unwrap_or_default();
+    assert!(error.contains("cannot be read back"), "{error}");
+    assert_eq!(run.health.snapshot().records_missing, 1);
+    run.stop().await;
+}
