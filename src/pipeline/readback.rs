@@ -83,11 +83,9 @@ impl SdkEventReader {
         };
         let _ = tokio::time::timeout(self.deadline, receiver.close()).await;
         match first {
-            Ok(Some(Ok(received))) => Ok(self.identity.event(
-                &self.target.hub,
-                partition,
-                &received,
-            )),
+            Ok(Some(Ok(received))) => {
+                Ok(self.identity.event(&self.target.hub, partition, &received))
+            }
             Ok(Some(Err(e))) => Err(format!("receiving: {e}")),
             Ok(None) => Err("the receiver ended without an event".into()),
             Err(_) => Err(format!("no event within {:?}", self.deadline)),
@@ -110,16 +108,19 @@ impl EventReader for SdkEventReader {
             t.auth.open_consumer(builder, &t.namespace, &t.hub),
         )
         .await
-        .map_err(|_| format!("opening the Event Hubs consumer timed out after {:?}", self.deadline))?
+        .map_err(|_| {
+            format!(
+                "opening the Event Hubs consumer timed out after {:?}",
+                self.deadline
+            )
+        })?
         .map_err(|e| format!("opening the Event Hubs consumer: {e}"))?;
         let read = async {
-            let props = tokio::time::timeout(
-                self.deadline,
-                consumer.get_partition_properties(partition),
-            )
-            .await
-            .map_err(|_| format!("reading partition {partition}'s properties timed out"))?
-            .map_err(|e| format!("reading partition {partition}'s properties: {e}"))?;
+            let props =
+                tokio::time::timeout(self.deadline, consumer.get_partition_properties(partition))
+                    .await
+                    .map_err(|_| format!("reading partition {partition}'s properties timed out"))?
+                    .map_err(|e| format!("reading partition {partition}'s properties: {e}"))?;
             if props.is_empty
                 || sequence_number < props.beginning_sequence_number
                 || sequence_number > props.last_enqueued_sequence_number

@@ -266,7 +266,8 @@ pub fn unqualified(id: &str) -> &str {
     match id.split_at_checked(crate::event::DEPLOYMENT_ID_LEN) {
         Some((d, rest))
             if rest.starts_with('.')
-                && d.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
+                && d.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
         {
             &rest[1..]
         }
@@ -504,9 +505,7 @@ impl Settler {
         };
         let attempt = rec.attempts + 1;
         let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
-        let sent = self
-            .schedule_as(&id, &rec.event, attempt, now, &[])
-            .await;
+        let sent = self.schedule_as(&id, &rec.event, attempt, now, &[]).await;
         Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
     }
 
@@ -1448,8 +1447,16 @@ mod tests {
             for id in [
                 format!("{}-rescued-{}", message_id(key, u32::MAX), i64::MAX),
                 // Times in ms since the epoch: 13 digits until the year 2286.
-                format!("{}-deferred-{}", message_id(key, u32::MAX), 9_999_999_999_999i64),
-                format!("{}-recovered-{}", message_id(key, u32::MAX), 9_999_999_999_999i64),
+                format!(
+                    "{}-deferred-{}",
+                    message_id(key, u32::MAX),
+                    9_999_999_999_999i64
+                ),
+                format!(
+                    "{}-recovered-{}",
+                    message_id(key, u32::MAX),
+                    9_999_999_999_999i64
+                ),
                 format!("{}-fwd-{}", message_id(key, u32::MAX), i64::MAX),
                 super::super::dead_letter::message_id(key, u32::MAX),
             ] {
@@ -1476,10 +1483,9 @@ mod tests {
 
     #[test]
     fn a_retry_message_without_deployment_or_origin_still_reads() {
-        let old: RetryMessage = serde_json::from_str(
-            r#"{"v":2,"attempt":3,"due_ms":5,"key":"k","traceparents":[]}"#,
-        )
-        .unwrap();
+        let old: RetryMessage =
+            serde_json::from_str(r#"{"v":2,"attempt":3,"due_ms":5,"key":"k","traceparents":[]}"#)
+                .unwrap();
         assert_eq!((old.key(), old.attempt), ("k", 3));
         assert_eq!((old.deployment, old.origin), (None, None));
     }
@@ -1496,10 +1502,7 @@ mod tests {
         .with_clock(b.clock.clone())
         .with_deployment(d.clone());
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
-        assert_eq!(
-            b.queue.accepted(),
-            vec![format!("{}.k-attempt-2", d.id)]
-        );
+        assert_eq!(b.queue.accepted(), vec![format!("{}.k-attempt-2", d.id)]);
         let body: RetryMessage = serde_json::from_str(&b.queue.bodies()[0]).unwrap();
         assert_eq!(body.deployment, Some(d));
         let e = event("k");

@@ -111,13 +111,20 @@ async fn two_consumer_groups_sharing_a_queue_and_a_container_each_retry_every_ev
     run_first.stop().await;
     run_second.stop().await;
     let sb = bed.sb.counters("retries").unwrap();
-    assert_eq!(sb.duplicates_dropped, 0, "no group's retry dropped as another's");
+    assert_eq!(
+        sb.duplicates_dropped, 0,
+        "no group's retry dropped as another's"
+    );
     assert_eq!(
         sb.sends,
         16 + forwarded,
         "one retry per event per group, plus the hand-backs"
     );
-    assert_eq!(sb.active + sb.scheduled + sb.locked, 0, "nothing left behind");
+    assert_eq!(
+        sb.active + sb.scheduled + sb.locked,
+        0,
+        "nothing left behind"
+    );
     // Every MessageId names its deployment.
     let ids = [
         Deployment::new(&bed.cs.namespace(), "hub", "$Default").id,
@@ -176,7 +183,11 @@ async fn a_replica_hands_another_deployments_retries_back_and_never_runs_them() 
     assert!(report.contains("consumer group cg2 of hub hub"), "{report}");
     run.stop().await;
     for k in &keys {
-        assert_eq!(first.calls_of(k), vec![1], "$Default never ran cg2's retry of {k}");
+        assert_eq!(
+            first.calls_of(k),
+            vec![1],
+            "$Default never ran cg2's retry of {k}"
+        );
     }
     assert!(
         Ledger::new(bed.records(), "hub", "$Default")
@@ -211,8 +222,15 @@ async fn a_replica_hands_another_deployments_retries_back_and_never_runs_them() 
     }
     let sb = bed.sb.counters("retries").unwrap();
     assert_eq!(sb.duplicates_dropped, 0);
-    assert_eq!(sb.dead_lettered, 0, "nothing burnt into Service Bus's dead-letter queue");
-    assert_eq!(sb.active + sb.scheduled + sb.locked, 0, "nothing left behind");
+    assert_eq!(
+        sb.dead_lettered, 0,
+        "nothing burnt into Service Bus's dead-letter queue"
+    );
+    assert_eq!(
+        sb.active + sb.scheduled + sb.locked,
+        0,
+        "nothing left behind"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,10 +264,15 @@ async fn retry_pending_without_its_record(bed: &Bed, key: &str, handler: Arc<Scr
     };
     let run = Bed::run(bed.parts(handler, slow, "replica-a"));
     let ledger = bed.ledger();
-    wait_for("retry recorded and checkpointed", &run.health, LIMIT, || async {
-        matches!(ledger.get(key).await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
-            && bed.checkpoint_of("0").await == Some(0)
-    })
+    wait_for(
+        "retry recorded and checkpointed",
+        &run.health,
+        LIMIT,
+        || async {
+            matches!(ledger.get(key).await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
+                && bed.checkpoint_of("0").await == Some(0)
+        },
+    )
     .await;
     bed.container()
         .delete_blob(&ledger.record_name(key), None)
@@ -270,11 +293,26 @@ async fn a_retry_whose_record_was_removed_by_hand_is_rebuilt_from_event_hubs_and
         matches!(ledger.get("removed").await, Ok(Some((r, _))) if r.state == State::Delivered)
     })
     .await;
-    let mut attempts = handler.calls_of("removed");
-    attempts.dedup();
-    assert_eq!(attempts, vec![1, 2], "attempt 2 ran, from the event read back");
+    // Reading the event back may have taken the partition from the processor for a moment
+    // (its receivers carry owner level 0): it comes back and carries on.
+    bed.send(0, &[("after", "ok")]).await;
+    wait_for("the partition reads on", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains("after")
+    })
+    .await;
+    // Attempt 1 may replay (at least once), attempt 2 runs exactly once.
+    let attempts = handler.calls_of("removed");
+    assert_eq!(
+        attempts.iter().filter(|a| **a == 2).count(),
+        1,
+        "attempt 2 ran once, from the event read back: {attempts:?}"
+    );
+    assert!(attempts.iter().all(|a| *a <= 2), "{attempts:?}");
     let (rec, _) = ledger.get("removed").await.unwrap().unwrap();
-    assert_eq!(rec.event.body, b"fail:1", "the event itself, read back from Event Hubs");
+    assert_eq!(
+        rec.event.body, b"fail:1",
+        "the event itself, read back from Event Hubs"
+    );
     assert_eq!(rec.attempts, 2);
     assert_eq!(run.health.snapshot().records_rebuilt, 1);
     assert_eq!(run.health.snapshot().records_missing, 0);
@@ -295,11 +333,17 @@ async fn a_retry_whose_record_and_event_are_gone_is_dead_lettered_record_missing
     })
     .await;
     let (rec, _) = ledger.get("vanished").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RecordMissing));
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::RecordMissing)
+    );
     assert!(rec.event_unknown);
     let error = rec.last_error.clone().unwrap_or_default();
     assert!(error.contains("retention"), "{error}");
-    assert_eq!(ledger.dead_letter_keys().await.unwrap(), vec!["vanished".to_string()]);
+    assert_eq!(
+        ledger.dead_letter_keys().await.unwrap(),
+        vec!["vanished".to_string()]
+    );
     assert_eq!(run.health.snapshot().records_missing, 1);
     let reasons = run.health.not_ready_reasons().join("\n");
     assert!(
@@ -311,8 +355,15 @@ async fn a_retry_whose_record_and_event_are_gone_is_dead_lettered_record_missing
     assert_eq!(attempts, vec![1], "nothing ran without the event");
     run.stop().await;
     let sb = bed.sb.counters("retries").unwrap();
-    assert_eq!(sb.active + sb.scheduled + sb.locked, 0, "the message was settled");
-    assert_eq!(sb.dead_lettered, 0, "not abandoned into Service Bus's dead-letter queue");
+    assert_eq!(
+        sb.active + sb.scheduled + sb.locked,
+        0,
+        "the message was settled"
+    );
+    assert_eq!(
+        sb.dead_lettered, 0,
+        "not abandoned into Service Bus's dead-letter queue"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,7 +399,10 @@ async fn an_older_retry_service_bus_dead_lettered_without_its_record_is_reported
     })
     .await;
     let (rec, _) = ledger.get("stranded").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RecordMissing));
+    assert_eq!(
+        rec.dead_letter_reason,
+        Some(DeadLetterReason::RecordMissing)
+    );
     let error = rec.last_error.unwrap_or_default();
     assert!(error.contains("cannot be read back"), "{error}");
     assert_eq!(run.health.snapshot().records_missing, 1);
