@@ -1,14 +1,16 @@
 //! Reading one event back from Event Hubs by its position: how a retry whose ledger record
 //! was removed by hand is recovered. The retry message is a claim check (the ledger holds the
 //! event), so without the record only Event Hubs still has the event — while the hub's
-//! retention keeps it ("Event Hubs quotas and limits", learn.microsoft.com: events are kept
-//! for the hub's retention period, then removed, and a receiver starts at the earliest event
-//! still kept).
+//! retention keeps it (events older than the retention period are removed: "Event
+//! retention", https://learn.microsoft.com/azure/event-hubs/event-hubs-features#event-retention;
+//! the partition's beginning sequence number then moves past them).
 //!
 //! The partition may be read by this deployment's own processor at the same moment. Its
 //! receivers carry owner level 0, and Event Hubs refuses a receiver without an owner level
-//! while one with an owner level is connected (the "Event Hubs receiver epoch" rules,
-//! learn.microsoft.com/azure/event-hubs/event-hubs-event-processor-host#epoch). So the
+//! while one with an owner level is connected, and lets one with an equal or higher level
+//! take over ("Event Hubs Receiver Epoch",
+//! https://learn.microsoft.com/archive/blogs/gyan/event-hubs-receiver-epoch; the .NET
+//! `EventHubClient.CreateEpochReceiver` reference states the same rules). So the
 //! reader first tries without one and, refused, reads with owner level 0: the processor's
 //! receiver is detached (`amqp:link:stolen`), its partition is handed out again at the next
 //! load-balancing cycle and resumes from its checkpoint (events after it may be delivered

@@ -328,8 +328,9 @@ impl Partition {
     }
 
     /// Retention: every event with a sequence number up to `sequence_number` is removed, as
-    /// Event Hubs removes events older than the hub's retention period ("Event Hubs quotas
-    /// and limits", learn.microsoft.com): receivers start at the earliest event kept, and the
+    /// Event Hubs removes events older than the hub's retention period ("Event retention",
+    /// https://learn.microsoft.com/azure/event-hubs/event-hubs-features#event-retention):
+    /// receivers start at the earliest event kept, and the
     /// partition's beginning sequence number moves past them. (In memory only: a restart on
     /// a data directory serves them again.)
     pub fn expire_through(&self, sequence_number: i64) {
