@@ -68,7 +68,8 @@ pub struct PublishError {
 }
 
 /// The MessageId of the dead letter of `key` after `attempts` attempts: within Service
-/// Bus's 128 characters for any key (the base is at most 80).
+/// Bus's 128 characters for any key (the base is at most 67, and the deployment id the
+/// destination puts before it 13).
 pub fn message_id(key: &str, attempts: u32) -> String {
     format!("{}-deadletter-{attempts}", message_id_base(key))
 }

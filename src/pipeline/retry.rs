@@ -793,10 +793,27 @@ async fn process(
                     shared.observe.count_record_rebuilt();
                     read
                 }
-                // A record appeared meanwhile and says this attempt is not the one waiting.
-                Some(_) => {
+                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
+                // is not the one waiting: final, or superseded (its recorded next attempt is
+                // made sure of, as for any stale copy).
+                Some((rec, _)) => {
                     drop((slot, starting));
-                    settle_message(&msg, true).await;
+                    let settled = match Verdict::of(Some(&rec), body.attempt) {
+                        Verdict::Stale => holding(
+                            &mut msg,
+                            key,
+                            shared,
+                            cancel,
+                            "re-sending the recorded retry",
+                            || shared.settler.resend_recorded(&rec, &body.traceparents),
+                        )
+                        .await
+                        .map(drop),
+                        _ => Some(()),
+                    };
+                    if settled.is_some() {
+                        settle_message(&msg, true).await;
+                    }
                     return;
                 }
                 None => {

@@ -4,7 +4,8 @@
 //! - Delivered on a retry: the ledger records it.
 //! - Failed: the pinned policy decides; a retry is settled only when the ledger records the
 //!   attempt *and* Service Bus accepted the scheduled message (MessageId
-//!   `{key}-attempt-{n+1}`, so a repeat is dropped by duplicate detection); a dead letter when
+//!   `{deployment}.{key}-attempt-{n+1}`, so a repeat is dropped by duplicate detection and
+//!   another deployment's message of the same key is not); a dead letter when
 //!   the index and the ledger record are written.
 //! - A replayed attempt the ledger already has (a crash between scheduling and
 //!   checkpointing, a lost retry message) re-sends the recorded next attempt instead of
