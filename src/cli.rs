@@ -35,8 +35,8 @@ pub const EXIT_OK: u8 = 0;
 pub const EXIT_FAILURE: u8 = 1;
 /// The command line is wrong (clap's code for usage errors).
 pub const EXIT_USAGE: u8 = 2;
-/// `hubguard status KEY`: the ledger has no record of the key (the event never failed, or
-/// was never read).
+/// `hubguard status KEY`: the ledger has no record of the key (delivered on its first
+/// attempt, or never seen: hubguard cannot tell which).
 pub const EXIT_UNKNOWN_KEY: u8 = 3;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
@@ -556,7 +556,7 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         }
         None => {
             println!(
-                "key:   {}\nstate: UNKNOWN — the ledger has no record: the event never failed (delivered on its first attempt), or was never read",
+                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
                 args.key
             );
             return Ok(EXIT_UNKNOWN_KEY);
@@ -657,7 +657,8 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     by_type: config.policy.types.clone(),
                 },
             )
-            .with_dead_letters(wiring.dead_letter_destination()?);
+            .with_dead_letters(wiring.dead_letter_destination()?)
+            .with_deployment(wiring.deployment());
             let keys = if all {
                 ledger.dead_letter_keys().await?
             } else {

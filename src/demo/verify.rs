@@ -59,6 +59,7 @@ impl Verdict {
 
 /// Splits a retry MessageId into (key, attempt, deferred).
 pub fn parse_message_id(id: &str) -> Option<(&str, u32, bool)> {
+    let id = crate::pipeline::settle::unqualified(id);
     let at = id.rfind("-attempt-")?;
     let (key, rest) = (&id[..at], &id[at + "-attempt-".len()..]);
     match rest.split_once("-deferred-") {
@@ -253,6 +254,10 @@ mod tests {
 
     #[test]
     fn message_ids_parse() {
+        assert_eq!(
+            parse_message_id("0123456789ab.demo-00012-attempt-3"),
+            Some(("demo-00012", 3, false))
+        );
         assert_eq!(
             parse_message_id("demo-00012-attempt-3"),
             Some(("demo-00012", 3, false))

@@ -618,6 +618,39 @@ impl Ledger {
         Ok(out)
     }
 
+    /// Claims this ledger (`{hub}/{consumer group}` in the container) for `me`. Ledger blob
+    /// names carry the hub and the consumer group, so deployments of other hubs or consumer
+    /// groups sharing a container never meet; they do not carry the namespace, so two
+    /// namespaces with the same hub and consumer group names would share records. The first
+    /// deployment to start writes `deployments/{hub}/{consumer group}/claim` (`If-None-Match:
+    /// *`); `Ok(Some(other))` when the claim names another namespace, and the caller refuses
+    /// to start. A ledger written before claims existed is claimed by its first start: no
+    /// record moves.
+    pub async fn claim(
+        &self,
+        me: &crate::event::Deployment,
+    ) -> Result<Option<crate::event::Deployment>, LedgerError> {
+        let name = format!("deployments/{}claim", self.prefix);
+        let body = serde_json::to_vec(me).map_err(|e| LedgerError::Corrupt {
+            key: name.clone(),
+            reason: e.to_string(),
+        })?;
+        match self.store.create(&name, Bytes::from(body)).await {
+            Ok(_) => return Ok(None),
+            Err(StoreError::Conflict) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let Some(r) = self.store.read(&name).await? else {
+            return Ok(None);
+        };
+        let holder: crate::event::Deployment =
+            serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
+                key: name.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok((!holder.namespace.eq_ignore_ascii_case(&me.namespace)).then_some(holder))
+    }
+
     /// Keys of every record (for tests and the demo's verification).
     pub async fn keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);

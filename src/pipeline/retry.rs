@@ -400,6 +400,54 @@ async fn recover_overdue(shared: &Shared) {
     }
 }
 
+/// The deployment `body` belongs to, when it is not this one. A message without one was sent
+/// before deployments were named, when a queue served one deployment: this one's.
+fn foreign<'b>(body: &'b RetryMessage, shared: &Shared) -> Option<&'b crate::event::Deployment> {
+    let theirs = body.deployment.as_ref()?;
+    let ours = shared.settler.deployment()?;
+    (theirs.id != ours.id).then_some(theirs)
+}
+
+/// A retry whose ledger record is missing: the event read back from Event Hubs at the
+/// position the message carries, and its record rebuilt (`Some`), or — when it is gone or
+/// the message does not say where it was — the event dead-lettered as `record_missing`
+/// (`None`). `Err` when Event Hubs or the ledger could not be asked: held and tried again.
+async fn recover_missing(
+    shared: &Shared,
+    body: &RetryMessage,
+) -> Result<Option<(crate::ledger::LedgerRecord, String)>, String> {
+    let key = body.key();
+    let gone = match &body.origin {
+        None => "the retry message predates hubguard recording where events sit in Event Hubs, so the event cannot be read back".to_string(),
+        Some(origin) => match shared
+            .reader
+            .read(&origin.partition, origin.sequence_number)
+            .await?
+        {
+            super::readback::ReadBack::Found(event) if event.identity.idempotency_key == key => {
+                return shared
+                    .settler
+                    .rebuild_missing(&event, body, origin)
+                    .await
+                    .map(Some)
+                    .map_err(|e| e.to_string());
+            }
+            super::readback::ReadBack::Found(event) => format!(
+                "partition {} sequence number {} holds another event now (key {})",
+                origin.partition, origin.sequence_number, event.identity.idempotency_key
+            ),
+            super::readback::ReadBack::Gone(why) => why,
+        },
+    };
+    tracing::error!(key = %key, attempt = body.attempt, reason = %gone, "a retry's ledger record is missing and its event cannot be read back from Event Hubs; dead-lettering it as record_missing");
+    shared
+        .settler
+        .dead_letter_missing(body, &gone)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(None)
+}
+
 /// Takes one retry back from the dead-letter sub-queue. Whatever fails leaves it there,
 /// locked until its lock lapses, for the next sweep: it is never dropped.
 async fn rescue(msg: ReceivedMessage, shared: &Shared) {
@@ -407,18 +455,37 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
         tracing::warn!(message_id = %msg.message_id, "a message in the retry queue's dead-letter sub-queue is not hubguard's; leaving it for an operator");
         return;
     };
+    if foreign(&body, shared).is_some() {
+        // Another deployment's: its own sweep puts it back. Left locked until the lock lapses.
+        return;
+    }
     let key = body.key();
     let put_back = match shared.settler.ledger.get(key).await {
         Err(e) => {
             tracing::warn!(key = %key, error = %e, "cannot read the ledger for a dead-lettered retry; leaving it for the next sweep");
             return;
         }
-        Ok(None) => {
-            // The ledger holds the event (the message is a claim check): without the record
-            // there is nothing to retry. Left where an operator finds it.
-            tracing::error!(key = %key, message_id = %msg.message_id, "a dead-lettered retry has no ledger record; leaving it in the dead-letter sub-queue for an operator");
-            return;
-        }
+        // The ledger held the event (the message is a claim check) and its record is gone:
+        // read the event back from Event Hubs and put the retry back, or dead-letter it as
+        // `record_missing`. Anything failing leaves it for the next sweep.
+        Ok(None) => match recover_missing(shared, &body).await {
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "a dead-lettered retry has no ledger record and recovering it failed; leaving it for the next sweep");
+                return;
+            }
+            Ok(None) => {
+                shared.observe.count_record_missing(key);
+                Ok(())
+            }
+            Ok(Some((rec, _))) => {
+                shared.observe.count_record_rebuilt();
+                shared.observe.count_rescued();
+                shared
+                    .settler
+                    .rescue(&rec, &body, msg.sequence_number)
+                    .await
+            }
+        },
         Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
             Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
             // Superseded: only the recorded next attempt matters (dropped if it exists).
@@ -573,6 +640,40 @@ async fn process(
     };
     let key = body.key().to_string();
     let key = &key;
+    // Another deployment's retry (a queue two deployments share): never run against this
+    // one's ledger, never dropped. It goes back to the queue, unchanged, for its own
+    // deployment's receivers.
+    if let Some(theirs) = foreign(&body, shared) {
+        drop(waiting);
+        let theirs = theirs.clone();
+        let forwards = msg
+            .properties
+            .get("hubguard-forwards")
+            .and_then(|f| f.parse().ok())
+            .unwrap_or(0u32);
+        let raw = msg.body.clone();
+        let seq = msg.sequence_number;
+        let forwarded = holding(
+            &mut msg,
+            key,
+            shared,
+            cancel,
+            "handing another deployment's retry back to the queue",
+            || shared.settler.forward(&raw, &body, &theirs, seq, forwards),
+        )
+        .await;
+        if forwarded.is_some() {
+            shared.observe.count_forwarded();
+            shared.health.saw_foreign(&theirs.to_string());
+            if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
+                tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
+            } else {
+                tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
+            }
+            settle_message(&msg, true).await;
+        }
+        return;
+    }
     let due = at(body.due_ms);
     // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
     // the due time under the lock. What decides the attempt is still the ledger at the due
@@ -669,14 +770,60 @@ async fn process(
         }
         Some(read) => read,
         None => {
-            drop((slot, starting));
             // The ledger is written before any retry message is sent, and the event lives
             // there (the message is a claim check): a message without a record means the
-            // record was removed by hand. Nothing can be retried; abandon it, so Service Bus
-            // dead-letters it at its delivery limit where an operator sees it.
-            tracing::error!(key = %key, message_id = %msg.message_id, "a retry message has no ledger record, so its event cannot be retried; abandoning it to Service Bus's dead-letter sub-queue");
-            settle_message(&msg, false).await;
-            return;
+            // record was removed by hand. The message says where the event sits in Event
+            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
+            // as `record_missing` — never drop it silently.
+            let Some(recovered) = holding(
+                &mut msg,
+                key,
+                shared,
+                cancel,
+                "recovering the missing ledger record from Event Hubs",
+                || recover_missing(shared, &body),
+            )
+            .await
+            else {
+                return;
+            };
+            match recovered {
+                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
+                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
+                    shared.observe.count_record_rebuilt();
+                    read
+                }
+                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
+                // is not the one waiting: final, or superseded (its recorded next attempt is
+                // made sure of, as for any stale copy).
+                Some((rec, _)) => {
+                    drop((slot, starting));
+                    let settled = match Verdict::of(Some(&rec), body.attempt) {
+                        Verdict::Stale => holding(
+                            &mut msg,
+                            key,
+                            shared,
+                            cancel,
+                            "re-sending the recorded retry",
+                            || shared.settler.resend_recorded(&rec, &body.traceparents),
+                        )
+                        .await
+                        .map(drop),
+                        _ => Some(()),
+                    };
+                    if settled.is_some() {
+                        settle_message(&msg, true).await;
+                    }
+                    return;
+                }
+                None => {
+                    drop((slot, starting));
+                    shared.observe.count_record_missing(key);
+                    shared.health.count(&shared.health.counters.dead_lettered);
+                    settle_message(&msg, true).await;
+                    return;
+                }
+            }
         }
     };
     let (rec, etag) = rec;

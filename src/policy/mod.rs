@@ -143,6 +143,10 @@ pub enum DeadLetterReason {
     /// The event's ledger record could not be parsed: it was set aside (see the record's
     /// `quarantined` blob) and the event dead-lettered rather than held forever.
     CorruptRecord,
+    /// A retry came due whose ledger record was gone (removed by hand) and whose event could
+    /// not be read back from Event Hubs (past the hub's retention, or another event at its
+    /// position): the key is all that is known.
+    RecordMissing,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -154,6 +158,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::ScheduleExhausted => "retry schedule exhausted",
             Self::RetryRefused => "Service Bus refused the retry message",
             Self::CorruptRecord => "corrupt ledger record",
+            Self::RecordMissing => "ledger record missing and the event gone from Event Hubs",
         })
     }
 }

@@ -407,6 +407,12 @@ pub struct Metrics {
     pub rescued: Counter<u64>,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
     pub recovered: Counter<u64>,
+    /// Retries of another deployment handed back to a shared queue.
+    pub forwarded: Counter<u64>,
+    /// Missing ledger records rebuilt from Event Hubs.
+    pub records_rebuilt: Counter<u64>,
+    /// Retries dead-lettered as `record_missing`.
+    pub records_missing: Counter<u64>,
     /// Failed settlements.
     pub settle_failures: Counter<u64>,
     /// Handler duration (s).
@@ -474,6 +480,24 @@ impl Metrics {
                     "Retries the ledger recorded that were overdue with no message to run them, scheduled again",
                 )
                 .build(),
+            forwarded: meter
+                .u64_counter(m::FORWARDED)
+                .with_description(
+                    "Retries of another deployment received from a shared queue and handed back to it",
+                )
+                .build(),
+            records_rebuilt: meter
+                .u64_counter(m::RECORDS_REBUILT)
+                .with_description(
+                    "Retries whose ledger record was missing, rebuilt from the event read back from Event Hubs",
+                )
+                .build(),
+            records_missing: meter
+                .u64_counter(m::RECORDS_MISSING)
+                .with_description(
+                    "Retries whose ledger record was missing and whose event was gone from Event Hubs, dead-lettered as record_missing",
+                )
+                .build(),
             settle_failures: meter
                 .u64_counter(m::SETTLE_FAILURES)
                 .with_description("Settlements that failed and were retried")
@@ -499,6 +523,9 @@ impl Metrics {
             &metrics.deferred,
             &metrics.rescued,
             &metrics.recovered,
+            &metrics.forwarded,
+            &metrics.records_rebuilt,
+            &metrics.records_missing,
             &metrics.settle_failures,
         ] {
             c.add(0, &[]);

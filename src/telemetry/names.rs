@@ -106,6 +106,16 @@ pub mod metric {
     pub const RESCUED: &str = "hubguard.retries.rescued";
     /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.
     pub const RECOVERED: &str = "hubguard.retries.recovered";
+    /// Counter: retries of another deployment received from a shared queue and handed back
+    /// to it for their own deployment.
+    pub const FORWARDED: &str = "hubguard.retries.forwarded";
+    /// Counter: retries whose ledger record was missing, rebuilt from the event read back
+    /// from Event Hubs.
+    pub const RECORDS_REBUILT: &str = "hubguard.retries.records_rebuilt";
+    /// Counter: retries whose ledger record was missing and whose event was gone from Event
+    /// Hubs, dead-lettered as `record_missing`. Alert on any increase: an event is known
+    /// only by its key.
+    pub const RECORDS_MISSING: &str = "hubguard.retries.records_missing";
     /// Gauge: retries the ledger says are waiting (state RETRY_SCHEDULED), from its listing.
     pub const RETRIES_PENDING: &str = "hubguard.retries.pending";
     /// Gauge: of those, the ones already past their due time.
@@ -197,6 +207,9 @@ pub fn all() -> Vec<&'static str> {
         metric::DEFERRED,
         metric::RESCUED,
         metric::RECOVERED,
+        metric::FORWARDED,
+        metric::RECORDS_REBUILT,
+        metric::RECORDS_MISSING,
         metric::RETRIES_PENDING,
         metric::RETRIES_OVERDUE,
         metric::SETTLE_FAILURES,

@@ -208,8 +208,14 @@ impl Bed {
     /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
     /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
     pub(crate) fn wiring(&self, owner: &str) -> Wiring {
+        self.wiring_in(owner, "$Default")
+    }
+
+    /// [`wiring`](Self::wiring) for another consumer group of the hub: another deployment
+    /// on the same queue and container.
+    pub(crate) fn wiring_in(&self, owner: &str, consumer_group: &str) -> Wiring {
         Wiring::new(
-            EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
+            EventHubsTarget::with_connection_string(&self.cs, "hub", consumer_group),
             StorageAccess::url(&self.blob.container_url("hubguard")),
             ServiceBusAccess::ConnectionString(self.sb.connection_string().parse().unwrap()),
         )
