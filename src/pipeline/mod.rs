@@ -20,6 +20,7 @@ pub mod dead_letter;
 pub mod health;
 mod observe;
 mod partition;
+mod recorded;
 mod retry;
 pub mod settle;
 

@@ -129,12 +129,21 @@ pub(crate) async fn run(
         uncovered: 0,
         oldest_uncovered: None,
     };
+    // Which of this partition's events the ledger may hold a retry of: listed before the
+    // first event is read (if the listing fails, every delivery asks the ledger until a
+    // later listing succeeds).
+    let recorded = Arc::new(super::recorded::Recorded::default());
+    list_recorded(&recorded, &pid, &shared).await;
     let start = |event: Event, cp: &Checkpointer| {
         let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
+        let recorded = recorded.clone();
         let lag = (cp.uncovered, cp.oldest_uncovered);
         async move {
             let seq = event.sequence_number;
-            (seq, process(event, &pid, &shared, &cancel, lag).await)
+            (
+                seq,
+                process(event, &pid, &shared, &cancel, lag, &recorded).await,
+            )
         }
     };
     {
@@ -177,6 +186,9 @@ pub(crate) async fn run(
                         cp.write(&pc, &shared).await;
                     }
                     cp.publish_lag(&pid, &shared);
+                    if !recorded.is_listed() {
+                        list_recorded(&recorded, &pid, &shared).await;
+                    }
                 }
                 next = stream.next(), if reading && dispatcher.has_room() => match next {
                     Some(Ok(received)) => {
@@ -246,6 +258,21 @@ pub(crate) async fn run(
     ended
 }
 
+/// Lists the ledger's pending retries of `pid`'s events into `recorded` (within the call
+/// deadline); a failure leaves it unlisted, which only costs a ledger read per delivery.
+async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: &Shared) {
+    match tokio::time::timeout(shared.options.deadline, shared.settler.ledger.pending()).await {
+        Ok(Ok(pending)) => recorded.set_listing(pending, pid),
+        Ok(Err(e)) => {
+            tracing::warn!(partition = %pid, error = %e, "cannot list the ledger's pending retries; every delivery asks the ledger until a listing succeeds")
+        }
+        Err(_) => tracing::warn!(
+            partition = %pid,
+            "listing the ledger's pending retries timed out; every delivery asks the ledger until a listing succeeds"
+        ),
+    }
+}
+
 /// Attempts and settles one event; `false` if stopped before it settled.
 async fn process(
     event: Event,
@@ -253,6 +280,7 @@ async fn process(
     shared: &Shared,
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
+    recorded: &super::recorded::Recorded,
 ) -> bool {
     let seq = event.sequence_number;
     shared.health.count(&shared.health.counters.attempts);
@@ -300,6 +328,18 @@ async fn process(
     }
     let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
     shared.attempted(&attempted, gate, event_type).await;
+    // The happy path: a delivery of an event the ledger provably has no record of is
+    // settled as it is (see `pipeline::recorded` for why that is safe).
+    if attempted.outcome == crate::handler::Outcome::Delivered && !recorded.may_have_record(&event)
+    {
+        let s = super::settle::Settled::Delivered;
+        attempt::finish(&attempted, Ok(&s));
+        shared
+            .observe
+            .count_settled(&s, event.identity.event_type.as_deref());
+        shared.health.release(pid, seq);
+        return true;
+    }
     let mut backoff = Duration::from_millis(200);
     loop {
         let settled = shared
@@ -317,6 +357,7 @@ async fn process(
             .await;
         match settled {
             Ok(s) => {
+                recorded.forget(&event);
                 attempt::finish(&attempted, Ok(&s));
                 shared
                     .observe

@@ -1,6 +1,10 @@
 //! Settlement: making an attempt's outcome durable, so the checkpoint may pass the event.
 //!
-//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path).
+//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path) —
+//!   unless the ledger holds a record of that very event (a replay after a failure whose
+//!   retry never went out, say): then the delivery is recorded, so no retry runs it again.
+//!   The partition knows which of its events may have a record (`pipeline::recorded`) and
+//!   asks the ledger only for those.
 //! - Delivered on a retry: the ledger records it.
 //! - Failed: the pinned policy decides; a retry is settled only when the ledger records the
 //!   attempt *and* Service Bus accepted the scheduled message (MessageId
@@ -601,11 +605,11 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
         let settled = match outcome {
-            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
-                return Ok(Settled::Delivered)
-            }
+            // Also a first attempt from Event Hubs: whether its event may have a record is
+            // the partition's knowledge (see `pipeline::recorded`), which skips this call
+            // when it provably has none. Here the ledger is asked.
             Outcome::Delivered => {
-                self.delivered(read, event, attempt, started, trace_id)
+                self.delivered(read, event, attempt, source, started, trace_id)
                     .await
             }
             Outcome::Failed(f) => {
@@ -636,6 +640,7 @@ impl Settler {
         read: Option<(LedgerRecord, String)>,
         event: &Event,
         attempt: u32,
+        source: Source,
         started: SystemTime,
         trace_id: &str,
     ) -> Result<Settled, SettleError> {
@@ -651,7 +656,17 @@ impl Settler {
                 if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
                     return Change::Keep(Settled::AlreadyFinal(state));
                 }
+                // From Event Hubs, only a replay of the recorded event settles its record:
+                // another event that happens to carry the same key leaves the record's
+                // retry alone (it is a different event, still owed its delivery).
+                if source == Source::EventHubs
+                    && (rec.event.partition_id != event.partition_id
+                        || rec.event.sequence_number != event.sequence_number)
+                {
+                    return Change::Keep(Settled::Delivered);
+                }
                 rec.state = State::Delivered;
+                rec.claim = None;
                 rec.attempts = rec.attempts.max(attempt);
                 rec.next_attempt_ms = None;
                 rec.updated_ms = ms(now);
@@ -752,9 +767,11 @@ impl Settler {
                     event: event.clone(),
                     quarantined: None,
                     event_unknown: false,
+                    claim: None,
                 },
             };
             rec.attempts = attempt;
+            rec.claim = None;
             rec.updated_ms = ms(now);
             rec.last_error = Some(failure.error.clone());
             let etag = current.as_ref().map(|(_, e)| e.as_str());

@@ -1065,3 +1065,106 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_record_and_nothing_runs_again(
+) {
+    // Service Bus is down when the first attempt fails: the ledger records attempt 1 and its
+    // retry, the message never goes out, and the partition is held. The process stops; the
+    // next one replays the event from Event Hubs and delivers it on attempt 1.
+    let bed = Bed::start(1).await;
+    bed.sb.queue("retries").unwrap().record_accepted();
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("replayed", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("held on Service Bus", &run.health, LIMIT, || async {
+        run.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.reason.contains("Service Bus"))
+    })
+    .await;
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    run.stop().await;
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        None,
+        "the held event stays after the checkpoint"
+    );
+
+    bed.sb.faults().clear();
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.options.overdue_margin = Duration::from_secs(5);
+    parts.options.dead_letter_sweep = Duration::from_millis(200);
+    let run = Bed::run(parts);
+    wait_for("the replay is delivered", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains("replayed") && bed.checkpoint_of("0").await == Some(0)
+    })
+    .await;
+    // The ledger says what happened: delivered (and so does `status`).
+    wait_for("the record says delivered", &run.health, LIMIT, || async {
+        matches!(ledger.get("replayed").await, Ok(Some((r, _))) if r.state == State::Delivered)
+    })
+    .await;
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.next_attempt_ms, None);
+    assert!(
+        hubguard::status::record_text(&rec).contains("state:           DELIVERED"),
+        "{}",
+        hubguard::status::record_text(&rec)
+    );
+    assert!(!ledger
+        .pending()
+        .await
+        .unwrap()
+        .iter()
+        .any(|p| p.key == "replayed"));
+
+    // Past the overdue margin the sweep runs over the ledger: a canary retry that is really
+    // overdue (its record due after the delivered one's, so the sweep reaches it second) is
+    // recovered — and the delivered event is not.
+    let mut canary = rec.clone();
+    canary.key = "canary".into();
+    canary.event.identity.idempotency_key = "canary".into();
+    canary.event.sequence_number = 99;
+    canary.event.body = b"ok".to_vec();
+    canary.state = State::RetryScheduled;
+    canary.history.clear();
+    canary.next_attempt_ms = Some(rec.updated_ms + 1_000);
+    ledger.put(&canary, None).await.unwrap();
+    bed.clock().advance(Duration::from_secs(30));
+    wait_for(
+        "the sweep recovered the canary",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health.snapshot().recovered >= 1 && handler.delivered_keys().contains("canary")
+        },
+    )
+    .await;
+    run.stop().await;
+    assert_eq!(
+        handler.calls_of("replayed"),
+        vec![1, 1],
+        "the failure and the replay; no attempt 2"
+    );
+    let accepted: Vec<String> = bed
+        .sb
+        .queue("retries")
+        .unwrap()
+        .accepted()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        !accepted.iter().any(|id| id.starts_with("replayed-")),
+        "no retry of the delivered event was ever sent: {accepted:?}"
+    );
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Delivered);
+}
