@@ -88,6 +88,139 @@ struct Limits {
     /// see [`Starting`].
     starting: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
     started: tokio::sync::Notify,
+    /// The copies of retry messages in hand, by (key, attempt): see [`Copy`].
+    in_hand: InHand,
+    /// This process, in the claims it writes ([`crate::ledger::Claim`]).
+    instance: String,
+}
+
+/// The copies of retry messages in hand, by the attempt they would run. Service Bus hands a
+/// message out again once its lock lapses ("Message transfers, locks, and settlement":
+/// peek-lock, learn.microsoft.com/azure/service-bus-messaging/message-transfers-locks-settlement),
+/// even while the first copy still waits here for its due time; the same attempt can also
+/// arrive under another MessageId (a recovered, rescued or deferred copy). One attempt runs
+/// at a time: a copy waits until every earlier copy of its attempt that could still run it
+/// is gone, and a copy that a newer delivery of the same MessageId superseded (its lock is
+/// gone) stands down before claiming.
+#[derive(Default)]
+struct InHand {
+    copies: std::sync::Mutex<std::collections::HashMap<(String, u32), Vec<CopyEntry>>>,
+    next: std::sync::atomic::AtomicU64,
+    gone: tokio::sync::Notify,
+}
+
+struct CopyEntry {
+    id: u64,
+    message_id: String,
+    /// Past the point of standing down: claiming or running the attempt.
+    committed: bool,
+}
+
+impl InHand {
+    fn copies(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<(String, u32), Vec<CopyEntry>>> {
+        self.copies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Copy {
+    /// Counts a copy of attempt `attempt` of `key` in hand, under `message_id`.
+    fn register(limits: &Arc<Limits>, key: &str, attempt: u32, message_id: &str) -> Self {
+        let id = limits.in_hand.next.fetch_add(1, Ordering::AcqRel);
+        let slot = (key.to_string(), attempt);
+        limits
+            .in_hand
+            .copies()
+            .entry(slot.clone())
+            .or_default()
+            .push(CopyEntry {
+                id,
+                message_id: message_id.to_string(),
+                committed: false,
+            });
+        Self {
+            limits: limits.clone(),
+            slot,
+            id,
+        }
+    }
+}
+
+/// One copy of a retry message in hand (see [`InHand`]), until its task ends.
+struct Copy {
+    limits: Arc<Limits>,
+    slot: (String, u32),
+    id: u64,
+}
+
+impl Copy {
+    /// Waits until no earlier copy of this attempt may still run it: one committed to it, or
+    /// one under another MessageId (its own lock). An earlier copy of this same MessageId
+    /// that has not committed never will (it is superseded), so it is not waited for.
+    async fn earlier_gone(&self) {
+        let hand = &self.limits.in_hand;
+        loop {
+            let gone = hand.gone.notified();
+            {
+                let copies = hand.copies();
+                let mine = copies.get(&self.slot).and_then(|v| {
+                    v.iter()
+                        .find(|c| c.id == self.id)
+                        .map(|c| c.message_id.clone())
+                });
+                let blocking = copies.get(&self.slot).is_some_and(|v| {
+                    v.iter().any(|c| {
+                        c.id < self.id && (c.committed || Some(&c.message_id) != mine.as_ref())
+                    })
+                });
+                if !blocking {
+                    return;
+                }
+            }
+            gone.await;
+        }
+    }
+
+    /// Commits this copy to claiming and running its attempt; `false` when a newer delivery
+    /// of the same MessageId superseded it (Service Bus handed the message out again: this
+    /// copy's lock is gone), and it must stand down.
+    fn commit(&self) -> bool {
+        let mut copies = self.limits.in_hand.copies();
+        let Some(v) = copies.get_mut(&self.slot) else {
+            return false;
+        };
+        let Some(mine) = v.iter().position(|c| c.id == self.id) else {
+            return false;
+        };
+        if v[mine].committed {
+            return true;
+        }
+        let superseded = v
+            .iter()
+            .any(|c| c.id > self.id && c.message_id == v[mine].message_id);
+        if superseded {
+            return false;
+        }
+        v[mine].committed = true;
+        true
+    }
+}
+
+impl Drop for Copy {
+    fn drop(&mut self) {
+        let hand = &self.limits.in_hand;
+        {
+            let mut copies = hand.copies();
+            if let Some(v) = copies.get_mut(&self.slot) {
+                v.retain(|c| c.id != self.id);
+                if v.is_empty() {
+                    copies.remove(&self.slot);
+                }
+            }
+        }
+        hand.gone.notify_waiters();
+    }
 }
 
 /// Settling an attempt waits at most this long for due attempts to start first.
@@ -200,6 +333,8 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         slot_taken: tokio::sync::Notify::new(),
         starting: Default::default(),
         started: tokio::sync::Notify::new(),
+        in_hand: InHand::default(),
+        instance: uuid::Uuid::new_v4().to_string(),
     });
     shared.health.set_retry_loop(RetryLoopState::Running);
     // Owned here: if this future is dropped (a crash), every receiver and attempt goes with it.
@@ -574,6 +709,14 @@ async fn process(
     let key = body.key().to_string();
     let key = &key;
     let due = at(body.due_ms);
+    // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
+    let copy = Copy::register(limits, key, body.attempt, &msg.message_id);
+    if under_lock(&mut msg, shared, cancel, copy.earlier_gone())
+        .await
+        .is_none()
+    {
+        return;
+    }
     // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
     // the due time under the lock. What decides the attempt is still the ledger at the due
     // time: the record is re-validated then (a conditional read, no body while unchanged).
@@ -679,9 +822,34 @@ async fn process(
             return;
         }
     };
-    let (rec, etag) = rec;
+    // The attempt is claimed in the ledger before the call, so a copy of the message in
+    // another replica stands down; a lapsed lock or a newer delivery of this message is
+    // noticed before the claim, and again before the call.
+    let (mut slot, mut starting) = (Some(slot), Some(starting));
+    let Some(claimed) = claim(
+        &mut msg,
+        shared,
+        cancel,
+        limits,
+        &copy,
+        &body,
+        rec,
+        &mut slot,
+        &mut starting,
+    )
+    .await
+    else {
+        return;
+    };
+    if !lock_held(&msg, shared) {
+        drop((slot, starting));
+        shared.settler.release_claim(claimed).await;
+        return;
+    }
+    let (rec, etag) = claimed;
     let event = rec.event.clone();
-    // An open breaker defers the attempt past its expiry, without counting it.
+    // An open breaker defers the attempt past its expiry, without counting it (the deferral
+    // gives the claim up in the same write).
     let event_type = event.identity.event_type.as_deref();
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
@@ -718,7 +886,8 @@ async fn process(
         max_attempts: pinned.max_attempts,
         clock: shared.clock(),
     };
-    // Keep the lock while the handler runs.
+    // Keep the lock, and the claim, while the handler runs.
+    let mut claimed = (rec, etag);
     let attempted = {
         let run = attempt::run(
             &shared.downstream.handler,
@@ -728,6 +897,7 @@ async fn process(
             cx,
         );
         futures::pin_mut!(run);
+        let mut claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
         loop {
             let renew_in = shared.clock().until(msg.locked_until) / 2;
             tokio::select! {
@@ -737,9 +907,16 @@ async fn process(
                         tracing::warn!(key = %key, error = %e, "lock renewal failed");
                     }
                 }
+                _ = shared.clock().sleep_until(claim_renewal) => {
+                    if let Err(e) = shared.settler.renew_claim(&mut claimed).await {
+                        tracing::warn!(key = %key, error = %e, "renewing the claim on a running attempt failed");
+                    }
+                    claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
+                }
             }
         }
     };
+    let (rec, etag) = claimed;
     shared.attempted(&attempted, gate, event_type).await;
     // The breaker knows the outcome: the next attempt may ask it.
     drop(slot);
@@ -795,5 +972,87 @@ async fn process(
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
         settle_message(&msg, true).await;
+    }
+}
+
+/// Claims attempt `body.attempt` for this copy ([`Settler::claim`](super::settle::Settler::claim)),
+/// starting from the record `read` at the due time. `Some` with the claimed record and its
+/// ETag when this copy runs the attempt; `None` when it is done without running it: it stood
+/// down (superseded, or its lock lapsed), the record no longer waits for this attempt (the
+/// message is settled as the record says), or the loop stopped. While another process holds
+/// a live claim, the copy waits under its lock — without an attempt slot — until the claim
+/// expires, then claims again.
+#[allow(clippy::too_many_arguments)]
+async fn claim<'l>(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    limits: &'l Limits,
+    copy: &Copy,
+    body: &RetryMessage,
+    read: (crate::ledger::LedgerRecord, String),
+    slot: &mut Option<tokio::sync::SemaphorePermit<'l>>,
+    starting: &mut Option<Starting<'l>>,
+) -> Option<(crate::ledger::LedgerRecord, String)> {
+    use super::settle::Claimed;
+    let key = body.key();
+    let read = std::sync::Mutex::new(Some(read));
+    loop {
+        if !lock_held(msg, shared) {
+            return None;
+        }
+        if !copy.commit() {
+            tracing::info!(key = %key, attempt = body.attempt, message_id = %msg.message_id, "Service Bus handed this retry out again (its lock lapsed); the newer copy runs the attempt");
+            return None;
+        }
+        let claimed = holding(msg, key, shared, cancel, "claiming the attempt", || {
+            let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
+            shared.settler.claim(
+                key,
+                body.attempt,
+                read,
+                &shared.options.owner_id,
+                &limits.instance,
+            )
+        })
+        .await?;
+        match claimed {
+            Claimed::Mine(claimed) => return Some(*claimed),
+            Claimed::Busy(until) => {
+                drop((slot.take(), starting.take()));
+                tracing::info!(key = %key, attempt = body.attempt, until = %crate::clock::rfc3339(until), "another replica runs this attempt; waiting for its claim to settle or expire");
+                under_lock(msg, shared, cancel, shared.clock().sleep_until(until)).await?;
+                let Ok(s) = under_lock(msg, shared, cancel, limits.attempts.acquire()).await?
+                else {
+                    return None;
+                };
+                *slot = Some(s);
+            }
+            Claimed::Changed(verdict, rec) => {
+                drop((slot.take(), starting.take()));
+                match (verdict, rec) {
+                    (Verdict::Final(_), _) => settle_message(msg, true).await,
+                    (Verdict::Stale, Some(rec)) => {
+                        let scheduled = holding(
+                            msg,
+                            key,
+                            shared,
+                            cancel,
+                            "re-sending the recorded retry",
+                            || shared.settler.resend_recorded(&rec, &body.traceparents),
+                        )
+                        .await;
+                        if scheduled.is_some() {
+                            settle_message(msg, true).await;
+                        }
+                    }
+                    _ => {
+                        tracing::error!(key = %key, message_id = %msg.message_id, "the ledger record of a retry vanished before its attempt; abandoning it to Service Bus's dead-letter sub-queue");
+                        settle_message(msg, false).await;
+                    }
+                }
+                return None;
+            }
+        }
     }
 }

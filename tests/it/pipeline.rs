@@ -1168,3 +1168,79 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
     assert_eq!(rec.state, State::Delivered);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let sb_clock = bed.clock();
+    // The pipeline on a clock of its own, stepped with Service Bus's except for one jump of
+    // Service Bus's alone: what a step of its clock does, or lock renewals failing for a lock
+    // duration.
+    let clock = Arc::new(hubguard::clock::Clock::default());
+    let step = |by: Duration| {
+        clock.advance(by);
+        sb_clock.advance(by);
+    };
+    let keys: Vec<String> = (0..N).map(|i| format!("twice-{i}")).collect();
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let mut parts = bed
+        .wiring_on("replica-a", clock.clone())
+        .policy(minute_policy())
+        .parts(handler.clone())
+        .unwrap();
+    parts.options.retry_lead = Duration::from_secs(10);
+    // Room for every copy at once: nothing but the guard keeps two copies apart.
+    parts.options.retry_concurrency = 2 * N;
+    let run = Bed::run(parts);
+    wait_for("every retry is scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("every retry is in hand", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    // Service Bus's clock alone passes the locks' expiry: it hands every message out again,
+    // while the first copies still wait here for their due time, their locks good as far as
+    // this process can tell.
+    sb_clock.advance(Duration::from_secs(61));
+    wait_for(
+        "the second copies are in hand",
+        &run.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.locked == N as u64 && c.active == 0
+        },
+    )
+    .await;
+    // Both copies of every message come due at once.
+    step(Duration::from_secs(10));
+    wait_for("every retry delivered", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        handler.retries.lock().unwrap().len() >= N && c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    run.stop().await;
+    let mut calls = std::collections::BTreeMap::<String, usize>::new();
+    for (k, _) in handler.retries.lock().unwrap().iter() {
+        *calls.entry(k.clone()).or_default() += 1;
+    }
+    let once: std::collections::BTreeMap<String, usize> =
+        keys.iter().map(|k| (k.clone(), 1)).collect();
+    assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+}

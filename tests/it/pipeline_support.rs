@@ -206,6 +206,12 @@ impl Bed {
     /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
     /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
     pub(crate) fn wiring(&self, owner: &str) -> Wiring {
+        self.wiring_on(owner, self.clock())
+    }
+
+    /// [`wiring`](Self::wiring) with the pipeline on a clock of its own (so a test can step
+    /// the Service Bus emulator's clock alone).
+    pub(crate) fn wiring_on(&self, owner: &str, clock: Arc<hubguard::clock::Clock>) -> Wiring {
         Wiring::new(
             EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
             StorageAccess::url(&self.blob.container_url("hubguard")),
@@ -222,7 +228,7 @@ impl Bed {
             retry_receive_wait: Duration::from_secs(1),
             reconnect_base: Duration::from_millis(200),
             watchdog_interval: Duration::from_millis(500),
-            clock: self.clock(),
+            clock,
             ..Default::default()
         })
     }
