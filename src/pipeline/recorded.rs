@@ -4,16 +4,17 @@
 //!
 //! When a partition task starts, it lists the ledger's pending records (one listing: the
 //! state, partition and sequence number are tags beside each record, see
-//! [`Ledger::pending`]) and keeps those of its own partition. A delivery on attempt 1 of an
+//! [`Ledger::pending`](crate::ledger::Ledger::pending)) and keeps those of its own partition. A delivery on attempt 1 of an
 //! event in that set is settled through the ledger (its record becomes DELIVERED, so the
 //! retry message, the overdue sweep and `status` all see it delivered); any other delivery
 //! writes nothing. Until a listing has succeeded, every delivery asks the ledger.
 //!
 //! Why skipping the ledger is safe for an event `E` (key `K`, partition `P`, sequence number
 //! `s`) outside the set, delivered by this task on attempt 1. Suppose a RETRY_SCHEDULED record
-//! of `E` existed at that moment. Blob storage is strongly consistent: a listing shows every
-//! write acknowledged before it ("Azure Storage redundancy — strong consistency",
-//! learn.microsoft.com/azure/storage/common/storage-redundancy). So the record was not
+//! of `E` existed at that moment. Blob storage is strongly consistent in its primary region:
+//! a listing shows every write acknowledged before it (Calder et al., "Windows Azure
+//! Storage: A Highly Available Cloud Storage Service with Strong Consistency", SOSP 2011,
+//! the design Azure Storage is built on). So the record was not
 //! RETRY_SCHEDULED when the listing ran — it would be in the set (a record whose tags do not
 //! name its partition or sequence number counts for every event of every partition) — and
 //! something made it so afterwards. Only these writes make a record RETRY_SCHEDULED:
@@ -23,8 +24,8 @@
 //!    just succeeded — so the records this task writes itself are for events it never reads
 //!    again, and need not be in its set. Another reader of `P` at the same time: only while
 //!    ownership of `P` overlaps (the SDK puts no epoch on the wire, so an old owner reads on
-//!    until its next load-balancing cycle notices the loss; the fenced checkpoint store stops
-//!    it checkpointing meanwhile). In that window both readers attempt `E` anyway — the
+//!    until its next load-balancing cycle notices the loss, and the fenced checkpoint store
+//!    refuses its checkpoints once its claim is stale). In that window both readers attempt `E` anyway — the
 //!    duplicates the at-least-once contract declares — and the old owner's retry then runs
 //!    once more: a duplicate of the same kind, never a loss.
 //! 2. A failed retry of `E`: the record was RETRY_SCHEDULED before, hence (by induction on

@@ -89,7 +89,7 @@ struct Limits {
     starting: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
     started: tokio::sync::Notify,
     /// The copies of retry messages in hand, by (key, attempt): see [`Copy`].
-    in_hand: InHand,
+    in_hand: Arc<InHand>,
     /// This process, in the claims it writes ([`crate::ledger::Claim`]).
     instance: String,
 }
@@ -98,10 +98,11 @@ struct Limits {
 /// message out again once its lock lapses ("Message transfers, locks, and settlement":
 /// peek-lock, learn.microsoft.com/azure/service-bus-messaging/message-transfers-locks-settlement),
 /// even while the first copy still waits here for its due time; the same attempt can also
-/// arrive under another MessageId (a recovered, rescued or deferred copy). One attempt runs
-/// at a time: a copy waits until every earlier copy of its attempt that could still run it
-/// is gone, and a copy that a newer delivery of the same MessageId superseded (its lock is
-/// gone) stands down before claiming.
+/// arrive under another MessageId (a recovered, rescued or deferred copy). Copies in hand are
+/// told apart by MessageId and sequence number, and one attempt runs at a time: a copy waits
+/// until every earlier copy of its attempt that could still run it is gone, and a copy that
+/// a newer delivery of the same message superseded (its lock is gone) stands down before
+/// claiming.
 #[derive(Default)]
 struct InHand {
     copies: std::sync::Mutex<std::collections::HashMap<(String, u32), Vec<CopyEntry>>>,
@@ -111,7 +112,10 @@ struct InHand {
 
 struct CopyEntry {
     id: u64,
-    message_id: String,
+    /// The message: its MessageId and its sequence number in the queue (a redelivery of a
+    /// message keeps both; a message sent anew under the same MessageId, once the duplicate
+    /// detection window has passed, is another message).
+    message: (String, i64),
     /// Past the point of standing down: claiming or running the attempt.
     committed: bool,
 }
@@ -125,22 +129,21 @@ impl InHand {
 }
 
 impl Copy {
-    /// Counts a copy of attempt `attempt` of `key` in hand, under `message_id`.
-    fn register(limits: &Arc<Limits>, key: &str, attempt: u32, message_id: &str) -> Self {
-        let id = limits.in_hand.next.fetch_add(1, Ordering::AcqRel);
+    /// Counts a copy of attempt `attempt` of `key` in hand: `message` is its MessageId and
+    /// sequence number.
+    fn register(hand: &Arc<InHand>, key: &str, attempt: u32, message: (String, i64)) -> Self {
+        let id = hand.next.fetch_add(1, Ordering::AcqRel);
         let slot = (key.to_string(), attempt);
-        limits
-            .in_hand
-            .copies()
+        hand.copies()
             .entry(slot.clone())
             .or_default()
             .push(CopyEntry {
                 id,
-                message_id: message_id.to_string(),
+                message,
                 committed: false,
             });
         Self {
-            limits: limits.clone(),
+            hand: hand.clone(),
             slot,
             id,
         }
@@ -149,17 +152,17 @@ impl Copy {
 
 /// One copy of a retry message in hand (see [`InHand`]), until its task ends.
 struct Copy {
-    limits: Arc<Limits>,
+    hand: Arc<InHand>,
     slot: (String, u32),
     id: u64,
 }
 
 impl Copy {
     /// Waits until no earlier copy of this attempt may still run it: one committed to it, or
-    /// one under another MessageId (its own lock). An earlier copy of this same MessageId
-    /// that has not committed never will (it is superseded), so it is not waited for.
+    /// one of another message (with a lock of its own). An earlier delivery of this same
+    /// message that has not committed never will (it is superseded), so it is not waited for.
     async fn earlier_gone(&self) {
-        let hand = &self.limits.in_hand;
+        let hand = &self.hand;
         loop {
             let gone = hand.gone.notified();
             {
@@ -167,11 +170,11 @@ impl Copy {
                 let mine = copies.get(&self.slot).and_then(|v| {
                     v.iter()
                         .find(|c| c.id == self.id)
-                        .map(|c| c.message_id.clone())
+                        .map(|c| c.message.clone())
                 });
                 let blocking = copies.get(&self.slot).is_some_and(|v| {
                     v.iter().any(|c| {
-                        c.id < self.id && (c.committed || Some(&c.message_id) != mine.as_ref())
+                        c.id < self.id && (c.committed || Some(&c.message) != mine.as_ref())
                     })
                 });
                 if !blocking {
@@ -183,10 +186,10 @@ impl Copy {
     }
 
     /// Commits this copy to claiming and running its attempt; `false` when a newer delivery
-    /// of the same MessageId superseded it (Service Bus handed the message out again: this
+    /// of the same message superseded it (Service Bus handed the message out again: this
     /// copy's lock is gone), and it must stand down.
     fn commit(&self) -> bool {
-        let mut copies = self.limits.in_hand.copies();
+        let mut copies = self.hand.copies();
         let Some(v) = copies.get_mut(&self.slot) else {
             return false;
         };
@@ -198,7 +201,7 @@ impl Copy {
         }
         let superseded = v
             .iter()
-            .any(|c| c.id > self.id && c.message_id == v[mine].message_id);
+            .any(|c| c.id > self.id && c.message == v[mine].message);
         if superseded {
             return false;
         }
@@ -209,7 +212,7 @@ impl Copy {
 
 impl Drop for Copy {
     fn drop(&mut self) {
-        let hand = &self.limits.in_hand;
+        let hand = &self.hand;
         {
             let mut copies = hand.copies();
             if let Some(v) = copies.get_mut(&self.slot) {
@@ -333,7 +336,7 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         slot_taken: tokio::sync::Notify::new(),
         starting: Default::default(),
         started: tokio::sync::Notify::new(),
-        in_hand: InHand::default(),
+        in_hand: Arc::default(),
         instance: uuid::Uuid::new_v4().to_string(),
     });
     shared.health.set_retry_loop(RetryLoopState::Running);
@@ -710,7 +713,12 @@ async fn process(
     let key = &key;
     let due = at(body.due_ms);
     // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
-    let copy = Copy::register(limits, key, body.attempt, &msg.message_id);
+    let copy = Copy::register(
+        &limits.in_hand,
+        key,
+        body.attempt,
+        (msg.message_id.clone(), msg.sequence_number),
+    );
     if under_lock(&mut msg, shared, cancel, copy.earlier_gone())
         .await
         .is_none()
@@ -1054,5 +1062,56 @@ async fn claim<'l>(
                 return None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(hand: &Arc<InHand>, id: &str, seq: i64) -> Copy {
+        Copy::register(hand, "k", 2, (id.to_string(), seq))
+    }
+
+    async fn waits(c: &Copy) -> bool {
+        tokio::time::timeout(Duration::from_millis(1), c.earlier_gone())
+            .await
+            .is_err()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_supersedes_the_copy_it_replaces_and_other_copies_take_turns() {
+        let hand = Arc::new(InHand::default());
+        // Service Bus hands the same message out again: the first copy, not yet committed,
+        // stands down, and the new one need not wait for it.
+        let first = copy(&hand, "k-attempt-2", 7);
+        let again = copy(&hand, "k-attempt-2", 7);
+        assert!(!waits(&again).await);
+        assert!(!first.commit(), "superseded");
+        assert!(again.commit());
+        // Another message for the same attempt (a recovered copy) waits while one is
+        // committed, and goes once it is gone.
+        let recovered = copy(&hand, "k-attempt-2-recovered-1", 9);
+        assert!(waits(&recovered).await);
+        drop(first);
+        assert!(
+            waits(&recovered).await,
+            "the committed copy is still in hand"
+        );
+        drop(again);
+        assert!(!waits(&recovered).await);
+        assert!(recovered.commit());
+        // A redelivery of a committed copy waits for it (the attempt runs once).
+        let late = copy(&hand, "k-attempt-2-recovered-1", 9);
+        assert!(waits(&late).await);
+        assert!(recovered.commit(), "committed stays committed");
+        drop(recovered);
+        assert!(!waits(&late).await);
+        // A message sent anew under the same MessageId is another message: it waits.
+        let anew = copy(&hand, "k-attempt-2-recovered-1", 12);
+        assert!(late.commit(), "not superseded by another message");
+        assert!(waits(&anew).await);
+        drop((late, anew));
+        assert!(hand.copies().is_empty());
     }
 }
