@@ -1244,3 +1244,109 @@ async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let sb_clock = bed.clock();
+    // Both replicas on a pipeline clock of their own (see the test above).
+    let clock = Arc::new(hubguard::clock::Clock::default());
+    let step = |by: Duration| {
+        clock.advance(by);
+        sb_clock.advance(by);
+    };
+    let keys: Vec<String> = (0..N).map(|i| format!("across-{i}")).collect();
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let replica = |owner: &str, prefetch: usize| {
+        let mut parts = bed
+            .wiring_on(owner, clock.clone())
+            .policy(minute_policy())
+            .parts(handler.clone())
+            .unwrap();
+        parts.options.retry_lead = Duration::from_secs(10);
+        parts.options.retry_prefetch = prefetch;
+        parts
+    };
+    // replica-a takes no more than the N first copies in hand.
+    let a = Bed::run(replica("replica-a", N));
+    wait_for(
+        "every retry is scheduled and checkpointed",
+        &a.health,
+        LIMIT,
+        || async {
+            bed.sb.counters("retries").unwrap().scheduled == N as u64
+                && bed.checkpoint_of("0").await == Some(N as i64 - 1)
+        },
+    )
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("replica-a holds every retry", &a.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    let b = Bed::run(replica("replica-b", 1024));
+    // Service Bus's clock alone passes the locks' expiry: the second copies can only go to
+    // replica-b, while replica-a's first copies wait for their due time.
+    sb_clock.advance(Duration::from_secs(61));
+    wait_for(
+        "replica-b holds the second copies",
+        &b.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.locked == N as u64 && c.active == 0
+        },
+    )
+    .await;
+    // Both copies of every message come due at once, one in each replica: one claims the
+    // attempt and runs it, the other finds the claim and waits.
+    step(Duration::from_secs(10));
+    wait_for(
+        "every attempt ran and settled",
+        &a.health,
+        LIMIT,
+        || async {
+            if handler.retries.lock().unwrap().len() < N {
+                return false;
+            }
+            for k in &keys {
+                match ledger.get(k).await {
+                    Ok(Some((r, _))) if r.state == State::Delivered => {}
+                    _ => return false,
+                }
+            }
+            true
+        },
+    )
+    .await;
+    // Once the claims have expired (the clocks agree again), the waiting copies read the
+    // record, find the event delivered and complete their message.
+    clock.advance(Duration::from_secs(61));
+    wait_for("every message completed", &a.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    let mut calls = std::collections::BTreeMap::<String, usize>::new();
+    for (k, _) in handler.retries.lock().unwrap().iter() {
+        *calls.entry(k.clone()).or_default() += 1;
+    }
+    let once: std::collections::BTreeMap<String, usize> =
+        keys.iter().map(|k| (k.clone(), 1)).collect();
+    assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+}
