@@ -155,6 +155,7 @@ pub(crate) async fn run(
         // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
         // internal reconnect, say) must not let the checkpoint pass what it skipped.
         let mut last_seq: Option<i64> = None;
+        let mut relisting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>> = None;
         loop {
             if !reading && running.is_empty() {
                 break;
@@ -186,9 +187,16 @@ pub(crate) async fn run(
                         cp.write(&pc, &shared).await;
                     }
                     cp.publish_lag(&pid, &shared);
-                    if !recorded.is_listed() {
-                        list_recorded(&recorded, &pid, &shared).await;
+                    // Listed again in the background, so a slow listing holds nothing up.
+                    if !recorded.is_listed() && relisting.is_none() {
+                        let (recorded, pid, shared) = (recorded.clone(), pid.clone(), shared.clone());
+                        relisting = Some(Box::pin(async move {
+                            list_recorded(&recorded, &pid, &shared).await
+                        }));
                     }
+                }
+                _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
+                    relisting = None;
                 }
                 next = stream.next(), if reading && dispatcher.has_room() => match next {
                     Some(Ok(received)) => {
@@ -258,18 +266,15 @@ pub(crate) async fn run(
     ended
 }
 
-/// Lists the ledger's pending retries of `pid`'s events into `recorded` (within the call
-/// deadline); a failure leaves it unlisted, which only costs a ledger read per delivery.
+/// Lists the ledger's pending retries of `pid`'s events into `recorded` (each storage call
+/// has its deadline); a failure leaves it unlisted, which only costs a ledger read per
+/// delivery until a later listing succeeds.
 async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: &Shared) {
-    match tokio::time::timeout(shared.options.deadline, shared.settler.ledger.pending()).await {
-        Ok(Ok(pending)) => recorded.set_listing(pending, pid),
-        Ok(Err(e)) => {
+    match shared.settler.ledger.pending().await {
+        Ok(pending) => recorded.set_listing(pending, pid),
+        Err(e) => {
             tracing::warn!(partition = %pid, error = %e, "cannot list the ledger's pending retries; every delivery asks the ledger until a listing succeeds")
         }
-        Err(_) => tracing::warn!(
-            partition = %pid,
-            "listing the ledger's pending retries timed out; every delivery asks the ledger until a listing succeeds"
-        ),
     }
 }
 

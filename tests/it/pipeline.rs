@@ -1350,3 +1350,98 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
+
+/// The bed's records, with listings refused (blob storage failing only those).
+struct Unlistable(Arc<dyn hubguard::azure::RecordStore>);
+
+#[async_trait::async_trait]
+impl hubguard::azure::RecordStore for Unlistable {
+    async fn read(
+        &self,
+        key: &str,
+    ) -> Result<Option<hubguard::azure::Record>, hubguard::azure::StoreError> {
+        self.0.read(key).await
+    }
+    async fn create(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.create(key, body).await
+    }
+    async fn update(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+        etag: &str,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.update(key, body, etag).await
+    }
+    async fn delete(&self, key: &str, etag: &str) -> Result<(), hubguard::azure::StoreError> {
+        self.0.delete(key, etag).await
+    }
+    async fn list(
+        &self,
+        _: &str,
+    ) -> Result<Vec<hubguard::azure::record_store::Listed>, hubguard::azure::StoreError> {
+        Err(hubguard::azure::StoreError::Unavailable(
+            "listing refused".into(),
+        ))
+    }
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+        etag: Option<&str>,
+        tags: &hubguard::azure::record_store::Tags,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.write_tagged(key, body, etag, tags).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_cannot_list_the_ledger_asks_it_on_every_delivery() {
+    let bed = Bed::start(1).await;
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("unlisted", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("held on Service Bus", &run.health, LIMIT, || async {
+        run.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.reason.contains("Service Bus"))
+    })
+    .await;
+    run.stop().await;
+    bed.sb.faults().clear();
+    bed.send(0, &[("fresh", "ok")]).await;
+    // The next owner cannot list the ledger's pending retries: it does not know which of
+    // its events have a record, so each delivery asks the ledger.
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.records = Arc::new(Unlistable(parts.records.clone()));
+    let run = Bed::run(parts);
+    let ledger = bed.ledger();
+    wait_for(
+        "both delivered and checkpointed",
+        &run.health,
+        LIMIT,
+        || async { bed.checkpoint_of("0").await == Some(1) },
+    )
+    .await;
+    run.stop().await;
+    let (rec, _) = ledger.get("unlisted").await.unwrap().unwrap();
+    assert_eq!(
+        rec.state,
+        State::Delivered,
+        "the replay's delivery is recorded"
+    );
+    assert_eq!(handler.calls_of("unlisted"), vec![1, 1]);
+    assert_eq!(handler.calls_of("fresh"), vec![1]);
+    assert!(
+        ledger.get("fresh").await.unwrap().is_none(),
+        "a delivery without a record writes none"
+    );
+}
