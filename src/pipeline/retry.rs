@@ -38,6 +38,14 @@
 //! renewed, and receivers pause while as many due messages as there are slots already wait
 //! for one (a busy replica leaves the backlog to the others).
 //!
+//! One attempt per (key, attempt) at a time, whatever the copies: Service Bus hands a message
+//! out again once its lock lapses, even while the first copy waits here for its due time.
+//! Copies in hand are told apart by MessageId and sequence number ([`InHand`]): a newer
+//! delivery of a message supersedes the older copy, which stands down before it claims
+//! anything; another copy of the same attempt waits for the one that may run it. Across
+//! replicas, the attempt is claimed in the ledger with compare-and-swap right before the
+//! call ([`crate::ledger::Claim`]); the lock is checked before and after the claim.
+//!
 //! Settling (a ledger write and a complete) yields to the attempts due no later than its own
 //! until they have started, at most [`SETTLE_YIELD_MAX`]: a burst that comes due in one
 //! instant starts first and settles after, instead of every start queueing behind the
