@@ -95,6 +95,41 @@ pub struct LedgerRecord {
     /// carries its key): `event` is a stand-in with an empty body, and a replay is refused.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub event_unknown: bool,
+    /// The attempt a retry loop is running now ([`Claim`]): written with compare-and-swap
+    /// before the handler is called, cleared by the attempt's settlement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<Claim>,
+}
+
+/// A retry loop's claim on one attempt of an event: whoever holds a live claim runs the
+/// attempt, every other copy of its retry message stands down. Written with ETag `If-Match`
+/// over the record read at the due time, so of two copies that read the same record only
+/// one claims it ("Managing concurrency in Blob storage", learn.microsoft.com: a write with
+/// `If-Match` fails with 412 once the blob changed).
+///
+/// The rule for a claim left behind (its process died between the claim and the
+/// settlement): it holds until `until_ms`; a copy that finds a live claim of another
+/// instance waits under its message lock until then and reads the record again — by then
+/// the attempt is recorded (the copy only re-sends the recorded next attempt) or the claim
+/// has expired (the copy takes it over). A claim of this very instance whose copy is no
+/// longer in hand is dead at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The attempt claimed.
+    pub attempt: u32,
+    /// The replica's owner id (for operators).
+    pub owner: String,
+    /// The claiming process: a nonce drawn when its pipeline was built.
+    pub instance: String,
+    /// Until when the claim holds (ms since the epoch).
+    pub until_ms: i64,
+}
+
+impl Claim {
+    /// Whether the claim still holds at `now`.
+    pub fn live(&self, now: SystemTime) -> bool {
+        ms(now) < self.until_ms
+    }
 }
 
 pub use crate::clock::{at, ms};
@@ -139,6 +174,13 @@ pub struct Pending {
     pub due: SystemTime,
     /// The last attempt's error.
     pub last_error: Option<String>,
+    /// The Event Hubs partition the event came from; `None` when the listing does not say
+    /// (a record written before the tag existed): it may be any partition's.
+    #[serde(skip)]
+    pub partition: Option<String>,
+    /// The event's sequence number in that partition, when the listing says.
+    #[serde(skip)]
+    pub sequence_number: Option<i64>,
 }
 
 /// Tag names beside a ledger record (blob metadata names: C# identifiers).
@@ -147,6 +189,8 @@ const TAG_DUE: &str = "hubguard_due_ms";
 const TAG_NEXT: &str = "hubguard_next_attempt";
 const TAG_KEY: &str = "hubguard_key";
 const TAG_ERROR: &str = "hubguard_last_error";
+const TAG_PARTITION: &str = "hubguard_partition";
+const TAG_SEQUENCE: &str = "hubguard_sequence_number";
 const STATE_RETRY_SCHEDULED: &str = "RETRY_SCHEDULED";
 /// Longest key, and longest error, copied into a tag (all tags stay far under 8 KB).
 const TAG_TEXT_LIMIT: usize = 512;
@@ -180,6 +224,17 @@ fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags {
     }
     if let Some(e) = &record.last_error {
         tags.insert(TAG_ERROR.into(), ascii(e));
+    }
+    // Which partition's event it is, so a partition can list the records of its own events
+    // (an Event Hubs partition id is a short decimal string).
+    if !record.event.partition_id.is_empty()
+        && ascii(&record.event.partition_id) == record.event.partition_id
+    {
+        tags.insert(TAG_PARTITION.into(), record.event.partition_id.clone());
+        tags.insert(
+            TAG_SEQUENCE.into(),
+            record.event.sequence_number.to_string(),
+        );
     }
     tags
 }
@@ -476,6 +531,7 @@ impl Ledger {
             event: event.cloned().unwrap_or_else(stand_in),
             quarantined: Some(aside.clone()),
             event_unknown: event.is_none(),
+            claim: None,
         };
         self.index_dead_letter(key).await?;
         self.put(&record, Some(&raw.etag)).await?;
@@ -593,6 +649,8 @@ impl Ledger {
                     attempt,
                     due: at(due),
                     last_error: l.tags.get(TAG_ERROR).cloned(),
+                    partition: l.tags.get(TAG_PARTITION).cloned(),
+                    sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
                 }),
                 // Untagged (older) records, or a key only the record holds: read it.
                 _ => {
@@ -604,6 +662,8 @@ impl Ledger {
                             due: rec.next_attempt_at().unwrap_or(SystemTime::UNIX_EPOCH),
                             attempt: rec.attempts + 1,
                             last_error: rec.last_error.clone(),
+                            partition: Some(rec.event.partition_id.clone()),
+                            sequence_number: Some(rec.event.sequence_number),
                             key: rec.key,
                         }),
                         Ok(_) => {}
@@ -703,6 +763,7 @@ mod tests {
             event,
             quarantined: None,
             event_unknown: false,
+            claim: None,
         };
         assert_eq!(Verdict::of(None, 1), Verdict::Unrecorded);
         assert_eq!(Verdict::of(Some(&rec), 1), Verdict::Stale);

@@ -452,6 +452,7 @@ mod tests {
             event,
             quarantined: None,
             event_unknown: false,
+            claim: None,
         }
     }
 

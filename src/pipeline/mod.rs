@@ -22,6 +22,7 @@ mod observe;
 pub mod owner;
 mod partition;
 pub mod readback;
+mod recorded;
 mod retry;
 pub mod settle;
 

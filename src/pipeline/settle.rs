@@ -1,6 +1,10 @@
 //! Settlement: making an attempt's outcome durable, so the checkpoint may pass the event.
 //!
-//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path).
+//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path) —
+//!   unless the ledger holds a record of that very event (a replay after a failure whose
+//!   retry never went out, say): then the delivery is recorded, so no retry runs it again.
+//!   The partition knows which of its events may have a record (`pipeline::recorded`) and
+//!   asks the ledger only for those.
 //! - Delivered on a retry: the ledger records it.
 //! - Failed: the pinned policy decides; a retry is settled only when the ledger records the
 //!   attempt *and* Service Bus accepted the scheduled message (MessageId
@@ -25,7 +29,9 @@ use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
 use crate::event::{Deployment, Event};
 use crate::handler::{Failure, Outcome};
-use crate::ledger::{AttemptEntry, Change, Ledger, LedgerError, LedgerRecord, State, Verdict};
+use crate::ledger::{
+    AttemptEntry, Change, Claim, Ledger, LedgerError, LedgerRecord, State, Verdict,
+};
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
@@ -75,6 +81,22 @@ pub enum Settled {
     DeadLettered(DeadLetterReason),
     /// The ledger already had a final state for the event (a duplicate delivery).
     AlreadyFinal(State),
+}
+
+/// How long a claim on an attempt holds ([`Settler::claim`]) unless renewed: a call that runs
+/// longer renews it at half this time, so a claim outlives its process by at most this.
+pub const CLAIM_LEASE: Duration = Duration::from_secs(60);
+
+/// What [`Settler::claim`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claimed {
+    /// This copy holds the claim: run the attempt, and settle from this record and ETag.
+    Mine(Box<(LedgerRecord, String)>),
+    /// Another process holds a live claim on the attempt until then: wait, then claim again.
+    Busy(SystemTime),
+    /// The record changed since it was read and this attempt is no longer the one it waits
+    /// for: act on the verdict (with the record as it is now, when there is one).
+    Changed(Verdict, Option<Box<LedgerRecord>>),
 }
 
 /// A settlement that could not be made durable.
@@ -446,6 +468,7 @@ impl Settler {
                     if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
                     rec.next_attempt_ms = Some(ms(until));
+                    rec.claim = None;
                     Change::Write(Box::new(rec), ())
                 }
                 _ => Change::Keep(()),
@@ -492,7 +515,9 @@ impl Settler {
                     if rec.state == State::RetryScheduled
                         && rec
                             .next_attempt_at()
-                            .is_some_and(|due| due < overdue_before) =>
+                            .is_some_and(|due| due < overdue_before)
+                        // Not while a retry loop runs it (a live claim).
+                        && rec.claim.as_ref().is_none_or(|c| !c.live(now)) =>
                 {
                     rec.next_attempt_ms = Some(ms(now));
                     rec.updated_ms = ms(now);
@@ -508,6 +533,89 @@ impl Settler {
         let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
         let sent = self.schedule_as(&id, &rec.event, attempt, now, &[]).await;
         Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
+    }
+
+    /// Claims attempt `attempt` of `key` for the copy of its retry message in hand, before
+    /// the handler is called (see [`Claim`](crate::ledger::Claim) for the rule): a
+    /// compare-and-swap over `read` (the record read at the due time, with its ETag), so of
+    /// two copies that read the same record one claims it and the other reads again. A live
+    /// claim of another process makes this copy wait ([`Claimed::Busy`]); an expired one, or
+    /// one of this same `instance` (whose copy is no longer in hand), is taken over.
+    pub async fn claim(
+        &self,
+        key: &str,
+        attempt: u32,
+        mut read: Option<(LedgerRecord, String)>,
+        owner: &str,
+        instance: &str,
+    ) -> Result<Claimed, SettleError> {
+        for _ in 0..CAS_ROUNDS {
+            let current = match read.take() {
+                Some(known) => Some(known),
+                None => match self.ledger.get(key).await {
+                    Err(LedgerError::Corrupt { reason, .. }) => {
+                        self.ledger
+                            .quarantine(key, None, &reason, self.clock.now())
+                            .await?;
+                        return Ok(Claimed::Changed(Verdict::Final(State::DeadLettered), None));
+                    }
+                    other => other?,
+                },
+            };
+            let Some((mut rec, etag)) = current else {
+                return Ok(Claimed::Changed(Verdict::Unrecorded, None));
+            };
+            let verdict = Verdict::of(Some(&rec), attempt);
+            if verdict != Verdict::Current {
+                return Ok(Claimed::Changed(verdict, Some(Box::new(rec))));
+            }
+            let now = self.clock.now();
+            if let Some(c) = &rec.claim {
+                if c.attempt == attempt && c.instance != instance && c.live(now) {
+                    return Ok(Claimed::Busy(at(c.until_ms)));
+                }
+            }
+            rec.claim = Some(Claim {
+                attempt,
+                owner: owner.to_string(),
+                instance: instance.to_string(),
+                until_ms: ms(now + CLAIM_LEASE),
+            });
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(etag) => return Ok(Claimed::Mine(Box::new((rec, etag)))),
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+
+    /// Extends the claim `claimed` holds by another [`CLAIM_LEASE`] (while a call runs long),
+    /// keeping its record and ETag current. A conflict means the claim was taken over (it had
+    /// lapsed): the settlement then decides on what the record says.
+    pub async fn renew_claim(
+        &self,
+        claimed: &mut (LedgerRecord, String),
+    ) -> Result<(), SettleError> {
+        let (rec, etag) = claimed;
+        let mut renewed = rec.clone();
+        match &mut renewed.claim {
+            Some(c) => c.until_ms = ms(self.clock.now() + CLAIM_LEASE),
+            None => return Ok(()),
+        }
+        let new_etag = self.ledger.put(&renewed, Some(etag)).await?;
+        *claimed = (renewed, new_etag);
+        Ok(())
+    }
+
+    /// Gives up the claim `claimed` holds without running the attempt (its lock lapsed
+    /// before the call): best effort, as an expired claim is taken over anyway.
+    pub async fn release_claim(&self, claimed: (LedgerRecord, String)) {
+        let (mut rec, etag) = claimed;
+        rec.claim = None;
+        if let Err(e) = self.ledger.put(&rec, Some(&etag)).await {
+            tracing::debug!(key = %rec.key, error = %e, "could not release a claim; it expires by itself");
+        }
     }
 
     /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
@@ -748,6 +856,7 @@ impl Settler {
             event: event.clone(),
             quarantined: None,
             event_unknown: false,
+            claim: None,
         };
         match self.ledger.put(&rec, None).await {
             Ok(etag) => Ok((rec, etag)),
@@ -826,6 +935,7 @@ impl Settler {
             },
             quarantined: None,
             event_unknown: true,
+            claim: None,
         };
         self.publish_dead_letter(&rec).await?;
         self.ledger.index_dead_letter(&key).await?;
@@ -879,11 +989,11 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
         let settled = match outcome {
-            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
-                return Ok(Settled::Delivered)
-            }
+            // Also a first attempt from Event Hubs: whether its event may have a record is
+            // the partition's knowledge (see `pipeline::recorded`), which skips this call
+            // when it provably has none. Here the ledger is asked.
             Outcome::Delivered => {
-                self.delivered(read, event, attempt, started, trace_id)
+                self.delivered(read, event, attempt, source, started, trace_id)
                     .await
             }
             Outcome::Failed(f) => {
@@ -914,6 +1024,7 @@ impl Settler {
         read: Option<(LedgerRecord, String)>,
         event: &Event,
         attempt: u32,
+        source: Source,
         started: SystemTime,
         trace_id: &str,
     ) -> Result<Settled, SettleError> {
@@ -929,7 +1040,17 @@ impl Settler {
                 if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
                     return Change::Keep(Settled::AlreadyFinal(state));
                 }
+                // From Event Hubs, only a replay of the recorded event settles its record:
+                // another event that happens to carry the same key leaves the record's
+                // retry alone (it is a different event, still owed its delivery).
+                if source == Source::EventHubs
+                    && (rec.event.partition_id != event.partition_id
+                        || rec.event.sequence_number != event.sequence_number)
+                {
+                    return Change::Keep(Settled::Delivered);
+                }
                 rec.state = State::Delivered;
+                rec.claim = None;
                 rec.attempts = rec.attempts.max(attempt);
                 rec.next_attempt_ms = None;
                 rec.updated_ms = ms(now);
@@ -1030,9 +1151,11 @@ impl Settler {
                     event: event.clone(),
                     quarantined: None,
                     event_unknown: false,
+                    claim: None,
                 },
             };
             rec.attempts = attempt;
+            rec.claim = None;
             rec.updated_ms = ms(now);
             rec.last_error = Some(failure.error.clone());
             let etag = current.as_ref().map(|(_, e)| e.as_str());
@@ -1416,6 +1539,127 @@ mod tests {
             rec.event,
             event("k"),
             "the event in hand is kept for a replay"
+        );
+    }
+
+    #[tokio::test]
+    async fn one_copy_claims_an_attempt_and_a_claim_left_behind_expires() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let read = b.settler.ledger.get("k").await.unwrap().unwrap();
+        let ledger = &b.settler.ledger;
+        // Two copies read the same record; the first claims it.
+        let mine = b
+            .settler
+            .claim("k", 2, Some(read.clone()), "replica-a", "instance-a")
+            .await
+            .unwrap();
+        let Claimed::Mine(claimed) = mine else {
+            panic!("{mine:?}")
+        };
+        assert_eq!(claimed.0.claim.as_ref().map(|c| c.attempt), Some(2));
+        // The second one's compare-and-swap fails; it reads again and finds the live claim.
+        let busy = b
+            .settler
+            .claim("k", 2, Some(read), "replica-b", "instance-b")
+            .await
+            .unwrap();
+        let Claimed::Busy(until) = busy else {
+            panic!("{busy:?}")
+        };
+        assert_eq!(until, b.clock.now().max(until));
+        // The same process may take its own claim back (its copy is no longer in hand).
+        assert!(matches!(
+            b.settler
+                .claim("k", 2, None, "replica-a", "instance-a")
+                .await
+                .unwrap(),
+            Claimed::Mine(_)
+        ));
+        // A claim whose process died expires, and another copy takes it over.
+        b.clock.advance(CLAIM_LEASE + Duration::from_secs(1));
+        let taken = b
+            .settler
+            .claim("k", 2, None, "replica-b", "instance-b")
+            .await
+            .unwrap();
+        let Claimed::Mine(taken) = taken else {
+            panic!("{taken:?}")
+        };
+        // Its settlement clears the claim, and later copies find the attempt done.
+        let delivered = b
+            .settler
+            .settle_from(
+                Some(*taken),
+                &event("k"),
+                2,
+                Source::Retry,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(delivered, Settled::Delivered);
+        let (rec, _) = ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.claim), (State::Delivered, None));
+        assert!(matches!(
+            b.settler
+                .claim("k", 2, None, "replica-a", "instance-a")
+                .await
+                .unwrap(),
+            Claimed::Changed(Verdict::Final(State::Delivered), _)
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_sweep_leaves_a_claimed_attempt_alone() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        b.clock.advance(Duration::from_secs(600));
+        let claimed = b
+            .settler
+            .claim("k", 2, None, "replica-a", "instance-a")
+            .await
+            .unwrap();
+        assert!(matches!(claimed, Claimed::Mine(_)));
+        let overdue_before = b.clock.now() - Duration::from_secs(300);
+        assert!(!b.settler.recover("k", overdue_before).await.unwrap());
+        assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
+    }
+
+    #[tokio::test]
+    async fn a_replay_from_event_hubs_settles_only_the_record_of_its_own_event() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let b = &b;
+        let delivered = |e: Event| async move {
+            b.settler
+                .settle(
+                    &e,
+                    1,
+                    Source::EventHubs,
+                    b.clock.now(),
+                    &Outcome::Delivered,
+                    "t",
+                    &[],
+                )
+                .await
+                .unwrap()
+        };
+        // Another event that carries the same key: the record's retry is still owed.
+        let mut other = event("k");
+        other.sequence_number += 1;
+        assert_eq!(delivered(other).await, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(rec.state, State::RetryScheduled);
+        // The recorded event itself, replayed and delivered: the record says so.
+        assert_eq!(delivered(event("k")).await, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(
+            (rec.state, rec.attempts, rec.next_attempt_ms),
+            (State::Delivered, 1, None)
         );
     }
 
