@@ -35,6 +35,10 @@ use crate::ledger::{
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
 
+/// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
+/// event whose record had counted later attempts.
+pub const DELIVERED_ON_REPLAY: &str = "delivered_on_replay";
+
 /// Compare-and-swap rounds before giving up on a contended record.
 const CAS_ROUNDS: usize = 16;
 
@@ -1054,11 +1058,19 @@ impl Settler {
                 rec.attempts = rec.attempts.max(attempt);
                 rec.next_attempt_ms = None;
                 rec.updated_ms = ms(now);
+                // A replay from Event Hubs runs as attempt 1 although the record counted
+                // more (the retry it had scheduled never ran, or has not yet): recorded as
+                // what it was, a replay, so the history's retries still never go backwards.
+                let replayed = source == Source::EventHubs && attempt < rec.attempts;
                 rec.push_history(AttemptEntry {
                     attempt,
                     started_ms: ms(started),
                     finished_ms: ms(now),
-                    outcome: "delivered".into(),
+                    outcome: if replayed {
+                        DELIVERED_ON_REPLAY.into()
+                    } else {
+                        "delivered".into()
+                    },
                     error: None,
                     next_attempt_ms: None,
                     trace_id: Some(trace_id.to_string()),
@@ -1661,6 +1673,36 @@ mod tests {
             (rec.state, rec.attempts, rec.next_attempt_ms),
             (State::Delivered, 1, None)
         );
+    }
+
+    #[tokio::test]
+    async fn a_replay_after_later_attempts_is_recorded_as_a_replay_and_ends_the_retries() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        fail(&b, "k", 2, Source::Retry).await.unwrap();
+        let settled = b
+            .settler
+            .settle(
+                &event("k"),
+                1,
+                Source::EventHubs,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(settled, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+        let last = rec.history.last().unwrap();
+        assert_eq!(
+            (last.attempt, last.outcome.as_str()),
+            (1, DELIVERED_ON_REPLAY)
+        );
+        // The retry scheduled for attempt 3 finds the event final and runs nothing.
+        assert_eq!(Verdict::of(Some(&rec), 3), Verdict::Final(State::Delivered));
     }
 
     #[tokio::test]

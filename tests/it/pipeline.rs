@@ -941,6 +941,15 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     let c = bed.sb.counters("retries").unwrap();
     assert_eq!((c.locked, c.abandons), (N as u64, 0), "{c:?}");
     assert!(handler.retries.lock().unwrap().is_empty());
+    // The dead process's receives in flight end at their timeout (`retry_receive_wait`);
+    // until then a message whose lock lapses would be locked again for them, and wait out a
+    // second lock that nobody renews or settles.
+    crate::common::within("the crashed replica's receives end", async {
+        while bed.sb.counters("retries").unwrap().receiving > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     clock.advance(Duration::from_secs(61));
 
     // Another replica takes them once the locks lapse: each runs once, nothing is lost.
