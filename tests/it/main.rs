@@ -10,6 +10,7 @@ mod common;
 mod concurrency;
 mod dashboards;
 mod demo;
+mod docs;
 mod deployments;
 mod eventhubs_amqp;
 mod eventhubs_processor;
