@@ -51,6 +51,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
             "outcome": h.outcome,
             "error": h.error,
             "next_attempt_at": h.next_attempt_ms.map(|m| rfc3339(at(m))),
+            "retry_after_capped_from_s": h.retry_after_capped_from_s,
             "trace_id": h.trace_id,
         })).collect::<Vec<_>>(),
     })
@@ -99,7 +100,10 @@ pub fn record_text(rec: &LedgerRecord) -> String {
             h.error.as_deref().unwrap_or(""),
             h.next_attempt_ms
                 .map(|m| format!(" → next at {}", rfc3339(at(m))))
-                .unwrap_or_default(),
+                .unwrap_or_default()
+                + &h.retry_after_capped_from_s
+                    .map(|s| format!(" (Retry-After {s} s shortened to the policy's limit)"))
+                    .unwrap_or_default(),
             h.trace_id.as_deref().unwrap_or("-"),
         ));
     }
@@ -290,6 +294,7 @@ impl AppState {
                     "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
                     "opens": rec.opens,
                     "reopens": rec.reopens,
+                    "trial": rec.trial,
                 }),
             );
         }

@@ -12,10 +12,11 @@ use crate::breaker::Admission;
 /// What the breaker says about an attempt that wants to run now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Gate {
-    /// Run it; `probe` when it is the half-open window's one probe.
+    /// Run it; `probe` when it is one of the half-open trial's calls.
     Run {
-        /// The half-open probe: its outcome closes or re-opens the breaker.
-        probe: bool,
+        /// The half-open trial it was admitted to: its outcome counts towards closing or
+        /// re-opening the breaker.
+        probe: Option<i64>,
     },
     /// The breaker is open: the attempt waits until then (plus jitter), uncounted.
     Defer(SystemTime),
@@ -25,10 +26,10 @@ impl Shared {
     /// Asks the breaker, if there is one.
     pub(crate) async fn admit(&self) -> Gate {
         match &self.downstream.breaker {
-            None => Gate::Run { probe: false },
+            None => Gate::Run { probe: None },
             Some(b) => match b.admit(rand::random::<f64>()).await {
-                Admission::Allow => Gate::Run { probe: false },
-                Admission::Probe => Gate::Run { probe: true },
+                Admission::Allow => Gate::Run { probe: None },
+                Admission::Probe { trial } => Gate::Run { probe: Some(trial) },
                 Admission::Defer(until) => Gate::Defer(until),
             },
         }
@@ -44,7 +45,10 @@ impl Shared {
         event_type: Option<&str>,
     ) {
         if let Some(b) = &self.downstream.breaker {
-            let probe = matches!(gate, Gate::Run { probe: true });
+            let probe = match gate {
+                Gate::Run { probe } => probe,
+                Gate::Defer(_) => None,
+            };
             b.report(
                 !super::partition::transient_failure(&attempted.outcome),
                 probe,

@@ -177,6 +177,10 @@ async fn a_fifteen_minute_outage_with_thousands_pending_opens_once_probes_once_p
         open_ms: OPEN_MS,
         spread_ms: SPREAD_MS,
         probe_timeout_ms: 30_000,
+        // The classic single probe per half-open window, which this test holds to seed 003
+        // (`recovery` tests the trial of several calls).
+        half_open_calls: 1,
+        half_open_success_ratio: 1.0,
     };
     let replicas: Vec<Running> = ["replica-b", "replica-c"]
         .into_iter()
