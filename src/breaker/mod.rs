@@ -63,6 +63,11 @@ pub struct BreakerConfig {
     /// The share (0–1] of those calls that must succeed for it to close.
     #[serde(default = "half")]
     pub half_open_success_ratio: f64,
+    /// At the brink — one failure short of `consecutive_failures` in a row, counting new
+    /// events' calls in flight — a new event from a partition waits up to this long (ms) for a
+    /// call to succeed before it makes the call that may trip the breaker (0: never waits).
+    #[serde(default = "d10000")]
+    pub brink_hold_ms: u64,
 }
 
 fn yes() -> bool {
@@ -103,6 +108,7 @@ impl Default for BreakerConfig {
             probe_timeout_ms: 30_000,
             half_open_calls: 10,
             half_open_success_ratio: 0.5,
+            brink_hold_ms: 10_000,
         }
     }
 }
@@ -432,6 +438,10 @@ pub struct Shared {
     who: String,
     config: BreakerConfig,
     consecutive: Mutex<u32>,
+    /// New events' calls started and not reported yet ([`Shared::admit_new`]).
+    new_in_flight: Mutex<u32>,
+    /// Woken by every success.
+    succeeded: tokio::sync::Notify,
     recent: Mutex<std::collections::VecDeque<bool>>,
     /// The record, its ETag (`None`: no record yet, i.e. closed) and when it was read.
     cached: Mutex<Option<(BreakerRecord, Option<String>, SystemTime)>>,
@@ -478,6 +488,8 @@ impl Shared {
             who: who.into(),
             config,
             consecutive: Mutex::new(0),
+            new_in_flight: Mutex::new(0),
+            succeeded: tokio::sync::Notify::new(),
             recent: Mutex::default(),
             cached: Mutex::new(None),
             refresh: Duration::from_millis(500),
@@ -578,6 +590,60 @@ impl Shared {
         Admission::Defer(self.clock.now() + Duration::from_millis(self.config.probe_timeout_ms))
     }
 
+    /// Whether a new event's call now could make `consecutive_failures` failures in a row
+    /// (the failures so far plus new events' calls still in flight) on a closed breaker.
+    fn at_brink(&self) -> bool {
+        let closed = self.cached().is_none_or(|r| r.open_until_ms.is_none());
+        let consecutive = *self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
+        let in_flight = *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        closed && consecutive > 0 && consecutive + in_flight + 1 >= self.config.consecutive_failures
+    }
+
+    /// [`admit`](Self::admit) for a new event (a first attempt from a partition): at the brink
+    /// it first waits, up to `brink_hold_ms`, for a call to succeed — a due retry that
+    /// succeeds proves the downstream serves, and new events go on at the pace successes
+    /// come — then asks the breaker. A downstream that refuses each new key once but serves
+    /// its retries is paced, not shut off; one that is down trips the breaker as before, at
+    /// most `brink_hold_ms` later. Report the result with `new = true`.
+    pub async fn admit_new(&self, jitter: f64) -> Admission {
+        let hold = Duration::from_millis(self.config.brink_hold_ms);
+        let deadline = self.clock.now() + hold;
+        loop {
+            let notified = self.succeeded.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if hold.is_zero() || !self.at_brink() || self.clock.now() >= deadline {
+                break;
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = self.clock.sleep_until(deadline) => {}
+            }
+        }
+        *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let admission = self.admit(jitter).await;
+        if matches!(admission, Admission::Defer(_)) {
+            self.new_call_done();
+        }
+        admission
+    }
+
+    fn new_call_done(&self) {
+        let mut n = self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+    }
+
+    /// [`report`](Self::report) for a call admitted by [`admit_new`](Self::admit_new).
+    pub async fn report_new(&self, success: bool, trial: Option<i64>) -> Option<BreakerRecord> {
+        // Counted as in flight until its failure (if it is one) is counted: never neither.
+        let r = self.report(success, trial).await;
+        self.new_call_done();
+        if success {
+            self.succeeded.notify_waiters();
+        }
+        r
+    }
+
     /// Reports a call's result (`success` false for a transient failure; permanent errors are
     /// the event's fault, not the downstream's: do not report them). `trial`: the half-open
     /// trial the call was admitted to ([`Admission::Probe`]).
@@ -587,6 +653,10 @@ impl Shared {
             *c = if success { 0 } else { *c + 1 };
             *c
         };
+        if success {
+            // New events held at the brink may go on.
+            self.succeeded.notify_waiters();
+        }
         let (record, _) = self.load(false).await.ok()?;
         let window = {
             let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
@@ -683,6 +753,7 @@ mod tests {
             probe_timeout_ms: 5_000,
             half_open_calls: 1,
             half_open_success_ratio: 1.0,
+            brink_hold_ms: 10_000,
         }
     }
 

@@ -17,6 +17,8 @@ pub(crate) enum Gate {
         /// The half-open trial it was admitted to: its outcome counts towards closing or
         /// re-opening the breaker.
         probe: Option<i64>,
+        /// A new event's call (asked with [`Shared::admit_new`]): reported as one.
+        new: bool,
     },
     /// The breaker is open: the attempt waits until then (plus jitter), uncounted.
     Defer(SystemTime),
@@ -25,13 +27,32 @@ pub(crate) enum Gate {
 impl Shared {
     /// Asks the breaker, if there is one.
     pub(crate) async fn admit(&self) -> Gate {
-        match &self.downstream.breaker {
-            None => Gate::Run { probe: None },
-            Some(b) => match b.admit(rand::random::<f64>()).await {
-                Admission::Allow => Gate::Run { probe: None },
-                Admission::Probe { trial } => Gate::Run { probe: Some(trial) },
-                Admission::Defer(until) => Gate::Defer(until),
+        self.admission(false).await
+    }
+
+    /// Asks the breaker for a new event from a partition: at the brink of tripping it first
+    /// waits a while for a success (see [`crate::breaker::Shared::admit_new`]).
+    pub(crate) async fn admit_new(&self) -> Gate {
+        self.admission(true).await
+    }
+
+    async fn admission(&self, new: bool) -> Gate {
+        let Some(b) = &self.downstream.breaker else {
+            return Gate::Run { probe: None, new };
+        };
+        let jitter = rand::random::<f64>();
+        let admission = if new {
+            b.admit_new(jitter).await
+        } else {
+            b.admit(jitter).await
+        };
+        match admission {
+            Admission::Allow => Gate::Run { probe: None, new },
+            Admission::Probe { trial } => Gate::Run {
+                probe: Some(trial),
+                new,
             },
+            Admission::Defer(until) => Gate::Defer(until),
         }
     }
 
@@ -45,15 +66,12 @@ impl Shared {
         event_type: Option<&str>,
     ) {
         if let Some(b) = &self.downstream.breaker {
-            let probe = match gate {
-                Gate::Run { probe } => probe,
-                Gate::Defer(_) => None,
+            let success = !super::partition::transient_failure(&attempted.outcome);
+            match gate {
+                Gate::Run { probe, new: true } => b.report_new(success, probe).await,
+                Gate::Run { probe, new: false } => b.report(success, probe).await,
+                Gate::Defer(_) => b.report(success, None).await,
             };
-            b.report(
-                !super::partition::transient_failure(&attempted.outcome),
-                probe,
-            )
-            .await;
         }
         self.observe
             .handler_duration(attempted.duration, event_type);

@@ -19,6 +19,8 @@ mod otlp;
 mod outage;
 mod pipeline;
 mod pipeline_support;
+mod recovery;
+mod retry_after;
 mod run_command;
 mod servicebus;
 mod servicebus_auth;
