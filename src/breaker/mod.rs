@@ -17,6 +17,17 @@
 //!   keep a healthy downstream closed off. With `half_open_calls = 1` this is the classic
 //!   single probe. A trial whose calls do not all report back within `probe_timeout` is
 //!   judged on the results it has (none: a fresh trial begins).
+//! - Closed, a replica **paces new events at the brink**: when one more failure would trip it
+//!   (failures in a row plus new events' calls in flight), a new event waits up to
+//!   `brink_hold_ms` for any call to succeed first ([`Shared::admit_new`]); retries are never
+//!   held. A success (a due retry the downstream serves) lets it go on; a downstream that is
+//!   down still trips the breaker, at most that much later.
+//!
+//! The permits bound: per trial, at most `half_open_calls` calls are admitted cluster-wide
+//! (each is a compare-and-swap increment on the one record). A trial that runs out of time
+//! is followed by a fresh one, so across trials the bound is `half_open_calls` per
+//! `probe_timeout_ms` of half-open time; a replica whose storage calls fail admits its calls
+//! (the breaker must not become an outage of its own), which the bound does not cover.
 //!
 //! [`decide`] and [`on_result`] are pure functions of the record and the time; [`Shared`]
 //! keeps the record in a [`RecordStore`].
@@ -440,7 +451,7 @@ pub struct Shared {
     consecutive: Mutex<u32>,
     /// New events' calls started and not reported yet ([`Shared::admit_new`]).
     new_in_flight: Mutex<u32>,
-    /// Woken by every success.
+    /// Woken by every success and every change this replica makes to the record.
     succeeded: tokio::sync::Notify,
     recent: Mutex<std::collections::VecDeque<bool>>,
     /// The record, its ETag (`None`: no record yet, i.e. closed) and when it was read.
@@ -550,6 +561,8 @@ impl Shared {
                 Ok(e) => {
                     *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
                         Some((next.clone(), Some(e), now));
+                    // New events held at the brink look again (an open breaker decides).
+                    self.succeeded.notify_waiters();
                     return Ok((next, true));
                 }
                 Err(StoreError::Conflict) => continue,
@@ -607,17 +620,18 @@ impl Shared {
     /// most `brink_hold_ms` later. Report the result with `new = true`.
     pub async fn admit_new(&self, jitter: f64) -> Admission {
         let hold = Duration::from_millis(self.config.brink_hold_ms);
-        let deadline = self.clock.now() + hold;
+        let held = self.clock.sleep(hold);
+        tokio::pin!(held);
         loop {
             let notified = self.succeeded.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if hold.is_zero() || !self.at_brink() || self.clock.now() >= deadline {
+            if hold.is_zero() || !self.at_brink() {
                 break;
             }
             tokio::select! {
                 _ = notified => {}
-                _ = self.clock.sleep_until(deadline) => {}
+                _ = &mut held => break,
             }
         }
         *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
@@ -1056,6 +1070,83 @@ mod tests {
         assert_eq!(trial(1, 0.01).successes_to_close(), 1);
         assert_eq!(trial(10, 1.0).successes_to_close(), 10);
         assert_eq!(trial(10, 0.55).successes_to_close(), 6);
+    }
+
+    fn shared(brink_hold_ms: u64) -> Arc<Shared> {
+        Arc::new(Shared::new(
+            Arc::new(crate::azure::memory::MemoryRecordStore::new()),
+            "api",
+            "replica-a",
+            BreakerConfig {
+                brink_hold_ms,
+                ..cfg()
+            },
+        ))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_event_at_the_brink_waits_for_a_success_then_goes_on() {
+        let b = shared(10_000);
+        // Two of three failures: the next new event could trip the breaker.
+        for _ in 0..2 {
+            assert_eq!(b.admit_new(0.0).await, Admission::Allow);
+            b.report_new(false, None).await;
+        }
+        let waiting = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit_new(0.0).await }
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiting.is_finished(), "held at the brink");
+        // A due retry (not a new event) succeeds: the downstream serves; it goes on at once.
+        assert_eq!(b.admit(0.0).await, Admission::Allow);
+        b.report(true, None).await;
+        assert_eq!(waiting.await.unwrap(), Admission::Allow);
+        assert_eq!(b.cached().unwrap_or_default().opens, 0, "never opened");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_event_at_the_brink_goes_on_after_the_hold_and_a_down_downstream_still_trips() {
+        let b = shared(10_000);
+        for _ in 0..2 {
+            b.admit_new(0.0).await;
+            b.report_new(false, None).await;
+        }
+        let started = tokio::time::Instant::now();
+        assert_eq!(b.admit_new(0.0).await, Admission::Allow);
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(10),
+            "held for brink_hold_ms"
+        );
+        let r = b.report_new(false, None).await.expect("opened");
+        assert_eq!(r.opens, 1);
+        assert!(matches!(b.admit_new(0.0).await, Admission::Defer(_)));
+        // Two new events in flight count as failures to come: the third waits.
+        let b = shared(10_000);
+        b.admit_new(0.0).await;
+        b.report_new(false, None).await;
+        assert_eq!(b.admit_new(0.0).await, Admission::Allow);
+        let third = tokio::spawn({
+            let b = b.clone();
+            async move { b.admit_new(0.0).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            !third.is_finished(),
+            "one failure and one call in flight: at the brink"
+        );
+        b.report_new(true, None).await;
+        assert_eq!(third.await.unwrap(), Admission::Allow);
+        // Off: never waits.
+        let b = shared(0);
+        for _ in 0..2 {
+            b.admit_new(0.0).await;
+            b.report_new(false, None).await;
+        }
+        let started = tokio::time::Instant::now();
+        b.admit_new(0.0).await;
+        assert_eq!(started.elapsed(), Duration::ZERO);
     }
 
     /// What every caller of the model does to the record, in any interleaving.
