@@ -596,6 +596,11 @@ impl Shared {
                     }
                 }
                 Ok((r, _)) => record = r,
+                // Contended: others are changing the record (taking permits); ask again.
+                Err(StoreError::Conflict) => match self.load(true).await {
+                    Ok((r, _)) => record = r,
+                    Err(_) => return Admission::Allow,
+                },
                 Err(_) => return Admission::Allow,
             }
         }
@@ -1147,6 +1152,47 @@ mod tests {
         let started = tokio::time::Instant::now();
         b.admit_new(0.0).await;
         assert_eq!(started.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replicas_together_never_admit_more_than_the_trials_permits() {
+        let store: Arc<dyn RecordStore> = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let c = trial(10, 0.5);
+        // Open since long ago, expired: half-open, no trial yet.
+        let open = BreakerRecord {
+            open_until_ms: Some(ms(SystemTime::now()) - 1000),
+            opened_at_ms: Some(ms(SystemTime::now()) - 60_000),
+            opens: 1,
+            ..Default::default()
+        };
+        store
+            .create(
+                &record_name("api"),
+                serde_json::to_vec(&open).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        let replicas: Vec<Arc<Shared>> = ["a", "b", "c"]
+            .into_iter()
+            .map(|who| Arc::new(Shared::new(store.clone(), "api", who, c.clone())))
+            .collect();
+        let asks: Vec<_> = (0..90)
+            .map(|i| {
+                let r = replicas[i % 3].clone();
+                tokio::spawn(async move { r.admit(0.5).await })
+            })
+            .collect();
+        let mut probes = 0;
+        for a in asks {
+            match a.await.unwrap() {
+                Admission::Probe { .. } => probes += 1,
+                Admission::Defer(_) => {}
+                Admission::Allow => panic!("allowed on a half-open breaker"),
+            }
+        }
+        assert_eq!(probes, 10, "exactly the trial's permits, cluster-wide");
+        let r = read(store.as_ref(), "api").await.unwrap().unwrap();
+        assert_eq!(r.trial.map(|t| t.admitted), Some(10));
     }
 
     /// What every caller of the model does to the record, in any interleaving.
