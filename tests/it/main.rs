@@ -9,6 +9,7 @@ mod common;
 mod concurrency;
 mod dashboards;
 mod demo;
+mod entity_names;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
