@@ -736,12 +736,6 @@ impl Shared {
     }
 }
 
-impl crate::pipeline::health::WaitingOn for Shared {
-    fn waiting(&self) -> Option<String> {
-        Shared::waiting(self)
-    }
-}
-
 impl crate::telemetry::gauges::BreakerReadings for Shared {
     fn downstream_name(&self) -> String {
         self.downstream().to_string()

@@ -77,3 +77,10 @@ impl Shared {
             .handler_duration(attempted.duration, event_type);
     }
 }
+
+/// Readiness asks the downstream's breaker whether work waits on it.
+impl super::health::WaitingOn for crate::breaker::Shared {
+    fn waiting(&self) -> Option<String> {
+        crate::breaker::Shared::waiting(self)
+    }
+}

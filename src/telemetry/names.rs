@@ -169,6 +169,7 @@ pub fn all() -> Vec<&'static str> {
         attr::ERROR_TYPE,
         attr::HTTP_STATUS,
         attr::RETRY_AFTER,
+        attr::RETRY_AFTER_CAPPED_FROM,
         attr::MESSAGING_SYSTEM,
         attr::MESSAGING_DESTINATION,
         attr::MESSAGING_CONSUMER_GROUP,
