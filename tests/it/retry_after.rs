@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use hubguard::handler::webhook::{WebhookConfig, WebhookHandler};
 use hubguard::ledger::State;
+use hubguard::telemetry::names::{attr, span};
 
 use crate::pipeline_support::*;
 
@@ -35,6 +36,7 @@ async fn asking() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_retry_after_waits_the_policy_cap_or_the_handler_limit_and_says_so() {
+    let t = crate::otlp::telemetry();
     let bed = Bed::start(1).await;
     let url = asking().await;
     let mut policy = fast_policy(10);
@@ -98,6 +100,41 @@ async fn a_hostile_retry_after_waits_the_policy_cap_or_the_handler_limit_and_say
             view["history"][0]["retry_after_capped_from_s"].is_u64(),
             "{key}: {view}"
         );
+    }
+    // The attempt's span says the Retry-After was shortened, and from what.
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        t.flush().await;
+        let spans = t.collected.lock().unwrap().spans.clone();
+        let of = |key: &str| {
+            spans
+                .iter()
+                .find(|s| {
+                    s.name == span::ATTEMPT
+                        && s.attributes.get(attr::CONVERSATION_ID).map(String::as_str) == Some(key)
+                })
+                .cloned()
+        };
+        if let (Some(seconds), Some(fair)) = (of("seconds"), of("fair")) {
+            assert_eq!(
+                seconds
+                    .attributes
+                    .get(attr::RETRY_AFTER_CAPPED_FROM)
+                    .and_then(|v| v.parse::<f64>().ok()),
+                Some(999_999_999.0),
+                "{seconds:?}"
+            );
+            assert!(
+                !fair.attributes.contains_key(attr::RETRY_AFTER_CAPPED_FROM),
+                "{fair:?}"
+            );
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "spans never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Service Bus holds each message no further ahead than the cap.
     let queue = bed.sb.queue("retries").unwrap();
