@@ -17,8 +17,8 @@
 //!   keep a healthy downstream closed off. With `half_open_calls = 1` this is the classic
 //!   single probe. A trial whose calls do not all report back within `probe_timeout` is
 //!   judged on the results it has (none: a fresh trial begins).
-//! - Closed, a replica **paces new events at the brink**: when one more failure would trip it
-//!   (failures in a row plus new events' calls in flight), a new event waits up to
+//! - Closed or half-open, a replica **paces new events at the brink**: when one more failure
+//!   would trip it (failures in a row plus new events' calls in flight), a new event waits up to
 //!   `brink_hold_ms` for any call to succeed first ([`Shared::admit_new`]); retries are never
 //!   held. A success (a due retry the downstream serves) lets it go on; a downstream that is
 //!   down still trips the breaker, at most that much later.
@@ -611,10 +611,15 @@ impl Shared {
     /// Whether a new event's call now could make `consecutive_failures` failures in a row
     /// (the failures so far plus new events' calls still in flight) on a closed breaker.
     fn at_brink(&self) -> bool {
-        let closed = self.cached().is_none_or(|r| r.open_until_ms.is_none());
+        // Closed or half-open (a trial's permits are better spent on work with a chance of
+        // success than on new events behind a run of failures); open, the breaker decides.
+        let open = self
+            .cached()
+            .and_then(|r| r.open_until_ms)
+            .is_some_and(|u| self.clock.now() < at(u));
         let consecutive = *self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
         let in_flight = *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        closed && consecutive > 0 && consecutive + in_flight + 1 >= self.config.consecutive_failures
+        !open && consecutive > 0 && consecutive + in_flight + 1 >= self.config.consecutive_failures
     }
 
     /// [`admit`](Self::admit) for a new event (a first attempt from a partition): at the brink

@@ -207,6 +207,51 @@ async fn a_burst_of_keys_each_failing_once_recovers_in_a_few_open_periods() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_over_a_burst_the_trial_closes_the_breaker_although_first_attempts_fail() {
+    let bed = Bed::start(PARTITIONS).await;
+    let clock = bed.clock();
+    let handler = FailsOnce::new(clock.clone());
+    handler.down.store(true, Ordering::SeqCst);
+    let mut parts = bed.parts(handler.clone(), fast_policy(30), "replica-a");
+    parts.breaker = Some(config(10, 0.5, 10_000));
+    let run = Bed::run(parts);
+    let keys = crate::outage::send_spread(&bed, "burst", KEYS).await;
+    let all: BTreeSet<String> = keys.iter().cloned().collect();
+    // Down: the breaker opens and the partitions pause.
+    let mut step = 0;
+    while breaker(&bed).await.open_until_ms.is_none() {
+        clock.advance(STEP);
+        step += 1;
+        assert!(step < 60, "never opened");
+        crate::outage::idle(&bed, &format!("outage step {step}")).await;
+    }
+    settle_step(&bed, &run, &handler, &keys, "opened").await;
+    // Back, but each key's first attempt still fails by itself.
+    handler.down.store(false, Ordering::SeqCst);
+    let back = step;
+    while handler.delivered() != all {
+        clock.advance(STEP);
+        step += 1;
+        assert!(
+            step - back < 20 * ((OPEN_MS + SPREAD_MS) / 1000) as u32,
+            "{} of {KEYS} delivered {} s after the downstream came back: {:?}",
+            handler.delivered().len(),
+            step - back,
+            breaker(&bed).await
+        );
+        settle_step(&bed, &run, &handler, &keys, &format!("step {step}")).await;
+    }
+    run.stop().await;
+    let r = breaker(&bed).await;
+    println!(
+        "after the outage: {KEYS} delivered {} s after it ended: {r:?}",
+        step - back
+    );
+    assert_eq!(r.opens, 1, "{r:?}");
+    assert!(r.reopens <= 2, "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_says_no_while_deferred_retries_wait_on_an_open_breaker() {
     let bed = Bed::start(1).await;
     let clock = bed.clock();
