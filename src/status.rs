@@ -52,6 +52,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
             "outcome": h.outcome,
             "error": h.error.as_deref().map(redacted),
             "next_attempt_at": h.next_attempt_ms.map(|m| rfc3339(at(m))),
+            "retry_after_capped_from_s": h.retry_after_capped_from_s,
             "trace_id": h.trace_id,
         })).collect::<Vec<_>>(),
     })
@@ -100,7 +101,10 @@ pub fn record_text(rec: &LedgerRecord) -> String {
             redact(h.error.as_deref().unwrap_or("")),
             h.next_attempt_ms
                 .map(|m| format!(" → next at {}", rfc3339(at(m))))
-                .unwrap_or_default(),
+                .unwrap_or_default()
+                + &h.retry_after_capped_from_s
+                    .map(|s| format!(" (Retry-After {s} s shortened to the policy's limit)"))
+                    .unwrap_or_default(),
             h.trace_id.as_deref().unwrap_or("-"),
         ));
     }
@@ -291,6 +295,7 @@ impl AppState {
                     "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
                     "opens": rec.opens,
                     "reopens": rec.reopens,
+                    "trial": rec.trial,
                 }),
             );
         }

@@ -76,6 +76,10 @@ pub struct WebhookConfig {
     /// The CloudEvents abuse-protection handshake.
     #[serde(default)]
     pub handshake: HandshakeConfig,
+    /// The longest `Retry-After` honoured (seconds; default: the policy's `cap_s`, which
+    /// bounds it in any case). A longer one is shortened to this, and the attempt says so.
+    #[serde(default)]
+    pub retry_after_max_s: Option<u64>,
 }
 
 impl std::fmt::Debug for WebhookConfig {
@@ -104,6 +108,7 @@ impl Default for WebhookConfig {
             authorization: None,
             tls: None,
             handshake: HandshakeConfig::default(),
+            retry_after_max_s: None,
         }
     }
 }
@@ -397,6 +402,7 @@ impl Handler for WebhookHandler {
                     error,
                     retry_after,
                     http_status: Some(status),
+                    retry_after_max: self.config.retry_after_max_s.map(Duration::from_secs),
                 })
             }
             Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(

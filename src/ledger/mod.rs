@@ -51,6 +51,10 @@ pub struct AttemptEntry {
     pub next_attempt_ms: Option<i64>,
     /// W3C trace id of the attempt.
     pub trace_id: Option<String>,
+    /// The downstream's `Retry-After` (seconds) when it was longer than the policy allows and
+    /// the retry was scheduled at the policy's limit instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_capped_from_s: Option<u64>,
 }
 
 /// The ledger record of one event.

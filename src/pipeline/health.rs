@@ -170,10 +170,17 @@ pub struct CounterSnapshot {
 /// How long a `record_missing` dead letter keeps readiness at 503: long enough for an alert
 /// on readiness to fire and an operator to see the key, short enough not to stall a rollout.
 pub const RECORD_MISSING_READINESS: std::time::Duration = std::time::Duration::from_secs(900);
+/// Something work can wait on besides its own schedule and the partitions' holds (the
+/// downstream's circuit breaker): why it does now, or `None`. Read by [`Health::ready`].
+pub trait WaitingOn: std::fmt::Debug + Send + Sync + 'static {
+    /// Why work waits on it now (`None`: it does not).
+    fn waiting(&self) -> Option<String>;
+}
 
 /// Shared health of one pipeline.
 #[derive(Debug)]
 pub struct Health {
+    waits: Mutex<Vec<std::sync::Arc<dyn WaitingOn>>>,
     held: Mutex<BTreeMap<String, BTreeMap<i64, Held>>>,
     owned: Mutex<BTreeMap<String, i64>>,
     retry_loop: Mutex<RetryLoopState>,
@@ -195,6 +202,7 @@ pub struct Health {
 impl Default for Health {
     fn default() -> Self {
         Self {
+            waits: Mutex::default(),
             held: Mutex::default(),
             owned: Mutex::default(),
             retry_loop: Mutex::new(RetryLoopState::Starting),
@@ -266,6 +274,14 @@ impl Health {
             }
             self.bump();
         }
+    }
+
+    /// Makes readiness also say no while `source` has work waiting on it.
+    pub fn watch(&self, source: std::sync::Arc<dyn WaitingOn>) {
+        self.waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(source);
     }
 
     /// Held partitions: for each, the oldest held event's reason and sequence number, since
@@ -578,6 +594,10 @@ impl Health {
                 self.counters.records_missing.load(Ordering::Relaxed)
             ));
         }
+        // Work deferred past a breaker's expiry waits in Service Bus while no partition
+        // holds anything: the breaker itself says so.
+        let waits = self.waits.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        r.extend(waits.iter().filter_map(|w| w.waiting()));
         match self.retry_loop() {
             RetryLoopState::Running => {}
             RetryLoopState::Starting => r.push("retry loop starting".into()),

@@ -360,6 +360,9 @@ impl Pipeline {
         );
         let health = Arc::new(Health::default());
         health.set_unhealthy_after(parts.options.unhealthy_after);
+        if let Some(b) = &breaker {
+            health.watch(b.clone());
+        }
         let checkpoints = Arc::new(
             FencedCheckpointStore::new(
                 parts.checkpoint_store,

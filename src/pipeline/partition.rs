@@ -305,7 +305,11 @@ async fn process(
     let event_type = event.identity.event_type.as_deref();
     let mut deferred = false;
     let gate = loop {
-        match shared.admit().await {
+        let admitted = tokio::select! {
+            _ = cancel.cancelled() => return false,
+            g = shared.admit_new() => g,
+        };
+        match admitted {
             Gate::Defer(until) => {
                 if !deferred {
                     deferred = true;

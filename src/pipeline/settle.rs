@@ -704,6 +704,7 @@ impl Settler {
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
+                retry_after_capped_from_s: None,
             });
             self.publish_dead_letter(&rec).await?;
             self.ledger.index_dead_letter(key).await?;
@@ -913,6 +914,7 @@ impl Settler {
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
+                retry_after_capped_from_s: None,
             }],
             event: Event {
                 body: Vec::new(),
@@ -1074,6 +1076,7 @@ impl Settler {
                     error: None,
                     next_attempt_ms: None,
                     trace_id: Some(trace_id.to_string()),
+                    retry_after_capped_from_s: None,
                 });
                 Change::Write(Box::new(rec), Settled::Delivered)
             })
@@ -1132,13 +1135,14 @@ impl Settler {
                     None,
                 ),
             };
-            let decision = policy.decide(
+            let (decision, capped_from) = policy.decision(
                 &FailedAttempt {
                     attempt: attempt.saturating_sub(base).max(1),
                     first_failure,
                     now,
                     permanent: failure.class == ErrorClass::Permanent,
                     retry_after: failure.retry_after,
+                    retry_after_max: failure.retry_after_max,
                     previous_delay: previous,
                 },
                 &mut rand::thread_rng(),
@@ -1192,11 +1196,15 @@ impl Settler {
                         error: Some(failure.error.clone()),
                         next_attempt_ms: Some(ms(due)),
                         trace_id: Some(trace_id.to_string()),
+                        retry_after_capped_from_s: capped_from.map(|d| d.as_secs()),
                     });
                     // Ledger first: if Service Bus then fails, the replay (or the redelivered
                     // retry message) finds the attempt recorded and re-sends the same message.
                     match self.ledger.put(&rec, etag).await {
-                        Ok(_) => {}
+                        Ok(_) => super::attempt::mark_retry_after_capped(
+                            &tracing::Span::current(),
+                            capped_from,
+                        ),
                         Err(LedgerError::Store(StoreError::Conflict)) => continue,
                         Err(e) => return Err(e.into()),
                     }
@@ -1221,6 +1229,7 @@ impl Settler {
                         error: Some(failure.error.clone()),
                         next_attempt_ms: None,
                         trace_id: Some(trace_id.to_string()),
+                        retry_after_capped_from_s: None,
                     });
                     self.publish_dead_letter(&rec).await?;
                     self.ledger.index_dead_letter(key).await?;

@@ -47,6 +47,9 @@ pub mod attr {
     pub const HTTP_STATUS: &str = "http.response.status_code";
     /// Seconds the downstream asked to wait (`Retry-After`) on a failed attempt.
     pub const RETRY_AFTER: &str = "hubguard.retry_after_s";
+    /// Seconds of a `Retry-After` longer than the policy allows, which the retry's schedule
+    /// shortened to the policy's limit (set only when it did).
+    pub const RETRY_AFTER_CAPPED_FROM: &str = "hubguard.retry_after_capped_from_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
     pub const ERROR_TYPE: &str = "error.type";
     /// Semantic convention: the messaging system the attempt came from: `eventhubs` (the
@@ -195,6 +198,7 @@ pub fn all() -> Vec<&'static str> {
         attr::ERROR_TYPE,
         attr::HTTP_STATUS,
         attr::RETRY_AFTER,
+        attr::RETRY_AFTER_CAPPED_FROM,
         attr::MESSAGING_SYSTEM,
         attr::MESSAGING_DESTINATION,
         attr::MESSAGING_CONSUMER_GROUP,

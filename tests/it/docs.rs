@@ -130,7 +130,10 @@ fn every_link_in_the_docs_lands() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
-    assert!(checked >= 20, "only {checked} links found: is the parser reading the pages?");
+    assert!(
+        checked >= 20,
+        "only {checked} links found: is the parser reading the pages?"
+    );
 }
 
 #[test]
@@ -185,5 +188,8 @@ fn the_readme_stays_what_a_new_user_needs() {
         assert!(readme.contains(needed), "the README lost `{needed}`");
     }
     let lines = readme.lines().count();
-    assert!(lines <= 250, "the README is {lines} lines: reference belongs in docs/");
+    assert!(
+        lines <= 250,
+        "the README is {lines} lines: reference belongs in docs/"
+    );
 }

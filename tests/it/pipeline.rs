@@ -476,6 +476,10 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
         open_ms: 3000,
         spread_ms: 500,
         probe_timeout_ms: 3000,
+        // Three new events fail in a row and open it (pacing at the brink would let a due
+        // retry make the third failure instead: `recovery` tests that).
+        brink_hold_ms: 0,
+        ..Default::default()
     });
     let run = Bed::run(parts);
     let keys: Vec<String> = (0..20).map(|i| format!("b-{i:02}")).collect();
