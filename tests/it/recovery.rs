@@ -248,7 +248,11 @@ async fn after_an_outage_over_a_burst_the_trial_closes_the_breaker_although_firs
         step - back
     );
     assert_eq!(r.opens, 1, "{r:?}");
-    assert!(r.reopens <= 3, "{r:?}");
+    // Typically 1 or 2: which calls a trial's permits go to (a due retry, which succeeds, or a
+    // new key's first attempt, which fails by itself) follows how the partitions and the
+    // retry loop are scheduled, and a loaded machine has seen 5. The single probe this
+    // replaced re-opened about once a period for the whole 20-period bound above.
+    assert!(r.reopens <= 8, "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
