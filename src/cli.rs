@@ -211,6 +211,12 @@ pub struct EmulatorArgs {
     /// `servicebus.windows.net:sastoken`, as Azure does; a SAS string is never taken as a `jwt`.
     #[arg(long)]
     accept_any_token: bool,
+    /// Latency per request (blob storage, Service Bus, the webhook) and per AMQP round trip
+    /// (Event Hubs): `azure` (blob 8ms:40ms, Service Bus 15ms:80ms, Event Hubs 5ms:20ms,
+    /// median:p99), or `blob=8ms:40ms,servicebus=15ms:80ms,eventhubs=5ms:20ms,webhook=50ms`.
+    /// None by default.
+    #[arg(long, value_name = "PROFILE")]
+    latency: Option<crate::emulator::latency::LatencyProfile>,
 }
 
 impl Command {
@@ -387,6 +393,7 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         key: SasKey::new(args.key_name, args.key),
         accept_any_token: args.accept_any_token,
+        latency: args.latency.unwrap_or_default(),
     };
     let emulators = Arc::new(
         Emulators::start(config)
