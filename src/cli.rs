@@ -217,6 +217,11 @@ pub struct EmulatorArgs {
     /// None by default.
     #[arg(long, value_name = "PROFILE")]
     latency: Option<crate::emulator::latency::LatencyProfile>,
+    /// How the webhook receiver fails, by a hash of each event's key: e.g.
+    /// `transient=0.1:1,refused=0.01` (10 % fail once with 503, 1 % are refused for good with
+    /// 400; `seed=N` picks others). Every call succeeds by default.
+    #[arg(long, value_name = "MIX")]
+    webhook_failures: Option<crate::emulator::webhook::FailureMix>,
 }
 
 impl Command {
@@ -394,6 +399,7 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         key: SasKey::new(args.key_name, args.key),
         accept_any_token: args.accept_any_token,
         latency: args.latency.unwrap_or_default(),
+        webhook_failures: args.webhook_failures.unwrap_or_default(),
     };
     let emulators = Arc::new(
         Emulators::start(config)

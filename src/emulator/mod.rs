@@ -70,6 +70,8 @@ pub struct EmulatorsConfig {
     pub accept_any_token: bool,
     /// Latency per request / round trip of each service (none by default).
     pub latency: latency::LatencyProfile,
+    /// How the webhook receiver fails (every call succeeds by default).
+    pub webhook_failures: webhook::FailureMix,
 }
 
 impl Default for EmulatorsConfig {
@@ -87,6 +89,7 @@ impl Default for EmulatorsConfig {
             key: SasKey::new(DEFAULT_KEY_NAME, DEFAULT_KEY),
             accept_any_token: false,
             latency: latency::LatencyProfile::default(),
+            webhook_failures: webhook::FailureMix::default(),
         }
     }
 }
@@ -156,7 +159,7 @@ impl Emulators {
         };
         let webhook = match config.webhook_port {
             Some(p) => Some(
-                webhook::WebhookReceiver::start(at(p))
+                webhook::WebhookReceiver::start_with(at(p), config.webhook_failures.behaviour())
                     .await
                     .map_err(named("webhook receiver"))?,
             ),
