@@ -283,6 +283,9 @@ pub struct ProcessorSection {
     /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
     /// `property:<name>` or `none`.
     pub ordering_key: String,
+    /// Most events read past the partition's oldest unsettled one (at least
+    /// `max_in_flight`): settled events behind a slow one wait here, not in a slot.
+    pub window: usize,
 }
 
 /// `processor.max_in_flight` when the file does not say: sized for a downstream at web
@@ -291,6 +294,11 @@ pub struct ProcessorSection {
 /// ("Event Hubs quotas and limits", https://learn.microsoft.com/azure/event-hubs/event-hubs-quotas).
 /// Events sharing an ordering key still run one after another.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
+
+/// `processor.window` when the file does not say: four times the slots, so a few events
+/// slow to settle (each failure writes the ledger and sends to Service Bus) do not leave
+/// the slots idle behind them.
+pub const DEFAULT_WINDOW: usize = 4 * DEFAULT_MAX_IN_FLIGHT;
 
 /// `retry.concurrency` when the file does not say: retries at once, 64 ÷ 50 ms = 1,280
 /// retries/s.
@@ -312,6 +320,7 @@ impl Default for ProcessorSection {
             .into(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             ordering_key: o.ordering.to_string(),
+            window: DEFAULT_WINDOW,
         }
     }
 }
@@ -778,6 +787,12 @@ impl Config {
                 "processor.max_in_flight must be between 1 and 10000",
             ));
         }
+        if self.processor.window > 100_000 {
+            return Err(invalid(
+                "processor.window",
+                "processor.window must be at most 100000 (each event in it is held in memory)",
+            ));
+        }
         self.processor
             .ordering_key
             .parse::<crate::pipeline::OrderingKey>()
@@ -915,6 +930,7 @@ impl Config {
             checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
             checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
             max_in_flight: self.processor.max_in_flight,
+            window: self.processor.window,
             ordering: self.processor.ordering_key.parse().map_err(|e| {
                 invalid(
                     "processor.ordering_key",

@@ -90,6 +90,7 @@ impl AzureFigures {
 fn options() -> PipelineOptions {
     PipelineOptions {
         max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
+        window: crate::config::DEFAULT_WINDOW,
         retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
         ordering: OrderingKey::Property("order_id".into()),
         ..pipelines::bench_options()
