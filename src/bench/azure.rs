@@ -243,7 +243,7 @@ async fn retry_drain(
         .iter()
         .filter_map(|(k, c)| c.iter().find(|c| c.0 == 2).map(|c| (k.clone(), c.1)))
         .collect();
-    let mut lateness: Vec<f64> = futures::stream::iter(started.into_iter())
+    let mut lateness: Vec<f64> = futures::stream::iter(started)
         .map(|(key, at)| {
             let ledger = ledger.clone();
             async move {
