@@ -1001,7 +1001,20 @@ url = "http://127.0.0.1:9000/events"
                 o.prefetch as usize >= o.max_in_flight,
                 "prefetch keeps the slots fed"
             );
+            assert!(
+                o.window > o.max_in_flight,
+                "settled events wait in the window, not in a slot"
+            );
         }
+        let o = Config::parse(&format!("{BASE}[processor]\nwindow = 512\n"), none())
+            .unwrap()
+            .pipeline_options()
+            .unwrap();
+        assert_eq!(o.window, 512);
+        let e = Config::parse(&format!("{BASE}[processor]\nwindow = 1000000\n"), none())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("processor.window"), "{e}");
     }
 
     #[test]
