@@ -211,6 +211,17 @@ pub struct EmulatorArgs {
     /// `servicebus.windows.net:sastoken`, as Azure does; a SAS string is never taken as a `jwt`.
     #[arg(long)]
     accept_any_token: bool,
+    /// Latency per request (blob storage, Service Bus, the webhook) and per AMQP round trip
+    /// (Event Hubs): `azure` (blob 8ms:40ms, Service Bus 15ms:80ms, Event Hubs 5ms:20ms,
+    /// median:p99), or `blob=8ms:40ms,servicebus=15ms:80ms,eventhubs=5ms:20ms,webhook=50ms`.
+    /// None by default.
+    #[arg(long, value_name = "PROFILE")]
+    latency: Option<crate::emulator::latency::LatencyProfile>,
+    /// How the webhook receiver fails, by a hash of each event's key: e.g.
+    /// `transient=0.1:1,refused=0.01` (10 % fail once with 503, 1 % are refused for good with
+    /// 400; `seed=N` picks others). Every call succeeds by default.
+    #[arg(long, value_name = "MIX")]
+    webhook_failures: Option<crate::emulator::webhook::FailureMix>,
 }
 
 impl Command {
@@ -387,6 +398,8 @@ async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir,
         key: SasKey::new(args.key_name, args.key),
         accept_any_token: args.accept_any_token,
+        latency: args.latency.unwrap_or_default(),
+        webhook_failures: args.webhook_failures.unwrap_or_default(),
     };
     let emulators = Arc::new(
         Emulators::start(config)

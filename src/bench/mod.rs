@@ -9,7 +9,9 @@
 //! - A handler that waits 20 ms per event, with `max_in_flight` 1 and 32 ([`pipelines`]).
 //! - The retry path: failure to Service Bus acceptance, due time to actual start.
 //! - Resident memory of `hubguard run` with no retries and with many pending ([`memory`]).
+//! - `--profile azure`: hubguard at Azure's latencies, with a 50 ms downstream ([`azure`]).
 
+pub mod azure;
 pub mod memory;
 pub mod pipelines;
 
@@ -64,6 +66,24 @@ pub struct BenchArgs {
     /// Retries pending in Service Bus for the memory reading.
     #[arg(long, default_value_t = 100_000)]
     pending: usize,
+    /// `local`: the emulators answer at once, every scenario of `--only`. `azure`: the
+    /// emulators answer at Azure's latencies (`--latency azure`) and a downstream answers
+    /// after `--handler-ms`: first-pass rate and its limit, with 10 % failing once, and the
+    /// retry drain.
+    #[arg(long, default_value = "local", value_parser = ["local", "azure"])]
+    profile: String,
+    /// `--profile azure`: the downstream's latency (ms).
+    #[arg(long, default_value_t = 50)]
+    handler_ms: u64,
+    /// `--profile azure`: partitions of the hub.
+    #[arg(long, default_value_t = 2)]
+    azure_partitions: usize,
+    /// `--profile azure`: events of each first-pass run.
+    #[arg(long, default_value_t = 10_000)]
+    azure_events: usize,
+    /// `--profile azure`: events failing once, all due in the same 10 s, for the drain.
+    #[arg(long, default_value_t = 10_000)]
+    azure_retries: usize,
 }
 
 /// One measured scenario.
@@ -87,6 +107,7 @@ struct Figures {
     concurrency: Option<pipelines::Concurrency>,
     retries: Option<pipelines::RetryTiming>,
     memory: Option<memory::Memory>,
+    azure: Option<azure::AzureFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -104,8 +125,32 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.max_in_flight == 0 || args.slow_events == 0 || args.retries == 0 || args.pending == 0 {
         bail!("--max-in-flight, --slow-events, --retries and --pending must be positive");
     }
-    let on = |s: &str| args.only.iter().any(|o| o == s);
     let mut f = Figures::default();
+    if args.profile == "azure" {
+        if args.handler_ms == 0
+            || args.azure_partitions == 0
+            || args.azure_events == 0
+            || args.azure_retries == 0
+        {
+            bail!("--handler-ms, --azure-partitions, --azure-events and --azure-retries must be positive");
+        }
+        f.azure = Some(
+            azure::azure(
+                args.azure_partitions,
+                args.azure_events,
+                Duration::from_millis(args.handler_ms),
+                args.azure_retries,
+            )
+            .await?,
+        );
+        if args.json {
+            println!("{}", json_line(&args, &f));
+        } else {
+            print_tables(&args, &f);
+        }
+        return Ok(());
+    }
+    let on = |s: &str| args.only.iter().any(|o| o == s);
     for &p in &args.partitions {
         if on("eventhubs") {
             f.eventhubs
@@ -236,10 +281,97 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             m.growth_readings_mb.len()
         ));
     }
+    if let Some(a) = &f.azure {
+        fields.push("\"profile\":\"azure\"".into());
+        fields.push(format!("\"azure_partitions\":{}", a.partitions));
+        fields.push(format!("\"azure_events\":{}", a.events));
+        fields.push(format!("\"azure_handler_ms\":{}", a.handler.as_millis()));
+        fields.push(format!("\"azure_max_in_flight\":{}", a.max_in_flight));
+        fields.push(format!(
+            "\"azure_retry_concurrency\":{}",
+            a.retry_concurrency
+        ));
+        fields.push(format!(
+            "\"azure_events_per_s_per_partition\":{:.0}",
+            a.events_per_s_per_partition
+        ));
+        fields.push(format!(
+            "\"azure_limit_per_s_per_partition\":{:.0}",
+            a.limit_per_s()
+        ));
+        fields.push(format!("\"azure_limit_ratio\":{:.3}", a.limit_ratio()));
+        fields.push(format!(
+            "\"azure_failing_events_per_s_per_partition\":{:.0}",
+            a.failing_events_per_s_per_partition
+        ));
+        fields.push(format!("\"azure_failure_ratio\":{:.3}", a.failure_ratio()));
+        fields.push(format!("\"azure_retries\":{}", a.retries));
+        fields.push(format!(
+            "\"azure_retry_drain_per_s\":{:.0}",
+            a.retry_drain_per_s
+        ));
+        fields.push(format!(
+            "\"azure_retry_drain_ratio\":{:.3}",
+            a.retry_drain_ratio()
+        ));
+        fields.push(format!(
+            "\"azure_retry_lateness_p50_ms\":{:.0}",
+            a.retry_lateness_ms.0
+        ));
+        fields.push(format!(
+            "\"azure_retry_lateness_p99_ms\":{:.0}",
+            a.retry_lateness_ms.1
+        ));
+    }
     format!("{{{}}}", fields.join(","))
 }
 
 fn print_tables(args: &BenchArgs, f: &Figures) {
+    if let Some(a) = &f.azure {
+        println!(
+            "At Azure's latencies (blob 8ms:40ms, Service Bus 15ms:80ms, Event Hubs 5ms:20ms per round trip), a {} ms downstream, {} partitions, {} keyed events (997 keys), max_in_flight {}, retry.concurrency {}",
+            a.handler.as_millis(),
+            a.partitions,
+            a.events,
+            a.max_in_flight,
+            a.retry_concurrency
+        );
+        let row = |label: &str, v: String| println!("{label:>52} {v:>12}");
+        row(
+            "azure_events_per_s_per_partition",
+            format!("{:.0}", a.events_per_s_per_partition),
+        );
+        row(
+            "limit (max_in_flight / handler latency)",
+            format!("{:.0}", a.limit_per_s()),
+        );
+        row("azure_limit_ratio", format!("{:.3}", a.limit_ratio()));
+        row(
+            "events/s per partition, 10 % failing once",
+            format!("{:.0}", a.failing_events_per_s_per_partition),
+        );
+        row("azure_failure_ratio", format!("{:.3}", a.failure_ratio()));
+        row(
+            &format!("retries drained per s ({} due in ~10 s)", a.retries),
+            format!("{:.0}", a.retry_drain_per_s),
+        );
+        row(
+            "limit (retry.concurrency / handler latency)",
+            format!("{:.0}", a.retry_limit_per_s()),
+        );
+        row(
+            "azure_retry_drain_ratio",
+            format!("{:.3}", a.retry_drain_ratio()),
+        );
+        row(
+            "azure_retry_lateness_p50_ms / p99_ms",
+            format!(
+                "{:.0} / {:.0}",
+                a.retry_lateness_ms.0, a.retry_lateness_ms.1
+            ),
+        );
+        println!();
+    }
     if !f.eventhubs.is_empty() {
         println!("Event Hubs emulator through azure_messaging_eventhubs 0.16 ({} events of {} B, batched sends)", args.events, args.size);
         println!(

@@ -56,6 +56,11 @@ impl BenchHandler {
         }
     }
 
+    /// With `record`: key → (attempt, started, returned) of every call.
+    pub(crate) fn calls_recorded(&self) -> Calls {
+        self.calls()
+    }
+
     fn calls(&self) -> Calls {
         self.calls
             .as_ref()
@@ -235,7 +240,7 @@ pub struct RetryTiming {
     pub lateness_ms: (f64, f64),
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -326,7 +331,7 @@ pub async fn retry_timing(events: usize, partitions: usize) -> anyhow::Result<Re
 }
 
 /// `b - a` in milliseconds (negative when `b` is earlier).
-fn ms_between(a: SystemTime, b: SystemTime) -> f64 {
+pub(crate) fn ms_between(a: SystemTime, b: SystemTime) -> f64 {
     match b.duration_since(a) {
         Ok(d) => d.as_secs_f64() * 1000.0,
         Err(e) => -e.duration().as_secs_f64() * 1000.0,

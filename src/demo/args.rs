@@ -99,6 +99,11 @@ pub struct DemoArgs {
     /// Print one JSON line at the end instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Latency of the emulated services (and the downstream): `azure`, or e.g.
+    /// `blob=8ms:40ms,servicebus=15ms:80ms,eventhubs=5ms:20ms,webhook=50ms:150ms` (median:p99;
+    /// see `hubguard emulator --help`). None by default.
+    #[arg(long, value_name = "PROFILE")]
+    pub latency: Option<crate::emulator::latency::LatencyProfile>,
 }
 
 /// The windows as text.

@@ -128,6 +128,12 @@ impl Bed {
             hook: WebhookReceiver::start_with(local, behaviour).await?,
             max_in_flight: args.max_in_flight,
         };
+        if let Some(p) = &args.latency {
+            bed.eh.faults().set_latency(p.eventhubs, 1);
+            bed.sb.faults().set_latency(p.servicebus, 2);
+            bed.blob.faults().set_latency(p.blob, 3);
+            bed.hook.faults().set_latency(p.webhook, 4);
+        }
         bed.blob.store().record_writes();
         if let Some(q) = bed.sb.queue(QUEUE) {
             q.record_accepted();

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | `GET /health` | `ok` |
 //! | `GET /status` | JSON: partitions' event counts, queues' counters, containers |
-//! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}`, `{"kind":"drop"}`, `{"kind":"server-busy","seconds":30}` (Event Hubs: links and sends refused with `com.microsoft:server-busy`; `seconds` 0 ends it) or `{"kind":"clear"}` |
+//! | `POST /faults/{eventhubs\|servicebus\|blob\|all}` | JSON body: `{"kind":"error","status":503,"seconds":30}`, `{"kind":"refuse","seconds":30}`, `{"kind":"delay","ms":200}` (per HTTP request; per AMQP round trip on Event Hubs, not per streamed transfer; on top of the `--latency` profile, which `clear` keeps), `{"kind":"drop"}`, `{"kind":"server-busy","seconds":30}` (Event Hubs: links and sends refused with `com.microsoft:server-busy`; `seconds` 0 ends it) or `{"kind":"clear"}` |
 //! | `POST /clock/advance` | JSON `{"seconds":N}`: move the Service Bus clock forward |
 //! | `POST /send/{hub}` | JSON `{"count":N,"body":"…","partition":"0","type":"order.created"}`: append N test events (CloudEvents `ce_id` `{hub}-{seq}`, `ce_type`) |
 
@@ -38,7 +38,8 @@ pub enum FaultRequest {
         /// For how long.
         seconds: u64,
     },
-    /// Add `ms` of latency to every response.
+    /// Add `ms` of latency to every round trip (each HTTP request; on Event Hubs each batch
+    /// of frames the client sends, so a prefetching receiver is not slowed per transfer).
     Delay {
         /// Milliseconds.
         ms: u64,

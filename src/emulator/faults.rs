@@ -1,5 +1,6 @@
 //! Fault injection shared by the emulators: refuse connections for a period, delay every
-//! response, drop every live connection, answer with an error status for a period, answer as
+//! round trip (each HTTP request; each AMQP frame batch a client sends, not each transfer
+//! streamed back), drop every live connection, answer with an error status for a period, answer as
 //! a throttled namespace (`com.microsoft:server-busy`, Event Hubs) for a period.
 //!
 //! Tests drive it through the Rust API on a running emulator; the `hubguard emulator` process
@@ -9,8 +10,12 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use super::latency::Latency;
 
 /// The faults in force on one emulator.
 #[derive(Debug)]
@@ -25,6 +30,9 @@ struct FaultState {
     error_until: Option<(Instant, u16)>,
     server_busy_until: Option<Instant>,
     delay: Duration,
+    /// The service's own latency (a profile such as `azure`); `clear` keeps it.
+    latency: Latency,
+    rng: StdRng,
     connections: CancellationToken,
     dropped: u64,
     accepted: u64,
@@ -39,6 +47,8 @@ impl Faults {
                 error_until: None,
                 server_busy_until: None,
                 delay: Duration::ZERO,
+                latency: Latency::ZERO,
+                rng: StdRng::seed_from_u64(0x6875_6267_7561_7264),
                 connections: shutdown.child_token(),
                 dropped: 0,
                 accepted: 0,
@@ -63,12 +73,40 @@ impl Faults {
             .is_some_and(|t| Instant::now() < t)
     }
 
-    /// Add `delay` of latency to every response (zero turns it off).
+    /// Add `delay` of latency to every round trip, on top of the service's latency (zero
+    /// turns it off).
     pub fn set_delay(&self, delay: Duration) {
         self.state().delay = delay;
     }
 
-    /// The latency currently added to responses.
+    /// The service's own latency per round trip, drawn from `latency` (a profile such as
+    /// `azure`, see [`LatencyProfile`](super::latency::LatencyProfile)); draws come from a
+    /// generator seeded with `seed`, so a run is repeatable. [`clear`](Self::clear) keeps it.
+    pub fn set_latency(&self, latency: Latency, seed: u64) {
+        let mut st = self.state();
+        st.latency = latency;
+        st.rng = StdRng::seed_from_u64(seed);
+    }
+
+    /// The service's own latency distribution.
+    pub fn latency(&self) -> Latency {
+        self.state().latency
+    }
+
+    /// What one round trip waits now: a draw from the service's latency plus the injected
+    /// delay.
+    pub fn round_trip(&self) -> Duration {
+        let mut st = self.state();
+        let FaultState {
+            latency,
+            rng,
+            delay,
+            ..
+        } = &mut *st;
+        latency.sample(rng) + *delay
+    }
+
+    /// The delay fault currently added to round trips (without the service's latency).
     pub fn delay(&self) -> Duration {
         self.state().delay
     }
@@ -172,6 +210,17 @@ mod tests {
         f.server_busy_for(Duration::from_secs(5));
         f.server_busy_for(Duration::ZERO);
         assert!(!f.server_busy());
+    }
+
+    #[test]
+    fn a_round_trip_waits_the_latency_plus_the_delay_and_clear_keeps_the_latency() {
+        let f = Faults::new(CancellationToken::new());
+        assert_eq!(f.round_trip(), Duration::ZERO);
+        f.set_latency(Latency::fixed(Duration::from_millis(15)), 1);
+        f.set_delay(Duration::from_millis(5));
+        assert_eq!(f.round_trip(), Duration::from_millis(20));
+        f.clear();
+        assert_eq!(f.round_trip(), Duration::from_millis(15));
     }
 
     #[test]

@@ -115,13 +115,14 @@ impl axum::serve::Listener for FaultyListener {
 }
 
 /// Applies response faults: an injected error status answers at once (with the service's
-/// error body shape left to the client), an injected delay postpones the answer.
+/// error body shape left to the client), the service's latency and an injected delay
+/// postpone the answer (once per request: HTTP has one round trip per request).
 pub async fn fault_layer(
     State(faults): State<Arc<Faults>>,
     request: Request,
     next: Next,
 ) -> Response {
-    let delay = faults.delay();
+    let delay = faults.round_trip();
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }

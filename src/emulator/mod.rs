@@ -8,6 +8,7 @@
 //! - [`blob`]: Blob storage over its REST API (the subset checkpoints, ownership and the
 //!   ledger use: conditional writes, metadata, listing, ranged reads).
 //! - [`faults`]: fault injection (refuse, delay, drop connections, error status).
+//! - [`latency`]: Azure-like latency per request / round trip (`--latency azure`).
 //! - [`clock`]: the emulators' clock, which tests advance instead of sleeping.
 //! - [`http`]: the serve loop and fault plumbing the REST emulators share.
 //! - [`webhook`]: a local webhook receiver, the downstream that misbehaves as told.
@@ -23,6 +24,7 @@ pub mod clock;
 pub mod eventhubs;
 pub mod faults;
 pub mod http;
+pub mod latency;
 pub mod producer;
 pub mod servicebus;
 pub mod webhook;
@@ -66,6 +68,10 @@ pub struct EmulatorsConfig {
     /// Accept any non-empty Entra ID token: Event Hubs `jwt` tokens, and
     /// `Authorization: Bearer` on Service Bus and blob storage (refused with 401 otherwise).
     pub accept_any_token: bool,
+    /// Latency per request / round trip of each service (none by default).
+    pub latency: latency::LatencyProfile,
+    /// How the webhook receiver fails (every call succeeds by default).
+    pub webhook_failures: webhook::FailureMix,
 }
 
 impl Default for EmulatorsConfig {
@@ -82,6 +88,8 @@ impl Default for EmulatorsConfig {
             data_dir: None,
             key: SasKey::new(DEFAULT_KEY_NAME, DEFAULT_KEY),
             accept_any_token: false,
+            latency: latency::LatencyProfile::default(),
+            webhook_failures: webhook::FailureMix::default(),
         }
     }
 }
@@ -151,18 +159,32 @@ impl Emulators {
         };
         let webhook = match config.webhook_port {
             Some(p) => Some(
-                webhook::WebhookReceiver::start(at(p))
+                webhook::WebhookReceiver::start_with(at(p), config.webhook_failures.behaviour())
                     .await
                     .map_err(named("webhook receiver"))?,
             ),
             None => None,
         };
-        Ok(Self {
+        let emulators = Self {
             eventhubs,
             servicebus,
             blob,
             webhook,
-        })
+        };
+        emulators.set_latency(&config.latency);
+        Ok(emulators)
+    }
+
+    /// Gives each running service its latency from `profile` (each its own seeded draws).
+    pub fn set_latency(&self, profile: &latency::LatencyProfile) {
+        for (seed, svc) in ["eventhubs", "servicebus", "blob", "webhook"]
+            .into_iter()
+            .enumerate()
+        {
+            for f in self.faults_for(svc) {
+                f.set_latency(profile.of(svc), seed as u64 + 1);
+            }
+        }
     }
 
     /// One line per running service: `eventhubs: <connection string>`,

@@ -30,6 +30,117 @@ use super::Faults;
 /// HTTP status.
 pub type Behaviour = Arc<dyn Fn(&str, u32) -> u16 + Send + Sync>;
 
+/// A failure mix for benchmarks: by a hash of each event's idempotency key (and a seed), a
+/// `transient` share of events fails its first `times` deliveries with 503 and then
+/// succeeds, a `refused` share is refused for good with 400, the rest succeed. Which events
+/// fail does not depend on timing, so runs compare. The receiver's latency is the
+/// `webhook` entry of the latency profile ([`Faults::set_latency`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FailureMix {
+    /// Share of events failing transiently (0–1).
+    pub transient: f64,
+    /// How many deliveries of each of those fail before one succeeds.
+    pub times: u32,
+    /// Share of events refused for good (0–1).
+    pub refused: f64,
+    /// Seed of the choice.
+    pub seed: u64,
+}
+
+impl Default for FailureMix {
+    fn default() -> Self {
+        Self {
+            transient: 0.0,
+            times: 1,
+            refused: 0.0,
+            seed: 42,
+        }
+    }
+}
+
+impl FailureMix {
+    /// What the receiver answers.
+    pub fn behaviour(self) -> Behaviour {
+        Arc::new(move |key: &str, before: u32| self.status(key, before))
+    }
+
+    /// The status for the call to `key` that had `before` calls before it.
+    pub fn status(&self, key: &str, before: u32) -> u16 {
+        let share = |salt: u64| (key_hash(self.seed, key, salt) >> 11) as f64 / (1u64 << 53) as f64;
+        if share(1) < self.refused {
+            400
+        } else if share(2) < self.transient && before < self.times {
+            503
+        } else {
+            200
+        }
+    }
+
+    /// Reads `transient=0.1:2,refused=0.01[,seed=7]` (share[:times]).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut m = Self::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("failure mix '{part}': expected transient=SHARE[:TIMES], refused=SHARE or seed=N"))?;
+            let share = |v: &str| -> Result<f64, String> {
+                let x: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("failure mix '{part}': not a number"))?;
+                if (0.0..=1.0).contains(&x) {
+                    Ok(x)
+                } else {
+                    Err(format!("failure mix '{part}': a share is between 0 and 1"))
+                }
+            };
+            match k.trim() {
+                "transient" => {
+                    let (sh, times) = v.split_once(':').unwrap_or((v, "1"));
+                    m.transient = share(sh)?;
+                    m.times = times
+                        .trim()
+                        .parse()
+                        .map_err(|_| format!("failure mix '{part}': times is a whole number"))?;
+                }
+                "refused" => m.refused = share(v)?,
+                "seed" => {
+                    m.seed = v
+                        .trim()
+                        .parse()
+                        .map_err(|_| format!("failure mix '{part}': seed is a whole number"))?
+                }
+                other => {
+                    return Err(format!(
+                        "failure mix: unknown '{other}' (transient, refused, seed)"
+                    ))
+                }
+            }
+        }
+        Ok(m)
+    }
+}
+
+impl std::str::FromStr for FailureMix {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+    }
+}
+
+/// FNV-1a over the key, then a splitmix finaliser: deterministic per (seed, key, salt).
+fn key_hash(seed: u64, key: &str, salt: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
 struct Deliveries {
     /// Successful (2xx) deliveries per key.
     by_key: Mutex<BTreeMap<String, u32>>,
@@ -336,5 +447,65 @@ impl WebhookReceiver {
 impl Drop for WebhookReceiver {
     fn drop(&mut self) {
         self.shutdown.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mix_fails_its_shares_the_times_asked_and_no_more() {
+        let mix = FailureMix::parse("transient=0.1:2,refused=0.02,seed=7").unwrap();
+        assert_eq!(mix.times, 2);
+        let keys: Vec<String> = (0..20_000).map(|i| format!("k{i}")).collect();
+        let refused = keys.iter().filter(|k| mix.status(k, 0) == 400).count();
+        let transient = keys.iter().filter(|k| mix.status(k, 0) == 503).count();
+        assert!((300..500).contains(&refused), "{refused}");
+        // 10 % of the 98 % not refused.
+        assert!((1_760..2_160).contains(&transient), "{transient}");
+        for k in &keys {
+            match mix.status(k, 0) {
+                503 => {
+                    assert_eq!(mix.status(k, 1), 503);
+                    assert_eq!(mix.status(k, 2), 200, "succeeds after `times` failures");
+                }
+                400 => assert_eq!(mix.status(k, 5), 400, "refused for good"),
+                s => assert_eq!(s, 200),
+            }
+        }
+        assert!(FailureMix::parse("transient=2").is_err());
+        assert!(FailureMix::parse("flaky=0.1").is_err());
+        assert_eq!(FailureMix::parse("").unwrap(), FailureMix::default());
+    }
+
+    #[tokio::test]
+    async fn the_receiver_answers_with_the_mix_after_its_latency() {
+        let mix = FailureMix {
+            transient: 1.0,
+            times: 1,
+            ..Default::default()
+        };
+        let r = WebhookReceiver::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), mix.behaviour())
+            .await
+            .unwrap();
+        r.faults().set_latency(
+            crate::emulator::latency::Latency::fixed(std::time::Duration::from_millis(30)),
+            1,
+        );
+        let client = reqwest::Client::new();
+        let post = || {
+            client
+                .post(r.url())
+                .header("idempotency-key", "a")
+                .body("{}")
+                .send()
+        };
+        let t = std::time::Instant::now();
+        assert_eq!(post().await.unwrap().status().as_u16(), 503);
+        assert!(t.elapsed() >= std::time::Duration::from_millis(30));
+        assert_eq!(post().await.unwrap().status().as_u16(), 200);
+        assert_eq!(r.deliveries().get("a"), Some(&1));
+        r.shutdown().await;
     }
 }

@@ -17,6 +17,8 @@ pub struct CheckpointWindow {
     pending: BTreeMap<i64, bool>,
     /// The last event of the settled prefix that left the window.
     settled_through: Option<i64>,
+    /// Dispatched events not settled yet.
+    unsettled: usize,
 }
 
 impl CheckpointWindow {
@@ -32,12 +34,17 @@ impl CheckpointWindow {
             .keys()
             .next_back()
             .is_none_or(|last| *last < seq));
-        self.pending.insert(seq, false);
+        if self.pending.insert(seq, false).is_none() {
+            self.unsettled += 1;
+        }
     }
 
     /// Records that `seq` settled; returns the new checkpoint position if it moved.
     pub fn settled(&mut self, seq: i64) -> Option<i64> {
         if let Some(s) = self.pending.get_mut(&seq) {
+            if !*s {
+                self.unsettled -= 1;
+            }
             *s = true;
         }
         let mut moved = None;
@@ -69,6 +76,11 @@ impl CheckpointWindow {
     pub fn in_flight(&self) -> usize {
         self.pending.len()
     }
+
+    /// Events dispatched and not settled.
+    pub fn unsettled(&self) -> usize {
+        self.unsettled
+    }
 }
 
 /// Decides which events of one partition may start, given `max_in_flight` and ordering keys.
@@ -82,6 +94,8 @@ impl CheckpointWindow {
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
     max_in_flight: usize,
+    /// Most events in the window (settled ones behind an unsettled one included).
+    window_limit: usize,
     window: CheckpointWindow,
     /// Keys with an event running → the events waiting behind it, in sequence order.
     busy: HashMap<String, VecDeque<i64>>,
@@ -92,8 +106,19 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// A dispatcher allowing `max_in_flight` (at least 1) events out at once.
     pub fn new(max_in_flight: usize) -> Self {
+        Self::with_window(max_in_flight, max_in_flight)
+    }
+
+    /// A dispatcher allowing `max_in_flight` (at least 1) unsettled events at once, and at
+    /// most `window` (at least `max_in_flight`) events read past the oldest unsettled one.
+    /// A window wider than `max_in_flight` keeps the slots busy while a slow event (one
+    /// scheduling a retry, say) settles: events behind it that settled wait in the window,
+    /// not in a slot. An event that cannot settle still stops reading after `window` events.
+    pub fn with_window(max_in_flight: usize, window: usize) -> Self {
+        let max_in_flight = max_in_flight.max(1);
         Self {
-            max_in_flight: max_in_flight.max(1),
+            max_in_flight,
+            window_limit: window.max(max_in_flight),
             window: CheckpointWindow::new(),
             busy: HashMap::new(),
             keys: HashMap::new(),
@@ -102,7 +127,12 @@ impl Dispatcher {
 
     /// Whether another event may be read now.
     pub fn has_room(&self) -> bool {
-        self.window.in_flight() < self.max_in_flight
+        self.window.unsettled() < self.max_in_flight && self.window.in_flight() < self.window_limit
+    }
+
+    /// Events accepted and not settled (running, or waiting behind their key).
+    pub fn unsettled(&self) -> usize {
+        self.window.unsettled()
     }
 
     /// Accepts event `seq` (sequence numbers increase) with its ordering key; `true` if it may
@@ -210,7 +240,18 @@ mod tests {
         keys: &[Option<u8>],
         picks: &[prop::sample::Index],
     ) -> Result<(), TestCaseError> {
-        let mut d = Dispatcher::new(max);
+        drive_windowed(max, max, keys, picks)
+    }
+
+    /// [`drive`] with a window wider than `max`: never more than `max` unsettled, never more
+    /// than `window` in the window.
+    fn drive_windowed(
+        max: usize,
+        window: usize,
+        keys: &[Option<u8>],
+        picks: &[prop::sample::Index],
+    ) -> Result<(), TestCaseError> {
+        let mut d = Dispatcher::with_window(max, window);
         let n = keys.len();
         let key = |i: usize| keys[i].map(|k| format!("k{k}"));
         let mut next_to_read = 0usize;
@@ -231,7 +272,8 @@ mod tests {
                     running.push(i);
                     started.push(i);
                 }
-                prop_assert!(d.in_flight() <= max);
+                prop_assert!(d.unsettled() <= max);
+                prop_assert!(d.in_flight() <= window.max(max));
                 continue;
             }
             prop_assert!(!running.is_empty(), "stalled with nothing running");
@@ -305,5 +347,47 @@ mod tests {
         ) {
             drive(max, &keys, &picks)?;
         }
+
+        #[test]
+        fn a_wider_window_keeps_order_bounds_and_the_prefix(
+            max in 1usize..12,
+            extra in 0usize..30,
+            keys in proptest::collection::vec(proptest::option::weighted(0.8, 0u8..5), 1..80),
+            picks in proptest::collection::vec(any::<prop::sample::Index>(), 1..200),
+        ) {
+            drive_windowed(max, max + extra, &keys, &picks)?;
+        }
+    }
+
+    #[test]
+    fn a_slow_oldest_event_does_not_take_the_slots_of_settled_ones_behind_it() {
+        // The oldest event is slow to settle (a retry being scheduled); the 3 behind it
+        // settle at once. With the window only as wide as the slots, they keep their slots
+        // until the oldest settles; with a wider window the slots are free again.
+        let mut narrow = Dispatcher::new(4);
+        let mut wide = Dispatcher::with_window(4, 16);
+        for d in [&mut narrow, &mut wide] {
+            for s in 0..4 {
+                assert!(d.accept(s, None));
+            }
+            for s in 1..4 {
+                d.settled(s);
+            }
+            assert_eq!(d.unsettled(), 1);
+            assert_eq!(d.checkpoint(), None, "never past the unsettled oldest");
+        }
+        assert!(!narrow.has_room());
+        assert!(wide.has_room());
+        // The wide window still stops reading once `window` events wait behind the oldest.
+        let mut s = 4;
+        while wide.has_room() {
+            wide.accept(s, None);
+            wide.settled(s);
+            s += 1;
+        }
+        assert_eq!(wide.in_flight(), 16);
+        wide.settled(0);
+        assert_eq!(wide.checkpoint(), Some(s - 1));
+        assert!(wide.has_room());
     }
 }

@@ -141,6 +141,11 @@ pub struct PipelineOptions {
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1.
     pub ordering: OrderingKey,
+    /// Most events of a partition read past its oldest unsettled event (at least
+    /// `max_in_flight`, which it is by default): settled events waiting behind a slow one
+    /// stay here instead of holding a slot, so the slots stay busy while it settles. An
+    /// event that cannot settle stops the partition after this many.
+    pub window: usize,
     /// Events prefetched per partition.
     pub prefetch: u32,
     /// Start partitions without a checkpoint at the latest event instead of the earliest.
@@ -196,6 +201,7 @@ impl Default for PipelineOptions {
             checkpoint_min_interval: Duration::from_millis(200),
             max_in_flight: 1,
             ordering: OrderingKey::PartitionKey,
+            window: 0,
             prefetch: 300,
             start_at_latest: false,
             deadline: Duration::from_secs(10),

@@ -115,7 +115,8 @@ pub(crate) async fn run(
     let pid = pc.get_partition_id().to_string();
     shared.health.set_owned(&pid, None);
     tracing::info!(partition = %pid, "partition claimed");
-    let mut dispatcher = Dispatcher::new(shared.options.max_in_flight);
+    let mut dispatcher =
+        Dispatcher::with_window(shared.options.max_in_flight, shared.options.window);
     // Accepted, unsettled events: the SDK's copy (to checkpoint) and ours (to start later if
     // it waits behind its key).
     let mut received_by_seq: BTreeMap<i64, ReceivedEventData> = BTreeMap::new();

@@ -557,6 +557,53 @@ async fn delayed_responses_slow_but_do_not_break_clients() {
     within("close", c.close()).await.unwrap();
 }
 
+/// Latency is paid per AMQP round trip, not per transfer: a prefetching receiver streams a
+/// backlog at loopback speed once its credit is granted, as prefetch does on Azure.
+#[tokio::test]
+async fn a_prefetching_receiver_pays_latency_per_round_trip_not_per_transfer() {
+    use hubguard::emulator::latency::Latency;
+    let emu = emulator(&[("hub", 1)]).await;
+    let cs = conn(&emu);
+    let prod = producer(&cs, "hub").await;
+    let bodies: Vec<String> = (0..200).map(|i| format!("e{i}")).collect();
+    send_batch(&prod, &bodies, Some("0"), None).await;
+    let c = consumer(&cs, "hub").await;
+    within("warm up", c.get_eventhub_properties())
+        .await
+        .unwrap();
+    let latency = Duration::from_millis(40);
+    emu.faults()
+        .set_latency(Latency::fixed(Duration::from_millis(20)), 1);
+    emu.faults().set_delay(Duration::from_millis(20));
+    // A management round trip pays the latency plus the delay fault.
+    let t = Instant::now();
+    within("props", c.get_partition_properties("0"))
+        .await
+        .unwrap();
+    assert!(t.elapsed() >= latency, "a round trip waits {latency:?}");
+    let t = Instant::now();
+    let r = receiver(&c, "0", StartLocation::Earliest, true).await;
+    let got = take(&r, 200).await;
+    let took = t.elapsed();
+    assert_eq!(got.len(), 200);
+    assert!(took >= latency, "attach and credit pay the latency");
+    // 200 transfers at 40 ms each would take 8 s; a handful of round trips take well under 2 s.
+    assert!(
+        took < Duration::from_secs(2),
+        "200 prefetched events took {took:?}: latency was paid per transfer"
+    );
+    emu.faults().clear();
+    assert_eq!(emu.faults().delay(), Duration::ZERO);
+    assert_eq!(
+        emu.faults().round_trip(),
+        Duration::from_millis(20),
+        "clear keeps the profile"
+    );
+    within("close", r.close()).await.unwrap();
+    within("close", c.close()).await.unwrap();
+    within("close", prod.close()).await.unwrap();
+}
+
 #[tokio::test]
 async fn every_client_closes_promptly() {
     let emu = emulator(&[("hub", 2)]).await;

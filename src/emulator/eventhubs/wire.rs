@@ -27,8 +27,14 @@
 //!   (see the module docs of `eventhubs`).
 //! - **`TCP_QUICKACK` re-armed after every read**, because the client does not set
 //!   `TCP_NODELAY`: Nagle against delayed ACKs would add ~40 ms to each round trip.
-//! - **Faults:** added latency on every outgoing frame, and a cancellation token that kills
-//!   the connection (reads and writes fail) when the emulator is told to drop connections.
+//! - **Latency per round trip:** what the client sends (each read from its socket: an
+//!   attach, a CBS `put-token`, a management request, a `flow` granting credit, a batch of
+//!   sends) is handed to the AMQP engine after the service's latency plus the `delay` fault
+//!   ([`Faults::round_trip`]), order preserved. The service's frames go out as soon as they
+//!   are written, so transfers streamed on credit already granted are not slowed one by one:
+//!   a prefetching receiver pays the latency once per `flow`, as on Azure.
+//! - **Faults:** a cancellation token that kills the connection (reads and writes fail) when
+//!   the emulator is told to drop connections.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -310,6 +316,22 @@ impl OpenScan {
     }
 }
 
+struct Inbound {
+    at: Instant,
+    bytes: Vec<u8>,
+    read: usize,
+}
+
+/// Copies as much of `ready` as fits into `buf`.
+fn take_ready(ready: &mut VecDeque<u8>, buf: &mut ReadBuf<'_>) {
+    let n = ready.len().min(buf.remaining());
+    let (a, b) = ready.as_slices();
+    let from_a = n.min(a.len());
+    buf.put_slice(&a[..from_a]);
+    buf.put_slice(&b[..n - from_a]);
+    ready.drain(..n);
+}
+
 struct Outgoing {
     bytes: Vec<u8>,
     written: usize,
@@ -327,6 +349,14 @@ pub struct Wire {
     queued: usize,
     last_not_before: Instant,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// What the client sent, each read with the time it reaches the engine.
+    inbound: VecDeque<Inbound>,
+    /// The release time of the latest read (releases keep the order they arrived in).
+    last_release: Instant,
+    read_sleep: Option<Pin<Box<Sleep>>>,
+    /// The socket's end: `Some(None)` end of stream, `Some(Some(e))` a read error; handed
+    /// to the engine once everything before it is released.
+    read_end: Option<Option<io::Error>>,
     scan: OpenScan,
     /// The `max-frame-size` the peer announced in its `open` (`u32::MAX` until then).
     peer_max_frame_size: u32,
@@ -354,6 +384,10 @@ impl Wire {
             queued: 0,
             last_not_before: Instant::now(),
             sleep: None,
+            inbound: VecDeque::new(),
+            last_release: Instant::now(),
+            read_sleep: None,
+            read_end: None,
             scan: OpenScan::default(),
             peer_max_frame_size: u32::MAX,
         }
@@ -411,7 +445,7 @@ impl Wire {
 
     fn push(&mut self, bytes: Vec<u8>, hold: Duration) {
         let now = Instant::now();
-        let not_before = (now + hold + self.faults.delay()).max(self.last_not_before);
+        let not_before = (now + hold).max(self.last_not_before);
         self.last_not_before = not_before;
         self.queued += bytes.len();
         self.queue.push_back(Outgoing {
@@ -461,47 +495,84 @@ impl AsyncRead for Wire {
         if this.killed.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(Self::aborted()));
         }
-        loop {
-            if !this.scan.ready.is_empty() {
-                let n = this.scan.ready.len().min(buf.remaining());
-                let (a, b) = this.scan.ready.as_slices();
-                let from_a = n.min(a.len());
-                buf.put_slice(&a[..from_a]);
-                buf.put_slice(&b[..n - from_a]);
-                this.scan.ready.drain(..n);
-                return Poll::Ready(Ok(()));
-            }
-            if this.scan.done {
+        // Take everything the socket has now, stamped with when it reaches the engine.
+        for _ in 0..32 {
+            if this.read_end.is_some() {
                 break;
             }
-            let mut tmp = [0u8; 4096];
+            let mut tmp = [0u8; 8192];
             let mut tmp_buf = ReadBuf::new(&mut tmp);
             match Pin::new(&mut this.inner).poll_read(cx, &mut tmp_buf) {
                 Poll::Ready(Ok(())) => {
+                    // Best effort: an error only means the ACK may be delayed.
                     let _ = SockRef::from(&this.inner).set_quickack(true);
                     if tmp_buf.filled().is_empty() {
-                        // End of stream: hand over what is held, then report the end.
-                        this.scan.done = true;
-                        this.scan.ready.extend(this.scan.held.drain(..));
-                        if this.scan.ready.is_empty() {
-                            return Poll::Ready(Ok(()));
-                        }
-                        continue;
+                        this.read_end = Some(None);
+                        break;
                     }
-                    this.scan.held.extend_from_slice(tmp_buf.filled());
-                    if let Some(max) = this.scan.process() {
-                        this.peer_max_frame_size = max;
-                    }
+                    let at = (Instant::now() + this.faults.round_trip()).max(this.last_release);
+                    this.last_release = at;
+                    this.inbound.push_back(Inbound {
+                        at,
+                        bytes: tmp_buf.filled().to_vec(),
+                        read: 0,
+                    });
                 }
-                other => return other,
+                Poll::Ready(Err(e)) => this.read_end = Some(Some(e)),
+                Poll::Pending => break,
             }
         }
-        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = r {
-            // Best effort: an error only means the ACK may be delayed.
-            let _ = SockRef::from(&this.inner).set_quickack(true);
+        // Hand over what is due, through the scan for the peer's `open` until it is found.
+        loop {
+            if !this.scan.ready.is_empty() {
+                take_ready(&mut this.scan.ready, buf);
+                return Poll::Ready(Ok(()));
+            }
+            let Some(front) = this.inbound.front_mut() else {
+                break;
+            };
+            if Instant::now() < front.at {
+                let deadline = front.at;
+                let sleep = this
+                    .read_sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if sleep.deadline() != deadline {
+                    sleep.as_mut().reset(deadline);
+                }
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                continue;
+            }
+            if this.scan.done {
+                let n = (front.bytes.len() - front.read).min(buf.remaining());
+                buf.put_slice(&front.bytes[front.read..front.read + n]);
+                front.read += n;
+                if front.read == front.bytes.len() {
+                    this.inbound.pop_front();
+                }
+                return Poll::Ready(Ok(()));
+            }
+            let chunk = this.inbound.pop_front().expect("a front chunk");
+            this.scan.held.extend_from_slice(&chunk.bytes[chunk.read..]);
+            if let Some(max) = this.scan.process() {
+                this.peer_max_frame_size = max;
+            }
         }
-        r
+        match this.read_end.take() {
+            None => Poll::Pending,
+            Some(Some(e)) => Poll::Ready(Err(e)),
+            Some(None) => {
+                this.read_end = Some(None);
+                if !this.scan.done {
+                    // End of stream: hand over what is held, then report the end.
+                    this.scan.done = true;
+                    this.scan.ready.extend(this.scan.held.drain(..));
+                    take_ready(&mut this.scan.ready, buf);
+                }
+                Poll::Ready(Ok(()))
+            }
+        }
     }
 }
 

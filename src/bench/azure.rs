@@ -1,0 +1,308 @@
+//! `hubguard bench --profile azure`: hubguard at Azure's latencies. The emulators answer
+//! with the `azure` latency profile (blob 8 ms : 40 ms, Service Bus 15 ms : 80 ms, Event Hubs
+//! 5 ms : 20 ms per round trip, median : p99; see [`crate::emulator::latency`]) and the
+//! downstream is the emulator's webhook receiver answering after a fixed handler latency
+//! (50 ms by default) with a seeded failure mix, so the figures measure hubguard, not the
+//! receiver.
+//!
+//! - `azure_events_per_s_per_partition`: first deliveries per second per partition with the
+//!   configuration file's defaults (`max_in_flight`, `retry.concurrency`), keyed events with
+//!   many keys (`ordering_key = property:order_id`, 997 keys), nothing failing;
+//!   `azure_limit_ratio`: that rate ÷ the limit the settings allow (`max_in_flight` ÷
+//!   handler latency).
+//! - `azure_failure_ratio`: the same with 10 % of events failing once (each scheduled for
+//!   retry: a ledger write and a Service Bus send on its slot) ÷ the rate with none. The
+//!   retries are due after the measurement, so the rate is the first pass's.
+//! - `azure_retry_drain_ratio`: every event fails once and comes due in the same window;
+//!   retries completed per second ÷ (`retry.concurrency` ÷ handler latency), and
+//!   `azure_retry_lateness_p99_ms`: due time (the ledger's) → the retry's start.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context as _};
+use futures::StreamExt as _;
+
+use super::pipelines::{self, BenchHandler};
+use crate::azure::ConnectionString;
+use crate::emulator::eventhubs::HubSpec;
+use crate::emulator::latency::{Latency, LatencyProfile};
+use crate::emulator::producer::{self, Outgoing, Plan};
+use crate::emulator::webhook::FailureMix;
+use crate::emulator::{Emulators, EmulatorsConfig};
+use crate::pipeline::{OrderingKey, Pipeline, PipelineOptions};
+use crate::policy::RetryPolicy;
+
+/// What `--profile azure` measured.
+#[derive(Debug, Clone)]
+pub struct AzureFigures {
+    /// Partitions of the hub.
+    pub partitions: usize,
+    /// Events of each first-pass run.
+    pub events: usize,
+    /// The downstream's latency.
+    pub handler: Duration,
+    /// `processor.max_in_flight` used (the configuration file's default).
+    pub max_in_flight: usize,
+    /// `retry.concurrency` used (the configuration file's default).
+    pub retry_concurrency: usize,
+    /// First deliveries per second per partition, nothing failing.
+    pub events_per_s_per_partition: f64,
+    /// The same with 10 % of events failing once.
+    pub failing_events_per_s_per_partition: f64,
+    /// Retries measured for the drain.
+    pub retries: usize,
+    /// Retries completed per second while they drain.
+    pub retry_drain_per_s: f64,
+    /// Due time → retry started, p50 and p99 (ms).
+    pub retry_lateness_ms: (f64, f64),
+}
+
+impl AzureFigures {
+    /// The most first deliveries per second per partition the settings allow.
+    pub fn limit_per_s(&self) -> f64 {
+        self.max_in_flight as f64 / self.handler.as_secs_f64()
+    }
+
+    /// `azure_limit_ratio`.
+    pub fn limit_ratio(&self) -> f64 {
+        self.events_per_s_per_partition / self.limit_per_s()
+    }
+
+    /// `azure_failure_ratio`.
+    pub fn failure_ratio(&self) -> f64 {
+        self.failing_events_per_s_per_partition / self.events_per_s_per_partition
+    }
+
+    /// The most retries per second `retry.concurrency` allows.
+    pub fn retry_limit_per_s(&self) -> f64 {
+        self.retry_concurrency as f64 / self.handler.as_secs_f64()
+    }
+
+    /// `azure_retry_drain_ratio`.
+    pub fn retry_drain_ratio(&self) -> f64 {
+        self.retry_drain_per_s / self.retry_limit_per_s()
+    }
+}
+
+fn options() -> PipelineOptions {
+    PipelineOptions {
+        max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
+        window: crate::config::DEFAULT_WINDOW,
+        retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
+        ordering: OrderingKey::Property("order_id".into()),
+        ..pipelines::bench_options()
+    }
+}
+
+async fn start(partitions: usize, handler: Duration, mix: FailureMix) -> anyhow::Result<Emulators> {
+    Ok(Emulators::start(EmulatorsConfig {
+        hubs: vec![HubSpec::new("bench", partitions)],
+        webhook_port: Some(0),
+        latency: LatencyProfile {
+            webhook: Latency::fixed(handler),
+            ..LatencyProfile::azure()
+        },
+        webhook_failures: mix,
+        ..Default::default()
+    })
+    .await?)
+}
+
+async fn produce_keyed(
+    emulators: &Emulators,
+    partitions: usize,
+    events: usize,
+) -> anyhow::Result<()> {
+    let cs: ConnectionString = emulators
+        .eventhubs
+        .as_ref()
+        .context("event hubs")?
+        .connection_string()
+        .parse()?;
+    let plan = Plan::partition_by_partition("bench", events, partitions);
+    producer::produce(&cs, &plan, |n| {
+        Outgoing::keyed(format!("az-{n}"), vec![b'x'; 1024])
+            .property("order_id", (n % 997).to_string())
+    })
+    .await?;
+    Ok(())
+}
+
+/// First deliveries per second per partition through the webhook handler, with `mix`.
+async fn first_pass(
+    partitions: usize,
+    events: usize,
+    handler: Duration,
+    mix: FailureMix,
+) -> anyhow::Result<f64> {
+    let emulators = start(partitions, handler, mix).await?;
+    produce_keyed(&emulators, partitions, events).await?;
+    let hook = emulators.webhook.as_ref().context("webhook")?;
+    let webhook =
+        crate::handler::webhook::WebhookHandler::new(crate::handler::webhook::WebhookConfig {
+            url: hook.url(),
+            timeout_ms: 5000,
+            conflict_is_permanent: true,
+            ..Default::default()
+        })
+        .map_err(|e| anyhow::anyhow!(e))?;
+    // Retries are due well after the run: the rate is the first pass's.
+    let policy = RetryPolicy {
+        name: "bench".into(),
+        curve: crate::policy::Curve::Fixed,
+        base_s: 600,
+        floor_s: 600,
+        cap_s: 600,
+        max_attempts: 5,
+        max_age_s: None,
+    };
+    let parts = pipelines::parts(&emulators, Arc::new(webhook), policy, options())?;
+    let pipeline = Pipeline::new(parts);
+    let health = pipeline.health();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(pipeline.run(cancel.clone()));
+    let settled = || {
+        let s = health.snapshot();
+        s.delivered + s.retries_scheduled + s.dead_lettered
+    };
+    // From the first settled event to the last: the processor's claim is not counted.
+    let mut first: Option<(Instant, u64)> = None;
+    let mut last = (Instant::now(), 0u64);
+    while last.1 < events as u64 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let n = settled();
+        if n > last.1 {
+            last = (Instant::now(), n);
+            first.get_or_insert(last);
+        } else if last.0.elapsed() > Duration::from_secs(60) {
+            bail!("azure profile stalled at {n} of {events}");
+        }
+    }
+    cancel.cancel();
+    run.await??;
+    emulators.shutdown().await;
+    let (t0, n0) = first.context("nothing settled")?;
+    let secs = last.0.saturating_duration_since(t0).as_secs_f64().max(1e-3);
+    Ok((last.1 - n0) as f64 / secs / partitions as f64)
+}
+
+/// Every event fails once, due 10 s later: how fast the retries drain, and how late.
+async fn retry_drain(
+    partitions: usize,
+    events: usize,
+    handler: Duration,
+) -> anyhow::Result<(f64, (f64, f64))> {
+    let emulators = start(partitions, handler, FailureMix::default()).await?;
+    produce_keyed(&emulators, partitions, events).await?;
+    let bench = Arc::new(BenchHandler::new(handler, 1, true));
+    let policy = RetryPolicy {
+        name: "bench".into(),
+        curve: crate::policy::Curve::Fixed,
+        base_s: 10,
+        floor_s: 10,
+        cap_s: 10,
+        max_attempts: 5,
+        max_age_s: None,
+    };
+    let mut o = options();
+    o.retry_receive_wait = Duration::from_secs(1);
+    let parts = pipelines::parts(&emulators, bench.clone(), policy, o)?;
+    let records = parts.records.clone();
+    let pipeline = Pipeline::new(parts);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(pipeline.run(cancel.clone()));
+    let b = bench.clone();
+    pipelines::wait_progress(
+        "azure retries",
+        || b.delivered.load(Ordering::Relaxed),
+        events as u64,
+    )
+    .await?;
+    cancel.cancel();
+    run.await??;
+    let calls = bench.calls_recorded();
+    // Drain: retries completed ÷ from the first retry's start to the last one's return.
+    let retried: Vec<(SystemTime, SystemTime)> = calls
+        .values()
+        .filter_map(|c| c.iter().find(|c| c.0 == 2).map(|c| (c.1, c.2)))
+        .collect();
+    let start = retried.iter().map(|r| r.0).min().context("no retry ran")?;
+    let end = retried.iter().map(|r| r.1).max().context("no retry ran")?;
+    let secs = end
+        .duration_since(start)
+        .unwrap_or_default()
+        .as_secs_f64()
+        .max(1e-3);
+    let drain = retried.len() as f64 / secs;
+    // Lateness: the ledger's due time → the retry's start.
+    let ledger = Arc::new(crate::ledger::Ledger::new(records, "bench", "$Default"));
+    let started: HashMap<String, SystemTime> = calls
+        .iter()
+        .filter_map(|(k, c)| c.iter().find(|c| c.0 == 2).map(|c| (k.clone(), c.1)))
+        .collect();
+    let mut lateness: Vec<f64> = futures::stream::iter(started)
+        .map(|(key, at)| {
+            let ledger = ledger.clone();
+            async move {
+                let (rec, _) = ledger.get(&key).await.ok()??;
+                let due = rec
+                    .history
+                    .iter()
+                    .find(|h| h.attempt == 1)
+                    .and_then(|h| h.next_attempt_ms)?;
+                Some(pipelines::ms_between(crate::ledger::at(due), at))
+            }
+        })
+        .buffer_unordered(64)
+        .filter_map(|x| async move { x })
+        .collect()
+        .await;
+    emulators.shutdown().await;
+    if lateness.is_empty() {
+        bail!("no retry lateness was measured");
+    }
+    Ok((
+        drain,
+        (
+            pipelines::percentile(&mut lateness, 0.5),
+            pipelines::percentile(&mut lateness, 0.99),
+        ),
+    ))
+}
+
+/// Runs the `azure` profile.
+pub async fn azure(
+    partitions: usize,
+    events: usize,
+    handler: Duration,
+    retries: usize,
+) -> anyhow::Result<AzureFigures> {
+    let none = first_pass(partitions, events, handler, FailureMix::default()).await?;
+    let failing = first_pass(
+        partitions,
+        events,
+        handler,
+        FailureMix {
+            transient: 0.1,
+            times: 1,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let (drain, lateness) = retry_drain(partitions, retries, handler).await?;
+    Ok(AzureFigures {
+        partitions,
+        events,
+        handler,
+        max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
+        retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
+        events_per_s_per_partition: none,
+        failing_events_per_s_per_partition: failing,
+        retries,
+        retry_drain_per_s: drain,
+        retry_lateness_ms: lateness,
+    })
+}
