@@ -77,7 +77,8 @@ pub fn redact_owned(text: String) -> String {
     }
 }
 
-/// Masks every string in a JSON value in place (keys are hubguard's own and stay).
+/// Masks every string in a JSON value in place, object keys included: some maps are keyed
+/// by what others wrote (another deployment's name from a shared queue, a MessageId).
 pub fn redact_json(v: &mut serde_json::Value) {
     match v {
         serde_json::Value::String(s) => {
@@ -86,7 +87,15 @@ pub fn redact_json(v: &mut serde_json::Value) {
             }
         }
         serde_json::Value::Array(a) => a.iter_mut().for_each(redact_json),
-        serde_json::Value::Object(o) => o.values_mut().for_each(redact_json),
+        serde_json::Value::Object(o) => {
+            o.values_mut().for_each(redact_json);
+            if o.keys().any(|k| matches!(redact(k), Cow::Owned(_))) {
+                *o = std::mem::take(o)
+                    .into_iter()
+                    .map(|(k, v)| (redact_owned(k), v))
+                    .collect();
+            }
+        }
         _ => {}
     }
 }
@@ -522,6 +531,30 @@ mod tests {
             assert_eq!(r(s), s);
             assert!(matches!(redact(s), Cow::Borrowed(_)), "{s}");
         }
+    }
+
+    #[test]
+    fn a_json_report_masks_keys_that_others_wrote_as_well_as_values() {
+        let mut v = serde_json::json!({
+            "other_deployments_seen": {
+                "consumer group cg of hub h in sb://admin:Pa55word@ns (deployment 0123456789ab)": 3,
+                "plain": 1,
+            },
+            "reason": "http://u:pw@h/x",
+        });
+        redact_json(&mut v);
+        let text = v.to_string();
+        assert!(
+            !text.contains("Pa55word") && !text.contains(":pw@"),
+            "{text}"
+        );
+        assert_eq!(v["other_deployments_seen"]["plain"], 1, "{text}");
+        assert_eq!(
+            v["other_deployments_seen"]
+                ["consumer group cg of hub h in sb://***@ns (deployment 0123456789ab)"],
+            3,
+            "{text}"
+        );
     }
 
     #[test]

@@ -451,6 +451,10 @@ pub struct Shared {
     consecutive: Mutex<u32>,
     /// New events' calls started and not reported yet ([`Shared::admit_new`]).
     new_in_flight: Mutex<u32>,
+    /// A new event waited at the brink and no new event's call has succeeded since: a
+    /// success of something else (a due retry) then releases only as many new events as
+    /// cannot make a run of failures, not every one that waits.
+    pacing: std::sync::atomic::AtomicBool,
     /// Woken by every success and every change this replica makes to the record.
     succeeded: tokio::sync::Notify,
     recent: Mutex<std::collections::VecDeque<bool>>,
@@ -500,6 +504,7 @@ impl Shared {
             config,
             consecutive: Mutex::new(0),
             new_in_flight: Mutex::new(0),
+            pacing: std::sync::atomic::AtomicBool::new(false),
             succeeded: tokio::sync::Notify::new(),
             recent: Mutex::default(),
             cached: Mutex::new(None),
@@ -608,18 +613,28 @@ impl Shared {
         Admission::Defer(self.clock.now() + Duration::from_millis(self.config.probe_timeout_ms))
     }
 
-    /// Whether a new event's call now could make `consecutive_failures` failures in a row
-    /// (the failures so far plus new events' calls still in flight) on a closed breaker.
-    fn at_brink(&self) -> bool {
+    /// Counts a new event's call in flight unless it could make `consecutive_failures`
+    /// failures in a row (the failures so far plus new events' calls still in flight) on a
+    /// closed breaker; `false` (nothing counted) at the brink. Checked and counted under one
+    /// lock, so of new events released together only as many go as cannot trip it.
+    fn enter_unless_at_brink(&self) -> bool {
         // Closed or half-open (a trial's permits are better spent on work with a chance of
         // success than on new events behind a run of failures); open, the breaker decides.
         let open = self
             .cached()
             .and_then(|r| r.open_until_ms)
             .is_some_and(|u| self.clock.now() < at(u));
+        let mut in_flight = self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
         let consecutive = *self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
-        let in_flight = *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        !open && consecutive > 0 && consecutive + in_flight + 1 >= self.config.consecutive_failures
+        // Behind a run of failures, or pacing since one (a success of a retry resets the run,
+        // while new events, released together, may each fail once more).
+        let run = consecutive > 0 || self.pacing.load(std::sync::atomic::Ordering::SeqCst);
+        let brink =
+            !open && run && consecutive + *in_flight + 1 >= self.config.consecutive_failures;
+        if !brink {
+            *in_flight += 1;
+        }
+        !brink
     }
 
     /// [`admit`](Self::admit) for a new event (a first attempt from a partition): at the brink
@@ -636,15 +651,22 @@ impl Shared {
             let notified = self.succeeded.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if hold.is_zero() || !self.at_brink() {
+            if hold.is_zero() {
+                *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
                 break;
             }
+            if self.enter_unless_at_brink() {
+                break;
+            }
+            self.pacing.store(true, std::sync::atomic::Ordering::SeqCst);
             tokio::select! {
                 _ = notified => {}
-                _ = &mut held => break,
+                _ = &mut held => {
+                    *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+                    break;
+                }
             }
         }
-        *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let admission = self.admit(jitter).await;
         if matches!(admission, Admission::Defer(_)) {
             self.new_call_done();
@@ -663,6 +685,9 @@ impl Shared {
         let r = self.report(success, trial).await;
         self.new_call_done();
         if success {
+            // New events are served again: pacing ends.
+            self.pacing
+                .store(false, std::sync::atomic::Ordering::SeqCst);
             self.succeeded.notify_waiters();
         }
         r
@@ -1111,6 +1136,43 @@ mod tests {
         b.report(true, None).await;
         assert_eq!(waiting.await.unwrap(), Admission::Allow);
         assert_eq!(b.cached().unwrap_or_default().opens, 0, "never opened");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_success_lets_only_as_many_held_new_events_go_as_cannot_trip_the_breaker() {
+        // Several new events wait at the brink at once (partitions, `max_in_flight` > 1).
+        let b = shared(10_000);
+        for _ in 0..2 {
+            b.admit_new(0.0).await;
+            b.report_new(false, None).await;
+        }
+        let waiting: Vec<_> = (0..4)
+            .map(|_| {
+                let b = b.clone();
+                tokio::spawn(async move { b.admit_new(0.0).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(waiting.iter().all(|w| !w.is_finished()), "all held");
+        // A due retry succeeds: one more failure in a row is two away, so two go, not four.
+        assert_eq!(b.admit(0.0).await, Admission::Allow);
+        b.report(true, None).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let gone = waiting.iter().filter(|w| w.is_finished()).count();
+        assert_eq!(gone, 2, "as many as cannot make three failures in a row");
+        // Those two are refused (each new key once): the breaker has not opened, and the
+        // others still wait for a success.
+        for _ in 0..2 {
+            b.report_new(false, None).await;
+        }
+        assert_eq!(b.cached().unwrap_or_default().opens, 0, "never opened");
+        assert_eq!(waiting.iter().filter(|w| w.is_finished()).count(), 2);
+        // Another success: the other two go.
+        b.admit(0.0).await;
+        b.report(true, None).await;
+        for w in waiting {
+            assert_eq!(w.await.unwrap(), Admission::Allow);
+        }
     }
 
     #[tokio::test(start_paused = true)]

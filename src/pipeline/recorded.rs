@@ -32,6 +32,12 @@
 //!    the writes) created by case 1.
 //! 3. An operator's `dead-letters replay`: an explicit request to deliver the event again,
 //!    which it then does.
+//! 4. A retry whose record was removed by hand, its record rebuilt from the event read back
+//!    from Event Hubs (`Settler::rebuild_missing`). The removal already erased what the
+//!    ledger knew: a replay of `E` delivered while the record is missing has nothing to
+//!    settle, and one delivered after the rebuild by a task whose listing predates it skips
+//!    the ledger; either way the rebuilt retry then runs once more — a duplicate of the same
+//!    kind, never a loss, and only after a record was removed by hand.
 //!
 //! The overdue sweep, deferrals and rescues only move records that are already
 //! RETRY_SCHEDULED, and stop at a final one, so none of them can resurrect a delivery recorded

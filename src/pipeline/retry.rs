@@ -799,15 +799,34 @@ async fn process(
             .unwrap_or(0u32);
         let raw = msg.body.clone();
         let seq = msg.sequence_number;
+        // A hand-back Service Bus refuses for what it is (a MessageId past 128 characters
+        // from a deployment id no hubguard writes, say) would be refused for ever: it does not
+        // hold the message. Abandoned, it reaches the queue's dead-letter sub-queue at its
+        // MaxDeliveryCount, where its own deployment's sweep takes it back ("Overview of
+        // Service Bus dead-letter queues", https://learn.microsoft.com/azure/service-bus-messaging/service-bus-dead-letter-queues).
         let forwarded = holding(
             &mut msg,
             key,
             shared,
             cancel,
             "handing another deployment's retry back to the queue",
-            || shared.settler.forward(&raw, &body, &theirs, seq, forwards),
+            || async {
+                match shared
+                    .settler
+                    .forward(&raw, &body, &theirs, seq, forwards)
+                    .await
+                {
+                    Err(e) if e.is_refusal_of_request() => Ok(Err(e)),
+                    other => other.map(Ok),
+                }
+            },
         )
         .await;
+        if let Some(Err(e)) = &forwarded {
+            tracing::error!(key = %key, deployment = %theirs, error = %e, "Service Bus refused to take another deployment's retry back for what the message is; abandoning it, so Service Bus dead-letters it at the queue's MaxDeliveryCount and its deployment's sweep takes it from there");
+            settle_message(&msg, false).await;
+            return;
+        }
         if forwarded.is_some() {
             shared.observe.count_forwarded();
             shared.health.saw_foreign(&theirs.to_string());

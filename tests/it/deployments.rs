@@ -408,3 +408,90 @@ async fn an_older_retry_service_bus_dead_lettered_without_its_record_is_reported
     assert_eq!(run.health.snapshot().records_missing, 1);
     run.stop().await;
 }
+
+/// A retry of another deployment names that deployment as its message says, and what its
+/// message says is not this one's to trust: `/v1/status` lists it under
+/// `other_deployments_seen` with any credential masked (the map is keyed by the name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_deployments_name_in_the_status_report_passes_the_redaction_rule() {
+    use hubguard::emulator::servicebus::broker::NewMessage;
+    let bed = Bed::start(1).await;
+    let q = bed.sb.queue("retries").unwrap();
+    let secret = "Forw4rdedPa55word";
+    let body = serde_json::json!({
+        "v": 2, "attempt": 2, "due_ms": 0, "key": "theirs", "traceparents": [],
+        "deployment": {
+            "id": "0123456789ab",
+            "namespace": format!("sb://admin:{secret}@elsewhere.example"),
+            "hub": "hub",
+            "consumer_group": "cg9",
+        },
+    });
+    q.send(
+        NewMessage {
+            message_id: Some("0123456789ab.theirs-attempt-2".into()),
+            body: body.to_string().into_bytes(),
+            ..Default::default()
+        },
+        bed.clock().now(),
+    )
+    .unwrap();
+    let run = Bed::run(bed.parts(Arc::new(Scripted::default()), fast_policy(5), "a"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let router = hubguard::status::router(run.health.clone(), bed.ledger(), None);
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    wait_for("handed back", &run.health, LIMIT, || async {
+        run.health.snapshot().forwarded >= 1
+    })
+    .await;
+    let (code, report) = http_get(&addr, "/v1/status").await;
+    run.stop().await;
+    assert!(code == 200 || code == 503, "{code} {report}");
+    assert!(!report.contains(secret), "{report}");
+    assert!(
+        report.contains("consumer group cg9 of hub hub in sb://***@elsewhere.example"),
+        "the other deployment is still named: {report}"
+    );
+}
+
+/// A retry of another deployment that Service Bus refuses to take back for what it is (here
+/// a deployment id no hubguard writes, making the hand-back's MessageId longer than the 128
+/// characters Service Bus allows) is not held for ever: abandoned, it reaches the queue's
+/// dead-letter sub-queue, and readiness says nothing is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_deployments_retry_service_bus_refuses_to_take_back_is_not_held_for_ever() {
+    use hubguard::emulator::servicebus::broker::NewMessage;
+    let mut queue = QueueSpec::new("retries");
+    queue.max_delivery_count = 1;
+    let bed = Bed::start_with_queue(1, queue).await;
+    let q = bed.sb.queue("retries").unwrap();
+    let id = "f".repeat(120);
+    let body = serde_json::json!({
+        "v": 2, "attempt": 2, "due_ms": 0, "key": "theirs", "traceparents": [],
+        "deployment": { "id": id, "namespace": "elsewhere", "hub": "hub", "consumer_group": "cg9" },
+    });
+    q.send(
+        NewMessage {
+            message_id: Some("theirs-attempt-2".into()),
+            body: body.to_string().into_bytes(),
+            ..Default::default()
+        },
+        bed.clock().now(),
+    )
+    .unwrap();
+    let run = Bed::run(bed.parts(Arc::new(Scripted::default()), fast_policy(5), "a"));
+    wait_for(
+        "in the dead-letter sub-queue, nothing held",
+        &run.health,
+        LIMIT,
+        || async {
+            bed.sb.counters("retries").unwrap().dead_lettered == 1
+                && run.health.held_retries().is_empty()
+                && run.health.ready()
+        },
+    )
+    .await;
+    assert_eq!(run.health.snapshot().forwarded, 0);
+    run.stop().await;
+}
