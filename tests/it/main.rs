@@ -13,6 +13,7 @@ mod demo;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
+mod handover;
 mod interop;
 mod limits;
 mod operable;
