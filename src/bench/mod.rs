@@ -267,10 +267,7 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             if r.handover { "handover" } else { "sdk" }
         );
         fields.push(format!("\"{name}_duplicates\":{}", r.duplicates));
-        fields.push(format!(
-            "\"{name}_duplicate_pct\":{:.2}",
-            r.duplicate_pct()
-        ));
+        fields.push(format!("\"{name}_duplicate_pct\":{:.2}", r.duplicate_pct()));
         fields.push(format!("\"{name}_moves\":{}", r.moves));
         fields.push(format!("\"{name}_max_unread_ms\":{}", r.max_unread_ms));
     }

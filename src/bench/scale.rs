@@ -203,7 +203,11 @@ impl Scenario {
     }
 
     /// Samples until `done` holds (bounded: 120 s, or 30 s without progress).
-    async fn until(&mut self, what: &str, mut done: impl FnMut(&Self) -> bool) -> anyhow::Result<()> {
+    async fn until(
+        &mut self,
+        what: &str,
+        mut done: impl FnMut(&Self) -> bool,
+    ) -> anyhow::Result<()> {
         let started = Instant::now();
         let mut last = (self.handler.distinct(), Instant::now());
         while !done(self) {

@@ -64,8 +64,9 @@ struct FenceState {
     theirs: HashMap<String, (String, Instant)>,
     /// partition → the replica this one is handing it over to.
     giving: HashMap<String, String>,
-    /// Partitions with a partition task reading them.
-    reading: HashSet<String>,
+    /// Partitions with a partition task reading them, and what tells that task to stop
+    /// reading (and finish what it holds).
+    reading: HashMap<String, tokio_util::sync::CancellationToken>,
     /// A graceful stop is under way: claim nothing new.
     stopping: bool,
 }
@@ -196,6 +197,8 @@ impl FencedCheckpointStore {
         let held: Vec<Ownership> = {
             let mut st = self.state();
             st.claimed.clear();
+            st.giving.clear();
+            st.reading.clear();
             st.held.drain().map(|(_, o)| o).collect()
         };
         for o in held {
@@ -220,20 +223,31 @@ impl FencedCheckpointStore {
         }
     }
 
-    /// A graceful stop begins: claim nothing new, keep renewing the partitions still being
-    /// finished (hidden from the processor), and release each once its task has ended.
+    /// The processor is being torn down (a graceful stop, or a rebuild after a failure):
+    /// claim nothing new, keep renewing the partitions still being finished (hidden from the
+    /// processor), and release each once its task has ended.
     pub(super) fn stop_claiming(&self) {
         self.state().stopping = true;
     }
 
+    /// A new processor starts (the first, or one rebuilt after a failure): claim again.
+    pub(super) fn resume_claiming(&self) {
+        self.state().stopping = false;
+    }
+
     /// A partition task is about to read `partition`: `false` if it must not (the partition
     /// is being handed over, was handed over meanwhile, or the replica is stopping).
-    pub(super) fn partition_started(&self, partition: &str) -> bool {
+    /// `stop_reading` tells the task to stop reading and finish (a handover).
+    pub(super) fn partition_started(
+        &self,
+        partition: &str,
+        stop_reading: tokio_util::sync::CancellationToken,
+    ) -> bool {
         let mut st = self.state();
         if st.stopping || st.giving.contains_key(partition) || !st.claimed.contains_key(partition) {
             return false;
         }
-        st.reading.insert(partition.to_string());
+        st.reading.insert(partition.to_string(), stop_reading);
         true
     }
 
@@ -377,23 +391,22 @@ impl FencedCheckpointStore {
         if steals.is_empty() {
             return pass;
         }
-        // Requests still pending for partitions this cycle does not name count against what
-        // it wants: one request per partition the processor would steal, not one per cycle.
-        let pending_elsewhere = {
+        // Requests still pending count against what this cycle wants (the processor picks
+        // the partitions to steal at random each cycle): one request per partition it would
+        // steal, not one per cycle.
+        let pending = {
             let st = self.state();
             st.asking
                 .iter()
                 .filter(|(p, (owner, _))| {
-                    !steals.iter().any(|(o, _)| &o.partition_id == *p)
-                        && st
-                            .listing
-                            .get(*p)
-                            .and_then(|l| self.live_other(l, now))
-                            .is_some_and(|o| &o == owner)
+                    st.listing
+                        .get(*p)
+                        .and_then(|l| self.live_other(l, now))
+                        .is_some_and(|o| &o == owner)
                 })
                 .count()
         };
-        let mut budget = steals.len().saturating_sub(pending_elsewhere);
+        let mut budget = steals.len().saturating_sub(pending);
         for (o, owner) in steals {
             let p = o.partition_id.clone();
             let asked = self
@@ -498,7 +511,11 @@ impl FencedCheckpointStore {
             if let Err(e) = h.acknowledge(&r, &etag).await {
                 tracing::debug!(partition = %r.partition, error = %e, "handover request not acknowledged");
             }
-            self.state().giving.insert(r.partition, r.asker);
+            let mut st = self.state();
+            if let Some(stop) = st.reading.get(&r.partition) {
+                stop.cancel();
+            }
+            st.giving.insert(r.partition, r.asker);
         }
     }
 
@@ -600,7 +617,7 @@ impl CheckpointStore for FencedCheckpointStore {
                         let st = self.state();
                         ownerships
                             .iter()
-                            .filter(|o| st.reading.contains(&o.partition_id))
+                            .filter(|o| st.reading.contains_key(&o.partition_id))
                             .cloned()
                             .collect()
                     };
@@ -672,7 +689,7 @@ impl CheckpointStore for FencedCheckpointStore {
             let hand_now: Vec<String> = st
                 .giving
                 .keys()
-                .filter(|p| !st.reading.contains(*p))
+                .filter(|p| !st.reading.contains_key(*p))
                 .cloned()
                 .collect();
             let got: Vec<String> = shown
@@ -980,7 +997,10 @@ mod tests {
             with_handovers(&inner, &records, "b"),
         );
         assert_eq!(cycle(&a, &[("0", ""), ("1", "")]).await, vec!["0", "1"]);
-        assert!(a.partition_started("1"), "a reads partition 1");
+        assert!(
+            a.partition_started("1", tokio_util::sync::CancellationToken::new()),
+            "a reads partition 1"
+        );
         // b asks for partition 0; a never looks (a silent owner: its ownership is renewed
         // by whatever runs it, as a hung processor's would be).
         assert!(cycle(&b, &[("0", "")]).await.is_empty());

@@ -24,6 +24,14 @@
 //! asker at a time: a second asker leaves a fresh request alone. Everything other
 //! processors and KEDA read — the checkpoint and ownership blobs — keeps the official
 //! layout; the requests are hubguard's own records.
+//!
+//! Sources: how the processors balance and steal,
+//! <https://learn.microsoft.com/en-us/azure/event-hubs/event-processor-balance-partition-load>;
+//! the conditional ownership write, Set Blob Metadata with `If-Match`,
+//! <https://learn.microsoft.com/en-us/rest/api/storageservices/set-blob-metadata> and
+//! <https://learn.microsoft.com/en-us/rest/api/storageservices/specifying-conditional-headers-for-blob-service-operations>;
+//! the same idea in Kafka (incremental cooperative rebalancing),
+//! <https://cwiki.apache.org/confluence/display/KAFKA/KIP-429%3A+Kafka+Consumer+Incremental+Rebalance+Protocol>.
 
 use std::sync::Arc;
 

@@ -576,6 +576,7 @@ async fn run_processor(
         })?
         .map_err(|e| format!("reading the hub's properties at {endpoint}: {e}"))?;
     checkpoints.set_partitions(properties.partition_ids);
+    checkpoints.resume_claiming();
     let location = if o.start_at_latest {
         StartLocation::Latest
     } else {
@@ -642,7 +643,8 @@ async fn run_processor(
             pc = processor.next_partition_client() => match pc {
                 Ok(pc) => {
                     let pid = pc.get_partition_id().to_string();
-                    if !checkpoints.partition_started(&pid) {
+                    let stop_reading = partitions.child_token();
+                    if !checkpoints.partition_started(&pid, stop_reading.clone()) {
                         // Handed over (or stopping) since the processor dispatched it.
                         if let Ok(pc) = Arc::try_unwrap(pc) {
                             let _ = tokio::time::timeout(o.deadline, pc.close()).await;
@@ -652,7 +654,7 @@ async fn run_processor(
                     let (shared, cancel, tx) = (shared.clone(), partitions.clone(), ended_tx.clone());
                     let checkpoints = checkpoints.clone();
                     tasks.push(tokio::task::spawn_local(async move {
-                        let ended = partition::run(pc, shared, cancel).await;
+                        let ended = partition::run(pc, shared, cancel, stop_reading).await;
                         checkpoints.partition_ended(&pid).await;
                         let _ = tx.send(ended);
                     }));

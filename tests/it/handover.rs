@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use hubguard::event::Event;
 use hubguard::handler::{Attempt, Handler, Outcome};
 
+use crate::common::within;
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(90);
@@ -59,8 +60,7 @@ async fn backlog(bed: &Bed, partitions: usize, per: usize, tag: &str) -> Vec<Str
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_joining_under_load_is_handed_its_share_with_nothing_lost_and_nothing_replayed(
-) {
+async fn a_replica_joining_under_load_is_handed_its_share_with_nothing_lost_and_nothing_replayed() {
     let bed = Bed::start(4).await;
     let keys = backlog(&bed, 4, 300, "j").await;
     let (ha, hb) = (slow(4), slow(4));
@@ -138,9 +138,12 @@ async fn a_handover_during_a_service_bus_outage_waits_for_the_held_event_and_ski
     })
     .await;
     for p in ["0", "1"] {
-        wait_for("the checkpoint before the held event", &a.health, LIMIT, || async {
-            bed.checkpoint_of(p).await == Some(1)
-        })
+        wait_for(
+            "the checkpoint before the held event",
+            &a.health,
+            LIMIT,
+            || async { bed.checkpoint_of(p).await == Some(1) },
+        )
         .await;
     }
     // b joins and asks for one of them; a answers: it stops reading and waits for the
@@ -165,21 +168,33 @@ async fn a_handover_during_a_service_bus_outage_waits_for_the_held_event_and_ski
     // Longer than an ownership expiration (3 s) and several cycles: the handover waits, the
     // checkpoint stays before the held event, b reads nothing of that partition.
     let watch_until = tokio::time::Instant::now() + Duration::from_secs(5);
-    wait_for("an ownership expiration of waiting", &a.health, LIMIT, || async {
-        assert_eq!(bed.checkpoint_of(&asked).await, Some(1), "never past the held event");
-        assert!(
-            !b.health.owned().contains_key(&asked),
-            "b does not read the partition while a finishes it"
-        );
-        tokio::time::Instant::now() >= watch_until
-    })
+    wait_for(
+        "an ownership expiration of waiting",
+        &a.health,
+        LIMIT,
+        || async {
+            assert_eq!(
+                bed.checkpoint_of(&asked).await,
+                Some(1),
+                "never past the held event"
+            );
+            assert!(
+                !b.health.owned().contains_key(&asked),
+                "b does not read the partition while a finishes it"
+            );
+            tokio::time::Instant::now() >= watch_until
+        },
+    )
     .await;
     // Service Bus is back: the held event settles (its retry scheduled), a checkpoints
     // past it and writes the ownership over; b reads on from there.
     bed.sb.faults().clear();
-    wait_for("b owns the partition it asked for", &b.health, LIMIT, || async {
-        b.health.owned().contains_key(&asked)
-    })
+    wait_for(
+        "b owns the partition it asked for",
+        &b.health,
+        LIMIT,
+        || async { b.health.owned().contains_key(&asked) },
+    )
     .await;
     wait_for("every event delivered", &a.health, LIMIT, || async {
         let mut d = ha.inner.delivered_keys();
@@ -234,4 +249,81 @@ async fn a_replica_stopping_gracefully_hands_its_partitions_over_without_waiting
     all.extend(hb.inner.delivered.lock().unwrap().iter().cloned());
     assert_eq!(duplicates(&all), Vec::<String>::new(), "no event twice");
     assert_eq!(all.len(), keys.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_never_answers_the_request_loses_the_partition_at_expiry() {
+    use azure_messaging_eventhubs::models::Ownership;
+    let bed = Bed::start(2).await;
+    // A live owner that does not speak the handover (another SDK's processor, a hung one):
+    // it renews both ownerships every 0.5 s and never reads requests.
+    let store = bed.checkpoint_store();
+    let mut held: Vec<Ownership> = (0..2)
+        .map(|p| Ownership {
+            fully_qualified_namespace: bed.cs.host.clone(),
+            event_hub_name: "hub".into(),
+            consumer_group: "$Default".into(),
+            partition_id: p.to_string(),
+            owner_id: Some("silent".into()),
+            ..Default::default()
+        })
+        .collect();
+    held = store.claim_ownership(&held).await.unwrap();
+    assert_eq!(held.len(), 2);
+    let (renewing, stop) = (store.clone(), tokio_util::sync::CancellationToken::new());
+    let stopped = stop.clone();
+    let silent = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tokio::select! {
+                _ = stopped.cancelled() => break,
+                _ = tick.tick() => {
+                    // A lost renewal (412) leaves the partition out: it was taken.
+                    held = renewing.claim_ownership(&held).await.unwrap();
+                }
+            }
+        }
+        held
+    });
+
+    let ha = slow(0);
+    let a = Bed::run(bed.parts(ha.clone(), fast_policy(5), "replica-a"));
+    let records = bed.records();
+    let asked_for = std::sync::Mutex::new(None::<String>);
+    wait_for("a asks for a partition", &a.health, LIMIT, || async {
+        let listed = records.list("handovers/hub/$default/").await.unwrap();
+        *asked_for.lock().unwrap() = listed
+            .first()
+            .and_then(|l| l.key.rsplit('/').next().map(str::to_string));
+        !listed.is_empty()
+    })
+    .await;
+    let asked_at = tokio::time::Instant::now();
+    let asked_for = asked_for.into_inner().unwrap().unwrap();
+    assert!(a.health.owned().is_empty(), "asked, not stolen");
+    wait_for("a takes the partition", &a.health, LIMIT, || async {
+        a.health.owned().contains_key(&asked_for)
+    })
+    .await;
+    let waited = asked_at.elapsed();
+    // The ownership expiration of the bed is 3 s, the load-balancing interval 0.5 s.
+    assert!(
+        waited >= Duration::from_millis(2500) && waited < Duration::from_secs(6),
+        "taken after the expiration, not before and not much later: {waited:?}"
+    );
+    let owners = store
+        .list_ownerships(&bed.cs.host, "hub", "$Default")
+        .await
+        .unwrap();
+    for o in owners {
+        let expected = if o.partition_id == asked_for {
+            "replica-a"
+        } else {
+            "silent"
+        };
+        assert_eq!(o.owner_id.as_deref(), Some(expected), "{o:?}");
+    }
+    stop.cancel();
+    within("the silent owner stops", silent).await.unwrap();
+    a.stop().await;
 }
