@@ -24,6 +24,7 @@ use crate::handler::webhook::WebhookHandler;
 use crate::ledger::Ledger;
 use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::Pipeline;
+use crate::redact::{redact, redacted};
 use crate::wiring::{StorageAccess, Wiring};
 use tokio_util::sync::CancellationToken;
 
@@ -34,8 +35,8 @@ pub const EXIT_OK: u8 = 0;
 pub const EXIT_FAILURE: u8 = 1;
 /// The command line is wrong (clap's code for usage errors).
 pub const EXIT_USAGE: u8 = 2;
-/// `hubguard status KEY`: the ledger has no record of the key (the event never failed, or
-/// was never read).
+/// `hubguard status KEY`: the ledger has no record of the key (delivered on its first
+/// attempt, or never seen: hubguard cannot tell which).
 pub const EXIT_UNKNOWN_KEY: u8 = 3;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
@@ -276,8 +277,33 @@ fn generated(command: &Command) -> Option<anyhow::Result<()>> {
     }
 }
 
+/// A panic's message reaches stderr without the log layer (the handler's panics are caught,
+/// but the hook prints them first): it passes the redaction rule too.
+fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "Box<dyn Any>".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}:{}", l.file(), l.line(), l.column()))
+            .unwrap_or_default();
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("<unnamed>");
+        eprintln!("thread '{name}' panicked{at}:\n{}", redact(&message));
+        let trace = std::backtrace::Backtrace::capture();
+        if trace.status() == std::backtrace::BacktraceStatus::Captured {
+            eprintln!("{}", redact(&trace.to_string()));
+        }
+    }));
+}
+
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    install_panic_hook();
     let cli = Cli::parse();
     if let Some(done) = generated(&cli.command) {
         return match done {
@@ -324,12 +350,12 @@ pub fn main() -> ExitCode {
                 .unwrap_or_default();
             eprintln!(
                 "{}",
-                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": format!("{e:#}"), "fields": {}})
+                serde_json::json!({"time": now, "level": "ERROR", "target": "hubguard", "message": redacted(&format!("{e:#}")), "fields": {}})
             );
             ExitCode::from(EXIT_FAILURE)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", redact(&format!("{e:#}")));
             ExitCode::from(EXIT_FAILURE)
         }
     }
@@ -530,7 +556,7 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         }
         None => {
             println!(
-                "key:   {}\nstate: UNKNOWN — the ledger has no record: the event never failed (delivered on its first attempt), or was never read",
+                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
                 args.key
             );
             return Ok(EXIT_UNKNOWN_KEY);
@@ -586,7 +612,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                             .map(|r| r.to_string())
                             .unwrap_or_default(),
                         rec.attempts,
-                        rec.last_error.unwrap_or_default().escape_debug(),
+                        redact(&rec.last_error.unwrap_or_default()).escape_debug(),
                         rec.event.partition_id,
                         rec.event.sequence_number
                     ),
@@ -600,12 +626,12 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                         if json {
                             println!(
                                 "{}",
-                                serde_json::json!({ "key": key, "error": e.to_string() })
+                                serde_json::json!({ "key": key, "error": redacted(&e.to_string()) })
                             );
                         } else {
                             println!(
                                 "{shown}\t(cannot be read: {})",
-                                e.to_string().escape_debug()
+                                redact(&e.to_string()).escape_debug()
                             );
                         }
                     }
@@ -631,7 +657,8 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     by_type: config.policy.types.clone(),
                 },
             )
-            .with_dead_letters(wiring.dead_letter_destination()?);
+            .with_dead_letters(wiring.dead_letter_destination()?)
+            .with_deployment(wiring.deployment());
             let keys = if all {
                 ledger.dead_letter_keys().await?
             } else {
@@ -649,7 +676,10 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
                     Err(e) => {
                         failed += 1;
-                        println!("{shown}: not replayed: {}", e.to_string().escape_debug());
+                        println!(
+                            "{shown}: not replayed: {}",
+                            redact(&e.to_string()).escape_debug()
+                        );
                     }
                 }
             }

@@ -84,6 +84,52 @@ fn invalid(key: impl Into<String>, message: impl std::fmt::Display) -> ConfigErr
     }
 }
 
+/// A Service Bus entity name as Service Bus compares it: entity names are case-insensitive
+/// ("Resource and resource group names are case-insensitive unless specifically noted …
+/// Always perform a case-insensitive comparison of names",
+/// <https://learn.microsoft.com/azure/azure-resource-manager/management/resource-name-rules#microsoftservicebus>),
+/// and a path's leading or trailing `/` names the same entity.
+fn entity_key(name: &str) -> String {
+    name.trim().trim_matches('/').to_ascii_lowercase()
+}
+
+/// `dead_letters.queue` must be another queue than the retry queue, compared as Service Bus
+/// compares entity names: not `servicebus.queue` in any case, not its `$DeadLetterQueue`
+/// sub-queue (which Service Bus fills itself and nobody may send to), and not an address
+/// (the queue lives in the `[servicebus]` namespace; an address could spell that namespace
+/// differently — host names are case-insensitive — and still be the retry queue).
+fn dead_letter_queue_is_not_the_retry_queue(dead: &str, retry: &str) -> Result<(), ConfigError> {
+    let key = "dead_letters.queue";
+    let (d, r) = (entity_key(dead), entity_key(retry));
+    if d.is_empty() {
+        return Err(invalid(
+            key,
+            "dead_letters.queue must name a queue (it is empty)",
+        ));
+    }
+    if d.contains("://") {
+        return Err(invalid(key, format!(
+            "dead_letters.queue ({dead:?}) must be a queue name in the [servicebus] namespace, not an address"
+        )));
+    }
+    if d == r {
+        return Err(invalid(key, format!(
+            "dead_letters.queue ({dead:?}) is servicebus.queue ({retry:?}): Service Bus entity names are case-insensitive; name a queue other than the retry queue"
+        )));
+    }
+    if d.ends_with("/$deadletterqueue") || d.contains("$") {
+        let whose = if d.strip_suffix("/$deadletterqueue") == Some(r.as_str()) {
+            format!("the dead-letter sub-queue of servicebus.queue ({retry:?})")
+        } else {
+            "a Service Bus system sub-queue".to_string()
+        };
+        return Err(invalid(key, format!(
+            "dead_letters.queue ({dead:?}) is {whose}: Service Bus fills it itself and nothing may be sent to it; name a queue of its own"
+        )));
+    }
+    Ok(())
+}
+
 /// Which Entra ID credential to use where no connection string is given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -176,15 +222,10 @@ fn redact_connection_string(cs: &str) -> String {
     }
 }
 
-/// A URL for display: without its query (a SAS is a secret).
+/// A URL for display: its userinfo and query values masked ([`crate::redact`]).
 fn redact_url(u: &str) -> String {
     match url::Url::parse(u) {
-        Ok(mut u) => {
-            if u.query().is_some() {
-                u.set_query(Some("<redacted>"));
-            }
-            u.to_string()
-        }
+        Ok(u) => crate::redact::redacted(u.as_str()),
         Err(_) => "<unparsable, redacted>".into(),
     }
 }
@@ -666,6 +707,11 @@ impl Config {
             (Some(cs), None, None) => {
                 cs.parse::<ConnectionString>().map_err(|e| invalid("eventhubs.connection_string", format!("eventhubs.connection_string: {e}")))?;
             }
+            // A host name: a user name or password has no place in it, and would be shown
+            // wherever the namespace is named.
+            (None, Some(ns), Some(_)) if ns.contains('@') => {
+                return Err(invalid("eventhubs.namespace", "eventhubs.namespace must be the namespace's host name (myns.servicebus.windows.net), without a user name or password"));
+            }
             (None, Some(_), Some(_)) => {}
             _ => {
                 return Err(invalid("eventhubs", 
@@ -697,6 +743,15 @@ impl Config {
                 format!("storage.container_url is not a URL: {e}"),
             )
         })?;
+        // Azure Storage authorizes a request by Shared Key, a SAS in the query, Entra ID or
+        // anonymous read access — never by a user name and password in the URL
+        // (https://learn.microsoft.com/en-us/rest/api/storageservices/authorize-requests-to-azure-storage).
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(invalid(
+                "storage.container_url",
+                "storage.container_url must not carry a user name or password (Azure Storage takes a SAS in the query, or storage.credential)",
+            ));
+        }
         if !matches!(url.scheme(), "http" | "https") {
             return Err(invalid(
                 "storage.container_url",
@@ -823,6 +878,11 @@ impl Config {
         {
             return Err(invalid("breaker", "breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
         }
+        if self.breaker.enabled {
+            self.breaker
+                .validate()
+                .map_err(|(key, message)| invalid(key, message))?;
+        }
         if self.breaker.enabled
             && Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
                 >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
@@ -833,12 +893,7 @@ impl Config {
             )));
         }
         if let Some(d) = &self.dead_letters {
-            if d.queue.trim().is_empty() || d.queue == self.servicebus.queue {
-                return Err(invalid(
-                    "dead_letters.queue",
-                    "dead_letters.queue must name a queue other than servicebus.queue",
-                ));
-            }
+            dead_letter_queue_is_not_the_retry_queue(&d.queue, &self.servicebus.queue)?;
             if !(1..=102_400).contains(&d.max_message_kb) {
                 return Err(invalid("dead_letters.max_message_kb", format!(
                     "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
@@ -943,6 +998,42 @@ url = "http://127.0.0.1:9000/events"
         let c = Config::parse(include_str!("../hubguard.example.toml"), none()).unwrap();
         assert_eq!(c.eventhubs.hub, "hub");
         assert!(c.policy.types.contains_key("order.created"));
+    }
+
+    #[test]
+    fn the_dead_letter_queue_is_never_the_retry_queue_as_service_bus_compares_names() {
+        let with = |retry: &str, dead: &str| {
+            Config::parse(
+                &format!(
+                    "{}[dead_letters]\nqueue = {dead:?}\n",
+                    BASE.replace("[storage]", &format!("queue = {retry:?}\n[storage]"))
+                ),
+                none(),
+            )
+        };
+        // Different queues are fine, in any case.
+        assert!(with("retries", "Dead-Letters").is_ok());
+        assert!(with("orders/retries", "orders/dead-letters").is_ok());
+        for (retry, dead) in [
+            ("retries", "RETRIES"),
+            ("Retries", "retries"),
+            ("retries", " retries "),
+            ("retries", "/retries/"),
+            ("retries", "retries/$DeadLetterQueue"),
+            ("retries", "RETRIES/$deadletterqueue"),
+            ("orders/retries", "Orders/Retries/$DeadLetterQueue"),
+            ("retries", "other/$DeadLetterQueue"),
+            ("retries", "sb://NS.servicebus.windows.net/retries"),
+            ("retries", ""),
+        ] {
+            let e = with(retry, dead).unwrap_err();
+            let ConfigError::Invalid { key, message } = &e else {
+                panic!("{retry} / {dead}: {e}")
+            };
+            assert_eq!(key, "dead_letters.queue", "{retry} / {dead}: {e}");
+            assert!(message.contains("dead_letters.queue"), "{message}");
+            assert!(!message.contains("TOPSECRET"), "{message}");
+        }
     }
 
     #[test]

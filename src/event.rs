@@ -251,6 +251,66 @@ impl Event {
     }
 }
 
+/// Who a deployment is: one consumer group of one hub in one namespace. Its messages and
+/// records carry it, so deployments that share a retry queue, a dead-letter queue or a
+/// container never run or drop each other's work ("Deployments never meet").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deployment {
+    /// A short, stable digest of the three names (see [`Deployment::new`]): what MessageIds
+    /// carry.
+    pub id: String,
+    /// The Event Hubs namespace (the endpoint's host).
+    pub namespace: String,
+    /// The hub.
+    pub hub: String,
+    /// The consumer group.
+    pub consumer_group: String,
+}
+
+/// Hex digits of a deployment id (48 bits of SHA-256: a collision between two deployments
+/// that share one queue is a one-in-10^14 chance).
+pub const DEPLOYMENT_ID_LEN: usize = 12;
+
+impl Deployment {
+    /// The deployment of `consumer_group` of `hub` in `namespace`. Its id is the first
+    /// [`DEPLOYMENT_ID_LEN`] hex digits of the SHA-256 of the three names, lower-cased:
+    /// Event Hubs compares entity and consumer group names without case, and the official
+    /// checkpoint stores lower-case them too.
+    pub fn new(namespace: &str, hub: &str, consumer_group: &str) -> Self {
+        use sha2::Digest as _;
+        let digest = sha2::Sha256::digest(
+            format!(
+                "{}\n{}\n{}",
+                namespace.to_ascii_lowercase(),
+                hub.to_ascii_lowercase(),
+                consumer_group.to_ascii_lowercase()
+            )
+            .as_bytes(),
+        );
+        let id: String = digest
+            .iter()
+            .take(DEPLOYMENT_ID_LEN / 2)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Self {
+            id,
+            namespace: namespace.to_string(),
+            hub: hub.to_string(),
+            consumer_group: consumer_group.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Deployment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "consumer group {} of hub {} in {} (deployment {})",
+            self.consumer_group, self.hub, self.namespace, self.id
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -31,6 +31,8 @@
 //!   name in [`telemetry::names`], the gauges beside them ([`telemetry::gauges`]).
 //! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
+//! - [`redact`]: the one rule masking credentials (URL userinfo, SAS signatures, keys,
+//!   tokens) in every text that leaves the process.
 //! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
 //! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines; in-memory twins
@@ -71,6 +73,7 @@ pub mod handler;
 pub mod ledger;
 pub mod pipeline;
 pub mod policy;
+pub mod redact;
 pub mod status;
 pub mod telemetry;
 pub mod wiring;

@@ -22,6 +22,7 @@ use serde_json::json;
 
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
+use crate::redact::{redact, redact_json, redacted};
 
 /// RFC 3339 with milliseconds.
 pub use crate::clock::rfc3339;
@@ -36,7 +37,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
         "attempts": rec.attempts,
         "max_attempts": rec.policy.max_attempts + rec.attempt_base,
         "next_attempt_at": rec.next_attempt_ms.map(|m| rfc3339(at(m))),
-        "last_error": rec.last_error,
+        "last_error": rec.last_error.as_deref().map(redacted),
         "dead_letter_reason": rec.dead_letter_reason,
         "policy": rec.policy.name,
         "first_failure_at": rfc3339(at(rec.first_failure_ms)),
@@ -49,8 +50,9 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
             "started_at": rfc3339(at(h.started_ms)),
             "finished_at": rfc3339(at(h.finished_ms)),
             "outcome": h.outcome,
-            "error": h.error,
+            "error": h.error.as_deref().map(redacted),
             "next_attempt_at": h.next_attempt_ms.map(|m| rfc3339(at(m))),
+            "retry_after_capped_from_s": h.retry_after_capped_from_s,
             "trace_id": h.trace_id,
         })).collect::<Vec<_>>(),
     })
@@ -79,7 +81,7 @@ pub fn record_text(rec: &LedgerRecord) -> String {
         out.push_str(&format!("dead-lettered:   {r}\n"));
     }
     if let Some(e) = &rec.last_error {
-        out.push_str(&format!("last error:      {e}\n"));
+        out.push_str(&format!("last error:      {}\n", redact(e)));
     }
     out.push_str(&format!("correlation id:  {}\n", rec.correlation_id));
     if let Some(t) = &rec.event_type {
@@ -96,10 +98,13 @@ pub fn record_text(rec: &LedgerRecord) -> String {
             h.attempt,
             rfc3339(at(h.started_ms)),
             h.outcome,
-            h.error.as_deref().unwrap_or(""),
+            redact(h.error.as_deref().unwrap_or("")),
             h.next_attempt_ms
                 .map(|m| format!(" → next at {}", rfc3339(at(m))))
-                .unwrap_or_default(),
+                .unwrap_or_default()
+                + &h.retry_after_capped_from_s
+                    .map(|s| format!(" (Retry-After {s} s shortened to the policy's limit)"))
+                    .unwrap_or_default(),
             h.trace_id.as_deref().unwrap_or("-"),
         ));
     }
@@ -153,7 +158,7 @@ pub fn pending_view(p: &Pending) -> serde_json::Value {
         "key": p.key,
         "attempt": p.attempt,
         "due": rfc3339(p.due),
-        "last_error": p.last_error,
+        "last_error": p.last_error.as_deref().map(redacted),
     })
 }
 
@@ -176,7 +181,7 @@ pub fn pending_text(pending: &[Pending]) -> String {
             rfc3339(p.due),
             p.attempt,
             p.key,
-            p.last_error.as_deref().unwrap_or("")
+            redact(p.last_error.as_deref().unwrap_or(""))
         ));
     }
     out
@@ -290,9 +295,12 @@ impl AppState {
                     "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
                     "opens": rec.opens,
                     "reopens": rec.reopens,
+                    "trial": rec.trial,
                 }),
             );
         }
+        // Reasons quote what dependencies answered: the one rule masks any credential.
+        redact_json(&mut r);
         r
     }
 }
@@ -322,7 +330,7 @@ async fn healthz(State(s): State<AppState>) -> Response {
         Ok(()) => "ok".into_response(),
         Err(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "live": false, "reason": reason })),
+            Json(json!({ "live": false, "reason": redacted(&reason) })),
         )
             .into_response(),
     }
@@ -346,10 +354,10 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         Ok(Some((rec, _))) => Json(record_view(&rec)).into_response(),
         Ok(None) => (
             StatusCode::NOT_FOUND,
-            Json(json!({ "key": key, "state": "UNKNOWN", "detail": "the ledger has no record: the event never failed (delivered on its first attempt) or was never read" })),
+            Json(json!({ "key": key, "state": "UNKNOWN", "detail": "the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which" })),
         )
             .into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": e.to_string() }))).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": redacted(&e.to_string()) }))).into_response(),
     }
 }
 
@@ -359,7 +367,7 @@ async fn metrics() -> Response {
             axum::http::header::CONTENT_TYPE,
             crate::telemetry::prometheus::CONTENT_TYPE,
         )],
-        crate::telemetry::prometheus::scrape(),
+        redacted(&crate::telemetry::prometheus::scrape()),
     )
         .into_response()
 }
@@ -393,7 +401,7 @@ async fn retries(
         .into_response(),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "error": e.to_string() })),
+            Json(json!({ "error": redacted(&e.to_string()) })),
         )
             .into_response(),
     }

@@ -408,7 +408,16 @@ impl Wiring {
         self
     }
 
-    /// The Event Hub this reads.
+    /// Who this deployment is (namespace, hub, consumer group): what its messages carry.
+    pub fn deployment(&self) -> crate::event::Deployment {
+        crate::event::Deployment::new(
+            &self.eventhubs.namespace,
+            &self.eventhubs.hub,
+            &self.eventhubs.consumer_group,
+        )
+    }
+
+    /// The Event Hub.
     pub fn eventhubs(&self) -> &EventHubsTarget {
         &self.eventhubs
     }
@@ -438,11 +447,10 @@ impl Wiring {
             .servicebus
             .queue(name, self.options.deadline)
             .map_err(|e| WiringError::client("dead_letters.queue", format!("servicebus: {e}")))?;
-        Ok(Some(Arc::new(DeadLetterDestination::new(
-            Arc::new(queue),
-            name,
-            *max_kb,
-        ))))
+        Ok(Some(Arc::new(
+            DeadLetterDestination::new(Arc::new(queue), name, *max_kb)
+                .with_deployment(self.deployment()),
+        )))
     }
 
     /// The start-up proof of the retry queue: reads its description and refuses (naming the

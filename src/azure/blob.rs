@@ -189,6 +189,12 @@ impl BlobContainer {
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err("the container URL must be http or https".into());
         }
+        // Azure Storage never authorizes by userinfo (Shared Key, SAS, Entra ID or anonymous:
+        // https://learn.microsoft.com/en-us/rest/api/storageservices/authorize-requests-to-azure-storage),
+        // and a password kept in `base` would be shown wherever the container is named.
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err("the container URL must not carry a user name or password (use a SAS in the query, or a credential)".into());
+        }
         // Azure takes bearer tokens over TLS only; a loopback emulator is the one exception.
         let loopback = matches!(parsed.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if credential.is_some() && parsed.scheme() != "https" && !loopback {

@@ -75,23 +75,21 @@ impl FromStr for ConnectionString {
             }
         }
         let endpoint = endpoint.ok_or(ConnectionStringError::Missing("Endpoint"))?;
-        let rest = endpoint
-            .split_once("://")
-            .map(|(_, r)| r)
-            .ok_or_else(|| ConnectionStringError::BadEndpoint(endpoint.clone()))?;
+        // The endpoint is quoted in errors only through the one redaction rule.
+        let bad = || ConnectionStringError::BadEndpoint(crate::redact::redacted(&endpoint));
+        let rest = endpoint.split_once("://").map(|(_, r)| r).ok_or_else(bad)?;
         let authority = rest.split('/').next().unwrap_or("");
+        // `sb://host`: a user name or password has no place in it (the key is the
+        // SharedAccessKey), and would be shown wherever the namespace is named.
+        if authority.contains('@') {
+            return Err(bad());
+        }
         let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => (
-                h.to_string(),
-                Some(
-                    p.parse::<u16>()
-                        .map_err(|_| ConnectionStringError::BadEndpoint(endpoint.clone()))?,
-                ),
-            ),
+            Some((h, p)) => (h.to_string(), Some(p.parse::<u16>().map_err(|_| bad())?)),
             None => (authority.to_string(), None),
         };
         if host.is_empty() {
-            return Err(ConnectionStringError::BadEndpoint(endpoint));
+            return Err(bad());
         }
         Ok(Self {
             host,
@@ -227,5 +225,18 @@ mod tests {
             .parse::<ConnectionString>()
             .unwrap_err();
         assert_eq!(e, ConnectionStringError::Malformed(2));
+    }
+
+    #[test]
+    fn an_endpoint_with_a_password_is_refused_without_quoting_it() {
+        for cs in [
+            "Endpoint=sb://user:pa55word@127.0.0.1:5672;SharedAccessKeyName=k;SharedAccessKey=v",
+            "Endpoint=sb://pa55word@ns.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=v",
+            "Endpoint=sb://u:pa55word@h:notaport;SharedAccessKeyName=k;SharedAccessKey=v",
+        ] {
+            let e = cs.parse::<ConnectionString>().unwrap_err();
+            assert!(matches!(e, ConnectionStringError::BadEndpoint(_)), "{cs}");
+            assert!(!e.to_string().contains("pa55word"), "{e}");
+        }
     }
 }

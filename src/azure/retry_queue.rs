@@ -479,6 +479,10 @@ impl ServiceBusEndpoint {
             other => return Err(format!("unsupported scheme `{other}` (use a host name, or http://127.0.0.1:PORT for a local emulator)")),
         };
         let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+        // A host name: a user name or password has no place in it (and is never quoted).
+        if authority.contains('@') {
+            return Err("a namespace is a host name, without a user name or password".into());
+        }
         let url = url::Url::parse(&format!("{scheme}://{authority}"))
             .map_err(|e| format!("not a namespace host: {e}"))?;
         let host = url
@@ -1561,6 +1565,8 @@ mod tests {
         assert_eq!((e.scheme.as_str(), e.port), ("http", Some(5380)));
         assert!(ServiceBusEndpoint::parse("http://myns.servicebus.windows.net").is_err());
         assert!(ServiceBusEndpoint::parse("ftp://x").is_err());
+        let e = ServiceBusEndpoint::parse("http://user:pa55word@127.0.0.1:5380").unwrap_err();
+        assert!(e.contains("user name") && !e.contains("pa55word"), "{e}");
         assert!(ServiceBusEndpoint::parse("").is_err());
     }
 }

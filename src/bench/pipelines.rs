@@ -279,7 +279,11 @@ pub async fn retry_timing(events: usize, partitions: usize) -> anyhow::Result<Re
     .await?;
     cancel.cancel();
     run.await??;
-    let accepted: HashMap<String, SystemTime> = queue.accepted().into_iter().collect();
+    let accepted: HashMap<String, SystemTime> = queue
+        .accepted()
+        .into_iter()
+        .map(|(id, at)| (crate::pipeline::settle::unqualified(&id).to_string(), at))
+        .collect();
     let ledger = crate::ledger::Ledger::new(records, "bench", "$Default");
     let calls = handler.calls();
     let (mut schedule, mut lateness) = (Vec::new(), Vec::new());

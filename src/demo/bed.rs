@@ -177,6 +177,7 @@ impl Bed {
             open_ms: 3000,
             spread_ms: 2000,
             probe_timeout_ms: 3000,
+            ..Default::default()
         })
         .options(PipelineOptions {
             owner_id: owner.into(),

@@ -79,7 +79,6 @@ impl Pacer {
     }
 }
 
-#[derive(Debug)]
 enum Agreement {
     Allowed {
         url: String,
@@ -90,6 +89,24 @@ enum Agreement {
         reason: String,
         at: Instant,
     },
+}
+
+impl std::fmt::Debug for Agreement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Allowed { url, pacer } => f
+                .debug_struct("Allowed")
+                .field("url", &crate::redact::redact(url))
+                .field("pacer", pacer)
+                .finish(),
+            Self::Refused { url, reason, at } => f
+                .debug_struct("Refused")
+                .field("url", &crate::redact::redact(url))
+                .field("reason", reason)
+                .field("at", at)
+                .finish(),
+        }
+    }
 }
 
 /// The handshake state of one webhook.
@@ -139,7 +156,7 @@ impl Handshake {
             if fresh {
                 match self.validate(client, url, authorization).await {
                     Ok(rate) => {
-                        tracing::info!(url = %without_query(url), origin = %self.config.origin, rate = ?rate, "webhook agreed to receive (abuse-protection handshake)");
+                        tracing::info!(url = %crate::redact::redact(url), origin = %self.config.origin, rate = ?rate, "webhook agreed to receive (abuse-protection handshake)");
                         *st = Some(Agreement::Allowed {
                             url: url.to_string(),
                             pacer: rate.map(Pacer::new),
@@ -187,7 +204,7 @@ impl Handshake {
         let origin = &self.config.origin;
         let what = format!(
             "the webhook {} has not agreed to receive events from {origin} (CloudEvents abuse-protection handshake)",
-            without_query(url)
+            crate::redact::redact(url)
         );
         let mut req = client
             .request(reqwest::Method::OPTIONS, url)
@@ -234,13 +251,8 @@ impl Handshake {
                 super::webhook::sanitise(&body, super::webhook::BODY_EXCERPT)
             ));
         }
-        Err(reason)
+        Err(crate::redact::redact_owned(reason))
     }
-}
-
-/// A URL without its query and fragment (which may carry credentials).
-pub(crate) fn without_query(url: &str) -> &str {
-    &url[..url.find(['?', '#']).unwrap_or(url.len())]
 }
 
 #[cfg(test)]

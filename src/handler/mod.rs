@@ -37,6 +37,9 @@ pub struct Failure {
     pub retry_after: Option<Duration>,
     /// The HTTP status the downstream answered, when it answered (for the attempt's span).
     pub http_status: Option<u16>,
+    /// The longest `retry_after` the handler honours (the webhook's `retry_after_max_s`);
+    /// the policy's cap bounds it in any case.
+    pub retry_after_max: Option<Duration>,
 }
 
 impl Failure {
@@ -44,9 +47,10 @@ impl Failure {
     pub fn transient(error: impl Into<String>) -> Self {
         Self {
             class: ErrorClass::Transient,
-            error: error.into(),
+            error: crate::redact::redact_owned(error.into()),
             retry_after: None,
             http_status: None,
+            retry_after_max: None,
         }
     }
 
@@ -54,15 +58,22 @@ impl Failure {
     pub fn permanent(error: impl Into<String>) -> Self {
         Self {
             class: ErrorClass::Permanent,
-            error: error.into(),
+            error: crate::redact::redact_owned(error.into()),
             retry_after: None,
             http_status: None,
+            retry_after_max: None,
         }
     }
 
     /// With a `Retry-After`.
     pub fn with_retry_after(mut self, d: Option<Duration>) -> Self {
         self.retry_after = d;
+        self
+    }
+
+    /// With the longest `Retry-After` the handler honours (below the policy's cap).
+    pub fn with_retry_after_max(mut self, d: Option<Duration>) -> Self {
+        self.retry_after_max = d;
         self
     }
 

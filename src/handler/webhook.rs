@@ -48,8 +48,8 @@ pub struct TlsConfig {
     pub client_key_file: PathBuf,
 }
 
-/// Webhook settings.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+/// Webhook settings. `Debug` shows the URL through the redaction rule ([`crate::redact`]).
+#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Where to POST.
@@ -76,6 +76,25 @@ pub struct WebhookConfig {
     /// The CloudEvents abuse-protection handshake.
     #[serde(default)]
     pub handshake: HandshakeConfig,
+    /// The longest `Retry-After` honoured (seconds; default: the policy's `cap_s`, which
+    /// bounds it in any case). A longer one is shortened to this, and the attempt says so.
+    #[serde(default)]
+    pub retry_after_max_s: Option<u64>,
+}
+
+impl std::fmt::Debug for WebhookConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookConfig")
+            .field("url", &crate::redact::redact(&self.url))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("conflict_is_permanent", &self.conflict_is_permanent)
+            .field("content_mode", &self.content_mode)
+            .field("signing", &self.signing)
+            .field("authorization", &self.authorization)
+            .field("tls", &self.tls)
+            .field("handshake", &self.handshake)
+            .finish()
+    }
 }
 
 impl Default for WebhookConfig {
@@ -89,6 +108,7 @@ impl Default for WebhookConfig {
             authorization: None,
             tls: None,
             handshake: HandshakeConfig::default(),
+            retry_after_max_s: None,
         }
     }
 }
@@ -252,7 +272,8 @@ async fn failure_text(
         }
         text.push_str(&format!("; body: {excerpt}"));
     }
-    text
+    // A receiver may echo what it was sent (an Authorization value, a URL's query).
+    crate::redact::redact_owned(text)
 }
 
 /// Characters a key header value carries percent-encoded: controls, space (a header value's
@@ -381,6 +402,7 @@ impl Handler for WebhookHandler {
                     error,
                     retry_after,
                     http_status: Some(status),
+                    retry_after_max: self.config.retry_after_max_s.map(Duration::from_secs),
                 })
             }
             Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(
@@ -395,8 +417,9 @@ impl Handler for WebhookHandler {
     }
 }
 
-/// The error text without the URL (which may carry credentials in its query), followed by
-/// its causes ("error sending request: … connection reset by peer").
+/// The error text without the URL, followed by its causes ("error sending request: …
+/// connection reset by peer"), through the one redaction rule ([`crate::redact`]): a cause
+/// can quote a URL too.
 pub(crate) fn without_url(e: &reqwest::Error) -> String {
     let mut text = e.to_string();
     if let Some(i) = text.find(" for url (") {
@@ -411,18 +434,15 @@ pub(crate) fn without_url(e: &reqwest::Error) -> String {
         }
         cause = c.source();
     }
-    text
+    crate::redact::redact_owned(text)
 }
 
-/// A `Location` fit for an error message: without its query and fragment (which may carry
-/// credentials), control characters removed, at most 200 characters.
+/// A `Location` fit for an error message: its userinfo and the values of its query and
+/// fragment masked ([`crate::redact`]: they may carry credentials), control characters
+/// removed, at most 200 characters.
 fn location_for_log(location: &str) -> String {
-    let cut = location.find(['?', '#']).unwrap_or(location.len());
-    location[..cut]
-        .chars()
-        .filter(|c| !c.is_control())
-        .take(200)
-        .collect()
+    let clean: String = location.chars().filter(|c| !c.is_control()).collect();
+    crate::redact::redact(&clean).chars().take(200).collect()
 }
 
 #[cfg(test)]
@@ -439,10 +459,10 @@ mod tests {
     }
 
     #[test]
-    fn a_location_is_logged_without_its_query() {
+    fn a_location_is_logged_without_its_credentials() {
         assert_eq!(
-            location_for_log("https://new.example/hook?sig=secret#x"),
-            "https://new.example/hook"
+            location_for_log("https://user:pw@new.example/hook?sig=secret#x"),
+            "https://***@new.example/hook?sig=***"
         );
         assert_eq!(location_for_log("/moved\r\nX: y"), "/movedX: y");
     }

@@ -51,6 +51,10 @@ pub struct AttemptEntry {
     pub next_attempt_ms: Option<i64>,
     /// W3C trace id of the attempt.
     pub trace_id: Option<String>,
+    /// The downstream's `Retry-After` (seconds) when it was longer than the policy allows and
+    /// the retry was scheduled at the policy's limit instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_capped_from_s: Option<u64>,
 }
 
 /// The ledger record of one event.
@@ -95,6 +99,41 @@ pub struct LedgerRecord {
     /// carries its key): `event` is a stand-in with an empty body, and a replay is refused.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub event_unknown: bool,
+    /// The attempt a retry loop is running now ([`Claim`]): written with compare-and-swap
+    /// before the handler is called, cleared by the attempt's settlement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<Claim>,
+}
+
+/// A retry loop's claim on one attempt of an event: whoever holds a live claim runs the
+/// attempt, every other copy of its retry message stands down. Written with ETag `If-Match`
+/// over the record read at the due time, so of two copies that read the same record only
+/// one claims it ("Managing concurrency in Blob storage", learn.microsoft.com: a write with
+/// `If-Match` fails with 412 once the blob changed).
+///
+/// The rule for a claim left behind (its process died between the claim and the
+/// settlement): it holds until `until_ms`; a copy that finds a live claim of another
+/// instance waits under its message lock until then and reads the record again — by then
+/// the attempt is recorded (the copy only re-sends the recorded next attempt) or the claim
+/// has expired (the copy takes it over). A claim of this very instance whose copy is no
+/// longer in hand is dead at once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The attempt claimed.
+    pub attempt: u32,
+    /// The replica's owner id (for operators).
+    pub owner: String,
+    /// The claiming process: a nonce drawn when its pipeline was built.
+    pub instance: String,
+    /// Until when the claim holds (ms since the epoch).
+    pub until_ms: i64,
+}
+
+impl Claim {
+    /// Whether the claim still holds at `now`.
+    pub fn live(&self, now: SystemTime) -> bool {
+        ms(now) < self.until_ms
+    }
 }
 
 pub use crate::clock::{at, ms};
@@ -139,6 +178,13 @@ pub struct Pending {
     pub due: SystemTime,
     /// The last attempt's error.
     pub last_error: Option<String>,
+    /// The Event Hubs partition the event came from; `None` when the listing does not say
+    /// (a record written before the tag existed): it may be any partition's.
+    #[serde(skip)]
+    pub partition: Option<String>,
+    /// The event's sequence number in that partition, when the listing says.
+    #[serde(skip)]
+    pub sequence_number: Option<i64>,
 }
 
 /// Tag names beside a ledger record (blob metadata names: C# identifiers).
@@ -147,6 +193,8 @@ const TAG_DUE: &str = "hubguard_due_ms";
 const TAG_NEXT: &str = "hubguard_next_attempt";
 const TAG_KEY: &str = "hubguard_key";
 const TAG_ERROR: &str = "hubguard_last_error";
+const TAG_PARTITION: &str = "hubguard_partition";
+const TAG_SEQUENCE: &str = "hubguard_sequence_number";
 const STATE_RETRY_SCHEDULED: &str = "RETRY_SCHEDULED";
 /// Longest key, and longest error, copied into a tag (all tags stay far under 8 KB).
 const TAG_TEXT_LIMIT: usize = 512;
@@ -181,7 +229,39 @@ fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags {
     if let Some(e) = &record.last_error {
         tags.insert(TAG_ERROR.into(), ascii(e));
     }
+    // Which partition's event it is, so a partition can list the records of its own events
+    // (an Event Hubs partition id is a short decimal string).
+    if !record.event.partition_id.is_empty()
+        && ascii(&record.event.partition_id) == record.event.partition_id
+    {
+        tags.insert(TAG_PARTITION.into(), record.event.partition_id.clone());
+        tags.insert(
+            TAG_SEQUENCE.into(),
+            record.event.sequence_number.to_string(),
+        );
+    }
     tags
+}
+
+/// `record` with its errors passed through the one redaction rule ([`crate::redact`]), or
+/// `None` when they hold nothing to mask.
+fn redacted_errors(record: &LedgerRecord) -> Option<LedgerRecord> {
+    let masks = |e: &Option<String>| {
+        e.as_deref()
+            .is_some_and(|e| matches!(crate::redact::redact(e), std::borrow::Cow::Owned(_)))
+    };
+    if !masks(&record.last_error) && !record.history.iter().any(|h| masks(&h.error)) {
+        return None;
+    }
+    let mut r = record.clone();
+    let mask = |e: &mut Option<String>| {
+        if let Some(t) = e {
+            *t = crate::redact::redacted(t);
+        }
+    };
+    mask(&mut r.last_error);
+    r.history.iter_mut().for_each(|h| mask(&mut h.error));
+    Some(r)
 }
 
 /// RFC 3339 (UTC, milliseconds) for serde.
@@ -370,6 +450,10 @@ impl Ledger {
         record: &LedgerRecord,
         etag: Option<&str>,
     ) -> Result<String, LedgerError> {
+        // Errors quote what dependencies answered: no credential reaches the record, its
+        // metadata, or anything that reads them (status, dead letters).
+        let clean = redacted_errors(record);
+        let record = clean.as_ref().unwrap_or(record);
         let body = Bytes::from(
             serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
                 key: record.key.clone(),
@@ -451,6 +535,7 @@ impl Ledger {
             event: event.cloned().unwrap_or_else(stand_in),
             quarantined: Some(aside.clone()),
             event_unknown: event.is_none(),
+            claim: None,
         };
         self.index_dead_letter(key).await?;
         self.put(&record, Some(&raw.etag)).await?;
@@ -568,6 +653,8 @@ impl Ledger {
                     attempt,
                     due: at(due),
                     last_error: l.tags.get(TAG_ERROR).cloned(),
+                    partition: l.tags.get(TAG_PARTITION).cloned(),
+                    sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
                 }),
                 // Untagged (older) records, or a key only the record holds: read it.
                 _ => {
@@ -579,6 +666,8 @@ impl Ledger {
                             due: rec.next_attempt_at().unwrap_or(SystemTime::UNIX_EPOCH),
                             attempt: rec.attempts + 1,
                             last_error: rec.last_error.clone(),
+                            partition: Some(rec.event.partition_id.clone()),
+                            sequence_number: Some(rec.event.sequence_number),
                             key: rec.key,
                         }),
                         Ok(_) => {}
@@ -591,6 +680,39 @@ impl Ledger {
         }
         out.sort_by(|a, b| a.due.cmp(&b.due).then_with(|| a.key.cmp(&b.key)));
         Ok(out)
+    }
+
+    /// Claims this ledger (`{hub}/{consumer group}` in the container) for `me`. Ledger blob
+    /// names carry the hub and the consumer group, so deployments of other hubs or consumer
+    /// groups sharing a container never meet; they do not carry the namespace, so two
+    /// namespaces with the same hub and consumer group names would share records. The first
+    /// deployment to start writes `deployments/{hub}/{consumer group}/claim` (`If-None-Match:
+    /// *`); `Ok(Some(other))` when the claim names another namespace, and the caller refuses
+    /// to start. A ledger written before claims existed is claimed by its first start: no
+    /// record moves.
+    pub async fn claim(
+        &self,
+        me: &crate::event::Deployment,
+    ) -> Result<Option<crate::event::Deployment>, LedgerError> {
+        let name = format!("deployments/{}claim", self.prefix);
+        let body = serde_json::to_vec(me).map_err(|e| LedgerError::Corrupt {
+            key: name.clone(),
+            reason: e.to_string(),
+        })?;
+        match self.store.create(&name, Bytes::from(body)).await {
+            Ok(_) => return Ok(None),
+            Err(StoreError::Conflict) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let Some(r) = self.store.read(&name).await? else {
+            return Ok(None);
+        };
+        let holder: crate::event::Deployment =
+            serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
+                key: name.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok((!holder.namespace.eq_ignore_ascii_case(&me.namespace)).then_some(holder))
     }
 
     /// Keys of every record (for tests and the demo's verification).
@@ -645,6 +767,7 @@ mod tests {
             event,
             quarantined: None,
             event_unknown: false,
+            claim: None,
         };
         assert_eq!(Verdict::of(None, 1), Verdict::Unrecorded);
         assert_eq!(Verdict::of(Some(&rec), 1), Verdict::Stale);

@@ -12,10 +12,13 @@ use crate::breaker::Admission;
 /// What the breaker says about an attempt that wants to run now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Gate {
-    /// Run it; `probe` when it is the half-open window's one probe.
+    /// Run it; `probe` when it is one of the half-open trial's calls.
     Run {
-        /// The half-open probe: its outcome closes or re-opens the breaker.
-        probe: bool,
+        /// The half-open trial it was admitted to: its outcome counts towards closing or
+        /// re-opening the breaker.
+        probe: Option<i64>,
+        /// A new event's call (asked with [`Shared::admit_new`]): reported as one.
+        new: bool,
     },
     /// The breaker is open: the attempt waits until then (plus jitter), uncounted.
     Defer(SystemTime),
@@ -24,13 +27,32 @@ pub(crate) enum Gate {
 impl Shared {
     /// Asks the breaker, if there is one.
     pub(crate) async fn admit(&self) -> Gate {
-        match &self.downstream.breaker {
-            None => Gate::Run { probe: false },
-            Some(b) => match b.admit(rand::random::<f64>()).await {
-                Admission::Allow => Gate::Run { probe: false },
-                Admission::Probe => Gate::Run { probe: true },
-                Admission::Defer(until) => Gate::Defer(until),
+        self.admission(false).await
+    }
+
+    /// Asks the breaker for a new event from a partition: at the brink of tripping it first
+    /// waits a while for a success (see [`crate::breaker::Shared::admit_new`]).
+    pub(crate) async fn admit_new(&self) -> Gate {
+        self.admission(true).await
+    }
+
+    async fn admission(&self, new: bool) -> Gate {
+        let Some(b) = &self.downstream.breaker else {
+            return Gate::Run { probe: None, new };
+        };
+        let jitter = rand::random::<f64>();
+        let admission = if new {
+            b.admit_new(jitter).await
+        } else {
+            b.admit(jitter).await
+        };
+        match admission {
+            Admission::Allow => Gate::Run { probe: None, new },
+            Admission::Probe { trial } => Gate::Run {
+                probe: Some(trial),
+                new,
             },
+            Admission::Defer(until) => Gate::Defer(until),
         }
     }
 
@@ -44,14 +66,21 @@ impl Shared {
         event_type: Option<&str>,
     ) {
         if let Some(b) = &self.downstream.breaker {
-            let probe = matches!(gate, Gate::Run { probe: true });
-            b.report(
-                !super::partition::transient_failure(&attempted.outcome),
-                probe,
-            )
-            .await;
+            let success = !super::partition::transient_failure(&attempted.outcome);
+            match gate {
+                Gate::Run { probe, new: true } => b.report_new(success, probe).await,
+                Gate::Run { probe, new: false } => b.report(success, probe).await,
+                Gate::Defer(_) => b.report(success, None).await,
+            };
         }
         self.observe
             .handler_duration(attempted.duration, event_type);
+    }
+}
+
+/// Readiness asks the downstream's breaker whether work waits on it.
+impl super::health::WaitingOn for crate::breaker::Shared {
+    fn waiting(&self) -> Option<String> {
+        crate::breaker::Shared::waiting(self)
     }
 }

@@ -4,7 +4,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::FutureExt;
 use opentelemetry::trace::TraceContextExt;
@@ -175,7 +175,7 @@ pub(super) async fn run(
     };
     let duration = t0.elapsed();
     if let Outcome::Failed(f) = &outcome {
-        tracing::info!(parent: &span, error = %f.error, class = ?f.class, "attempt failed");
+        tracing::info!(parent: &span, error = %crate::redact::redact(&f.error), class = ?f.class, "attempt failed");
     }
     Attempted {
         outcome,
@@ -237,7 +237,7 @@ pub(super) fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
                 ErrorClass::Permanent => "permanent",
             },
         );
-        span.set_attribute(attr::ERROR_MESSAGE, f.error.clone());
+        span.set_attribute(attr::ERROR_MESSAGE, crate::redact::redacted(&f.error));
         if let Some(status) = f.http_status {
             span.set_attribute(attr::HTTP_STATUS, i64::from(status));
         }
@@ -265,6 +265,14 @@ pub(super) fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
     span.set_attribute(attr::TERMINAL, terminal);
     if matches!(a.outcome, Outcome::Failed(_)) || settled.is_err() {
         span.set_status(opentelemetry::trace::Status::error(outcome));
+    }
+}
+
+/// Marks the attempt's span when its retry was scheduled at the policy's limit instead of
+/// the downstream's longer `Retry-After` (`capped_from`, what the downstream asked for).
+pub(super) fn mark_retry_after_capped(span: &tracing::Span, capped_from: Option<Duration>) {
+    if let Some(asked) = capped_from {
+        span.set_attribute(attr::RETRY_AFTER_CAPPED_FROM, asked.as_secs_f64());
     }
 }
 

@@ -65,6 +65,8 @@ pub struct DeadLetterDestination {
     queue: Arc<dyn RetryQueue>,
     name: String,
     max_message_bytes: usize,
+    /// Whose dead letters these are (a queue several deployments share).
+    deployment: Option<crate::event::Deployment>,
 }
 
 impl std::fmt::Debug for DeadLetterDestination {
@@ -112,7 +114,8 @@ pub struct PublishError {
 }
 
 /// The MessageId of the dead letter of `key` after `attempts` attempts: within Service
-/// Bus's 128 characters for any key (the base is at most 80).
+/// Bus's 128 characters for any key (the base is at most 67, and the deployment id the
+/// destination puts before it 13).
 pub fn message_id(key: &str, attempts: u32) -> String {
     format!("{}-deadletter-{attempts}", message_id_base(key))
 }
@@ -153,7 +156,17 @@ impl DeadLetterDestination {
             queue,
             name: name.to_string(),
             max_message_bytes: max_message_kb as usize * 1024,
+            deployment: None,
         }
+    }
+
+    /// Names every dead letter after `deployment`: its MessageId starts with the deployment
+    /// id (duplicate detection must never drop another deployment's dead letter of the same
+    /// key), and `hubguard-deployment`, `hubguard-namespace` and `hubguard-consumer-group`
+    /// say whose it is.
+    pub fn with_deployment(mut self, deployment: crate::event::Deployment) -> Self {
+        self.deployment = Some(deployment);
+        self
     }
 
     /// The queue's name.
@@ -256,7 +269,7 @@ impl DeadLetterDestination {
         push(
             &mut properties,
             "hubguard-last-error",
-            rec.last_error.as_deref().unwrap_or(""),
+            &crate::redact::redact(rec.last_error.as_deref().unwrap_or("")),
         );
         push(
             &mut properties,
@@ -270,6 +283,11 @@ impl DeadLetterDestination {
         );
         push(&mut properties, "hubguard-idempotency-key", &rec.key);
         push(&mut properties, "hubguard-hub", &event.hub);
+        for (k, v) in super::settle::deployment_properties(self.deployment.as_ref()) {
+            if k != "hubguard-hub" {
+                push(&mut properties, &k, &v);
+            }
+        }
         push(&mut properties, "hubguard-partition", &event.partition_id);
         push(
             &mut properties,
@@ -344,7 +362,10 @@ impl DeadLetterDestination {
             }
         };
         OutgoingMessage {
-            message_id: message_id(&rec.key, rec.attempts),
+            message_id: super::settle::qualified(
+                self.deployment.as_ref(),
+                &message_id(&rec.key, rec.attempts),
+            ),
             correlation_id: Some(bounded(&rec.correlation_id)),
             label: rec.event_type.as_deref().map(bounded),
             body,
@@ -431,6 +452,7 @@ mod tests {
             event,
             quarantined: None,
             event_unknown: false,
+            claim: None,
         }
     }
 

@@ -132,6 +132,12 @@ pub struct Counters {
     pub rescued: AtomicU64,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
     pub recovered: AtomicU64,
+    /// Retries of another deployment handed back to a shared queue.
+    pub forwarded: AtomicU64,
+    /// Missing ledger records rebuilt from the event read back from Event Hubs.
+    pub records_rebuilt: AtomicU64,
+    /// Retries dead-lettered as `record_missing`.
+    pub records_missing: AtomicU64,
 }
 
 /// A snapshot of the counters.
@@ -153,11 +159,28 @@ pub struct CounterSnapshot {
     pub rescued: u64,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
     pub recovered: u64,
+    /// Retries of another deployment handed back to a shared queue.
+    pub forwarded: u64,
+    /// Missing ledger records rebuilt from the event read back from Event Hubs.
+    pub records_rebuilt: u64,
+    /// Retries dead-lettered as `record_missing`.
+    pub records_missing: u64,
+}
+
+/// How long a `record_missing` dead letter keeps readiness at 503: long enough for an alert
+/// on readiness to fire and an operator to see the key, short enough not to stall a rollout.
+pub const RECORD_MISSING_READINESS: std::time::Duration = std::time::Duration::from_secs(900);
+/// Something work can wait on besides its own schedule and the partitions' holds (the
+/// downstream's circuit breaker): why it does now, or `None`. Read by [`Health::ready`].
+pub trait WaitingOn: std::fmt::Debug + Send + Sync + 'static {
+    /// Why work waits on it now (`None`: it does not).
+    fn waiting(&self) -> Option<String>;
 }
 
 /// Shared health of one pipeline.
 #[derive(Debug)]
 pub struct Health {
+    waits: Mutex<Vec<std::sync::Arc<dyn WaitingOn>>>,
     held: Mutex<BTreeMap<String, BTreeMap<i64, Held>>>,
     owned: Mutex<BTreeMap<String, i64>>,
     retry_loop: Mutex<RetryLoopState>,
@@ -167,6 +190,10 @@ pub struct Health {
     unhealthy_after: Mutex<Option<std::time::Duration>>,
     lag: Mutex<BTreeMap<String, (u64, f64)>>,
     owner_conflict: Mutex<Option<String>>,
+    /// The last `record_missing` dead letter: its key, when (RFC 3339), and when (monotonic).
+    record_missing: Mutex<Option<(String, String, std::time::Instant)>>,
+    /// Other deployments whose retries came from the shared queue: name → how many.
+    foreign: Mutex<BTreeMap<String, u64>>,
     /// Counters.
     pub counters: Counters,
     changed: watch::Sender<u64>,
@@ -175,6 +202,7 @@ pub struct Health {
 impl Default for Health {
     fn default() -> Self {
         Self {
+            waits: Mutex::default(),
             held: Mutex::default(),
             owned: Mutex::default(),
             retry_loop: Mutex::new(RetryLoopState::Starting),
@@ -184,6 +212,8 @@ impl Default for Health {
             unhealthy_after: Mutex::default(),
             lag: Mutex::default(),
             owner_conflict: Mutex::default(),
+            record_missing: Mutex::default(),
+            foreign: Mutex::default(),
             counters: Counters::default(),
             changed: watch::channel(0).0,
         }
@@ -244,6 +274,14 @@ impl Health {
             }
             self.bump();
         }
+    }
+
+    /// Makes readiness also say no while `source` has work waiting on it.
+    pub fn watch(&self, source: std::sync::Arc<dyn WaitingOn>) {
+        self.waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(source);
     }
 
     /// Held partitions: for each, the oldest held event's reason and sequence number, since
@@ -416,6 +454,30 @@ impl Health {
         }
     }
 
+    /// Records a retry dead-lettered as `record_missing` (see [`RECORD_MISSING_READINESS`]).
+    pub fn record_missing(&self, key: &str) {
+        self.count(&self.counters.records_missing);
+        *self
+            .record_missing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some((
+            key.to_string(),
+            crate::clock::rfc3339(std::time::SystemTime::now()),
+            std::time::Instant::now(),
+        ));
+        self.bump();
+    }
+
+    /// Records a retry of `deployment` (another one) received from the shared queue.
+    pub fn saw_foreign(&self, deployment: &str) {
+        *self
+            .foreign
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(deployment.to_string())
+            .or_default() += 1;
+    }
+
     /// Due retries held now, by MessageId.
     pub fn held_retries(&self) -> BTreeMap<String, HeldRetry> {
         self.held_retries
@@ -519,6 +581,23 @@ impl Health {
                 h.key, h.since, h.reason
             ));
         }
+        if let Some((key, at, when)) = self
+            .record_missing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .filter(|(_, _, when)| when.elapsed() < RECORD_MISSING_READINESS)
+        {
+            let _ = when;
+            r.push(format!(
+                "{} retries found no ledger record and their event gone from Event Hubs; dead-lettered as record_missing, the latest key {key:?} at {at} (hubguard dead-letters list)",
+                self.counters.records_missing.load(Ordering::Relaxed)
+            ));
+        }
+        // Work deferred past a breaker's expiry waits in Service Bus while no partition
+        // holds anything: the breaker itself says so.
+        let waits = self.waits.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        r.extend(waits.iter().filter_map(|w| w.waiting()));
         match self.retry_loop() {
             RetryLoopState::Running => {}
             RetryLoopState::Starting => r.push("retry loop starting".into()),
@@ -579,6 +658,9 @@ impl Health {
             attempts: c.attempts.load(Ordering::Relaxed),
             rescued: c.rescued.load(Ordering::Relaxed),
             recovered: c.recovered.load(Ordering::Relaxed),
+            forwarded: c.forwarded.load(Ordering::Relaxed),
+            records_rebuilt: c.records_rebuilt.load(Ordering::Relaxed),
+            records_missing: c.records_missing.load(Ordering::Relaxed),
         }
     }
 
@@ -595,6 +677,7 @@ impl Health {
             "retry_loop": self.retry_loop(),
             "checkpoint_lag": self.lag().into_iter().map(|(p, (e, s))| (p, serde_json::json!({ "events": e, "seconds": s }))).collect::<serde_json::Map<_, _>>(),
             "counters": self.snapshot(),
+            "other_deployments_seen": self.foreign.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         })
     }
 }

@@ -22,6 +22,8 @@ pub mod health;
 mod observe;
 pub mod owner;
 mod partition;
+pub mod readback;
+mod recorded;
 mod retry;
 pub mod settle;
 
@@ -285,6 +287,8 @@ pub(crate) struct Shared {
     pub(crate) observe: observe::Observer,
     /// Tunables and the clock.
     pub(crate) options: PipelineOptions,
+    /// Reads an event back from Event Hubs when a retry's ledger record is missing.
+    pub(crate) reader: Arc<dyn readback::EventReader>,
 }
 
 /// The hub and consumer group events come from, and the rules for their identity.
@@ -342,14 +346,29 @@ impl Pipeline {
             &parts.eventhubs.hub,
             &parts.eventhubs.consumer_group,
         );
+        let deployment = crate::event::Deployment::new(
+            &parts.eventhubs.namespace,
+            &parts.eventhubs.hub,
+            &parts.eventhubs.consumer_group,
+        );
+        let reader = Arc::new(readback::SdkEventReader {
+            target: parts.eventhubs.clone(),
+            identity: parts.identity.clone(),
+            deadline: parts.options.deadline,
+            application_id: format!("{}-readback", parts.options.owner_id),
+        });
         let settler = Arc::new(
             Settler::new(ledger, parts.queue.clone(), parts.policies)
+                .with_deployment(deployment)
                 .with_clock(parts.options.clock.clone())
                 .with_dead_letters(parts.options.dead_letters.clone())
                 .with_schedule_lead(parts.options.retry_lead),
         );
         let health = Arc::new(Health::default());
         health.set_unhealthy_after(parts.options.unhealthy_after);
+        if let Some(b) = &breaker {
+            health.watch(b.clone());
+        }
         let mut fenced = FencedCheckpointStore::new(
             parts.checkpoint_store,
             parts.options.owner_id.clone(),
@@ -395,6 +414,7 @@ impl Pipeline {
                 queue: parts.queue,
                 health,
                 options: parts.options,
+                reader,
             }),
             eventhubs: parts.eventhubs,
             checkpoints,
@@ -433,6 +453,7 @@ impl Pipeline {
         if let Some(dl) = self.shared.settler.dead_letters() {
             dl.probe().await.map_err(std::io::Error::other)?;
         }
+        self.claim_ledger().await?;
         if let Some(blocked) = self.shared.downstream.handler.blocked() {
             tokio::spawn(watch_blocked(
                 self.shared.health.clone(),
@@ -482,6 +503,37 @@ impl Pipeline {
         let _ = done_rx.await;
         let _ = retry.await;
         Ok(())
+    }
+}
+
+impl Pipeline {
+    /// Refuses to start on a ledger another namespace's deployment of the same hub and
+    /// consumer group names already uses in this container (see [`Ledger::claim`]). Storage
+    /// down at start is not a refusal: the partitions hold on it as on any outage.
+    async fn claim_ledger(&self) -> std::io::Result<()> {
+        let Some(me) = self.shared.settler.deployment() else {
+            return Ok(());
+        };
+        let claimed = tokio::time::timeout(
+            self.shared.options.deadline,
+            self.shared.settler.ledger.claim(me),
+        )
+        .await;
+        match claimed {
+            Ok(Ok(None)) => Ok(()),
+            Ok(Ok(Some(other))) => Err(std::io::Error::other(format!(
+                "the ledger of hub {} consumer group {} in this container belongs to {other}; this is {me}. Their records would be one another's: give one of them a container of its own (storage.container_url)",
+                me.hub, me.consumer_group
+            ))),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not check that this deployment's ledger is its own; starting");
+                Ok(())
+            }
+            Err(_) => {
+                tracing::warn!("checking that this deployment's ledger is its own timed out; starting");
+                Ok(())
+            }
+        }
     }
 }
 

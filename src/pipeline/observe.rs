@@ -34,6 +34,25 @@ impl Observer {
         self.metrics.recovered.add(1, &[]);
     }
 
+    /// Counts a retry of another deployment handed back to a shared queue.
+    pub(crate) fn count_forwarded(&self) {
+        self.health.count(&self.health.counters.forwarded);
+        self.metrics.forwarded.add(1, &[]);
+    }
+
+    /// Counts a missing ledger record rebuilt from the event read back from Event Hubs.
+    pub(crate) fn count_record_rebuilt(&self) {
+        self.health.count(&self.health.counters.records_rebuilt);
+        self.metrics.records_rebuilt.add(1, &[]);
+    }
+
+    /// Counts a retry dead-lettered as `record_missing` (its record and its event gone), and
+    /// remembers the key for readiness.
+    pub(crate) fn count_record_missing(&self, key: &str) {
+        self.health.record_missing(key);
+        self.metrics.records_missing.add(1, &[]);
+    }
+
     /// Counts a retry taken back from Service Bus's dead-letter sub-queue.
     pub(crate) fn count_rescued(&self) {
         self.health.count(&self.health.counters.rescued);

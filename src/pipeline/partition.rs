@@ -131,12 +131,21 @@ pub(crate) async fn run(
         uncovered: 0,
         oldest_uncovered: None,
     };
+    // Which of this partition's events the ledger may hold a retry of: listed before the
+    // first event is read (if the listing fails, every delivery asks the ledger until a
+    // later listing succeeds).
+    let recorded = Arc::new(super::recorded::Recorded::default());
+    list_recorded(&recorded, &pid, &shared).await;
     let start = |event: Event, cp: &Checkpointer| {
         let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
+        let recorded = recorded.clone();
         let lag = (cp.uncovered, cp.oldest_uncovered);
         async move {
             let seq = event.sequence_number;
-            (seq, process(event, &pid, &shared, &cancel, lag).await)
+            (
+                seq,
+                process(event, &pid, &shared, &cancel, lag, &recorded).await,
+            )
         }
     };
     {
@@ -148,6 +157,7 @@ pub(crate) async fn run(
         // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
         // internal reconnect, say) must not let the checkpoint pass what it skipped.
         let mut last_seq: Option<i64> = None;
+        let mut relisting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>> = None;
         loop {
             if !reading && running.is_empty() {
                 break;
@@ -180,6 +190,16 @@ pub(crate) async fn run(
                         cp.write(&pc, &shared).await;
                     }
                     cp.publish_lag(&pid, &shared);
+                    // Listed again in the background, so a slow listing holds nothing up.
+                    if !recorded.is_listed() && relisting.is_none() {
+                        let (recorded, pid, shared) = (recorded.clone(), pid.clone(), shared.clone());
+                        relisting = Some(Box::pin(async move {
+                            list_recorded(&recorded, &pid, &shared).await
+                        }));
+                    }
+                }
+                _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
+                    relisting = None;
                 }
                 next = stream.next(), if reading && dispatcher.has_room() => match next {
                     Some(Ok(received)) => {
@@ -249,6 +269,18 @@ pub(crate) async fn run(
     ended
 }
 
+/// Lists the ledger's pending retries of `pid`'s events into `recorded` (each storage call
+/// has its deadline); a failure leaves it unlisted, which only costs a ledger read per
+/// delivery until a later listing succeeds.
+async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: &Shared) {
+    match shared.settler.ledger.pending().await {
+        Ok(pending) => recorded.set_listing(pending, pid),
+        Err(e) => {
+            tracing::warn!(partition = %pid, error = %e, "cannot list the ledger's pending retries; every delivery asks the ledger until a listing succeeds")
+        }
+    }
+}
+
 /// Attempts and settles one event; `false` if stopped before it settled.
 async fn process(
     event: Event,
@@ -256,6 +288,7 @@ async fn process(
     shared: &Shared,
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
+    recorded: &super::recorded::Recorded,
 ) -> bool {
     let seq = event.sequence_number;
     shared.health.count(&shared.health.counters.attempts);
@@ -275,7 +308,11 @@ async fn process(
     let event_type = event.identity.event_type.as_deref();
     let mut deferred = false;
     let gate = loop {
-        match shared.admit().await {
+        let admitted = tokio::select! {
+            _ = cancel.cancelled() => return false,
+            g = shared.admit_new() => g,
+        };
+        match admitted {
             Gate::Defer(until) => {
                 if !deferred {
                     deferred = true;
@@ -303,6 +340,18 @@ async fn process(
     }
     let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
     shared.attempted(&attempted, gate, event_type).await;
+    // The happy path: a delivery of an event the ledger provably has no record of is
+    // settled as it is (see `pipeline::recorded` for why that is safe).
+    if attempted.outcome == crate::handler::Outcome::Delivered && !recorded.may_have_record(&event)
+    {
+        let s = super::settle::Settled::Delivered;
+        attempt::finish(&attempted, Ok(&s));
+        shared
+            .observe
+            .count_settled(&s, event.identity.event_type.as_deref());
+        shared.health.release(pid, seq);
+        return true;
+    }
     let mut backoff = Duration::from_millis(200);
     loop {
         let settled = shared
@@ -320,6 +369,7 @@ async fn process(
             .await;
         match settled {
             Ok(s) => {
+                recorded.forget(&event);
                 attempt::finish(&attempted, Ok(&s));
                 shared
                     .observe

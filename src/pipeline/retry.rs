@@ -38,6 +38,14 @@
 //! renewed, and receivers pause while as many due messages as there are slots already wait
 //! for one (a busy replica leaves the backlog to the others).
 //!
+//! One attempt per (key, attempt) at a time, whatever the copies: Service Bus hands a message
+//! out again once its lock lapses, even while the first copy waits here for its due time.
+//! Copies in hand are told apart by MessageId and sequence number ([`InHand`]): a newer
+//! delivery of a message supersedes the older copy, which stands down before it claims
+//! anything; another copy of the same attempt waits for the one that may run it. Across
+//! replicas, the attempt is claimed in the ledger with compare-and-swap right before the
+//! call ([`crate::ledger::Claim`]); the lock is checked before and after the claim.
+//!
 //! Settling (a ledger write and a complete) yields to the attempts due no later than its own
 //! until they have started, at most [`SETTLE_YIELD_MAX`]: a burst that comes due in one
 //! instant starts first and settles after, instead of every start queueing behind the
@@ -88,6 +96,142 @@ struct Limits {
     /// see [`Starting`].
     starting: std::sync::Mutex<std::collections::BTreeMap<i64, usize>>,
     started: tokio::sync::Notify,
+    /// The copies of retry messages in hand, by (key, attempt): see [`Copy`].
+    in_hand: Arc<InHand>,
+    /// This process, in the claims it writes ([`crate::ledger::Claim`]).
+    instance: String,
+}
+
+/// The copies of retry messages in hand, by the attempt they would run. Service Bus hands a
+/// message out again once its lock lapses ("Message transfers, locks, and settlement":
+/// peek-lock, learn.microsoft.com/azure/service-bus-messaging/message-transfers-locks-settlement),
+/// even while the first copy still waits here for its due time; the same attempt can also
+/// arrive under another MessageId (a recovered, rescued or deferred copy). Copies in hand are
+/// told apart by MessageId and sequence number, and one attempt runs at a time: a copy waits
+/// until every earlier copy of its attempt that could still run it is gone, and a copy that
+/// a newer delivery of the same message superseded (its lock is gone) stands down before
+/// claiming.
+#[derive(Default)]
+struct InHand {
+    copies: std::sync::Mutex<std::collections::HashMap<(String, u32), Vec<CopyEntry>>>,
+    next: std::sync::atomic::AtomicU64,
+    gone: tokio::sync::Notify,
+}
+
+struct CopyEntry {
+    id: u64,
+    /// The message: its MessageId and its sequence number in the queue (a redelivery of a
+    /// message keeps both; a message sent anew under the same MessageId, once the duplicate
+    /// detection window has passed, is another message).
+    message: (String, i64),
+    /// Past the point of standing down: claiming or running the attempt.
+    committed: bool,
+}
+
+impl InHand {
+    fn copies(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<(String, u32), Vec<CopyEntry>>> {
+        self.copies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Copy {
+    /// Counts a copy of attempt `attempt` of `key` in hand: `message` is its MessageId and
+    /// sequence number.
+    fn register(hand: &Arc<InHand>, key: &str, attempt: u32, message: (String, i64)) -> Self {
+        let id = hand.next.fetch_add(1, Ordering::AcqRel);
+        let slot = (key.to_string(), attempt);
+        hand.copies()
+            .entry(slot.clone())
+            .or_default()
+            .push(CopyEntry {
+                id,
+                message,
+                committed: false,
+            });
+        Self {
+            hand: hand.clone(),
+            slot,
+            id,
+        }
+    }
+}
+
+/// One copy of a retry message in hand (see [`InHand`]), until its task ends.
+struct Copy {
+    hand: Arc<InHand>,
+    slot: (String, u32),
+    id: u64,
+}
+
+impl Copy {
+    /// Waits until no earlier copy of this attempt may still run it: one committed to it, or
+    /// one of another message (with a lock of its own). An earlier delivery of this same
+    /// message that has not committed never will (it is superseded), so it is not waited for.
+    async fn earlier_gone(&self) {
+        let hand = &self.hand;
+        loop {
+            let gone = hand.gone.notified();
+            {
+                let copies = hand.copies();
+                let mine = copies.get(&self.slot).and_then(|v| {
+                    v.iter()
+                        .find(|c| c.id == self.id)
+                        .map(|c| c.message.clone())
+                });
+                let blocking = copies.get(&self.slot).is_some_and(|v| {
+                    v.iter().any(|c| {
+                        c.id < self.id && (c.committed || Some(&c.message) != mine.as_ref())
+                    })
+                });
+                if !blocking {
+                    return;
+                }
+            }
+            gone.await;
+        }
+    }
+
+    /// Commits this copy to claiming and running its attempt; `false` when a newer delivery
+    /// of the same message superseded it (Service Bus handed the message out again: this
+    /// copy's lock is gone), and it must stand down.
+    fn commit(&self) -> bool {
+        let mut copies = self.hand.copies();
+        let Some(v) = copies.get_mut(&self.slot) else {
+            return false;
+        };
+        let Some(mine) = v.iter().position(|c| c.id == self.id) else {
+            return false;
+        };
+        if v[mine].committed {
+            return true;
+        }
+        let superseded = v
+            .iter()
+            .any(|c| c.id > self.id && c.message == v[mine].message);
+        if superseded {
+            return false;
+        }
+        v[mine].committed = true;
+        true
+    }
+}
+
+impl Drop for Copy {
+    fn drop(&mut self) {
+        let hand = &self.hand;
+        {
+            let mut copies = hand.copies();
+            if let Some(v) = copies.get_mut(&self.slot) {
+                v.retain(|c| c.id != self.id);
+                if v.is_empty() {
+                    copies.remove(&self.slot);
+                }
+            }
+        }
+        hand.gone.notify_waiters();
+    }
 }
 
 /// Settling an attempt waits at most this long for due attempts to start first.
@@ -200,6 +344,8 @@ pub(crate) async fn run(shared: Arc<Shared>, cancel: CancellationToken) {
         slot_taken: tokio::sync::Notify::new(),
         starting: Default::default(),
         started: tokio::sync::Notify::new(),
+        in_hand: Arc::default(),
+        instance: uuid::Uuid::new_v4().to_string(),
     });
     shared.health.set_retry_loop(RetryLoopState::Running);
     // Owned here: if this future is dropped (a crash), every receiver and attempt goes with it.
@@ -400,6 +546,54 @@ async fn recover_overdue(shared: &Shared) {
     }
 }
 
+/// The deployment `body` belongs to, when it is not this one. A message without one was sent
+/// before deployments were named, when a queue served one deployment: this one's.
+fn foreign<'b>(body: &'b RetryMessage, shared: &Shared) -> Option<&'b crate::event::Deployment> {
+    let theirs = body.deployment.as_ref()?;
+    let ours = shared.settler.deployment()?;
+    (theirs.id != ours.id).then_some(theirs)
+}
+
+/// A retry whose ledger record is missing: the event read back from Event Hubs at the
+/// position the message carries, and its record rebuilt (`Some`), or — when it is gone or
+/// the message does not say where it was — the event dead-lettered as `record_missing`
+/// (`None`). `Err` when Event Hubs or the ledger could not be asked: held and tried again.
+async fn recover_missing(
+    shared: &Shared,
+    body: &RetryMessage,
+) -> Result<Option<(crate::ledger::LedgerRecord, String)>, String> {
+    let key = body.key();
+    let gone = match &body.origin {
+        None => "the retry message predates hubguard recording where events sit in Event Hubs, so the event cannot be read back".to_string(),
+        Some(origin) => match shared
+            .reader
+            .read(&origin.partition, origin.sequence_number)
+            .await?
+        {
+            super::readback::ReadBack::Found(event) if event.identity.idempotency_key == key => {
+                return shared
+                    .settler
+                    .rebuild_missing(&event, body, origin)
+                    .await
+                    .map(Some)
+                    .map_err(|e| e.to_string());
+            }
+            super::readback::ReadBack::Found(event) => format!(
+                "partition {} sequence number {} holds another event now (key {})",
+                origin.partition, origin.sequence_number, event.identity.idempotency_key
+            ),
+            super::readback::ReadBack::Gone(why) => why,
+        },
+    };
+    tracing::error!(key = %key, attempt = body.attempt, reason = %gone, "a retry's ledger record is missing and its event cannot be read back from Event Hubs; dead-lettering it as record_missing");
+    shared
+        .settler
+        .dead_letter_missing(body, &gone)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(None)
+}
+
 /// Takes one retry back from the dead-letter sub-queue. Whatever fails leaves it there,
 /// locked until its lock lapses, for the next sweep: it is never dropped.
 async fn rescue(msg: ReceivedMessage, shared: &Shared) {
@@ -407,18 +601,37 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
         tracing::warn!(message_id = %msg.message_id, "a message in the retry queue's dead-letter sub-queue is not hubguard's; leaving it for an operator");
         return;
     };
+    if foreign(&body, shared).is_some() {
+        // Another deployment's: its own sweep puts it back. Left locked until the lock lapses.
+        return;
+    }
     let key = body.key();
     let put_back = match shared.settler.ledger.get(key).await {
         Err(e) => {
             tracing::warn!(key = %key, error = %e, "cannot read the ledger for a dead-lettered retry; leaving it for the next sweep");
             return;
         }
-        Ok(None) => {
-            // The ledger holds the event (the message is a claim check): without the record
-            // there is nothing to retry. Left where an operator finds it.
-            tracing::error!(key = %key, message_id = %msg.message_id, "a dead-lettered retry has no ledger record; leaving it in the dead-letter sub-queue for an operator");
-            return;
-        }
+        // The ledger held the event (the message is a claim check) and its record is gone:
+        // read the event back from Event Hubs and put the retry back, or dead-letter it as
+        // `record_missing`. Anything failing leaves it for the next sweep.
+        Ok(None) => match recover_missing(shared, &body).await {
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "a dead-lettered retry has no ledger record and recovering it failed; leaving it for the next sweep");
+                return;
+            }
+            Ok(None) => {
+                shared.observe.count_record_missing(key);
+                Ok(())
+            }
+            Ok(Some((rec, _))) => {
+                shared.observe.count_record_rebuilt();
+                shared.observe.count_rescued();
+                shared
+                    .settler
+                    .rescue(&rec, &body, msg.sequence_number)
+                    .await
+            }
+        },
         Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
             Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
             // Superseded: only the recorded next attempt matters (dropped if it exists).
@@ -573,7 +786,54 @@ async fn process(
     };
     let key = body.key().to_string();
     let key = &key;
+    // Another deployment's retry (a queue two deployments share): never run against this
+    // one's ledger, never dropped. It goes back to the queue, unchanged, for its own
+    // deployment's receivers.
+    if let Some(theirs) = foreign(&body, shared) {
+        drop(waiting);
+        let theirs = theirs.clone();
+        let forwards = msg
+            .properties
+            .get("hubguard-forwards")
+            .and_then(|f| f.parse().ok())
+            .unwrap_or(0u32);
+        let raw = msg.body.clone();
+        let seq = msg.sequence_number;
+        let forwarded = holding(
+            &mut msg,
+            key,
+            shared,
+            cancel,
+            "handing another deployment's retry back to the queue",
+            || shared.settler.forward(&raw, &body, &theirs, seq, forwards),
+        )
+        .await;
+        if forwarded.is_some() {
+            shared.observe.count_forwarded();
+            shared.health.saw_foreign(&theirs.to_string());
+            if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
+                tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
+            } else {
+                tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
+            }
+            settle_message(&msg, true).await;
+        }
+        return;
+    }
     let due = at(body.due_ms);
+    // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
+    let copy = Copy::register(
+        &limits.in_hand,
+        key,
+        body.attempt,
+        (msg.message_id.clone(), msg.sequence_number),
+    );
+    if under_lock(&mut msg, shared, cancel, copy.earlier_gone())
+        .await
+        .is_none()
+    {
+        return;
+    }
     // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
     // the due time under the lock. What decides the attempt is still the ledger at the due
     // time: the record is re-validated then (a conditional read, no body while unchanged).
@@ -669,19 +929,90 @@ async fn process(
         }
         Some(read) => read,
         None => {
-            drop((slot, starting));
             // The ledger is written before any retry message is sent, and the event lives
             // there (the message is a claim check): a message without a record means the
-            // record was removed by hand. Nothing can be retried; abandon it, so Service Bus
-            // dead-letters it at its delivery limit where an operator sees it.
-            tracing::error!(key = %key, message_id = %msg.message_id, "a retry message has no ledger record, so its event cannot be retried; abandoning it to Service Bus's dead-letter sub-queue");
-            settle_message(&msg, false).await;
-            return;
+            // record was removed by hand. The message says where the event sits in Event
+            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
+            // as `record_missing` — never drop it silently.
+            let Some(recovered) = holding(
+                &mut msg,
+                key,
+                shared,
+                cancel,
+                "recovering the missing ledger record from Event Hubs",
+                || recover_missing(shared, &body),
+            )
+            .await
+            else {
+                return;
+            };
+            match recovered {
+                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
+                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
+                    shared.observe.count_record_rebuilt();
+                    read
+                }
+                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
+                // is not the one waiting: final, or superseded (its recorded next attempt is
+                // made sure of, as for any stale copy).
+                Some((rec, _)) => {
+                    drop((slot, starting));
+                    let settled = match Verdict::of(Some(&rec), body.attempt) {
+                        Verdict::Stale => holding(
+                            &mut msg,
+                            key,
+                            shared,
+                            cancel,
+                            "re-sending the recorded retry",
+                            || shared.settler.resend_recorded(&rec, &body.traceparents),
+                        )
+                        .await
+                        .map(drop),
+                        _ => Some(()),
+                    };
+                    if settled.is_some() {
+                        settle_message(&msg, true).await;
+                    }
+                    return;
+                }
+                None => {
+                    drop((slot, starting));
+                    shared.observe.count_record_missing(key);
+                    shared.health.count(&shared.health.counters.dead_lettered);
+                    settle_message(&msg, true).await;
+                    return;
+                }
+            }
         }
     };
-    let (rec, etag) = rec;
+    // The attempt is claimed in the ledger before the call, so a copy of the message in
+    // another replica stands down; a lapsed lock or a newer delivery of this message is
+    // noticed before the claim, and again before the call.
+    let (mut slot, mut starting) = (Some(slot), Some(starting));
+    let Some(claimed) = claim(
+        &mut msg,
+        shared,
+        cancel,
+        limits,
+        &copy,
+        &body,
+        rec,
+        &mut slot,
+        &mut starting,
+    )
+    .await
+    else {
+        return;
+    };
+    if !lock_held(&msg, shared) {
+        drop((slot, starting));
+        shared.settler.release_claim(claimed).await;
+        return;
+    }
+    let (rec, etag) = claimed;
     let event = rec.event.clone();
-    // An open breaker defers the attempt past its expiry, without counting it.
+    // An open breaker defers the attempt past its expiry, without counting it (the deferral
+    // gives the claim up in the same write).
     let event_type = event.identity.event_type.as_deref();
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
@@ -718,7 +1049,8 @@ async fn process(
         max_attempts: pinned.max_attempts,
         clock: shared.clock(),
     };
-    // Keep the lock while the handler runs.
+    // Keep the lock, and the claim, while the handler runs.
+    let mut claimed = (rec, etag);
     let attempted = {
         let run = attempt::run(
             &shared.downstream.handler,
@@ -728,6 +1060,7 @@ async fn process(
             cx,
         );
         futures::pin_mut!(run);
+        let mut claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
         loop {
             let renew_in = shared.clock().until(msg.locked_until) / 2;
             tokio::select! {
@@ -737,9 +1070,16 @@ async fn process(
                         tracing::warn!(key = %key, error = %e, "lock renewal failed");
                     }
                 }
+                _ = shared.clock().sleep_until(claim_renewal) => {
+                    if let Err(e) = shared.settler.renew_claim(&mut claimed).await {
+                        tracing::warn!(key = %key, error = %e, "renewing the claim on a running attempt failed");
+                    }
+                    claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
+                }
             }
         }
     };
+    let (rec, etag) = claimed;
     shared.attempted(&attempted, gate, event_type).await;
     // The breaker knows the outcome: the next attempt may ask it.
     drop(slot);
@@ -795,5 +1135,138 @@ async fn process(
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
         settle_message(&msg, true).await;
+    }
+}
+
+/// Claims attempt `body.attempt` for this copy ([`Settler::claim`](super::settle::Settler::claim)),
+/// starting from the record `read` at the due time. `Some` with the claimed record and its
+/// ETag when this copy runs the attempt; `None` when it is done without running it: it stood
+/// down (superseded, or its lock lapsed), the record no longer waits for this attempt (the
+/// message is settled as the record says), or the loop stopped. While another process holds
+/// a live claim, the copy waits under its lock — without an attempt slot — until the claim
+/// expires, then claims again.
+#[allow(clippy::too_many_arguments)]
+async fn claim<'l>(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    limits: &'l Limits,
+    copy: &Copy,
+    body: &RetryMessage,
+    read: (crate::ledger::LedgerRecord, String),
+    slot: &mut Option<tokio::sync::SemaphorePermit<'l>>,
+    starting: &mut Option<Starting<'l>>,
+) -> Option<(crate::ledger::LedgerRecord, String)> {
+    use super::settle::Claimed;
+    let key = body.key();
+    let read = std::sync::Mutex::new(Some(read));
+    loop {
+        if !lock_held(msg, shared) {
+            return None;
+        }
+        if !copy.commit() {
+            tracing::info!(key = %key, attempt = body.attempt, message_id = %msg.message_id, "Service Bus handed this retry out again (its lock lapsed); the newer copy runs the attempt");
+            return None;
+        }
+        let claimed = holding(msg, key, shared, cancel, "claiming the attempt", || {
+            let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
+            shared.settler.claim(
+                key,
+                body.attempt,
+                read,
+                &shared.options.owner_id,
+                &limits.instance,
+            )
+        })
+        .await?;
+        match claimed {
+            Claimed::Mine(claimed) => return Some(*claimed),
+            Claimed::Busy(until) => {
+                drop((slot.take(), starting.take()));
+                tracing::info!(key = %key, attempt = body.attempt, until = %crate::clock::rfc3339(until), "another replica runs this attempt; waiting for its claim to settle or expire");
+                under_lock(msg, shared, cancel, shared.clock().sleep_until(until)).await?;
+                let Ok(s) = under_lock(msg, shared, cancel, limits.attempts.acquire()).await?
+                else {
+                    return None;
+                };
+                *slot = Some(s);
+            }
+            Claimed::Changed(verdict, rec) => {
+                drop((slot.take(), starting.take()));
+                match (verdict, rec) {
+                    (Verdict::Final(_), _) => settle_message(msg, true).await,
+                    (Verdict::Stale, Some(rec)) => {
+                        let scheduled = holding(
+                            msg,
+                            key,
+                            shared,
+                            cancel,
+                            "re-sending the recorded retry",
+                            || shared.settler.resend_recorded(&rec, &body.traceparents),
+                        )
+                        .await;
+                        if scheduled.is_some() {
+                            settle_message(msg, true).await;
+                        }
+                    }
+                    _ => {
+                        tracing::error!(key = %key, message_id = %msg.message_id, "the ledger record of a retry vanished before its attempt; abandoning it to Service Bus's dead-letter sub-queue");
+                        settle_message(msg, false).await;
+                    }
+                }
+                return None;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(hand: &Arc<InHand>, id: &str, seq: i64) -> Copy {
+        Copy::register(hand, "k", 2, (id.to_string(), seq))
+    }
+
+    async fn waits(c: &Copy) -> bool {
+        tokio::time::timeout(Duration::from_millis(1), c.earlier_gone())
+            .await
+            .is_err()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_redelivery_supersedes_the_copy_it_replaces_and_other_copies_take_turns() {
+        let hand = Arc::new(InHand::default());
+        // Service Bus hands the same message out again: the first copy, not yet committed,
+        // stands down, and the new one need not wait for it.
+        let first = copy(&hand, "k-attempt-2", 7);
+        let again = copy(&hand, "k-attempt-2", 7);
+        assert!(!waits(&again).await);
+        assert!(!first.commit(), "superseded");
+        assert!(again.commit());
+        // Another message for the same attempt (a recovered copy) waits while one is
+        // committed, and goes once it is gone.
+        let recovered = copy(&hand, "k-attempt-2-recovered-1", 9);
+        assert!(waits(&recovered).await);
+        drop(first);
+        assert!(
+            waits(&recovered).await,
+            "the committed copy is still in hand"
+        );
+        drop(again);
+        assert!(!waits(&recovered).await);
+        assert!(recovered.commit());
+        // A redelivery of a committed copy waits for it (the attempt runs once).
+        let late = copy(&hand, "k-attempt-2-recovered-1", 9);
+        assert!(waits(&late).await);
+        assert!(recovered.commit(), "committed stays committed");
+        drop(recovered);
+        assert!(!waits(&late).await);
+        // A message sent anew under the same MessageId is another message: it waits.
+        let anew = copy(&hand, "k-attempt-2-recovered-1", 12);
+        assert!(late.commit(), "not superseded by another message");
+        assert!(waits(&anew).await);
+        drop((late, anew));
+        assert!(hand.copies().is_empty());
     }
 }

@@ -1,10 +1,15 @@
 //! Settlement: making an attempt's outcome durable, so the checkpoint may pass the event.
 //!
-//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path).
+//! - Delivered on the first attempt from Event Hubs: nothing to write (the happy path) —
+//!   unless the ledger holds a record of that very event (a replay after a failure whose
+//!   retry never went out, say): then the delivery is recorded, so no retry runs it again.
+//!   The partition knows which of its events may have a record (`pipeline::recorded`) and
+//!   asks the ledger only for those.
 //! - Delivered on a retry: the ledger records it.
 //! - Failed: the pinned policy decides; a retry is settled only when the ledger records the
 //!   attempt *and* Service Bus accepted the scheduled message (MessageId
-//!   `{key}-attempt-{n+1}`, so a repeat is dropped by duplicate detection); a dead letter when
+//!   `{deployment}.{key}-attempt-{n+1}`, so a repeat is dropped by duplicate detection and
+//!   another deployment's message of the same key is not); a dead letter when
 //!   the index and the ledger record are written.
 //! - A replayed attempt the ledger already has (a crash between scheduling and
 //!   checkpointing, a lost retry message) re-sends the recorded next attempt instead of
@@ -22,11 +27,17 @@ use tracing::Instrument;
 
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
-use crate::event::{Event, Identity};
+use crate::event::{Deployment, Event};
 use crate::handler::{Failure, Outcome};
-use crate::ledger::{AttemptEntry, Change, Ledger, LedgerError, LedgerRecord, State, Verdict};
+use crate::ledger::{
+    AttemptEntry, Change, Claim, Ledger, LedgerError, LedgerRecord, State, Verdict,
+};
 use crate::policy::classify::ErrorClass;
 use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
+
+/// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
+/// event whose record had counted later attempts.
+pub const DELIVERED_ON_REPLAY: &str = "delivered_on_replay";
 
 /// Compare-and-swap rounds before giving up on a contended record.
 const CAS_ROUNDS: usize = 16;
@@ -74,6 +85,22 @@ pub enum Settled {
     DeadLettered(DeadLetterReason),
     /// The ledger already had a final state for the event (a duplicate delivery).
     AlreadyFinal(State),
+}
+
+/// How long a claim on an attempt holds ([`Settler::claim`]) unless renewed: a call that runs
+/// longer renews it at half this time, so a claim outlives its process by at most this.
+pub const CLAIM_LEASE: Duration = Duration::from_secs(60);
+
+/// What [`Settler::claim`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claimed {
+    /// This copy holds the claim: run the attempt, and settle from this record and ETag.
+    Mine(Box<(LedgerRecord, String)>),
+    /// Another process holds a live claim on the attempt until then: wait, then claim again.
+    Busy(SystemTime),
+    /// The record changed since it was read and this attempt is no longer the one it waits
+    /// for: act on the verdict (with the record as it is now, when there is one).
+    Changed(Verdict, Option<Box<LedgerRecord>>),
 }
 
 /// A settlement that could not be made durable.
@@ -169,6 +196,38 @@ pub struct RetryMessage {
     /// `traceparent`s of the earlier attempts (the last [`TRACE_LINKS_LIMIT`]).
     #[serde(default)]
     pub traceparents: Vec<String>,
+    /// The deployment the retry belongs to. Absent in messages sent before deployments were
+    /// named: those are taken as the receiving deployment's own (a queue had one then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment: Option<Deployment>,
+    /// Where the event sits in Event Hubs, so a ledger record removed by hand can be rebuilt
+    /// by reading the event back while the hub's retention keeps it. Absent in older
+    /// messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Position>,
+}
+
+/// An event's place in Event Hubs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Position {
+    /// The partition.
+    pub partition: String,
+    /// The sequence number.
+    pub sequence_number: i64,
+    /// The offset, if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<String>,
+}
+
+impl Position {
+    /// Where `event` was read from; `None` for a stand-in that was never read.
+    pub fn of(event: &Event) -> Option<Self> {
+        (event.sequence_number >= 0 && !event.partition_id.is_empty()).then(|| Self {
+            partition: event.partition_id.clone(),
+            sequence_number: event.sequence_number,
+            offset: event.offset.clone(),
+        })
+    }
 }
 
 impl RetryMessage {
@@ -186,9 +245,10 @@ impl RetryMessage {
 pub const TRACE_LINKS_LIMIT: usize = 32;
 
 /// Longest key used as it is in a MessageId. Service Bus allows 128 characters ("Service Bus
-/// quotas", learn.microsoft.com); hubguard appends at most 47 (`-attempt-4294967295` and
-/// `-rescued-` with a 19-digit sequence number).
-const READABLE_KEY_LIMIT: usize = 80;
+/// quotas", learn.microsoft.com); hubguard puts the deployment id and a dot before it (13)
+/// and appends at most 47 (`-attempt-4294967295` and `-rescued-` with a 19-digit sequence
+/// number): 128 − 13 − 47 = 68, one spare.
+const READABLE_KEY_LIMIT: usize = 67;
 
 /// What stands for `key` in a MessageId: the key itself when it is short printable ASCII
 /// (so operators can read it in the queue), else its [`key_digest`](crate::event::key_digest).
@@ -210,6 +270,57 @@ pub fn message_id(key: &str, attempt: u32) -> String {
     format!("{}-attempt-{attempt}", message_id_base(key))
 }
 
+/// Forwards of another deployment's retry that go back to the queue at once; later ones
+/// wait longer each time (see [`Settler::forward`]). Competing receivers take messages in no
+/// particular order, and the replica that hands a message back is often the one polling
+/// when it reappears: a live owner gets its message within a few hops, and dozens in a row
+/// mean the owner is not receiving.
+pub const FORWARD_FAST_HOPS: u32 = 64;
+
+/// The longest a handed-back copy waits before Service Bus shows it again.
+pub const FORWARD_WAIT_MAX: Duration = Duration::from_secs(30);
+
+/// `id` under `deployment`: `{deployment id}.{id}`, or `id` alone for an unnamed one.
+pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
+    match deployment {
+        Some(d) => format!("{}.{id}", d.id),
+        None => id.to_string(),
+    }
+}
+
+/// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
+pub fn unqualified(id: &str) -> &str {
+    match id.split_at_checked(crate::event::DEPLOYMENT_ID_LEN) {
+        Some((d, rest))
+            if rest.starts_with('.')
+                && d.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
+        {
+            &rest[1..]
+        }
+        _ => id,
+    }
+}
+
+/// The properties that name a deployment on a message, for operators browsing a queue and
+/// for subscribers of a shared dead-letter queue (header values: printable ASCII only).
+pub fn deployment_properties(deployment: Option<&Deployment>) -> Vec<(String, String)> {
+    let Some(d) = deployment else {
+        return Vec::new();
+    };
+    let mut p = vec![("hubguard-deployment".to_string(), d.id.clone())];
+    for (name, value) in [
+        ("hubguard-namespace", &d.namespace),
+        ("hubguard-hub", &d.hub),
+        ("hubguard-consumer-group", &d.consumer_group),
+    ] {
+        if ascii(value) && value.len() <= PROPERTY_KEY_LIMIT {
+            p.push((name.to_string(), value.clone()));
+        }
+    }
+    p
+}
+
 /// Makes outcomes durable.
 pub struct Settler {
     /// The ledger.
@@ -222,6 +333,8 @@ pub struct Settler {
     /// them (and their ledger record) in hand when they come due; it starts them at the due
     /// time the message carries.
     lead: Duration,
+    /// Whose retries these are: in every MessageId and message (`None`: unnamed, as before).
+    deployment: Option<Deployment>,
 }
 
 impl std::fmt::Debug for Settler {
@@ -260,7 +373,26 @@ impl Settler {
             clock: Arc::default(),
             dead_letters: None,
             lead: Duration::ZERO,
+            deployment: None,
         }
+    }
+
+    /// Names every message after `deployment`: MessageIds start with its id (so duplicate
+    /// detection never drops another deployment's message of the same key and attempt), and
+    /// each message carries it (so a replica of another deployment never runs it).
+    pub fn with_deployment(mut self, deployment: Deployment) -> Self {
+        self.deployment = Some(deployment);
+        self
+    }
+
+    /// The deployment messages are named after.
+    pub fn deployment(&self) -> Option<&Deployment> {
+        self.deployment.as_ref()
+    }
+
+    /// `id` as this deployment sends it: `{deployment id}.{id}`.
+    pub fn qualified(&self, id: &str) -> String {
+        qualified(self.deployment.as_ref(), id)
     }
 
     /// Also publishes every dead letter to `destination`, before the ledger records it.
@@ -328,7 +460,7 @@ impl Settler {
         }
         let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
         let sent = self
-            .schedule_as(&id, &event.identity, attempt, until, traceparents)
+            .schedule_as(&id, event, attempt, until, traceparents)
             .await;
         if self.sent_or_dead_lettered(key, sent).await?.is_none() {
             return Ok(());
@@ -340,6 +472,7 @@ impl Settler {
                     if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
                     rec.next_attempt_ms = Some(ms(until));
+                    rec.claim = None;
                     Change::Write(Box::new(rec), ())
                 }
                 _ => Change::Keep(()),
@@ -364,13 +497,7 @@ impl Settler {
         );
         let due = at(message.due_ms).max(self.clock.now());
         let sent = self
-            .schedule_as(
-                &id,
-                &rec.event.identity,
-                message.attempt,
-                due,
-                &message.traceparents,
-            )
+            .schedule_as(&id, &rec.event, message.attempt, due, &message.traceparents)
             .await;
         self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
     }
@@ -392,7 +519,9 @@ impl Settler {
                     if rec.state == State::RetryScheduled
                         && rec
                             .next_attempt_at()
-                            .is_some_and(|due| due < overdue_before) =>
+                            .is_some_and(|due| due < overdue_before)
+                        // Not while a retry loop runs it (a live claim).
+                        && rec.claim.as_ref().is_none_or(|c| !c.live(now)) =>
                 {
                     rec.next_attempt_ms = Some(ms(now));
                     rec.updated_ms = ms(now);
@@ -406,10 +535,91 @@ impl Settler {
         };
         let attempt = rec.attempts + 1;
         let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
-        let sent = self
-            .schedule_as(&id, &rec.event.identity, attempt, now, &[])
-            .await;
+        let sent = self.schedule_as(&id, &rec.event, attempt, now, &[]).await;
         Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
+    }
+
+    /// Claims attempt `attempt` of `key` for the copy of its retry message in hand, before
+    /// the handler is called (see [`Claim`](crate::ledger::Claim) for the rule): a
+    /// compare-and-swap over `read` (the record read at the due time, with its ETag), so of
+    /// two copies that read the same record one claims it and the other reads again. A live
+    /// claim of another process makes this copy wait ([`Claimed::Busy`]); an expired one, or
+    /// one of this same `instance` (whose copy is no longer in hand), is taken over.
+    pub async fn claim(
+        &self,
+        key: &str,
+        attempt: u32,
+        mut read: Option<(LedgerRecord, String)>,
+        owner: &str,
+        instance: &str,
+    ) -> Result<Claimed, SettleError> {
+        for _ in 0..CAS_ROUNDS {
+            let current = match read.take() {
+                Some(known) => Some(known),
+                None => match self.ledger.get(key).await {
+                    Err(LedgerError::Corrupt { reason, .. }) => {
+                        self.ledger
+                            .quarantine(key, None, &reason, self.clock.now())
+                            .await?;
+                        return Ok(Claimed::Changed(Verdict::Final(State::DeadLettered), None));
+                    }
+                    other => other?,
+                },
+            };
+            let Some((mut rec, etag)) = current else {
+                return Ok(Claimed::Changed(Verdict::Unrecorded, None));
+            };
+            let verdict = Verdict::of(Some(&rec), attempt);
+            if verdict != Verdict::Current {
+                return Ok(Claimed::Changed(verdict, Some(Box::new(rec))));
+            }
+            let now = self.clock.now();
+            if let Some(c) = &rec.claim {
+                if c.attempt == attempt && c.instance != instance && c.live(now) {
+                    return Ok(Claimed::Busy(at(c.until_ms)));
+                }
+            }
+            rec.claim = Some(Claim {
+                attempt,
+                owner: owner.to_string(),
+                instance: instance.to_string(),
+                until_ms: ms(now + CLAIM_LEASE),
+            });
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(etag) => return Ok(Claimed::Mine(Box::new((rec, etag)))),
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+
+    /// Extends the claim `claimed` holds by another [`CLAIM_LEASE`] (while a call runs long),
+    /// keeping its record and ETag current. A conflict means the claim was taken over (it had
+    /// lapsed): the settlement then decides on what the record says.
+    pub async fn renew_claim(
+        &self,
+        claimed: &mut (LedgerRecord, String),
+    ) -> Result<(), SettleError> {
+        let (rec, etag) = claimed;
+        let mut renewed = rec.clone();
+        match &mut renewed.claim {
+            Some(c) => c.until_ms = ms(self.clock.now() + CLAIM_LEASE),
+            None => return Ok(()),
+        }
+        let new_etag = self.ledger.put(&renewed, Some(etag)).await?;
+        *claimed = (renewed, new_etag);
+        Ok(())
+    }
+
+    /// Gives up the claim `claimed` holds without running the attempt (its lock lapsed
+    /// before the call): best effort, as an expired claim is taken over anyway.
+    pub async fn release_claim(&self, claimed: (LedgerRecord, String)) {
+        let (mut rec, etag) = claimed;
+        rec.claim = None;
+        if let Err(e) = self.ledger.put(&rec, Some(&etag)).await {
+            tracing::debug!(key = %rec.key, error = %e, "could not release a claim; it expires by itself");
+        }
     }
 
     /// Makes sure the next attempt `rec` records exists on Service Bus (a repeat within the
@@ -441,7 +651,7 @@ impl Settler {
     ) -> Result<(), RetryQueueError> {
         self.schedule_as(
             &message_id(&event.identity.idempotency_key, attempt),
-            &event.identity,
+            event,
             attempt,
             due,
             traceparents,
@@ -494,6 +704,7 @@ impl Settler {
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
+                retry_after_capped_from_s: None,
             });
             self.publish_dead_letter(&rec).await?;
             self.ledger.index_dead_letter(key).await?;
@@ -509,11 +720,12 @@ impl Settler {
     async fn schedule_as(
         &self,
         id: &str,
-        identity: &Identity,
+        event: &Event,
         attempt: u32,
         due: SystemTime,
         traceparents: &[String],
     ) -> Result<(), RetryQueueError> {
+        let identity = &event.identity;
         let links = traceparents.len().saturating_sub(TRACE_LINKS_LIMIT);
         let body = RetryMessage {
             v: 2,
@@ -522,8 +734,11 @@ impl Settler {
             key: identity.idempotency_key.clone(),
             event: None,
             traceparents: traceparents[links..].to_vec(),
+            deployment: self.deployment.clone(),
+            origin: Position::of(event),
         };
         let mut properties = vec![("hubguard-attempt".to_string(), attempt.to_string())];
+        properties.extend(deployment_properties(self.deployment.as_ref()));
         // A readable copy for operators browsing the queue, when it is a header value Service
         // Bus takes (printable ASCII; a property is at most 32 KB, all headers 64 KB).
         if ascii(&identity.idempotency_key) && identity.idempotency_key.len() <= PROPERTY_KEY_LIMIT
@@ -536,27 +751,206 @@ impl Settler {
         let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
-                message_id: id.to_string(),
+                message_id: self.qualified(id),
                 correlation_id: Some(bounded(&identity.correlation_id)),
                 label: identity.event_type.as_deref().map(bounded),
                 body: serde_json::to_string(&body)
                     .map_err(|e| RetryQueueError::Protocol(e.to_string()))?,
                 content_type: Some("application/json".into()),
-                // The body carries the due time; Service Bus hands the message over up to
-                // `lead` earlier, but never before the next whole second: it stays a
-                // scheduled message, as without a lead.
-                due: due
-                    .checked_sub(self.lead)
-                    .unwrap_or(due)
-                    .max(crate::clock::ceil_to_second(
-                        self.clock.now() + Duration::from_millis(1),
-                    ))
-                    .min(due),
+                due: self.visible_at(due),
                 time_to_live: None,
                 properties,
             })
             .instrument(span)
             .await
+    }
+
+    /// When Service Bus should hand over a message due at `due`. The body carries the due
+    /// time; Service Bus hands the message over up to `lead` earlier, but never before the
+    /// next whole second: it stays a scheduled message, as without a lead.
+    fn visible_at(&self, due: SystemTime) -> SystemTime {
+        due.checked_sub(self.lead)
+            .unwrap_or(due)
+            .max(crate::clock::ceil_to_second(
+                self.clock.now() + Duration::from_millis(1),
+            ))
+            .min(due)
+    }
+
+    /// Hands a retry message of another deployment (received from a queue the two share)
+    /// back to the queue for its own deployment, unchanged: the same body, due when it was,
+    /// under a MessageId of its own — `{its deployment}.{key}-attempt-{n}-fwd-{sequence
+    /// number of this copy}` — so duplicate detection drops a second forward of the same copy
+    /// (a crash before it was completed) and nothing else. `forwards` counts the hops so far:
+    /// after [`FORWARD_FAST_HOPS`] a copy waits a little longer each time (up to
+    /// [`FORWARD_WAIT_MAX`]), so a deployment that no longer runs costs the others little.
+    pub async fn forward(
+        &self,
+        raw_body: &str,
+        message: &RetryMessage,
+        theirs: &Deployment,
+        sequence_number: i64,
+        forwards: u32,
+    ) -> Result<(), RetryQueueError> {
+        let id = qualified(
+            Some(theirs),
+            &format!(
+                "{}-fwd-{sequence_number}",
+                message_id(message.key(), message.attempt)
+            ),
+        );
+        let mut visible = self.visible_at(at(message.due_ms));
+        if let Some(extra) = forwards.checked_sub(FORWARD_FAST_HOPS) {
+            let wait = Duration::from_secs(1u64 << extra.min(6)).min(FORWARD_WAIT_MAX);
+            visible = visible.max(crate::clock::ceil_to_second(self.clock.now() + wait));
+        }
+        let mut properties = vec![
+            ("hubguard-attempt".to_string(), message.attempt.to_string()),
+            ("hubguard-forwards".to_string(), (forwards + 1).to_string()),
+        ];
+        properties.extend(deployment_properties(Some(theirs)));
+        self.queue
+            .schedule(OutgoingMessage {
+                message_id: id,
+                correlation_id: None,
+                label: None,
+                body: raw_body.to_string(),
+                content_type: Some("application/json".into()),
+                due: visible,
+                time_to_live: None,
+                properties,
+            })
+            .await
+    }
+
+    /// Rebuilds the ledger record of `event` (read back from Event Hubs because its record
+    /// is missing) as the retry `message` expects it: attempt `message.attempt - 1` failed
+    /// and attempt `message.attempt` is due when the message says, under the policy in force
+    /// for its type. Created with `If-None-Match: *`: if a record appeared meanwhile, that
+    /// one is returned.
+    pub async fn rebuild_missing(
+        &self,
+        event: &Event,
+        message: &RetryMessage,
+        origin: &Position,
+    ) -> Result<(LedgerRecord, String), SettleError> {
+        let key = &event.identity.idempotency_key;
+        let now = self.clock.now();
+        let error = format!(
+            "the ledger record was missing while attempt {} waited; rebuilt from Event Hubs (partition {}, sequence number {})",
+            message.attempt, origin.partition, origin.sequence_number
+        );
+        let rec = LedgerRecord {
+            key: key.clone(),
+            correlation_id: event.identity.correlation_id.clone(),
+            event_type: event.identity.event_type.clone(),
+            state: State::RetryScheduled,
+            attempts: message.attempt.saturating_sub(1),
+            next_attempt_ms: Some(message.due_ms),
+            first_failure_ms: ms(now),
+            updated_ms: ms(now),
+            last_error: Some(error),
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy: self
+                .policies
+                .for_type(event.identity.event_type.as_deref())
+                .clone(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event: event.clone(),
+            quarantined: None,
+            event_unknown: false,
+            claim: None,
+        };
+        match self.ledger.put(&rec, None).await {
+            Ok(etag) => Ok((rec, etag)),
+            Err(LedgerError::Store(StoreError::Conflict)) => self
+                .ledger
+                .get(key)
+                .await?
+                .ok_or_else(|| SettleError::Contended(key.clone())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Dead-letters the event of a retry `message` whose ledger record is missing and whose
+    /// event cannot be read back (past the hub's retention, another event at its position,
+    /// or an older message that does not say where it was): reason
+    /// [`DeadLetterReason::RecordMissing`], `why` as its last error, the key in the
+    /// dead-letter index (`hubguard dead-letters list`). The event itself is unknown: the
+    /// record is a stand-in marked `event_unknown`, and a replay says so.
+    pub async fn dead_letter_missing(
+        &self,
+        message: &RetryMessage,
+        why: &str,
+    ) -> Result<(), SettleError> {
+        let key = message.key().to_string();
+        let now = ms(self.clock.now());
+        let origin = message.origin.clone();
+        let error = format!(
+            "the ledger record was missing while attempt {} waited, and the event could not be read back from Event Hubs: {why}",
+            message.attempt
+        );
+        let rec = LedgerRecord {
+            key: key.clone(),
+            correlation_id: key.clone(),
+            event_type: None,
+            state: State::DeadLettered,
+            attempts: message.attempt.saturating_sub(1),
+            next_attempt_ms: None,
+            first_failure_ms: now,
+            updated_ms: now,
+            last_error: Some(error.clone()),
+            dead_letter_reason: Some(DeadLetterReason::RecordMissing),
+            last_delay_ms: None,
+            policy: self.policies.default.clone(),
+            attempt_base: 0,
+            history: vec![AttemptEntry {
+                attempt: message.attempt,
+                started_ms: now,
+                finished_ms: now,
+                outcome: "dead_lettered".into(),
+                error: Some(error),
+                next_attempt_ms: None,
+                trace_id: None,
+                retry_after_capped_from_s: None,
+            }],
+            event: Event {
+                body: Vec::new(),
+                content_type: None,
+                properties: Default::default(),
+                hub: self
+                    .deployment
+                    .as_ref()
+                    .map(|d| d.hub.clone())
+                    .unwrap_or_default(),
+                partition_id: origin
+                    .as_ref()
+                    .map(|o| o.partition.clone())
+                    .unwrap_or_default(),
+                sequence_number: origin.as_ref().map_or(-1, |o| o.sequence_number),
+                offset: origin.and_then(|o| o.offset),
+                enqueued_ms: None,
+                partition_key: None,
+                identity: crate::event::Identity {
+                    idempotency_key: key.clone(),
+                    correlation_id: key.clone(),
+                    event_type: None,
+                },
+            },
+            quarantined: None,
+            event_unknown: true,
+            claim: None,
+        };
+        self.publish_dead_letter(&rec).await?;
+        self.ledger.index_dead_letter(&key).await?;
+        match self.ledger.put(&rec, None).await {
+            // A record appeared meanwhile (a replay from Event Hubs wrote it): it holds the
+            // event, and the ledger's sweep runs what it says is waiting.
+            Ok(_) | Err(LedgerError::Store(StoreError::Conflict)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Settles `outcome` of attempt `attempt` of `event`.
@@ -601,11 +995,11 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<Settled, SettleError> {
         let settled = match outcome {
-            Outcome::Delivered if source == Source::EventHubs && attempt == 1 => {
-                return Ok(Settled::Delivered)
-            }
+            // Also a first attempt from Event Hubs: whether its event may have a record is
+            // the partition's knowledge (see `pipeline::recorded`), which skips this call
+            // when it provably has none. Here the ledger is asked.
             Outcome::Delivered => {
-                self.delivered(read, event, attempt, started, trace_id)
+                self.delivered(read, event, attempt, source, started, trace_id)
                     .await
             }
             Outcome::Failed(f) => {
@@ -636,6 +1030,7 @@ impl Settler {
         read: Option<(LedgerRecord, String)>,
         event: &Event,
         attempt: u32,
+        source: Source,
         started: SystemTime,
         trace_id: &str,
     ) -> Result<Settled, SettleError> {
@@ -651,18 +1046,37 @@ impl Settler {
                 if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
                     return Change::Keep(Settled::AlreadyFinal(state));
                 }
+                // From Event Hubs, only a replay of the recorded event settles its record:
+                // another event that happens to carry the same key leaves the record's
+                // retry alone (it is a different event, still owed its delivery).
+                if source == Source::EventHubs
+                    && (rec.event.partition_id != event.partition_id
+                        || rec.event.sequence_number != event.sequence_number)
+                {
+                    return Change::Keep(Settled::Delivered);
+                }
                 rec.state = State::Delivered;
+                rec.claim = None;
                 rec.attempts = rec.attempts.max(attempt);
                 rec.next_attempt_ms = None;
                 rec.updated_ms = ms(now);
+                // A replay from Event Hubs runs as attempt 1 although the record counted
+                // more (the retry it had scheduled never ran, or has not yet): recorded as
+                // what it was, a replay, so the history's retries still never go backwards.
+                let replayed = source == Source::EventHubs && attempt < rec.attempts;
                 rec.push_history(AttemptEntry {
                     attempt,
                     started_ms: ms(started),
                     finished_ms: ms(now),
-                    outcome: "delivered".into(),
+                    outcome: if replayed {
+                        DELIVERED_ON_REPLAY.into()
+                    } else {
+                        "delivered".into()
+                    },
                     error: None,
                     next_attempt_ms: None,
                     trace_id: Some(trace_id.to_string()),
+                    retry_after_capped_from_s: None,
                 });
                 Change::Write(Box::new(rec), Settled::Delivered)
             })
@@ -721,13 +1135,14 @@ impl Settler {
                     None,
                 ),
             };
-            let decision = policy.decide(
+            let (decision, capped_from) = policy.decision(
                 &FailedAttempt {
                     attempt: attempt.saturating_sub(base).max(1),
                     first_failure,
                     now,
                     permanent: failure.class == ErrorClass::Permanent,
                     retry_after: failure.retry_after,
+                    retry_after_max: failure.retry_after_max,
                     previous_delay: previous,
                 },
                 &mut rand::thread_rng(),
@@ -752,9 +1167,11 @@ impl Settler {
                     event: event.clone(),
                     quarantined: None,
                     event_unknown: false,
+                    claim: None,
                 },
             };
             rec.attempts = attempt;
+            rec.claim = None;
             rec.updated_ms = ms(now);
             rec.last_error = Some(failure.error.clone());
             let etag = current.as_ref().map(|(_, e)| e.as_str());
@@ -779,11 +1196,15 @@ impl Settler {
                         error: Some(failure.error.clone()),
                         next_attempt_ms: Some(ms(due)),
                         trace_id: Some(trace_id.to_string()),
+                        retry_after_capped_from_s: capped_from.map(|d| d.as_secs()),
                     });
                     // Ledger first: if Service Bus then fails, the replay (or the redelivered
                     // retry message) finds the attempt recorded and re-sends the same message.
                     match self.ledger.put(&rec, etag).await {
-                        Ok(_) => {}
+                        Ok(_) => super::attempt::mark_retry_after_capped(
+                            &tracing::Span::current(),
+                            capped_from,
+                        ),
                         Err(LedgerError::Store(StoreError::Conflict)) => continue,
                         Err(e) => return Err(e.into()),
                     }
@@ -808,6 +1229,7 @@ impl Settler {
                         error: Some(failure.error.clone()),
                         next_attempt_ms: None,
                         trace_id: Some(trace_id.to_string()),
+                        retry_after_capped_from_s: None,
                     });
                     self.publish_dead_letter(&rec).await?;
                     self.ledger.index_dead_letter(key).await?;
@@ -1142,6 +1564,157 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn one_copy_claims_an_attempt_and_a_claim_left_behind_expires() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let read = b.settler.ledger.get("k").await.unwrap().unwrap();
+        let ledger = &b.settler.ledger;
+        // Two copies read the same record; the first claims it.
+        let mine = b
+            .settler
+            .claim("k", 2, Some(read.clone()), "replica-a", "instance-a")
+            .await
+            .unwrap();
+        let Claimed::Mine(claimed) = mine else {
+            panic!("{mine:?}")
+        };
+        assert_eq!(claimed.0.claim.as_ref().map(|c| c.attempt), Some(2));
+        // The second one's compare-and-swap fails; it reads again and finds the live claim.
+        let busy = b
+            .settler
+            .claim("k", 2, Some(read), "replica-b", "instance-b")
+            .await
+            .unwrap();
+        let Claimed::Busy(until) = busy else {
+            panic!("{busy:?}")
+        };
+        assert_eq!(until, b.clock.now().max(until));
+        // The same process may take its own claim back (its copy is no longer in hand).
+        assert!(matches!(
+            b.settler
+                .claim("k", 2, None, "replica-a", "instance-a")
+                .await
+                .unwrap(),
+            Claimed::Mine(_)
+        ));
+        // A claim whose process died expires, and another copy takes it over.
+        b.clock.advance(CLAIM_LEASE + Duration::from_secs(1));
+        let taken = b
+            .settler
+            .claim("k", 2, None, "replica-b", "instance-b")
+            .await
+            .unwrap();
+        let Claimed::Mine(taken) = taken else {
+            panic!("{taken:?}")
+        };
+        // Its settlement clears the claim, and later copies find the attempt done.
+        let delivered = b
+            .settler
+            .settle_from(
+                Some(*taken),
+                &event("k"),
+                2,
+                Source::Retry,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(delivered, Settled::Delivered);
+        let (rec, _) = ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.claim), (State::Delivered, None));
+        assert!(matches!(
+            b.settler
+                .claim("k", 2, None, "replica-a", "instance-a")
+                .await
+                .unwrap(),
+            Claimed::Changed(Verdict::Final(State::Delivered), _)
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_sweep_leaves_a_claimed_attempt_alone() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        b.clock.advance(Duration::from_secs(600));
+        let claimed = b
+            .settler
+            .claim("k", 2, None, "replica-a", "instance-a")
+            .await
+            .unwrap();
+        assert!(matches!(claimed, Claimed::Mine(_)));
+        let overdue_before = b.clock.now() - Duration::from_secs(300);
+        assert!(!b.settler.recover("k", overdue_before).await.unwrap());
+        assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
+    }
+
+    #[tokio::test]
+    async fn a_replay_from_event_hubs_settles_only_the_record_of_its_own_event() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        let b = &b;
+        let delivered = |e: Event| async move {
+            b.settler
+                .settle(
+                    &e,
+                    1,
+                    Source::EventHubs,
+                    b.clock.now(),
+                    &Outcome::Delivered,
+                    "t",
+                    &[],
+                )
+                .await
+                .unwrap()
+        };
+        // Another event that carries the same key: the record's retry is still owed.
+        let mut other = event("k");
+        other.sequence_number += 1;
+        assert_eq!(delivered(other).await, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(rec.state, State::RetryScheduled);
+        // The recorded event itself, replayed and delivered: the record says so.
+        assert_eq!(delivered(event("k")).await, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(
+            (rec.state, rec.attempts, rec.next_attempt_ms),
+            (State::Delivered, 1, None)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_replay_after_later_attempts_is_recorded_as_a_replay_and_ends_the_retries() {
+        let b = bed();
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        fail(&b, "k", 2, Source::Retry).await.unwrap();
+        let settled = b
+            .settler
+            .settle(
+                &event("k"),
+                1,
+                Source::EventHubs,
+                b.clock.now(),
+                &Outcome::Delivered,
+                "t",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(settled, Settled::Delivered);
+        let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+        let last = rec.history.last().unwrap();
+        assert_eq!(
+            (last.attempt, last.outcome.as_str()),
+            (1, DELIVERED_ON_REPLAY)
+        );
+        // The retry scheduled for attempt 3 finds the event final and runs nothing.
+        assert_eq!(Verdict::of(Some(&rec), 3), Verdict::Final(State::Delivered));
+    }
+
+    #[tokio::test]
     async fn an_overdue_retry_is_recovered_once_under_a_fresh_message_id() {
         let b = bed();
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
@@ -1161,5 +1734,81 @@ mod tests {
         let pending = b.settler.ledger.pending().await.unwrap();
         assert_eq!(pending.len(), 1);
         assert_eq!(pending[0].due, b.clock.now().min(pending[0].due));
+    }
+    #[test]
+    fn every_message_id_names_its_deployment_within_128_characters_for_any_key() {
+        let d = Deployment::new("ns.servicebus.windows.net", "hub", "$Default");
+        let readable = "k".repeat(READABLE_KEY_LIMIT);
+        for key in [readable.as_str(), &"é".repeat(300), "~x", "a b"] {
+            for id in [
+                format!("{}-rescued-{}", message_id(key, u32::MAX), i64::MAX),
+                // Times in ms since the epoch: 13 digits until the year 2286.
+                format!(
+                    "{}-deferred-{}",
+                    message_id(key, u32::MAX),
+                    9_999_999_999_999i64
+                ),
+                format!(
+                    "{}-recovered-{}",
+                    message_id(key, u32::MAX),
+                    9_999_999_999_999i64
+                ),
+                format!("{}-fwd-{}", message_id(key, u32::MAX), i64::MAX),
+                super::super::dead_letter::message_id(key, u32::MAX),
+            ] {
+                let q = qualified(Some(&d), &id);
+                assert!(q.chars().count() <= 128, "{q}");
+                assert!(q.starts_with(&format!("{}.", d.id)), "{q}");
+            }
+        }
+        assert_eq!(
+            qualified(Some(&d), &message_id("order-42", 2)),
+            format!("{}.order-42-attempt-2", d.id)
+        );
+        assert_ne!(
+            d.id,
+            Deployment::new("ns.servicebus.windows.net", "hub", "cg2").id,
+            "another consumer group is another deployment"
+        );
+        assert_eq!(
+            d.id,
+            Deployment::new("NS.servicebus.windows.net", "HUB", "$default").id,
+            "names compared without case, as Event Hubs compares them"
+        );
+    }
+
+    #[test]
+    fn a_retry_message_without_deployment_or_origin_still_reads() {
+        let old: RetryMessage =
+            serde_json::from_str(r#"{"v":2,"attempt":3,"due_ms":5,"key":"k","traceparents":[]}"#)
+                .unwrap();
+        assert_eq!((old.key(), old.attempt), ("k", 3));
+        assert_eq!((old.deployment, old.origin), (None, None));
+    }
+
+    #[tokio::test]
+    async fn a_retry_message_carries_its_deployment_and_where_its_event_sits() {
+        let d = Deployment::new("ns", "hub", "$Default");
+        let mut b = bed();
+        b.settler = Settler::new(
+            b.settler.ledger.clone(),
+            b.queue.clone(),
+            b.settler.policies.clone(),
+        )
+        .with_clock(b.clock.clone())
+        .with_deployment(d.clone());
+        fail(&b, "k", 1, Source::EventHubs).await.unwrap();
+        assert_eq!(b.queue.accepted(), vec![format!("{}.k-attempt-2", d.id)]);
+        let body: RetryMessage = serde_json::from_str(&b.queue.bodies()[0]).unwrap();
+        assert_eq!(body.deployment, Some(d));
+        let e = event("k");
+        assert_eq!(
+            body.origin,
+            Some(Position {
+                partition: e.partition_id,
+                sequence_number: e.sequence_number,
+                offset: e.offset,
+            })
+        );
     }
 }

@@ -29,6 +29,11 @@ pub fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     if let Ok(secs) = v.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
+    // More digits than a u64 holds is still a (very long) number of seconds: the policy's
+    // limit shortens it, rather than the value being ignored as garbage.
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(u64::MAX));
+    }
     let at = crate::clock::parse_http_date(v)?;
     Some(at.duration_since(now).unwrap_or_default())
 }
@@ -58,5 +63,13 @@ mod tests {
             Some(Duration::from_secs(60))
         );
         assert_eq!(retry_after("soon", now), None);
+        assert_eq!(
+            retry_after("99999999999999999999999", now),
+            Some(Duration::from_secs(u64::MAX)),
+            "a number too long for u64 is long, not garbage"
+        );
+        assert_eq!(retry_after("-5", now), None);
+        assert!(retry_after("Fri, 31 Dec 9999 23:59:59 GMT", now)
+            .is_some_and(|d| d > Duration::from_secs(7 * 86_400)));
     }
 }

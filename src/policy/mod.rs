@@ -97,6 +97,9 @@ pub struct FailedAttempt {
     pub permanent: bool,
     /// The downstream's `Retry-After`.
     pub retry_after: Option<Duration>,
+    /// The longest `Retry-After` honoured (the handler's `retry_after_max_s`); the policy's
+    /// cap bounds it in any case.
+    pub retry_after_max: Option<Duration>,
     /// The wait before this attempt (decorrelated jitter grows from it).
     pub previous_delay: Option<Duration>,
 }
@@ -110,8 +113,42 @@ impl FailedAttempt {
             now,
             permanent: false,
             retry_after: None,
+            retry_after_max: None,
             previous_delay: None,
         }
+    }
+}
+
+/// The wait after a failed attempt once the downstream's `Retry-After` is weighed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wait {
+    /// How long to wait.
+    pub delay: Duration,
+    /// The `Retry-After` the downstream asked for, when it was longer than `limit` and was
+    /// shortened to it (`None`: honoured as asked, or not asked for).
+    pub retry_after_capped_from: Option<Duration>,
+}
+
+/// Retry-After, curve and cap in one place: the curve's `delay`, or the downstream's
+/// `retry_after` when that is longer — but never beyond `limit` (the policy's cap, or the
+/// handler's `retry_after_max_s` when lower). A hostile or broken `Retry-After`
+/// (`999999999`, a date in year 9999) cannot park an event beyond what its policy allows; a
+/// shortened one is reported so the attempt's span and `status` can say so. `limit` bounds
+/// only the `Retry-After`: a curve's own delay (already within the cap) stands.
+pub fn honour_retry_after(delay: Duration, retry_after: Option<Duration>, limit: Duration) -> Wait {
+    match retry_after {
+        Some(ra) if ra > delay && ra > limit => Wait {
+            delay: limit.max(delay),
+            retry_after_capped_from: Some(ra),
+        },
+        Some(ra) if ra > delay => Wait {
+            delay: ra,
+            retry_after_capped_from: None,
+        },
+        _ => Wait {
+            delay,
+            retry_after_capped_from: None,
+        },
     }
 }
 
@@ -143,6 +180,10 @@ pub enum DeadLetterReason {
     /// The event's ledger record could not be parsed: it was set aside (see the record's
     /// `quarantined` blob) and the event dead-lettered rather than held forever.
     CorruptRecord,
+    /// A retry came due whose ledger record was gone (removed by hand) and whose event could
+    /// not be read back from Event Hubs (past the hub's retention, or another event at its
+    /// position): the key is all that is known.
+    RecordMissing,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -154,6 +195,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::ScheduleExhausted => "retry schedule exhausted",
             Self::RetryRefused => "Service Bus refused the retry message",
             Self::CorruptRecord => "corrupt ledger record",
+            Self::RecordMissing => "ledger record missing and the event gone from Event Hubs",
         })
     }
 }
@@ -250,28 +292,45 @@ impl RetryPolicy {
     /// Decides what follows a failed attempt: dead-letter when the error is permanent or a
     /// budget is spent, else retry at `now + max(delay, retry_after)`.
     pub fn decide(&self, f: &FailedAttempt, rng: &mut impl Rng) -> Decision {
+        self.decision(f, rng).0
+    }
+
+    /// [`decide`](Self::decide), and the `Retry-After` it shortened to the policy's limit
+    /// (see [`honour_retry_after`]), if it did.
+    pub fn decision(&self, f: &FailedAttempt, rng: &mut impl Rng) -> (Decision, Option<Duration>) {
         if f.permanent {
-            return Decision::DeadLetter(DeadLetterReason::Permanent);
+            return (Decision::DeadLetter(DeadLetterReason::Permanent), None);
         }
         if f.attempt >= self.max_attempts {
-            return Decision::DeadLetter(DeadLetterReason::AttemptsExhausted);
+            return (
+                Decision::DeadLetter(DeadLetterReason::AttemptsExhausted),
+                None,
+            );
         }
         let Some(delay) = self.delay(f.attempt, f.previous_delay, rng) else {
-            return Decision::DeadLetter(DeadLetterReason::ScheduleExhausted);
+            return (
+                Decision::DeadLetter(DeadLetterReason::ScheduleExhausted),
+                None,
+            );
         };
-        // A downstream's Retry-After is honoured when it is longer than the curve.
-        let delay = match f.retry_after {
-            Some(ra) if ra > delay => ra.min(MAX_SCHEDULE_AHEAD),
-            _ => delay,
+        // A downstream's Retry-After is honoured when it is longer than the curve, up to the
+        // policy's cap (or the handler's lower limit), never beyond.
+        let cap = self.longest_wait();
+        let limit = f.retry_after_max.map_or(cap, |m| m.min(cap));
+        let wait = honour_retry_after(delay, f.retry_after, limit);
+        let Some(at) = f.now.checked_add(wait.delay) else {
+            return (Decision::DeadLetter(DeadLetterReason::AgeExceeded), None);
         };
-        let at = f.now + delay;
         if let Some(max_age) = self.max_age_s {
             if at.duration_since(f.first_failure).unwrap_or_default() > Duration::from_secs(max_age)
             {
-                return Decision::DeadLetter(DeadLetterReason::AgeExceeded);
+                return (
+                    Decision::DeadLetter(DeadLetterReason::AgeExceeded),
+                    wait.retry_after_capped_from,
+                );
             }
         }
-        Decision::RetryAt(at)
+        (Decision::RetryAt(at), wait.retry_after_capped_from)
     }
 
     /// The longest time this policy may keep an event between attempts (for start-up checks).
@@ -423,6 +482,130 @@ mod tests {
             p.decide(&late, &mut rng()),
             Decision::DeadLetter(DeadLetterReason::AgeExceeded)
         );
+    }
+
+    #[test]
+    fn a_retry_after_is_honoured_up_to_the_limit_and_never_beyond() {
+        let s = Duration::from_secs;
+        // Longer than the curve and within the limit: as asked.
+        assert_eq!(
+            honour_retry_after(s(10), Some(s(60)), s(3600)),
+            Wait {
+                delay: s(60),
+                retry_after_capped_from: None
+            }
+        );
+        // Shorter than the curve: the curve.
+        assert_eq!(
+            honour_retry_after(s(10), Some(s(1)), s(3600)),
+            Wait {
+                delay: s(10),
+                retry_after_capped_from: None
+            }
+        );
+        assert_eq!(
+            honour_retry_after(s(10), None, s(3600)),
+            Wait {
+                delay: s(10),
+                retry_after_capped_from: None
+            }
+        );
+        // Beyond the limit: the limit, and it says from what.
+        assert_eq!(
+            honour_retry_after(s(10), Some(s(999_999_999)), s(3600)),
+            Wait {
+                delay: s(3600),
+                retry_after_capped_from: Some(s(999_999_999))
+            }
+        );
+        // The limit shortens only the Retry-After: a curve longer than it stands.
+        assert_eq!(
+            honour_retry_after(s(7200), Some(s(9000)), s(3600)),
+            Wait {
+                delay: s(7200),
+                retry_after_capped_from: Some(s(9000))
+            }
+        );
+        assert_eq!(
+            honour_retry_after(s(10), Some(Duration::MAX), s(3600)).delay,
+            s(3600)
+        );
+    }
+
+    #[test]
+    fn a_hostile_retry_after_is_held_to_the_policy_cap_or_the_handler_limit() {
+        let p = RetryPolicy {
+            cap_s: 3600,
+            ..RetryPolicy::seed_fibonacci()
+        };
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let year_9999 = crate::clock::parse_http_date("Fri, 31 Dec 9999 23:59:59 GMT").unwrap();
+        for asked in [
+            Duration::from_secs(999_999_999),
+            year_9999.duration_since(t0).unwrap(),
+            Duration::MAX,
+        ] {
+            let f = FailedAttempt {
+                retry_after: Some(asked),
+                ..FailedAttempt::transient(1, t0, t0)
+            };
+            assert_eq!(
+                p.decision(&f, &mut rng()),
+                (
+                    Decision::RetryAt(t0 + Duration::from_secs(3600)),
+                    Some(asked)
+                ),
+                "{asked:?}"
+            );
+            // The handler's lower limit.
+            let limited = FailedAttempt {
+                retry_after_max: Some(Duration::from_secs(120)),
+                ..f.clone()
+            };
+            assert_eq!(
+                p.decision(&limited, &mut rng()),
+                (
+                    Decision::RetryAt(t0 + Duration::from_secs(120)),
+                    Some(asked)
+                )
+            );
+            // A handler limit above the policy's cap does not lift it.
+            let lifted = FailedAttempt {
+                retry_after_max: Some(Duration::from_secs(30 * 24 * 3600)),
+                ..f.clone()
+            };
+            assert_eq!(
+                p.decision(&lifted, &mut rng()).0,
+                Decision::RetryAt(t0 + Duration::from_secs(3600))
+            );
+        }
+        // Within the limit: honoured, nothing shortened.
+        let f = FailedAttempt {
+            retry_after: Some(Duration::from_secs(600)),
+            ..FailedAttempt::transient(1, t0, t0)
+        };
+        assert_eq!(
+            p.decision(&f, &mut rng()),
+            (Decision::RetryAt(t0 + Duration::from_secs(600)), None)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn no_retry_after_waits_beyond_the_cap(asked in any::<u64>(), cap in 1u64..700_000, limit in proptest::option::of(0u64..1_000_000), attempt in 1u32..40) {
+            let p = RetryPolicy { cap_s: cap, floor_s: 0, max_attempts: 1000, max_age_s: None, ..RetryPolicy::seed_fibonacci() };
+            let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+            let f = FailedAttempt {
+                retry_after: Some(Duration::from_secs(asked)),
+                retry_after_max: limit.map(Duration::from_secs),
+                ..FailedAttempt::transient(attempt, t0, t0)
+            };
+            let (d, capped) = p.decision(&f, &mut rng());
+            let Decision::RetryAt(at) = d else { panic!("{d:?}") };
+            let wait = at.duration_since(t0).unwrap();
+            prop_assert!(wait <= Duration::from_secs(cap));
+            prop_assert_eq!(capped.is_some(), wait < Duration::from_secs(asked));
+        }
     }
 
     #[test]

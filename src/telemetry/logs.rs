@@ -138,7 +138,10 @@ impl Visit for Fields<'_> {
 }
 
 impl Fields<'_> {
-    fn put(&mut self, field: &Field, value: serde_json::Value) {
+    fn put(&mut self, field: &Field, mut value: serde_json::Value) {
+        // The writer masks the whole line too; masking the value first keeps JSON escaping
+        // out of the rule's way.
+        crate::redact::redact_json(&mut value);
         if field.name() == "message" {
             *self.message = Some(match value {
                 serde_json::Value::String(s) => s,

@@ -27,8 +27,9 @@ use opentelemetry_sdk::Resource;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-/// Where to export (for tests and embedders; the binary reads `OTEL_*`).
-#[derive(Debug, Clone)]
+/// Where to export (for tests and embedders; the binary reads `OTEL_*`). `Debug` masks the
+/// endpoint's userinfo and query ([`crate::redact`]).
+#[derive(Clone)]
 pub struct Export {
     /// OTLP endpoint (`http://host:4317` for gRPC, `http://host:4318` for HTTP).
     pub endpoint: String,
@@ -36,6 +37,16 @@ pub struct Export {
     pub protocol: Protocol,
     /// How often metrics are exported.
     pub metric_interval: Duration,
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export")
+            .field("endpoint", &crate::redact::redact(&self.endpoint))
+            .field("protocol", &self.protocol)
+            .field("metric_interval", &self.metric_interval)
+            .finish()
+    }
 }
 
 /// Keeps the exporters alive; flushes and shuts them down when dropped.
@@ -139,7 +150,7 @@ fn providers(export: Option<&Export>) -> Result<(SdkTracerProvider, SdkMeterProv
             )
         }
     };
-    let spans = spans.map_err(|e| format!("OTLP span exporter: {e}"))?;
+    let spans = RedactingExporter(spans.map_err(|e| format!("OTLP span exporter: {e}"))?);
     let metrics = metrics.map_err(|e| format!("OTLP metric exporter: {e}"))?;
     // The exporters are async (tonic, reqwest): run them on the caller's Tokio runtime.
     let processor =
@@ -158,6 +169,69 @@ fn providers(export: Option<&Export>) -> Result<(SdkTracerProvider, SdkMeterProv
         .build();
     meter = meter.with_reader(reader);
     Ok((tracer.build(), meter.build()))
+}
+
+/// Passes every exported span through the one redaction rule ([`crate::redact`]): string
+/// attributes, events (log lines inside a span become span events) and the status
+/// description. Spans carry error texts, and those can quote what a dependency answered.
+#[derive(Debug)]
+struct RedactingExporter<E>(E);
+
+fn redact_kv(kv: &mut KeyValue) {
+    use opentelemetry::{Array, StringValue, Value};
+    let redact = |s: &StringValue| match crate::redact::redact(s.as_str()) {
+        std::borrow::Cow::Owned(r) => Some(StringValue::from(r)),
+        std::borrow::Cow::Borrowed(_) => None,
+    };
+    match &mut kv.value {
+        Value::String(s) => {
+            if let Some(r) = redact(s) {
+                *s = r;
+            }
+        }
+        Value::Array(Array::String(v)) => {
+            for s in v.iter_mut() {
+                if let Some(r) = redact(s) {
+                    *s = r;
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter
+    for RedactingExporter<E>
+{
+    fn export(
+        &self,
+        mut batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> impl std::future::Future<Output = opentelemetry_sdk::error::OTelSdkResult> + Send {
+        for span in &mut batch {
+            span.attributes.iter_mut().for_each(redact_kv);
+            for event in span.events.events.iter_mut() {
+                if let std::borrow::Cow::Owned(r) = crate::redact::redact(&event.name) {
+                    event.name = r.into();
+                }
+                event.attributes.iter_mut().for_each(redact_kv);
+            }
+            if let opentelemetry::trace::Status::Error { description } = &mut span.status {
+                if let std::borrow::Cow::Owned(r) = crate::redact::redact(description) {
+                    *description = r.into();
+                }
+            }
+        }
+        self.0.export(batch)
+    }
+    fn shutdown_with_timeout(&self, timeout: Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.force_flush()
+    }
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
+    }
 }
 
 /// How [`init_with`] sets up logs and telemetry.
@@ -196,7 +270,10 @@ pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
 
 type BoxedLayer = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
 
+/// Every log line, whoever wrote it (hubguard or a crate beneath it), passes the one
+/// redaction rule ([`crate::redact`]) on its way out.
 fn log_layer(options: &Options) -> BoxedLayer {
+    use crate::redact::Redacting;
     use tracing_subscriber::fmt;
     let filter = logs::filter(&options.default_filter);
     let file = match &options.writer {
@@ -215,24 +292,24 @@ fn log_layer(options: &Options) -> BoxedLayer {
     let colour = file.is_none() && logs::stderr_colour();
     match (options.format, file) {
         (logs::LogFormat::Text, None) => fmt::layer()
-            .with_writer(std::io::stderr)
+            .with_writer(Redacting(std::io::stderr))
             .with_ansi(colour)
             .with_filter(filter)
             .boxed(),
         (logs::LogFormat::Text, Some(f)) => fmt::layer()
-            .with_writer(f)
+            .with_writer(Redacting(f))
             .with_ansi(false)
             .with_filter(filter)
             .boxed(),
         (logs::LogFormat::Json, None) => fmt::layer()
             .event_format(logs::JsonFormat)
-            .with_writer(std::io::stderr)
+            .with_writer(Redacting(std::io::stderr))
             .with_ansi(false)
             .with_filter(filter)
             .boxed(),
         (logs::LogFormat::Json, Some(f)) => fmt::layer()
             .event_format(logs::JsonFormat)
-            .with_writer(f)
+            .with_writer(Redacting(f))
             .with_ansi(false)
             .with_filter(filter)
             .boxed(),
@@ -330,6 +407,12 @@ pub struct Metrics {
     pub rescued: Counter<u64>,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
     pub recovered: Counter<u64>,
+    /// Retries of another deployment handed back to a shared queue.
+    pub forwarded: Counter<u64>,
+    /// Missing ledger records rebuilt from Event Hubs.
+    pub records_rebuilt: Counter<u64>,
+    /// Retries dead-lettered as `record_missing`.
+    pub records_missing: Counter<u64>,
     /// Failed settlements.
     pub settle_failures: Counter<u64>,
     /// Handler duration (s).
@@ -397,6 +480,24 @@ impl Metrics {
                     "Retries the ledger recorded that were overdue with no message to run them, scheduled again",
                 )
                 .build(),
+            forwarded: meter
+                .u64_counter(m::FORWARDED)
+                .with_description(
+                    "Retries of another deployment received from a shared queue and handed back to it",
+                )
+                .build(),
+            records_rebuilt: meter
+                .u64_counter(m::RECORDS_REBUILT)
+                .with_description(
+                    "Retries whose ledger record was missing, rebuilt from the event read back from Event Hubs",
+                )
+                .build(),
+            records_missing: meter
+                .u64_counter(m::RECORDS_MISSING)
+                .with_description(
+                    "Retries whose ledger record was missing and whose event was gone from Event Hubs, dead-lettered as record_missing",
+                )
+                .build(),
             settle_failures: meter
                 .u64_counter(m::SETTLE_FAILURES)
                 .with_description("Settlements that failed and were retried")
@@ -422,6 +523,9 @@ impl Metrics {
             &metrics.deferred,
             &metrics.rescued,
             &metrics.recovered,
+            &metrics.forwarded,
+            &metrics.records_rebuilt,
+            &metrics.records_missing,
             &metrics.settle_failures,
         ] {
             c.add(0, &[]);
@@ -447,6 +551,27 @@ pub fn type_label(event_type: Option<&str>) -> [KeyValue; 1] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exported_string_attributes_pass_the_redaction_rule() {
+        let mut kv = KeyValue::new(
+            "hubguard.error.message",
+            "GET http://u:pw1@h/x?sig=s1 failed",
+        );
+        redact_kv(&mut kv);
+        assert_eq!(kv.value.as_str(), "GET http://***@h/x?sig=*** failed");
+        let mut kv = KeyValue::new(
+            "a",
+            opentelemetry::Value::Array(
+                vec![opentelemetry::StringValue::from("Bearer Tok3n")].into(),
+            ),
+        );
+        redact_kv(&mut kv);
+        assert!(!format!("{:?}", kv.value).contains("Tok3n"));
+        let mut kv = KeyValue::new("n", 5_i64);
+        redact_kv(&mut kv);
+        assert_eq!(kv.value, opentelemetry::Value::I64(5));
+    }
 
     #[test]
     fn traceparents_round_trip_and_reject_garbage() {

@@ -47,6 +47,9 @@ pub mod attr {
     pub const HTTP_STATUS: &str = "http.response.status_code";
     /// Seconds the downstream asked to wait (`Retry-After`) on a failed attempt.
     pub const RETRY_AFTER: &str = "hubguard.retry_after_s";
+    /// Seconds of a `Retry-After` longer than the policy allows, which the retry's schedule
+    /// shortened to the policy's limit (set only when it did).
+    pub const RETRY_AFTER_CAPPED_FROM: &str = "hubguard.retry_after_capped_from_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
     pub const ERROR_TYPE: &str = "error.type";
     /// Semantic convention: the messaging system the attempt came from: `eventhubs` (the
@@ -106,6 +109,16 @@ pub mod metric {
     pub const RESCUED: &str = "hubguard.retries.rescued";
     /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.
     pub const RECOVERED: &str = "hubguard.retries.recovered";
+    /// Counter: retries of another deployment received from a shared queue and handed back
+    /// to it for their own deployment.
+    pub const FORWARDED: &str = "hubguard.retries.forwarded";
+    /// Counter: retries whose ledger record was missing, rebuilt from the event read back
+    /// from Event Hubs.
+    pub const RECORDS_REBUILT: &str = "hubguard.retries.records_rebuilt";
+    /// Counter: retries whose ledger record was missing and whose event was gone from Event
+    /// Hubs, dead-lettered as `record_missing`. Alert on any increase: an event is known
+    /// only by its key.
+    pub const RECORDS_MISSING: &str = "hubguard.retries.records_missing";
     /// Gauge: retries the ledger says are waiting (state RETRY_SCHEDULED), from its listing.
     pub const RETRIES_PENDING: &str = "hubguard.retries.pending";
     /// Gauge: of those, the ones already past their due time.
@@ -185,6 +198,7 @@ pub fn all() -> Vec<&'static str> {
         attr::ERROR_TYPE,
         attr::HTTP_STATUS,
         attr::RETRY_AFTER,
+        attr::RETRY_AFTER_CAPPED_FROM,
         attr::MESSAGING_SYSTEM,
         attr::MESSAGING_DESTINATION,
         attr::MESSAGING_CONSUMER_GROUP,
@@ -197,6 +211,9 @@ pub fn all() -> Vec<&'static str> {
         metric::DEFERRED,
         metric::RESCUED,
         metric::RECOVERED,
+        metric::FORWARDED,
+        metric::RECORDS_REBUILT,
+        metric::RECORDS_MISSING,
         metric::RETRIES_PENDING,
         metric::RETRIES_OVERDUE,
         metric::SETTLE_FAILURES,

@@ -528,7 +528,7 @@ async fn prometheus_evaluates_every_query_and_the_alerts_fire_through_outages() 
         .iter()
         .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
         .collect();
-    assert!(rules.len() >= 16, "the alert rules are loaded: {loaded}");
+    assert!(rules.len() >= 17, "the alert rules are loaded: {loaded}");
     for r in &rules {
         assert_eq!(
             r["health"], "ok",

@@ -80,6 +80,7 @@ pub(crate) fn promql_names() -> BTreeSet<String> {
     let mut paths = Vec::new();
     files(&root.join("dashboards"), &mut paths);
     paths.push(root.join("README.md"));
+    files(&root.join("docs"), &mut paths);
     let mut out = BTreeSet::new();
     for p in paths {
         let text = std::fs::read_to_string(&p).unwrap();
@@ -115,6 +116,7 @@ fn dashboards_and_queries_name_only_what_the_code_emits() {
     let mut paths = Vec::new();
     files(&root.join("dashboards"), &mut paths);
     paths.push(root.join("README.md"));
+    files(&root.join("docs"), &mut paths);
     let mut checked = 0;
     for p in paths {
         let text = std::fs::read_to_string(&p).unwrap();

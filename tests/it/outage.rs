@@ -85,7 +85,7 @@ async fn breaker(bed: &Bed) -> BreakerRecord {
 /// Waits until nothing is due on Service Bus: every retry the last step made due has been
 /// received and settled (deferred, attempted, completed). A message the retry loop took
 /// early (`retry_lead`) and holds until its due time, still ahead, waits on the clock.
-async fn idle(bed: &Bed, what: &str) {
+pub(crate) async fn idle(bed: &Bed, what: &str) {
     let deadline = tokio::time::Instant::now() + LIMIT;
     let queue = bed.sb.queue("retries").unwrap();
     let clock = bed.clock();
@@ -117,7 +117,7 @@ async fn idle(bed: &Bed, what: &str) {
 }
 
 /// Sends `n` events spread evenly over the partitions, keyed `{prefix}-{partition}-{i}`.
-async fn send_spread(bed: &Bed, prefix: &str, n: usize) -> Vec<String> {
+pub(crate) async fn send_spread(bed: &Bed, prefix: &str, n: usize) -> Vec<String> {
     let mut keys = Vec::new();
     for p in 0..PARTITIONS {
         let ks: Vec<String> = (0..n / PARTITIONS)
@@ -177,6 +177,11 @@ async fn a_fifteen_minute_outage_with_thousands_pending_opens_once_probes_once_p
         open_ms: OPEN_MS,
         spread_ms: SPREAD_MS,
         probe_timeout_ms: 30_000,
+        // The classic single probe per half-open window, which this test holds to seed 003
+        // (`recovery` tests the trial of several calls).
+        half_open_calls: 1,
+        half_open_success_ratio: 1.0,
+        brink_hold_ms: 10_000,
     };
     let replicas: Vec<Running> = ["replica-b", "replica-c"]
         .into_iter()

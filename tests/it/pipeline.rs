@@ -8,6 +8,7 @@ use hubguard::ledger::State;
 use hubguard::policy::DeadLetterReason;
 
 use crate::pipeline_support::*;
+use hubguard::pipeline::settle::unqualified;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -475,6 +476,10 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
         open_ms: 3000,
         spread_ms: 500,
         probe_timeout_ms: 3000,
+        // Three new events fail in a row and open it (pacing at the brink would let a due
+        // retry make the third failure instead: `recovery` tests that).
+        brink_hold_ms: 0,
+        ..Default::default()
     });
     let run = Bed::run(parts);
     let keys: Vec<String> = (0..20).map(|i| format!("b-{i:02}")).collect();
@@ -710,7 +715,7 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
     clock.advance(Duration::from_secs(61));
     let queue = bed.sb.queue("retries").unwrap();
     let taken = queue.take(Entity::Main, clock.now()).unwrap();
-    assert!(taken.is_some_and(|m| m.message_id == "orphan-attempt-2"));
+    assert!(taken.is_some_and(|m| unqualified(&m.message_id) == "orphan-attempt-2"));
     clock.advance(Duration::from_secs(10));
 
     let mut parts = bed.parts(handler.clone(), slow, "replica-a");
@@ -734,7 +739,7 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
     let accepted: Vec<String> = queue.accepted().into_iter().map(|(id, _)| id).collect();
     assert_eq!(accepted.len(), 2, "{accepted:?}");
     assert!(
-        accepted[1].starts_with("orphan-attempt-2-recovered-"),
+        unqualified(&accepted[1]).starts_with("orphan-attempt-2-recovered-"),
         "{accepted:?}"
     );
     // The pending list answered from the listing's tags: nothing waits any more.
@@ -940,6 +945,15 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     let c = bed.sb.counters("retries").unwrap();
     assert_eq!((c.locked, c.abandons), (N as u64, 0), "{c:?}");
     assert!(handler.retries.lock().unwrap().is_empty());
+    // The dead process's receives in flight end at their timeout (`retry_receive_wait`);
+    // until then a message whose lock lapses would be locked again for them, and wait out a
+    // second lock that nobody renews or settles.
+    crate::common::within("the crashed replica's receives end", async {
+        while bed.sb.counters("retries").unwrap().receiving > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     clock.advance(Duration::from_secs(61));
 
     // Another replica takes them once the locks lapse: each runs once, nothing is lost.
@@ -1064,4 +1078,384 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
     }
     a.stop().await;
     b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_record_and_nothing_runs_again(
+) {
+    // Service Bus is down when the first attempt fails: the ledger records attempt 1 and its
+    // retry, the message never goes out, and the partition is held. The process stops; the
+    // next one replays the event from Event Hubs and delivers it on attempt 1.
+    let bed = Bed::start(1).await;
+    bed.sb.queue("retries").unwrap().record_accepted();
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("replayed", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let ledger = bed.ledger();
+    wait_for("held on Service Bus", &run.health, LIMIT, || async {
+        run.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.reason.contains("Service Bus"))
+    })
+    .await;
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    run.stop().await;
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        None,
+        "the held event stays after the checkpoint"
+    );
+
+    bed.sb.faults().clear();
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.options.overdue_margin = Duration::from_secs(5);
+    parts.options.dead_letter_sweep = Duration::from_millis(200);
+    let run = Bed::run(parts);
+    wait_for("the replay is delivered", &run.health, LIMIT, || async {
+        handler.delivered_keys().contains("replayed") && bed.checkpoint_of("0").await == Some(0)
+    })
+    .await;
+    // The ledger says what happened: delivered (and so does `status`).
+    wait_for("the record says delivered", &run.health, LIMIT, || async {
+        matches!(ledger.get("replayed").await, Ok(Some((r, _))) if r.state == State::Delivered)
+    })
+    .await;
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.next_attempt_ms, None);
+    assert!(
+        hubguard::status::record_text(&rec).contains("state:           DELIVERED"),
+        "{}",
+        hubguard::status::record_text(&rec)
+    );
+    assert!(!ledger
+        .pending()
+        .await
+        .unwrap()
+        .iter()
+        .any(|p| p.key == "replayed"));
+
+    // Past the overdue margin the sweep runs over the ledger: a canary retry that is really
+    // overdue (its record due after the delivered one's, so the sweep reaches it second) is
+    // recovered — and the delivered event is not.
+    let mut canary = rec.clone();
+    canary.key = "canary".into();
+    canary.event.identity.idempotency_key = "canary".into();
+    canary.event.sequence_number = 99;
+    canary.event.body = b"ok".to_vec();
+    canary.state = State::RetryScheduled;
+    canary.history.clear();
+    canary.next_attempt_ms = Some(rec.updated_ms + 1_000);
+    ledger.put(&canary, None).await.unwrap();
+    bed.clock().advance(Duration::from_secs(30));
+    wait_for(
+        "the sweep recovered the canary",
+        &run.health,
+        LIMIT,
+        || async {
+            run.health.snapshot().recovered >= 1 && handler.delivered_keys().contains("canary")
+        },
+    )
+    .await;
+    run.stop().await;
+    assert_eq!(
+        handler.calls_of("replayed"),
+        vec![1, 1],
+        "the failure and the replay; no attempt 2"
+    );
+    let accepted: Vec<String> = bed
+        .sb
+        .queue("retries")
+        .unwrap()
+        .accepted()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        !accepted.iter().any(|id| id.starts_with("replayed-")),
+        "no retry of the delivered event was ever sent: {accepted:?}"
+    );
+    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.state, State::Delivered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let sb_clock = bed.clock();
+    // The pipeline on a clock of its own, stepped with Service Bus's except for one jump of
+    // Service Bus's alone: what a step of its clock does, or lock renewals failing for a lock
+    // duration.
+    let clock = Arc::new(hubguard::clock::Clock::default());
+    let step = |by: Duration| {
+        clock.advance(by);
+        sb_clock.advance(by);
+    };
+    let keys: Vec<String> = (0..N).map(|i| format!("twice-{i}")).collect();
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let mut parts = bed
+        .wiring_on("replica-a", clock.clone())
+        .policy(minute_policy())
+        .parts(handler.clone())
+        .unwrap();
+    parts.options.retry_lead = Duration::from_secs(10);
+    // Room for every copy at once: nothing but the guard keeps two copies apart.
+    parts.options.retry_concurrency = 2 * N;
+    let run = Bed::run(parts);
+    wait_for("every retry is scheduled", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().scheduled == N as u64
+    })
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("every retry is in hand", &run.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    // Service Bus's clock alone passes the locks' expiry: it hands every message out again,
+    // while the first copies still wait here for their due time, their locks good as far as
+    // this process can tell.
+    sb_clock.advance(Duration::from_secs(61));
+    wait_for(
+        "the second copies are in hand",
+        &run.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.locked == N as u64 && c.active == 0
+        },
+    )
+    .await;
+    // Both copies of every message come due at once.
+    step(Duration::from_secs(10));
+    wait_for("every retry delivered", &run.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        handler.retries.lock().unwrap().len() >= N && c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    run.stop().await;
+    let mut calls = std::collections::BTreeMap::<String, usize>::new();
+    for (k, _) in handler.retries.lock().unwrap().iter() {
+        *calls.entry(k.clone()).or_default() += 1;
+    }
+    let once: std::collections::BTreeMap<String, usize> =
+        keys.iter().map(|k| (k.clone(), 1)).collect();
+    assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
+    const N: usize = 8;
+    let bed = Bed::start(1).await;
+    let sb_clock = bed.clock();
+    // Both replicas on a pipeline clock of their own (see the test above).
+    let clock = Arc::new(hubguard::clock::Clock::default());
+    let step = |by: Duration| {
+        clock.advance(by);
+        sb_clock.advance(by);
+    };
+    let keys: Vec<String> = (0..N).map(|i| format!("across-{i}")).collect();
+    send_keys(&bed, &keys).await;
+    let handler = Gated::new(&clock, 1000);
+    let replica = |owner: &str, prefetch: usize| {
+        let mut parts = bed
+            .wiring_on(owner, clock.clone())
+            .policy(minute_policy())
+            .parts(handler.clone())
+            .unwrap();
+        parts.options.retry_lead = Duration::from_secs(10);
+        parts.options.retry_prefetch = prefetch;
+        parts
+    };
+    // replica-a takes no more than the N first copies in hand.
+    let a = Bed::run(replica("replica-a", N));
+    wait_for(
+        "every retry is scheduled and checkpointed",
+        &a.health,
+        LIMIT,
+        || async {
+            bed.sb.counters("retries").unwrap().scheduled == N as u64
+                && bed.checkpoint_of("0").await == Some(N as i64 - 1)
+        },
+    )
+    .await;
+    let ledger = bed.ledger();
+    let mut last = clock.now();
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        last = last.max(rec.next_attempt_at().unwrap());
+    }
+    step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
+    wait_for("replica-a holds every retry", &a.health, LIMIT, || async {
+        bed.sb.counters("retries").unwrap().locked == N as u64
+    })
+    .await;
+    let b = Bed::run(replica("replica-b", 1024));
+    // Service Bus's clock alone passes the locks' expiry: the second copies can only go to
+    // replica-b, while replica-a's first copies wait for their due time.
+    sb_clock.advance(Duration::from_secs(61));
+    wait_for(
+        "replica-b holds the second copies",
+        &b.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.locked == N as u64 && c.active == 0
+        },
+    )
+    .await;
+    // Both copies of every message come due at once, one in each replica: one claims the
+    // attempt and runs it, the other finds the claim and waits.
+    step(Duration::from_secs(10));
+    wait_for(
+        "every attempt ran and settled",
+        &a.health,
+        LIMIT,
+        || async {
+            if handler.retries.lock().unwrap().len() < N {
+                return false;
+            }
+            for k in &keys {
+                match ledger.get(k).await {
+                    Ok(Some((r, _))) if r.state == State::Delivered => {}
+                    _ => return false,
+                }
+            }
+            true
+        },
+    )
+    .await;
+    // Once the claims have expired (the clocks agree again), the waiting copies read the
+    // record, find the event delivered and complete their message.
+    clock.advance(Duration::from_secs(61));
+    wait_for("every message completed", &a.health, LIMIT, || async {
+        let c = bed.sb.counters("retries").unwrap();
+        c.active + c.locked + c.scheduled == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    let mut calls = std::collections::BTreeMap::<String, usize>::new();
+    for (k, _) in handler.retries.lock().unwrap().iter() {
+        *calls.entry(k.clone()).or_default() += 1;
+    }
+    let once: std::collections::BTreeMap<String, usize> =
+        keys.iter().map(|k| (k.clone(), 1)).collect();
+    assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
+    for k in &keys {
+        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+    }
+    assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
+}
+
+/// The bed's records, with listings refused (blob storage failing only those).
+struct Unlistable(Arc<dyn hubguard::azure::RecordStore>);
+
+#[async_trait::async_trait]
+impl hubguard::azure::RecordStore for Unlistable {
+    async fn read(
+        &self,
+        key: &str,
+    ) -> Result<Option<hubguard::azure::Record>, hubguard::azure::StoreError> {
+        self.0.read(key).await
+    }
+    async fn create(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.create(key, body).await
+    }
+    async fn update(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+        etag: &str,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.update(key, body, etag).await
+    }
+    async fn delete(&self, key: &str, etag: &str) -> Result<(), hubguard::azure::StoreError> {
+        self.0.delete(key, etag).await
+    }
+    async fn list(
+        &self,
+        _: &str,
+    ) -> Result<Vec<hubguard::azure::record_store::Listed>, hubguard::azure::StoreError> {
+        Err(hubguard::azure::StoreError::Unavailable(
+            "listing refused".into(),
+        ))
+    }
+    async fn write_tagged(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+        etag: Option<&str>,
+        tags: &hubguard::azure::record_store::Tags,
+    ) -> Result<String, hubguard::azure::StoreError> {
+        self.0.write_tagged(key, body, etag, tags).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_cannot_list_the_ledger_asks_it_on_every_delivery() {
+    let bed = Bed::start(1).await;
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("unlisted", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    wait_for("held on Service Bus", &run.health, LIMIT, || async {
+        run.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.reason.contains("Service Bus"))
+    })
+    .await;
+    run.stop().await;
+    bed.sb.faults().clear();
+    bed.send(0, &[("fresh", "ok")]).await;
+    // The next owner cannot list the ledger's pending retries: it does not know which of
+    // its events have a record, so each delivery asks the ledger.
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.records = Arc::new(Unlistable(parts.records.clone()));
+    let run = Bed::run(parts);
+    let ledger = bed.ledger();
+    wait_for(
+        "both delivered and checkpointed",
+        &run.health,
+        LIMIT,
+        || async { bed.checkpoint_of("0").await == Some(1) },
+    )
+    .await;
+    run.stop().await;
+    let (rec, _) = ledger.get("unlisted").await.unwrap().unwrap();
+    assert_eq!(
+        rec.state,
+        State::Delivered,
+        "the replay's delivery is recorded"
+    );
+    assert_eq!(handler.calls_of("unlisted"), vec![1, 1]);
+    assert_eq!(handler.calls_of("fresh"), vec![1]);
+    assert!(
+        ledger.get("fresh").await.unwrap().is_none(),
+        "a delivery without a record writes none"
+    );
 }

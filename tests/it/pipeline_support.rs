@@ -208,8 +208,29 @@ impl Bed {
     /// The bed's services wired as a pipeline of `owner` would be: hub `hub`, queue
     /// `retries`, container `hubguard`, short deadlines and the shared clock; no breaker.
     pub(crate) fn wiring(&self, owner: &str) -> Wiring {
+        self.wiring_with(owner, "$Default", self.clock())
+    }
+
+    /// [`wiring`](Self::wiring) for another consumer group of the hub: another deployment
+    /// on the same queue and container.
+    pub(crate) fn wiring_in(&self, owner: &str, consumer_group: &str) -> Wiring {
+        self.wiring_with(owner, consumer_group, self.clock())
+    }
+
+    /// [`wiring`](Self::wiring) with the pipeline on a clock of its own (so a test can step
+    /// the Service Bus emulator's clock alone).
+    pub(crate) fn wiring_on(&self, owner: &str, clock: Arc<hubguard::clock::Clock>) -> Wiring {
+        self.wiring_with(owner, "$Default", clock)
+    }
+
+    fn wiring_with(
+        &self,
+        owner: &str,
+        consumer_group: &str,
+        clock: Arc<hubguard::clock::Clock>,
+    ) -> Wiring {
         Wiring::new(
-            EventHubsTarget::with_connection_string(&self.cs, "hub", "$Default"),
+            EventHubsTarget::with_connection_string(&self.cs, "hub", consumer_group),
             StorageAccess::url(&self.blob.container_url("hubguard")),
             ServiceBusAccess::ConnectionString(self.sb.connection_string().parse().unwrap()),
         )
@@ -224,7 +245,7 @@ impl Bed {
             retry_receive_wait: Duration::from_secs(1),
             reconnect_base: Duration::from_millis(200),
             watchdog_interval: Duration::from_millis(500),
-            clock: self.clock(),
+            clock,
             ..Default::default()
         })
     }

@@ -279,6 +279,11 @@ async fn run_status_and_dead_letters_from_the_command_line() {
     assert_eq!(report["breaker"]["state"], "closed", "{report}");
     let (code, body) = http_get(&status_addr, "/v1/events/cli-ok").await;
     assert_eq!(code, 404, "{body}");
+    // No record is not a delivery seen: it says what it knows and claims neither.
+    assert!(
+        body.contains("no record") && body.contains("never seen") && !body.contains("never failed"),
+        "{body}"
+    );
 
     // The webhook got the idempotency key, the attempt number and a W3C traceparent.
     let calls = receiver

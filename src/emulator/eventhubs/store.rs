@@ -132,6 +132,8 @@ impl StoredEvent {
 #[derive(Debug, Default)]
 struct Log {
     events: Vec<StoredEvent>,
+    /// Events at the front that passed the hub's retention: never served again.
+    expired: usize,
     next_offset: i64,
     file: Option<File>,
 }
@@ -325,10 +327,24 @@ impl Partition {
         self.len() == 0
     }
 
+    /// Retention: every event with a sequence number up to `sequence_number` is removed, as
+    /// Event Hubs removes events older than the hub's retention period ("Event retention",
+    /// https://learn.microsoft.com/azure/event-hubs/event-hubs-features#event-retention):
+    /// receivers start at the earliest event kept, and the
+    /// partition's beginning sequence number moves past them. (In memory only: a restart on
+    /// a data directory serves them again.)
+    pub fn expire_through(&self, sequence_number: i64) {
+        let mut log = self.log.write().unwrap_or_else(|p| p.into_inner());
+        let n = log
+            .events
+            .partition_point(|e| e.sequence_number <= sequence_number);
+        log.expired = log.expired.max(n);
+    }
+
     /// Up to `max` events from index `from`.
     pub fn events_from(&self, from: usize, max: usize) -> Vec<StoredEvent> {
         let log = self.read();
-        let from = from.min(log.events.len());
+        let from = from.max(log.expired).min(log.events.len());
         let to = from.saturating_add(max).min(log.events.len());
         log.events[from..to].to_vec()
     }
@@ -338,7 +354,7 @@ impl Partition {
         let log = self.read();
         let ev = &log.events;
         let first = |pred: &dyn Fn(&StoredEvent) -> bool| ev.partition_point(|e| !pred(e));
-        match start {
+        let index = match start {
             StartPosition::Earliest => 0,
             StartPosition::Latest => ev.len(),
             StartPosition::Offset { offset, inclusive } => first(&|e| {
@@ -365,7 +381,9 @@ impl Partition {
                     e.enqueued_ms > millis
                 }
             }),
-        }
+        };
+        // Nothing before the retained events is served.
+        index.max(log.expired)
     }
 
     /// A receiver of the partition's length, which changes whenever events are appended.
@@ -376,7 +394,7 @@ impl Partition {
     /// The partition's properties.
     pub fn info(&self) -> PartitionInfo {
         let log = self.read();
-        match (log.events.first(), log.events.last()) {
+        match (log.events.get(log.expired), log.events.last()) {
             (Some(first), Some(last)) => PartitionInfo {
                 begin_sequence_number: first.sequence_number,
                 last_sequence_number: last.sequence_number,

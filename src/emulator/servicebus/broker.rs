@@ -244,6 +244,11 @@ pub struct Counters {
     pub expired: u64,
     /// The largest body accepted, in bytes.
     pub largest_body: u64,
+    /// Peek-lock receives in progress (long polls waiting for a message). A receiver that
+    /// died mid-poll leaves its poll here until the poll's timeout, and a message that turns
+    /// visible meanwhile is locked for it (and waits out that lock), as a receive in flight
+    /// on Service Bus would.
+    pub receiving: u64,
 }
 
 /// Which entity of a queue a request addresses.
@@ -511,6 +516,18 @@ struct QueueState {
 pub struct Queue {
     state: Mutex<QueueState>,
     changed: Notify,
+    receiving: std::sync::atomic::AtomicU64,
+}
+
+/// A peek-lock receive in progress on a queue: counted from creation until dropped.
+pub struct Receiving<'a>(&'a Queue);
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        self.0
+            .receiving
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 fn ms(t: SystemTime) -> i64 {
@@ -730,6 +747,7 @@ impl Queue {
         Ok(Self {
             state: Mutex::new(st),
             changed: Notify::new(),
+            receiving: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -939,7 +957,15 @@ impl Queue {
         c.scheduled = st.main.waiting.len() as u64;
         c.locked = st.main.locks.len() as u64;
         c.dead_lettered = st.dlq.messages.len() as u64;
+        c.receiving = self.receiving.load(std::sync::atomic::Ordering::SeqCst);
         c
+    }
+
+    /// Counts a peek-lock receive in progress until the returned guard is dropped.
+    pub fn receiving(&self) -> Receiving<'_> {
+        self.receiving
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Receiving(self)
     }
 
     /// The queue's configuration.

@@ -668,6 +668,7 @@ async fn peek_lock(
 ) -> Response {
     let clock = &shared.broker.clock;
     let deadline = tokio::time::Instant::now() + wait;
+    let _receiving = queue.receiving();
     loop {
         // Register for wake-ups before looking, so a send in between is not missed.
         let changed = queue.changed();
