@@ -14,6 +14,7 @@
 pub mod azure;
 pub mod memory;
 pub mod pipelines;
+pub mod scale;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,7 +45,8 @@ pub struct BenchArgs {
     /// Print one JSON line instead of a table.
     #[arg(long)]
     json: bool,
-    /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory.
+    /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory,
+    /// scale (not run by default: replicas joining and leaving on a backlog).
     #[arg(
         long,
         value_delimiter = ',',
@@ -84,6 +86,12 @@ pub struct BenchArgs {
     /// `--profile azure`: events failing once, all due in the same 10 s, for the drain.
     #[arg(long, default_value_t = 10_000)]
     azure_retries: usize,
+    /// Backlog per partition (4 partitions) of each scale scenario.
+    #[arg(long, default_value_t = 600)]
+    scale_events: usize,
+    /// The handler's wait per event in the scale scenarios (ms; 0: answers at once).
+    #[arg(long, default_value_t = 0)]
+    scale_delay_ms: u64,
 }
 
 /// One measured scenario.
@@ -108,6 +116,7 @@ struct Figures {
     retries: Option<pipelines::RetryTiming>,
     memory: Option<memory::Memory>,
     azure: Option<azure::AzureFigures>,
+    scale: Vec<scale::ScaleRun>,
 }
 
 /// Runs the benchmark and prints it.
@@ -115,7 +124,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 5] = ["eventhubs", "guard", "concurrency", "retries", "memory"];
+    const KNOWN: [&str; 6] = [
+        "eventhubs",
+        "guard",
+        "concurrency",
+        "retries",
+        "memory",
+        "scale",
+    ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
             "--only: unknown scenario {bad:?} (known: {})",
@@ -176,6 +192,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if on("memory") {
         f.memory = Some(memory::memory(args.pending, args.pending, 4).await?);
+    }
+    if on("scale") {
+        f.scale = scale::scale(
+            args.scale_events.max(1),
+            Duration::from_millis(args.scale_delay_ms),
+            args.max_in_flight,
+        )
+        .await?;
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -323,6 +347,17 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             a.retry_lateness_ms.1
         ));
     }
+    for r in &f.scale {
+        let name = format!(
+            "scale_{}_{}",
+            r.scenario.replace(' ', "_"),
+            if r.handover { "handover" } else { "sdk" }
+        );
+        fields.push(format!("\"{name}_duplicates\":{}", r.duplicates));
+        fields.push(format!("\"{name}_duplicate_pct\":{:.2}", r.duplicate_pct()));
+        fields.push(format!("\"{name}_moves\":{}", r.moves));
+        fields.push(format!("\"{name}_max_unread_ms\":{}", r.max_unread_ms));
+    }
     format!("{{{}}}", fields.join(","))
 }
 
@@ -462,6 +497,32 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             m.growth_per_pending_mb(),
             m.growth_readings_mb.len()
         );
+    }
+    if !f.scale.is_empty() {
+        println!(
+            "Replicas coming and going on a backlog of 4 x {} events (max_in_flight {}, handler {} ms; update interval 0.5 s, ownership expiration 5 s)",
+            args.scale_events, args.max_in_flight, args.scale_delay_ms
+        );
+        println!(
+            "{:>16} {:>22} {:>11} {:>8} {:>6} {:>16}",
+            "scenario", "balancing", "duplicates", "%", "moves", "max unread ms"
+        );
+        for r in &f.scale {
+            println!(
+                "{:>16} {:>22} {:>11} {:>8.2} {:>6} {:>16}",
+                r.scenario,
+                if r.handover {
+                    "hubguard handover"
+                } else {
+                    "SDK alone (stealing)"
+                },
+                r.duplicates,
+                r.duplicate_pct(),
+                r.moves,
+                r.max_unread_ms
+            );
+        }
+        println!();
     }
 }
 

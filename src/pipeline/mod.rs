@@ -17,6 +17,7 @@ mod admission;
 mod attempt;
 mod checkpoint;
 pub mod dead_letter;
+mod handover;
 pub mod health;
 mod observe;
 pub mod owner;
@@ -188,6 +189,10 @@ pub struct PipelineOptions {
     /// Where dead letters are also published (before the ledger records them); checked at
     /// start: [`Pipeline::run`] fails if it is missing or refuses messages.
     pub dead_letters: Option<Arc<dead_letter::DeadLetterDestination>>,
+    /// Move partitions between live replicas by asking the owner to hand them over (it
+    /// stops reading, settles, checkpoints and writes the ownership over) instead of
+    /// stealing them; `false` balances as the SDK alone does (the bench's comparison).
+    pub handover: bool,
 }
 
 impl Default for PipelineOptions {
@@ -217,6 +222,7 @@ impl Default for PipelineOptions {
             unhealthy_after: Some(Duration::from_secs(900)),
             clock: Arc::default(),
             dead_letters: None,
+            handover: true,
         }
     }
 }
@@ -369,23 +375,30 @@ impl Pipeline {
         if let Some(b) = &breaker {
             health.watch(b.clone());
         }
-        let checkpoints = Arc::new(
-            FencedCheckpointStore::new(
-                parts.checkpoint_store,
-                parts.options.owner_id.clone(),
-                parts.options.deadline,
-                parts.options.ownership_expiration,
-            )
-            .with_health(health.clone())
-            .with_lease(owner::OwnerLease::new(
+        let mut fenced = FencedCheckpointStore::new(
+            parts.checkpoint_store,
+            parts.options.owner_id.clone(),
+            parts.options.deadline,
+            parts.options.ownership_expiration,
+        )
+        .with_health(health.clone())
+        .with_lease(owner::OwnerLease::new(
+            records.clone(),
+            &parts.eventhubs.hub,
+            &parts.eventhubs.consumer_group,
+            &parts.options.owner_id,
+            parts.options.ownership_expiration,
+            health.clone(),
+        ));
+        if parts.options.handover {
+            fenced = fenced.with_handovers(handover::Handovers::new(
                 records,
                 &parts.eventhubs.hub,
                 &parts.eventhubs.consumer_group,
                 &parts.options.owner_id,
-                parts.options.ownership_expiration,
-                health.clone(),
-            )),
-        );
+            ));
+        }
+        let checkpoints = Arc::new(fenced);
         Self {
             shared: Arc::new(Shared {
                 origin: Origin {
@@ -621,6 +634,7 @@ async fn run_processor(
         })?
         .map_err(|e| format!("reading the hub's properties at {endpoint}: {e}"))?;
     checkpoints.set_partitions(properties.partition_ids);
+    checkpoints.resume_claiming();
     let location = if o.start_at_latest {
         StartLocation::Latest
     } else {
@@ -686,9 +700,20 @@ async fn run_processor(
             }
             pc = processor.next_partition_client() => match pc {
                 Ok(pc) => {
+                    let pid = pc.get_partition_id().to_string();
+                    let stop_reading = partitions.child_token();
+                    if !checkpoints.partition_started(&pid, stop_reading.clone()) {
+                        // Handed over (or stopping) since the processor dispatched it.
+                        if let Ok(pc) = Arc::try_unwrap(pc) {
+                            let _ = tokio::time::timeout(o.deadline, pc.close()).await;
+                        }
+                        continue;
+                    }
                     let (shared, cancel, tx) = (shared.clone(), partitions.clone(), ended_tx.clone());
+                    let checkpoints = checkpoints.clone();
                     tasks.push(tokio::task::spawn_local(async move {
-                        let ended = partition::run(pc, shared, cancel).await;
+                        let ended = partition::run(pc, shared, cancel, stop_reading).await;
+                        checkpoints.partition_ended(&pid).await;
                         let _ = tx.send(ended);
                     }));
                 }
@@ -698,6 +723,7 @@ async fn run_processor(
     };
     // Teardown, in the order that releases everything (measured: the processor never gives
     // ownership back, and a partition client dropped without `close()` stalls its partition).
+    checkpoints.stop_claiming();
     partitions.cancel();
     for t in tasks {
         let _ = tokio::time::timeout(o.deadline * 3, t).await;

@@ -280,6 +280,27 @@ impl OwnerLease {
         )
     }
 
+    /// How many processes hold owner records of this hub and consumer group renewed within
+    /// `within` (as blob storage's last-modified times say, against this host's clock: an
+    /// estimate, used only to share unowned partitions at start-up).
+    pub(super) async fn live_instances(&self, within: Duration) -> Result<usize, StoreError> {
+        let prefix = self
+            .key
+            .rsplit_once('/')
+            .map_or(String::new(), |(p, _)| format!("{p}/"));
+        let now = std::time::SystemTime::now();
+        Ok(self
+            .records
+            .list(&prefix)
+            .await?
+            .iter()
+            .filter(|l| {
+                l.last_modified
+                    .is_some_and(|t| now.duration_since(t).unwrap_or_default() < within)
+            })
+            .count())
+    }
+
     /// Gives the owner id up (graceful stop), so a restart need not wait for the expiration.
     pub(super) async fn release(&self) {
         let etag = match std::mem::replace(&mut *self.state(), LeaseState::Unknown) {

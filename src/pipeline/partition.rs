@@ -102,11 +102,13 @@ pub(crate) struct Ended {
 
 /// Processes one partition until it is revoked, fails, or `cancel` fires; then lets the
 /// events in flight settle, writes the final checkpoint and closes the partition client (the
-/// only clean give-back).
+/// only clean give-back). `stop_reading` (a handover) stops the reading alone: what is in
+/// flight still settles, however long that takes.
 pub(crate) async fn run(
     pc: Arc<PartitionClient>,
     shared: Arc<Shared>,
     cancel: CancellationToken,
+    stop_reading: CancellationToken,
 ) -> Ended {
     let mut ended = Ended {
         failed: false,
@@ -164,6 +166,7 @@ pub(crate) async fn run(
             tokio::select! {
                 biased;
                 _ = cancel.cancelled(), if reading => reading = false,
+                _ = stop_reading.cancelled(), if reading => reading = false,
                 Some((seq, settled)) = running.next(), if !running.is_empty() => {
                     let (seq, settled): (i64, bool) = (seq, settled);
                     if !settled {

@@ -16,6 +16,7 @@ mod entity_names;
 mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
+mod handover;
 mod interop;
 mod limits;
 mod operable;
