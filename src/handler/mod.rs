@@ -37,6 +37,8 @@ pub struct Failure {
     pub retry_after: Option<Duration>,
     /// The HTTP status the downstream answered, when it answered (for the attempt's span).
     pub http_status: Option<u16>,
+    /// The downstream did not answer in time (the rate limiter slows down on it).
+    pub timed_out: bool,
 }
 
 impl Failure {
@@ -47,6 +49,15 @@ impl Failure {
             error: error.into(),
             retry_after: None,
             http_status: None,
+            timed_out: false,
+        }
+    }
+
+    /// A transient failure because the downstream did not answer in time.
+    pub fn timeout(error: impl Into<String>) -> Self {
+        Self {
+            timed_out: true,
+            ..Self::transient(error)
         }
     }
 
@@ -57,6 +68,7 @@ impl Failure {
             error: error.into(),
             retry_after: None,
             http_status: None,
+            timed_out: false,
         }
     }
 
@@ -98,6 +110,13 @@ pub trait Handler: Send + Sync + 'static {
     /// the pipeline and shown in readiness until it clears — e.g. a webhook that has not
     /// agreed to receive (the abuse-protection handshake). `None`: nothing to watch.
     fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
+    }
+
+    /// The request rate the downstream granted (requests per second, `None` while it has
+    /// granted none), as it changes — e.g. a webhook's `WebHook-Allowed-Rate`. The pipeline's
+    /// rate limiter holds the whole deployment to it. `None`: nothing to watch.
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
         None
     }
 }

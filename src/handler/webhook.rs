@@ -49,7 +49,7 @@ pub struct TlsConfig {
 }
 
 /// Webhook settings.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Where to POST.
@@ -76,6 +76,14 @@ pub struct WebhookConfig {
     /// The CloudEvents abuse-protection handshake.
     #[serde(default)]
     pub handshake: HandshakeConfig,
+    /// Requests per second to the webhook for the whole deployment (every replica, first
+    /// deliveries and retries together); `None`: no limit but the handshake's granted rate.
+    #[serde(default)]
+    pub rate_limit: Option<f64>,
+    /// Lower the rate on 429, 503 and timeouts and pause on a 429's `Retry-After` (default
+    /// on); off: `rate_limit` is a fixed cap.
+    #[serde(default = "yes")]
+    pub rate_limit_adaptive: bool,
 }
 
 impl Default for WebhookConfig {
@@ -89,6 +97,8 @@ impl Default for WebhookConfig {
             authorization: None,
             tls: None,
             handshake: HandshakeConfig::default(),
+            rate_limit: None,
+            rate_limit_adaptive: true,
         }
     }
 }
@@ -294,6 +304,10 @@ impl Handler for WebhookHandler {
         self.handshake.as_ref().map(|h| h.blocked())
     }
 
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
+        self.handshake.as_ref().map(|h| h.allowed_rate())
+    }
+
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let authorization = self.authorization.as_ref().map(|a| a.get());
         if let Some(h) = &self.handshake {
@@ -381,9 +395,10 @@ impl Handler for WebhookHandler {
                     error,
                     retry_after,
                     http_status: Some(status),
+                    timed_out: false,
                 })
             }
-            Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(
+            Err(e) if e.is_timeout() => Outcome::Failed(Failure::timeout(format!(
                 "the webhook did not answer within {} ms",
                 self.config.timeout_ms
             ))),

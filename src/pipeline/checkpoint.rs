@@ -26,6 +26,7 @@ pub(super) struct FencedCheckpointStore {
     expiration: Duration,
     state: Mutex<FenceState>,
     health: Option<Arc<crate::pipeline::health::Health>>,
+    rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
 }
 
 #[derive(Default)]
@@ -71,7 +72,18 @@ impl FencedCheckpointStore {
             expiration,
             state: Mutex::default(),
             health: None,
+            rate: None,
         }
+    }
+
+    /// Tells `rate` this replica's owned partitions at every listing and claim: its share of
+    /// the deployment's rate limit.
+    pub(super) fn with_rate_limiter(
+        mut self,
+        rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    ) -> Self {
+        self.rate = rate;
+        self
     }
 
     /// Reports partitions that no replica owns to `health` (see
@@ -85,6 +97,9 @@ impl FencedCheckpointStore {
     /// that each has a live owner. One that has had none for longer than an ownership takes
     /// to expire and be claimed again (twice the expiration) is reported: nothing reads it.
     pub(super) fn set_partitions(&self, partitions: Vec<String>) {
+        if let Some(r) = &self.rate {
+            r.set_partitions(partitions.len());
+        }
         self.state().partitions = partitions;
     }
 
@@ -281,6 +296,15 @@ impl CheckpointStore for FencedCheckpointStore {
                 st.held.insert(o.partition_id.clone(), o.clone());
             }
         }
+        drop(st);
+        if let Some(r) = &self.rate {
+            let mine: Vec<String> = claimed
+                .iter()
+                .filter(|o| o.owner_id.as_deref() == Some(self.owner_id.as_str()))
+                .map(|o| o.partition_id.clone())
+                .collect();
+            r.claimed(&mine);
+        }
         Ok(claimed)
     }
 
@@ -314,6 +338,9 @@ impl CheckpointStore for FencedCheckpointStore {
             )
             .await?;
         self.note_owners(&owners);
+        if let Some(r) = &self.rate {
+            r.listed(&owners, self.expiration);
+        }
         let mut st = self.state();
         for o in &owners {
             if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {

@@ -180,6 +180,9 @@ pub struct PipelineOptions {
     /// Where dead letters are also published (before the ledger records them); checked at
     /// start: [`Pipeline::run`] fails if it is missing or refuses messages.
     pub dead_letters: Option<Arc<dead_letter::DeadLetterDestination>>,
+    /// The downstream's rate limit for the whole deployment (`handler.rate_limit`); the
+    /// handler's granted rate (a webhook's `WebHook-Allowed-Rate`) caps it too.
+    pub rate_limit: crate::ratelimit::RateLimitConfig,
 }
 
 impl Default for PipelineOptions {
@@ -208,6 +211,7 @@ impl Default for PipelineOptions {
             unhealthy_after: Some(Duration::from_secs(900)),
             clock: Arc::default(),
             dead_letters: None,
+            rate_limit: crate::ratelimit::RateLimitConfig::default(),
         }
     }
 }
@@ -291,6 +295,9 @@ pub(crate) struct Origin {
 pub(crate) struct Downstream {
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
+    /// The deployment-wide rate limit (`None`: neither configured nor grantable).
+    pub(crate) limiter: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    _rate_gauges: Option<crate::telemetry::gauges::RateLimitGauges>,
 }
 
 impl Shared {
@@ -329,6 +336,7 @@ impl Pipeline {
                 .with_clock(parts.options.clock.clone()),
             )
         });
+        let limiter = rate_limiter(&parts);
         let ledger = Ledger::new(
             parts.records,
             &parts.eventhubs.hub,
@@ -349,7 +357,8 @@ impl Pipeline {
                 parts.options.deadline,
                 parts.options.ownership_expiration,
             )
-            .with_health(health.clone()),
+            .with_health(health.clone())
+            .with_rate_limiter(limiter.clone()),
         );
         Self {
             shared: Arc::new(Shared {
@@ -367,6 +376,12 @@ impl Pipeline {
                 downstream: Downstream {
                     handler: parts.handler,
                     breaker,
+                    _rate_gauges: limiter.clone().map(|l| {
+                        crate::telemetry::gauges::RateLimitGauges::register(
+                            l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>,
+                        )
+                    }),
+                    limiter,
                 },
                 settler,
                 queue: parts.queue,
@@ -386,6 +401,12 @@ impl Pipeline {
     /// The downstream's circuit breaker, if enabled.
     pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
         self.shared.downstream.breaker.clone()
+    }
+
+    /// The downstream's rate limiter, when a limit is configured or the handler can grant
+    /// one (a webhook with the handshake).
+    pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+        self.shared.downstream.limiter.clone()
     }
 
     /// The settler (ledger reads, dead-letter replay).
@@ -460,6 +481,31 @@ impl Pipeline {
         let _ = retry.await;
         Ok(())
     }
+}
+
+/// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
+/// rate. Partitions taken over from a live owner count after two update intervals (the old
+/// owner lists at least once meanwhile); one unconfirmed for an ownership expiration stops
+/// counting.
+fn rate_limiter(parts: &PipelineParts) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+    let allowed = parts.handler.allowed_rate();
+    if parts.options.rate_limit.per_s.is_none() && allowed.is_none() {
+        return None;
+    }
+    let o = &parts.options;
+    let limiter = crate::ratelimit::limiter::Limiter::new(
+        o.rate_limit,
+        parts.records.clone(),
+        &parts.handler.downstream(),
+        &o.owner_id,
+        o.update_interval * 2,
+        o.ownership_expiration,
+        o.clock.clone(),
+    );
+    Some(Arc::new(match allowed {
+        Some(a) => limiter.with_allowed_rate(a),
+        None => limiter,
+    }))
 }
 
 /// Shows in readiness why the handler cannot deliver (a webhook that has not agreed to
