@@ -532,15 +532,19 @@ mod tests {
             for (p, to, lists) in steps {
                 now += Duration::from_millis(250);
                 // A replica claims partition p (listing first, as the processor does), or p
-                // is dropped (its owner died and the claim expired).
+                // is given back.
                 if to < 3 {
                     let l = listing(&owner);
                     shares[to].listed(start + now, &l);
                     listed_at[to] = now;
                     owner[p] = Some(to);
                     shares[to].claimed(start + now, &[p.to_string()]);
-                } else {
-                    owner[p] = None;
+                } else if let Some(old) = owner[p].take() {
+                    // Given back (or its claim expired, which its owner's own view of it
+                    // does too: see `fresh`): the old owner no longer counts it.
+                    let l = listing(&owner);
+                    shares[old].listed(start + now, &l);
+                    listed_at[old] = now;
                 }
                 let l = listing(&owner);
                 for (r, s) in shares.iter_mut().enumerate() {
