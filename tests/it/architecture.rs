@@ -17,6 +17,7 @@ const PRODUCT: &[&str] = &[
     "ledger",
     "pipeline",
     "policy",
+    "ratelimit",
     "status",
     "telemetry",
     "wiring",

@@ -20,6 +20,7 @@ mod otlp;
 mod outage;
 mod pipeline;
 mod pipeline_support;
+mod ratelimit;
 mod run_command;
 mod servicebus;
 mod servicebus_auth;
