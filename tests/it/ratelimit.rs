@@ -354,3 +354,33 @@ url = "http://127.0.0.1:9000/events"
     let ok = hubguard::config::Config::parse(&base("rate_limit = 100"), Vec::new()).unwrap();
     assert_eq!(ok.pipeline_options().unwrap().rate_limit.per_s, Some(100.0));
 }
+
+/// The `rate_limit` bench scenario (`hubguard bench --only rate_limit`) from the test
+/// binary, with its figures printed: about two minutes, so only by hand
+/// (`cargo test --test it rate_limit_bench -- --ignored --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "long: the bench scenario, run by hand"]
+async fn rate_limit_bench_holds_the_cap_and_converges() {
+    let events = |var: &str, default: usize| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let f = hubguard::bench::ratelimit::rate_limit(
+        100.0,
+        50,
+        events("HUBGUARD_RATE_EVENTS", 1500),
+        events("HUBGUARD_ADAPTIVE_EVENTS", 2400),
+    )
+    .await
+    .unwrap();
+    println!("{f:#?}");
+    assert!(
+        f.cap.max_per_s as f64 <= 1.05 * f.cap.limit,
+        "{} in one second",
+        f.cap.max_per_s
+    );
+    assert_eq!(f.adaptive.dead_lettered, 0);
+    assert_eq!(f.adaptive.breaker_opens, 0);
+}
