@@ -318,7 +318,10 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
 fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
     for (title, p) in [
         ("a receiver that takes everything", &r.cap),
-        ("a receiver that answers 429 above its capacity", &r.adaptive),
+        (
+            "a receiver that answers 429 above its capacity",
+            &r.adaptive,
+        ),
     ] {
         println!(
             "Rate limit {:.0}/s for three replicas (6 partitions, max_in_flight 8 each), {title}",
@@ -329,7 +332,10 @@ fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
             "receiver capacity",
             p.cap.map_or("unlimited".into(), |c| format!("{c}/s"))
         );
-        println!("{:>44} {} in {:.1} s", "events delivered", p.events, p.seconds);
+        println!(
+            "{:>44} {} in {:.1} s",
+            "events delivered", p.events, p.seconds
+        );
         println!(
             "{:>44} {} ({:.1} % of the limit)",
             "most requests in any 1 s window",
@@ -337,10 +343,7 @@ fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
             100.0 * p.max_per_s as f64 / p.limit
         );
         if p.cap.is_some() {
-            println!(
-                "{:>44} {}",
-                "… from 30 s on", p.max_per_s_after_30s
-            );
+            println!("{:>44} {}", "… from 30 s on", p.max_per_s_after_30s);
             println!(
                 "{:>44} {}",
                 "whole seconds above capacity from 30 s on", p.seconds_above_cap_after_30s

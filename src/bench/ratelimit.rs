@@ -155,7 +155,8 @@ async fn phase(events: usize, limit: f64, cap: Option<u32>) -> anyhow::Result<Ph
             Some(_) => None,
         }
     });
-    let seconds_above_cap_after_30s = cap.map_or(0, |c| full.iter().skip(30).filter(|n| **n > c).count());
+    let seconds_above_cap_after_30s =
+        cap.map_or(0, |c| full.iter().skip(30).filter(|n| **n > c).count());
     let mut opens = 0;
     for b in breakers.iter().flatten() {
         opens = opens.max(b.cached().map_or(0, |r| r.opens));
@@ -173,7 +174,11 @@ async fn phase(events: usize, limit: f64, cap: Option<u32>) -> anyhow::Result<Ph
         throttled: receiver.throttled(),
         dead_lettered: healths.iter().map(|h| h.snapshot().dead_lettered).sum(),
         breaker_opens: opens,
-        decreases: limiters.iter().map(|l| l.snapshot().decreases).max().unwrap_or(0),
+        decreases: limiters
+            .iter()
+            .map(|l| l.snapshot().decreases)
+            .max()
+            .unwrap_or(0),
     };
     receiver.shutdown().await;
     emulators.shutdown().await;

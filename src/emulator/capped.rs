@@ -73,10 +73,13 @@ async fn receive(State(d): State<Arc<Inner>>, headers: HeaderMap) -> axum::respo
         ok
     };
     let status = if ok { 200 } else { 429 };
-    d.log.lock().unwrap_or_else(|p| p.into_inner()).push(Logged {
-        at: now.duration_since(d.started),
-        status,
-    });
+    d.log
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(Logged {
+            at: now.duration_since(d.started),
+            status,
+        });
     if ok {
         let key = headers
             .get("idempotency-key")

@@ -73,8 +73,8 @@ impl Shared {
         }
         if let Some(b) = &self.downstream.breaker {
             let probe = matches!(gate, Gate::Run { probe: true });
-            let answered = throttled
-                && self.downstream.limiter.as_ref().is_some_and(|l| l.adapts());
+            let answered =
+                throttled && self.downstream.limiter.as_ref().is_some_and(|l| l.adapts());
             b.report(
                 answered || !super::partition::transient_failure(&attempted.outcome),
                 probe,

@@ -343,7 +343,9 @@ impl Limiter {
                     Some(p) if p > now => Next::Paused(p),
                     _ if share <= 0.0 => Next::NoShare(st.shares.next_change(Instant::now())),
                     _ => {
-                        let rate = rate_at(&st.record, limit, now, &self.adaptation) * share;
+                        let rate = rate_at(&st.record, limit, now, &self.adaptation)
+                            * share
+                            * super::PACING_HEADROOM;
                         let epoch = st.epoch;
                         Next::Pace(st.gcra.reserve(Instant::now(), rate), epoch)
                     }
@@ -595,8 +597,11 @@ mod tests {
             }
         }
         assert_eq!(waits[0], Duration::ZERO);
-        assert_eq!(t0.elapsed(), Duration::from_millis(400), "10/s: 100 ms apart");
-        assert_eq!(waits[4], Duration::from_millis(100));
+        // 10/s, paced with the headroom: 103 ms apart.
+        let gap = Duration::from_secs_f64(1.0 / (10.0 * crate::ratelimit::PACING_HEADROOM));
+        let close = |a: Duration, b: Duration| a.abs_diff(b) < Duration::from_millis(2);
+        assert!(close(t0.elapsed(), gap * 4), "{:?}", t0.elapsed());
+        assert!(close(waits[4], gap), "{:?}", waits[4]);
         assert_eq!(l.snapshot().rate_per_s, Some(10.0));
     }
 
@@ -607,7 +612,10 @@ mod tests {
         let a = limiter(store.clone(), "a", 100.0, clock.clone());
         let b = limiter(store.clone(), "b", 100.0, clock.clone());
         let cancel = CancellationToken::new();
-        assert!(matches!(b.acquire(&cancel, true).await, Some(Acquired::Go(_))));
+        assert!(matches!(
+            b.acquire(&cancel, true).await,
+            Some(Acquired::Go(_))
+        ));
         a.observe(Signal::Slow {
             reason: DecreaseReason::Throttled,
             retry_after: None,
@@ -618,7 +626,10 @@ mod tests {
         assert_eq!(a.snapshot().last_decrease_reason, Some("throttled_429"));
         // b reads the shared record at its next refresh.
         tokio::time::advance(Duration::from_millis(600)).await;
-        assert!(matches!(b.acquire(&cancel, true).await, Some(Acquired::Go(_))));
+        assert!(matches!(
+            b.acquire(&cancel, true).await,
+            Some(Acquired::Go(_))
+        ));
         let rb = b.snapshot().deployment_rate_per_s.unwrap();
         assert!(rb < 52.0, "b lowered too: {rb}");
         // A Retry-After pauses b as well, on the policy clock.
@@ -691,10 +702,19 @@ mod tests {
             },
             "bounded"
         );
-        assert!(matches!(signal_of(&f(503), cap), Signal::Slow { reason: DecreaseReason::Unavailable, .. }));
+        assert!(matches!(
+            signal_of(&f(503), cap),
+            Signal::Slow {
+                reason: DecreaseReason::Unavailable,
+                ..
+            }
+        ));
         assert!(matches!(
             signal_of(&Outcome::Failed(Failure::timeout("slow")), cap),
-            Signal::Slow { reason: DecreaseReason::Timeout, .. }
+            Signal::Slow {
+                reason: DecreaseReason::Timeout,
+                ..
+            }
         ));
         assert_eq!(signal_of(&f(400), cap), Signal::Neutral);
         assert_eq!(signal_of(&Outcome::Delivered, cap), Signal::Success);

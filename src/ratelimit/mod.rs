@@ -15,8 +15,9 @@
 //!   slow every replica: each computes the same rate from the same record.
 //! - **Paused by `Retry-After`.** A 429 with `Retry-After` pauses the downstream for every
 //!   replica until then (bounded by the event's policy cap), through the same record.
-//! - **Paced, not burst** ([`Gcra`]): requests are spaced `1 / rate` apart per replica, so a
-//!   one-second window holds at most `rate + 1` of them.
+//! - **Paced, not burst** ([`Gcra`]): requests are spaced `1 / rate` apart per replica (at
+//!   [`PACING_HEADROOM`] of the rate, for the receiver's jitter), so a one-second window holds
+//!   at most `rate + 1` of them.
 //!
 //! Everything here is pure (times are arguments); [`limiter::Limiter`] keeps the state,
 //! the record and the clock.
@@ -175,7 +176,10 @@ pub fn rate_at(rec: &AdaptedRecord, limit: f64, now: SystemTime, a: &Adaptation)
     let base = base.clamp(floor, limit);
     let elapsed = now.duration_since(at(t)).unwrap_or_default().as_secs_f64();
     let step = limit * a.increase;
-    let plateau = rec.failed_at_per_s.map_or(limit, |f| f * a.plateau).min(limit);
+    let plateau = rec
+        .failed_at_per_s
+        .map_or(limit, |f| f * a.plateau)
+        .min(limit);
     let rate = if base >= plateau {
         base + step * a.slow * elapsed
     } else {
@@ -222,6 +226,12 @@ pub fn pause(rec: &AdaptedRecord, until: SystemTime) -> Option<AdaptedRecord> {
     next.paused_until_ms = Some(ms(until));
     Some(next)
 }
+
+/// Requests are paced at this share of the rate: spaced `1 / rate` apart, a one-second
+/// window of the sender's clock holds up to `rate + 1`, and the receiver's clock sees each
+/// request a little early or late (network and scheduling jitter); the headroom keeps the
+/// receiver's own one-second count at the rate.
+pub const PACING_HEADROOM: f64 = 0.97;
 
 /// Generic cell rate pacing (GCRA, no burst): each request gets the next slot `1 / rate`
 /// after the previous one, so any one-second window holds at most `rate + 1` requests.
@@ -403,7 +413,11 @@ mod tests {
         assert!((rate_at(&d, 100.0, t(10.0), &a) - 70.0).abs() < 1e-9);
         assert!((rate_at(&d, 100.0, t(20.0), &a) - 90.0).abs() < 1e-9);
         assert!((rate_at(&d, 100.0, t(30.0), &a) - 92.0).abs() < 1e-9);
-        assert_eq!(rate_at(&d, 100.0, t(1e6), &a), 100.0, "never above the limit");
+        assert_eq!(
+            rate_at(&d, 100.0, t(1e6), &a),
+            100.0,
+            "never above the limit"
+        );
         let d2 = decrease(&d, 100.0, t(10.0), DecreaseReason::Unavailable, &a).unwrap();
         assert!((d2.rate_per_s.unwrap() - 35.0).abs() < 1e-9);
         assert_eq!(d2.decreases, 2);
@@ -424,7 +438,11 @@ mod tests {
         assert_eq!(g.reserve(t0, 4.0), Duration::from_millis(250));
         assert_eq!(g.reserve(t0, 4.0), Duration::from_millis(500));
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert_eq!(g.reserve(Instant::now(), 4.0), Duration::ZERO, "no burst saved up");
+        assert_eq!(
+            g.reserve(Instant::now(), 4.0),
+            Duration::ZERO,
+            "no burst saved up"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -445,7 +463,12 @@ mod tests {
         // b claims two of a's partitions and one nobody held.
         b.listed(
             now,
-            &owned(&[("0", Some("a")), ("1", Some("a")), ("2", None), ("3", Some("a"))]),
+            &owned(&[
+                ("0", Some("a")),
+                ("1", Some("a")),
+                ("2", None),
+                ("3", Some("a")),
+            ]),
         );
         b.claimed(now, &["0".into(), "1".into(), "2".into()]);
         assert_eq!(b.owned(now), (1, 4), "the unowned one counts at once");
@@ -454,7 +477,12 @@ mod tests {
         // Lost one: it stops counting at once.
         b.listed(
             now + delay,
-            &owned(&[("0", Some("b")), ("1", Some("c")), ("2", Some("b")), ("3", Some("a"))]),
+            &owned(&[
+                ("0", Some("b")),
+                ("1", Some("c")),
+                ("2", Some("b")),
+                ("3", Some("a")),
+            ]),
         );
         assert_eq!(b.owned(now + delay), (2, 4));
         // Nothing confirms them (blob storage unreachable): they stop counting at expiry.

@@ -41,13 +41,7 @@ impl Replica {
     }
 }
 
-fn start(
-    bed: &Bed,
-    owner: &str,
-    handler: Arc<dyn Handler>,
-    limit: f64,
-    breaker: bool,
-) -> Replica {
+fn start(bed: &Bed, owner: &str, handler: Arc<dyn Handler>, limit: f64, breaker: bool) -> Replica {
     let mut wiring = bed.wiring(owner).policy(fast_policy(20));
     wiring.options_mut().rate_limit = RateLimitConfig::per_second(limit);
     wiring.options_mut().max_in_flight = 4;
@@ -133,7 +127,14 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
     };
     let a = start(&bed, "a", handler.clone(), limit, false);
     // Alone, it gets all of it.
-    watch_until("a alone has the whole limit", &[&a.limiter], Duration::from_secs(20), &mut check, &whole).await;
+    watch_until(
+        "a alone has the whole limit",
+        &[&a.limiter],
+        Duration::from_secs(20),
+        &mut check,
+        &whole,
+    )
+    .await;
     assert_eq!(a.limiter.snapshot().rate_per_s, Some(limit));
     let b = start(&bed, "b", handler.clone(), limit, false);
     let c = start(&bed, "c", handler.clone(), limit, false);
@@ -165,7 +166,10 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
         &whole,
     )
     .await;
-    assert!((most - limit).abs() < 1e-6, "the whole limit was in use: {most}");
+    assert!(
+        (most - limit).abs() < 1e-6,
+        "the whole limit was in use: {most}"
+    );
     for r in [a, b, d] {
         r.stop().await;
     }
@@ -207,7 +211,8 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
             s.iter().all(|s| {
                 s.last_decrease_reason == Some("throttled_429")
                     && s.deployment_rate_per_s.is_some_and(|r| r < 60.0 * 0.75)
-                    && s.rate_per_s.is_some_and(|r| r < 60.0 * 0.75 * s.share + 1e-9)
+                    && s.rate_per_s
+                        .is_some_and(|r| r < 60.0 * 0.75 * s.share + 1e-9)
             })
         },
     )
@@ -230,7 +235,10 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
     }
     for r in [&a, &b] {
         let opens = r.breaker.as_ref().unwrap().cached().map_or(0, |r| r.opens);
-        assert_eq!(opens, 0, "a 429 is the limiter's business, not the breaker's");
+        assert_eq!(
+            opens, 0,
+            "a 429 is the limiter's business, not the breaker's"
+        );
     }
     let ledger = bed.ledger();
     for k in &keys {
@@ -262,8 +270,10 @@ async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
         &|s| s.iter().all(|s| s.share > 0.0),
     )
     .await;
-    bed.send(0, &[("p-0", "ok"), ("p-1", "ok"), ("p-2", "ok")]).await;
-    bed.send(1, &[("p-3", "ok"), ("p-4", "ok"), ("p-5", "ok")]).await;
+    bed.send(0, &[("p-0", "ok"), ("p-1", "ok"), ("p-2", "ok")])
+        .await;
+    bed.send(1, &[("p-3", "ok"), ("p-4", "ok"), ("p-5", "ok")])
+        .await;
     watch_until(
         "every replica sees the downstream paused",
         &[&a.limiter, &b.limiter],
@@ -278,15 +288,25 @@ async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
     let first_429 = log.iter().find(|l| l.status == 429).unwrap().at;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while receiver.delivered().len() < 6 {
-        assert!(tokio::time::Instant::now() < deadline, "{:?}", receiver.delivered());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            receiver.delivered()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let log = receiver.log();
     let calls_in_pause = log
         .iter()
-        .filter(|l| l.at > first_429 + Duration::from_millis(700) && l.at < first_429 + Duration::from_millis(2500))
+        .filter(|l| {
+            l.at > first_429 + Duration::from_millis(700)
+                && l.at < first_429 + Duration::from_millis(2500)
+        })
         .count();
-    assert_eq!(calls_in_pause, 0, "no replica called during the pause: {log:?}");
+    assert_eq!(
+        calls_in_pause, 0,
+        "no replica called during the pause: {log:?}"
+    );
     a.stop().await;
     b.stop().await;
 }
@@ -318,10 +338,16 @@ async fn the_limiter_never_lets_the_checkpoint_pass_an_event_waiting_for_it() {
         if first_waiting.is_none() && cp == Some(11) {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "checkpoint {cp:?}, delivered {delivered:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "checkpoint {cp:?}, delivered {delivered:?}"
+        );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    assert!(seen_partial, "the checkpoint moved while later events waited for the limiter");
+    assert!(
+        seen_partial,
+        "the checkpoint moved while later events waited for the limiter"
+    );
     r.stop().await;
 }
 
@@ -344,7 +370,12 @@ url = "http://127.0.0.1:9000/events"
 "#
         )
     };
-    for bad in ["rate_limit = 0", "rate_limit = -1", "rate_limit = 0.0", "rate_limit = -0.5"] {
+    for bad in [
+        "rate_limit = 0",
+        "rate_limit = -1",
+        "rate_limit = 0.0",
+        "rate_limit = -0.5",
+    ] {
         let e = hubguard::config::Config::parse(&base(bad), Vec::new())
             .unwrap_err()
             .to_string();
