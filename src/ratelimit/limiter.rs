@@ -535,6 +535,14 @@ impl crate::telemetry::gauges::RateLimitReadings for Limiter {
 /// What an attempt's outcome says about the receiver's capacity: a 429 or 503 (with its
 /// `Retry-After` for a 429, bounded by `max_pause`) or a timeout says "slower"; a success
 /// says nothing more than that the rate may keep climbing.
+///
+/// 429 is "the user has sent too many requests in a given amount of time", with an optional
+/// `Retry-After` saying how long to wait (RFC 6585 §4,
+/// <https://www.rfc-editor.org/rfc/rfc6585#section-4>); 503 is a server "unable to handle the
+/// request due to a temporary overload" (RFC 9110 §15.6.4,
+/// <https://www.rfc-editor.org/rfc/rfc9110#section-15.6.4>). Event Grid likewise delays
+/// deliveries to an endpoint that "appears to be overwhelmed"
+/// (<https://learn.microsoft.com/azure/event-grid/delivery-and-retry>).
 pub fn signal_of(outcome: &crate::handler::Outcome, max_pause: Duration) -> Signal {
     match outcome {
         crate::handler::Outcome::Delivered => Signal::Success,
