@@ -551,7 +551,7 @@ mod tests {
             let interval = Duration::from_millis(1000); // every replica lists at least this often
             let mut shares: Vec<Shares> = names.iter().map(|n| { let mut s = Shares::new(n, delay, Duration::from_secs(3600)); s.set_total(6); s }).collect();
             let mut owner: Vec<Option<usize>> = vec![None; 6];
-            let mut listed_at = vec![Duration::ZERO; 3];
+            let mut listed_at = [Duration::ZERO; 3];
             let start = Instant::from_std(std::time::Instant::now());
             let mut now = Duration::ZERO;
             let listing = |owner: &Vec<Option<usize>>| -> Vec<Owned> {
