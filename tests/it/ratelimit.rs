@@ -299,7 +299,7 @@ async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
     let calls_in_pause = log
         .iter()
         .filter(|l| {
-            l.at > first_429 + Duration::from_millis(700)
+            l.at > first_429 + Duration::from_millis(1000)
                 && l.at < first_429 + Duration::from_millis(2500)
         })
         .count();
@@ -414,4 +414,45 @@ async fn rate_limit_bench_holds_the_cap_and_converges() {
     );
     assert_eq!(f.adaptive.dead_lettered, 0);
     assert_eq!(f.adaptive.breaker_opens, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_attempt_span_says_how_long_it_waited_for_the_limiter() {
+    use hubguard::telemetry::names::{attr, span};
+    let t = crate::otlp::telemetry();
+    let bed = Bed::start(1).await;
+    let scripted = Arc::new(Scripted::default());
+    // 2 a second, 4 in flight: the later events of the burst wait for their slots.
+    let r = start(&bed, "a", scripted.clone(), 2.0, false);
+    let keys = ["span-wait-0", "span-wait-1", "span-wait-2", "span-wait-3"];
+    bed.send(0, &keys.map(|k| (k, "ok"))).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while scripted.delivered_keys().len() < keys.len() {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.stop().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let waits: Vec<f64> = loop {
+        t.flush().await;
+        let spans = t.collected.lock().unwrap().spans.clone();
+        let waits: Vec<f64> = spans
+            .iter()
+            .filter(|s| {
+                s.name == span::ATTEMPT
+                    && s.attributes
+                        .get(attr::MESSAGE_ID)
+                        .is_some_and(|k| keys.contains(&k.as_str()))
+            })
+            .filter_map(|s| s.attributes.get(attr::RATE_LIMIT_WAIT)?.parse().ok())
+            .collect();
+        if waits.len() >= keys.len() {
+            break waits;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "spans: {waits:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Paced 2/s (at the headroom): the last of the four waited about 1.5 s for its slot.
+    let longest = waits.iter().cloned().fold(0.0, f64::max);
+    assert!(longest > 1.0, "{waits:?}");
 }
