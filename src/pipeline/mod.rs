@@ -440,6 +440,15 @@ impl Pipeline {
                 crash.clone(),
             ));
         }
+        if let Some(limiter) = self.shared.downstream.limiter.clone() {
+            tokio::spawn(watch_paused(
+                self.shared.health.clone(),
+                limiter,
+                self.shared.options.clock.clone(),
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();
@@ -532,6 +541,55 @@ async fn watch_blocked(
     }
     health.release(&name, 0);
 }
+
+/// Shows in readiness a pause of the downstream (a 429's `Retry-After`) longer than
+/// [`PAUSE_SHOWN_AFTER`]: every event waits on it, not on its own schedule. Held under
+/// `rate limit {downstream}` until the pause ends; shorter pauses are the rate limit's
+/// ordinary work.
+async fn watch_paused(
+    health: Arc<Health>,
+    limiter: Arc<crate::ratelimit::limiter::Limiter>,
+    clock: Arc<crate::clock::Clock>,
+    cancel: CancellationToken,
+    crash: CancellationToken,
+) {
+    let mut changes = limiter.subscribe();
+    let name = format!("rate limit {}", limiter.snapshot().downstream);
+    loop {
+        let until = limiter.paused_until();
+        match until {
+            Some(u) if clock.until(u) > PAUSE_SHOWN_AFTER => {
+                health.hold(
+                    &name,
+                    self::health::HoldCause::HandlerBlocked,
+                    format!(
+                        "the downstream answered 429 with Retry-After: every replica waits until {} before calling it (handler.rate_limit)",
+                        crate::clock::rfc3339(u)
+                    ),
+                    0,
+                );
+                tokio::select! {
+                    _ = clock.sleep_until(u) => {}
+                    changed = changes.changed() => if changed.is_err() { break },
+                    _ = cancel.cancelled() => break,
+                    _ = crash.cancelled() => break,
+                }
+            }
+            _ => {
+                health.release(&name, 0);
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() { break },
+                    _ = cancel.cancelled() => break,
+                    _ = crash.cancelled() => break,
+                }
+            }
+        }
+    }
+    health.release(&name, 0);
+}
+
+/// A pause of the downstream longer than this shows in readiness.
+const PAUSE_SHOWN_AFTER: Duration = Duration::from_secs(10);
 
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
 async fn supervise(

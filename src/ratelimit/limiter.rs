@@ -167,6 +167,16 @@ impl Limiter {
         }
     }
 
+    /// Until when the downstream is paused (a 429's `Retry-After`), if it is now.
+    pub fn paused_until(&self) -> Option<SystemTime> {
+        let now = self.clock.now();
+        self.state()
+            .record
+            .paused_until_ms
+            .map(at)
+            .filter(|p| *p > now)
+    }
+
     /// Whether it adapts to the receiver now: adaptive, with a limit in force.
     pub fn adapts(&self) -> bool {
         self.config.adaptive && self.limit().is_some()

@@ -21,6 +21,7 @@ use crate::pipeline_support::*;
 /// A replica run for these tests: its limiter, and the tokens that stop it cleanly or kill it.
 struct Replica {
     limiter: Arc<Limiter>,
+    health: Arc<hubguard::pipeline::health::Health>,
     breaker: Option<Arc<hubguard::breaker::Shared>>,
     cancel: CancellationToken,
     crash: CancellationToken,
@@ -51,11 +52,13 @@ fn start(bed: &Bed, owner: &str, handler: Arc<dyn Handler>, limit: f64, breaker:
     let pipeline = Pipeline::new(wiring.parts(handler).unwrap());
     let limiter = pipeline.rate_limiter().expect("a limit is configured");
     let breaker = pipeline.breaker();
+    let health = pipeline.health();
     let (cancel, crash) = (CancellationToken::new(), CancellationToken::new());
     let (c, k) = (cancel.clone(), crash.clone());
     let task = tokio::spawn(async move { pipeline.run_until(c, k).await.unwrap() });
     Replica {
         limiter,
+        health,
         breaker,
         cancel,
         crash,
@@ -455,4 +458,48 @@ async fn the_attempt_span_says_how_long_it_waited_for_the_limiter() {
     // Paced 2/s (at the headroom): the last of the four waited about 1.5 s for its slot.
     let longest = waits.iter().cloned().fold(0.0, f64::max);
     assert!(longest > 1.0, "{waits:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_pause_shows_in_readiness_until_it_ends() {
+    let bed = Bed::start(1).await;
+    let receiver = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), Some(1), Some(60))
+        .await
+        .unwrap();
+    let r = start(&bed, "a", webhook(receiver.url()), 20.0, true);
+    bed.send(0, &[("long-0", "ok"), ("long-1", "ok"), ("long-2", "ok")])
+        .await;
+    wait_for(
+        "readiness names the pause",
+        &r.health,
+        Duration::from_secs(30),
+        || async {
+            r.health.report()["not_ready"]
+                .to_string()
+                .contains("Retry-After")
+        },
+    )
+    .await;
+    assert!(!r.health.ready());
+    // The throttled event waits as a retry (due after its Retry-After), the one behind it
+    // in its partition, unattempted; the receiver recovers, and the pause runs on the
+    // policy clock: move it past the minute.
+    wait_for(
+        "the retry scheduled",
+        &r.health,
+        Duration::from_secs(30),
+        || async { r.health.snapshot().retries_scheduled == 1 },
+    )
+    .await;
+    assert_eq!(receiver.log().len(), 2, "nothing called during the pause");
+    receiver.set_cap(None);
+    bed.clock().advance(Duration::from_secs(61));
+    wait_for(
+        "everything delivered and ready again",
+        &r.health,
+        Duration::from_secs(60),
+        || async { receiver.delivered().len() == 3 && r.health.ready() },
+    )
+    .await;
+    r.stop().await;
 }
