@@ -283,6 +283,9 @@ pub struct Shares {
     mine: HashMap<String, (Instant, Instant)>,
     /// The last listing: partition → live owner.
     last: HashMap<String, Option<String>>,
+    /// partition → the listing that first showed it no longer another replica's: that
+    /// replica lost it by then, and its own listing shows it so within an update interval.
+    left_other: HashMap<String, Instant>,
     total: usize,
 }
 
@@ -296,6 +299,7 @@ impl Shares {
             fresh,
             mine: HashMap::new(),
             last: HashMap::new(),
+            left_other: HashMap::new(),
             total: 0,
         }
     }
@@ -308,7 +312,10 @@ impl Shares {
     fn counts_from(&self, partition: &str, now: Instant) -> Instant {
         match self.last.get(partition) {
             Some(Some(owner)) if *owner != self.me => now + self.delay,
-            _ => now,
+            _ => self
+                .left_other
+                .get(partition)
+                .map_or(now, |left| now.max(*left + self.delay)),
         }
     }
 
@@ -327,6 +334,17 @@ impl Shares {
                     let from = self.counts_from(p, now);
                     self.mine.insert(p.to_string(), (from, now));
                 }
+            }
+        }
+        for o in owners {
+            let was_other =
+                matches!(self.last.get(&o.partition), Some(Some(owner)) if *owner != self.me);
+            let is_other = o
+                .live_owner
+                .as_deref()
+                .is_some_and(|owner| owner != self.me);
+            if was_other && !is_other {
+                self.left_other.insert(o.partition.clone(), now);
             }
         }
         self.last = owners
