@@ -470,10 +470,11 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot bind status.listen {}", config.status.listen))?;
     let status_addr = status.local_addr()?;
-    let router = crate::status::router(
+    let router = crate::status::router_with_rate_limit(
         health.clone(),
         pipeline.settler().ledger.clone(),
         pipeline.breaker(),
+        pipeline.rate_limiter(),
     );
     let status_task = tokio::spawn(async move {
         let _ = axum::serve(status, router).await;

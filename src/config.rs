@@ -794,6 +794,10 @@ impl Config {
             ));
         }
         WebhookHandler::new(w.clone()).map_err(|e| invalid("handler", e))?;
+        if let Some(limit) = w.rate_limit {
+            crate::ratelimit::validate_limit(limit)
+                .map_err(|e| invalid("handler.rate_limit", format!("handler.rate_limit {e}")))?;
+        }
         for (key, value, min) in [
             ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
             ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
@@ -994,6 +998,13 @@ impl Config {
             overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
             unhealthy_after: (self.status.unhealthy_after_ms > 0)
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
+            rate_limit: {
+                let HandlerSection::Webhook(w) = &self.handler;
+                crate::ratelimit::RateLimitConfig {
+                    per_s: w.rate_limit,
+                    adaptive: w.rate_limit_adaptive,
+                }
+            },
             ..Default::default()
         })
     }
@@ -1169,6 +1180,10 @@ url = "http://127.0.0.1:9000/events"
             ),
             ("[status]\nlisten = \"localhost:eighty\"\n", none(), "status.listen"),
             ("timeout_ms = 0\n", none(), "handler.timeout_ms"),
+            ("rate_limit = 0\n", none(), "handler.rate_limit"),
+            ("rate_limit = -5.5\n", none(), "handler.rate_limit"),
+            ("rate_limit = \"fast\"\n", none(), "handler.rate_limit"),
+            ("", var("HUBGUARD_HANDLER__RATE_LIMIT", "0"), "handler.rate_limit"),
             ("[retry]\ncall_deadline_ms = 0\n", none(), "retry.call_deadline_ms"),
             ("[processor]\nprefetch = 0\n", none(), "processor.prefetch"),
             (

@@ -19,6 +19,9 @@
 //!   and what they count; [`pipeline::Pipeline`] runs it all.
 //! - [`breaker`]: the downstream's circuit breaker shared by every replica (a blob record) —
 //!   pure decide/apply over the record and `now`.
+//! - [`ratelimit`]: one downstream rate limit for the whole deployment, shared out by owned
+//!   partitions and adapted from 429s, 503s and timeouts (AIMD; a blob record beside the
+//!   breaker's) — pure rate, share and pacing functions, and the replica's limiter.
 //! - [`handler`]: the [`handler::Handler`] trait library users implement, and the webhook.
 //! - [`policy`]: backoff curves, budgets and error classification — pure functions.
 //! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
@@ -42,7 +45,7 @@
 //! integration test `architecture` checks there is no cycle and no use of the test bed:
 //!
 //! ```text
-//!  wiring ─► config, status ─► pipeline ─► ledger, breaker, handler ─► policy, azure
+//!  wiring ─► config, status ─► pipeline ─► ledger, breaker, ratelimit, handler ─► policy, azure
 //!        ─► clock, event, guard, telemetry
 //! ```
 //!
@@ -73,6 +76,7 @@ pub mod handler;
 pub mod ledger;
 pub mod pipeline;
 pub mod policy;
+pub mod ratelimit;
 pub mod redact;
 pub mod status;
 pub mod telemetry;

@@ -275,6 +275,7 @@ struct AppState {
     health: Arc<Health>,
     ledger: Ledger,
     breaker: Option<Arc<crate::breaker::Shared>>,
+    rate_limit: Option<Arc<crate::ratelimit::limiter::Limiter>>,
 }
 
 impl AppState {
@@ -299,6 +300,12 @@ impl AppState {
                 }),
             );
         }
+        if let (Some(l), Some(obj)) = (&self.rate_limit, r.as_object_mut()) {
+            obj.insert(
+                "rate_limit".into(),
+                serde_json::to_value(l.snapshot()).unwrap_or_default(),
+            );
+        }
         // Reasons quote what dependencies answered: the one rule masks any credential.
         redact_json(&mut r);
         r
@@ -311,6 +318,17 @@ pub fn router(
     ledger: Ledger,
     breaker: Option<Arc<crate::breaker::Shared>>,
 ) -> Router {
+    router_with_rate_limit(health, ledger, breaker, None)
+}
+
+/// The status router, with the downstream's rate limiter shown in the report under
+/// `rate_limit` (the configured limit, the current rate, the last decrease's reason).
+pub fn router_with_rate_limit(
+    health: Arc<Health>,
+    ledger: Ledger,
+    breaker: Option<Arc<crate::breaker::Shared>>,
+    rate_limit: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -322,6 +340,7 @@ pub fn router(
             health,
             ledger,
             breaker,
+            rate_limit,
         })
 }
 

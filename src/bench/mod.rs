@@ -10,10 +10,14 @@
 //! - The retry path: failure to Service Bus acceptance, due time to actual start.
 //! - Resident memory of `hubguard run` with no retries and with many pending ([`memory`]).
 //! - `--profile azure`: hubguard at Azure's latencies, with a 50 ms downstream ([`azure`]).
+//! - With `--only rate_limit` (not in the default run): three replicas under one
+//!   `handler.rate_limit`, to a receiver that takes everything and to one that answers 429
+//!   above its capacity ([`ratelimit`]).
 
 pub mod azure;
 pub mod memory;
 pub mod pipelines;
+pub mod ratelimit;
 pub mod scale;
 
 use std::sync::Arc;
@@ -47,6 +51,7 @@ pub struct BenchArgs {
     json: bool,
     /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory,
     /// scale (not run by default: replicas joining and leaving on a backlog).
+    /// rate_limit (not run unless named).
     #[arg(
         long,
         value_delimiter = ',',
@@ -92,6 +97,18 @@ pub struct BenchArgs {
     /// The handler's wait per event in the scale scenarios (ms; 0: answers at once).
     #[arg(long, default_value_t = 0)]
     scale_delay_ms: u64,
+    /// `rate_limit`: the deployment's limit (requests/s, three replicas).
+    #[arg(long, default_value_t = 100.0)]
+    rate_limit: f64,
+    /// `rate_limit`: the receiver's capacity in the adaptive run (429 above it).
+    #[arg(long, default_value_t = 50)]
+    receiver_cap: u32,
+    /// `rate_limit`: events through the cap run (a receiver that takes everything).
+    #[arg(long, default_value_t = 1500)]
+    rate_events: usize,
+    /// `rate_limit`: events through the adaptive run.
+    #[arg(long, default_value_t = 2400)]
+    adaptive_events: usize,
 }
 
 /// One measured scenario.
@@ -117,6 +134,7 @@ struct Figures {
     memory: Option<memory::Memory>,
     azure: Option<azure::AzureFigures>,
     scale: Vec<scale::ScaleRun>,
+    rate_limit: Option<ratelimit::RateLimitFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -124,13 +142,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 6] = [
+    const KNOWN: [&str; 7] = [
         "eventhubs",
         "guard",
         "concurrency",
         "retries",
         "memory",
         "scale",
+        "rate_limit",
     ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
@@ -200,6 +219,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             args.max_in_flight,
         )
         .await?;
+    }
+    if on("rate_limit") {
+        crate::ratelimit::validate_limit(args.rate_limit)
+            .map_err(|e| anyhow::anyhow!("--rate-limit {e}"))?;
+        if args.receiver_cap == 0 || args.rate_events == 0 || args.adaptive_events == 0 {
+            bail!("--receiver-cap, --rate-events and --adaptive-events must be positive");
+        }
+        f.rate_limit = Some(
+            ratelimit::rate_limit(
+                args.rate_limit,
+                args.receiver_cap,
+                args.rate_events,
+                args.adaptive_events,
+            )
+            .await?,
+        );
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -358,7 +393,91 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
         fields.push(format!("\"{name}_moves\":{}", r.moves));
         fields.push(format!("\"{name}_max_unread_ms\":{}", r.max_unread_ms));
     }
+    if let Some(r) = &f.rate_limit {
+        let (c, a) = (&r.cap, &r.adaptive);
+        fields.push(format!("\"rate_limit_per_s\":{:.1}", c.limit));
+        fields.push(format!("\"rate_limit_max_per_s\":{}", c.max_per_s));
+        fields.push(format!(
+            "\"rate_limit_max_ratio\":{:.3}",
+            c.max_per_s as f64 / c.limit
+        ));
+        fields.push(format!(
+            "\"rate_limit_events_per_s\":{:.1}",
+            c.events as f64 / c.seconds.max(1e-9)
+        ));
+        fields.push(format!("\"adaptive_receiver_cap\":{}", a.cap.unwrap_or(0)));
+        fields.push(format!("\"adaptive_max_per_s\":{}", a.max_per_s));
+        fields.push(format!(
+            "\"adaptive_max_per_s_after_30s\":{}",
+            a.max_per_s_after_30s
+        ));
+        fields.push(format!(
+            "\"adaptive_converged_at_s\":{}",
+            a.converged_at_s.map_or("null".into(), |s| s.to_string())
+        ));
+        fields.push(format!(
+            "\"adaptive_seconds_above_cap_after_30s\":{}",
+            a.seconds_above_cap_after_30s
+        ));
+        fields.push(format!("\"adaptive_throttled\":{}", a.throttled));
+        fields.push(format!("\"adaptive_dead_lettered\":{}", a.dead_lettered));
+        fields.push(format!("\"adaptive_breaker_opens\":{}", a.breaker_opens));
+        fields.push(format!("\"adaptive_decreases\":{}", a.decreases));
+        fields.push(format!(
+            "\"adaptive_events_per_s\":{:.1}",
+            a.events as f64 / a.seconds.max(1e-9)
+        ));
+    }
     format!("{{{}}}", fields.join(","))
+}
+
+fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
+    for (title, p) in [
+        ("a receiver that takes everything", &r.cap),
+        (
+            "a receiver that answers 429 above its capacity",
+            &r.adaptive,
+        ),
+    ] {
+        println!(
+            "Rate limit {:.0}/s for three replicas (6 partitions, max_in_flight 8 each), {title}",
+            p.limit
+        );
+        println!(
+            "{:>44} {}",
+            "receiver capacity",
+            p.cap.map_or("unlimited".into(), |c| format!("{c}/s"))
+        );
+        println!(
+            "{:>44} {} in {:.1} s",
+            "events delivered", p.events, p.seconds
+        );
+        println!(
+            "{:>44} {} ({:.1} % of the limit)",
+            "most requests in any 1 s window",
+            p.max_per_s,
+            100.0 * p.max_per_s as f64 / p.limit
+        );
+        if p.cap.is_some() {
+            println!("{:>44} {}", "… from 30 s on", p.max_per_s_after_30s);
+            println!(
+                "{:>44} {}",
+                "whole seconds above capacity from 30 s on", p.seconds_above_cap_after_30s
+            );
+            println!(
+                "{:>44} {}",
+                "at or below capacity from second",
+                p.converged_at_s.map_or("never".into(), |s| s.to_string())
+            );
+            println!(
+                "{:>44} {} 429s, {} decreases, {} dead letters, {} breaker openings",
+                "", p.throttled, p.decreases, p.dead_lettered, p.breaker_opens
+            );
+        }
+        let seconds: Vec<String> = p.per_second.iter().map(|n| n.to_string()).collect();
+        println!("{:>44} {}", "requests per second", seconds.join(" "));
+        println!();
+    }
 }
 
 fn print_tables(args: &BenchArgs, f: &Figures) {
@@ -406,6 +525,9 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             ),
         );
         println!();
+    }
+    if let Some(r) = &f.rate_limit {
+        print_rate_limit(r);
     }
     if !f.eventhubs.is_empty() {
         println!("Event Hubs emulator through azure_messaging_eventhubs 0.16 ({} events of {} B, batched sends)", args.events, args.size);

@@ -20,6 +20,7 @@
 
 pub mod admin;
 pub mod blob;
+pub mod capped;
 pub mod clock;
 pub mod eventhubs;
 pub mod faults;

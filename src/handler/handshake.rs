@@ -115,6 +115,7 @@ pub struct Handshake {
     config: HandshakeConfig,
     state: Mutex<Option<Agreement>>,
     blocked: watch::Sender<Option<String>>,
+    allowed_rate: watch::Sender<Option<f64>>,
 }
 
 impl Handshake {
@@ -124,7 +125,14 @@ impl Handshake {
             config,
             state: Mutex::new(None),
             blocked: watch::channel(None).0,
+            allowed_rate: watch::channel(None).0,
         }
+    }
+
+    /// The rate the endpoint granted (`WebHook-Allowed-Rate`, per second; `None` while it
+    /// granted none), as it changes: the pipeline holds the whole deployment to it.
+    pub fn allowed_rate(&self) -> watch::Receiver<Option<f64>> {
+        self.allowed_rate.subscribe()
     }
 
     /// Why deliveries are blocked (`None`: they are not), as it changes.
@@ -162,6 +170,8 @@ impl Handshake {
                             pacer: rate.map(Pacer::new),
                         });
                         self.blocked.send_replace(None);
+                        self.allowed_rate
+                            .send_replace(rate.map(|per_minute| f64::from(per_minute) / 60.0));
                     }
                     Err(reason) => {
                         tracing::warn!(%reason, "webhook refused the abuse-protection handshake; not delivering");

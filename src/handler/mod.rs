@@ -40,6 +40,8 @@ pub struct Failure {
     /// The longest `retry_after` the handler honours (the webhook's `retry_after_max_s`);
     /// the policy's cap bounds it in any case.
     pub retry_after_max: Option<Duration>,
+    /// The downstream did not answer in time (the rate limiter slows down on it).
+    pub timed_out: bool,
 }
 
 impl Failure {
@@ -51,6 +53,15 @@ impl Failure {
             retry_after: None,
             http_status: None,
             retry_after_max: None,
+            timed_out: false,
+        }
+    }
+
+    /// A transient failure because the downstream did not answer in time.
+    pub fn timeout(error: impl Into<String>) -> Self {
+        Self {
+            timed_out: true,
+            ..Self::transient(error)
         }
     }
 
@@ -62,6 +73,7 @@ impl Failure {
             retry_after: None,
             http_status: None,
             retry_after_max: None,
+            timed_out: false,
         }
     }
 
@@ -109,6 +121,13 @@ pub trait Handler: Send + Sync + 'static {
     /// the pipeline and shown in readiness until it clears — e.g. a webhook that has not
     /// agreed to receive (the abuse-protection handshake). `None`: nothing to watch.
     fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
+    }
+
+    /// The request rate the downstream granted (requests per second, `None` while it has
+    /// granted none), as it changes — e.g. a webhook's `WebHook-Allowed-Rate`. The pipeline's
+    /// rate limiter holds the whole deployment to it. `None`: nothing to watch.
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
         None
     }
 }

@@ -49,7 +49,7 @@ pub struct TlsConfig {
 }
 
 /// Webhook settings. `Debug` shows the URL through the redaction rule ([`crate::redact`]).
-#[derive(Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Clone, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Where to POST.
@@ -80,6 +80,14 @@ pub struct WebhookConfig {
     /// bounds it in any case). A longer one is shortened to this, and the attempt says so.
     #[serde(default)]
     pub retry_after_max_s: Option<u64>,
+    /// Requests per second to the webhook for the whole deployment (every replica, first
+    /// deliveries and retries together); `None`: no limit but the handshake's granted rate.
+    #[serde(default)]
+    pub rate_limit: Option<f64>,
+    /// Lower the rate on 429, 503 and timeouts and pause on a 429's `Retry-After` (default
+    /// on); off: `rate_limit` is a fixed cap.
+    #[serde(default = "yes")]
+    pub rate_limit_adaptive: bool,
 }
 
 impl std::fmt::Debug for WebhookConfig {
@@ -93,6 +101,9 @@ impl std::fmt::Debug for WebhookConfig {
             .field("authorization", &self.authorization)
             .field("tls", &self.tls)
             .field("handshake", &self.handshake)
+            .field("retry_after_max_s", &self.retry_after_max_s)
+            .field("rate_limit", &self.rate_limit)
+            .field("rate_limit_adaptive", &self.rate_limit_adaptive)
             .finish()
     }
 }
@@ -109,6 +120,8 @@ impl Default for WebhookConfig {
             tls: None,
             handshake: HandshakeConfig::default(),
             retry_after_max_s: None,
+            rate_limit: None,
+            rate_limit_adaptive: true,
         }
     }
 }
@@ -315,6 +328,10 @@ impl Handler for WebhookHandler {
         self.handshake.as_ref().map(|h| h.blocked())
     }
 
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
+        self.handshake.as_ref().map(|h| h.allowed_rate())
+    }
+
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let authorization = self.authorization.as_ref().map(|a| a.get());
         if let Some(h) = &self.handshake {
@@ -403,9 +420,10 @@ impl Handler for WebhookHandler {
                     retry_after,
                     http_status: Some(status),
                     retry_after_max: self.config.retry_after_max_s.map(Duration::from_secs),
+                    timed_out: false,
                 })
             }
-            Err(e) if e.is_timeout() => Outcome::Failed(Failure::transient(format!(
+            Err(e) if e.is_timeout() => Outcome::Failed(Failure::timeout(format!(
                 "the webhook did not answer within {} ms",
                 self.config.timeout_ms
             ))),

@@ -2,12 +2,15 @@
 //! breaker whether the attempt may run (or is a half-open probe, or must wait until the
 //! breaker's expiry), and afterwards report the outcome to the breaker and record the
 //! handler's duration. One home, so the partition loop and the retry loop cannot drift.
+//! Between the two, the attempt waits for the downstream's rate limiter ([`Shared::pace`]),
+//! which learns from the outcome too: a 429, 503 or timeout slows the whole deployment.
 
 use std::time::SystemTime;
 
 use super::attempt::Attempted;
 use super::Shared;
 use crate::breaker::Admission;
+use crate::ratelimit::limiter::{signal_of, Acquired};
 
 /// What the breaker says about an attempt that wants to run now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,17 +59,44 @@ impl Shared {
         }
     }
 
+    /// Waits for the downstream's rate limiter (at once without one); `None` if `cancel`
+    /// fired first. The wait counts no attempt: the event waits where it is (in its
+    /// partition, or its retry message under its lock). With no share of the rate (this
+    /// replica owns no partition), `wait_for_share` decides between waiting for one and
+    /// [`Acquired::NoShare`].
+    pub(crate) async fn pace(
+        &self,
+        cancel: &tokio_util::sync::CancellationToken,
+        wait_for_share: bool,
+    ) -> Option<Acquired> {
+        match &self.downstream.limiter {
+            None => Some(Acquired::Go(std::time::Duration::ZERO)),
+            Some(l) => l.acquire(cancel, wait_for_share).await,
+        }
+    }
+
     /// After the handler ran: the breaker learns the outcome (a transient failure counts
     /// against the downstream; a permanent one is the event's fault, not the downstream's),
-    /// and the handler's duration is recorded.
+    /// and the handler's duration is recorded. With a rate limiter, the limiter learns it
+    /// too, and a 429 is its business — the downstream answered, asking for less — so the
+    /// breaker counts it as an answer, not a failure (a 429 storm slows the deployment
+    /// instead of opening and closing the breaker in turns). A 429's `Retry-After` pauses
+    /// the downstream for at most the event type's policy cap.
     pub(crate) async fn attempted(
         &self,
         attempted: &Attempted,
         gate: Gate,
         event_type: Option<&str>,
     ) {
+        let throttled = matches!(&attempted.outcome, crate::handler::Outcome::Failed(f) if f.http_status == Some(429));
+        if let Some(l) = &self.downstream.limiter {
+            let cap = self.settler.policies().for_type(event_type).longest_wait();
+            l.observe(signal_of(&attempted.outcome, cap)).await;
+        }
         if let Some(b) = &self.downstream.breaker {
-            let success = !super::partition::transient_failure(&attempted.outcome);
+            let answered =
+                throttled && self.downstream.limiter.as_ref().is_some_and(|l| l.adapts());
+            let success = answered || !super::partition::transient_failure(&attempted.outcome);
             match gate {
                 Gate::Run { probe, new: true } => b.report_new(success, probe).await,
                 Gate::Run { probe, new: false } => b.report(success, probe).await,

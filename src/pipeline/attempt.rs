@@ -78,6 +78,8 @@ pub(super) struct Context<'a> {
     pub max_attempts: u32,
     /// The clock the attempt's start is recorded on.
     pub clock: &'a crate::clock::Clock,
+    /// How long the attempt waited for the downstream's rate limiter (`None`: no limiter).
+    pub rate_limit_wait: Option<std::time::Duration>,
 }
 
 fn producer_trace(event: &Event) -> Option<opentelemetry::trace::SpanContext> {
@@ -150,6 +152,9 @@ pub(super) async fn run(
             KeyValue::new(attr::MESSAGING_PARTITION, event.partition_id.clone()),
             KeyValue::new(attr::SEQUENCE_NUMBER, event.sequence_number),
         ]);
+        if let Some(w) = cx.rate_limit_wait {
+            attributes.push(KeyValue::new(attr::RATE_LIMIT_WAIT, w.as_secs_f64()));
+        }
         started.set_attributes(attributes);
         let sc = started.span_context();
         if sc.is_valid() {

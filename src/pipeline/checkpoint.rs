@@ -40,6 +40,7 @@ pub(super) struct FencedCheckpointStore {
     /// Held around claims of this replica's partitions and writes that hand one over, so a
     /// renewal and a handover never race on one ownership's ETag.
     claim_lock: tokio::sync::Mutex<()>,
+    rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
 }
 
 #[derive(Default)]
@@ -101,6 +102,7 @@ impl FencedCheckpointStore {
             lease: None,
             handovers: None,
             claim_lock: tokio::sync::Mutex::new(()),
+            rate: None,
         }
     }
 
@@ -123,6 +125,16 @@ impl FencedCheckpointStore {
         self.lease.as_ref().is_none_or(|l| l.holds())
     }
 
+    /// Tells `rate` this replica's owned partitions at every listing and claim: its share of
+    /// the deployment's rate limit.
+    pub(super) fn with_rate_limiter(
+        mut self,
+        rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    ) -> Self {
+        self.rate = rate;
+        self
+    }
+
     /// Reports partitions that no replica owns to `health` (see
     /// [`set_partitions`](Self::set_partitions)).
     pub(super) fn with_health(mut self, health: Arc<crate::pipeline::health::Health>) -> Self {
@@ -134,6 +146,9 @@ impl FencedCheckpointStore {
     /// that each has a live owner. One that has had none for longer than an ownership takes
     /// to expire and be claimed again (twice the expiration) is reported: nothing reads it.
     pub(super) fn set_partitions(&self, partitions: Vec<String>) {
+        if let Some(r) = &self.rate {
+            r.set_partitions(partitions.len());
+        }
         self.state().partitions = partitions;
     }
 
@@ -711,6 +726,14 @@ impl CheckpointStore for FencedCheckpointStore {
                 h.withdraw(&p).await;
             }
         }
+        if let Some(r) = &self.rate {
+            let mine: Vec<String> = shown
+                .iter()
+                .filter(|o| o.owner_id.as_deref() == Some(self.owner_id.as_str()))
+                .map(|o| o.partition_id.clone())
+                .collect();
+            r.claimed(&mine);
+        }
         Ok(shown)
     }
 
@@ -758,6 +781,9 @@ impl CheckpointStore for FencedCheckpointStore {
             )
             .await?;
         self.note_owners(&owners);
+        if let Some(r) = &self.rate {
+            r.listed(&owners, self.expiration);
+        }
         {
             let mut st = self.state();
             for o in &owners {

@@ -193,6 +193,9 @@ pub struct PipelineOptions {
     /// stops reading, settles, checkpoints and writes the ownership over) instead of
     /// stealing them; `false` balances as the SDK alone does (the bench's comparison).
     pub handover: bool,
+    /// The downstream's rate limit for the whole deployment (`handler.rate_limit`); the
+    /// handler's granted rate (a webhook's `WebHook-Allowed-Rate`) caps it too.
+    pub rate_limit: crate::ratelimit::RateLimitConfig,
 }
 
 impl Default for PipelineOptions {
@@ -223,6 +226,7 @@ impl Default for PipelineOptions {
             clock: Arc::default(),
             dead_letters: None,
             handover: true,
+            rate_limit: crate::ratelimit::RateLimitConfig::default(),
         }
     }
 }
@@ -308,6 +312,9 @@ pub(crate) struct Origin {
 pub(crate) struct Downstream {
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
+    /// The deployment-wide rate limit (`None`: neither configured nor grantable).
+    pub(crate) limiter: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    _rate_gauges: Option<crate::telemetry::gauges::RateLimitGauges>,
 }
 
 impl Shared {
@@ -347,6 +354,7 @@ impl Pipeline {
             )
         });
         let records = parts.records.clone();
+        let limiter = rate_limiter(&parts);
         let ledger = Ledger::new(
             parts.records,
             &parts.eventhubs.hub,
@@ -382,6 +390,7 @@ impl Pipeline {
             parts.options.ownership_expiration,
         )
         .with_health(health.clone())
+        .with_rate_limiter(limiter.clone())
         .with_lease(owner::OwnerLease::new(
             records.clone(),
             &parts.eventhubs.hub,
@@ -415,6 +424,12 @@ impl Pipeline {
                 downstream: Downstream {
                     handler: parts.handler,
                     breaker,
+                    _rate_gauges: limiter.clone().map(|l| {
+                        crate::telemetry::gauges::RateLimitGauges::register(
+                            l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>,
+                        )
+                    }),
+                    limiter,
                 },
                 settler,
                 queue: parts.queue,
@@ -435,6 +450,12 @@ impl Pipeline {
     /// The downstream's circuit breaker, if enabled.
     pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
         self.shared.downstream.breaker.clone()
+    }
+
+    /// The downstream's rate limiter, when a limit is configured or the handler can grant
+    /// one (a webhook with the handshake).
+    pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+        self.shared.downstream.limiter.clone()
     }
 
     /// The settler (ledger reads, dead-letter replay).
@@ -465,6 +486,15 @@ impl Pipeline {
                 self.shared.health.clone(),
                 self.shared.downstream.handler.downstream(),
                 blocked,
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
+        if let Some(limiter) = self.shared.downstream.limiter.clone() {
+            tokio::spawn(watch_paused(
+                self.shared.health.clone(),
+                limiter,
+                self.shared.options.clock.clone(),
                 cancel.clone(),
                 crash.clone(),
             ));
@@ -510,6 +540,31 @@ impl Pipeline {
         let _ = retry.await;
         Ok(())
     }
+}
+
+/// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
+/// rate. Partitions taken over from a live owner count after two update intervals (the old
+/// owner lists at least once meanwhile); one unconfirmed for an ownership expiration stops
+/// counting.
+fn rate_limiter(parts: &PipelineParts) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+    let allowed = parts.handler.allowed_rate();
+    if parts.options.rate_limit.per_s.is_none() && allowed.is_none() {
+        return None;
+    }
+    let o = &parts.options;
+    let limiter = crate::ratelimit::limiter::Limiter::new(
+        o.rate_limit,
+        parts.records.clone(),
+        &parts.handler.downstream(),
+        &o.owner_id,
+        o.update_interval * 2,
+        o.ownership_expiration,
+        o.clock.clone(),
+    );
+    Some(Arc::new(match allowed {
+        Some(a) => limiter.with_allowed_rate(a),
+        None => limiter,
+    }))
 }
 
 impl Pipeline {
@@ -567,6 +622,55 @@ async fn watch_blocked(
     }
     health.release(&name, 0);
 }
+
+/// Shows in readiness a pause of the downstream (a 429's `Retry-After`) longer than
+/// [`PAUSE_SHOWN_AFTER`]: every event waits on it, not on its own schedule. Held under
+/// `rate limit {downstream}` until the pause ends; shorter pauses are the rate limit's
+/// ordinary work.
+async fn watch_paused(
+    health: Arc<Health>,
+    limiter: Arc<crate::ratelimit::limiter::Limiter>,
+    clock: Arc<crate::clock::Clock>,
+    cancel: CancellationToken,
+    crash: CancellationToken,
+) {
+    let mut changes = limiter.subscribe();
+    let name = format!("rate limit {}", limiter.snapshot().downstream);
+    loop {
+        let until = limiter.paused_until();
+        match until {
+            Some(u) if clock.until(u) > PAUSE_SHOWN_AFTER => {
+                health.hold(
+                    &name,
+                    self::health::HoldCause::HandlerBlocked,
+                    format!(
+                        "the downstream answered 429 with Retry-After: every replica waits until {} before calling it (handler.rate_limit)",
+                        crate::clock::rfc3339(u)
+                    ),
+                    0,
+                );
+                tokio::select! {
+                    _ = clock.sleep_until(u) => {}
+                    changed = changes.changed() => if changed.is_err() { break },
+                    _ = cancel.cancelled() => break,
+                    _ = crash.cancelled() => break,
+                }
+            }
+            _ => {
+                health.release(&name, 0);
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() { break },
+                    _ = cancel.cancelled() => break,
+                    _ = crash.cancelled() => break,
+                }
+            }
+        }
+    }
+    health.release(&name, 0);
+}
+
+/// A pause of the downstream longer than this shows in readiness.
+const PAUSE_SHOWN_AFTER: Duration = Duration::from_secs(10);
 
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
 async fn supervise(

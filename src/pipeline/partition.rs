@@ -297,12 +297,13 @@ async fn process(
         .settler
         .policies()
         .for_type(event.identity.event_type.as_deref());
-    let cx = attempt::Context {
+    let mut cx = attempt::Context {
         consumer_group: &shared.origin.consumer_group,
         source: Source::EventHubs,
         policy: &policy.name,
         max_attempts: policy.max_attempts,
         clock: shared.clock(),
+        rate_limit_wait: None,
     };
     // Outage mode: while the downstream's breaker is open the partition waits — Event Hubs
     // holds the backlog — instead of scheduling one retry per event. No attempt is counted.
@@ -338,6 +339,19 @@ async fn process(
     };
     if deferred {
         shared.health.release(pid, seq);
+    }
+    // The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
+    // behind it), uncounted; the checkpoint window cannot pass it meanwhile.
+    match shared.pace(cancel, true).await {
+        None => return false,
+        Some(acquired) => {
+            if shared.downstream.limiter.is_some() {
+                cx.rate_limit_wait = Some(match acquired {
+                    crate::ratelimit::limiter::Acquired::Go(w) => w,
+                    crate::ratelimit::limiter::Acquired::NoShare => Duration::ZERO,
+                });
+            }
+        }
     }
     let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
     shared.attempted(&attempted, gate, event_type).await;

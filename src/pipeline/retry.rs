@@ -419,6 +419,13 @@ async fn receiver(
         if !limits.room_for_due(&cancel).await {
             break;
         }
+        // A replica with no share of the rate limit (it owns no partition) leaves the
+        // retries to the replicas that have one.
+        if let Some(l) = &shared.downstream.limiter {
+            if !l.has_share(&cancel).await {
+                break;
+            }
+        }
         let held = tokio::select! {
             _ = cancel.cancelled() => break,
             p = limits.held.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
@@ -1048,6 +1055,27 @@ async fn process(
         }
         return;
     }
+    // The rate limit: the retry waits under its lock, uncounted. A replica that has lost
+    // its share of the rate meanwhile defers it (a second or two) for the others, uncounted.
+    let waited = match under_lock(&mut msg, shared, cancel, shared.pace(cancel, false)).await {
+        None | Some(None) => return,
+        Some(Some(crate::ratelimit::limiter::Acquired::NoShare)) => {
+            drop((slot, starting));
+            let until = shared.clock().now()
+                + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
+            let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
+                shared
+                    .settler
+                    .defer(&event, body.attempt, until, &body.traceparents)
+            })
+            .await;
+            if deferred.is_some() {
+                settle_message(&msg, true).await;
+            }
+            return;
+        }
+        Some(Some(crate::ratelimit::limiter::Acquired::Go(w))) => w,
+    };
     drop(starting);
     shared.health.count(&shared.health.counters.attempts);
     // Lateness: how long after its due time the retry actually starts.
@@ -1067,6 +1095,7 @@ async fn process(
         policy: &pinned.name,
         max_attempts: pinned.max_attempts,
         clock: shared.clock(),
+        rate_limit_wait: shared.downstream.limiter.as_ref().map(|_| waited),
     };
     // Keep the lock, and the claim, while the handler runs.
     let mut claimed = (rec, etag);

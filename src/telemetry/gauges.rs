@@ -255,3 +255,107 @@ impl ConfigGauges {
         }
     }
 }
+
+/// What the rate-limit gauges read from the downstream's rate limiter.
+pub trait RateLimitReadings: Send + Sync + 'static {
+    /// The downstream's name (the `downstream` attribute).
+    fn downstream_name(&self) -> String;
+    /// The limit in force for the whole deployment (requests/s; `None`: none).
+    fn configured(&self) -> Option<f64>;
+    /// This replica's rate now (its share of the adapted deployment rate).
+    fn current(&self) -> Option<f64>;
+    /// The deployment's adapted rate now.
+    fn deployment(&self) -> Option<f64>;
+    /// Why the rate was last lowered (a bounded label).
+    fn last_decrease(&self) -> Option<&'static str>;
+    /// Decreases so far, deployment-wide.
+    fn decreases(&self) -> u64;
+}
+
+/// The rate limiter's gauges, registered while this lives.
+pub struct RateLimitGauges {
+    _limit: ObservableGauge<f64>,
+    _rate: ObservableGauge<f64>,
+    _deployment: ObservableGauge<f64>,
+    _decreases: ObservableGauge<u64>,
+}
+
+impl std::fmt::Debug for RateLimitGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitGauges").finish_non_exhaustive()
+    }
+}
+
+impl RateLimitGauges {
+    /// Registers [`metric::RATE_LIMIT`], [`metric::RATE_CURRENT`],
+    /// [`metric::RATE_DEPLOYMENT`] and [`metric::RATE_DECREASES`] on the global meter.
+    pub fn register(limiter: Arc<dyn RateLimitReadings>) -> Self {
+        let meter = super::meter();
+        let l = limiter.clone();
+        let limit = meter
+            .f64_observable_gauge(metric::RATE_LIMIT)
+            .with_description(
+                "The downstream's rate limit for the whole deployment (requests/s): handler.rate_limit, capped by the webhook's WebHook-Allowed-Rate",
+            )
+            .with_callback(move |o| {
+                if let Some(v) = l.configured() {
+                    o.observe(v, &[KeyValue::new(metric_attr::DOWNSTREAM, l.downstream_name())]);
+                }
+            })
+            .build();
+        let l = limiter.clone();
+        let rate = meter
+            .f64_observable_gauge(metric::RATE_CURRENT)
+            .with_description(
+                "This replica's rate to the downstream now (requests/s): its share of the adapted deployment rate; labelled with the last decrease's reason",
+            )
+            .with_callback(move |o| {
+                if let Some(v) = l.current() {
+                    o.observe(
+                        v,
+                        &[
+                            KeyValue::new(metric_attr::DOWNSTREAM, l.downstream_name()),
+                            KeyValue::new(
+                                metric_attr::REASON,
+                                l.last_decrease().unwrap_or("none"),
+                            ),
+                        ],
+                    );
+                }
+            })
+            .build();
+        let l = limiter.clone();
+        let deployment = meter
+            .f64_observable_gauge(metric::RATE_DEPLOYMENT)
+            .with_description(
+                "The deployment's adapted rate to the downstream now (requests/s, every replica together)",
+            )
+            .with_callback(move |o| {
+                if let Some(v) = l.deployment() {
+                    o.observe(v, &[KeyValue::new(metric_attr::DOWNSTREAM, l.downstream_name())]);
+                }
+            })
+            .build();
+        let l = limiter;
+        let decreases = meter
+            .u64_observable_gauge(metric::RATE_DECREASES)
+            .with_description(
+                "How many times the deployment's rate to the downstream was lowered (429, 503, timeouts)",
+            )
+            .with_callback(move |o| {
+                if l.configured().is_some() {
+                    o.observe(
+                        l.decreases(),
+                        &[KeyValue::new(metric_attr::DOWNSTREAM, l.downstream_name())],
+                    );
+                }
+            })
+            .build();
+        Self {
+            _limit: limit,
+            _rate: rate,
+            _deployment: deployment,
+            _decreases: decreases,
+        }
+    }
+}

@@ -50,6 +50,8 @@ pub mod attr {
     /// Seconds of a `Retry-After` longer than the policy allows, which the retry's schedule
     /// shortened to the policy's limit (set only when it did).
     pub const RETRY_AFTER_CAPPED_FROM: &str = "hubguard.retry_after_capped_from_s";
+    /// Seconds the attempt waited for the downstream's rate limiter before it called it.
+    pub const RATE_LIMIT_WAIT: &str = "hubguard.ratelimit.wait_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
     pub const ERROR_TYPE: &str = "error.type";
     /// Semantic convention: the messaging system the attempt came from: `eventhubs` (the
@@ -161,6 +163,17 @@ pub mod metric {
     /// Gauge (s): the hub's retention as configured (`eventhubs.retention_hours`), for
     /// alerts on the headroom a held partition has left.
     pub const RETENTION: &str = "hubguard.eventhubs.retention";
+    /// Gauge (requests/s): the downstream's rate limit for the whole deployment
+    /// (`handler.rate_limit`, capped by the webhook's `WebHook-Allowed-Rate`).
+    pub const RATE_LIMIT: &str = "hubguard.ratelimit.limit";
+    /// Gauge (requests/s): this replica's rate to the downstream now (its share of the
+    /// adapted deployment rate), labelled with the last decrease's `reason`. Sum over
+    /// replicas: the deployment's rate.
+    pub const RATE_CURRENT: &str = "hubguard.ratelimit.rate";
+    /// Gauge (requests/s): the deployment's adapted rate now (the same on every replica).
+    pub const RATE_DEPLOYMENT: &str = "hubguard.ratelimit.deployment_rate";
+    /// Gauge: how many times the deployment's rate was lowered (429, 503, timeouts).
+    pub const RATE_DECREASES: &str = "hubguard.ratelimit.decreases";
 }
 
 /// Metric attribute keys.
@@ -199,6 +212,7 @@ pub fn all() -> Vec<&'static str> {
         attr::HTTP_STATUS,
         attr::RETRY_AFTER,
         attr::RETRY_AFTER_CAPPED_FROM,
+        attr::RATE_LIMIT_WAIT,
         attr::MESSAGING_SYSTEM,
         attr::MESSAGING_DESTINATION,
         attr::MESSAGING_CONSUMER_GROUP,
@@ -232,6 +246,10 @@ pub fn all() -> Vec<&'static str> {
         metric::READY,
         metric::CONSUMER_STATE,
         metric::RETENTION,
+        metric::RATE_LIMIT,
+        metric::RATE_CURRENT,
+        metric::RATE_DEPLOYMENT,
+        metric::RATE_DECREASES,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,

@@ -18,6 +18,7 @@ const PRODUCT: &[&str] = &[
     "pipeline",
     "policy",
     "redact",
+    "ratelimit",
     "status",
     "telemetry",
     "wiring",

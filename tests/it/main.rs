@@ -25,6 +25,7 @@ mod outage;
 mod owner_ids;
 mod pipeline;
 mod pipeline_support;
+mod ratelimit;
 mod recovery;
 mod refusals;
 mod retry_after;

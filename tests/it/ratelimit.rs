@@ -1,0 +1,505 @@
+//! The deployment-wide rate limit (`handler.rate_limit`) on the emulators, through the real
+//! SDK clients: shares out by owned partitions through rebalances, a 429 storm slowing
+//! every replica, a `Retry-After` pausing them all, and the checkpoint never passing an
+//! event that waits for the limiter.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hubguard::breaker::BreakerConfig;
+use hubguard::emulator::capped::CappedReceiver;
+use hubguard::handler::webhook::{WebhookConfig, WebhookHandler};
+use hubguard::handler::Handler;
+use hubguard::pipeline::Pipeline;
+use hubguard::ratelimit::limiter::Limiter;
+use hubguard::ratelimit::RateLimitConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+use crate::pipeline_support::*;
+
+/// A replica run for these tests: its limiter, and the tokens that stop it cleanly or kill it.
+struct Replica {
+    limiter: Arc<Limiter>,
+    health: Arc<hubguard::pipeline::health::Health>,
+    breaker: Option<Arc<hubguard::breaker::Shared>>,
+    cancel: CancellationToken,
+    crash: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    _log: crate::test_log::TestLog,
+}
+
+impl Replica {
+    async fn stop(self) {
+        self.cancel.cancel();
+        within("replica stops", self.task).await.unwrap();
+    }
+    /// Killed: no final checkpoint, no ownership released.
+    async fn kill(self) -> Arc<Limiter> {
+        self.crash.cancel();
+        within("replica dies", self.task).await.unwrap();
+        self.limiter
+    }
+}
+
+fn start(bed: &Bed, owner: &str, handler: Arc<dyn Handler>, limit: f64, breaker: bool) -> Replica {
+    let mut wiring = bed.wiring(owner).policy(fast_policy(20));
+    wiring.options_mut().rate_limit = RateLimitConfig::per_second(limit);
+    wiring.options_mut().max_in_flight = 4;
+    if breaker {
+        wiring = wiring.breaker(BreakerConfig::default());
+    }
+    let pipeline = Pipeline::new(wiring.parts(handler).unwrap());
+    let limiter = pipeline.rate_limiter().expect("a limit is configured");
+    let breaker = pipeline.breaker();
+    let health = pipeline.health();
+    let (cancel, crash) = (CancellationToken::new(), CancellationToken::new());
+    let (c, k) = (cancel.clone(), crash.clone());
+    let task = tokio::spawn(async move { pipeline.run_until(c, k).await.unwrap() });
+    Replica {
+        limiter,
+        health,
+        breaker,
+        cancel,
+        crash,
+        task,
+        _log: crate::test_log::TestLog::in_process(),
+    }
+}
+
+fn webhook(url: String) -> Arc<dyn Handler> {
+    Arc::new(
+        WebhookHandler::new(WebhookConfig {
+            timeout_ms: 3000,
+            ..WebhookConfig::new(url)
+        })
+        .unwrap(),
+    )
+}
+
+/// Waits (bounded) until `cond` holds over the replicas' limiters, checking `invariant` on
+/// every change any of them publishes (and every 20 ms, since a takeover starts counting
+/// on time alone).
+async fn watch_until(
+    what: &str,
+    limiters: &[&Arc<Limiter>],
+    limit: Duration,
+    invariant: &mut dyn FnMut(&[hubguard::ratelimit::limiter::RateSnapshot]),
+    cond: &dyn Fn(&[hubguard::ratelimit::limiter::RateSnapshot]) -> bool,
+) {
+    let mut subs: Vec<_> = limiters.iter().map(|l| l.subscribe()).collect();
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let snaps: Vec<_> = limiters.iter().map(|l| l.snapshot()).collect();
+        invariant(&snaps);
+        if cond(&snaps) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}; {snaps:#?}"
+        );
+        let changed = futures::future::select_all(subs.iter_mut().map(|s| Box::pin(s.changed())));
+        tokio::select! {
+            _ = changed => {}
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
+}
+
+fn total_share(snaps: &[hubguard::ratelimit::limiter::RateSnapshot]) -> f64 {
+    snaps.iter().map(|s| s.share).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and_one_added() {
+    let bed = Bed::start(4).await;
+    let handler: Arc<dyn Handler> = Arc::new(Scripted::default());
+    let limit = 90.0;
+    let mut most = 0.0f64;
+    let mut check = |snaps: &[hubguard::ratelimit::limiter::RateSnapshot]| {
+        let rates: f64 = snaps.iter().filter_map(|s| s.rate_per_s).sum();
+        most = most.max(rates);
+        assert!(
+            rates <= limit + 1e-6,
+            "the replicas' rates add up to {rates} > {limit}: {snaps:#?}"
+        );
+    };
+    let whole = |snaps: &[hubguard::ratelimit::limiter::RateSnapshot]| {
+        (total_share(snaps) - 1.0).abs() < 1e-9 && snaps.iter().all(|s| s.share > 0.0)
+    };
+    let a = start(&bed, "a", handler.clone(), limit, false);
+    // Alone, it gets all of it.
+    watch_until(
+        "a alone has the whole limit",
+        &[&a.limiter],
+        Duration::from_secs(20),
+        &mut check,
+        &whole,
+    )
+    .await;
+    assert_eq!(a.limiter.snapshot().rate_per_s, Some(limit));
+    let b = start(&bed, "b", handler.clone(), limit, false);
+    let c = start(&bed, "c", handler.clone(), limit, false);
+    watch_until(
+        "three replicas share the whole limit",
+        &[&a.limiter, &b.limiter, &c.limiter],
+        Duration::from_secs(40),
+        &mut check,
+        &whole,
+    )
+    .await;
+    // c is killed: its partitions expire and the others take them (and its share).
+    let _dead = c.kill().await;
+    watch_until(
+        "two replicas share the whole limit after one died",
+        &[&a.limiter, &b.limiter],
+        Duration::from_secs(40),
+        &mut check,
+        &whole,
+    )
+    .await;
+    // d joins and takes its share from the live owners.
+    let d = start(&bed, "d", handler.clone(), limit, false);
+    watch_until(
+        "three replicas share the whole limit after one joined",
+        &[&a.limiter, &b.limiter, &d.limiter],
+        Duration::from_secs(40),
+        &mut check,
+        &whole,
+    )
+    .await;
+    assert!(
+        (most - limit).abs() < 1e-6,
+        "the whole limit was in use: {most}"
+    );
+    for r in [a, b, d] {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_losing_an_event() {
+    let bed = Bed::start(4).await;
+    // The receiver takes 15 requests a second; the deployment may send 60.
+    let receiver = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), Some(15), None)
+        .await
+        .unwrap();
+    let a = start(&bed, "a", webhook(receiver.url()), 60.0, true);
+    let b = start(&bed, "b", webhook(receiver.url()), 60.0, true);
+    watch_until(
+        "both replicas own partitions",
+        &[&a.limiter, &b.limiter],
+        Duration::from_secs(30),
+        &mut |_| {},
+        &|s| s.iter().all(|s| s.share > 0.0) && (total_share(s) - 1.0).abs() < 1e-9,
+    )
+    .await;
+    let keys: Vec<String> = (0..120).map(|i| format!("storm-{i}")).collect();
+    for p in 0..4 {
+        let events: Vec<(&str, &str)> = keys
+            .iter()
+            .skip(p)
+            .step_by(4)
+            .map(|k| (k.as_str(), "ok"))
+            .collect();
+        bed.send(p, &events).await;
+    }
+    watch_until(
+        "every replica's rate went down",
+        &[&a.limiter, &b.limiter],
+        Duration::from_secs(30),
+        &mut |_| {},
+        &|s| {
+            s.iter().all(|s| {
+                s.last_decrease_reason == Some("throttled_429")
+                    && s.deployment_rate_per_s.is_some_and(|r| r < 60.0 * 0.75)
+                    && s.rate_per_s
+                        .is_some_and(|r| r < 60.0 * 0.75 * s.share + 1e-9)
+            })
+        },
+    )
+    .await;
+    assert!(receiver.throttled() > 0);
+    // Everything arrives (the throttled ones retried), nothing dead-lettered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let delivered = receiver.delivered();
+        if keys.iter().all(|k| delivered.contains_key(k)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {} delivered",
+            delivered.len(),
+            keys.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for r in [&a, &b] {
+        let opens = r.breaker.as_ref().unwrap().cached().map_or(0, |r| r.opens);
+        assert_eq!(
+            opens, 0,
+            "a 429 is the limiter's business, not the breaker's"
+        );
+    }
+    let ledger = bed.ledger();
+    for k in &keys {
+        if let Some((rec, _)) = ledger.get(k).await.unwrap() {
+            assert_ne!(
+                rec.state,
+                hubguard::ledger::State::DeadLettered,
+                "{k} dead-lettered"
+            );
+        }
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
+    let bed = Bed::start(2).await;
+    let receiver = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), Some(1), Some(3))
+        .await
+        .unwrap();
+    let a = start(&bed, "a", webhook(receiver.url()), 50.0, true);
+    let b = start(&bed, "b", webhook(receiver.url()), 50.0, true);
+    watch_until(
+        "both replicas own a partition",
+        &[&a.limiter, &b.limiter],
+        Duration::from_secs(30),
+        &mut |_| {},
+        &|s| s.iter().all(|s| s.share > 0.0),
+    )
+    .await;
+    bed.send(0, &[("p-0", "ok"), ("p-1", "ok"), ("p-2", "ok")])
+        .await;
+    bed.send(1, &[("p-3", "ok"), ("p-4", "ok"), ("p-5", "ok")])
+        .await;
+    watch_until(
+        "every replica sees the downstream paused",
+        &[&a.limiter, &b.limiter],
+        Duration::from_secs(30),
+        &mut |_| {},
+        &|s| s.iter().all(|s| s.paused_until.is_some()),
+    )
+    .await;
+    // While paused, nobody calls: the receiver's log has a gap of about the pause after
+    // the first 429 (the clock is shared, so the pause is the same for both).
+    let log = receiver.log();
+    let first_429 = log.iter().find(|l| l.status == 429).unwrap().at;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while receiver.delivered().len() < 6 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            receiver.delivered()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = receiver.log();
+    let calls_in_pause = log
+        .iter()
+        .filter(|l| {
+            l.at > first_429 + Duration::from_millis(1000)
+                && l.at < first_429 + Duration::from_millis(2500)
+        })
+        .count();
+    assert_eq!(
+        calls_in_pause, 0,
+        "no replica called during the pause: {log:?}"
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_limiter_never_lets_the_checkpoint_pass_an_event_waiting_for_it() {
+    let bed = Bed::start(1).await;
+    let scripted = Arc::new(Scripted::default());
+    // 4 a second, 4 in flight: events wait for the limiter inside the partition.
+    let r = start(&bed, "a", scripted.clone(), 4.0, false);
+    let keys: Vec<String> = (0..12).map(|i| format!("slow-{i}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "ok")).collect();
+    bed.send(0, &events).await;
+    let mut seen_partial = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        // The checkpoint first, then what was delivered: a checkpoint read before a
+        // delivery can only be behind it.
+        let cp = bed.checkpoint_of("0").await;
+        let delivered = scripted.delivered_keys();
+        let first_waiting = keys.iter().position(|k| !delivered.contains(k));
+        if let (Some(cp), Some(w)) = (cp, first_waiting) {
+            assert!(
+                (cp as usize) < w,
+                "checkpoint {cp} passed event {w}, which has not been delivered (waiting for the limiter)"
+            );
+            seen_partial |= cp >= 0;
+        }
+        if first_waiting.is_none() && cp == Some(11) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "checkpoint {cp:?}, delivered {delivered:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        seen_partial,
+        "the checkpoint moved while later events waited for the limiter"
+    );
+    r.stop().await;
+}
+
+#[test]
+fn a_limit_of_zero_or_less_is_refused_naming_the_key() {
+    let base = |extra: &str| {
+        format!(
+            r#"
+[eventhubs]
+connection_string = "Endpoint=sb://127.0.0.1:5672;SharedAccessKeyName=k;SharedAccessKey=K;UseDevelopmentEmulator=true"
+hub = "hub"
+[servicebus]
+connection_string = "Endpoint=sb://127.0.0.1:5380;SharedAccessKeyName=k;SharedAccessKey=K;UseDevelopmentEmulator=true"
+[storage]
+container_url = "http://127.0.0.1:10000/devstoreaccount1/hubguard"
+[handler]
+kind = "webhook"
+url = "http://127.0.0.1:9000/events"
+{extra}
+"#
+        )
+    };
+    for bad in [
+        "rate_limit = 0",
+        "rate_limit = -1",
+        "rate_limit = 0.0",
+        "rate_limit = -0.5",
+    ] {
+        let e = hubguard::config::Config::parse(&base(bad), Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("handler.rate_limit"), "{bad}: {e}");
+        assert!(e.contains("positive"), "{bad}: {e}");
+    }
+    let ok = hubguard::config::Config::parse(&base("rate_limit = 100"), Vec::new()).unwrap();
+    assert_eq!(ok.pipeline_options().unwrap().rate_limit.per_s, Some(100.0));
+}
+
+/// The `rate_limit` bench scenario (`hubguard bench --only rate_limit`) from the test
+/// binary, with its figures printed: about two minutes, so only by hand
+/// (`cargo test --test it rate_limit_bench -- --ignored --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "long: the bench scenario, run by hand"]
+async fn rate_limit_bench_holds_the_cap_and_converges() {
+    let events = |var: &str, default: usize| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let f = hubguard::bench::ratelimit::rate_limit(
+        100.0,
+        50,
+        events("HUBGUARD_RATE_EVENTS", 1500),
+        events("HUBGUARD_ADAPTIVE_EVENTS", 2400),
+    )
+    .await
+    .unwrap();
+    println!("{f:#?}");
+    assert!(
+        f.cap.max_per_s as f64 <= 1.05 * f.cap.limit,
+        "{} in one second",
+        f.cap.max_per_s
+    );
+    assert_eq!(f.adaptive.dead_lettered, 0);
+    assert_eq!(f.adaptive.breaker_opens, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_attempt_span_says_how_long_it_waited_for_the_limiter() {
+    use hubguard::telemetry::names::{attr, span};
+    let t = crate::otlp::telemetry();
+    let bed = Bed::start(1).await;
+    let scripted = Arc::new(Scripted::default());
+    // 2 a second, 4 in flight: the later events of the burst wait for their slots.
+    let r = start(&bed, "a", scripted.clone(), 2.0, false);
+    let keys = ["span-wait-0", "span-wait-1", "span-wait-2", "span-wait-3"];
+    bed.send(0, &keys.map(|k| (k, "ok"))).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while scripted.delivered_keys().len() < keys.len() {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    r.stop().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let waits: Vec<f64> = loop {
+        t.flush().await;
+        let spans = t.collected.lock().unwrap().spans.clone();
+        let waits: Vec<f64> = spans
+            .iter()
+            .filter(|s| {
+                s.name == span::ATTEMPT
+                    && s.attributes
+                        .get(attr::MESSAGE_ID)
+                        .is_some_and(|k| keys.contains(&k.as_str()))
+            })
+            .filter_map(|s| s.attributes.get(attr::RATE_LIMIT_WAIT)?.parse().ok())
+            .collect();
+        if waits.len() >= keys.len() {
+            break waits;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "spans: {waits:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Paced 2/s (at the headroom): the last of the four waited about 1.5 s for its slot.
+    let longest = waits.iter().cloned().fold(0.0, f64::max);
+    assert!(longest > 1.0, "{waits:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_pause_shows_in_readiness_until_it_ends() {
+    let bed = Bed::start(1).await;
+    let receiver = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), Some(1), Some(60))
+        .await
+        .unwrap();
+    let r = start(&bed, "a", webhook(receiver.url()), 20.0, true);
+    bed.send(0, &[("long-0", "ok"), ("long-1", "ok"), ("long-2", "ok")])
+        .await;
+    wait_for(
+        "readiness names the pause",
+        &r.health,
+        Duration::from_secs(30),
+        || async {
+            r.health.report()["not_ready"]
+                .to_string()
+                .contains("Retry-After")
+        },
+    )
+    .await;
+    assert!(!r.health.ready());
+    // The throttled event waits as a retry (due after its Retry-After), the one behind it
+    // in its partition, unattempted; the receiver recovers, and the pause runs on the
+    // policy clock: move it past the minute.
+    wait_for(
+        "the retry scheduled",
+        &r.health,
+        Duration::from_secs(30),
+        || async { r.health.snapshot().retries_scheduled == 1 },
+    )
+    .await;
+    assert_eq!(receiver.log().len(), 2, "nothing called during the pause");
+    receiver.set_cap(None);
+    bed.clock().advance(Duration::from_secs(61));
+    wait_for(
+        "everything delivered and ready again",
+        &r.health,
+        Duration::from_secs(60),
+        || async { receiver.delivered().len() == 3 && r.health.ready() },
+    )
+    .await;
+    r.stop().await;
+}
