@@ -38,6 +38,12 @@ pub const EXIT_USAGE: u8 = 2;
 /// `hubguard status KEY`: the ledger has no record of the key (delivered on its first
 /// attempt, or never seen: hubguard cannot tell which).
 pub const EXIT_UNKNOWN_KEY: u8 = 3;
+/// `retries retry-now|cancel`: the event is not waiting for a retry (delivered, or
+/// dead-lettered): nothing was changed.
+pub const EXIT_NOT_PENDING: u8 = 4;
+/// `retries retry-now|cancel`: the attempt is due now or running; it was left to finish
+/// (run the command again once `hubguard status` shows it settled).
+pub const EXIT_BUSY: u8 = 5;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
@@ -47,7 +53,9 @@ pub const EXIT_UNKNOWN_KEY: u8 = 3;
     about,
     long_about = None,
     after_help = "Exit status: 0 success; 1 failure (configuration, an unreachable dependency, \
-a demo that lost an event); 2 usage error; 3 `status`: the ledger has no record of the key."
+a demo that lost an event); 2 usage error; 3 the ledger has no record of the key; 4 `retries \
+retry-now|cancel`: not waiting for a retry; 5 `retries retry-now|cancel`: the attempt is due or \
+running, left to finish."
 )]
 pub struct Cli {
     /// Log format: `text` (human-readable; coloured only on a terminal, never with
@@ -112,6 +120,39 @@ pub enum RetriesCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Run the pending retry of KEY now (its pinned schedule continues after it). The copy
+    /// scheduled before stands down when it comes due. Exit 3: unknown key; 4: not waiting
+    /// for a retry; 5: the attempt is due or running (left to finish).
+    RetryNow(ActionArgs),
+    /// No further attempt of KEY: dead-lettered with reason `cancelled` and the reason text
+    /// (replayable with `dead-letters replay`). Exit codes as for retry-now.
+    Cancel {
+        /// The key and the options.
+        #[command(flatten)]
+        action: ActionArgs,
+        /// Why (recorded as the dead letter's last error, with --by).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+/// What `retries retry-now` and `retries cancel` take.
+#[derive(Debug, Args)]
+pub struct ActionArgs {
+    /// The configuration.
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The event's idempotency key.
+    key: String,
+    /// Who acts (recorded in the ledger); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// Say what would be done; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// `--config FILE`.
@@ -222,6 +263,9 @@ impl Command {
                 DeadLettersCommand::List { config, .. } | DeadLettersCommand::Replay { config, .. },
             ) => Some(&config.config),
             Command::Retries(RetriesCommand::List { config, .. }) => Some(&config.config),
+            Command::Retries(
+                RetriesCommand::RetryNow(a) | RetriesCommand::Cancel { action: a, .. },
+            ) => Some(&a.config.config),
             _ => None,
         }
     }
@@ -336,7 +380,7 @@ pub fn main() -> ExitCode {
             Command::Demo(args) => ok(demo(args).await),
             Command::Status(args) => status(args).await,
             Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
-            Command::Retries(cmd) => ok(retries(cmd).await),
+            Command::Retries(cmd) => retries(cmd).await,
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }
@@ -565,12 +609,16 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-async fn retries(cmd: RetriesCommand) -> anyhow::Result<()> {
-    let RetriesCommand::List {
-        config,
-        due_before,
-        json,
-    } = cmd;
+async fn retries(cmd: RetriesCommand) -> anyhow::Result<u8> {
+    let (config, due_before, json) = match cmd {
+        RetriesCommand::List {
+            config,
+            due_before,
+            json,
+        } => (config, due_before, json),
+        RetriesCommand::RetryNow(a) => return act(a, None).await,
+        RetriesCommand::Cancel { action, reason } => return act(action, Some(reason)).await,
+    };
     let due_before = due_before
         .map(|t| crate::status::parse_due_before(&t, std::time::SystemTime::now()))
         .transpose()
@@ -585,7 +633,104 @@ async fn retries(cmd: RetriesCommand) -> anyhow::Result<()> {
     } else {
         print!("{}", crate::status::pending_text(&pending));
     }
-    Ok(())
+    Ok(EXIT_OK)
+}
+
+/// A settler as the replicas run it: the configuration's ledger, retry queue, policies,
+/// dead-letter destination and deployment.
+fn settler_of(config: &Config) -> anyhow::Result<Settler> {
+    let wiring = Wiring::from_config(config)?;
+    let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
+    Ok(Settler::new(
+        ledger_of(config)?,
+        queue,
+        Policies {
+            default: config.policy.default.clone(),
+            by_type: config.policy.types.clone(),
+        },
+    )
+    .with_dead_letters(wiring.dead_letter_destination()?)
+    .with_deployment(wiring.deployment()))
+}
+
+/// Who acts: `--by`, else the user name.
+fn operator(by: Option<String>) -> String {
+    by.or_else(|| std::env::var("USER").ok())
+        .or_else(|| std::env::var("USERNAME").ok())
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "operator".into())
+}
+
+/// `retries retry-now` (no reason) and `retries cancel` (a reason).
+async fn act(args: ActionArgs, reason: Option<String>) -> anyhow::Result<u8> {
+    use crate::pipeline::settle::ActionOutcome as O;
+    let config = load_config(&args.config)?;
+    let settler = settler_of(&config)?;
+    let by = operator(args.by);
+    let (verb, outcome) = match &reason {
+        None => (
+            "retry-now",
+            settler.retry_now(&args.key, &by, args.dry_run).await?,
+        ),
+        Some(r) => (
+            "cancel",
+            settler.cancel(&args.key, r, &by, args.dry_run).await?,
+        ),
+    };
+    let when = |t: Option<i64>| {
+        t.map(|t| crate::clock::rfc3339(crate::clock::at(t)))
+            .unwrap_or_else(|| "-".into())
+    };
+    let shown = args.key.escape_debug().to_string();
+    let (code, text) = match &outcome {
+        O::Done {
+            attempt,
+            previous_due_ms,
+        } => {
+            let did = match (&reason, args.dry_run) {
+                (None, false) => "runs now",
+                (None, true) => "would run now",
+                (Some(_), false) => "cancelled: dead-lettered as `cancelled`",
+                (Some(_), true) => "would be cancelled",
+            };
+            (
+                EXIT_OK,
+                format!(
+                    "{shown}: attempt {attempt} (was due {}) {did}",
+                    when(*previous_due_ms)
+                ),
+            )
+        }
+        O::AlreadyDone { attempt } => (
+            EXIT_OK,
+            format!("{shown}: attempt {attempt}: already done ({verb}); nothing changed"),
+        ),
+        O::Unknown => (
+            EXIT_UNKNOWN_KEY,
+            format!("{shown}: the ledger has no record of this key; nothing changed"),
+        ),
+        O::NotPending { state } => (
+            EXIT_NOT_PENDING,
+            format!("{shown}: not waiting for a retry ({state:?}); nothing changed"),
+        ),
+        O::Due { attempt, due_ms } => (
+            EXIT_BUSY,
+            format!(
+                "{shown}: attempt {attempt} is due ({}) or running; left to finish — run again once `hubguard status` shows it settled",
+                when(*due_ms)
+            ),
+        ),
+    };
+    if args.json {
+        let mut v = serde_json::to_value(&outcome)?;
+        v["key"] = args.key.clone().into();
+        v["action"] = verb.into();
+        v["dry_run"] = args.dry_run.into();
+        println!("{v}");
+    } else {
+        println!("{text}");
+    }
+    Ok(code)
 }
 
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {

@@ -452,6 +452,7 @@ mod tests {
             event,
             quarantined: None,
             event_unknown: false,
+            run_now: None,
         }
     }
 

@@ -827,6 +827,14 @@ async fn process(
         }
     };
     let (rec, etag) = rec;
+    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
+    // scheduled before, and the copy sent for the pull is the one that runs.
+    if rec.superseded_copy(body.attempt, body.run_now) {
+        drop((slot, starting));
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        settle_message(&msg, true).await;
+        return;
+    }
     let event = rec.event.clone();
     // An open breaker defers the attempt past its expiry, without counting it.
     let event_type = event.identity.event_type.as_deref();

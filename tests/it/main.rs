@@ -17,6 +17,7 @@ mod eventhubs_sdk;
 mod interop;
 mod limits;
 mod operable;
+mod operators;
 mod otlp;
 mod outage;
 mod owner_ids;

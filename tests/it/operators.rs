@@ -1,0 +1,286 @@
+//! Operators in control: `retries retry-now` and `retries cancel` against running replicas
+//! on the emulators, including their races with the retry loop (an attempt running, a copy
+//! scheduled before, a breaker deferral).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hubguard::event::Event;
+use hubguard::handler::{Attempt, Handler, Outcome};
+use hubguard::ledger::State;
+use hubguard::pipeline::settle::{ActionOutcome, Settler};
+use hubguard::policy::{DeadLetterReason, RetryPolicy};
+
+use crate::common::within;
+use crate::pipeline_support::*;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// A policy whose retries wait `wait_s`.
+fn waiting(wait_s: u64) -> RetryPolicy {
+    RetryPolicy {
+        base_s: wait_s,
+        floor_s: wait_s,
+        cap_s: wait_s.max(60),
+        ..fast_policy(5)
+    }
+}
+
+/// The settler the command line builds: the replicas' ledger, queue, deployment and clock.
+fn operator(bed: &Bed, policy: RetryPolicy) -> Settler {
+    bed.settler(policy)
+        .with_deployment(bed.wiring("operator").deployment())
+        .with_clock(bed.clock())
+}
+
+async fn record(bed: &Bed, key: &str) -> Option<hubguard::ledger::LedgerRecord> {
+    bed.ledger().get(key).await.unwrap().map(|(r, _)| r)
+}
+
+async fn drained(bed: &Bed) -> bool {
+    let c = bed.sb.counters("retries").unwrap();
+    c.active + c.scheduled + c.locked == 0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stands_down() {
+    let bed = Bed::start(1).await;
+    let policy = waiting(600);
+    bed.send(0, &[("rn-1", "fail:1")]).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
+    wait_for("attempt 2 scheduled", &a.health, LIMIT, || async {
+        record(&bed, "rn-1")
+            .await
+            .is_some_and(|r| r.state == State::RetryScheduled && r.attempts == 1)
+    })
+    .await;
+    a.stop().await;
+    let before = record(&bed, "rn-1").await.unwrap();
+    let ops = operator(&bed, policy.clone());
+    // A dry run says what would happen and changes nothing.
+    assert_eq!(
+        ops.retry_now("rn-1", "alice", true).await.unwrap(),
+        ActionOutcome::Done {
+            attempt: 2,
+            previous_due_ms: before.next_attempt_ms
+        }
+    );
+    assert_eq!(record(&bed, "rn-1").await.unwrap(), before);
+    assert_eq!(
+        ops.retry_now("rn-1", "alice", false).await.unwrap(),
+        ActionOutcome::Done {
+            attempt: 2,
+            previous_due_ms: before.next_attempt_ms
+        }
+    );
+    // Idempotent: a repeat changes nothing; it re-sends the pulled copy, which duplicate
+    // detection drops.
+    let dropped = bed.sb.counters("retries").unwrap().duplicates_dropped;
+    assert_eq!(
+        ops.retry_now("rn-1", "alice", false).await.unwrap(),
+        ActionOutcome::AlreadyDone { attempt: 2 }
+    );
+    let c = bed.sb.counters("retries").unwrap();
+    assert_eq!(c.duplicates_dropped, dropped + 1);
+    assert_eq!(
+        c.scheduled + c.active,
+        2,
+        "the copy scheduled before, and the pulled one"
+    );
+    let pulled = record(&bed, "rn-1").await.unwrap();
+    let pull = pulled.run_now.clone().expect("the pull is recorded");
+    assert_eq!((pull.attempt, pull.by.as_str()), (2, "alice"));
+    // Both copies due at once (the one scheduled before too): only the pulled one runs.
+    bed.clock().advance(Duration::from_secs(601));
+    let b = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
+    let c = Bed::run(bed.parts(handler.clone(), waiting(600), "replica-c"));
+    wait_for(
+        "delivered, both copies completed",
+        &b.health,
+        LIMIT,
+        || async { handler.delivered_keys().contains("rn-1") && drained(&bed).await },
+    )
+    .await;
+    b.stop().await;
+    c.stop().await;
+    assert_eq!(handler.calls_of("rn-1"), vec![1, 2], "attempt 2 ran once");
+    let done = record(&bed, "rn-1").await.unwrap();
+    assert_eq!((done.state, done.attempts), (State::Delivered, 2));
+    // Nothing waits any more: both actions say so.
+    let ops = operator(&bed, fast_policy(5));
+    assert_eq!(
+        ops.retry_now("rn-1", "alice", false).await.unwrap(),
+        ActionOutcome::NotPending {
+            state: State::Delivered
+        }
+    );
+    assert_eq!(
+        ops.cancel("nobody", "x", "alice", false).await.unwrap(),
+        ActionOutcome::Unknown
+    );
+}
+
+/// [`Scripted`], except that attempt 2 of `gated` waits for `release` after saying it runs.
+struct Gated {
+    inner: Scripted,
+    gated: &'static str,
+    running: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl Handler for Gated {
+    async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+        if event.identity.idempotency_key == self.gated && attempt.number == 2 {
+            self.running.notify_one();
+            self.release.notified().await;
+        }
+        self.inner.handle(event, attempt).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_racing_a_running_attempt_is_left_to_the_attempt() {
+    let bed = Bed::start(1).await;
+    bed.send(0, &[("busy", "fail:1")]).await;
+    let handler = Arc::new(Gated {
+        inner: Scripted::default(),
+        gated: "busy",
+        running: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    });
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let b = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-b"));
+    within("attempt 2 runs", handler.running.notified()).await;
+    let ops = operator(&bed, fast_policy(5));
+    let due = record(&bed, "busy").await.unwrap().next_attempt_ms;
+    for outcome in [
+        ops.retry_now("busy", "alice", false).await.unwrap(),
+        ops.cancel("busy", "stop it", "alice", false).await.unwrap(),
+    ] {
+        assert_eq!(
+            outcome,
+            ActionOutcome::Due {
+                attempt: 2,
+                due_ms: due
+            }
+        );
+    }
+    let rec = record(&bed, "busy").await.unwrap();
+    assert_eq!((rec.state, rec.run_now), (State::RetryScheduled, None));
+    handler.release.notify_one();
+    wait_for("delivered", &a.health, LIMIT, || async {
+        handler.inner.delivered_keys().contains("busy") && drained(&bed).await
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    assert_eq!(handler.inner.calls_of("busy"), vec![1, 2]);
+    let rec = record(&bed, "busy").await.unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_it_back() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    handler
+        .outage
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut parts = bed.parts(handler.clone(), fast_policy(10), "replica-a");
+    parts.breaker = Some(hubguard::breaker::BreakerConfig {
+        enabled: true,
+        consecutive_failures: 3,
+        failure_ratio: None,
+        ratio_window: 20,
+        open_ms: 60_000,
+        spread_ms: 500,
+        probe_timeout_ms: 3000,
+    });
+    let a = Bed::run(parts);
+    let keys = ["c-0", "c-1", "c-2"];
+    bed.send(0, &keys.map(|k| (k, "ok"))).await;
+    let now = || hubguard::clock::ms(bed.clock().now());
+    // Attempt 2 of c-0 met the open breaker: deferred past its expiry, no attempt counted.
+    wait_for("c-0's retry deferred", &a.health, LIMIT, || async {
+        record(&bed, "c-0").await.is_some_and(|r| {
+            r.attempts == 1 && r.next_attempt_ms.is_some_and(|d| d > now() + 30_000)
+        })
+    })
+    .await;
+    let ops = operator(&bed, fast_policy(10));
+    assert!(matches!(
+        ops.cancel("c-0", "the order was withdrawn", "alice", true)
+            .await
+            .unwrap(),
+        ActionOutcome::Done { attempt: 2, .. }
+    ));
+    assert_eq!(
+        record(&bed, "c-0").await.unwrap().state,
+        State::RetryScheduled
+    );
+    assert!(matches!(
+        ops.cancel("c-0", "the order was withdrawn", "alice", false)
+            .await
+            .unwrap(),
+        ActionOutcome::Done { attempt: 2, .. }
+    ));
+    assert_eq!(
+        ops.cancel("c-0", "again", "alice", false).await.unwrap(),
+        ActionOutcome::AlreadyDone { attempt: 2 }
+    );
+    let rec = record(&bed, "c-0").await.unwrap();
+    assert_eq!(rec.state, State::DeadLettered);
+    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::Cancelled));
+    assert_eq!(
+        rec.last_error.as_deref(),
+        Some("cancelled by alice: the order was withdrawn")
+    );
+    assert!(bed
+        .ledger()
+        .dead_letter_keys()
+        .await
+        .unwrap()
+        .contains(&"c-0".to_string()));
+    // The downstream recovers and the breaker's expiry passes: the deferred copies come due.
+    handler
+        .outage
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    bed.clock().advance(Duration::from_secs(61));
+    wait_for(
+        "the others delivered, c-0's copy completed",
+        &a.health,
+        LIMIT,
+        || async {
+            ["c-1", "c-2"]
+                .iter()
+                .all(|k| handler.delivered_keys().contains(*k))
+                && drained(&bed).await
+        },
+    )
+    .await;
+    assert_eq!(
+        handler.calls_of("c-0"),
+        vec![1],
+        "no attempt after the cancel"
+    );
+    assert_eq!(
+        record(&bed, "c-0").await.unwrap().state,
+        State::DeadLettered
+    );
+    // Replayable later: it runs again, under a MessageId its cancelled copy never used.
+    assert_eq!(ops.replay("c-0").await.unwrap(), Some(2));
+    wait_for(
+        "c-0 delivered after the replay",
+        &a.health,
+        LIMIT,
+        || async { handler.delivered_keys().contains("c-0") && drained(&bed).await },
+    )
+    .await;
+    a.stop().await;
+    assert_eq!(handler.calls_of("c-0"), vec![1, 2]);
+    let rec = record(&bed, "c-0").await.unwrap();
+    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+}
