@@ -187,18 +187,77 @@ pub enum DeadLettersCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Schedule dead-lettered events again (a fresh attempt budget, due now).
+    /// Schedule dead-lettered events again (a fresh attempt budget, due now): one KEY, or
+    /// --all, or those the filters match (filters combine). Resumable: run the same command
+    /// again with the --until the first run printed, and it replays what is left, never an
+    /// event it replayed that was dead-lettered again since. Exit 1 if any failed.
     Replay {
         /// The configuration.
         #[command(flatten)]
         config: ConfigArg,
         /// The idempotency key to replay.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        #[arg(
+            required_unless_present_any = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"],
+            conflicts_with_all = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"]
+        )]
         key: Option<String>,
         /// Replay every dead-lettered event.
         #[arg(long)]
         all: bool,
+        /// Only events of this type.
+        #[arg(long = "type", value_name = "TYPE")]
+        event_type: Option<String>,
+        /// Only this dead-letter reason: permanent, attempts_exhausted, age_exceeded,
+        /// schedule_exhausted, retry_refused, corrupt_record, record_missing, cancelled.
+        #[arg(long, value_parser = ["permanent", "attempts_exhausted", "age_exceeded", "schedule_exhausted", "retry_refused", "corrupt_record", "record_missing", "cancelled"])]
+        reason: Option<String>,
+        /// Only those whose last error contains this text.
+        #[arg(long, value_name = "TEXT")]
+        error_contains: Option<String>,
+        /// Only those dead-lettered since T: RFC 3339, or a duration ago (`90s`, `10m`,
+        /// `12h`, `1d`).
+        #[arg(long, value_name = "T")]
+        since: Option<String>,
+        /// Only those dead-lettered until T (RFC 3339, `now`, or a duration ago); default:
+        /// now, printed at the end so a resumed run takes the same set.
+        #[arg(long, value_name = "T")]
+        until: Option<String>,
+        /// Only keys starting with this.
+        #[arg(long, value_name = "PREFIX")]
+        key_prefix: Option<String>,
+        /// At most this many replays a second (`N/s`, or `N`).
+        #[arg(long, default_value = "10/s", value_name = "N/s")]
+        rate: String,
+        /// List what would be replayed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON lines: one per dead letter (`key`, `result`), then the counts.
+        #[arg(long)]
+        json: bool,
     },
+}
+
+/// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
+fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
+    let t = text.trim();
+    let when = crate::status::parse_due_before(t, now)?;
+    if t.ends_with(|c: char| c.is_ascii_alphabetic()) && t != "now" && when > now {
+        // A duration: before now, not after.
+        Ok(now - when.duration_since(now).unwrap_or_default())
+    } else {
+        Ok(when)
+    }
+}
+
+/// `--rate`: `N/s` or `N`, a positive number of replays a second.
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let n = text.trim().strip_suffix("/s").unwrap_or(text.trim());
+    match n.parse::<f64>() {
+        Ok(r) if r > 0.0 && r.is_finite() => Ok(r),
+        _ => Err(format!(
+            "--rate `{text}`: give a positive number of replays a second, such as `10/s`"
+        )),
+    }
 }
 
 /// Options of `hubguard emulator`.
@@ -788,50 +847,145 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 );
             }
         }
-        DeadLettersCommand::Replay { config, key, all } => {
+        DeadLettersCommand::Replay {
+            config,
+            key,
+            all,
+            event_type,
+            reason,
+            error_contains,
+            since,
+            until,
+            key_prefix,
+            rate,
+            dry_run,
+            json,
+        } => {
+            let now = std::time::SystemTime::now();
+            let per_second = parse_rate(&rate).map_err(|e| anyhow::anyhow!(e))?;
+            let since = since
+                .map(|t| parse_ago(&t, now))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+            let until = until
+                .map(|t| parse_ago(&t, now))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--until: {e}"))?
+                .unwrap_or(now);
             let config = load_config(&config)?;
-            let ledger = ledger_of(&config)?;
-            let wiring = Wiring::from_config(&config)?;
-            let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
             // A replay Service Bus refuses is dead-lettered again: published like any other.
-            let settler = Settler::new(
-                ledger.clone(),
-                queue,
-                Policies {
-                    default: config.policy.default.clone(),
-                    by_type: config.policy.types.clone(),
-                },
-            )
-            .with_dead_letters(wiring.dead_letter_destination()?)
-            .with_deployment(wiring.deployment());
-            let keys = if all {
-                ledger.dead_letter_keys().await?
-            } else {
-                key.into_iter().collect()
-            };
-            // Each key on its own: one that fails is reported and the others go on.
-            let (mut replayed, mut failed) = (0, 0);
-            for key in keys {
+            let settler = settler_of(&config)?;
+            if let Some(key) = key {
+                let _ = all;
                 let shown = key.escape_debug().to_string();
+                if dry_run {
+                    let state = settler.ledger.get(&key).await?.map(|(r, _)| r.state);
+                    println!(
+                        "{shown}: {}",
+                        match state {
+                            Some(crate::ledger::State::DeadLettered) => "would be replayed",
+                            Some(_) => "not dead-lettered; nothing to replay",
+                            None => "the ledger has no record of this key",
+                        }
+                    );
+                    return Ok(());
+                }
                 match settler.replay(&key).await {
-                    Ok(Some(attempt)) => {
-                        replayed += 1;
-                        println!("{shown}: attempt {attempt} scheduled now");
-                    }
+                    Ok(Some(attempt)) => println!("{shown}: attempt {attempt} scheduled now"),
                     Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
-                    Err(e) => {
-                        failed += 1;
-                        println!(
-                            "{shown}: not replayed: {}",
-                            redact(&e.to_string()).escape_debug()
+                    Err(e) => anyhow::bail!(
+                        "{shown}: not replayed: {}",
+                        redact(&e.to_string()).escape_debug()
+                    ),
+                }
+                return Ok(());
+            }
+            let filter = crate::pipeline::settle::ReplayFilter {
+                event_type,
+                reason,
+                error_contains,
+                since_ms: since.map(crate::clock::ms),
+                until_ms: crate::clock::ms(until),
+                key_prefix,
+            };
+            // Ctrl-C stops between two replays: the same command resumes.
+            let stop = CancellationToken::new();
+            let s = stop.clone();
+            let signal = tokio::spawn(async move {
+                shutdown_signal().await;
+                s.cancel();
+            });
+            use std::io::IsTerminal as _;
+            let bar = !json && std::io::stderr().is_terminal();
+            let report = settler
+                .replay_matching(&filter, per_second, dry_run, &stop, |step, done, total| {
+                    use crate::pipeline::settle::ReplayStep as S;
+                    if bar {
+                        eprint!("\r\x1b[2K");
+                    }
+                    if json {
+                        println!("{}", serde_json::to_string(step).unwrap_or_default());
+                    } else {
+                        match step {
+                            S::Replayed { key, attempt } => {
+                                println!("{}: attempt {attempt} scheduled now", key.escape_debug())
+                            }
+                            S::WouldReplay { key } => {
+                                println!("{}: would be replayed", key.escape_debug())
+                            }
+                            S::Skipped { key, why } => {
+                                println!("{}: skipped: {why}", key.escape_debug())
+                            }
+                            S::Failed { key, error } => println!(
+                                "{}: not replayed: {}",
+                                key.escape_debug(),
+                                error.escape_debug()
+                            ),
+                        }
+                    }
+                    if bar {
+                        let width = 30;
+                        let filled = done * width / total.max(1);
+                        eprint!(
+                            "[{}{}] {done}/{total}",
+                            "=".repeat(filled),
+                            " ".repeat(width - filled)
                         );
                     }
-                }
+                })
+                .await;
+            signal.abort();
+            if bar {
+                eprintln!();
             }
-            println!("{replayed} replayed");
-            if failed > 0 {
+            let report = report?;
+            let until_text = crate::clock::rfc3339(until);
+            if json {
+                let mut v = serde_json::to_value(&report)?;
+                v["until"] = until_text.clone().into();
+                v["dry_run"] = dry_run.into();
+                println!("{v}");
+            } else {
+                println!(
+                    "{} {}, {} skipped, {} failed (of {} matched, {} listed); --until {until_text}{}",
+                    report.replayed,
+                    if dry_run { "would be replayed" } else { "replayed" },
+                    report.skipped,
+                    report.failed,
+                    report.matched,
+                    report.listed,
+                    if report.interrupted { "; interrupted: run the same command with this --until to resume" } else { "" }
+                );
+            }
+            if report.failed > 0 {
                 anyhow::bail!(
-                    "{failed} dead-lettered event(s) could not be replayed (listed above)"
+                    "{} dead-lettered event(s) could not be replayed (listed above)",
+                    report.failed
+                );
+            }
+            if report.interrupted {
+                anyhow::bail!(
+                    "interrupted; run the same command with --until {until_text} to resume"
                 );
             }
         }

@@ -1138,10 +1138,24 @@ impl Settler {
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
     /// budget, and takes it off the dead-letter index.
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
+        self.replay_if(key, |_| true).await
+    }
+
+    /// [`replay`](Self::replay), if the dead-lettered record still matches `matches` when
+    /// it is replayed (under the compare-and-swap): `Ok(None)` when it does not, or is no
+    /// longer dead-lettered.
+    pub async fn replay_if(
+        &self,
+        key: &str,
+        matches: impl Fn(&LedgerRecord) -> bool,
+    ) -> Result<Option<u32>, SettleError> {
         let now = self.clock.now();
         let replaying = self
             .ledger
             .update(key, |rec| match rec {
+                Some(rec) if rec.state == State::DeadLettered && !matches(&rec) => {
+                    Change::Keep(Ok(None))
+                }
                 Some(rec) if rec.state == State::DeadLettered && rec.event_unknown => {
                     Change::Keep(Err(SettleError::EventUnknown {
                         key: key.to_string(),
@@ -1173,6 +1187,9 @@ impl Settler {
         };
         // A MessageId of its own: the attempt's plain one may still be in the
         // duplicate-detection window (a cancelled retry's), and would be dropped.
+        // Off the dead-letter index before the copy is sent: an attempt that dead-letters
+        // it again at once indexes it again, and must not be undone by this.
+        self.ledger.unindex_dead_letter(key).await?;
         let attempt = rec.attempts + 1;
         let id = format!("{}-replay-{}", message_id(key, attempt), ms(now));
         if let Err(e) = self
@@ -1185,13 +1202,14 @@ impl Settler {
             }
             return Err(e.into());
         }
-        self.ledger.unindex_dead_letter(key).await?;
-        Ok(Some(rec.attempts + 1))
+        Ok(Some(attempt))
     }
 }
 
 mod operate;
-pub use operate::{Action, ActionOutcome, OPERATOR_MARGIN};
+pub use operate::{
+    reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
+};
 
 #[cfg(test)]
 mod tests {

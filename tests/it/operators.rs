@@ -284,3 +284,110 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
     let rec = record(&bed, "c-0").await.unwrap();
     assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_by_filter_is_paced_and_resumes_without_replaying_twice() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(1), "replica-a"));
+    let perm = ["p-0", "p-1", "p-2", "p-3"];
+    let mut evs: Vec<(&str, &str)> = perm.iter().map(|k| (*k, "perm")).collect();
+    // Other dead letters the filters leave alone: another reason, another prefix.
+    evs.extend([("p-x", "fail:9"), ("q-0", "perm")]);
+    bed.send(0, &evs).await;
+    let dead = |keys: Vec<&'static str>, after: i64| {
+        let bed = &bed;
+        async move {
+            for k in keys {
+                match record(bed, k).await {
+                    Some(r) if r.state == State::DeadLettered && r.updated_ms > after => {}
+                    _ => return false,
+                }
+            }
+            true
+        }
+    };
+    let all = vec!["p-0", "p-1", "p-2", "p-3", "p-x", "q-0"];
+    wait_for("all dead-lettered", &a.health, LIMIT, || {
+        dead(all.clone(), 0)
+    })
+    .await;
+    let ops = operator(&bed, fast_policy(1));
+    let until = hubguard::clock::ms(bed.clock().now());
+    let filter = hubguard::pipeline::settle::ReplayFilter {
+        reason: Some("permanent".into()),
+        error_contains: Some("permanent".into()),
+        key_prefix: Some("p-".into()),
+        until_ms: until,
+        ..Default::default()
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    // A dry run lists the four and changes nothing.
+    let dry = ops
+        .replay_matching(&filter, 100.0, true, &stop, |_, _, _| {})
+        .await
+        .unwrap();
+    assert_eq!((dry.listed, dry.matched, dry.replayed), (5, 4, 4));
+    assert!(dry.skipped + dry.failed == 0 && !dry.interrupted);
+    // Interrupted after two replays.
+    let mut first = Vec::new();
+    let report = ops
+        .replay_matching(&filter, 100.0, false, &stop, |step, _, _| {
+            if let hubguard::pipeline::settle::ReplayStep::Replayed { key, .. } = step {
+                first.push(key.clone());
+                if first.len() == 2 {
+                    stop.cancel();
+                }
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!((report.replayed, report.interrupted), (2, true));
+    // The two replayed fail again (permanently) and are dead letters again, after `until`.
+    let again: Vec<&'static str> = perm
+        .iter()
+        .copied()
+        .filter(|k| first.iter().any(|f| f == k))
+        .collect();
+    wait_for("replayed ones dead again", &a.health, LIMIT, || {
+        dead(again.clone(), until)
+    })
+    .await;
+    // Resumed with the same filters and `until`: the other two, paced at 2 a second; the
+    // first two are skipped, not replayed twice.
+    let started = std::time::Instant::now();
+    let report = ops
+        .replay_matching(
+            &filter,
+            2.0,
+            false,
+            &tokio_util::sync::CancellationToken::new(),
+            |_, _, _| {},
+        )
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "two replays at 2/s take half a second"
+    );
+    assert_eq!(
+        (
+            report.replayed,
+            report.skipped,
+            report.failed,
+            report.interrupted
+        ),
+        (2, 2, 0, false),
+        "{report:?}"
+    );
+    wait_for("every replayed one settled", &a.health, LIMIT, || async {
+        dead(perm.to_vec(), until).await && drained(&bed).await
+    })
+    .await;
+    a.stop().await;
+    for k in perm {
+        assert_eq!(handler.calls_of(k), vec![1, 2], "{k} replayed exactly once");
+    }
+    assert_eq!(handler.calls_of("p-x"), vec![1], "another reason");
+    assert_eq!(handler.calls_of("q-0"), vec![1], "another prefix");
+}

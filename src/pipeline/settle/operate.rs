@@ -219,6 +219,206 @@ impl Settler {
     }
 }
 
+/// Which dead letters `hubguard dead-letters replay` takes. `until_ms` is required: with
+/// it, a run is a fixed set (what was dead-lettered by then), so the same command run again
+/// after an interruption replays what is left and never an event a first run replayed that
+/// was dead-lettered again since (its dead-letter time is later).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayFilter {
+    /// Only this event type.
+    pub event_type: Option<String>,
+    /// Only this dead-letter reason (its name: `permanent`, `attempts_exhausted`,
+    /// `cancelled`, …).
+    pub reason: Option<String>,
+    /// Only those whose last error contains this text.
+    pub error_contains: Option<String>,
+    /// Only those dead-lettered at or after this time (ms since the epoch).
+    pub since_ms: Option<i64>,
+    /// Only those dead-lettered at or before this time.
+    pub until_ms: i64,
+    /// Only keys starting with this.
+    pub key_prefix: Option<String>,
+}
+
+/// The name a dead-letter reason has in records, the API and `--reason`.
+pub fn reason_name(reason: &DeadLetterReason) -> String {
+    serde_json::to_value(reason)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+impl ReplayFilter {
+    /// Whether `key` can match (read no record for one that cannot).
+    pub fn matches_key(&self, key: &str) -> bool {
+        self.key_prefix
+            .as_deref()
+            .is_none_or(|p| key.starts_with(p))
+    }
+
+    /// Whether `rec` matches everything but the time window.
+    fn matches_what(&self, rec: &LedgerRecord) -> bool {
+        self.matches_key(&rec.key)
+            && self
+                .event_type
+                .as_deref()
+                .is_none_or(|t| rec.event_type.as_deref() == Some(t))
+            && self.reason.as_deref().is_none_or(|r| {
+                rec.dead_letter_reason
+                    .as_ref()
+                    .is_some_and(|d| reason_name(d) == r)
+            })
+            && self
+                .error_contains
+                .as_deref()
+                .is_none_or(|e| rec.last_error.as_deref().is_some_and(|l| l.contains(e)))
+    }
+
+    /// Whether the dead-lettered `rec` is one this run replays. Its dead-letter time is its
+    /// last update (a dead-lettered record is not written again until it is replayed).
+    pub fn matches(&self, rec: &LedgerRecord) -> bool {
+        rec.state == State::DeadLettered
+            && self.matches_what(rec)
+            && self.since_ms.is_none_or(|s| rec.updated_ms >= s)
+            && rec.updated_ms <= self.until_ms
+    }
+}
+
+/// What one dead letter came to in a replay run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReplayStep {
+    /// Scheduled again: attempt `attempt` runs now.
+    Replayed {
+        /// The key.
+        key: String,
+        /// The attempt scheduled.
+        attempt: u32,
+    },
+    /// `--dry-run`: would be replayed.
+    WouldReplay {
+        /// The key.
+        key: String,
+    },
+    /// Matched, but not replayed: `why`.
+    Skipped {
+        /// The key.
+        key: String,
+        /// Why.
+        why: String,
+    },
+    /// Could not be replayed: `error`.
+    Failed {
+        /// The key.
+        key: String,
+        /// The cause.
+        error: String,
+    },
+}
+
+/// The counts of a replay run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ReplayReport {
+    /// Dead letters listed (after `--key-prefix`).
+    pub listed: usize,
+    /// Of those, the ones the filters matched.
+    pub matched: usize,
+    /// Scheduled again (with `--dry-run`: would be).
+    pub replayed: usize,
+    /// Matched but not replayed (dead-lettered again after `until`, or no longer
+    /// dead-lettered).
+    pub skipped: usize,
+    /// Could not be replayed.
+    pub failed: usize,
+    /// Stopped before the end (the same command resumes).
+    pub interrupted: bool,
+}
+
+impl Settler {
+    /// `hubguard dead-letters replay` by filter: at most `per_second` replays a second,
+    /// until the end or `stop`. `step` hears about every matched dead letter (with the
+    /// position in the listing, and the listing's length).
+    pub async fn replay_matching(
+        &self,
+        filter: &ReplayFilter,
+        per_second: f64,
+        dry_run: bool,
+        stop: &tokio_util::sync::CancellationToken,
+        mut step: impl FnMut(&ReplayStep, usize, usize),
+    ) -> Result<ReplayReport, SettleError> {
+        let keys: Vec<String> = self
+            .ledger
+            .dead_letter_keys()
+            .await?
+            .into_iter()
+            .filter(|k| filter.matches_key(k))
+            .collect();
+        let mut report = ReplayReport {
+            listed: keys.len(),
+            ..Default::default()
+        };
+        let mut pace = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second.max(0.001)));
+        pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let total = keys.len();
+        for (i, key) in keys.into_iter().enumerate() {
+            if stop.is_cancelled() {
+                report.interrupted = true;
+                break;
+            }
+            let skipped = |why: &str| ReplayStep::Skipped {
+                key: key.clone(),
+                why: why.into(),
+            };
+            let outcome = match self.ledger.get(&key).await {
+                Err(e) => ReplayStep::Failed {
+                    key: key.clone(),
+                    error: crate::redact::redacted(&e.to_string()),
+                },
+                Ok(None) => continue,
+                Ok(Some((rec, _))) if !filter.matches_what(&rec) => continue,
+                Ok(Some((rec, _))) if rec.state != State::DeadLettered => {
+                    skipped("no longer dead-lettered")
+                }
+                Ok(Some((rec, _))) if rec.updated_ms > filter.until_ms => {
+                    skipped("dead-lettered again after --until (a replay of this run, or later)")
+                }
+                Ok(Some((rec, _))) if !filter.matches(&rec) => continue,
+                Ok(Some(_)) if dry_run => ReplayStep::WouldReplay { key: key.clone() },
+                Ok(Some(_)) => {
+                    tokio::select! {
+                        _ = pace.tick() => {}
+                        _ = stop.cancelled() => {
+                            report.interrupted = true;
+                            break;
+                        }
+                    }
+                    match self.replay_if(&key, |r| filter.matches(r)).await {
+                        Ok(Some(attempt)) => ReplayStep::Replayed {
+                            key: key.clone(),
+                            attempt,
+                        },
+                        Ok(None) => skipped("changed while it was being replayed"),
+                        Err(e) => ReplayStep::Failed {
+                            key: key.clone(),
+                            error: crate::redact::redacted(&e.to_string()),
+                        },
+                    }
+                }
+            };
+            report.matched += 1;
+            match &outcome {
+                ReplayStep::Replayed { .. } | ReplayStep::WouldReplay { .. } => {
+                    report.replayed += 1
+                }
+                ReplayStep::Skipped { .. } => report.skipped += 1,
+                ReplayStep::Failed { .. } => report.failed += 1,
+            }
+            step(&outcome, i + 1, total);
+        }
+        Ok(report)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
