@@ -391,3 +391,105 @@ async fn replay_by_filter_is_paced_and_resumes_without_replaying_twice() {
     assert_eq!(handler.calls_of("p-x"), vec![1], "another reason");
     assert_eq!(handler.calls_of("q-0"), vec![1], "another prefix");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commands_say_what_happened_in_their_exit_status() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), waiting(600), "replica-a"));
+    bed.send(0, &[("cli-wait", "fail:1"), ("cli-perm", "perm")])
+        .await;
+    wait_for("both recorded", &a.health, LIMIT, || async {
+        record(&bed, "cli-wait")
+            .await
+            .is_some_and(|r| r.state == State::RetryScheduled)
+            && record(&bed, "cli-perm")
+                .await
+                .is_some_and(|r| r.state == State::DeadLettered)
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+    let run = move |args: Vec<&'static str>| {
+        let config = config.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+                    .args(&args)
+                    .arg("--config")
+                    .arg(&config)
+                    .env("NO_COLOR", "1")
+                    .output()
+                    .unwrap();
+                (
+                    out.status.code(),
+                    String::from_utf8_lossy(&out.stdout).to_string(),
+                )
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let (code, out) = run(vec!["retries", "retry-now", "nobody", "--json"]).await;
+    assert_eq!(code, Some(3), "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        (v["result"].as_str(), v["key"].as_str()),
+        (Some("unknown"), Some("nobody"))
+    );
+    let (code, out) = run(vec!["retries", "cancel", "cli-perm", "--reason", "x"]).await;
+    assert_eq!(code, Some(4), "dead-lettered, not pending: {out}");
+    let (code, out) = run(vec![
+        "retries",
+        "cancel",
+        "cli-wait",
+        "--reason",
+        "no",
+        "--dry-run",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("would be cancelled"), "{out}");
+    assert_eq!(
+        record(&bed, "cli-wait").await.unwrap().state,
+        State::RetryScheduled
+    );
+    let (code, out) = run(vec!["retries", "cancel", "cli-wait"]).await;
+    assert_eq!(code, Some(2), "--reason is required: {out}");
+    let (code, out) = run(vec!["retries", "retry-now", "cli-wait", "--by", "bob"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    wait_for("cli-wait delivered", &a.health, LIMIT, || async {
+        handler.delivered_keys().contains("cli-wait")
+    })
+    .await;
+    let (code, out) = run(vec![
+        "dead-letters",
+        "replay",
+        "--reason",
+        "permanent",
+        "--dry-run",
+        "--json",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (last["replayed"].as_u64(), last["dry_run"].as_bool()),
+        (Some(1), Some(true)),
+        "{out}"
+    );
+    let (code, _) = run(vec!["dead-letters", "replay", "--all", "--rate", "0/s"]).await;
+    assert_eq!(code, Some(1), "a rate of zero is refused");
+    a.stop().await;
+    assert_eq!(handler.calls_of("cli-wait"), vec![1, 2]);
+}
