@@ -77,9 +77,12 @@ enum Command {
     /// List or replay dead-lettered events.
     #[command(name = "dead-letters", subcommand)]
     DeadLetters(DeadLettersCommand),
-    /// What is waiting to retry: pending retries from the ledger.
+    /// What is waiting to retry: pending retries from the ledger; run one now, or cancel it.
     #[command(subcommand)]
     Retries(RetriesCommand),
+    /// Pause or resume reading partitions: every replica follows within seconds.
+    #[command(subcommand)]
+    Partitions(PartitionsCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
     Demo(crate::demo::DemoArgs),
@@ -134,6 +137,40 @@ pub enum RetriesCommand {
         #[arg(long)]
         reason: String,
     },
+}
+
+/// `hubguard partitions …`
+#[derive(Debug, Subcommand)]
+pub enum PartitionsCommand {
+    /// Stop reading these partitions (all, without --partition) on every replica within
+    /// seconds; what was read still settles, and checkpoints pass only settled events.
+    /// Retries keep running.
+    Pause(PauseArgs),
+    /// Read them again (every paused partition, without --partition); no restart needed.
+    Resume(PauseArgs),
+}
+
+/// What `partitions pause|resume` take.
+#[derive(Debug, Args)]
+pub struct PauseArgs {
+    /// The configuration.
+    #[command(flatten)]
+    config: ConfigArg,
+    /// A partition id (repeatable); none: every partition.
+    #[arg(long = "partition", value_name = "P")]
+    partitions: Vec<String>,
+    /// Why (shown by readiness and /v1/status).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Who (recorded); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// Say what would change; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the control record as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// What `retries retry-now` and `retries cancel` take.
@@ -325,6 +362,9 @@ impl Command {
             Command::Retries(
                 RetriesCommand::RetryNow(a) | RetriesCommand::Cancel { action: a, .. },
             ) => Some(&a.config.config),
+            Command::Partitions(PartitionsCommand::Pause(a) | PartitionsCommand::Resume(a)) => {
+                Some(&a.config.config)
+            }
             _ => None,
         }
     }
@@ -440,6 +480,7 @@ pub fn main() -> ExitCode {
             Command::Status(args) => status(args).await,
             Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
             Command::Retries(cmd) => retries(cmd).await,
+            Command::Partitions(cmd) => partitions(cmd).await,
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }
@@ -710,6 +751,87 @@ fn settler_of(config: &Config) -> anyhow::Result<Settler> {
     )
     .with_dead_letters(wiring.dead_letter_destination()?)
     .with_deployment(wiring.deployment()))
+}
+
+/// `partitions pause|resume`: one compare-and-swap on the control record.
+async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
+    use crate::pipeline::control::{self, Pause, Pauses};
+    let (pause, args) = match cmd {
+        PartitionsCommand::Pause(a) => (true, a),
+        PartitionsCommand::Resume(a) => (false, a),
+    };
+    let config = load_config(&args.config)?;
+    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
+    let store = StorageAccess::from_config(&config)?.record_store(deadline)?;
+    let name = control::record_name(&config.eventhubs.hub, &config.eventhubs.consumer_group);
+    let entry = Pause {
+        by: operator(args.by),
+        since_ms: crate::clock::ms(std::time::SystemTime::now()),
+        reason: args.reason,
+    };
+    let wanted = |now: &Pauses| -> Option<Pauses> {
+        let mut next = now.clone();
+        match (pause, args.partitions.is_empty()) {
+            (true, true) if now.all.is_none() => next.all = Some(entry.clone()),
+            (true, false) => {
+                for p in &args.partitions {
+                    next.partitions
+                        .entry(p.clone())
+                        .or_insert_with(|| entry.clone());
+                }
+            }
+            (false, true) => next = Pauses::default(),
+            (false, false) => {
+                for p in &args.partitions {
+                    next.partitions.remove(p);
+                }
+            }
+            (true, true) => {}
+        }
+        (next != *now).then_some(next)
+    };
+    let (record, written) = if args.dry_run {
+        let now = control::read(&store, &name)
+            .await?
+            .map(|(p, _)| p)
+            .unwrap_or_default();
+        let next = wanted(&now);
+        let changes = next.is_some();
+        (next.unwrap_or(now), changes)
+    } else {
+        control::change(&store, &name, wanted).await?
+    };
+    if !pause && !args.partitions.is_empty() {
+        if let Some(all) = &record.all {
+            anyhow::bail!(
+                "every partition is paused ({}); `partitions resume` without --partition resumes them",
+                Pauses::reason(all)
+            );
+        }
+    }
+    if args.json {
+        let mut v = serde_json::to_value(&record)?;
+        v["changed"] = written.into();
+        v["dry_run"] = args.dry_run.into();
+        println!("{v}");
+    } else {
+        let verb = match (written, args.dry_run) {
+            (false, _) => "nothing to change",
+            (true, true) => "would change",
+            (true, false) => "changed; every replica follows within seconds",
+        };
+        println!("{verb}");
+        if let Some(all) = &record.all {
+            println!("all partitions: {}", Pauses::reason(all));
+        }
+        for (p, e) in &record.partitions {
+            println!("partition {p}: {}", Pauses::reason(e));
+        }
+        if record.is_empty() {
+            println!("no partition is paused");
+        }
+    }
+    Ok(EXIT_OK)
 }
 
 /// Who acts: `--by`, else the user name.

@@ -339,6 +339,11 @@ impl Ledger {
         }
     }
 
+    /// The store the records live in (the container the replicas share).
+    pub fn store(&self) -> &Arc<dyn RecordStore> {
+        &self.store
+    }
+
     /// The blob name of `key`'s record.
     pub fn record_name(&self, key: &str) -> String {
         self.blob_name("ledger", key)

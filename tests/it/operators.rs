@@ -493,3 +493,67 @@ async fn the_commands_say_what_happened_in_their_exit_status() {
     a.stop().await;
     assert_eq!(handler.calls_of("cli-wait"), vec![1, 2]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_partition_stops_reading_on_every_replica_and_resumes_without_a_restart() {
+    use hubguard::pipeline::control::{self, Pause, Pauses};
+    let bed = Bed::start(2).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    let b = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-b"));
+    bed.send(0, &[("before-0", "ok")]).await;
+    bed.send(1, &[("before-1", "ok")]).await;
+    wait_for("both partitions read", &a.health, LIMIT, || async {
+        handler.delivered_keys().len() == 2
+    })
+    .await;
+    let store = bed.records();
+    let name = control::record_name("hub", "$Default");
+    let (_, written) = control::change(store.as_ref(), &name, |p: &Pauses| {
+        let mut p = p.clone();
+        p.partitions.insert(
+            "0".into(),
+            Pause {
+                by: "alice".into(),
+                since_ms: 1_700_000_000_000,
+                reason: Some("receiver migration".into()),
+            },
+        );
+        Some(p)
+    })
+    .await
+    .unwrap();
+    assert!(written);
+    let paused = |h: &hubguard::pipeline::health::Health| {
+        h.held().get("0").is_some_and(|x| {
+            x.reason == "paused by alice since 2023-11-14T22:13:20Z: receiver migration"
+        })
+    };
+    wait_for(
+        "the owner of partition 0 says paused",
+        &a.health,
+        LIMIT,
+        || async { paused(&a.health) || paused(&b.health) },
+    )
+    .await;
+    let checkpoint = bed.checkpoint_of("0").await;
+    bed.send(0, &[("during-0", "ok")]).await;
+    bed.send(1, &[("during-1", "ok")]).await;
+    wait_for("partition 1 reads on", &a.health, LIMIT, || async {
+        handler.delivered_keys().contains("during-1")
+    })
+    .await;
+    // Partition 1 read an event produced after partition 0's: partition 0 read nothing.
+    assert!(handler.calls_of("during-0").is_empty(), "paused: not read");
+    assert_eq!(bed.checkpoint_of("0").await, checkpoint);
+    control::change(store.as_ref(), &name, |_| Some(Pauses::default()))
+        .await
+        .unwrap();
+    wait_for("partition 0 resumed", &a.health, LIMIT, || async {
+        handler.delivered_keys().contains("during-0") && !paused(&a.health) && !paused(&b.health)
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    assert_eq!(handler.calls_of("during-0"), vec![1]);
+}
