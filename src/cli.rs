@@ -781,6 +781,8 @@ async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
                 }
             }
             (false, true) => next = Pauses::default(),
+            // Every partition is paused: refused below, nothing written.
+            (false, false) if now.all.is_some() => return None,
             (false, false) => {
                 for p in &args.partitions {
                     next.partitions.remove(p);

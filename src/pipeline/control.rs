@@ -70,6 +70,11 @@ impl Pauses {
     }
 }
 
+/// The name a paused partition is held under in readiness and `/v1/status`.
+pub fn held_name(pid: &str) -> String {
+    format!("{pid} (paused)")
+}
+
 /// The control record's name for a deployment (consumer group lower-cased, as the ledger's).
 pub fn record_name(hub: &str, consumer_group: &str) -> String {
     format!(

@@ -260,19 +260,19 @@ pub(crate) async fn run(
     ended
 }
 
-/// The key a pause is held under in [`Health`](super::health::Health): no event has it.
-const PAUSE_HOLD: i64 = i64::MIN;
-
-/// Shows partition `pid` as paused by `pause`, or no longer.
+/// Shows partition `pid` as paused by `pause`, or no longer: held as `{pid} (paused)`, apart
+/// from the partition's own holds (an unsettled event's cause stays in view beside it), with
+/// no event (-1) as its oldest unsettled.
 fn mark_paused(shared: &Shared, pid: &str, pause: Option<&super::control::Pause>) {
+    let name = super::control::held_name(pid);
     match pause {
         Some(p) => shared.health.hold(
-            pid,
+            &name,
             super::health::HoldCause::Paused,
             super::control::Pauses::reason(p),
-            PAUSE_HOLD,
+            -1,
         ),
-        None => shared.health.release(pid, PAUSE_HOLD),
+        None => shared.health.release(&name, -1),
     }
 }
 

@@ -525,7 +525,7 @@ async fn a_paused_partition_stops_reading_on_every_replica_and_resumes_without_a
     .unwrap();
     assert!(written);
     let paused = |h: &hubguard::pipeline::health::Health| {
-        h.held().get("0").is_some_and(|x| {
+        h.held().get(&control::held_name("0")).is_some_and(|x| {
             x.reason == "paused by alice since 2023-11-14T22:13:20Z: receiver migration"
         })
     };
@@ -556,4 +556,82 @@ async fn a_paused_partition_stops_reading_on_every_replica_and_resumes_without_a
     a.stop().await;
     b.stop().await;
     assert_eq!(handler.calls_of("during-0"), vec![1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_during_a_service_bus_outage_keeps_the_held_event_and_reads_nothing_after_it() {
+    use hubguard::pipeline::control::{self, Pause, Pauses};
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    bed.send(0, &[("first", "ok")]).await;
+    wait_for("first delivered", &a.health, LIMIT, || async {
+        handler.delivered_keys().contains("first")
+    })
+    .await;
+    // Service Bus down: the failed event cannot be settled, so its partition holds.
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("stuck", "fail:1")]).await;
+    wait_for("held for Service Bus", &a.health, LIMIT, || async {
+        a.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.cause == hubguard::pipeline::health::HoldCause::ServiceBus)
+    })
+    .await;
+    let store = bed.records();
+    let name = control::record_name("hub", "$Default");
+    control::change(store.as_ref(), &name, |_| {
+        Some(Pauses {
+            all: Some(Pause {
+                by: "alice".into(),
+                since_ms: 1_700_000_000_000,
+                reason: None,
+            }),
+            ..Default::default()
+        })
+    })
+    .await
+    .unwrap();
+    wait_for(
+        "paused beside the Service Bus hold",
+        &a.health,
+        LIMIT,
+        || async {
+            let held = a.health.held();
+            held.contains_key(&control::held_name("0"))
+                && held
+                    .get("0")
+                    .is_some_and(|h| h.cause == hubguard::pipeline::health::HoldCause::ServiceBus)
+        },
+    )
+    .await;
+    let checkpoint = bed.checkpoint_of("0").await;
+    bed.send(0, &[("after", "ok")]).await;
+    // Service Bus returns: the held event settles (its retry scheduled); nothing new is read.
+    bed.sb.faults().clear();
+    wait_for("the held event settled", &a.health, LIMIT, || async {
+        !a.health.held().contains_key("0")
+            && record(&bed, "stuck")
+                .await
+                .is_some_and(|r| r.state == State::Delivered)
+    })
+    .await;
+    assert!(handler.calls_of("after").is_empty(), "paused: not read");
+    assert!(bed.checkpoint_of("0").await >= checkpoint);
+    control::change(store.as_ref(), &name, |_| Some(Pauses::default()))
+        .await
+        .unwrap();
+    wait_for("resumed", &a.health, LIMIT, || async {
+        handler.delivered_keys().contains("after") && a.health.held().is_empty()
+    })
+    .await;
+    a.stop().await;
+    assert_eq!(
+        handler.calls_of("stuck"),
+        vec![1, 2],
+        "its retry ran while paused"
+    );
 }
