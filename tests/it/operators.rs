@@ -46,7 +46,7 @@ async fn drained(bed: &Bed) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stands_down() {
     let bed = Bed::start(1).await;
-    let policy = waiting(600);
+    let policy = waiting(120);
     bed.send(0, &[("rn-1", "fail:1")]).await;
     let handler = Arc::new(Scripted::default());
     let a = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
@@ -93,9 +93,10 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
     let pull = pulled.run_now.clone().expect("the pull is recorded");
     assert_eq!((pull.attempt, pull.by.as_str()), (2, "alice"));
     // Both copies due at once (the one scheduled before too): only the pulled one runs.
-    bed.clock().advance(Duration::from_secs(601));
+    // (Less than the sweep's overdue margin: the pulled copy is not taken for lost.)
+    bed.clock().advance(Duration::from_secs(121));
     let b = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
-    let c = Bed::run(bed.parts(handler.clone(), waiting(600), "replica-c"));
+    let c = Bed::run(bed.parts(handler.clone(), waiting(120), "replica-c"));
     wait_for(
         "delivered, both copies completed",
         &b.health,
@@ -105,7 +106,14 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
     .await;
     b.stop().await;
     c.stop().await;
-    assert_eq!(handler.calls_of("rn-1"), vec![1, 2], "attempt 2 ran once");
+    // Attempt 2 ran once. (Attempt 1 may be read again from Event Hubs by the new owners if
+    // the stopped replica's final checkpoint did not land: at-least-once, as designed.)
+    let calls = handler.calls_of("rn-1");
+    assert_eq!(
+        calls.iter().filter(|&&n| n == 2).count(),
+        1,
+        "attempt 2 ran once: {calls:?}"
+    );
     let done = record(&bed, "rn-1").await.unwrap();
     assert_eq!((done.state, done.attempts), (State::Delivered, 2));
     // Nothing waits any more: both actions say so.
