@@ -48,8 +48,14 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
     let bed = Bed::start(1).await;
     let policy = waiting(120);
     bed.send(0, &[("rn-1", "fail:1")]).await;
-    let handler = Arc::new(Scripted::default());
-    let a = Bed::run(bed.parts(handler.clone(), policy.clone(), "replica-a"));
+    let gated = Arc::new(Gated {
+        inner: Scripted::default(),
+        gated: "rn-1",
+        running: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    });
+    let handler = &gated.inner;
+    let a = Bed::run(bed.parts(gated.clone(), policy.clone(), "replica-a"));
     wait_for("attempt 2 scheduled", &a.health, LIMIT, || async {
         record(&bed, "rn-1")
             .await
@@ -95,8 +101,22 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
     // Both copies due at once (the one scheduled before too): only the pulled one runs.
     // (Less than the sweep's overdue margin: the pulled copy is not taken for lost.)
     bed.clock().advance(Duration::from_secs(121));
-    let b = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
-    let c = Bed::run(bed.parts(handler.clone(), waiting(120), "replica-c"));
+    let b = Bed::run(bed.parts(gated.clone(), policy, "replica-b"));
+    let c = Bed::run(bed.parts(gated.clone(), waiting(120), "replica-c"));
+    // The pulled attempt runs (and waits): meanwhile the copy scheduled before is completed
+    // without a call — had it run, it would be waiting beside it, holding its lock.
+    within("attempt 2 runs", gated.running.notified()).await;
+    wait_for(
+        "the copy scheduled before stood down",
+        &b.health,
+        LIMIT,
+        || async {
+            let c = bed.sb.counters("retries").unwrap();
+            c.active + c.scheduled == 0 && c.locked == 1
+        },
+    )
+    .await;
+    gated.release.notify_one();
     wait_for(
         "delivered, both copies completed",
         &b.health,
