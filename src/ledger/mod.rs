@@ -103,6 +103,10 @@ pub struct LedgerRecord {
     /// before the handler is called, cleared by the attempt's settlement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<Claim>,
+    /// An operator's `retries retry-now` (or a replay) for the attempt waiting: only the
+    /// copy of that attempt sent for it runs; earlier copies stand down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_now: Option<RunNow>,
 }
 
 /// A retry loop's claim on one attempt of an event: whoever holds a live claim runs the
@@ -133,6 +137,41 @@ impl Claim {
     /// Whether the claim still holds at `now`.
     pub fn live(&self, now: SystemTime) -> bool {
         ms(now) < self.until_ms
+    }
+}
+
+/// An operator pulled attempt `attempt` forward (`hubguard retries retry-now`, or a replay):
+/// a copy of it was scheduled for `at_ms` carrying `at_ms` as its mark, and it is the only
+/// copy of that attempt the retry loop runs. The copy scheduled before (its due time was
+/// `previous_due_ms`) stands down when it arrives, so the attempt runs once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunNow {
+    /// The attempt pulled forward.
+    pub attempt: u32,
+    /// When (ms since the epoch): the mark the accepted copy carries.
+    pub at_ms: i64,
+    /// Who asked for it (`--by`, else the user name).
+    pub by: String,
+    /// When the attempt was due before.
+    pub previous_due_ms: Option<i64>,
+}
+
+impl LedgerRecord {
+    /// Whether a retry message of attempt `attempt` carrying `mark` (its `run_now`) must
+    /// stand down: an operator pulled that attempt forward and this is not the copy sent for
+    /// it. Any other attempt, or a record with no pull, runs as the verdict says.
+    pub fn superseded_copy(&self, attempt: u32, mark: Option<i64>) -> bool {
+        self.run_now
+            .as_ref()
+            .is_some_and(|p| p.attempt == attempt && mark != Some(p.at_ms))
+    }
+
+    /// The mark a new copy of attempt `attempt` carries (see [`RunNow`]).
+    pub fn run_now_mark(&self, attempt: u32) -> Option<i64> {
+        self.run_now
+            .as_ref()
+            .filter(|p| p.attempt == attempt)
+            .map(|p| p.at_ms)
     }
 }
 
@@ -359,6 +398,11 @@ impl Ledger {
         }
     }
 
+    /// The store the records live in (the container the replicas share).
+    pub fn store(&self) -> &Arc<dyn RecordStore> {
+        &self.store
+    }
+
     /// The blob name of `key`'s record.
     pub fn record_name(&self, key: &str) -> String {
         self.blob_name("ledger", key)
@@ -536,6 +580,7 @@ impl Ledger {
             quarantined: Some(aside.clone()),
             event_unknown: event.is_none(),
             claim: None,
+            run_now: None,
         };
         self.index_dead_letter(key).await?;
         self.put(&record, Some(&raw.etag)).await?;
@@ -768,6 +813,7 @@ mod tests {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            run_now: None,
         };
         assert_eq!(Verdict::of(None, 1), Verdict::Unrecorded);
         assert_eq!(Verdict::of(Some(&rec), 1), Verdict::Stale);

@@ -16,6 +16,7 @@
 mod admission;
 mod attempt;
 mod checkpoint;
+pub mod control;
 pub mod dead_letter;
 mod handover;
 pub mod health;
@@ -299,6 +300,8 @@ pub(crate) struct Shared {
     pub(crate) options: PipelineOptions,
     /// Reads an event back from Event Hubs when a retry's ledger record is missing.
     pub(crate) reader: Arc<dyn readback::EventReader>,
+    /// The operator's pauses, as last read from the control record ([`control`]).
+    pub(crate) pauses: tokio::sync::watch::Sender<control::Pauses>,
 }
 
 /// The hub and consumer group events come from, and the rules for their identity.
@@ -436,6 +439,7 @@ impl Pipeline {
                 health,
                 options: parts.options,
                 reader,
+                pauses: tokio::sync::watch::Sender::new(control::Pauses::default()),
             }),
             eventhubs: parts.eventhubs,
             checkpoints,
@@ -481,6 +485,23 @@ impl Pipeline {
             dl.probe().await.map_err(std::io::Error::other)?;
         }
         self.claim_ledger().await?;
+        // The operator's pauses: read by every replica, every few seconds.
+        tokio::spawn(control::watch(
+            self.shared.settler.ledger.store().clone(),
+            control::record_name(&self.shared.origin.hub, &self.shared.origin.consumer_group),
+            self.shared.pauses.clone(),
+            control::PAUSE_POLL,
+            self.shared.options.clock.clone(),
+            {
+                let stop = CancellationToken::new();
+                let (c, k, s) = (cancel.clone(), crash.clone(), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! { _ = c.cancelled() => {}, _ = k.cancelled() => {} }
+                    s.cancel();
+                });
+                stop
+            },
+        ));
         if let Some(blocked) = self.shared.downstream.handler.blocked() {
             tokio::spawn(watch_blocked(
                 self.shared.health.clone(),

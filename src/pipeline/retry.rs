@@ -1011,6 +1011,14 @@ async fn process(
             }
         }
     };
+    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
+    // scheduled before, and the copy sent for the pull is the one that runs.
+    if rec.0.superseded_copy(body.attempt, body.run_now) {
+        drop((slot, starting));
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        settle_message(&msg, true).await;
+        return;
+    }
     // The attempt is claimed in the ledger before the call, so a copy of the message in
     // another replica stands down; a lapsed lock or a newer delivery of this message is
     // noticed before the claim, and again before the call.
@@ -1033,6 +1041,13 @@ async fn process(
     if !lock_held(&msg, shared) {
         drop((slot, starting));
         shared.settler.release_claim(claimed).await;
+        return;
+    }
+    if claimed.0.superseded_copy(body.attempt, body.run_now) {
+        drop((slot, starting));
+        shared.settler.release_claim(claimed).await;
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        settle_message(&msg, true).await;
         return;
     }
     let (rec, etag) = claimed;

@@ -20,6 +20,7 @@ mod handover;
 mod interop;
 mod limits;
 mod operable;
+mod operators;
 mod otlp;
 mod outage;
 mod owner_ids;
