@@ -453,6 +453,7 @@ mod tests {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            indexed: None,
         }
     }
 

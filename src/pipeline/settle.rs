@@ -857,6 +857,7 @@ impl Settler {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            indexed: None,
         };
         match self.ledger.put(&rec, None).await {
             Ok(etag) => Ok((rec, etag)),
@@ -936,6 +937,7 @@ impl Settler {
             quarantined: None,
             event_unknown: true,
             claim: None,
+            indexed: None,
         };
         self.publish_dead_letter(&rec).await?;
         self.ledger.index_dead_letter(&key).await?;
@@ -1152,6 +1154,7 @@ impl Settler {
                     quarantined: None,
                     event_unknown: false,
                     claim: None,
+                    indexed: None,
                 },
             };
             rec.attempts = attempt;

@@ -15,6 +15,7 @@ mod eventhubs_amqp;
 mod eventhubs_processor;
 mod eventhubs_sdk;
 mod interop;
+mod ledger_scale;
 mod limits;
 mod operable;
 mod otlp;
