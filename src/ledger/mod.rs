@@ -1033,6 +1033,187 @@ mod tests {
         assert!(ledger.dead_letter_name(&"é".repeat(2_000)).len() <= BLOB_NAME_LIMIT);
     }
 
+    fn waiting(key: &str, attempts: u32, due_ms: i64) -> LedgerRecord {
+        LedgerRecord {
+            key: key.into(),
+            correlation_id: key.into(),
+            event_type: None,
+            state: State::RetryScheduled,
+            attempts,
+            next_attempt_ms: Some(due_ms),
+            first_failure_ms: 0,
+            updated_ms: 0,
+            last_error: Some("boom".into()),
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy: RetryPolicy::seed_fibonacci(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event: Event {
+                body: Vec::new(),
+                content_type: None,
+                properties: Default::default(),
+                hub: "hub".into(),
+                partition_id: "3".into(),
+                sequence_number: 9,
+                offset: None,
+                enqueued_ms: None,
+                partition_key: None,
+                identity: crate::event::Identity {
+                    idempotency_key: key.into(),
+                    correlation_id: key.into(),
+                    event_type: None,
+                },
+            },
+            quarantined: None,
+            event_unknown: false,
+            claim: None,
+            indexed: None,
+        }
+    }
+
+    fn memory() -> (Arc<crate::azure::memory::MemoryRecordStore>, Ledger) {
+        let store = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let ledger = Ledger::new(store.clone(), "hub", "$Default");
+        (store, ledger)
+    }
+
+    /// The record written as a crash would leave it: without the ledger's index step.
+    async fn write_raw(store: &dyn RecordStore, ledger: &Ledger, rec: &LedgerRecord) {
+        let name = ledger.record_name(&rec.key);
+        let etag = store.read(&name).await.unwrap().map(|r| r.etag);
+        store
+            .write_tagged(
+                &name,
+                Bytes::from(serde_json::to_vec(rec).unwrap()),
+                etag.as_deref(),
+                &tags_of(rec),
+            )
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_index_follows_the_record_and_claims_write_no_entry() {
+        let (store, ledger) = memory();
+        ledger.put(&waiting("k", 1, 1_000), None).await.unwrap();
+        let p = ledger.pending().await.unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!(
+            (p[0].attempt, p[0].due, p[0].partition.as_deref()),
+            (2, at(1_000), Some("3"))
+        );
+        assert_eq!(p[0].sequence_number, Some(9));
+        // A claim changes neither due time nor attempt: no entry write (the mark says so).
+        let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(
+            rec.indexed,
+            Some(IndexMark {
+                attempt: 2,
+                due_ms: 1_000
+            })
+        );
+        let entry = store.read(&ledger.entry_name("k")).await.unwrap().unwrap();
+        rec.claim = Some(Claim {
+            attempt: 2,
+            owner: "o".into(),
+            instance: "i".into(),
+            until_ms: 5_000,
+        });
+        let etag = ledger.put(&rec, Some(&etag)).await.unwrap();
+        let same = store.read(&ledger.entry_name("k")).await.unwrap().unwrap();
+        assert_eq!(entry.etag, same.etag, "no entry write for a claim");
+        // The retry failed again: the entry moves with the record.
+        rec.attempts = 2;
+        rec.next_attempt_ms = Some(9_000);
+        rec.claim = None;
+        let etag = ledger.put(&rec, Some(&etag)).await.unwrap();
+        let p = ledger.pending().await.unwrap();
+        assert_eq!((p[0].attempt, p[0].due), (3, at(9_000)));
+        // Delivered: the entry is gone.
+        let (mut rec, _) = ledger.get("k").await.unwrap().unwrap();
+        rec.state = State::Delivered;
+        rec.attempts = 3;
+        rec.next_attempt_ms = None;
+        ledger.put(&rec, Some(&etag)).await.unwrap();
+        assert!(ledger.pending().await.unwrap().is_empty());
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_stale_entry_is_repaired_against_its_record_not_trusted() {
+        let (store, ledger) = memory();
+        assert!(ledger.pending().await.unwrap().is_empty(), "a new ledger");
+        for k in ["moved", "settled", "gone", "true"] {
+            ledger.put(&waiting(k, 1, 1_000), None).await.unwrap();
+        }
+        // Crashes between a record's write and its entry's: a due time that moved later,
+        // a record delivered, a record removed.
+        let (mut moved, _) = ledger.get("moved").await.unwrap().unwrap();
+        moved.attempts = 2;
+        moved.next_attempt_ms = Some(60_000);
+        write_raw(store.as_ref(), &ledger, &moved).await;
+        let (mut settled, _) = ledger.get("settled").await.unwrap().unwrap();
+        settled.state = State::Delivered;
+        settled.next_attempt_ms = None;
+        write_raw(store.as_ref(), &ledger, &settled).await;
+        let name = ledger.record_name("gone");
+        let etag = store.read(&name).await.unwrap().unwrap().etag;
+        store.delete(&name, &etag).await.unwrap();
+
+        let listed = ledger.pending().await.unwrap();
+        assert_eq!(listed.len(), 4, "stale entries are listed until repaired");
+        let mut repairs = std::collections::BTreeMap::new();
+        for p in &listed {
+            repairs.insert(p.key.clone(), ledger.repair_pending(p).await.unwrap());
+        }
+        assert_eq!(repairs["moved"], Repair::Rewritten);
+        assert_eq!(repairs["settled"], Repair::Removed);
+        assert_eq!(repairs["gone"], Repair::Removed);
+        assert_eq!(repairs["true"], Repair::Accurate);
+        let after = ledger.pending().await.unwrap();
+        let keys: Vec<_> = after
+            .iter()
+            .map(|p| (p.key.as_str(), p.attempt, p.due))
+            .collect();
+        assert_eq!(keys, vec![("true", 2, at(1_000)), ("moved", 3, at(60_000))]);
+    }
+
+    #[tokio::test]
+    async fn a_late_removal_leaves_the_entry_of_a_replay_alone() {
+        let (store, ledger) = memory();
+        ledger.put(&waiting("k", 1, 1_000), None).await.unwrap();
+        // A replay wrote an entry for attempt 4 after this record was dead-lettered at
+        // attempt 1 ran; the dead letter's late removal finds an entry for a later attempt.
+        let replayed = waiting("k", 3, 2_000);
+        ledger.write_entry(&replayed).await.unwrap();
+        ledger.remove_entry("k", 1).await.unwrap();
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_some());
+        ledger.remove_entry("k", 4).await.unwrap();
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn records_written_before_the_index_are_indexed_once() {
+        let (store, ledger) = memory();
+        // An older version wrote records with no index: one waiting, one delivered.
+        write_raw(store.as_ref(), &ledger, &waiting("old", 1, 1_000)).await;
+        let mut done = waiting("done", 1, 1_000);
+        done.state = State::Delivered;
+        write_raw(store.as_ref(), &ledger, &done).await;
+        let p = ledger.pending().await.unwrap();
+        assert_eq!(
+            p.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(),
+            vec!["old"]
+        );
+        assert!(store.read(&ledger.index_marker()).await.unwrap().is_some());
+        // Another replica (a new Ledger) reads the marker and lists the index alone.
+        let again = Ledger::new(store.clone(), "hub", "$Default");
+        let reads = store.reads();
+        assert_eq!(again.pending().await.unwrap().len(), 1);
+        assert_eq!(store.reads() - reads, 1, "the marker only");
+    }
+
     #[test]
     fn keys_survive_any_characters() {
         for k in ["a/b/c", "order 42 é", "%2F", "hub/0/17"] {
