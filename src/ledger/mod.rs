@@ -142,6 +142,16 @@ struct IndexEntry {
     attempt: u32,
 }
 
+/// What [`Ledger::expire`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Expired {
+    /// Delivered records deleted.
+    pub deleted: u64,
+    /// Delivered records past retention kept because their event is not settled on its
+    /// partition yet (or the record does not say where its event is).
+    pub kept_unsettled: u64,
+}
+
 /// What [`Ledger::repair_pending`] found for a listed entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Repair {
@@ -928,6 +938,49 @@ impl Ledger {
                 reason: e.to_string(),
             })?;
         Ok((!holder.namespace.eq_ignore_ascii_case(&me.namespace)).then_some(holder))
+    }
+
+    /// Deletes the DELIVERED records last written before `before` whose event is settled on
+    /// its partition (`settled(partition, sequence number)`: at or before the partition's
+    /// checkpoint, so no replica reads it again and needs the record to know it was
+    /// delivered). A record that waits (RETRY_SCHEDULED) or is dead-lettered is never
+    /// deleted here — a dead letter stays until it is replayed or purged — nor one whose
+    /// metadata does not name its state, partition and sequence number, nor one written
+    /// since the listing (the delete carries the listed ETag, `If-Match`). Deletion is free
+    /// on Azure ("Azure Blob Storage pricing", azure.microsoft.com/pricing/details/storage/
+    /// blobs: "Delete operations are free"); one listing of the ledger, which retention
+    /// itself bounds.
+    pub async fn expire(
+        &self,
+        before: SystemTime,
+        settled: &(dyn Fn(&str, i64) -> bool + Send + Sync),
+    ) -> Result<Expired, LedgerError> {
+        let prefix = format!("ledger/{}", self.prefix);
+        let mut out = Expired::default();
+        for l in self.store.list(&prefix).await? {
+            if l.tags.get(TAG_STATE).map(String::as_str) != Some("DELIVERED")
+                || l.last_modified.is_none_or(|t| t >= before)
+            {
+                continue;
+            }
+            let position = l
+                .tags
+                .get(TAG_PARTITION)
+                .zip(l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse::<i64>().ok()));
+            match position {
+                Some((p, seq)) if settled(p, seq) => {}
+                _ => {
+                    out.kept_unsettled += 1;
+                    continue;
+                }
+            }
+            match self.store.delete(&l.key, &l.etag).await {
+                Ok(()) => out.deleted += 1,
+                Err(StoreError::NotFound) | Err(StoreError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
     }
 
     /// Keys of every record (for tests and the demo's verification).

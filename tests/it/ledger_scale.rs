@@ -241,3 +241,64 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
     let reads = counting.reads.load(std::sync::atomic::Ordering::Relaxed);
     assert!(reads < 30, "{reads} reads");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_settled_deliveries_and_nothing_that_waits_or_is_unsettled() {
+    let bed = Bed::start(1).await;
+    let ledger = bed.ledger();
+    let clock = bed.clock();
+    let now = clock.now();
+    let delivered = |key: &str, seq: i64| {
+        let mut r = record(key, seq, State::Delivered, None);
+        r.attempts = 2;
+        r
+    };
+    // A delivery whose event (sequence number 0) the checkpoint will pass; one whose event
+    // (sequence number 50) is still ahead of it; a retry that waits; a dead letter.
+    ledger.put(&delivered("expired", 0), None).await.unwrap();
+    ledger.put(&delivered("unsettled", 50), None).await.unwrap();
+    let waiting = record(
+        "waiting",
+        1,
+        State::RetryScheduled,
+        Some(now + Duration::from_secs(30 * 86_400)),
+    );
+    ledger.put(&waiting, None).await.unwrap();
+    let mut dead = record("dead", 2, State::DeadLettered, None);
+    dead.dead_letter_reason = Some(hubguard::policy::DeadLetterReason::Permanent);
+    ledger.put(&dead, None).await.unwrap();
+
+    bed.send(0, &[("first", "ok")]).await;
+    let handler = Arc::new(Scripted::default());
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.options.retention = Some(Duration::from_secs(3_600));
+    parts.options.retention_sweep = Duration::from_secs(60);
+    let run = Bed::run(parts);
+    wait_for("first checkpointed", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(0)
+    })
+    .await;
+    // Two hours on: every record is past a one-hour retention.
+    clock.advance(Duration::from_secs(7_200));
+    wait_for(
+        "the settled delivery expired",
+        &run.health,
+        LIMIT,
+        || async { matches!(ledger.get("expired").await, Ok(None)) },
+    )
+    .await;
+    run.stop().await;
+    for key in ["unsettled", "waiting", "dead"] {
+        assert!(ledger.get(key).await.unwrap().is_some(), "{key} is kept");
+    }
+    assert_eq!(
+        ledger
+            .pending()
+            .await
+            .unwrap()
+            .iter()
+            .map(|p| p.key.as_str())
+            .collect::<Vec<_>>(),
+        vec!["waiting"]
+    );
+}
