@@ -550,13 +550,17 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         None if args.json => {
             println!(
                 "{}",
-                serde_json::json!({ "key": args.key, "state": "UNKNOWN" })
+                serde_json::json!({ "key": args.key, "state": "UNKNOWN", "delivered_records_kept_days": config.ledger.retention_days })
             );
             return Ok(EXIT_UNKNOWN_KEY);
         }
         None => {
+            let kept = match config.ledger.retention_days {
+                0 => "delivered records are kept forever (ledger.retention_days = 0)".to_string(),
+                d => format!("delivered records are kept {d} days after delivery (ledger.retention_days), so one delivered on a retry before {} has expired", std::time::SystemTime::now().checked_sub(std::time::Duration::from_secs(d.saturating_mul(86_400))).map_or_else(|| "the epoch".to_string(), crate::clock::rfc3339)),
+            };
             println!(
-                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
+                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, delivered on a retry longer ago than retention ({kept}), or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
                 args.key
             );
             return Ok(EXIT_UNKNOWN_KEY);

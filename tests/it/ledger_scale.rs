@@ -302,3 +302,46 @@ async fn retention_deletes_settled_deliveries_and_nothing_that_waits_or_is_unset
         vec!["waiting"]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_of_an_expired_record_says_how_long_records_are_kept() {
+    let bed = Bed::start(1).await;
+    let ledger = bed.ledger();
+    let mut rec = record("expired-key", 0, State::Delivered, None);
+    rec.attempts = 2;
+    ledger.put(&rec, None).await.unwrap();
+    // Retention passes it (its event settled, its last write before the cutoff).
+    let later = SystemTime::now() + Duration::from_secs(60);
+    let expired = ledger.expire(later, &|_, _| true).await.unwrap();
+    assert_eq!(expired.deleted, 1);
+    assert!(ledger.get("expired-key").await.unwrap().is_none());
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n[ledger]\nretention_days = 7\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(["status", "expired-key", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(text.contains("kept 7 days after delivery"), "{text}");
+    assert!(text.contains("has expired"), "{text}");
+    let json = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args(["status", "expired-key", "--json", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["delivered_records_kept_days"], 7);
+}
