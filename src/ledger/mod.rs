@@ -849,6 +849,44 @@ impl Ledger {
         }
     }
 
+    /// Purges `key`'s dead letter when it was last written before `before`: the record
+    /// (with its ETag, so one replayed meanwhile stays), then its dead-letter index entry and
+    /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would
+    /// be) purged; `None` when the record is no dead letter or is newer. An index entry
+    /// whose record is gone is removed too.
+    pub async fn purge_dead_letter(
+        &self,
+        key: &str,
+        before: SystemTime,
+        dry_run: bool,
+    ) -> Result<Option<Option<String>>, LedgerError> {
+        let (record, etag) = match self.get(key).await? {
+            Some(found) => found,
+            None => {
+                if !dry_run {
+                    self.unindex_dead_letter(key).await?;
+                }
+                return Ok(Some(None));
+            }
+        };
+        if record.state != State::DeadLettered || at(record.updated_ms) >= before {
+            return Ok(None);
+        }
+        if dry_run {
+            return Ok(Some(record.quarantined));
+        }
+        match self.store.delete(&self.record_name(key), &etag).await {
+            Ok(()) | Err(StoreError::NotFound) => {}
+            Err(StoreError::Conflict) => return Ok(None), // changed meanwhile (a replay)
+            Err(e) => return Err(e.into()),
+        }
+        self.unindex_dead_letter(key).await?;
+        if let Some(aside) = &record.quarantined {
+            self.store.remove(aside).await?;
+        }
+        Ok(Some(record.quarantined))
+    }
+
     /// Keys in the dead-letter index.
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);

@@ -317,17 +317,7 @@ async fn status_of_an_expired_record_says_how_long_records_are_kept() {
     assert!(ledger.get("expired-key").await.unwrap().is_none());
 
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("hubguard.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n[ledger]\nretention_days = 7\n",
-            bed.eh.connection_string(),
-            bed.sb.connection_string(),
-            bed.blob.container_url("hubguard"),
-        ),
-    )
-    .unwrap();
+    let config = write_config(&bed, dir.path());
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["status", "expired-key", "--config"])
         .arg(&config)
@@ -344,4 +334,82 @@ async fn status_of_an_expired_record_says_how_long_records_are_kept() {
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["delivered_records_kept_days"], 7);
+}
+
+/// A configuration on the bed for the command line (the handler is never called).
+fn write_config(bed: &Bed, dir: &std::path::Path) -> std::path::PathBuf {
+    let config = dir.join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n[ledger]\nretention_days = 7\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_kept_until_purged_and_a_dry_run_deletes_nothing() {
+    let bed = Bed::start(1).await;
+    let ledger = bed.ledger();
+    let now = SystemTime::now();
+    for (key, age_days) in [("old-dead", 40u64), ("new-dead", 1)] {
+        let mut dead = record(key, 0, State::DeadLettered, None);
+        dead.dead_letter_reason = Some(hubguard::policy::DeadLetterReason::Permanent);
+        dead.updated_ms = ms(now - Duration::from_secs(age_days * 86_400));
+        ledger.index_dead_letter(key).await.unwrap();
+        ledger.put(&dead, None).await.unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(&bed, dir.path());
+    let purge = |extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"));
+        c.args([
+            "dead-letters",
+            "purge",
+            "--before",
+            "30d",
+            "--json",
+            "--config",
+        ])
+        .arg(&config)
+        .args(extra);
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let dry = purge(&["--dry-run"]);
+    let lines: Vec<serde_json::Value> = dry
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{dry}");
+    assert_eq!(
+        (lines[0]["key"].as_str(), lines[0]["purged"].as_bool()),
+        (Some("old-dead"), Some(false))
+    );
+    assert!(
+        ledger.get("old-dead").await.unwrap().is_some(),
+        "a dry run deletes nothing"
+    );
+
+    let done = purge(&[]);
+    assert!(done.contains("\"purged\":true"), "{done}");
+    assert!(ledger.get("old-dead").await.unwrap().is_none());
+    assert!(
+        ledger.get("new-dead").await.unwrap().is_some(),
+        "a newer dead letter stays"
+    );
+    assert_eq!(
+        ledger.dead_letter_keys().await.unwrap(),
+        vec!["new-dead".to_string()]
+    );
 }
