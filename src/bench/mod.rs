@@ -10,6 +10,7 @@
 //! - The retry path: failure to Service Bus acceptance, due time to actual start.
 //! - Resident memory of `hubguard run` with no retries and with many pending ([`memory`]).
 
+mod ledger;
 pub mod memory;
 pub mod pipelines;
 
@@ -42,7 +43,8 @@ pub struct BenchArgs {
     /// Print one JSON line instead of a table.
     #[arg(long)]
     json: bool,
-    /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory.
+    /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory,
+    /// ledger (not run by default).
     #[arg(
         long,
         value_delimiter = ',',
@@ -64,6 +66,12 @@ pub struct BenchArgs {
     /// Retries pending in Service Bus for the memory reading.
     #[arg(long, default_value_t = 100_000)]
     pending: usize,
+    /// Settled ledger records for the ledger scenario.
+    #[arg(long, default_value_t = 200_000)]
+    ledger_settled: usize,
+    /// Waiting ledger records for the ledger scenario.
+    #[arg(long, default_value_t = 1_000)]
+    ledger_pending: usize,
 }
 
 /// One measured scenario.
@@ -87,6 +95,7 @@ struct Figures {
     concurrency: Option<pipelines::Concurrency>,
     retries: Option<pipelines::RetryTiming>,
     memory: Option<memory::Memory>,
+    ledger: Option<ledger::LedgerFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -94,7 +103,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 5] = ["eventhubs", "guard", "concurrency", "retries", "memory"];
+    const KNOWN: [&str; 6] = [
+        "eventhubs",
+        "guard",
+        "concurrency",
+        "retries",
+        "memory",
+        "ledger",
+    ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
             "--only: unknown scenario {bad:?} (known: {})",
@@ -131,6 +147,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if on("memory") {
         f.memory = Some(memory::memory(args.pending, args.pending, 4).await?);
+    }
+    if on("ledger") {
+        f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -236,6 +255,27 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             m.growth_readings_mb.len()
         ));
     }
+    if let Some(l) = &f.ledger {
+        fields.push(format!("\"ledger_settled\":{}", l.settled));
+        fields.push(format!("\"ledger_pending\":{}", l.pending));
+        fields.push(format!(
+            "\"ledger_sweep_calls_settled\":{}",
+            l.sweep_calls_settled
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_calls_empty\":{}",
+            l.sweep_calls_empty
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_listed_settled\":{}",
+            l.sweep_listed_settled
+        ));
+        fields.push(format!("\"retries_list_ms\":{:.1}", l.retries_list_ms));
+        fields.push(format!(
+            "\"retries_list_empty_ms\":{:.1}",
+            l.retries_list_empty_ms
+        ));
+    }
     format!("{{{}}}", fields.join(","))
 }
 
@@ -308,6 +348,26 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "{:>44} {:>10.1} {:>10.1}",
             "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
         );
+        println!();
+    }
+    if let Some(l) = &f.ledger {
+        println!(
+            "The overdue sweep's listing (= /v1/retries, retries list, the gauges): {} waiting retries, with {} settled records and with none",
+            l.pending, l.settled
+        );
+        println!(
+            "(store calls billed as Azure does: one List Blobs call per 5,000 blobs, one per read)"
+        );
+        println!("{:>24} {:>12} {:>12}", "", "settled", "empty");
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "store calls", l.sweep_calls_settled, l.sweep_calls_empty
+        );
+        println!(
+            "{:>24} {:>12.1} {:>12.1}",
+            "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
+        );
+        println!("{:>24} {:>12}", "blobs listed", l.sweep_listed_settled);
         println!();
     }
     if let Some(m) = &f.memory {
