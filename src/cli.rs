@@ -272,6 +272,22 @@ pub enum DeadLettersCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Delete dead-lettered records last written before a time, with their dead-letter index
+    /// entries and quarantined bytes (dead letters are kept until replayed or purged).
+    Purge {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// RFC 3339 time, or an age (`30d`, `12h`): records dead-lettered before it go.
+        #[arg(long)]
+        before: String,
+        /// Say what would go, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
@@ -367,7 +383,9 @@ impl Command {
             Command::Run(c) => Some(&c.config),
             Command::Status(s) => Some(&s.config.config),
             Command::DeadLetters(
-                DeadLettersCommand::List { config, .. } | DeadLettersCommand::Replay { config, .. },
+                DeadLettersCommand::List { config, .. }
+                | DeadLettersCommand::Replay { config, .. }
+                | DeadLettersCommand::Purge { config, .. },
             ) => Some(&config.config),
             Command::Retries(RetriesCommand::List { config, .. }) => Some(&config.config),
             Command::Retries(
@@ -708,13 +726,17 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         None if args.json => {
             println!(
                 "{}",
-                serde_json::json!({ "key": args.key, "state": "UNKNOWN" })
+                serde_json::json!({ "key": args.key, "state": "UNKNOWN", "delivered_records_kept_days": config.ledger.retention_days })
             );
             return Ok(EXIT_UNKNOWN_KEY);
         }
         None => {
+            let kept = match config.ledger.retention_days {
+                0 => "delivered records are kept forever (ledger.retention_days = 0)".to_string(),
+                d => format!("delivered records are kept {d} days after delivery (ledger.retention_days), so one delivered on a retry before {} has expired", std::time::SystemTime::now().checked_sub(std::time::Duration::from_secs(d.saturating_mul(86_400))).map_or_else(|| "the epoch".to_string(), crate::clock::rfc3339)),
+            };
             println!(
-                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
+                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, delivered on a retry longer ago than retention ({kept}), or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
                 args.key
             );
             return Ok(EXIT_UNKNOWN_KEY);
@@ -930,8 +952,83 @@ async fn act(args: ActionArgs, reason: Option<String>) -> anyhow::Result<u8> {
     Ok(code)
 }
 
+/// `hubguard dead-letters purge`: every dead-lettered record last written before
+/// `--before` is deleted (compare-and-swap: one replayed meanwhile stays), then its index
+/// entry and its quarantined bytes.
+async fn purge_dead_letters(
+    config: &ConfigArg,
+    before: &str,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let now = std::time::SystemTime::now();
+    let before = parse_before(before, now).map_err(anyhow::Error::msg)?;
+    let config = load_config(config)?;
+    let ledger = ledger_of(&config)?;
+    let mut purged = 0usize;
+    for key in ledger.dead_letter_keys().await? {
+        let outcome = ledger.purge_dead_letter(&key, before, dry_run).await?;
+        let Some(quarantined) = outcome else {
+            continue;
+        };
+        purged += 1;
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({ "key": key, "purged": !dry_run, "quarantined": quarantined })
+            );
+        } else {
+            println!(
+                "{}\t{}",
+                key.escape_debug(),
+                if dry_run { "would be purged" } else { "purged" }
+            );
+        }
+    }
+    if !json {
+        println!(
+            "{purged} dead letter(s) {} before {}",
+            if dry_run { "would be purged" } else { "purged" },
+            crate::clock::rfc3339(before)
+        );
+    }
+    Ok(())
+}
+
+/// `--before`: an RFC 3339 time, or an age back from `now` (`30d`, `12h`, `90m`, `60s`).
+fn parse_before(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
+    let t = text.trim();
+    if let Ok(when) = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+    {
+        return Ok(when.into());
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let unit_s: u64 = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => 0,
+    };
+    match n.parse::<u64>() {
+        Ok(n) if unit_s > 0 => now
+            .checked_sub(std::time::Duration::from_secs(n.saturating_mul(unit_s)))
+            .ok_or_else(|| format!("--before {t}: before the epoch")),
+        _ => Err(format!(
+            "--before {t}: expected an RFC 3339 time (2026-01-31T00:00:00Z) or an age such as 30d, 12h, 90m"
+        )),
+    }
+}
+
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
     match cmd {
+        DeadLettersCommand::Purge {
+            config,
+            before,
+            dry_run,
+            json,
+        } => purge_dead_letters(&config, &before, dry_run, json).await?,
         DeadLettersCommand::List { config, json } => {
             let config = load_config(&config)?;
             let ledger = ledger_of(&config)?;

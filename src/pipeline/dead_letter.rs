@@ -454,6 +454,7 @@ mod tests {
             event_unknown: false,
             claim: None,
             run_now: None,
+            indexed: None,
         }
     }
 

@@ -25,6 +25,7 @@ pub mod owner;
 mod partition;
 pub mod readback;
 mod recorded;
+mod retention;
 mod retry;
 pub mod settle;
 
@@ -181,6 +182,12 @@ pub struct PipelineOptions {
     /// A retry the ledger says was due longer ago than this, with no retry message having
     /// run it, is scheduled again (checked by the same sweep).
     pub overdue_margin: Duration,
+    /// DELIVERED ledger records are deleted this long after their last write, once their
+    /// event is settled on its partition (`None`: kept forever); checked every
+    /// `retention_sweep`.
+    pub retention: Option<Duration>,
+    /// How often retention runs.
+    pub retention_sweep: Duration,
     /// Liveness: `/healthz` fails once the Event Hubs consumer has failed without a break
     /// for this long (`None`: never).
     pub unhealthy_after: Option<Duration>,
@@ -223,6 +230,8 @@ impl Default for PipelineOptions {
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
             overdue_margin: Duration::from_secs(300),
+            retention: Some(DEFAULT_RETENTION),
+            retention_sweep: Duration::from_secs(3_600),
             unhealthy_after: Some(Duration::from_secs(900)),
             clock: Arc::default(),
             dead_letters: None,
@@ -231,6 +240,10 @@ impl Default for PipelineOptions {
         }
     }
 }
+
+/// How long a DELIVERED ledger record is kept by default (see `pipeline::retention` for
+/// why 7 days).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3_600);
 
 impl PipelineOptions {
     /// The longest time from Service Bus accepting a retry message to a replay of its event
@@ -530,6 +543,15 @@ impl Pipeline {
                 }
             })
         };
+        if let Some(keep) = self.shared.options.retention {
+            tokio::spawn(retention::run(
+                self.shared.clone(),
+                self.checkpoints.clone(),
+                keep,
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shared = self.shared.clone();
         let target = self.eventhubs.clone();

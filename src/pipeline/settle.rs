@@ -895,6 +895,7 @@ impl Settler {
             event_unknown: false,
             claim: None,
             run_now: None,
+            indexed: None,
         };
         match self.ledger.put(&rec, None).await {
             Ok(etag) => Ok((rec, etag)),
@@ -976,6 +977,7 @@ impl Settler {
             event_unknown: true,
             claim: None,
             run_now: None,
+            indexed: None,
         };
         self.publish_dead_letter(&rec).await?;
         self.ledger.index_dead_letter(&key).await?;
@@ -1203,6 +1205,7 @@ impl Settler {
                     event_unknown: false,
                     claim: None,
                     run_now: None,
+                    indexed: None,
                 },
             };
             rec.attempts = attempt;

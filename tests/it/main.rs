@@ -18,6 +18,7 @@ mod eventhubs_processor;
 mod eventhubs_sdk;
 mod handover;
 mod interop;
+mod ledger_scale;
 mod limits;
 mod operable;
 mod operators;
