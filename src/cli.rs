@@ -38,6 +38,12 @@ pub const EXIT_USAGE: u8 = 2;
 /// `hubguard status KEY`: the ledger has no record of the key (delivered on its first
 /// attempt, or never seen: hubguard cannot tell which).
 pub const EXIT_UNKNOWN_KEY: u8 = 3;
+/// `retries retry-now|cancel`: the event is not waiting for a retry (delivered, or
+/// dead-lettered): nothing was changed.
+pub const EXIT_NOT_PENDING: u8 = 4;
+/// `retries retry-now|cancel`: the attempt is due now or running; it was left to finish
+/// (run the command again once `hubguard status` shows it settled).
+pub const EXIT_BUSY: u8 = 5;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
@@ -47,7 +53,9 @@ pub const EXIT_UNKNOWN_KEY: u8 = 3;
     about,
     long_about = None,
     after_help = "Exit status: 0 success; 1 failure (configuration, an unreachable dependency, \
-a demo that lost an event); 2 usage error; 3 `status`: the ledger has no record of the key."
+a demo that lost an event); 2 usage error; 3 the ledger has no record of the key; 4 `retries \
+retry-now|cancel`: not waiting for a retry; 5 `retries retry-now|cancel`: the attempt is due or \
+running, left to finish."
 )]
 pub struct Cli {
     /// Log format: `text` (human-readable; coloured only on a terminal, never with
@@ -69,9 +77,12 @@ enum Command {
     /// List or replay dead-lettered events.
     #[command(name = "dead-letters", subcommand)]
     DeadLetters(DeadLettersCommand),
-    /// What is waiting to retry: pending retries from the ledger.
+    /// What is waiting to retry: pending retries from the ledger; run one now, or cancel it.
     #[command(subcommand)]
     Retries(RetriesCommand),
+    /// Pause or resume reading partitions: every replica follows within seconds.
+    #[command(subcommand)]
+    Partitions(PartitionsCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
     Demo(crate::demo::DemoArgs),
@@ -112,6 +123,73 @@ pub enum RetriesCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Run the pending retry of KEY now (its pinned schedule continues after it). The copy
+    /// scheduled before stands down when it comes due. Exit 3: unknown key; 4: not waiting
+    /// for a retry; 5: the attempt is due or running (left to finish).
+    RetryNow(ActionArgs),
+    /// No further attempt of KEY: dead-lettered with reason `cancelled` and the reason text
+    /// (replayable with `dead-letters replay`). Exit codes as for retry-now.
+    Cancel {
+        /// The key and the options.
+        #[command(flatten)]
+        action: ActionArgs,
+        /// Why (recorded as the dead letter's last error, with --by).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+/// `hubguard partitions …`
+#[derive(Debug, Subcommand)]
+pub enum PartitionsCommand {
+    /// Stop reading these partitions (all, without --partition) on every replica within
+    /// seconds; what was read still settles, and checkpoints pass only settled events.
+    /// Retries keep running.
+    Pause(PauseArgs),
+    /// Read them again (every paused partition, without --partition); no restart needed.
+    Resume(PauseArgs),
+}
+
+/// What `partitions pause|resume` take.
+#[derive(Debug, Args)]
+pub struct PauseArgs {
+    /// The configuration.
+    #[command(flatten)]
+    config: ConfigArg,
+    /// A partition id (repeatable); none: every partition.
+    #[arg(long = "partition", value_name = "P")]
+    partitions: Vec<String>,
+    /// Why (shown by readiness and /v1/status).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Who (recorded); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// Say what would change; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the control record as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What `retries retry-now` and `retries cancel` take.
+#[derive(Debug, Args)]
+pub struct ActionArgs {
+    /// The configuration.
+    #[command(flatten)]
+    config: ConfigArg,
+    /// The event's idempotency key.
+    key: String,
+    /// Who acts (recorded in the ledger); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// Say what would be done; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// `--config FILE`.
@@ -146,18 +224,93 @@ pub enum DeadLettersCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Schedule dead-lettered events again (a fresh attempt budget, due now).
+    /// Schedule dead-lettered events again (a fresh attempt budget, due now): one KEY, or
+    /// --all, or those the filters match (filters combine). Resumable: run the same command
+    /// again with the --until the first run printed, and it replays what is left, never an
+    /// event it replayed that was dead-lettered again since. Exit 1 if any failed.
     Replay {
         /// The configuration.
         #[command(flatten)]
         config: ConfigArg,
         /// The idempotency key to replay.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        #[arg(
+            required_unless_present_any = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"],
+            conflicts_with_all = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"]
+        )]
         key: Option<String>,
         /// Replay every dead-lettered event.
         #[arg(long)]
         all: bool,
+        /// Only events of this type.
+        #[arg(long = "type", value_name = "TYPE")]
+        event_type: Option<String>,
+        /// Only this dead-letter reason: permanent, attempts_exhausted, age_exceeded,
+        /// schedule_exhausted, retry_refused, corrupt_record, record_missing, cancelled.
+        #[arg(long, value_parser = ["permanent", "attempts_exhausted", "age_exceeded", "schedule_exhausted", "retry_refused", "corrupt_record", "record_missing", "cancelled"])]
+        reason: Option<String>,
+        /// Only those whose last error contains this text.
+        #[arg(long, value_name = "TEXT")]
+        error_contains: Option<String>,
+        /// Only those dead-lettered since T: RFC 3339, or a duration ago (`90s`, `10m`,
+        /// `12h`, `1d`).
+        #[arg(long, value_name = "T")]
+        since: Option<String>,
+        /// Only those dead-lettered until T (RFC 3339, `now`, or a duration ago); default:
+        /// now, printed at the end so a resumed run takes the same set.
+        #[arg(long, value_name = "T")]
+        until: Option<String>,
+        /// Only keys starting with this.
+        #[arg(long, value_name = "PREFIX")]
+        key_prefix: Option<String>,
+        /// At most this many replays a second (`N/s`, or `N`).
+        #[arg(long, default_value = "10/s", value_name = "N/s")]
+        rate: String,
+        /// List what would be replayed; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON lines: one per dead letter (`key`, `result`), then the counts.
+        #[arg(long)]
+        json: bool,
     },
+    /// Delete dead-lettered records last written before a time, with their dead-letter index
+    /// entries and quarantined bytes (dead letters are kept until replayed or purged).
+    Purge {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// RFC 3339 time, or an age (`30d`, `12h`): records dead-lettered before it go.
+        #[arg(long)]
+        before: String,
+        /// Say what would go, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
+fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
+    let t = text.trim();
+    let when = crate::status::parse_due_before(t, now)?;
+    if t.ends_with(|c: char| c.is_ascii_alphabetic()) && t != "now" && when > now {
+        // A duration: before now, not after.
+        Ok(now - when.duration_since(now).unwrap_or_default())
+    } else {
+        Ok(when)
+    }
+}
+
+/// `--rate`: `N/s` or `N`, a positive number of replays a second.
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let n = text.trim().strip_suffix("/s").unwrap_or(text.trim());
+    match n.parse::<f64>() {
+        Ok(r) if r > 0.0 && r.is_finite() => Ok(r),
+        _ => Err(format!(
+            "--rate `{text}`: give a positive number of replays a second, such as `10/s`"
+        )),
+    }
 }
 
 /// Options of `hubguard emulator`.
@@ -230,9 +383,17 @@ impl Command {
             Command::Run(c) => Some(&c.config),
             Command::Status(s) => Some(&s.config.config),
             Command::DeadLetters(
-                DeadLettersCommand::List { config, .. } | DeadLettersCommand::Replay { config, .. },
+                DeadLettersCommand::List { config, .. }
+                | DeadLettersCommand::Replay { config, .. }
+                | DeadLettersCommand::Purge { config, .. },
             ) => Some(&config.config),
             Command::Retries(RetriesCommand::List { config, .. }) => Some(&config.config),
+            Command::Retries(
+                RetriesCommand::RetryNow(a) | RetriesCommand::Cancel { action: a, .. },
+            ) => Some(&a.config.config),
+            Command::Partitions(PartitionsCommand::Pause(a) | PartitionsCommand::Resume(a)) => {
+                Some(&a.config.config)
+            }
             _ => None,
         }
     }
@@ -347,7 +508,8 @@ pub fn main() -> ExitCode {
             Command::Demo(args) => ok(demo(args).await),
             Command::Status(args) => status(args).await,
             Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
-            Command::Retries(cmd) => ok(retries(cmd).await),
+            Command::Retries(cmd) => retries(cmd).await,
+            Command::Partitions(cmd) => partitions(cmd).await,
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }
@@ -564,13 +726,17 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         None if args.json => {
             println!(
                 "{}",
-                serde_json::json!({ "key": args.key, "state": "UNKNOWN" })
+                serde_json::json!({ "key": args.key, "state": "UNKNOWN", "delivered_records_kept_days": config.ledger.retention_days })
             );
             return Ok(EXIT_UNKNOWN_KEY);
         }
         None => {
+            let kept = match config.ledger.retention_days {
+                0 => "delivered records are kept forever (ledger.retention_days = 0)".to_string(),
+                d => format!("delivered records are kept {d} days after delivery (ledger.retention_days), so one delivered on a retry before {} has expired", std::time::SystemTime::now().checked_sub(std::time::Duration::from_secs(d.saturating_mul(86_400))).map_or_else(|| "the epoch".to_string(), crate::clock::rfc3339)),
+            };
             println!(
-                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
+                "key:   {}\nstate: UNKNOWN — the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, delivered on a retry longer ago than retention ({kept}), or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which",
                 args.key
             );
             return Ok(EXIT_UNKNOWN_KEY);
@@ -579,12 +745,16 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-async fn retries(cmd: RetriesCommand) -> anyhow::Result<()> {
-    let RetriesCommand::List {
-        config,
-        due_before,
-        json,
-    } = cmd;
+async fn retries(cmd: RetriesCommand) -> anyhow::Result<u8> {
+    let (config, due_before, json) = match cmd {
+        RetriesCommand::List {
+            config,
+            due_before,
+            json,
+        } => (config, due_before, json),
+        RetriesCommand::RetryNow(a) => return act(a, None).await,
+        RetriesCommand::Cancel { action, reason } => return act(action, Some(reason)).await,
+    };
     let due_before = due_before
         .map(|t| crate::status::parse_due_before(&t, std::time::SystemTime::now()))
         .transpose()
@@ -599,11 +769,266 @@ async fn retries(cmd: RetriesCommand) -> anyhow::Result<()> {
     } else {
         print!("{}", crate::status::pending_text(&pending));
     }
+    Ok(EXIT_OK)
+}
+
+/// A settler as the replicas run it: the configuration's ledger, retry queue, policies,
+/// dead-letter destination and deployment.
+fn settler_of(config: &Config) -> anyhow::Result<Settler> {
+    let wiring = Wiring::from_config(config)?;
+    let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
+    Ok(Settler::new(
+        ledger_of(config)?,
+        queue,
+        Policies {
+            default: config.policy.default.clone(),
+            by_type: config.policy.types.clone(),
+        },
+    )
+    .with_dead_letters(wiring.dead_letter_destination()?)
+    .with_deployment(wiring.deployment()))
+}
+
+/// `partitions pause|resume`: one compare-and-swap on the control record.
+async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
+    use crate::pipeline::control::{self, Pause, Pauses};
+    let (pause, args) = match cmd {
+        PartitionsCommand::Pause(a) => (true, a),
+        PartitionsCommand::Resume(a) => (false, a),
+    };
+    let config = load_config(&args.config)?;
+    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
+    let store = StorageAccess::from_config(&config)?.record_store(deadline)?;
+    let name = control::record_name(&config.eventhubs.hub, &config.eventhubs.consumer_group);
+    let entry = Pause {
+        by: operator(args.by),
+        since_ms: crate::clock::ms(std::time::SystemTime::now()),
+        reason: args.reason,
+    };
+    let wanted = |now: &Pauses| -> Option<Pauses> {
+        let mut next = now.clone();
+        match (pause, args.partitions.is_empty()) {
+            (true, true) if now.all.is_none() => next.all = Some(entry.clone()),
+            (true, false) => {
+                for p in &args.partitions {
+                    next.partitions
+                        .entry(p.clone())
+                        .or_insert_with(|| entry.clone());
+                }
+            }
+            (false, true) => next = Pauses::default(),
+            // Every partition is paused: refused below, nothing written.
+            (false, false) if now.all.is_some() => return None,
+            (false, false) => {
+                for p in &args.partitions {
+                    next.partitions.remove(p);
+                }
+            }
+            (true, true) => {}
+        }
+        (next != *now).then_some(next)
+    };
+    let (record, written) = if args.dry_run {
+        let now = control::read(&store, &name)
+            .await?
+            .map(|(p, _)| p)
+            .unwrap_or_default();
+        let next = wanted(&now);
+        let changes = next.is_some();
+        (next.unwrap_or(now), changes)
+    } else {
+        control::change(&store, &name, wanted).await?
+    };
+    if !pause && !args.partitions.is_empty() {
+        if let Some(all) = &record.all {
+            anyhow::bail!(
+                "every partition is paused ({}); `partitions resume` without --partition resumes them",
+                Pauses::reason(all)
+            );
+        }
+    }
+    if args.json {
+        let mut v = serde_json::to_value(&record)?;
+        v["changed"] = written.into();
+        v["dry_run"] = args.dry_run.into();
+        println!("{v}");
+    } else {
+        let verb = match (written, args.dry_run) {
+            (false, _) => "nothing to change",
+            (true, true) => "would change",
+            (true, false) => "changed; every replica follows within seconds",
+        };
+        println!("{verb}");
+        if let Some(all) = &record.all {
+            println!("all partitions: {}", Pauses::reason(all));
+        }
+        for (p, e) in &record.partitions {
+            println!("partition {p}: {}", Pauses::reason(e));
+        }
+        if record.is_empty() {
+            println!("no partition is paused");
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+/// Who acts: `--by`, else the user name.
+fn operator(by: Option<String>) -> String {
+    by.or_else(|| std::env::var("USER").ok())
+        .or_else(|| std::env::var("USERNAME").ok())
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "operator".into())
+}
+
+/// `retries retry-now` (no reason) and `retries cancel` (a reason).
+async fn act(args: ActionArgs, reason: Option<String>) -> anyhow::Result<u8> {
+    use crate::pipeline::settle::ActionOutcome as O;
+    let config = load_config(&args.config)?;
+    let settler = settler_of(&config)?;
+    let by = operator(args.by);
+    let (verb, outcome) = match &reason {
+        None => (
+            "retry-now",
+            settler.retry_now(&args.key, &by, args.dry_run).await?,
+        ),
+        Some(r) => (
+            "cancel",
+            settler.cancel(&args.key, r, &by, args.dry_run).await?,
+        ),
+    };
+    let when = |t: Option<i64>| {
+        t.map(|t| crate::clock::rfc3339(crate::clock::at(t)))
+            .unwrap_or_else(|| "-".into())
+    };
+    let shown = args.key.escape_debug().to_string();
+    let (code, text) = match &outcome {
+        O::Done {
+            attempt,
+            previous_due_ms,
+        } => {
+            let did = match (&reason, args.dry_run) {
+                (None, false) => "runs now",
+                (None, true) => "would run now",
+                (Some(_), false) => "cancelled: dead-lettered as `cancelled`",
+                (Some(_), true) => "would be cancelled",
+            };
+            (
+                EXIT_OK,
+                format!(
+                    "{shown}: attempt {attempt} (was due {}) {did}",
+                    when(*previous_due_ms)
+                ),
+            )
+        }
+        O::AlreadyDone { attempt } => (
+            EXIT_OK,
+            format!("{shown}: attempt {attempt}: already done ({verb}); nothing changed"),
+        ),
+        O::Unknown => (
+            EXIT_UNKNOWN_KEY,
+            format!("{shown}: the ledger has no record of this key; nothing changed"),
+        ),
+        O::NotPending { state } => (
+            EXIT_NOT_PENDING,
+            format!("{shown}: not waiting for a retry ({state:?}); nothing changed"),
+        ),
+        O::Due { attempt, due_ms } => (
+            EXIT_BUSY,
+            format!(
+                "{shown}: attempt {attempt} is due ({}) or running; left to finish — run again once `hubguard status` shows it settled",
+                when(*due_ms)
+            ),
+        ),
+    };
+    if args.json {
+        let mut v = serde_json::to_value(&outcome)?;
+        v["key"] = args.key.clone().into();
+        v["action"] = verb.into();
+        v["dry_run"] = args.dry_run.into();
+        println!("{v}");
+    } else {
+        println!("{text}");
+    }
+    Ok(code)
+}
+
+/// `hubguard dead-letters purge`: every dead-lettered record last written before
+/// `--before` is deleted (compare-and-swap: one replayed meanwhile stays), then its index
+/// entry and its quarantined bytes.
+async fn purge_dead_letters(
+    config: &ConfigArg,
+    before: &str,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let now = std::time::SystemTime::now();
+    let before = parse_before(before, now).map_err(anyhow::Error::msg)?;
+    let config = load_config(config)?;
+    let ledger = ledger_of(&config)?;
+    let mut purged = 0usize;
+    for key in ledger.dead_letter_keys().await? {
+        let outcome = ledger.purge_dead_letter(&key, before, dry_run).await?;
+        let Some(quarantined) = outcome else {
+            continue;
+        };
+        purged += 1;
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({ "key": key, "purged": !dry_run, "quarantined": quarantined })
+            );
+        } else {
+            println!(
+                "{}\t{}",
+                key.escape_debug(),
+                if dry_run { "would be purged" } else { "purged" }
+            );
+        }
+    }
+    if !json {
+        println!(
+            "{purged} dead letter(s) {} before {}",
+            if dry_run { "would be purged" } else { "purged" },
+            crate::clock::rfc3339(before)
+        );
+    }
     Ok(())
+}
+
+/// `--before`: an RFC 3339 time, or an age back from `now` (`30d`, `12h`, `90m`, `60s`).
+fn parse_before(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
+    let t = text.trim();
+    if let Ok(when) = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+    {
+        return Ok(when.into());
+    }
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let unit_s: u64 = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => 0,
+    };
+    match n.parse::<u64>() {
+        Ok(n) if unit_s > 0 => now
+            .checked_sub(std::time::Duration::from_secs(n.saturating_mul(unit_s)))
+            .ok_or_else(|| format!("--before {t}: before the epoch")),
+        _ => Err(format!(
+            "--before {t}: expected an RFC 3339 time (2026-01-31T00:00:00Z) or an age such as 30d, 12h, 90m"
+        )),
+    }
 }
 
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
     match cmd {
+        DeadLettersCommand::Purge {
+            config,
+            before,
+            dry_run,
+            json,
+        } => purge_dead_letters(&config, &before, dry_run, json).await?,
         DeadLettersCommand::List { config, json } => {
             let config = load_config(&config)?;
             let ledger = ledger_of(&config)?;
@@ -657,50 +1082,145 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 );
             }
         }
-        DeadLettersCommand::Replay { config, key, all } => {
+        DeadLettersCommand::Replay {
+            config,
+            key,
+            all,
+            event_type,
+            reason,
+            error_contains,
+            since,
+            until,
+            key_prefix,
+            rate,
+            dry_run,
+            json,
+        } => {
+            let now = std::time::SystemTime::now();
+            let per_second = parse_rate(&rate).map_err(|e| anyhow::anyhow!(e))?;
+            let since = since
+                .map(|t| parse_ago(&t, now))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+            let until = until
+                .map(|t| parse_ago(&t, now))
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--until: {e}"))?
+                .unwrap_or(now);
             let config = load_config(&config)?;
-            let ledger = ledger_of(&config)?;
-            let wiring = Wiring::from_config(&config)?;
-            let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
             // A replay Service Bus refuses is dead-lettered again: published like any other.
-            let settler = Settler::new(
-                ledger.clone(),
-                queue,
-                Policies {
-                    default: config.policy.default.clone(),
-                    by_type: config.policy.types.clone(),
-                },
-            )
-            .with_dead_letters(wiring.dead_letter_destination()?)
-            .with_deployment(wiring.deployment());
-            let keys = if all {
-                ledger.dead_letter_keys().await?
-            } else {
-                key.into_iter().collect()
-            };
-            // Each key on its own: one that fails is reported and the others go on.
-            let (mut replayed, mut failed) = (0, 0);
-            for key in keys {
+            let settler = settler_of(&config)?;
+            if let Some(key) = key {
+                let _ = all;
                 let shown = key.escape_debug().to_string();
+                if dry_run {
+                    let state = settler.ledger.get(&key).await?.map(|(r, _)| r.state);
+                    println!(
+                        "{shown}: {}",
+                        match state {
+                            Some(crate::ledger::State::DeadLettered) => "would be replayed",
+                            Some(_) => "not dead-lettered; nothing to replay",
+                            None => "the ledger has no record of this key",
+                        }
+                    );
+                    return Ok(());
+                }
                 match settler.replay(&key).await {
-                    Ok(Some(attempt)) => {
-                        replayed += 1;
-                        println!("{shown}: attempt {attempt} scheduled now");
-                    }
+                    Ok(Some(attempt)) => println!("{shown}: attempt {attempt} scheduled now"),
                     Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
-                    Err(e) => {
-                        failed += 1;
-                        println!(
-                            "{shown}: not replayed: {}",
-                            redact(&e.to_string()).escape_debug()
+                    Err(e) => anyhow::bail!(
+                        "{shown}: not replayed: {}",
+                        redact(&e.to_string()).escape_debug()
+                    ),
+                }
+                return Ok(());
+            }
+            let filter = crate::pipeline::settle::ReplayFilter {
+                event_type,
+                reason,
+                error_contains,
+                since_ms: since.map(crate::clock::ms),
+                until_ms: crate::clock::ms(until),
+                key_prefix,
+            };
+            // Ctrl-C stops between two replays: the same command resumes.
+            let stop = CancellationToken::new();
+            let s = stop.clone();
+            let signal = tokio::spawn(async move {
+                shutdown_signal().await;
+                s.cancel();
+            });
+            use std::io::IsTerminal as _;
+            let bar = !json && std::io::stderr().is_terminal();
+            let report = settler
+                .replay_matching(&filter, per_second, dry_run, &stop, |step, done, total| {
+                    use crate::pipeline::settle::ReplayStep as S;
+                    if bar {
+                        eprint!("\r\x1b[2K");
+                    }
+                    if json {
+                        println!("{}", serde_json::to_string(step).unwrap_or_default());
+                    } else {
+                        match step {
+                            S::Replayed { key, attempt } => {
+                                println!("{}: attempt {attempt} scheduled now", key.escape_debug())
+                            }
+                            S::WouldReplay { key } => {
+                                println!("{}: would be replayed", key.escape_debug())
+                            }
+                            S::Skipped { key, why } => {
+                                println!("{}: skipped: {why}", key.escape_debug())
+                            }
+                            S::Failed { key, error } => println!(
+                                "{}: not replayed: {}",
+                                key.escape_debug(),
+                                error.escape_debug()
+                            ),
+                        }
+                    }
+                    if bar {
+                        let width = 30;
+                        let filled = done * width / total.max(1);
+                        eprint!(
+                            "[{}{}] {done}/{total}",
+                            "=".repeat(filled),
+                            " ".repeat(width - filled)
                         );
                     }
-                }
+                })
+                .await;
+            signal.abort();
+            if bar {
+                eprintln!();
             }
-            println!("{replayed} replayed");
-            if failed > 0 {
+            let report = report?;
+            let until_text = crate::clock::rfc3339(until);
+            if json {
+                let mut v = serde_json::to_value(&report)?;
+                v["until"] = until_text.clone().into();
+                v["dry_run"] = dry_run.into();
+                println!("{v}");
+            } else {
+                println!(
+                    "{} {}, {} skipped, {} failed (of {} matched, {} listed); --until {until_text}{}",
+                    report.replayed,
+                    if dry_run { "would be replayed" } else { "replayed" },
+                    report.skipped,
+                    report.failed,
+                    report.matched,
+                    report.listed,
+                    if report.interrupted { "; interrupted: run the same command with this --until to resume" } else { "" }
+                );
+            }
+            if report.failed > 0 {
                 anyhow::bail!(
-                    "{failed} dead-lettered event(s) could not be replayed (listed above)"
+                    "{} dead-lettered event(s) could not be replayed (listed above)",
+                    report.failed
+                );
+            }
+            if report.interrupted {
+                anyhow::bail!(
+                    "interrupted; run the same command with --until {until_text} to resume"
                 );
             }
         }

@@ -516,6 +516,27 @@ pub struct Config {
     /// `[dead_letters]`: where dead letters are also published (none by default).
     #[serde(default)]
     pub dead_letters: Option<DeadLettersSection>,
+    /// `[ledger]`: how long delivered records are kept.
+    #[serde(default)]
+    pub ledger: LedgerSection,
+}
+
+/// `[ledger]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LedgerSection {
+    /// DELIVERED records are deleted this many days after their last write, once their
+    /// event is settled on its partition (0: kept forever). Dead letters stay until replayed
+    /// or purged.
+    pub retention_days: u64,
+}
+
+impl Default for LedgerSection {
+    fn default() -> Self {
+        Self {
+            retention_days: crate::pipeline::DEFAULT_RETENTION.as_secs() / 86_400,
+        }
+    }
 }
 
 const POLICY_KEYS: &[&str] = &[
@@ -996,6 +1017,8 @@ impl Config {
             retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
             dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
             overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
+            retention: (self.ledger.retention_days > 0)
+                .then(|| Duration::from_secs(self.ledger.retention_days.saturating_mul(86_400))),
             unhealthy_after: (self.status.unhealthy_after_ms > 0)
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
             rate_limit: {

@@ -39,6 +39,13 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
         "next_attempt_at": rec.next_attempt_ms.map(|m| rfc3339(at(m))),
         "last_error": rec.last_error.as_deref().map(redacted),
         "dead_letter_reason": rec.dead_letter_reason,
+        // An operator's `retries retry-now` (or a replay) of the attempt waiting.
+        "run_now": rec.run_now.as_ref().filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1).map(|p| json!({
+            "attempt": p.attempt,
+            "at": rfc3339(at(p.at_ms)),
+            "by": p.by,
+            "previous_due_at": p.previous_due_ms.map(|m| rfc3339(at(m))),
+        })),
         "policy": rec.policy.name,
         "first_failure_at": rfc3339(at(rec.first_failure_ms)),
         "updated_at": rfc3339(at(rec.updated_ms)),
@@ -76,6 +83,18 @@ pub fn record_text(rec: &LedgerRecord) -> String {
     ));
     if let Some(n) = rec.next_attempt_ms {
         out.push_str(&format!("next attempt at: {}\n", rfc3339(at(n))));
+    }
+    if let Some(p) = rec
+        .run_now
+        .as_ref()
+        .filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1)
+    {
+        out.push_str(&format!(
+            "run now:         attempt {} by {} at {}\n",
+            p.attempt,
+            p.by,
+            rfc3339(at(p.at_ms))
+        ));
     }
     if let Some(r) = &rec.dead_letter_reason {
         out.push_str(&format!("dead-lettered:   {r}\n"));

@@ -88,6 +88,11 @@ impl RecordStore for MemoryRecordStore {
         }
     }
 
+    async fn remove(&self, key: &str) -> Result<(), StoreError> {
+        self.lock().remove(key);
+        Ok(())
+    }
+
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError> {
         Ok(self
             .lock()

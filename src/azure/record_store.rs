@@ -120,6 +120,41 @@ pub trait RecordStore: Send + Sync {
             Some(e) => self.update(key, body, e).await,
         }
     }
+    /// Deletes `key` whatever its ETag; a missing record is no error. The default reads
+    /// the ETag first; blob storage deletes with one unconditional Delete Blob.
+    async fn remove(&self, key: &str) -> Result<(), StoreError> {
+        let Some(r) = self.read(key).await? else {
+            return Ok(());
+        };
+        match self.delete(key, &r.etag).await {
+            Ok(()) | Err(StoreError::NotFound) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+    /// Writes `key` with `tags` whether or not it exists (for index entries, whose content
+    /// is derived from a record and so never contended). The default creates it, and on a
+    /// conflict replaces what it reads; blob storage writes it with one unconditional Put
+    /// Blob.
+    async fn put_tagged(&self, key: &str, body: Bytes, tags: &Tags) -> Result<String, StoreError> {
+        let mut last = StoreError::Conflict;
+        for _ in 0..4 {
+            match self.write_tagged(key, body.clone(), None, tags).await {
+                Err(StoreError::Conflict) => {}
+                other => return other,
+            }
+            let Some(current) = self.read(key).await? else {
+                continue;
+            };
+            match self
+                .write_tagged(key, body.clone(), Some(&current.etag), tags)
+                .await
+            {
+                Err(e @ StoreError::Conflict) => last = e,
+                other => return other,
+            }
+        }
+        Err(last)
+    }
 }
 
 /// [`RecordStore`] on an Azure Blob Storage container (hubguard's REST client,
@@ -308,6 +343,24 @@ impl RecordStore for BlobRecordStore {
                 .await
             }
         }
+    }
+
+    async fn remove(&self, key: &str) -> Result<(), StoreError> {
+        self.deadline(async {
+            match self.container.delete_blob(key, None).await {
+                Ok(()) => Ok(()),
+                Err(e) => match classify(&e) {
+                    StoreError::NotFound => Ok(()),
+                    other => Err(other),
+                },
+            }
+        })
+        .await
+    }
+
+    async fn put_tagged(&self, key: &str, body: Bytes, tags: &Tags) -> Result<String, StoreError> {
+        self.upload(key, body, Condition::None, None, Some(tags))
+            .await
     }
 
     async fn update(&self, key: &str, body: Bytes, etag: &str) -> Result<String, StoreError> {

@@ -15,6 +15,7 @@
 //!   above its capacity ([`ratelimit`]).
 
 pub mod azure;
+mod ledger;
 pub mod memory;
 pub mod pipelines;
 pub mod ratelimit;
@@ -52,6 +53,7 @@ pub struct BenchArgs {
     /// Scenarios to run (comma separated): eventhubs, guard, concurrency, retries, memory,
     /// scale (not run by default: replicas joining and leaving on a backlog).
     /// rate_limit (not run unless named).
+    /// ledger (not run by default).
     #[arg(
         long,
         value_delimiter = ',',
@@ -109,6 +111,12 @@ pub struct BenchArgs {
     /// `rate_limit`: events through the adaptive run.
     #[arg(long, default_value_t = 2400)]
     adaptive_events: usize,
+    /// Settled ledger records for the ledger scenario.
+    #[arg(long, default_value_t = 200_000)]
+    ledger_settled: usize,
+    /// Waiting ledger records for the ledger scenario.
+    #[arg(long, default_value_t = 1_000)]
+    ledger_pending: usize,
 }
 
 /// One measured scenario.
@@ -135,6 +143,7 @@ struct Figures {
     azure: Option<azure::AzureFigures>,
     scale: Vec<scale::ScaleRun>,
     rate_limit: Option<ratelimit::RateLimitFigures>,
+    ledger: Option<ledger::LedgerFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -142,7 +151,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 7] = [
+    const KNOWN: [&str; 8] = [
         "eventhubs",
         "guard",
         "concurrency",
@@ -150,6 +159,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "memory",
         "scale",
         "rate_limit",
+        "ledger",
     ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
@@ -235,6 +245,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             )
             .await?,
         );
+    }
+    if on("ledger") {
+        f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -428,6 +441,27 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             a.events as f64 / a.seconds.max(1e-9)
         ));
     }
+    if let Some(l) = &f.ledger {
+        fields.push(format!("\"ledger_settled\":{}", l.settled));
+        fields.push(format!("\"ledger_pending\":{}", l.pending));
+        fields.push(format!(
+            "\"ledger_sweep_calls_settled\":{}",
+            l.sweep_calls_settled
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_calls_empty\":{}",
+            l.sweep_calls_empty
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_listed_settled\":{}",
+            l.sweep_listed_settled
+        ));
+        fields.push(format!("\"retries_list_ms\":{:.1}", l.retries_list_ms));
+        fields.push(format!(
+            "\"retries_list_empty_ms\":{:.1}",
+            l.retries_list_empty_ms
+        ));
+    }
     format!("{{{}}}", fields.join(","))
 }
 
@@ -597,6 +631,26 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "{:>44} {:>10.1} {:>10.1}",
             "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
         );
+        println!();
+    }
+    if let Some(l) = &f.ledger {
+        println!(
+            "The overdue sweep's listing (= /v1/retries, retries list, the gauges): {} waiting retries, with {} settled records and with none",
+            l.pending, l.settled
+        );
+        println!(
+            "(store calls billed as Azure does: one List Blobs call per 5,000 blobs, one per read)"
+        );
+        println!("{:>24} {:>12} {:>12}", "", "settled", "empty");
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "store calls", l.sweep_calls_settled, l.sweep_calls_empty
+        );
+        println!(
+            "{:>24} {:>12.1} {:>12.1}",
+            "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
+        );
+        println!("{:>24} {:>12}", "blobs listed", l.sweep_listed_settled);
         println!();
     }
     if let Some(m) = &f.memory {

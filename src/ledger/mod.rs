@@ -103,6 +103,72 @@ pub struct LedgerRecord {
     /// before the handler is called, cleared by the attempt's settlement.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claim: Option<Claim>,
+    /// An operator's `retries retry-now` (or a replay) for the attempt waiting: only the
+    /// copy of that attempt sent for it runs; earlier copies stand down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_now: Option<RunNow>,
+    /// What this record's entry in the pending index was last written with (see
+    /// [`Ledger::pending`]); `None` when the writer left none, or did not know of one.
+    /// [`Ledger::put`] keeps it: callers copy it along with the record they read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexed: Option<IndexMark>,
+}
+
+/// The due time and attempt a pending-index entry was written with: a writer that finds
+/// them unchanged (a claim, a renewal) writes no entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexMark {
+    /// The attempt that waits.
+    pub attempt: u32,
+    /// When it is due (ms since the epoch).
+    pub due_ms: i64,
+}
+
+impl IndexMark {
+    /// The entry `record` needs: `Some` while a retry waits.
+    pub fn of(record: &LedgerRecord) -> Option<Self> {
+        match (record.state, record.next_attempt_ms) {
+            (State::RetryScheduled, Some(due_ms)) => Some(Self {
+                attempt: record.attempts + 1,
+                due_ms,
+            }),
+            // A waiting record always has a due time; one without is listed as due at once.
+            (State::RetryScheduled, None) => Some(Self {
+                attempt: record.attempts + 1,
+                due_ms: 0,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The body of a pending-index entry: the key (a digest name does not carry it) and the
+/// attempt it points at (so a settlement removes only an entry for an attempt that ran).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct IndexEntry {
+    key: String,
+    attempt: u32,
+}
+
+/// What [`Ledger::expire`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Expired {
+    /// Delivered records deleted.
+    pub deleted: u64,
+    /// Delivered records past retention kept because their event is not settled on its
+    /// partition yet (or the record does not say where its event is).
+    pub kept_unsettled: u64,
+}
+
+/// What [`Ledger::repair_pending`] found for a listed entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repair {
+    /// The entry says what the record says.
+    Accurate,
+    /// The record no longer waits (or is gone): the entry was removed.
+    Removed,
+    /// The record waits for another attempt or time: the entry was written anew.
+    Rewritten,
 }
 
 /// A retry loop's claim on one attempt of an event: whoever holds a live claim runs the
@@ -133,6 +199,41 @@ impl Claim {
     /// Whether the claim still holds at `now`.
     pub fn live(&self, now: SystemTime) -> bool {
         ms(now) < self.until_ms
+    }
+}
+
+/// An operator pulled attempt `attempt` forward (`hubguard retries retry-now`, or a replay):
+/// a copy of it was scheduled for `at_ms` carrying `at_ms` as its mark, and it is the only
+/// copy of that attempt the retry loop runs. The copy scheduled before (its due time was
+/// `previous_due_ms`) stands down when it arrives, so the attempt runs once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunNow {
+    /// The attempt pulled forward.
+    pub attempt: u32,
+    /// When (ms since the epoch): the mark the accepted copy carries.
+    pub at_ms: i64,
+    /// Who asked for it (`--by`, else the user name).
+    pub by: String,
+    /// When the attempt was due before.
+    pub previous_due_ms: Option<i64>,
+}
+
+impl LedgerRecord {
+    /// Whether a retry message of attempt `attempt` carrying `mark` (its `run_now`) must
+    /// stand down: an operator pulled that attempt forward and this is not the copy sent for
+    /// it. Any other attempt, or a record with no pull, runs as the verdict says.
+    pub fn superseded_copy(&self, attempt: u32, mark: Option<i64>) -> bool {
+        self.run_now
+            .as_ref()
+            .is_some_and(|p| p.attempt == attempt && mark != Some(p.at_ms))
+    }
+
+    /// The mark a new copy of attempt `attempt` carries (see [`RunNow`]).
+    pub fn run_now_mark(&self, attempt: u32) -> Option<i64> {
+        self.run_now
+            .as_ref()
+            .filter(|p| p.attempt == attempt)
+            .map(|p| p.at_ms)
     }
 }
 
@@ -295,6 +396,9 @@ impl LedgerRecord {
 pub struct Ledger {
     store: Arc<dyn RecordStore>,
     prefix: String,
+    /// Set once the pending index is known to cover every waiting record (see
+    /// [`Ledger::pending`]).
+    indexed: Arc<tokio::sync::OnceCell<()>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -356,7 +460,24 @@ impl Ledger {
         Self {
             store,
             prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
+            indexed: Arc::default(),
         }
+    }
+
+    /// The store the records live in (the container the replicas share).
+    pub fn store(&self) -> &Arc<dyn RecordStore> {
+        &self.store
+    }
+
+    /// The blob name of `key`'s entry in the pending index.
+    fn entry_name(&self, key: &str) -> String {
+        self.blob_name("pending", key)
+    }
+
+    /// The marker saying the pending index covers every waiting record: written once the
+    /// first start of a version with the index has indexed the records written before it.
+    fn index_marker(&self) -> String {
+        format!("indexes/{}pending-v1", self.prefix)
     }
 
     /// The blob name of `key`'s record.
@@ -452,8 +573,20 @@ impl Ledger {
     ) -> Result<String, LedgerError> {
         // Errors quote what dependencies answered: no credential reaches the record, its
         // metadata, or anything that reads them (status, dead letters).
-        let clean = redacted_errors(record);
-        let record = clean.as_ref().unwrap_or(record);
+        let mut record = redacted_errors(record).unwrap_or_else(|| record.clone());
+        // The pending index: an entry exists whenever the record waits (written before the
+        // record turns RETRY_SCHEDULED), so listing the index alone finds every waiting
+        // retry. A change of due time or attempt is written after the record, and the
+        // entry of a settled record removed after it: a crash in between leaves an entry
+        // that says too much or too early, which the sweep repairs ([`Self::repair_pending`]),
+        // never a waiting record without one.
+        let had = record.indexed;
+        let want = IndexMark::of(&record);
+        record.indexed = want;
+        let record = &record;
+        if want.is_some() && had.is_none() {
+            self.write_entry(record).await?;
+        }
         let body = Bytes::from(
             serde_json::to_vec(record).map_err(|e| LedgerError::Corrupt {
                 key: record.key.clone(),
@@ -463,8 +596,158 @@ impl Ledger {
         let name = self.record_name(&record.key);
         let tags = tags_of(record);
         let span = tracing::info_span!(target: "hubguard::attempt", "ledger", otel.name = crate::telemetry::names::span::LEDGER_WRITE);
-        let write = async { Ok(self.store.write_tagged(&name, body, etag, &tags).await?) };
-        tracing::Instrument::instrument(write, span).await
+        let write = async { self.store.write_tagged(&name, body, etag, &tags).await };
+        let written: String = tracing::Instrument::instrument(write, span).await?;
+        match (had, want) {
+            (Some(h), Some(w)) if h != w => {
+                if let Err(e) = self.write_entry(record).await {
+                    tracing::warn!(key = %record.key, error = %e, "the pending index entry still names the previous attempt; the overdue sweep repairs it");
+                }
+            }
+            (Some(_), None) => {
+                // A delivered record never waits again: its entry goes without a look. A
+                // dead-lettered one may be replayed at once, and the replay writes an entry
+                // for a later attempt first: only an entry for an attempt that ran goes.
+                let removed = match record.state {
+                    State::Delivered => self
+                        .store
+                        .remove(&self.entry_name(&record.key))
+                        .await
+                        .map_err(LedgerError::from),
+                    _ => self.remove_entry(&record.key, record.attempts).await,
+                };
+                if let Err(e) = removed {
+                    tracing::warn!(key = %record.key, error = %e, "the pending index entry of a settled record stays; the overdue sweep removes it");
+                }
+            }
+            _ => {}
+        }
+        Ok(written)
+    }
+
+    /// Writes `record`'s entry in the pending index (its tags say what
+    /// [`pending`](Self::pending) lists; its body names the key and the attempt).
+    async fn write_entry(&self, record: &LedgerRecord) -> Result<(), LedgerError> {
+        let mark = IndexMark::of(record).unwrap_or(IndexMark {
+            attempt: record.attempts + 1,
+            due_ms: 0,
+        });
+        let body = serde_json::to_vec(&IndexEntry {
+            key: record.key.clone(),
+            attempt: mark.attempt,
+        })
+        .map_err(|e| LedgerError::Corrupt {
+            key: record.key.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut tags = tags_of(record);
+        tags.insert(TAG_STATE.into(), STATE_RETRY_SCHEDULED.into());
+        tags.insert(TAG_DUE.into(), mark.due_ms.to_string());
+        tags.insert(TAG_NEXT.into(), mark.attempt.to_string());
+        self.store
+            .put_tagged(&self.entry_name(&record.key), Bytes::from(body), &tags)
+            .await?;
+        Ok(())
+    }
+
+    /// Removes `key`'s pending-index entry if it points at an attempt that already ran (at
+    /// most `ran`): an entry a replay wrote since, for a later attempt, stays.
+    async fn remove_entry(&self, key: &str, ran: u32) -> Result<(), LedgerError> {
+        let name = self.entry_name(key);
+        let Some(r) = self.store.read(&name).await? else {
+            return Ok(());
+        };
+        let points_at = serde_json::from_slice::<IndexEntry>(&r.body)
+            .map(|e| e.attempt)
+            .unwrap_or(0);
+        if points_at > ran {
+            return Ok(());
+        }
+        match self.store.delete(&name, &r.etag).await {
+            Ok(()) | Err(StoreError::NotFound) | Err(StoreError::Conflict) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Checks a listed pending-index entry against its record, which is authoritative: an
+    /// entry left behind by a crash between a record's write and the entry's (a settled
+    /// record's entry, a due time that moved) is removed or written anew. The overdue sweep
+    /// calls it for entries past due that it did not recover, so a stale entry costs one
+    /// read per sweep until repaired, and is never trusted.
+    pub async fn repair_pending(&self, listed: &Pending) -> Result<Repair, LedgerError> {
+        let record = match self.get(&listed.key).await {
+            Ok(r) => r.map(|(r, _)| r),
+            // A corrupt record is quarantined by whoever runs it next; leave its entry.
+            Err(LedgerError::Corrupt { .. }) => return Ok(Repair::Accurate),
+            Err(e) => return Err(e),
+        };
+        match record {
+            Some(r) => match IndexMark::of(&r) {
+                Some(mark) if mark.attempt == listed.attempt && at(mark.due_ms) == listed.due => {
+                    Ok(Repair::Accurate)
+                }
+                Some(_) => {
+                    self.write_entry(&r).await?;
+                    Ok(Repair::Rewritten)
+                }
+                None => {
+                    self.remove_entry(&listed.key, r.attempts.max(listed.attempt))
+                        .await?;
+                    Ok(Repair::Removed)
+                }
+            },
+            None => {
+                self.remove_entry(&listed.key, u32::MAX).await?;
+                Ok(Repair::Removed)
+            }
+        }
+    }
+
+    /// Makes sure the pending index covers every waiting record: once per ledger (a marker
+    /// blob says it was done), the records written before the index existed are listed
+    /// once and each waiting one gets its entry. Later calls cost nothing.
+    async fn ensure_indexed(&self) -> Result<(), LedgerError> {
+        self.indexed
+            .get_or_try_init(|| async {
+                let marker = self.index_marker();
+                if self.store.read(&marker).await?.is_some() {
+                    return Ok(());
+                }
+                let prefix = format!("ledger/{}", self.prefix);
+                let mut indexed = 0usize;
+                for l in self.store.list(&prefix).await? {
+                    // Tagged records say their state; untagged (older) ones are read.
+                    if l
+                        .tags
+                        .get(TAG_STATE)
+                        .is_some_and(|s| s != STATE_RETRY_SCHEDULED)
+                    {
+                        continue;
+                    }
+                    let Some(r) = self.store.read(&l.key).await? else {
+                        continue;
+                    };
+                    match serde_json::from_slice::<LedgerRecord>(&r.body) {
+                        Ok(rec) if rec.state == State::RetryScheduled => {
+                            self.write_entry(&rec).await?;
+                            indexed += 1;
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(blob = %l.key, error = %e, "a ledger record cannot be parsed; leaving it out of the pending index");
+                        }
+                    }
+                }
+                let body = format!("{{\"indexed\":{indexed}}}");
+                match self.store.create(&marker, Bytes::from(body)).await {
+                    Ok(_) | Err(StoreError::Conflict) => {}
+                    Err(e) => return Err(LedgerError::from(e)),
+                }
+                tracing::info!(indexed, "the ledger's pending index now covers the records written before it");
+                Ok(())
+            })
+            .await
+            .map(|_| ())
     }
 
     /// Sets aside a record that cannot be parsed, so it never holds its event forever: its
@@ -536,6 +819,8 @@ impl Ledger {
             quarantined: Some(aside.clone()),
             event_unknown: event.is_none(),
             claim: None,
+            run_now: None,
+            indexed: None,
         };
         self.index_dead_letter(key).await?;
         self.put(&record, Some(&raw.etag)).await?;
@@ -613,6 +898,44 @@ impl Ledger {
         }
     }
 
+    /// Purges `key`'s dead letter when it was last written before `before`: the record
+    /// (with its ETag, so one replayed meanwhile stays), then its dead-letter index entry and
+    /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would
+    /// be) purged; `None` when the record is no dead letter or is newer. An index entry
+    /// whose record is gone is removed too.
+    pub async fn purge_dead_letter(
+        &self,
+        key: &str,
+        before: SystemTime,
+        dry_run: bool,
+    ) -> Result<Option<Option<String>>, LedgerError> {
+        let (record, etag) = match self.get(key).await? {
+            Some(found) => found,
+            None => {
+                if !dry_run {
+                    self.unindex_dead_letter(key).await?;
+                }
+                return Ok(Some(None));
+            }
+        };
+        if record.state != State::DeadLettered || at(record.updated_ms) >= before {
+            return Ok(None);
+        }
+        if dry_run {
+            return Ok(Some(record.quarantined));
+        }
+        match self.store.delete(&self.record_name(key), &etag).await {
+            Ok(()) | Err(StoreError::NotFound) => {}
+            Err(StoreError::Conflict) => return Ok(None), // changed meanwhile (a replay)
+            Err(e) => return Err(e.into()),
+        }
+        self.unindex_dead_letter(key).await?;
+        if let Some(aside) = &record.quarantined {
+            self.store.remove(aside).await?;
+        }
+        Ok(Some(record.quarantined))
+    }
+
     /// Keys in the dead-letter index.
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);
@@ -622,61 +945,50 @@ impl Ledger {
     }
 
     /// Every retry the ledger says is waiting (state RETRY_SCHEDULED), soonest first, read
-    /// from a listing: the state, the due time, the attempt and the last error are tags
-    /// beside each record, so no record is read — except records written before the tags
-    /// existed, and keys too long for a tag, which are read once here.
+    /// from one listing of the pending index — `pending/{hub}/{consumer group}/`, one small
+    /// blob per waiting record whose metadata holds the due time, the attempt, the last
+    /// error, the partition and the sequence number — so neither settled records nor record
+    /// bodies are read: the cost follows the retries waiting, not the ledger's history.
+    ///
+    /// Why a prefix rather than blob index tags (Find Blobs by Tags): List Blobs is strongly
+    /// consistent (a listing shows every write acknowledged before it), which the
+    /// happy path relies on (see `pipeline::recorded`), while the tag index "is
+    /// eventually consistent" and may lag writes by minutes ("Manage and find Azure Blob
+    /// data with blob index tags", learn.microsoft.com/azure/storage/blobs/
+    /// storage-manage-find-blobs); tags are also not available on accounts with a
+    /// hierarchical namespace, and are billed per tag per month.
+    ///
+    /// An entry may be stale after a crash (see [`put`](Self::put)): the sweep checks the
+    /// entries it finds overdue against their records ([`repair_pending`](Self::repair_pending)).
     pub async fn pending(&self) -> Result<Vec<Pending>, LedgerError> {
-        let prefix = format!("ledger/{}", self.prefix);
+        self.ensure_indexed().await?;
+        let prefix = format!("pending/{}", self.prefix);
         let mut out = Vec::new();
         for l in self.store.list(&prefix).await? {
-            let from_tags = match l.tags.get(TAG_STATE).map(String::as_str) {
-                Some(state) if state != STATE_RETRY_SCHEDULED => continue,
-                Some(_) => l
-                    .tags
-                    .get(TAG_DUE)
-                    .and_then(|d| d.parse::<i64>().ok())
-                    .map(|due| {
-                        (
-                            due,
-                            l.tags.get(TAG_NEXT).and_then(|n| n.parse::<u32>().ok()),
-                            l.tags
-                                .get(TAG_KEY)
-                                .cloned()
-                                .or_else(|| l.key.strip_prefix(&prefix).and_then(decode_key)),
-                        )
-                    }),
-                None => None,
+            let due = l.tags.get(TAG_DUE).and_then(|d| d.parse::<i64>().ok());
+            let attempt = l.tags.get(TAG_NEXT).and_then(|n| n.parse::<u32>().ok());
+            let key = match l.tags.get(TAG_KEY) {
+                Some(k) => Some(k.clone()),
+                // A key the tags cannot carry: the entry's body names it.
+                None => match self.store.read(&l.key).await? {
+                    Some(r) => serde_json::from_slice::<IndexEntry>(&r.body)
+                        .ok()
+                        .map(|e| e.key),
+                    None => continue,
+                },
             };
-            match from_tags {
-                Some((due, Some(attempt), Some(key))) => out.push(Pending {
-                    key,
-                    attempt,
-                    due: at(due),
-                    last_error: l.tags.get(TAG_ERROR).cloned(),
-                    partition: l.tags.get(TAG_PARTITION).cloned(),
-                    sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
-                }),
-                // Untagged (older) records, or a key only the record holds: read it.
-                _ => {
-                    let Some(r) = self.store.read(&l.key).await? else {
-                        continue;
-                    };
-                    match serde_json::from_slice::<LedgerRecord>(&r.body) {
-                        Ok(rec) if rec.state == State::RetryScheduled => out.push(Pending {
-                            due: rec.next_attempt_at().unwrap_or(SystemTime::UNIX_EPOCH),
-                            attempt: rec.attempts + 1,
-                            last_error: rec.last_error.clone(),
-                            partition: Some(rec.event.partition_id.clone()),
-                            sequence_number: Some(rec.event.sequence_number),
-                            key: rec.key,
-                        }),
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(blob = %l.key, error = %e, "a ledger record cannot be parsed; leaving it out of the pending retries");
-                        }
-                    }
-                }
-            }
+            let (Some(due), Some(attempt), Some(key)) = (due, attempt, key) else {
+                tracing::warn!(blob = %l.key, "a pending index entry cannot be read; leaving it out");
+                continue;
+            };
+            out.push(Pending {
+                key,
+                attempt,
+                due: at(due),
+                last_error: l.tags.get(TAG_ERROR).cloned(),
+                partition: l.tags.get(TAG_PARTITION).cloned(),
+                sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
+            });
         }
         out.sort_by(|a, b| a.due.cmp(&b.due).then_with(|| a.key.cmp(&b.key)));
         Ok(out)
@@ -713,6 +1025,49 @@ impl Ledger {
                 reason: e.to_string(),
             })?;
         Ok((!holder.namespace.eq_ignore_ascii_case(&me.namespace)).then_some(holder))
+    }
+
+    /// Deletes the DELIVERED records last written before `before` whose event is settled on
+    /// its partition (`settled(partition, sequence number)`: at or before the partition's
+    /// checkpoint, so no replica reads it again and needs the record to know it was
+    /// delivered). A record that waits (RETRY_SCHEDULED) or is dead-lettered is never
+    /// deleted here — a dead letter stays until it is replayed or purged — nor one whose
+    /// metadata does not name its state, partition and sequence number, nor one written
+    /// since the listing (the delete carries the listed ETag, `If-Match`). Deletion is free
+    /// on Azure ("Azure Blob Storage pricing", azure.microsoft.com/pricing/details/storage/
+    /// blobs: "Delete operations are free"); one listing of the ledger, which retention
+    /// itself bounds.
+    pub async fn expire(
+        &self,
+        before: SystemTime,
+        settled: &(dyn Fn(&str, i64) -> bool + Send + Sync),
+    ) -> Result<Expired, LedgerError> {
+        let prefix = format!("ledger/{}", self.prefix);
+        let mut out = Expired::default();
+        for l in self.store.list(&prefix).await? {
+            if l.tags.get(TAG_STATE).map(String::as_str) != Some("DELIVERED")
+                || l.last_modified.is_none_or(|t| t >= before)
+            {
+                continue;
+            }
+            let position = l
+                .tags
+                .get(TAG_PARTITION)
+                .zip(l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse::<i64>().ok()));
+            match position {
+                Some((p, seq)) if settled(p, seq) => {}
+                _ => {
+                    out.kept_unsettled += 1;
+                    continue;
+                }
+            }
+            match self.store.delete(&l.key, &l.etag).await {
+                Ok(()) => out.deleted += 1,
+                Err(StoreError::NotFound) | Err(StoreError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
     }
 
     /// Keys of every record (for tests and the demo's verification).
@@ -768,6 +1123,8 @@ mod tests {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            run_now: None,
+            indexed: None,
         };
         assert_eq!(Verdict::of(None, 1), Verdict::Unrecorded);
         assert_eq!(Verdict::of(Some(&rec), 1), Verdict::Stale);
@@ -815,6 +1172,187 @@ mod tests {
             assert_ne!(name, ledger.record_name(&format!("{key}x")), "distinct");
         }
         assert!(ledger.dead_letter_name(&"é".repeat(2_000)).len() <= BLOB_NAME_LIMIT);
+    }
+
+    fn waiting(key: &str, attempts: u32, due_ms: i64) -> LedgerRecord {
+        LedgerRecord {
+            key: key.into(),
+            correlation_id: key.into(),
+            event_type: None,
+            state: State::RetryScheduled,
+            attempts,
+            next_attempt_ms: Some(due_ms),
+            first_failure_ms: 0,
+            updated_ms: 0,
+            last_error: Some("boom".into()),
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy: RetryPolicy::seed_fibonacci(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event: Event {
+                body: Vec::new(),
+                content_type: None,
+                properties: Default::default(),
+                hub: "hub".into(),
+                partition_id: "3".into(),
+                sequence_number: 9,
+                offset: None,
+                enqueued_ms: None,
+                partition_key: None,
+                identity: crate::event::Identity {
+                    idempotency_key: key.into(),
+                    correlation_id: key.into(),
+                    event_type: None,
+                },
+            },
+            quarantined: None,
+            event_unknown: false,
+            claim: None,
+            indexed: None,
+        }
+    }
+
+    fn memory() -> (Arc<crate::azure::memory::MemoryRecordStore>, Ledger) {
+        let store = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let ledger = Ledger::new(store.clone(), "hub", "$Default");
+        (store, ledger)
+    }
+
+    /// The record written as a crash would leave it: without the ledger's index step.
+    async fn write_raw(store: &dyn RecordStore, ledger: &Ledger, rec: &LedgerRecord) {
+        let name = ledger.record_name(&rec.key);
+        let etag = store.read(&name).await.unwrap().map(|r| r.etag);
+        store
+            .write_tagged(
+                &name,
+                Bytes::from(serde_json::to_vec(rec).unwrap()),
+                etag.as_deref(),
+                &tags_of(rec),
+            )
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_index_follows_the_record_and_claims_write_no_entry() {
+        let (store, ledger) = memory();
+        ledger.put(&waiting("k", 1, 1_000), None).await.unwrap();
+        let p = ledger.pending().await.unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!(
+            (p[0].attempt, p[0].due, p[0].partition.as_deref()),
+            (2, at(1_000), Some("3"))
+        );
+        assert_eq!(p[0].sequence_number, Some(9));
+        // A claim changes neither due time nor attempt: no entry write (the mark says so).
+        let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+        assert_eq!(
+            rec.indexed,
+            Some(IndexMark {
+                attempt: 2,
+                due_ms: 1_000
+            })
+        );
+        let entry = store.read(&ledger.entry_name("k")).await.unwrap().unwrap();
+        rec.claim = Some(Claim {
+            attempt: 2,
+            owner: "o".into(),
+            instance: "i".into(),
+            until_ms: 5_000,
+        });
+        let etag = ledger.put(&rec, Some(&etag)).await.unwrap();
+        let same = store.read(&ledger.entry_name("k")).await.unwrap().unwrap();
+        assert_eq!(entry.etag, same.etag, "no entry write for a claim");
+        // The retry failed again: the entry moves with the record.
+        rec.attempts = 2;
+        rec.next_attempt_ms = Some(9_000);
+        rec.claim = None;
+        let etag = ledger.put(&rec, Some(&etag)).await.unwrap();
+        let p = ledger.pending().await.unwrap();
+        assert_eq!((p[0].attempt, p[0].due), (3, at(9_000)));
+        // Delivered: the entry is gone.
+        let (mut rec, _) = ledger.get("k").await.unwrap().unwrap();
+        rec.state = State::Delivered;
+        rec.attempts = 3;
+        rec.next_attempt_ms = None;
+        ledger.put(&rec, Some(&etag)).await.unwrap();
+        assert!(ledger.pending().await.unwrap().is_empty());
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_stale_entry_is_repaired_against_its_record_not_trusted() {
+        let (store, ledger) = memory();
+        assert!(ledger.pending().await.unwrap().is_empty(), "a new ledger");
+        for k in ["moved", "settled", "gone", "true"] {
+            ledger.put(&waiting(k, 1, 1_000), None).await.unwrap();
+        }
+        // Crashes between a record's write and its entry's: a due time that moved later,
+        // a record delivered, a record removed.
+        let (mut moved, _) = ledger.get("moved").await.unwrap().unwrap();
+        moved.attempts = 2;
+        moved.next_attempt_ms = Some(60_000);
+        write_raw(store.as_ref(), &ledger, &moved).await;
+        let (mut settled, _) = ledger.get("settled").await.unwrap().unwrap();
+        settled.state = State::Delivered;
+        settled.next_attempt_ms = None;
+        write_raw(store.as_ref(), &ledger, &settled).await;
+        let name = ledger.record_name("gone");
+        let etag = store.read(&name).await.unwrap().unwrap().etag;
+        store.delete(&name, &etag).await.unwrap();
+
+        let listed = ledger.pending().await.unwrap();
+        assert_eq!(listed.len(), 4, "stale entries are listed until repaired");
+        let mut repairs = std::collections::BTreeMap::new();
+        for p in &listed {
+            repairs.insert(p.key.clone(), ledger.repair_pending(p).await.unwrap());
+        }
+        assert_eq!(repairs["moved"], Repair::Rewritten);
+        assert_eq!(repairs["settled"], Repair::Removed);
+        assert_eq!(repairs["gone"], Repair::Removed);
+        assert_eq!(repairs["true"], Repair::Accurate);
+        let after = ledger.pending().await.unwrap();
+        let keys: Vec<_> = after
+            .iter()
+            .map(|p| (p.key.as_str(), p.attempt, p.due))
+            .collect();
+        assert_eq!(keys, vec![("true", 2, at(1_000)), ("moved", 3, at(60_000))]);
+    }
+
+    #[tokio::test]
+    async fn a_late_removal_leaves_the_entry_of_a_replay_alone() {
+        let (store, ledger) = memory();
+        ledger.put(&waiting("k", 1, 1_000), None).await.unwrap();
+        // A replay wrote an entry for attempt 4 after this record was dead-lettered at
+        // attempt 1 ran; the dead letter's late removal finds an entry for a later attempt.
+        let replayed = waiting("k", 3, 2_000);
+        ledger.write_entry(&replayed).await.unwrap();
+        ledger.remove_entry("k", 1).await.unwrap();
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_some());
+        ledger.remove_entry("k", 4).await.unwrap();
+        assert!(store.read(&ledger.entry_name("k")).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn records_written_before_the_index_are_indexed_once() {
+        let (store, ledger) = memory();
+        // An older version wrote records with no index: one waiting, one delivered.
+        write_raw(store.as_ref(), &ledger, &waiting("old", 1, 1_000)).await;
+        let mut done = waiting("done", 1, 1_000);
+        done.state = State::Delivered;
+        write_raw(store.as_ref(), &ledger, &done).await;
+        let p = ledger.pending().await.unwrap();
+        assert_eq!(
+            p.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(),
+            vec!["old"]
+        );
+        assert!(store.read(&ledger.index_marker()).await.unwrap().is_some());
+        // Another replica (a new Ledger) reads the marker and lists the index alone.
+        let again = Ledger::new(store.clone(), "hub", "$Default");
+        let reads = store.reads();
+        assert_eq!(again.pending().await.unwrap().len(), 1);
+        assert_eq!(store.reads() - reads, 1, "the marker only");
     }
 
     #[test]

@@ -70,6 +70,8 @@ struct FenceState {
     reading: HashMap<String, tokio_util::sync::CancellationToken>,
     /// A graceful stop is under way: claim nothing new.
     stopping: bool,
+    /// The namespace the processor names checkpoints with, once it listed them.
+    namespace: Option<String>,
 }
 
 impl std::fmt::Debug for FencedCheckpointStore {
@@ -545,6 +547,30 @@ impl FencedCheckpointStore {
 }
 
 impl FencedCheckpointStore {
+    /// partition → the sequence number of its checkpoint, as stored now (every replica's,
+    /// not only this one's); `None` until the processor has listed checkpoints once (the
+    /// namespace they are named with is known then) or when they cannot be read. An event
+    /// at or before its partition's checkpoint is settled: no replica reads it again.
+    pub(super) async fn settled_positions(
+        &self,
+        hub: &str,
+        cg: &str,
+    ) -> Option<HashMap<String, i64>> {
+        let namespace = self.state().namespace.clone()?;
+        let cps = self
+            .deadline(
+                "list_checkpoints",
+                self.inner.list_checkpoints(&namespace, hub, cg),
+            )
+            .await
+            .ok()?;
+        Some(
+            cps.into_iter()
+                .filter_map(|c| c.sequence_number.map(|s| (c.partition_id, s)))
+                .collect(),
+        )
+    }
+
     /// Reads the checkpoints and notes the partitions whose checkpoint holds no usable
     /// position (the store returns one with neither a sequence number nor an offset for a
     /// blob it cannot read): those are held — not claimed, not read from a guessed position —
@@ -556,6 +582,7 @@ impl FencedCheckpointStore {
         hub: &str,
         cg: &str,
     ) -> azure_core::Result<Vec<Checkpoint>> {
+        self.state().namespace = Some(namespace.to_string());
         let mut cps = self
             .deadline(
                 "list_checkpoints",

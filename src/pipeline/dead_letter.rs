@@ -453,6 +453,8 @@ mod tests {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            run_now: None,
+            indexed: None,
         }
     }
 

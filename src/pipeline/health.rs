@@ -28,6 +28,8 @@ pub enum HoldCause {
     HandlerBlocked,
     /// The partition's checkpoint blob holds no readable position.
     CorruptCheckpoint,
+    /// An operator paused the partition (`hubguard partitions pause`).
+    Paused,
 }
 
 impl HoldCause {
@@ -40,6 +42,7 @@ impl HoldCause {
             Self::BreakerOpen => "breaker_open",
             Self::HandlerBlocked => "handler_blocked",
             Self::CorruptCheckpoint => "corrupt_checkpoint",
+            Self::Paused => "paused",
         }
     }
 }

@@ -16,6 +16,7 @@
 mod admission;
 mod attempt;
 mod checkpoint;
+pub mod control;
 pub mod dead_letter;
 mod handover;
 pub mod health;
@@ -24,6 +25,7 @@ pub mod owner;
 mod partition;
 pub mod readback;
 mod recorded;
+mod retention;
 mod retry;
 pub mod settle;
 
@@ -180,6 +182,12 @@ pub struct PipelineOptions {
     /// A retry the ledger says was due longer ago than this, with no retry message having
     /// run it, is scheduled again (checked by the same sweep).
     pub overdue_margin: Duration,
+    /// DELIVERED ledger records are deleted this long after their last write, once their
+    /// event is settled on its partition (`None`: kept forever); checked every
+    /// `retention_sweep`.
+    pub retention: Option<Duration>,
+    /// How often retention runs.
+    pub retention_sweep: Duration,
     /// Liveness: `/healthz` fails once the Event Hubs consumer has failed without a break
     /// for this long (`None`: never).
     pub unhealthy_after: Option<Duration>,
@@ -222,6 +230,8 @@ impl Default for PipelineOptions {
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),
             overdue_margin: Duration::from_secs(300),
+            retention: Some(DEFAULT_RETENTION),
+            retention_sweep: Duration::from_secs(3_600),
             unhealthy_after: Some(Duration::from_secs(900)),
             clock: Arc::default(),
             dead_letters: None,
@@ -230,6 +240,10 @@ impl Default for PipelineOptions {
         }
     }
 }
+
+/// How long a DELIVERED ledger record is kept by default (see `pipeline::retention` for
+/// why 7 days).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3_600);
 
 impl PipelineOptions {
     /// The longest time from Service Bus accepting a retry message to a replay of its event
@@ -299,6 +313,8 @@ pub(crate) struct Shared {
     pub(crate) options: PipelineOptions,
     /// Reads an event back from Event Hubs when a retry's ledger record is missing.
     pub(crate) reader: Arc<dyn readback::EventReader>,
+    /// The operator's pauses, as last read from the control record ([`control`]).
+    pub(crate) pauses: tokio::sync::watch::Sender<control::Pauses>,
 }
 
 /// The hub and consumer group events come from, and the rules for their identity.
@@ -436,6 +452,7 @@ impl Pipeline {
                 health,
                 options: parts.options,
                 reader,
+                pauses: tokio::sync::watch::Sender::new(control::Pauses::default()),
             }),
             eventhubs: parts.eventhubs,
             checkpoints,
@@ -481,6 +498,23 @@ impl Pipeline {
             dl.probe().await.map_err(std::io::Error::other)?;
         }
         self.claim_ledger().await?;
+        // The operator's pauses: read by every replica, every few seconds.
+        tokio::spawn(control::watch(
+            self.shared.settler.ledger.store().clone(),
+            control::record_name(&self.shared.origin.hub, &self.shared.origin.consumer_group),
+            self.shared.pauses.clone(),
+            control::PAUSE_POLL,
+            self.shared.options.clock.clone(),
+            {
+                let stop = CancellationToken::new();
+                let (c, k, s) = (cancel.clone(), crash.clone(), stop.clone());
+                tokio::spawn(async move {
+                    tokio::select! { _ = c.cancelled() => {}, _ = k.cancelled() => {} }
+                    s.cancel();
+                });
+                stop
+            },
+        ));
         if let Some(blocked) = self.shared.downstream.handler.blocked() {
             tokio::spawn(watch_blocked(
                 self.shared.health.clone(),
@@ -509,6 +543,15 @@ impl Pipeline {
                 }
             })
         };
+        if let Some(keep) = self.shared.options.retention {
+            tokio::spawn(retention::run(
+                self.shared.clone(),
+                self.checkpoints.clone(),
+                keep,
+                cancel.clone(),
+                crash.clone(),
+            ));
+        }
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shared = self.shared.clone();
         let target = self.eventhubs.clone();

@@ -155,6 +155,11 @@ pub(crate) async fn run(
         let mut tick = tokio::time::interval(shared.options.checkpoint_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reading = true;
+        // An operator's pause: no read while it holds (what was accepted still settles and
+        // checkpoints), listed as held under its own key so other holds stay apart.
+        let mut pauses = shared.pauses.subscribe();
+        let mut paused = pauses.borrow_and_update().of(&pid).cloned();
+        mark_paused(&shared, &pid, paused.as_ref());
         // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
         // internal reconnect, say) must not let the checkpoint pass what it skipped.
         let mut last_seq: Option<i64> = None;
@@ -186,6 +191,14 @@ pub(crate) async fn run(
                         cp.write(&pc, &shared).await;
                     }
                 }
+                Ok(()) = pauses.changed() => {
+                    let now = pauses.borrow_and_update().of(&pid).cloned();
+                    if now != paused {
+                        tracing::info!(partition = %pid, paused = now.is_some(), "the operator's pause changed");
+                        paused = now;
+                        mark_paused(&shared, &pid, paused.as_ref());
+                    }
+                }
                 _ = tick.tick() => {
                     if cp.interval_passed(&shared) {
                         cp.write(&pc, &shared).await;
@@ -202,7 +215,7 @@ pub(crate) async fn run(
                 _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
                     relisting = None;
                 }
-                next = stream.next(), if reading && dispatcher.has_room() => match next {
+                next = stream.next(), if reading && dispatcher.has_room() && paused.is_none() => match next {
                     Some(Ok(received)) => {
                         let seq = received.sequence_number().unwrap_or(-1);
                         if let Some(last) = last_seq {
@@ -252,6 +265,7 @@ pub(crate) async fn run(
         .and_then(|e| e.sequence_number())
         .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
     cp.write(&pc, &shared).await;
+    mark_paused(&shared, &pid, None);
     shared.health.unset_owned(&pid);
     match Arc::try_unwrap(pc) {
         Ok(pc) => {
@@ -279,6 +293,22 @@ async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: 
         Err(e) => {
             tracing::warn!(partition = %pid, error = %e, "cannot list the ledger's pending retries; every delivery asks the ledger until a listing succeeds")
         }
+    }
+}
+
+/// Shows partition `pid` as paused by `pause`, or no longer: held as `{pid} (paused)`, apart
+/// from the partition's own holds (an unsettled event's cause stays in view beside it), with
+/// no event (-1) as its oldest unsettled.
+fn mark_paused(shared: &Shared, pid: &str, pause: Option<&super::control::Pause>) {
+    let name = super::control::held_name(pid);
+    match pause {
+        Some(p) => shared.health.hold(
+            &name,
+            super::health::HoldCause::Paused,
+            super::control::Pauses::reason(p),
+            -1,
+        ),
+        None => shared.health.release(&name, -1),
     }
 }
 

@@ -2,9 +2,13 @@
 //! delivery from Event Hubs settle with no ledger or Service Bus operation (the happy path),
 //! and still never leave a record saying RETRY_SCHEDULED behind for an event it delivered.
 //!
-//! When a partition task starts, it lists the ledger's pending records (one listing: the
-//! state, partition and sequence number are tags beside each record, see
-//! [`Ledger::pending`](crate::ledger::Ledger::pending)) and keeps those of its own partition. A delivery on attempt 1 of an
+//! When a partition task starts, it lists the ledger's pending index (one listing of one
+//! entry per waiting record, whose metadata names the partition and sequence number, see
+//! [`Ledger::pending`](crate::ledger::Ledger::pending)) and keeps those of its own partition.
+//! Every write that makes a record RETRY_SCHEDULED writes its index entry first
+//! ([`Ledger::put`](crate::ledger::Ledger::put)), and an entry is removed only after its
+//! record settled, so the index holds an entry for every waiting record (and may hold
+//! stale ones, which only cost a ledger read). A delivery on attempt 1 of an
 //! event in that set is settled through the ledger (its record becomes DELIVERED, so the
 //! retry message, the overdue sweep and `status` all see it delivered); any other delivery
 //! writes nothing. Until a listing has succeeded, every delivery asks the ledger.
@@ -15,7 +19,8 @@
 //! a listing shows every write acknowledged before it (Calder et al., "Windows Azure
 //! Storage: A Highly Available Cloud Storage Service with Strong Consistency", SOSP 2011,
 //! the design Azure Storage is built on). So the record was not
-//! RETRY_SCHEDULED when the listing ran — it would be in the set (a record whose tags do not
+//! RETRY_SCHEDULED when the listing ran — its index entry, written before it, would be in
+//! the set (an entry whose metadata does not
 //! name its partition or sequence number counts for every event of every partition) — and
 //! something made it so afterwards. Only these writes make a record RETRY_SCHEDULED:
 //! 1. A failed first attempt of `E` read from Event Hubs (it creates the record). Not this

@@ -525,7 +525,8 @@ async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
 /// some other way. Each is scheduled again, due now, under a fresh MessageId. The ledger's
 /// due time moves to now first (compare-and-swap, so of several replicas sweeping only one
 /// recovers it); a copy that still arrives is stale by then and only re-sends the recorded
-/// attempt. Reads a listing, not every record.
+/// attempt. Reads one listing of the pending index (the retries waiting, not the ledger's
+/// history), and repairs the entries its records contradict.
 async fn recover_overdue(shared: &Shared) {
     let ledger = &shared.settler.ledger;
     let pending = match ledger.pending().await {
@@ -545,7 +546,17 @@ async fn recover_overdue(shared: &Shared) {
                 tracing::warn!(key = %p.key, attempt = p.attempt, due = ?p.due, "a retry the ledger records was overdue with no message to run it; scheduled it again");
                 shared.observe.count_recovered();
             }
-            Ok(false) => {}
+            // Not overdue by its record, or no longer waiting: the index entry may be stale
+            // (a crash between the record's write and the entry's); the record decides.
+            Ok(false) => match ledger.repair_pending(&p).await {
+                Ok(crate::ledger::Repair::Accurate) => {}
+                Ok(repair) => {
+                    tracing::info!(key = %p.key, ?repair, "repaired a stale pending index entry")
+                }
+                Err(e) => {
+                    tracing::warn!(key = %p.key, error = %e, "could not check a pending index entry against its record; trying again at the next sweep")
+                }
+            },
             Err(e) => {
                 tracing::warn!(key = %p.key, error = %e, "could not recover an overdue retry; trying again at the next sweep");
             }
@@ -1011,6 +1022,14 @@ async fn process(
             }
         }
     };
+    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
+    // scheduled before, and the copy sent for the pull is the one that runs.
+    if rec.0.superseded_copy(body.attempt, body.run_now) {
+        drop((slot, starting));
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        settle_message(&msg, true).await;
+        return;
+    }
     // The attempt is claimed in the ledger before the call, so a copy of the message in
     // another replica stands down; a lapsed lock or a newer delivery of this message is
     // noticed before the claim, and again before the call.
@@ -1033,6 +1052,13 @@ async fn process(
     if !lock_held(&msg, shared) {
         drop((slot, starting));
         shared.settler.release_claim(claimed).await;
+        return;
+    }
+    if claimed.0.superseded_copy(body.attempt, body.run_now) {
+        drop((slot, starting));
+        shared.settler.release_claim(claimed).await;
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        settle_message(&msg, true).await;
         return;
     }
     let (rec, etag) = claimed;

@@ -205,6 +205,10 @@ pub struct RetryMessage {
     /// messages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub origin: Option<Position>,
+    /// The mark of an operator's pull (see [`crate::ledger::RunNow`]): set on the copy sent
+    /// for it and on its deferred, recovered and rescued copies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_now: Option<i64>,
 }
 
 /// An event's place in Event Hubs.
@@ -448,6 +452,7 @@ impl Settler {
         let key = &event.identity.idempotency_key;
         // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
         // not deferred: make sure the recorded next attempt exists instead.
+        let mut mark = None;
         if let Some((rec, _)) = self.ledger.get(key).await? {
             match Verdict::of(Some(&rec), attempt) {
                 Verdict::Final(_) => return Ok(()),
@@ -457,10 +462,12 @@ impl Settler {
                 }
                 Verdict::Current | Verdict::Unrecorded => {}
             }
+            // The deferred copy of an attempt an operator pulled forward is still that copy.
+            mark = rec.run_now_mark(attempt);
         }
         let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
         let sent = self
-            .schedule_as(&id, event, attempt, until, traceparents)
+            .schedule_marked(&id, event, attempt, until, traceparents, mark)
             .await;
         if self.sent_or_dead_lettered(key, sent).await?.is_none() {
             return Ok(());
@@ -497,7 +504,14 @@ impl Settler {
         );
         let due = at(message.due_ms).max(self.clock.now());
         let sent = self
-            .schedule_as(&id, &rec.event, message.attempt, due, &message.traceparents)
+            .schedule_marked(
+                &id,
+                &rec.event,
+                message.attempt,
+                due,
+                &message.traceparents,
+                message.run_now,
+            )
             .await;
         self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
     }
@@ -535,7 +549,10 @@ impl Settler {
         };
         let attempt = rec.attempts + 1;
         let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
-        let sent = self.schedule_as(&id, &rec.event, attempt, now, &[]).await;
+        let mark = rec.run_now_mark(attempt);
+        let sent = self
+            .schedule_marked(&id, &rec.event, attempt, now, &[], mark)
+            .await;
         Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
     }
 
@@ -725,6 +742,20 @@ impl Settler {
         due: SystemTime,
         traceparents: &[String],
     ) -> Result<(), RetryQueueError> {
+        self.schedule_marked(id, event, attempt, due, traceparents, None)
+            .await
+    }
+
+    /// [`schedule_as`](Self::schedule_as), the copy carrying an operator's pull `mark`.
+    async fn schedule_marked(
+        &self,
+        id: &str,
+        event: &Event,
+        attempt: u32,
+        due: SystemTime,
+        traceparents: &[String],
+        mark: Option<i64>,
+    ) -> Result<(), RetryQueueError> {
         let identity = &event.identity;
         let links = traceparents.len().saturating_sub(TRACE_LINKS_LIMIT);
         let body = RetryMessage {
@@ -736,6 +767,7 @@ impl Settler {
             traceparents: traceparents[links..].to_vec(),
             deployment: self.deployment.clone(),
             origin: Position::of(event),
+            run_now: mark,
         };
         let mut properties = vec![("hubguard-attempt".to_string(), attempt.to_string())];
         properties.extend(deployment_properties(self.deployment.as_ref()));
@@ -862,6 +894,8 @@ impl Settler {
             quarantined: None,
             event_unknown: false,
             claim: None,
+            run_now: None,
+            indexed: None,
         };
         match self.ledger.put(&rec, None).await {
             Ok(etag) => Ok((rec, etag)),
@@ -942,6 +976,8 @@ impl Settler {
             quarantined: None,
             event_unknown: true,
             claim: None,
+            run_now: None,
+            indexed: None,
         };
         self.publish_dead_letter(&rec).await?;
         self.ledger.index_dead_letter(&key).await?;
@@ -1168,6 +1204,8 @@ impl Settler {
                     quarantined: None,
                     event_unknown: false,
                     claim: None,
+                    run_now: None,
+                    indexed: None,
                 },
             };
             rec.attempts = attempt;
@@ -1247,10 +1285,24 @@ impl Settler {
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
     /// budget, and takes it off the dead-letter index.
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
+        self.replay_if(key, |_| true).await
+    }
+
+    /// [`replay`](Self::replay), if the dead-lettered record still matches `matches` when
+    /// it is replayed (under the compare-and-swap): `Ok(None)` when it does not, or is no
+    /// longer dead-lettered.
+    pub async fn replay_if(
+        &self,
+        key: &str,
+        matches: impl Fn(&LedgerRecord) -> bool,
+    ) -> Result<Option<u32>, SettleError> {
         let now = self.clock.now();
         let replaying = self
             .ledger
             .update(key, |rec| match rec {
+                Some(rec) if rec.state == State::DeadLettered && !matches(&rec) => {
+                    Change::Keep(Ok(None))
+                }
                 Some(rec) if rec.state == State::DeadLettered && rec.event_unknown => {
                     Change::Keep(Err(SettleError::EventUnknown {
                         key: key.to_string(),
@@ -1264,6 +1316,14 @@ impl Settler {
                     rec.next_attempt_ms = Some(ms(now));
                     rec.dead_letter_reason = None;
                     rec.updated_ms = ms(now);
+                    // The replayed attempt runs from the copy sent now only: a copy of it
+                    // sent before (a cancelled retry's) stands down when it arrives.
+                    rec.run_now = Some(crate::ledger::RunNow {
+                        attempt: rec.attempts + 1,
+                        at_ms: ms(now),
+                        by: "replay".into(),
+                        previous_due_ms: None,
+                    });
                     Change::Write(Box::new(rec.clone()), Ok(Some(rec)))
                 }
                 _ => Change::Keep(Ok(None)),
@@ -1272,17 +1332,31 @@ impl Settler {
         let Some(rec) = replaying else {
             return Ok(None);
         };
-        if let Err(e) = self.schedule(&rec.event, rec.attempts + 1, now, &[]).await {
+        // A MessageId of its own: the attempt's plain one may still be in the
+        // duplicate-detection window (a cancelled retry's), and would be dropped.
+        // Off the dead-letter index before the copy is sent: an attempt that dead-letters
+        // it again at once indexes it again, and must not be undone by this.
+        self.ledger.unindex_dead_letter(key).await?;
+        let attempt = rec.attempts + 1;
+        let id = format!("{}-replay-{}", message_id(key, attempt), ms(now));
+        if let Err(e) = self
+            .schedule_marked(&id, &rec.event, attempt, now, &[], Some(ms(now)))
+            .await
+        {
             if e.is_refusal_of_request() {
                 // Refused again: it stays a dead letter, with Service Bus's reason.
                 self.dead_letter_refused(key, &e).await?;
             }
             return Err(e.into());
         }
-        self.ledger.unindex_dead_letter(key).await?;
-        Ok(Some(rec.attempts + 1))
+        Ok(Some(attempt))
     }
 }
+
+mod operate;
+pub use operate::{
+    reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
+};
 
 #[cfg(test)]
 mod tests {
@@ -1754,6 +1828,12 @@ mod tests {
                     9_999_999_999_999i64
                 ),
                 format!("{}-fwd-{}", message_id(key, u32::MAX), i64::MAX),
+                format!("{}-now-{}", message_id(key, u32::MAX), 9_999_999_999_999i64),
+                format!(
+                    "{}-replay-{}",
+                    message_id(key, u32::MAX),
+                    9_999_999_999_999i64
+                ),
                 super::super::dead_letter::message_id(key, u32::MAX),
             ] {
                 let q = qualified(Some(&d), &id);

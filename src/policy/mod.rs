@@ -184,6 +184,9 @@ pub enum DeadLetterReason {
     /// not be read back from Event Hubs (past the hub's retention, or another event at its
     /// position): the key is all that is known.
     RecordMissing,
+    /// An operator cancelled the pending retry (`hubguard retries cancel`); the last error
+    /// holds their reason. Replayable like any dead letter.
+    Cancelled,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -196,6 +199,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::RetryRefused => "Service Bus refused the retry message",
             Self::CorruptRecord => "corrupt ledger record",
             Self::RecordMissing => "ledger record missing and the event gone from Event Hubs",
+            Self::Cancelled => "cancelled",
         })
     }
 }

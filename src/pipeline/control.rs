@@ -1,0 +1,185 @@
+//! An operator's pause: one control record per deployment in the container the replicas
+//! already share (`control/{hub}/{consumer group}/pause`), written by `hubguard partitions
+//! pause|resume` with compare-and-swap and read by every replica every
+//! [`PAUSE_POLL`]. A paused partition stops reading from Event Hubs — it keeps its
+//! ownership (holding a partition by not polling is safe, and the processor keeps refreshing
+//! the claim), finishes and settles what it had accepted, and checkpoints only over settled
+//! events, as always. The retry loop keeps draining: retries are events already read and
+//! settled into Service Bus, and pausing them would only let them pile up past their due
+//! times. Readiness and `/v1/status` list a paused partition as held, with who paused it and
+//! since when; resuming needs no restart.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use crate::azure::{RecordStore, StoreError};
+
+/// How often every replica reads the control record.
+pub const PAUSE_POLL: Duration = Duration::from_secs(2);
+
+/// Who paused, since when, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pause {
+    /// Who (`--by`, else the user name).
+    pub by: String,
+    /// Since when (ms since the epoch).
+    pub since_ms: i64,
+    /// Why (`--reason`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The pause control record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pauses {
+    /// Every partition is paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all: Option<Pause>,
+    /// These partitions are paused.
+    #[serde(default)]
+    pub partitions: BTreeMap<String, Pause>,
+}
+
+impl Pauses {
+    /// The pause that holds partition `pid`, if any.
+    pub fn of(&self, pid: &str) -> Option<&Pause> {
+        self.partitions.get(pid).or(self.all.as_ref())
+    }
+
+    /// Whether nothing is paused.
+    pub fn is_empty(&self) -> bool {
+        self.all.is_none() && self.partitions.is_empty()
+    }
+
+    /// The text readiness gives for a paused partition.
+    pub fn reason(p: &Pause) -> String {
+        format!(
+            "paused by {} since {}{}",
+            p.by,
+            crate::clock::rfc3339(crate::clock::at(p.since_ms)),
+            p.reason
+                .as_deref()
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default()
+        )
+    }
+}
+
+/// The name a paused partition is held under in readiness and `/v1/status`.
+pub fn held_name(pid: &str) -> String {
+    format!("{pid} (paused)")
+}
+
+/// The control record's name for a deployment (consumer group lower-cased, as the ledger's).
+pub fn record_name(hub: &str, consumer_group: &str) -> String {
+    format!(
+        "control/{hub}/{}/pause",
+        consumer_group.to_ascii_lowercase()
+    )
+}
+
+/// An unreadable control record: named, never taken as "nothing paused" silently.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// Blob storage failed.
+    #[error("the pause control record: {0}")]
+    Store(#[from] StoreError),
+    /// The record is not hubguard's format.
+    #[error("the pause control record {name} cannot be parsed: {reason}")]
+    Corrupt {
+        /// Its blob name.
+        name: String,
+        /// The parser's words.
+        reason: String,
+    },
+    /// Too many writers at once.
+    #[error("the pause control record {0} kept changing; try again")]
+    Contended(String),
+}
+
+/// Reads the control record (with its ETag).
+pub async fn read(
+    store: &dyn RecordStore,
+    name: &str,
+) -> Result<Option<(Pauses, String)>, ControlError> {
+    match store.read(name).await? {
+        None => Ok(None),
+        Some(r) => serde_json::from_slice(&r.body)
+            .map(|p| Some((p, r.etag)))
+            .map_err(|e| ControlError::Corrupt {
+                name: name.into(),
+                reason: e.to_string(),
+            }),
+    }
+}
+
+/// Changes the control record with compare-and-swap: `change` gets what is there and says
+/// what should be (`None`: nothing to change). Returns the record as it stands, and whether
+/// it was written.
+pub async fn change(
+    store: &dyn RecordStore,
+    name: &str,
+    change: impl Fn(&Pauses) -> Option<Pauses>,
+) -> Result<(Pauses, bool), ControlError> {
+    for _ in 0..16 {
+        let current = read(store, name).await?;
+        let (now, etag) = match &current {
+            Some((p, e)) => (p.clone(), Some(e.clone())),
+            None => (Pauses::default(), None),
+        };
+        let Some(next) = change(&now) else {
+            return Ok((now, false));
+        };
+        let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+        let written = match etag {
+            Some(e) => store.update(name, body, &e).await,
+            None => store.create(name, body).await,
+        };
+        match written {
+            Ok(_) => return Ok((next, true)),
+            Err(StoreError::Conflict) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ControlError::Contended(name.into()))
+}
+
+/// Reads the control record every `poll` until `cancel`, publishing each change. While it
+/// cannot be read, what was last read stays in force (a blob outage neither pauses nor
+/// resumes anything) and a warning names the cause.
+pub(crate) async fn watch(
+    store: Arc<dyn RecordStore>,
+    name: String,
+    tx: tokio::sync::watch::Sender<Pauses>,
+    poll: Duration,
+    clock: Arc<crate::clock::Clock>,
+    cancel: CancellationToken,
+) {
+    loop {
+        match read(store.as_ref(), &name).await {
+            Ok(read) => {
+                let now = read.map(|(p, _)| p).unwrap_or_default();
+                tx.send_if_modified(|p| {
+                    let changed = *p != now;
+                    if changed {
+                        tracing::info!(pauses = ?now, "the operator's pause record changed");
+                        *p = now.clone();
+                    }
+                    changed
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the pause control record; keeping what was last read")
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = clock.sleep(poll) => {}
+        }
+    }
+}

@@ -1,0 +1,517 @@
+//! An operator's actions on one pending retry: `hubguard retries retry-now` and `hubguard
+//! retries cancel`. Each is one compare-and-swap on the event's ledger record (the same
+//! `If-Match` every settlement writes with), so a race with the retry loop ends one way:
+//!
+//! - Either action is refused while the attempt is due (within [`OPERATOR_MARGIN`]) or
+//!   running: a retry message runs its handler only after its due time and after reading the
+//!   record, so a record changed more than the margin before the due time is seen by every
+//!   copy of the attempt, and an attempt already past its due time is left to finish.
+//! - `retry-now` moves the due time to now, records the pull ([`RunNow`]) and schedules a
+//!   copy of the attempt, due now, under a MessageId of its own and carrying the pull's mark.
+//!   The retry loop runs only that copy; the one scheduled before stands down when it comes
+//!   due. The attempt's outcome continues the pinned schedule as usual.
+//! - `cancel` dead-letters the event (reason `cancelled`, the operator's text as its last
+//!   error, published to the dead-letter destination like any other); every copy still on
+//!   Service Bus finds the event final and is completed without a call. `dead-letters replay`
+//!   brings it back.
+
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+use super::{message_id, SettleError, Settler};
+use crate::clock::ms;
+use crate::ledger::{AttemptEntry, LedgerError, LedgerRecord, RunNow, State};
+use crate::policy::DeadLetterReason;
+
+/// How close to its due time a retry is taken as running: an operator's action on it is
+/// refused (exit status 5 on the command line), and left to the attempt. It covers the time
+/// between reading the record and starting the handler, and clock differences between the
+/// operator's machine and the replicas.
+pub const OPERATOR_MARGIN: Duration = Duration::from_secs(5);
+
+/// An operator's action on a pending retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Run the pending attempt now.
+    RetryNow,
+    /// No further attempt: dead-letter it as `cancelled`.
+    Cancel,
+}
+
+/// What an action found, or did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ActionOutcome {
+    /// Done (with `--dry-run`: would be done) for attempt `attempt`, which was due at
+    /// `previous_due_ms`.
+    Done {
+        /// The attempt acted on.
+        attempt: u32,
+        /// When it was due before.
+        previous_due_ms: Option<i64>,
+    },
+    /// Done before (the action is idempotent): nothing changed.
+    AlreadyDone {
+        /// The attempt acted on.
+        attempt: u32,
+    },
+    /// The ledger has no record of the key.
+    Unknown,
+    /// The event is not waiting for a retry.
+    NotPending {
+        /// Where it stands.
+        state: State,
+    },
+    /// The attempt is due now or running: the race goes to the attempt.
+    Due {
+        /// The attempt.
+        attempt: u32,
+        /// When it is due.
+        due_ms: Option<i64>,
+    },
+}
+
+/// The decision, on the record as read: a pure function (both the action and its
+/// `--dry-run` use it).
+pub(crate) fn plan(action: Action, rec: Option<&LedgerRecord>, now: SystemTime) -> ActionOutcome {
+    let Some(rec) = rec else {
+        return ActionOutcome::Unknown;
+    };
+    let attempt = rec.attempts + 1;
+    if action == Action::Cancel
+        && rec.state == State::DeadLettered
+        && rec.dead_letter_reason == Some(DeadLetterReason::Cancelled)
+    {
+        return ActionOutcome::AlreadyDone { attempt };
+    }
+    if rec.state != State::RetryScheduled {
+        return ActionOutcome::NotPending { state: rec.state };
+    }
+    if action == Action::RetryNow && rec.run_now_mark(attempt).is_some() {
+        return ActionOutcome::AlreadyDone { attempt };
+    }
+    let busy = rec
+        .next_attempt_ms
+        .is_none_or(|due| due <= ms(now + OPERATOR_MARGIN));
+    if busy {
+        return ActionOutcome::Due {
+            attempt,
+            due_ms: rec.next_attempt_ms,
+        };
+    }
+    ActionOutcome::Done {
+        attempt,
+        previous_due_ms: rec.next_attempt_ms,
+    }
+}
+
+impl Settler {
+    /// `hubguard retries retry-now`: the pending attempt of `key` runs now (see the module
+    /// documentation). A repeat finds it done, and makes sure its copy is on Service Bus.
+    pub async fn retry_now(
+        &self,
+        key: &str,
+        by: &str,
+        dry_run: bool,
+    ) -> Result<ActionOutcome, SettleError> {
+        let now = self.clock.now();
+        for _ in 0..super::CAS_ROUNDS {
+            let current = self.ledger.get(key).await?;
+            let outcome = plan(Action::RetryNow, current.as_ref().map(|(r, _)| r), now);
+            let (mut rec, etag) = match (&outcome, current) {
+                (ActionOutcome::Done { .. }, Some(read)) if !dry_run => read,
+                (ActionOutcome::AlreadyDone { .. }, Some((rec, _))) if !dry_run => {
+                    // Not deferred since: the copy sent for the pull is re-sent (duplicate
+                    // detection drops it if it is there), so a repeat repairs a pull whose
+                    // message was never sent.
+                    if let Some(p) = rec.run_now.as_ref().filter(|p| {
+                        rec.next_attempt_ms == Some(p.at_ms) && p.attempt == rec.attempts + 1
+                    }) {
+                        self.send_pulled(&rec, p.at_ms, now).await?;
+                    }
+                    return Ok(outcome);
+                }
+                _ => return Ok(outcome),
+            };
+            let attempt = rec.attempts + 1;
+            rec.run_now = Some(RunNow {
+                attempt,
+                at_ms: ms(now),
+                by: by.to_string(),
+                previous_due_ms: rec.next_attempt_ms,
+            });
+            rec.next_attempt_ms = Some(ms(now));
+            rec.updated_ms = ms(now);
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => {}
+                Err(LedgerError::Store(crate::azure::StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            // Recorded first: if this send fails, a repeat of the command (or the retry
+            // loop's sweep of overdue retries) sends the pulled copy.
+            self.send_pulled(&rec, ms(now), now).await?;
+            return Ok(outcome);
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+
+    /// Schedules the copy of `rec`'s pending attempt an operator pulled forward at `at_ms`.
+    async fn send_pulled(
+        &self,
+        rec: &LedgerRecord,
+        at_ms: i64,
+        now: SystemTime,
+    ) -> Result<(), SettleError> {
+        let attempt = rec.attempts + 1;
+        let id = format!("{}-now-{at_ms}", message_id(&rec.key, attempt));
+        let due = crate::clock::at(at_ms).max(now);
+        let sent = self
+            .schedule_marked(&id, &rec.event, attempt, due, &[], Some(at_ms))
+            .await;
+        self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
+    }
+
+    /// `hubguard retries cancel`: no further attempt of `key`; it is dead-lettered with
+    /// reason `cancelled` and `"cancelled by {by}: {reason}"` as its last error.
+    pub async fn cancel(
+        &self,
+        key: &str,
+        reason: &str,
+        by: &str,
+        dry_run: bool,
+    ) -> Result<ActionOutcome, SettleError> {
+        let now = self.clock.now();
+        for _ in 0..super::CAS_ROUNDS {
+            let current = self.ledger.get(key).await?;
+            let outcome = plan(Action::Cancel, current.as_ref().map(|(r, _)| r), now);
+            let (mut rec, etag) = match (&outcome, current) {
+                (ActionOutcome::Done { .. }, Some(read)) if !dry_run => read,
+                _ => return Ok(outcome),
+            };
+            let text = format!("cancelled by {by}: {reason}");
+            rec.push_history(AttemptEntry {
+                attempt: rec.attempts + 1,
+                started_ms: ms(now),
+                finished_ms: ms(now),
+                outcome: "cancelled".into(),
+                error: Some(text.clone()),
+                next_attempt_ms: None,
+                trace_id: None,
+            });
+            rec.state = State::DeadLettered;
+            rec.dead_letter_reason = Some(DeadLetterReason::Cancelled);
+            rec.last_error = Some(text);
+            rec.next_attempt_ms = None;
+            rec.run_now = None;
+            rec.updated_ms = ms(now);
+            // As every dead letter: published, indexed, then recorded (a conflict means the
+            // retry loop wrote first: decide again on what it wrote).
+            self.publish_dead_letter(&rec).await?;
+            self.ledger.index_dead_letter(key).await?;
+            match self.ledger.put(&rec, Some(&etag)).await {
+                Ok(_) => return Ok(outcome),
+                Err(LedgerError::Store(crate::azure::StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(SettleError::Contended(key.to_string()))
+    }
+}
+
+/// Which dead letters `hubguard dead-letters replay` takes. `until_ms` is required: with
+/// it, a run is a fixed set (what was dead-lettered by then), so the same command run again
+/// after an interruption replays what is left and never an event a first run replayed that
+/// was dead-lettered again since (its dead-letter time is later).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayFilter {
+    /// Only this event type.
+    pub event_type: Option<String>,
+    /// Only this dead-letter reason (its name: `permanent`, `attempts_exhausted`,
+    /// `cancelled`, …).
+    pub reason: Option<String>,
+    /// Only those whose last error contains this text.
+    pub error_contains: Option<String>,
+    /// Only those dead-lettered at or after this time (ms since the epoch).
+    pub since_ms: Option<i64>,
+    /// Only those dead-lettered at or before this time.
+    pub until_ms: i64,
+    /// Only keys starting with this.
+    pub key_prefix: Option<String>,
+}
+
+/// The name a dead-letter reason has in records, the API and `--reason`.
+pub fn reason_name(reason: &DeadLetterReason) -> String {
+    serde_json::to_value(reason)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+impl ReplayFilter {
+    /// Whether `key` can match (read no record for one that cannot).
+    pub fn matches_key(&self, key: &str) -> bool {
+        self.key_prefix
+            .as_deref()
+            .is_none_or(|p| key.starts_with(p))
+    }
+
+    /// Whether `rec` matches everything but the time window.
+    fn matches_what(&self, rec: &LedgerRecord) -> bool {
+        self.matches_key(&rec.key)
+            && self
+                .event_type
+                .as_deref()
+                .is_none_or(|t| rec.event_type.as_deref() == Some(t))
+            && self.reason.as_deref().is_none_or(|r| {
+                rec.dead_letter_reason
+                    .as_ref()
+                    .is_some_and(|d| reason_name(d) == r)
+            })
+            && self
+                .error_contains
+                .as_deref()
+                .is_none_or(|e| rec.last_error.as_deref().is_some_and(|l| l.contains(e)))
+    }
+
+    /// Whether the dead-lettered `rec` is one this run replays. Its dead-letter time is its
+    /// last update (a dead-lettered record is not written again until it is replayed).
+    pub fn matches(&self, rec: &LedgerRecord) -> bool {
+        rec.state == State::DeadLettered
+            && self.matches_what(rec)
+            && self.since_ms.is_none_or(|s| rec.updated_ms >= s)
+            && rec.updated_ms <= self.until_ms
+    }
+}
+
+/// What one dead letter came to in a replay run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReplayStep {
+    /// Scheduled again: attempt `attempt` runs now.
+    Replayed {
+        /// The key.
+        key: String,
+        /// The attempt scheduled.
+        attempt: u32,
+    },
+    /// `--dry-run`: would be replayed.
+    WouldReplay {
+        /// The key.
+        key: String,
+    },
+    /// Matched, but not replayed: `why`.
+    Skipped {
+        /// The key.
+        key: String,
+        /// Why.
+        why: String,
+    },
+    /// Could not be replayed: `error`.
+    Failed {
+        /// The key.
+        key: String,
+        /// The cause.
+        error: String,
+    },
+}
+
+/// The counts of a replay run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ReplayReport {
+    /// Dead letters listed (after `--key-prefix`).
+    pub listed: usize,
+    /// Of those, the ones the filters matched.
+    pub matched: usize,
+    /// Scheduled again (with `--dry-run`: would be).
+    pub replayed: usize,
+    /// Matched but not replayed (dead-lettered again after `until`, or no longer
+    /// dead-lettered).
+    pub skipped: usize,
+    /// Could not be replayed.
+    pub failed: usize,
+    /// Stopped before the end (the same command resumes).
+    pub interrupted: bool,
+}
+
+impl Settler {
+    /// `hubguard dead-letters replay` by filter: at most `per_second` replays a second,
+    /// until the end or `stop`. `step` hears about every matched dead letter (with the
+    /// position in the listing, and the listing's length).
+    pub async fn replay_matching(
+        &self,
+        filter: &ReplayFilter,
+        per_second: f64,
+        dry_run: bool,
+        stop: &tokio_util::sync::CancellationToken,
+        mut step: impl FnMut(&ReplayStep, usize, usize),
+    ) -> Result<ReplayReport, SettleError> {
+        let keys: Vec<String> = self
+            .ledger
+            .dead_letter_keys()
+            .await?
+            .into_iter()
+            .filter(|k| filter.matches_key(k))
+            .collect();
+        let mut report = ReplayReport {
+            listed: keys.len(),
+            ..Default::default()
+        };
+        let mut pace = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second.max(0.001)));
+        pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let total = keys.len();
+        for (i, key) in keys.into_iter().enumerate() {
+            if stop.is_cancelled() {
+                report.interrupted = true;
+                break;
+            }
+            let skipped = |why: &str| ReplayStep::Skipped {
+                key: key.clone(),
+                why: why.into(),
+            };
+            let outcome = match self.ledger.get(&key).await {
+                Err(e) => ReplayStep::Failed {
+                    key: key.clone(),
+                    error: crate::redact::redacted(&e.to_string()),
+                },
+                Ok(None) => continue,
+                Ok(Some((rec, _))) if !filter.matches_what(&rec) => continue,
+                Ok(Some((rec, _))) if rec.state != State::DeadLettered => {
+                    skipped("no longer dead-lettered")
+                }
+                Ok(Some((rec, _))) if rec.updated_ms > filter.until_ms => {
+                    skipped("dead-lettered again after --until (a replay of this run, or later)")
+                }
+                Ok(Some((rec, _))) if !filter.matches(&rec) => continue,
+                Ok(Some(_)) if dry_run => ReplayStep::WouldReplay { key: key.clone() },
+                Ok(Some(_)) => {
+                    tokio::select! {
+                        _ = pace.tick() => {}
+                        _ = stop.cancelled() => {
+                            report.interrupted = true;
+                            break;
+                        }
+                    }
+                    match self.replay_if(&key, |r| filter.matches(r)).await {
+                        Ok(Some(attempt)) => ReplayStep::Replayed {
+                            key: key.clone(),
+                            attempt,
+                        },
+                        Ok(None) => skipped("changed while it was being replayed"),
+                        Err(e) => ReplayStep::Failed {
+                            key: key.clone(),
+                            error: crate::redact::redacted(&e.to_string()),
+                        },
+                    }
+                }
+            };
+            report.matched += 1;
+            match &outcome {
+                ReplayStep::Replayed { .. } | ReplayStep::WouldReplay { .. } => {
+                    report.replayed += 1
+                }
+                ReplayStep::Skipped { .. } => report.skipped += 1,
+                ReplayStep::Failed { .. } => report.failed += 1,
+            }
+            step(&outcome, i + 1, total);
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Event, Identity};
+    use crate::policy::RetryPolicy;
+
+    fn pending(attempts: u32, due_ms: i64) -> LedgerRecord {
+        LedgerRecord {
+            key: "k".into(),
+            correlation_id: "k".into(),
+            event_type: None,
+            state: State::RetryScheduled,
+            attempts,
+            next_attempt_ms: Some(due_ms),
+            first_failure_ms: 0,
+            updated_ms: 0,
+            last_error: None,
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy: RetryPolicy::seed_fibonacci(),
+            attempt_base: 0,
+            history: Vec::new(),
+            event: Event {
+                body: Vec::new(),
+                content_type: None,
+                properties: Default::default(),
+                hub: "hub".into(),
+                partition_id: "0".into(),
+                sequence_number: 1,
+                offset: None,
+                enqueued_ms: None,
+                partition_key: None,
+                identity: Identity {
+                    idempotency_key: "k".into(),
+                    correlation_id: "k".into(),
+                    event_type: None,
+                },
+            },
+            quarantined: None,
+            event_unknown: false,
+            run_now: None,
+        }
+    }
+
+    #[test]
+    fn an_action_on_an_attempt_due_or_running_is_left_to_the_attempt() {
+        let now = crate::clock::at(1_000_000);
+        let margin = OPERATOR_MARGIN.as_millis() as i64;
+        for action in [Action::RetryNow, Action::Cancel] {
+            assert_eq!(
+                plan(action, Some(&pending(1, 1_000_000 + margin)), now),
+                ActionOutcome::Due {
+                    attempt: 2,
+                    due_ms: Some(1_000_000 + margin)
+                }
+            );
+            assert_eq!(
+                plan(action, Some(&pending(1, 1_000_000 + margin + 1)), now),
+                ActionOutcome::Done {
+                    attempt: 2,
+                    previous_due_ms: Some(1_000_000 + margin + 1)
+                }
+            );
+            assert_eq!(plan(action, None, now), ActionOutcome::Unknown);
+            let mut delivered = pending(2, 0);
+            delivered.state = State::Delivered;
+            assert_eq!(
+                plan(action, Some(&delivered), now),
+                ActionOutcome::NotPending {
+                    state: State::Delivered
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn only_the_copy_sent_for_a_pull_runs_the_pulled_attempt() {
+        let mut rec = pending(1, 5_000_000);
+        assert!(!rec.superseded_copy(2, None));
+        rec.run_now = Some(RunNow {
+            attempt: 2,
+            at_ms: 42,
+            by: "op".into(),
+            previous_due_ms: Some(5_000_000),
+        });
+        assert!(rec.superseded_copy(2, None), "the copy scheduled before");
+        assert!(rec.superseded_copy(2, Some(41)), "an earlier pull's copy");
+        assert!(!rec.superseded_copy(2, Some(42)), "the pulled copy");
+        assert!(!rec.superseded_copy(3, None), "later attempts run as usual");
+        // A repeat is idempotent.
+        assert_eq!(
+            plan(Action::RetryNow, Some(&rec), crate::clock::at(0)),
+            ActionOutcome::AlreadyDone { attempt: 2 }
+        );
+    }
+}
