@@ -133,6 +133,7 @@ fn record(key: &str, seq: i64, due: Option<SystemTime>) -> LedgerRecord {
         event_unknown: false,
         claim: None,
         indexed: None,
+        run_now: None,
     }
 }
 

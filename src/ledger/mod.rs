@@ -1210,6 +1210,7 @@ mod tests {
             event_unknown: false,
             claim: None,
             indexed: None,
+            run_now: None,
         }
     }
 

@@ -123,6 +123,7 @@ pub(crate) fn record(key: &str, seq: i64, state: State, due: Option<SystemTime>)
         event_unknown: false,
         claim: None,
         indexed: None,
+        run_now: None,
     }
 }
 

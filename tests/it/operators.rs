@@ -226,6 +226,10 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
         open_ms: 60_000,
         spread_ms: 500,
         probe_timeout_ms: 3000,
+        // The classic breaker: its three first attempts trip it (no pacing at the brink).
+        half_open_calls: 1,
+        half_open_success_ratio: 1.0,
+        brink_hold_ms: 0,
     });
     let a = Bed::run(parts);
     let keys = ["c-0", "c-1", "c-2"];

@@ -198,6 +198,7 @@ impl Settler {
                 error: Some(text.clone()),
                 next_attempt_ms: None,
                 trace_id: None,
+                retry_after_capped_from_s: None,
             });
             rec.state = State::DeadLettered;
             rec.dead_letter_reason = Some(DeadLetterReason::Cancelled);
@@ -460,6 +461,8 @@ mod tests {
             quarantined: None,
             event_unknown: false,
             run_now: None,
+            indexed: None,
+            claim: None,
         }
     }
 
