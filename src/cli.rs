@@ -44,6 +44,12 @@ pub const EXIT_NOT_PENDING: u8 = 4;
 /// `retries retry-now|cancel`: the attempt is due now or running; it was left to finish
 /// (run the command again once `hubguard status` shows it settled).
 pub const EXIT_BUSY: u8 = 5;
+/// `checkpoints rewind`: refused, nothing written (a partition a live replica owns is not
+/// paused).
+pub const EXIT_REFUSED: u8 = 6;
+/// `checkpoints rewind`: written, but an owner had not applied it within `--wait` (it will,
+/// once what it read settles; `hubguard partitions status` shows when).
+pub const EXIT_WAITING: u8 = 7;
 
 /// hubguard: Azure Event Hubs consumption with a checkpoint guard.
 #[derive(Debug, Parser)]
@@ -55,7 +61,8 @@ pub const EXIT_BUSY: u8 = 5;
     after_help = "Exit status: 0 success; 1 failure (configuration, an unreachable dependency, \
 a demo that lost an event); 2 usage error; 3 the ledger has no record of the key; 4 `retries \
 retry-now|cancel`: not waiting for a retry; 5 `retries retry-now|cancel`: the attempt is due or \
-running, left to finish."
+running, left to finish; 6 `checkpoints rewind`: refused (a partition is owned and not paused), \
+nothing written; 7 `checkpoints rewind`: an owner had not applied it within --wait."
 )]
 pub struct Cli {
     /// Log format: `text` (human-readable; coloured only on a terminal, never with
@@ -83,6 +90,9 @@ enum Command {
     /// Pause or resume reading partitions: every replica follows within seconds.
     #[command(subcommand)]
     Partitions(PartitionsCommand),
+    /// Move the consumer group's checkpoints back, to deliver events again.
+    #[command(subcommand)]
+    Checkpoints(CheckpointsCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
     Demo(crate::demo::DemoArgs),
@@ -148,6 +158,52 @@ pub enum PartitionsCommand {
     Pause(PauseArgs),
     /// Read them again (every paused partition, without --partition); no restart needed.
     Resume(PauseArgs),
+}
+
+/// `hubguard checkpoints …`
+#[derive(Debug, Subcommand)]
+pub enum CheckpointsCommand {
+    /// Move checkpoints back (official layout: other processors and KEDA read it too), so
+    /// events are delivered again from a time or a sequence number. Refused (exit 6) for a
+    /// partition a live replica owns unless it is paused first (`partitions pause`); the owner
+    /// applies it once what it read settles, then reads again from there when resumed.
+    /// Exit 7: not applied within --wait (it still will be).
+    Rewind(RewindArgs),
+}
+
+/// What `checkpoints rewind` takes.
+#[derive(Debug, Args)]
+pub struct RewindArgs {
+    /// The configuration.
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Deliver again every event enqueued at or after T: RFC 3339, or a duration ago
+    /// (`90s`, `10m`, `2h`, `1d`).
+    #[arg(
+        long,
+        value_name = "T",
+        required_unless_present = "sequence",
+        conflicts_with = "sequence"
+    )]
+    to: Option<String>,
+    /// Deliver again from this sequence number (with --partition, usually).
+    #[arg(long, value_name = "N")]
+    sequence: Option<i64>,
+    /// A partition id (repeatable); none: every partition.
+    #[arg(long = "partition", value_name = "P")]
+    partitions: Vec<String>,
+    /// Who (recorded in the control record); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// How long to wait for owners to apply it, in seconds.
+    #[arg(long, default_value_t = 120, value_name = "SECONDS")]
+    wait: u64,
+    /// Say what would be rewound; write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// What `partitions pause|resume` take.
@@ -394,6 +450,7 @@ impl Command {
             Command::Partitions(PartitionsCommand::Pause(a) | PartitionsCommand::Resume(a)) => {
                 Some(&a.config.config)
             }
+            Command::Checkpoints(CheckpointsCommand::Rewind(a)) => Some(&a.config.config),
             _ => None,
         }
     }
@@ -510,6 +567,7 @@ pub fn main() -> ExitCode {
             Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
             Command::Retries(cmd) => retries(cmd).await,
             Command::Partitions(cmd) => partitions(cmd).await,
+            Command::Checkpoints(CheckpointsCommand::Rewind(args)) => rewind(args).await,
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }
@@ -816,7 +874,7 @@ async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
                         .or_insert_with(|| entry.clone());
                 }
             }
-            (false, true) => next = Pauses::default(),
+            (false, true) => next = now.resumed(),
             // Every partition is paused: refused below, nothing written.
             (false, false) if now.all.is_some() => return None,
             (false, false) => {
@@ -870,6 +928,105 @@ async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
         }
     }
     Ok(EXIT_OK)
+}
+
+/// `checkpoints rewind`: see [`crate::pipeline::rewind`].
+async fn rewind(args: RewindArgs) -> anyhow::Result<u8> {
+    use crate::pipeline::rewind::{self, Outcome, RewindJob, RewindTo};
+    let config = load_config(&args.config)?;
+    let to = match (&args.to, args.sequence) {
+        (_, Some(n)) => RewindTo::Sequence(n),
+        (Some(t), None) => RewindTo::Time(
+            parse_ago(t, std::time::SystemTime::now()).map_err(|e| anyhow::anyhow!("--to: {e}"))?,
+        ),
+        (None, None) => anyhow::bail!("give --to T or --sequence N"),
+    };
+    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
+    let wiring = Wiring::from_config(&config)?;
+    let blob = StorageAccess::from_config(&config)?.record_store(deadline)?;
+    let checkpoints = crate::azure::BlobCheckpointStore::new(blob.container());
+    let job = RewindJob {
+        target: wiring.eventhubs().clone(),
+        checkpoints,
+        records: Arc::new(blob),
+        expiration: Duration::from_millis(config.processor.ownership_expiration_ms),
+        deadline,
+        to,
+        partitions: args.partitions,
+        by: operator(args.by),
+        dry_run: args.dry_run,
+        wait: Duration::from_secs(args.wait),
+    };
+    let json = args.json;
+    let report = rewind::rewind(&job, |line| {
+        if !json {
+            eprintln!("{line}");
+        }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!(redact(&e).to_string()))?;
+    let count = |f: fn(&Outcome) -> bool| report.iter().filter(|l| f(&l.outcome)).count();
+    let refused = count(|o| matches!(o, Outcome::Refused { .. }));
+    let waiting = count(|o| matches!(o, Outcome::Waiting { .. }));
+    let applied = count(|o| matches!(o, Outcome::Applied { .. }));
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "to": job.to.to_string(),
+                "dry_run": args.dry_run,
+                "partitions": report,
+                "applied": applied,
+                "waiting": waiting,
+                "refused": refused,
+            })
+        );
+    } else {
+        for l in &report {
+            let from = l
+                .checkpoint_before
+                .map_or("no checkpoint".to_string(), |c| format!("checkpoint {c}"));
+            let what = match &l.outcome {
+                Outcome::WouldRewind => "would be rewound".to_string(),
+                Outcome::Applied { by } => format!("rewound (applied by {by})"),
+                Outcome::Waiting { owner: Some(o) } => {
+                    format!("waiting for its owner {o} to apply it")
+                }
+                Outcome::Waiting { owner: None } => "waiting to be applied".to_string(),
+                Outcome::Nothing { why } => format!("nothing to do: {why}"),
+                Outcome::Refused { why } => format!("refused: {why}"),
+            };
+            let first = l.first.map_or(String::new(), |f| {
+                format!(
+                    "; delivered again from sequence number {f}{}{}",
+                    l.events_again
+                        .map_or(String::new(), |n| format!(" ({n} events)")),
+                    l.clamped_from.map_or(String::new(), |c| format!(
+                        "; {c} is older than the hub retains"
+                    ))
+                )
+            });
+            println!("partition {}: {from}{first}: {what}", l.partition);
+        }
+        if refused > 0 {
+            println!("nothing was written");
+        } else if waiting > 0 {
+            println!(
+                "{waiting} partition(s) still waiting: their owners apply the rewind once what they read settles"
+            );
+        } else if applied > 0 {
+            println!(
+                "resume the partitions (`hubguard partitions resume`) to deliver the events again"
+            );
+        }
+    }
+    Ok(if refused > 0 {
+        EXIT_REFUSED
+    } else if waiting > 0 {
+        EXIT_WAITING
+    } else {
+        EXIT_OK
+    })
 }
 
 /// Who acts: `--by`, else the user name.

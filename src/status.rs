@@ -354,6 +354,7 @@ pub fn router_with_rate_limit(
         .route("/v1/status", get(report))
         .route("/v1/events/{key}", get(event))
         .route("/v1/retries", get(retries))
+        .route("/v1/control", get(control))
         .route("/metrics", get(metrics))
         .with_state(AppState {
             health,
@@ -396,6 +397,29 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         )
             .into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": redacted(&e.to_string()) }))).into_response(),
+    }
+}
+
+/// The operator's control record, read now: which partitions are paused (by whom, since
+/// when, why) and the checkpoint rewinds asked for (waiting, or applied by whom and when).
+/// Read-only: the actions stay on the command line.
+async fn control(State(s): State<AppState>) -> Response {
+    let name = s.ledger.control_record_name();
+    match crate::pipeline::control::read(s.ledger.store().as_ref(), &name).await {
+        Ok(record) => {
+            let (record, etag) = record.map_or((Default::default(), None), |(p, e)| (p, Some(e)));
+            let mut v = serde_json::to_value::<crate::pipeline::control::Pauses>(record)
+                .unwrap_or_default();
+            v["record"] = name.into();
+            v["exists"] = etag.is_some().into();
+            crate::redact::redact_json(&mut v);
+            Json(v).into_response()
+        }
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "record": name, "error": redacted(&e.to_string()) })),
+        )
+            .into_response(),
     }
 }
 

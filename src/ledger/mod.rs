@@ -464,6 +464,12 @@ impl Ledger {
         }
     }
 
+    /// The operator's control record of this ledger's deployment (pauses, rewinds), beside
+    /// the ledger: `control/{hub}/{consumer group}/pause`.
+    pub fn control_record_name(&self) -> String {
+        format!("control/{}pause", self.prefix)
+    }
+
     /// The store the records live in (the container the replicas share).
     pub fn store(&self) -> &Arc<dyn RecordStore> {
         &self.store

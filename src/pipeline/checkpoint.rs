@@ -41,10 +41,18 @@ pub(super) struct FencedCheckpointStore {
     /// renewal and a handover never race on one ownership's ETag.
     claim_lock: tokio::sync::Mutex<()>,
     rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    /// The control record as last read: rewinds applied since this store was made lower
+    /// the highest checkpoint it lets through (see [`Self::rewind`]).
+    control: Option<tokio::sync::watch::Receiver<super::control::Pauses>>,
+    /// When this store was made (ms since the epoch): rewinds applied before it are already
+    /// in the checkpoints it lists.
+    made_ms: i64,
 }
 
 #[derive(Default)]
 struct FenceState {
+    /// Rewinds (by id) this store has taken into `written`.
+    rewinds_seen: HashSet<String>,
     /// partition → when this replica last claimed (or renewed) it.
     claimed: HashMap<String, Instant>,
     /// partition → highest sequence number checkpointed.
@@ -105,7 +113,77 @@ impl FencedCheckpointStore {
             handovers: None,
             claim_lock: tokio::sync::Mutex::new(()),
             rate: None,
+            control: None,
+            made_ms: crate::clock::ms(std::time::SystemTime::now()),
         }
+    }
+
+    /// Follows the operator's control record, so a rewind applied by any replica (or by
+    /// `hubguard checkpoints rewind`) lowers the checkpoint this store lets through.
+    pub(super) fn with_control(
+        mut self,
+        control: tokio::sync::watch::Receiver<super::control::Pauses>,
+    ) -> Self {
+        self.control = Some(control);
+        self
+    }
+
+    /// Takes rewinds applied since this store was made into `written`: a checkpoint is never
+    /// moved backwards except by an operator's rewind.
+    fn take_rewinds(&self, st: &mut FenceState) {
+        let Some(control) = &self.control else {
+            return;
+        };
+        let control = control.borrow();
+        for (pid, r) in &control.rewinds {
+            let applied_since = r.applied.as_ref().is_some_and(|a| a.at_ms >= self.made_ms);
+            if applied_since && st.rewinds_seen.insert(r.id.clone()) {
+                st.written.insert(pid.clone(), r.sequence_number);
+            }
+        }
+    }
+
+    /// Whether this replica has already applied (or taken in) the rewind `id`: the control
+    /// record it last read may not say so yet.
+    pub(super) fn rewind_done(&self, id: &str) -> bool {
+        self.state().rewinds_seen.contains(id)
+    }
+
+    /// Applies an operator's rewind of `partition`, which this replica owns: writes the
+    /// rewind's checkpoint (backwards, the one write that may) after the partition's task has
+    /// stopped reading and settled everything it read, so no checkpoint of its own follows.
+    pub(super) async fn rewind(
+        &self,
+        partition: &str,
+        rewind: &super::control::Rewind,
+    ) -> Result<(), String> {
+        let checkpoint = {
+            let st = self.state();
+            let fresh = st
+                .claimed
+                .get(partition)
+                .is_some_and(|t| t.elapsed() < self.expiration);
+            let held = st.held.get(partition).filter(|_| fresh).ok_or_else(|| {
+                format!("this replica's ownership of partition {partition} is stale or lost")
+            })?;
+            rewind.checkpoint(
+                &held.fully_qualified_namespace,
+                &held.event_hub_name,
+                &held.consumer_group,
+                partition,
+            )
+        };
+        self.deadline(
+            "update_checkpoint (rewind)",
+            self.inner.update_checkpoint(checkpoint),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut st = self.state();
+        st.written
+            .insert(partition.to_string(), rewind.sequence_number);
+        st.rewinds_seen.insert(rewind.id.clone());
+        Ok(())
     }
 
     /// Hands partitions over cooperatively (see [`handover`](super::handover)) through
@@ -834,7 +912,8 @@ impl CheckpointStore for FencedCheckpointStore {
         let pid = checkpoint.partition_id.clone();
         let seq = checkpoint.sequence_number;
         {
-            let st = self.state();
+            let mut st = self.state();
+            self.take_rewinds(&mut st);
             let fresh = st
                 .claimed
                 .get(&pid)

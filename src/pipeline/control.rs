@@ -34,7 +34,63 @@ pub struct Pause {
     pub reason: Option<String>,
 }
 
-/// The pause control record.
+/// An operator's rewind of one partition's checkpoint (`hubguard checkpoints rewind`),
+/// applied by the partition's owner once the partition is paused and what it had read has
+/// settled (so no checkpoint of its own lands after it), or by the command itself when no
+/// replica owns the partition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rewind {
+    /// Unique per request: a replica applies each request once.
+    pub id: String,
+    /// The checkpoint's sequence number: the event *before* the first one delivered again
+    /// (checkpoints are exclusive); `first - 1`.
+    pub sequence_number: i64,
+    /// The checkpoint's offset: that event's, or `-1` (the start of the partition's
+    /// retained stream) when the first event delivered again is the oldest retained.
+    pub offset: String,
+    /// The first sequence number delivered again.
+    pub first: i64,
+    /// What the operator asked for (`--to T` or `--sequence N`).
+    pub asked: String,
+    /// Who (`--by`, else the user name).
+    pub by: String,
+    /// When it was asked (ms since the epoch).
+    pub since_ms: i64,
+    /// Who applied it and when; `None` while it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied: Option<Applied>,
+}
+
+/// Who applied a [`Rewind`], and when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    /// The owner id of the replica that applied it, or `hubguard checkpoints rewind`.
+    pub by: String,
+    /// When (ms since the epoch).
+    pub at_ms: i64,
+}
+
+impl Rewind {
+    /// The checkpoint it writes, as the SDK's processor resumes from it (exclusive).
+    pub fn checkpoint(
+        &self,
+        namespace: &str,
+        hub: &str,
+        consumer_group: &str,
+        partition: &str,
+    ) -> azure_messaging_eventhubs::models::Checkpoint {
+        azure_messaging_eventhubs::models::Checkpoint {
+            fully_qualified_namespace: namespace.into(),
+            event_hub_name: hub.into(),
+            consumer_group: consumer_group.into(),
+            partition_id: partition.into(),
+            offset: Some(self.offset.clone()),
+            sequence_number: Some(self.sequence_number),
+        }
+    }
+}
+
+/// The control record: the operator's pauses, and the checkpoint rewinds asked for.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pauses {
     /// Every partition is paused.
@@ -43,12 +99,29 @@ pub struct Pauses {
     /// These partitions are paused.
     #[serde(default)]
     pub partitions: BTreeMap<String, Pause>,
+    /// partition → its latest rewind (waiting or applied).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewinds: BTreeMap<String, Rewind>,
 }
 
 impl Pauses {
     /// The pause that holds partition `pid`, if any.
     pub fn of(&self, pid: &str) -> Option<&Pause> {
         self.partitions.get(pid).or(self.all.as_ref())
+    }
+
+    /// The rewind of `pid` that waits to be applied, if any.
+    pub fn waiting_rewind(&self, pid: &str) -> Option<&Rewind> {
+        self.rewinds.get(pid).filter(|r| r.applied.is_none())
+    }
+
+    /// The same record with nothing paused (rewinds kept).
+    pub fn resumed(&self) -> Self {
+        Self {
+            all: None,
+            partitions: BTreeMap::new(),
+            rewinds: self.rewinds.clone(),
+        }
     }
 
     /// Whether nothing is paused.
@@ -147,6 +220,32 @@ pub async fn change(
         }
     }
     Err(ControlError::Contended(name.into()))
+}
+
+/// Marks `pid`'s rewind `id` applied by `by` (compare-and-swap; a newer request for the
+/// partition is left alone).
+pub async fn mark_applied(
+    store: &dyn RecordStore,
+    name: &str,
+    pid: &str,
+    id: &str,
+    by: &str,
+) -> Result<(), ControlError> {
+    let at_ms = crate::clock::ms(std::time::SystemTime::now());
+    change(store, name, |now| {
+        let r = now.rewinds.get(pid)?;
+        if r.id != id || r.applied.is_some() {
+            return None;
+        }
+        let mut next = now.clone();
+        next.rewinds.get_mut(pid).expect("present").applied = Some(Applied {
+            by: by.into(),
+            at_ms,
+        });
+        Some(next)
+    })
+    .await
+    .map(|_| ())
 }
 
 /// Reads the control record every `poll` until `cancel`, publishing each change. While it

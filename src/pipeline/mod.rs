@@ -27,6 +27,7 @@ pub mod readback;
 mod recorded;
 mod retention;
 mod retry;
+pub mod rewind;
 pub mod settle;
 
 use std::sync::Arc;
@@ -399,6 +400,7 @@ impl Pipeline {
         if let Some(b) = &breaker {
             health.watch(b.clone());
         }
+        let pauses = tokio::sync::watch::Sender::new(control::Pauses::default());
         let mut fenced = FencedCheckpointStore::new(
             parts.checkpoint_store,
             parts.options.owner_id.clone(),
@@ -406,6 +408,7 @@ impl Pipeline {
             parts.options.ownership_expiration,
         )
         .with_health(health.clone())
+        .with_control(pauses.subscribe())
         .with_rate_limiter(limiter.clone())
         .with_lease(owner::OwnerLease::new(
             records.clone(),
@@ -452,7 +455,7 @@ impl Pipeline {
                 health,
                 options: parts.options,
                 reader,
-                pauses: tokio::sync::watch::Sender::new(control::Pauses::default()),
+                pauses,
             }),
             eventhubs: parts.eventhubs,
             checkpoints,
@@ -859,7 +862,7 @@ async fn run_processor(
                     let (shared, cancel, tx) = (shared.clone(), partitions.clone(), ended_tx.clone());
                     let checkpoints = checkpoints.clone();
                     tasks.push(tokio::task::spawn_local(async move {
-                        let ended = partition::run(pc, shared, cancel, stop_reading).await;
+                        let ended = partition::run(pc, shared, cancel, stop_reading, &checkpoints).await;
                         checkpoints.partition_ended(&pid).await;
                         let _ = tx.send(ended);
                     }));

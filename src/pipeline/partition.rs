@@ -109,6 +109,7 @@ pub(crate) async fn run(
     shared: Arc<Shared>,
     cancel: CancellationToken,
     stop_reading: CancellationToken,
+    fence: &super::checkpoint::FencedCheckpointStore,
 ) -> Ended {
     let mut ended = Ended {
         failed: false,
@@ -124,6 +125,7 @@ pub(crate) async fn run(
     let mut received_by_seq: BTreeMap<i64, ReceivedEventData> = BTreeMap::new();
     let mut waiting: BTreeMap<i64, Event> = BTreeMap::new();
     let mut running: FuturesUnordered<_> = FuturesUnordered::new();
+    let mut rewinding: Option<super::control::Rewind>;
     let mut cp = Checkpointer {
         last_settled: None,
         written: None,
@@ -160,6 +162,17 @@ pub(crate) async fn run(
         let mut pauses = shared.pauses.subscribe();
         let mut paused = pauses.borrow_and_update().of(&pid).cloned();
         mark_paused(&shared, &pid, paused.as_ref());
+        // An operator's rewind waiting for this partition: read nothing more, let what was
+        // read settle, then write the rewind's checkpoint instead of a final one and give the
+        // partition back, so the processor hands it out again from there.
+        rewinding = pauses
+            .borrow()
+            .waiting_rewind(&pid)
+            .filter(|r| !fence.rewind_done(&r.id))
+            .cloned();
+        if rewinding.is_some() {
+            reading = false;
+        }
         // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
         // internal reconnect, say) must not let the checkpoint pass what it skipped.
         let mut last_seq: Option<i64> = None;
@@ -192,6 +205,17 @@ pub(crate) async fn run(
                     }
                 }
                 Ok(()) = pauses.changed() => {
+                    if rewinding.is_none() {
+                        rewinding = pauses
+                            .borrow()
+                            .waiting_rewind(&pid)
+                            .filter(|r| !fence.rewind_done(&r.id))
+                            .cloned();
+                        if let Some(r) = &rewinding {
+                            tracing::info!(partition = %pid, first = r.first, by = %r.by, "an operator's rewind: stop reading, settle what was read, then rewind the checkpoint");
+                            reading = false;
+                        }
+                    }
                     let now = pauses.borrow_and_update().of(&pid).cloned();
                     if now != paused {
                         tracing::info!(partition = %pid, paused = now.is_some(), "the operator's pause changed");
@@ -264,7 +288,10 @@ pub(crate) async fn run(
         .as_ref()
         .and_then(|e| e.sequence_number())
         .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
-    cp.write(&pc, &shared).await;
+    match &rewinding {
+        None => cp.write(&pc, &shared).await,
+        Some(r) => apply_rewind(&pid, r, &shared, fence).await,
+    }
     mark_paused(&shared, &pid, None);
     shared.health.unset_owned(&pid);
     match Arc::try_unwrap(pc) {
@@ -282,6 +309,38 @@ pub(crate) async fn run(
     }
     tracing::info!(partition = %pid, "partition released");
     ended
+}
+
+/// Writes an operator's rewind of `pid` (everything read has settled) and marks it applied in
+/// the control record. A failure leaves it waiting: the partition is given back all the same,
+/// and its next task (here or on another replica) tries again.
+async fn apply_rewind(
+    pid: &str,
+    r: &super::control::Rewind,
+    shared: &Shared,
+    fence: &super::checkpoint::FencedCheckpointStore,
+) {
+    if let Err(e) = fence.rewind(pid, r).await {
+        tracing::warn!(partition = %pid, error = %e, "the operator's rewind was not written; the partition's next owner tries again");
+        return;
+    }
+    let name = super::control::record_name(&shared.origin.hub, &shared.origin.consumer_group);
+    match super::control::mark_applied(
+        shared.settler.ledger.store().as_ref(),
+        &name,
+        pid,
+        &r.id,
+        &shared.options.owner_id,
+    )
+    .await
+    {
+        Ok(()) => {
+            tracing::info!(partition = %pid, first = r.first, checkpoint = r.sequence_number, by = %r.by, "the operator's rewind is applied; the partition is read again from there")
+        }
+        Err(e) => {
+            tracing::warn!(partition = %pid, error = %e, "the rewind's checkpoint is written but not yet marked applied; the partition's next owner writes it again")
+        }
+    }
 }
 
 /// Lists the ledger's pending retries of `pid`'s events into `recorded` (each storage call
