@@ -186,8 +186,9 @@ pub struct RewindArgs {
         conflicts_with = "sequence"
     )]
     to: Option<String>,
-    /// Deliver again from this sequence number (with --partition, usually).
-    #[arg(long, value_name = "N")]
+    /// Deliver again from this sequence number (with --partition, usually); one older than
+    /// the hub retains starts at the oldest retained, and says so.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(0..))]
     sequence: Option<i64>,
     /// A partition id (repeatable); none: every partition.
     #[arg(long = "partition", value_name = "P")]

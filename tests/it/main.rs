@@ -31,6 +31,7 @@ mod ratelimit;
 mod recovery;
 mod refusals;
 mod retry_after;
+mod rewind;
 mod run_command;
 mod secrets;
 mod servicebus;
