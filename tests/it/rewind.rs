@@ -366,3 +366,103 @@ async fn with_no_replica_running_the_command_rewinds_to_a_time_and_the_next_repl
     b.stop().await;
     assert_eq!(handler.calls_of("old-0"), vec![1], "before --to: not again");
 }
+
+/// An event held for Service Bus while the partition is paused: the owner applies the rewind
+/// only after it settles, so its own checkpoint never lands after the rewind's, and the
+/// command says it waits (exit 7) until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_waits_for_an_event_held_during_a_service_bus_outage_and_never_skips_it() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    bed.send(0, &[("first", "ok")]).await;
+    wait_for(
+        "first delivered and checkpointed",
+        &a.health,
+        LIMIT,
+        || async { bed.checkpoint_of("0").await == Some(0) },
+    )
+    .await;
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    bed.send(0, &[("stuck", "fail:1")]).await;
+    wait_for("held for Service Bus", &a.health, LIMIT, || async {
+        a.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.cause == hubguard::pipeline::health::HoldCause::ServiceBus)
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_of(&bed, &dir);
+    let (code, out) = hubguard(&config, &["partitions", "pause"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    wait_for("paused", &a.health, LIMIT, || async {
+        a.health
+            .held()
+            .contains_key(&hubguard::pipeline::control::held_name("0"))
+    })
+    .await;
+    let (code, out) = hubguard(
+        &config,
+        &[
+            "checkpoints",
+            "rewind",
+            "--sequence",
+            "0",
+            "--wait",
+            "3",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(7), "the owner holds an unsettled event: {out}");
+    let v = json_of(&out);
+    assert_eq!(
+        (
+            v["partitions"][0]["result"].as_str(),
+            v["partitions"][0]["owner"].as_str()
+        ),
+        (Some("waiting"), Some("replica-a")),
+        "{out}"
+    );
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        Some(0),
+        "not applied while held"
+    );
+    bed.sb.faults().clear();
+    let store = bed.records();
+    let name = hubguard::pipeline::control::record_name("hub", "$Default");
+    wait_for(
+        "applied once the held event settled",
+        &a.health,
+        LIMIT,
+        || async {
+            hubguard::pipeline::control::read(store.as_ref(), &name)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|(c, _)| c.rewinds["0"].applied.is_some())
+        },
+    )
+    .await;
+    assert_eq!(bed.checkpoint_of("0").await, Some(-1));
+    let (code, out) = hubguard(&config, &["partitions", "resume"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    wait_for("read again from the start", &a.health, LIMIT, || async {
+        handler.calls_of("first").len() == 2
+            && handler.delivered_keys().contains("stuck")
+            && bed.checkpoint_of("0").await == Some(1)
+    })
+    .await;
+    a.stop().await;
+    assert_eq!(handler.calls_of("first"), vec![1, 1]);
+    assert_eq!(
+        handler.calls_of("stuck")[0],
+        1,
+        "{:?}",
+        handler.calls_of("stuck")
+    );
+}
