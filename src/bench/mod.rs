@@ -15,6 +15,7 @@
 //!   above its capacity ([`ratelimit`]).
 
 pub mod azure;
+pub mod cpu;
 mod ledger;
 pub mod memory;
 pub mod pipelines;
@@ -54,6 +55,8 @@ pub struct BenchArgs {
     /// scale (not run by default: replicas joining and leaving on a backlog).
     /// rate_limit (not run unless named).
     /// ledger (not run by default).
+    /// cpu (not run by default): CPU per event, hubguard against a bare consumer, with the
+    /// emulators in a child process (`--cpu-latency`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -111,6 +114,10 @@ pub struct BenchArgs {
     /// `rate_limit`: events through the adaptive run.
     #[arg(long, default_value_t = 2400)]
     adaptive_events: usize,
+    /// `cpu`: the emulators' latency profile in their process (`none`, `azure`, or
+    /// `service=median:p99,…`, as `hubguard emulator --latency`).
+    #[arg(long, default_value = "none")]
+    cpu_latency: String,
     /// Settled ledger records for the ledger scenario.
     #[arg(long, default_value_t = 200_000)]
     ledger_settled: usize,
@@ -144,6 +151,7 @@ struct Figures {
     scale: Vec<scale::ScaleRun>,
     rate_limit: Option<ratelimit::RateLimitFigures>,
     ledger: Option<ledger::LedgerFigures>,
+    cpu: Option<cpu::CpuFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -151,7 +159,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 8] = [
+    const KNOWN: [&str; 9] = [
+        "cpu",
         "eventhubs",
         "guard",
         "concurrency",
@@ -188,6 +197,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             )
             .await?,
         );
+        f.cpu = Some(cpu::cpu(args.azure_partitions, args.azure_events, 1024, "azure").await?);
         if args.json {
             println!("{}", json_line(&args, &f));
         } else {
@@ -245,6 +255,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             )
             .await?,
         );
+    }
+    if on("cpu") {
+        f.cpu = Some(cpu::cpu(4, args.events, args.size, &args.cpu_latency).await?);
     }
     if on("ledger") {
         f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
@@ -441,6 +454,11 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             a.events as f64 / a.seconds.max(1e-9)
         ));
     }
+    if let Some(c) = &f.cpu {
+        fields.push(format!("\"cpu_us_per_event_guard\":{:.1}", c.guard_us));
+        fields.push(format!("\"cpu_us_per_event_bare\":{:.1}", c.bare_us));
+        fields.push(format!("\"cpu_per_event_ratio\":{:.3}", c.ratio()));
+    }
     if let Some(l) = &f.ledger {
         fields.push(format!("\"ledger_settled\":{}", l.settled));
         fields.push(format!("\"ledger_pending\":{}", l.pending));
@@ -630,6 +648,24 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
         println!(
             "{:>44} {:>10.1} {:>10.1}",
             "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
+        );
+        println!();
+    }
+    if let Some(c) = &f.cpu {
+        println!(
+            "CPU of the consuming process per event ({} events, {} partitions; emulators in a child process, latency {}; no-op handler)",
+            c.events, c.partitions, c.latency
+        );
+        println!(
+            "{:>24} {:>12} {:>12} {:>8}",
+            "", "hubguard", "bare SDK", "ratio"
+        );
+        println!(
+            "{:>24} {:>12.1} {:>12.1} {:>8.2}",
+            "CPU µs per event",
+            c.guard_us,
+            c.bare_us,
+            c.ratio()
         );
         println!();
     }
