@@ -297,6 +297,23 @@ const TAG_ERROR: &str = "hubguard_last_error";
 const TAG_PARTITION: &str = "hubguard_partition";
 const TAG_SEQUENCE: &str = "hubguard_sequence_number";
 const STATE_RETRY_SCHEDULED: &str = "RETRY_SCHEDULED";
+/// The blob index tag every ledger record carries when `ledger.lifecycle_tags` is on (sent
+/// with the record's own Put Blob, `x-ms-tags`: no extra call): the record's state, for a
+/// lifecycle management policy that deletes only DELIVERED records (`deploy/azure/
+/// lifecycle-policy.json`). Index tag names and values allow a-z A-Z 0-9 space `+ - . / : =
+/// _` ("Manage and find Azure Blob data with blob index tags", learn.microsoft.com/azure/
+/// storage/blobs/storage-manage-find-blobs).
+pub const STATE_INDEX_TAG: &str = "hubguard-state";
+
+/// The value of [`STATE_INDEX_TAG`] for a record in `state`.
+pub fn state_index_value(state: State) -> &'static str {
+    match state {
+        State::RetryScheduled => "retry-scheduled",
+        State::Delivered => "delivered",
+        State::DeadLettered => "dead-lettered",
+    }
+}
+
 /// Longest key, and longest error, copied into a tag (all tags stay far under 8 KB).
 const TAG_TEXT_LIMIT: usize = 512;
 
@@ -476,13 +493,13 @@ impl Ledger {
     }
 
     /// The blob name of `key`'s entry in the pending index.
-    fn entry_name(&self, key: &str) -> String {
+    pub fn entry_name(&self, key: &str) -> String {
         self.blob_name("pending", key)
     }
 
     /// The marker saying the pending index covers every waiting record: written once the
     /// first start of a version with the index has indexed the records written before it.
-    fn index_marker(&self) -> String {
+    pub fn index_marker(&self) -> String {
         format!("indexes/{}pending-v1", self.prefix)
     }
 
@@ -491,7 +508,8 @@ impl Ledger {
         self.blob_name("ledger", key)
     }
 
-    fn dead_letter_name(&self, key: &str) -> String {
+    /// The blob name of `key`'s entry in the dead-letter index.
+    pub fn dead_letter_name(&self, key: &str) -> String {
         self.blob_name("deadletters", key)
     }
 
@@ -602,7 +620,15 @@ impl Ledger {
         let name = self.record_name(&record.key);
         let tags = tags_of(record);
         let span = tracing::info_span!(target: "hubguard::attempt", "ledger", otel.name = crate::telemetry::names::span::LEDGER_WRITE);
-        let write = async { self.store.write_tagged(&name, body, etag, &tags).await };
+        let index = crate::azure::record_store::Tags::from([(
+            STATE_INDEX_TAG.to_string(),
+            state_index_value(record.state).to_string(),
+        )]);
+        let write = async {
+            self.store
+                .write_indexed(&name, body, etag, &tags, &index)
+                .await
+        };
         let written: String = tracing::Instrument::instrument(write, span).await?;
         match (had, want) {
             (Some(h), Some(w)) if h != w => {
