@@ -686,6 +686,7 @@ mod tests {
                     content: Bytes::from_static(b"{}"),
                     content_type: "application/json".into(),
                     metadata: BTreeMap::from([("offset".into(), "42".into())]),
+                    tags: BTreeMap::new(),
                 },
                 &Conditions::default(),
                 now,
