@@ -487,35 +487,54 @@ impl BlobContainer {
         with_metadata: bool,
     ) -> Result<Vec<BlobItem>, BlobError> {
         let mut out = Vec::new();
-        let mut marker = String::new();
+        let mut marker: Option<String> = None;
         loop {
-            let mut params = vec![("restype", "container"), ("comp", "list")];
-            if !prefix.is_empty() {
-                params.push(("prefix", prefix));
-            }
-            if with_metadata {
-                params.push(("include", "metadata"));
-            }
-            if !marker.is_empty() {
-                params.push(("marker", marker.as_str()));
-            }
-            let req = self
-                .http
-                .get(self.url_for(None, &params))
-                .header("accept", "application/xml");
-            let resp = self.send(req).await?;
-            let text = resp
-                .text()
-                .await
-                .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
-            let (items, next) = parse_list(&text)?;
+            let (items, next) = self
+                .list_blobs_page(prefix, with_metadata, marker.as_deref(), None)
+                .await?;
             out.extend(items);
             match next {
-                Some(n) if !n.is_empty() => marker = n,
-                _ => break,
+                Some(n) => marker = Some(n),
+                None => break,
             }
         }
         Ok(out)
+    }
+
+    /// One List Blobs call: at most `max` blobs (the service's page, at most 5,000, when
+    /// `None`) from `marker`, and the marker of the next page (`None`: the last page).
+    pub async fn list_blobs_page(
+        &self,
+        prefix: &str,
+        with_metadata: bool,
+        marker: Option<&str>,
+        max: Option<usize>,
+    ) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
+        let max = max.map(|m| m.clamp(1, 5_000).to_string());
+        let mut params = vec![("restype", "container"), ("comp", "list")];
+        if !prefix.is_empty() {
+            params.push(("prefix", prefix));
+        }
+        if with_metadata {
+            params.push(("include", "metadata"));
+        }
+        if let Some(m) = marker.filter(|m| !m.is_empty()) {
+            params.push(("marker", m));
+        }
+        if let Some(m) = &max {
+            params.push(("maxresults", m.as_str()));
+        }
+        let req = self
+            .http
+            .get(self.url_for(None, &params))
+            .header("accept", "application/xml");
+        let resp = self.send(req).await?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+        let (items, next) = parse_list(&text)?;
+        Ok((items, next.filter(|n| !n.is_empty())))
     }
 }
 

@@ -104,6 +104,21 @@ pub trait RecordStore: Send + Sync {
     async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError>;
     /// Every record whose key starts with `prefix`, with its tags.
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError>;
+    /// One page of [`list`](Self::list): records whose key starts with `prefix`, from
+    /// `marker` (the continuation the previous page returned; `None`: the first page), and
+    /// the next page's marker (`None`: no more). Lets a caller walk a large prefix holding
+    /// one page at a time (blob storage: one List Blobs call, at most 5,000 blobs). The
+    /// default lists everything and returns it as one page.
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        if marker.is_some() {
+            return Ok((Vec::new(), None));
+        }
+        Ok((self.list(prefix).await?, None))
+    }
     /// Creates (`etag` `None`) or replaces `key` like [`create`](Self::create) and
     /// [`update`](Self::update), storing `tags` beside it in the same write. A store that
     /// cannot keep tags writes the record alone (the default).
@@ -271,6 +286,15 @@ impl BlobRecordStore {
                 })
         })
         .await
+    }
+}
+
+fn listed(i: crate::azure::blob::BlobItem) -> Listed {
+    Listed {
+        key: i.name,
+        etag: i.etag,
+        last_modified: i.last_modified.map(SystemTime::from),
+        tags: i.metadata.into_iter().collect(),
     }
 }
 
@@ -445,15 +469,23 @@ impl RecordStore for BlobRecordStore {
                 .list_blobs(prefix, true)
                 .await
                 .map_err(|e| classify(&e))?;
-            Ok(items
-                .into_iter()
-                .map(|i| Listed {
-                    key: i.name,
-                    etag: i.etag,
-                    last_modified: i.last_modified.map(SystemTime::from),
-                    tags: i.metadata.into_iter().collect(),
-                })
-                .collect())
+            Ok(items.into_iter().map(listed).collect())
+        })
+        .await
+    }
+
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        self.deadline(async {
+            let (items, next) = self
+                .container
+                .list_blobs_page(prefix, true, marker, None)
+                .await
+                .map_err(|e| classify(&e))?;
+            Ok((items.into_iter().map(listed).collect(), next))
         })
         .await
     }

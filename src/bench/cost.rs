@@ -278,6 +278,14 @@ impl RecordStore for CountingStore {
         self.log.note(key_of_blob(prefix), Kind::BlobList, pages);
         Ok(listed)
     }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        self.log.note(key_of_blob(prefix), Kind::BlobList, 1);
+        self.inner.list_page(prefix, marker).await
+    }
     async fn write_tagged(
         &self,
         key: &str,

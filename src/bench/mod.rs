@@ -476,6 +476,23 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             "\"retries_list_empty_ms\":{:.1}",
             l.retries_list_empty_ms
         ));
+        let mb = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_settled\":{}",
+            mb(l.sweep_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_empty\":{}",
+            mb(l.sweep_peak_mb.1)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_settled\":{}",
+            mb(l.retention_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_empty\":{}",
+            mb(l.retention_peak_mb.1)
+        ));
     }
     if let Some(c) = &f.cost {
         for (name, _, ops) in c.paths() {
@@ -729,6 +746,20 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
         );
         println!("{:>24} {:>12}", "blobs listed", l.sweep_listed_settled);
+        let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "sweep peak +MB",
+            mb(l.sweep_peak_mb.0),
+            mb(l.sweep_peak_mb.1)
+        );
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "retention peak +MB",
+            mb(l.retention_peak_mb.0),
+            mb(l.retention_peak_mb.1)
+        );
+        println!("(peak resident memory gained during one pass, this process; Linux)");
         println!();
     }
     if let Some(c) = &f.cost {

@@ -1076,7 +1076,29 @@ impl Ledger {
     ) -> Result<Expired, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);
         let mut out = Expired::default();
-        for l in self.store.list(&prefix).await? {
+        // Page by page (one List Blobs call of at most 5,000 each): a replica holds one page,
+        // however many records retention keeps.
+        let mut marker: Option<String> = None;
+        loop {
+            let (page, next) = self.store.list_page(&prefix, marker.as_deref()).await?;
+            self.expire_page(page, before, settled, &mut out).await?;
+            match next {
+                Some(n) => marker = Some(n),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`expire`](Self::expire) over one listed page.
+    async fn expire_page(
+        &self,
+        page: Vec<crate::azure::record_store::Listed>,
+        before: SystemTime,
+        settled: &(dyn Fn(&str, i64) -> bool + Send + Sync),
+        out: &mut Expired,
+    ) -> Result<(), LedgerError> {
+        for l in page {
             if l.tags.get(TAG_STATE).map(String::as_str) != Some("DELIVERED")
                 || l.last_modified.is_none_or(|t| t >= before)
             {
@@ -1099,7 +1121,7 @@ impl Ledger {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Keys of every record (for tests and the demo's verification).
