@@ -482,8 +482,14 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
         max_attempts: 3,
         max_age_s: None,
     };
+    // Room for every retry at once, so none waits for a slot holding its lock: renewals
+    // then come from the attempt's own length (the renewed path), as they would on a
+    // deployment keeping up.
     let options = PipelineOptions {
         retry_receive_wait: Duration::from_secs(1),
+        retry_concurrency: events,
+        retry_prefetch: events,
+        max_in_flight: 16,
         ..super::pipelines::bench_options()
     };
     let mut parts = super::pipelines::parts(&emulators, handler.clone(), policy, options)?;
