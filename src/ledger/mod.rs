@@ -416,6 +416,9 @@ pub struct Ledger {
     /// Set once the pending index is known to cover every waiting record (see
     /// [`Ledger::pending`]).
     indexed: Arc<tokio::sync::OnceCell<()>>,
+    /// How long DELIVERED records are kept (`ledger.retention_days`), when the owner says:
+    /// `Some(None)` for ever, `None` not known here.
+    retention: Option<Option<std::time::Duration>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -478,7 +481,52 @@ impl Ledger {
             store,
             prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
             indexed: Arc::default(),
+            retention: None,
         }
+    }
+
+    /// This ledger, knowing that DELIVERED records are deleted `keep` after their last write
+    /// (`None`: kept for ever), so [`no_record`](Self::no_record) can say so.
+    pub fn with_retention(mut self, keep: Option<std::time::Duration>) -> Self {
+        self.retention = Some(keep);
+        self
+    }
+
+    /// What to say of `key` when the ledger has no record of it (the status API): state
+    /// `UNKNOWN`, why that can be, and — when the retention is known — how long delivered
+    /// records are kept (`delivered_records_kept_days`, `null` for ever) and since when a
+    /// delivered record would still be there (`records_kept_since`).
+    pub fn no_record(&self, key: &str, now: SystemTime) -> serde_json::Value {
+        let (kept, since, why) = match self.retention {
+            Some(Some(keep)) => {
+                let since = now.checked_sub(keep).map(crate::clock::rfc3339);
+                let days = keep.as_secs() / 86_400;
+                let why = format!("delivered on a retry before {} (delivered records are kept {days} days after delivery, ledger.retention_days, and then deleted)", since.as_deref().unwrap_or("the epoch"));
+                (serde_json::json!(days), serde_json::json!(since), why)
+            }
+            Some(None) => (
+                serde_json::Value::Null,
+                serde_json::Value::Null,
+                "(delivered records are kept for ever here: ledger.retention_days = 0)".into(),
+            ),
+            None => (
+                serde_json::Value::Null,
+                serde_json::Value::Null,
+                "delivered on a retry longer ago than ledger.retention_days".into(),
+            ),
+        };
+        let detail = if self.retention == Some(None) {
+            format!("the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand) {why}; it cannot tell which")
+        } else {
+            format!("the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, {why}, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which")
+        };
+        serde_json::json!({
+            "key": key,
+            "state": "UNKNOWN",
+            "detail": detail,
+            "delivered_records_kept_days": kept,
+            "records_kept_since": since,
+        })
     }
 
     /// The operator's control record of this ledger's deployment (pauses, rewinds), beside
@@ -1408,6 +1456,35 @@ mod tests {
         let reads = store.reads();
         assert_eq!(again.pending().await.unwrap().len(), 1);
         assert_eq!(store.reads() - reads, 1, "the marker only");
+    }
+
+    #[test]
+    fn a_key_without_a_record_says_how_long_delivered_records_are_kept() {
+        use std::time::Duration;
+        let store = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(30 * 86_400);
+        let week = Ledger::new(store.clone(), "hub", "$Default")
+            .with_retention(Some(Duration::from_secs(7 * 86_400)))
+            .no_record("k", now);
+        assert_eq!(week["state"], "UNKNOWN");
+        assert_eq!(week["delivered_records_kept_days"], 7);
+        let since =
+            crate::clock::rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(23 * 86_400));
+        assert_eq!(week["records_kept_since"], since.as_str());
+        assert!(week["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("delivered on a retry before {since}")));
+        let forever = Ledger::new(store.clone(), "hub", "$Default")
+            .with_retention(None)
+            .no_record("k", now);
+        assert!(forever["records_kept_since"].is_null());
+        assert!(forever["detail"]
+            .as_str()
+            .unwrap()
+            .contains("kept for ever"));
+        let unknown = Ledger::new(store, "hub", "$Default").no_record("k", now);
+        assert!(unknown["delivered_records_kept_days"].is_null());
     }
 
     #[test]
