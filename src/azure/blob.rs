@@ -671,6 +671,45 @@ fn parse_list(xml: &str) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
     Ok((items, next))
 }
 
+/// `x-ms-tags`: the tags as a URL query string (every byte but `A–Z a–z 0–9 - . _ ~`
+/// percent-encoded).
+pub fn encode_tags(tags: &[(&str, &str)]) -> String {
+    const TAG: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    tags.iter()
+        .map(|(k, v)| {
+            format!(
+                "{}={}",
+                utf8_percent_encode(k, TAG),
+                utf8_percent_encode(v, TAG)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
+    let text = |t: &str, name: &str| -> String {
+        let (open, close) = (format!("<{name}>"), format!("</{name}>"));
+        t.split_once(&open)
+            .and_then(|(_, rest)| rest.split_once(&close))
+            .map(|(v, _)| {
+                quick_xml::escape::unescape(v)
+                    .map(|c| c.into_owned())
+                    .unwrap_or_else(|_| v.to_string())
+            })
+            .unwrap_or_default()
+    };
+    xml.split("<Tag>")
+        .skip(1)
+        .map(|t| (text(t, "Key"), text(t, "Value")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -731,43 +770,4 @@ mod tests {
         )
         .is_err());
     }
-}
-
-/// `x-ms-tags`: the tags as a URL query string (every byte but `A–Z a–z 0–9 - . _ ~`
-/// percent-encoded).
-pub fn encode_tags(tags: &[(&str, &str)]) -> String {
-    const TAG: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-        .remove(b'-')
-        .remove(b'.')
-        .remove(b'_')
-        .remove(b'~');
-    tags.iter()
-        .map(|(k, v)| {
-            format!(
-                "{}={}",
-                utf8_percent_encode(k, TAG),
-                utf8_percent_encode(v, TAG)
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("&")
-}
-
-/// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
-pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
-    let text = |t: &str, name: &str| -> String {
-        let (open, close) = (format!("<{name}>"), format!("</{name}>"));
-        t.split_once(&open)
-            .and_then(|(_, rest)| rest.split_once(&close))
-            .map(|(v, _)| {
-                quick_xml::escape::unescape(v)
-                    .map(|c| c.into_owned())
-                    .unwrap_or_else(|_| v.to_string())
-            })
-            .unwrap_or_default()
-    };
-    xml.split("<Tag>")
-        .skip(1)
-        .map(|t| (text(t, "Key"), text(t, "Value")))
-        .collect()
 }
