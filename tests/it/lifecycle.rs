@@ -207,6 +207,49 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
     }
 }
 
+/// The tag rides on the record's own Put Blob: a record's life (first failure, retry,
+/// delivery) makes as many writes with `lifecycle_tags` as without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_tag_adds_no_call() {
+    let mut writes = Vec::new();
+    for tagged in [false, true] {
+        let emu = hubguard::emulator::blob::BlobEmulator::start(Default::default())
+            .await
+            .unwrap();
+        let client = Arc::new(
+            BlobContainer::new(&emu.container_url("hubguard"), None, Duration::from_secs(5))
+                .unwrap(),
+        );
+        client.create_container().await.unwrap();
+        emu.store().record_writes();
+        let ledger = Ledger::new(
+            Arc::new(
+                BlobRecordStore::on(client.clone(), Duration::from_secs(5)).with_index_tags(tagged),
+            ),
+            "hub",
+            "$Default",
+        );
+        let due = SystemTime::now() + Duration::from_secs(60);
+        ledger
+            .put(&record("k", 1, State::RetryScheduled, Some(due)), None)
+            .await
+            .unwrap();
+        let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+        rec.attempts = 2;
+        rec.state = State::Delivered;
+        rec.next_attempt_ms = None;
+        ledger.put(&rec, Some(&etag)).await.unwrap();
+        let tags = client
+            .get_tags(&ledger.record_name("k"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(tags.is_empty(), !tagged, "{tags:?}");
+        writes.push(emu.store().writes().len());
+    }
+    assert_eq!(writes[0], writes[1], "writes without and with the tag");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_lifecycle_tags_a_record_write_sends_no_index_tag() {
     let emu = hubguard::emulator::blob::BlobEmulator::start(Default::default())
