@@ -393,10 +393,14 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         Ok(Some((rec, _))) => Json(record_view(&rec)).into_response(),
         Ok(None) => (
             StatusCode::NOT_FOUND,
-            Json(json!({ "key": key, "state": "UNKNOWN", "detail": "the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which" })),
+            Json(s.ledger.no_record(&key, SystemTime::now())),
         )
             .into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "error": redacted(&e.to_string()) }))).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "error": redacted(&e.to_string()) })),
+        )
+            .into_response(),
     }
 }
 

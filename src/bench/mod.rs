@@ -10,11 +10,14 @@
 //! - The retry path: failure to Service Bus acceptance, due time to actual start.
 //! - Resident memory of `hubguard run` with no retries and with many pending ([`memory`]).
 //! - `--profile azure`: hubguard at Azure's latencies, with a 50 ms downstream ([`azure`]).
+//! - With `--only cost` (not in the default run): Azure operations per event on each path
+//!   (happy, first failure, retry, dead letter), counted from the pipeline's calls ([`cost`]).
 //! - With `--only rate_limit` (not in the default run): three replicas under one
 //!   `handler.rate_limit`, to a receiver that takes everything and to one that answers 429
 //!   above its capacity ([`ratelimit`]).
 
 pub mod azure;
+pub mod cost;
 pub mod cpu;
 mod ledger;
 pub mod memory;
@@ -57,6 +60,7 @@ pub struct BenchArgs {
     /// ledger (not run by default).
     /// cpu (not run by default): CPU per event, hubguard against a bare consumer, with the
     /// emulators in a child process (`--cpu-latency`).
+    /// cost (not run by default: Azure operations per event on each path).
     #[arg(
         long,
         value_delimiter = ',',
@@ -124,6 +128,9 @@ pub struct BenchArgs {
     /// Waiting ledger records for the ledger scenario.
     #[arg(long, default_value_t = 1_000)]
     ledger_pending: usize,
+    /// Events through the cost scenario (a fifth on each scripted path).
+    #[arg(long, default_value_t = 200)]
+    cost_events: usize,
 }
 
 /// One measured scenario.
@@ -152,6 +159,7 @@ struct Figures {
     rate_limit: Option<ratelimit::RateLimitFigures>,
     ledger: Option<ledger::LedgerFigures>,
     cpu: Option<cpu::CpuFigures>,
+    cost: Option<cost::CostFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -159,7 +167,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 9] = [
+    const KNOWN: [&str; 10] = [
         "cpu",
         "eventhubs",
         "guard",
@@ -169,6 +177,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "scale",
         "rate_limit",
         "ledger",
+        "cost",
     ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
@@ -261,6 +270,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if on("ledger") {
         f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
+    }
+    if on("cost") {
+        if args.cost_events < 5 {
+            bail!("--cost-events must be at least 5 (one event on each path)");
+        }
+        f.cost = Some(cost::cost(args.cost_events).await?);
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -479,8 +494,88 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             "\"retries_list_empty_ms\":{:.1}",
             l.retries_list_empty_ms
         ));
+        let mb = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_settled\":{}",
+            mb(l.sweep_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_empty\":{}",
+            mb(l.sweep_peak_mb.1)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_settled\":{}",
+            mb(l.retention_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_empty\":{}",
+            mb(l.retention_peak_mb.1)
+        ));
+    }
+    if let Some(c) = &f.cost {
+        for (name, _, ops) in c.paths() {
+            fields.push(format!("\"{name}\":{}", ops.json()));
+        }
+        fields.push(format!("\"cost_lock_s\":{}", c.lock_s));
+        fields.push(format!(
+            "\"cost_renewed_attempt_s\":{}",
+            c.retry_long_attempt_s
+        ));
+        let background: Vec<String> = c
+            .background
+            .iter()
+            .map(|(k, n)| format!("\"{}\":{n}", k.name()))
+            .collect();
+        fields.push(format!(
+            "\"cost_background\":{{\"seconds\":{:.1},{}}}",
+            c.seconds,
+            background.join(",")
+        ));
     }
     format!("{{{}}}", fields.join(","))
+}
+
+/// The cost table: operations per event on each path, by service and kind.
+fn print_cost(c: &cost::CostFigures) {
+    println!("Azure operations per event on each path (counted from the pipeline's calls; means)");
+    let short = |k: cost::Kind| match k {
+        cost::Kind::BlobWrite => "write",
+        cost::Kind::BlobRead => "read",
+        cost::Kind::BlobList => "list",
+        cost::Kind::BlobOther => "delete",
+        cost::Kind::SbSend => "send",
+        cost::Kind::SbReceive => "receive",
+        cost::Kind::SbComplete => "complete",
+        cost::Kind::SbAbandon => "abandon",
+        cost::Kind::SbRenew => "renew",
+    };
+    print!("{:>34} {:>6} {:>6}", "", "blob", "sb");
+    for k in cost::KINDS {
+        print!(" {:>8}", short(k));
+    }
+    println!();
+    for (_, label, ops) in c.paths() {
+        print!("{label:>34} {:>6.2} {:>6.2}", ops.blob(), ops.servicebus());
+        for k in cost::KINDS {
+            print!(" {:>8.2}", ops.of(k));
+        }
+        println!();
+    }
+    println!(
+        "(blob: write = Put Blob, read = Get Blob, list = List Blobs page, delete is free; sb: each is one billed operation. The renewed retry's attempt took {:.2} s on a {:.0} s lock.)",
+        c.retry_long_attempt_s, c.lock_s
+    );
+    let background: Vec<String> = c
+        .background
+        .iter()
+        .map(|(k, n)| format!("{} {n}", k.name()))
+        .collect();
+    println!(
+        "Calls for no event in {:.1} s (sweeps, empty long polls; per replica, not per event): {}",
+        c.seconds,
+        background.join(", ")
+    );
+    println!();
 }
 
 fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
@@ -687,7 +782,24 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
         );
         println!("{:>24} {:>12}", "blobs listed", l.sweep_listed_settled);
+        let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "sweep peak +MB",
+            mb(l.sweep_peak_mb.0),
+            mb(l.sweep_peak_mb.1)
+        );
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "retention peak +MB",
+            mb(l.retention_peak_mb.0),
+            mb(l.retention_peak_mb.1)
+        );
+        println!("(peak resident memory gained during one pass, this process; Linux)");
         println!();
+    }
+    if let Some(c) = &f.cost {
+        print_cost(c);
     }
     if let Some(m) = &f.memory {
         println!("Resident memory of `hubguard run` (a child process; emulators in this one)");
