@@ -343,7 +343,13 @@ async fn blob_index_tags_are_checked_and_replaced_as_azure_does() {
             async move {
                 let e = put("bad", tags).await.expect_err("refused");
                 assert_eq!(e.status(), Some(400), "{name}: {e}");
-                assert_eq!(e.code(), Some(code), "{name}: {e}");
+                // Azurite 3.37's StorageErrorFactory.getInvalidTag answers Azure's message for
+                // a character that is not permitted under the code `DuplicateTagNames`; Azure
+                // (and our emulator) answer `InvalidTag`.
+                let azurite_quirk = name == "Azurite"
+                    && code == "InvalidTag"
+                    && e.code() == Some("DuplicateTagNames");
+                assert!(e.code() == Some(code) || azurite_quirk, "{name}: {e}");
             }
         };
         refused(
@@ -351,9 +357,9 @@ async fn blob_index_tags_are_checked_and_replaced_as_azure_does() {
             "TagsTooLarge",
         )
         .await;
-        refused(vec![t(&"k".repeat(129), "v")], "InvalidTag").await;
-        refused(vec![t("k", &"v".repeat(257))], "InvalidTag").await;
-        refused(vec![t("", "v")], "InvalidTag").await;
+        refused(vec![t(&"k".repeat(129), "v")], "TagsTooLarge").await;
+        refused(vec![t("k", &"v".repeat(257))], "TagsTooLarge").await;
+        refused(vec![t("", "v")], "EmptyTagName").await;
         refused(vec![t("k", "a,b")], "InvalidTag").await;
         refused(vec![t("k!", "v")], "InvalidTag").await;
 
@@ -371,10 +377,11 @@ async fn blob_index_tags_are_checked_and_replaced_as_azure_does() {
             .set_tags("ok", &[("bad,char", "v")])
             .await
             .expect_err("refused");
-        assert_eq!(
-            (e.status(), e.code()),
-            (Some(400), Some("InvalidTag")),
-            "{name}"
+        assert_eq!(e.status(), Some(400), "{name}: {e}");
+        assert!(
+            e.code() == Some("InvalidTag")
+                || (name == "Azurite" && e.code() == Some("DuplicateTagNames")),
+            "{name}: {e}"
         );
 
         // Put Blob replaces the blob and its tags: none given, none kept.

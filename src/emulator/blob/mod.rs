@@ -32,8 +32,9 @@
 //! | a blob name over 1,024 characters | 400 `OutOfRangeInput` |
 //! | a metadata name that is not a valid C# identifier | 400 `InvalidMetadata` |
 //! | all of a blob's metadata (names and values) over 8 KB | 400 `MetadataTooLarge` |
-//! | more than 10 index tags | 400 `TagsTooLarge` |
-//! | an index tag key not 1–128 characters, a value over 256, a character outside a-z A-Z 0-9 space `+ - . / : = _`, a key twice | 400 `InvalidTag` |
+//! | more than 10 index tags, a key over 128 characters, a value over 256 | 400 `TagsTooLarge` |
+//! | an empty index tag key | 400 `EmptyTagName` |
+//! | a character outside a-z A-Z 0-9 space `+ - . / : = _`, a key twice | 400 `InvalidTag` |
 //! | a throttled account (fault kind `server-busy`) | 503 `ServerBusy` |
 
 pub mod store;
@@ -291,8 +292,10 @@ const TAGS_MAX: usize = 10;
 /// Parses and checks blob index tags as Azure does ("Manage and find Azure Blob data with
 /// blob index tags", learn.microsoft.com/azure/storage/blobs/storage-manage-find-blobs: at
 /// most 10 tags; keys 1 to 128 characters, values 0 to 256, case-sensitive; only a-z A-Z
-/// 0-9, space and `+ - . / : = _`). Errors as Azurite answers them: 400 `TagsTooLarge` for
-/// more than 10, 400 `InvalidTag` otherwise.
+/// 0-9, space and `+ - . / : = _`). Errors as Azurite 3.37 answers them (its validation
+/// follows the Set Blob Tags reference): 400 `TagsTooLarge` for more than 10 tags or a key or
+/// value too long, 400 `EmptyTagName` for an empty key, 400 `InvalidTag` for a character
+/// outside the set (and a key given twice).
 fn check_tags(
     pairs: Vec<(String, String)>,
 ) -> Result<BTreeMap<String, String>, (StatusCode, &'static str, String)> {
@@ -315,10 +318,26 @@ fn check_tags(
                 .to_string(),
         )
     };
+    let too_large = || {
+        (
+            StatusCode::BAD_REQUEST,
+            "TagsTooLarge",
+            "The tags specified exceed the maximum permissible limit.".to_string(),
+        )
+    };
     let mut tags = BTreeMap::new();
     for (k, v) in pairs {
-        let k_len = k.chars().count();
-        if !(1..=128).contains(&k_len) || v.chars().count() > 256 || !allowed(&k) || !allowed(&v) {
+        if k.is_empty() {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                "EmptyTagName",
+                "The name of one of the tag key-value pairs is empty.".into(),
+            ));
+        }
+        if k.chars().count() > 128 || v.chars().count() > 256 {
+            return Err(too_large());
+        }
+        if !allowed(&k) || !allowed(&v) {
             return Err(invalid());
         }
         if tags.insert(k, v).is_some() {
