@@ -62,7 +62,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::health::RetryLoopState;
-use super::settle::{RetryMessage, Source};
+use super::settle::{RetryMessage, Settled, Source};
 use super::{attempt, Shared};
 use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
@@ -528,6 +528,16 @@ async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
 /// attempt. Reads one listing of the pending index (the retries waiting, not the ledger's
 /// history), and repairs the entries its records contradict.
 async fn recover_overdue(shared: &Shared) {
+    // Ordered retries: lines whose head settled for good while nobody advanced them.
+    if let Some(on_dead_letter) = shared.options.retry_ordering.lines() {
+        match super::lines::sweep(&shared.settler, on_dead_letter, Some(&shared.health)).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(lines = n, "advanced lines whose head had settled"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not sweep the lines of ordered retries; trying again at the next sweep")
+            }
+        }
+    }
     let ledger = &shared.settler.ledger;
     let pending = match ledger.pending().await {
         Ok(p) => p,
@@ -944,7 +954,10 @@ async fn process(
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
             drop((slot, starting));
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
-            settle_message(&msg, true).await;
+            // A copy after a crash between the settlement and the line's advance.
+            if advance_line(&mut msg, shared, cancel, &rec.event).await {
+                settle_message(&msg, true).await;
+            }
             return;
         }
         Some((rec, _)) if verdict == Verdict::Stale => {
@@ -1208,8 +1221,52 @@ async fn process(
         shared
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
+        // Ordered retries: a head settled for good lets its line move on, before the message
+        // is completed (a crash in between leaves a copy, whose `Final` verdict advances it).
+        let settled_for_good = matches!(
+            s,
+            Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_)
+        );
+        if settled_for_good && !advance_line(&mut msg, shared, cancel, &event).await {
+            return;
+        }
         settle_message(&msg, true).await;
     }
+}
+
+/// Ordered retries: advances the line of `event`'s ordering key after `event` settled for good
+/// (see `pipeline::lines`), holding the message while blob storage or Service Bus fails.
+/// `false` if the loop stopped first (the message is left to its next receiver).
+async fn advance_line(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    event: &crate::event::Event,
+) -> bool {
+    let Some(on_dead_letter) = shared.options.retry_ordering.lines() else {
+        return true;
+    };
+    let Some(ordering_key) = shared.options.ordering.of(event) else {
+        return true;
+    };
+    holding(
+        msg,
+        &event.identity.idempotency_key,
+        shared,
+        cancel,
+        "advancing the line of the event's ordering key",
+        || {
+            super::lines::advance(
+                &shared.settler,
+                event,
+                ordering_key,
+                on_dead_letter,
+                Some(&shared.health),
+            )
+        },
+    )
+    .await
+    .is_some()
 }
 
 /// Claims attempt `body.attempt` for this copy ([`Settler::claim`](super::settle::Settler::claim)),

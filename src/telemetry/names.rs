@@ -50,6 +50,11 @@ pub mod attr {
     /// Seconds of a `Retry-After` longer than the policy allows, which the retry's schedule
     /// shortened to the policy's limit (set only when it did).
     pub const RETRY_AFTER_CAPPED_FROM: &str = "hubguard.retry_after_capped_from_s";
+    /// Ordered retries: the idempotency key of the event this one was parked behind (the
+    /// head of its ordering key's line); the head's own spans answer when it retries.
+    pub const PARKED_BEHIND: &str = "hubguard.parked_behind";
+    /// Ordered retries: the sequence number of that head.
+    pub const PARKED_BEHIND_SEQUENCE_NUMBER: &str = "hubguard.parked_behind.sequence_number";
     /// Seconds the attempt waited for the downstream's rate limiter before it called it.
     pub const RATE_LIMIT_WAIT: &str = "hubguard.ratelimit.wait_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
@@ -95,6 +100,9 @@ pub mod outcome {
     pub const SETTLE_FAILED: &str = "settle_failed";
     /// The ledger already had a final state (a duplicate delivery).
     pub const ALREADY_FINAL: &str = "already_final";
+    /// Parked behind an earlier event of its ordering key waiting for a retry (ordered
+    /// retries): delivered once that one settles.
+    pub const PARKED: &str = "parked";
 }
 
 /// Metric names (OpenTelemetry instruments; Prometheus turns dots into underscores).

@@ -1,0 +1,523 @@
+//! Ordered retries (`processor.retry_ordering = "key"`): while an event of ordering key `K`
+//! waits for a retry, the later events of `K` on its partition are *parked* in a durable line
+//! behind it and delivered, in sequence order, once it settles. The storage is in
+//! [`crate::ledger::lines`]: a small head pointer per line, one parked record per event.
+//!
+//! **Who does what.** Only the partition's owner opens a line (when an event fails on its
+//! first attempt, *before* its failure is settled, so the pointer exists before any retry
+//! message can run and end it) and parks events (a parked record, then a compare-and-swap of
+//! the pointer). Whoever settles the head for good — the retry loop on any replica, the
+//! partition for a head replayed from Event Hubs, or the sweep for a line left behind by a
+//! crash — *advances* the line ([`advance`]): the next parked event (lowest sequence number)
+//! gets an ordinary ledger record (attempt 1 due now), the pointer names it as the new head
+//! (compare-and-swap), its retry message goes to Service Bus, and its parked record goes. So a
+//! line drains through the same durable, claimable path as every retry, on whichever replica
+//! takes the message; one that fails becomes the head with its own schedule. When nothing
+//! is parked, the pointer is deleted with `If-Match`.
+//!
+//! **The race.** A partition parking event `E` while a retry loop ends the line: the
+//! partition writes `E`'s parked record, then rewrites the pointer `If-Match` the ETag it
+//! read; the retry loop reads the pointer, lists the parked records, and deletes the pointer
+//! `If-Match` the ETag it read. If the partition's rewrite lands first, the delete fails and
+//! the retry loop lists again (finding `E`); if the delete lands first, the rewrite fails, the
+//! partition finds no line, removes `E`'s parked record and delivers `E` itself; and a listing
+//! that found `E` releases it instead of deleting the pointer. List Blobs is strongly
+//! consistent (see `pipeline::recorded`), so exactly one of them takes `E`.
+//!
+//! **What the partition knows.** At claim it lists its lines' pointers (one listing, tags
+//! only); from then on it opens every line of its partition itself, so a key it does not know
+//! to have a line has none, and its events cost nothing extra (no ledger or Service Bus
+//! operation). A key it knows to have a line may have lost it meanwhile (the head settled on
+//! another replica): its next event reads the pointer once, finds it gone, and is delivered.
+//! Until a listing has succeeded, each event with a key reads its pointer. The one case this
+//! cannot rule out is the one `pipeline::recorded` names: a previous owner still reading the
+//! partition during a rebalance, which may deliver an event of a key before the line the
+//! other opened is known.
+//!
+//! **Replays.** A parked record is named by its event's sequence number, so a replay after a
+//! crash parks nothing twice. An event at or before its line's head was parked and released
+//! before (or settled before the line opened): it is delivered again, a duplicate of the kind
+//! at-least-once allows, after its first delivery, never before an earlier event of its key.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use crate::azure::StoreError;
+use crate::clock::{ms, rfc3339};
+use crate::event::Event;
+use crate::ledger::{
+    at, AttemptEntry, Line, LedgerError, LedgerRecord, Opened, Parked, State,
+};
+use crate::policy::DeadLetterReason;
+
+use super::settle::{SettleError, Settler};
+use super::LineOnDeadLetter;
+
+/// Compare-and-swap rounds (and line steps) before an operation reports contention.
+const ROUNDS: usize = 64;
+
+/// What a partition task knows of its keys' lines.
+#[derive(Debug, Default)]
+pub(crate) struct Known {
+    /// `None` until a listing succeeded; then ordering key → the head's sequence number as
+    /// last seen (the head may have moved on since: only ever to a later event).
+    listed: Mutex<Option<HashMap<String, i64>>>,
+}
+
+/// What a partition knows of a key's line before it delivers an event of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyState {
+    /// No listing yet: read the pointer.
+    Unknown,
+    /// No line.
+    Free,
+    /// A line whose head was this event (or a later one).
+    Line(i64),
+}
+
+impl Known {
+    fn map(&self) -> std::sync::MutexGuard<'_, Option<HashMap<String, i64>>> {
+        self.listed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes in a listing of the partition's lines.
+    pub(crate) fn set_listing(&self, lines: Vec<Line>) {
+        let mut m = self.map();
+        let mut listed: HashMap<String, i64> = lines
+            .into_iter()
+            .map(|l| (l.ordering_key, l.head_seq))
+            .collect();
+        // Lines this task opened while the listing ran stay known.
+        if let Some(before) = m.take() {
+            for (k, s) in before {
+                listed.entry(k).or_insert(s);
+            }
+        }
+        *m = Some(listed);
+    }
+
+    /// Whether a listing has succeeded.
+    pub(crate) fn is_listed(&self) -> bool {
+        self.map().is_some()
+    }
+
+    /// What is known of `key`'s line.
+    pub(crate) fn state(&self, key: &str) -> KeyState {
+        match &*self.map() {
+            None => KeyState::Unknown,
+            Some(m) => m.get(key).map_or(KeyState::Free, |s| KeyState::Line(*s)),
+        }
+    }
+
+    /// `key` has a line headed by `seq` (or later).
+    pub(crate) fn line(&self, key: &str, seq: i64) {
+        if let Some(m) = &mut *self.map() {
+            m.insert(key.to_string(), seq);
+        }
+    }
+
+    /// `key`'s line ended.
+    pub(crate) fn ended(&self, key: &str) {
+        if let Some(m) = &mut *self.map() {
+            m.remove(key);
+        }
+    }
+}
+
+/// What [`park`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Park {
+    /// Parked behind the head (or already released from the line since): settled.
+    Parked {
+        /// The head's idempotency key.
+        behind: String,
+        /// The head's sequence number.
+        behind_seq: i64,
+    },
+    /// Deliver it: the line ended (`head` `None`), or the event is the line's head or before
+    /// it (a replay).
+    Deliver {
+        /// The line's head's sequence number, when there is a line.
+        head: Option<i64>,
+    },
+}
+
+/// Parks `event` (ordering key `key`) behind its line, if the line is still there.
+pub(crate) async fn park(
+    settler: &Settler,
+    event: &Event,
+    key: &str,
+) -> Result<Park, LedgerError> {
+    let ledger = &settler.ledger;
+    let (p, seq) = (event.partition_id.as_str(), event.sequence_number);
+    let mut wrote = false;
+    for _ in 0..ROUNDS {
+        let Some((mut line, etag)) = ledger.line(p, key).await? else {
+            // The line ended: a parked record of this event (written by this call before the
+            // end, or by an earlier owner) was seen by nobody and goes.
+            ledger.unpark(p, key, seq).await?;
+            return Ok(Park::Deliver { head: None });
+        };
+        if seq <= line.head_seq {
+            return Ok(if wrote {
+                // Released meanwhile (it is the head now, or was).
+                Park::Parked {
+                    behind: line.head_key,
+                    behind_seq: line.head_seq,
+                }
+            } else {
+                Park::Deliver {
+                    head: Some(line.head_seq),
+                }
+            });
+        }
+        let now = settler.clock().now();
+        if !wrote {
+            ledger
+                .park(
+                    key,
+                    &Parked {
+                        event: event.clone(),
+                        parked_ms: ms(now),
+                        behind_key: line.head_key.clone(),
+                        behind_seq: line.head_seq,
+                    },
+                )
+                .await?;
+            wrote = true;
+        }
+        // Rewritten even when a replay finds itself counted already: the new ETag is what
+        // makes a concurrent end of the line fail and list again.
+        if line.tail_seq.is_none_or(|t| t < seq) {
+            line.tail_seq = Some(seq);
+            line.parked += 1;
+        }
+        line.oldest_parked_ms.get_or_insert(ms(now));
+        match ledger.write_line(&line, &etag).await {
+            Ok(_) => {
+                return Ok(Park::Parked {
+                    behind: line.head_key,
+                    behind_seq: line.head_seq,
+                })
+            }
+            Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(LedgerError::Contended {
+        key: ledger.line_name(p, key),
+    })
+}
+
+/// What [`open`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Open {
+    /// The event heads its key's line.
+    Head,
+    /// A line of the key with an earlier head is open (what the partition knew was stale):
+    /// the event must be parked behind it instead.
+    Behind,
+    /// A line with a later head is open: the event is a replay of one settled before it.
+    Older,
+}
+
+/// Opens `key`'s line with `event` (which just failed on its first attempt) as its head,
+/// before the failure is settled.
+pub(crate) async fn open(settler: &Settler, event: &Event, key: &str) -> Result<Open, LedgerError> {
+    let line = Line {
+        ordering_key: key.to_string(),
+        partition: event.partition_id.clone(),
+        head_key: event.identity.idempotency_key.clone(),
+        head_seq: event.sequence_number,
+        tail_seq: None,
+        parked: 0,
+        opened_ms: ms(settler.clock().now()),
+        oldest_parked_ms: None,
+    };
+    Ok(match settler.ledger.open_line(&line).await? {
+        Opened::Head => Open::Head,
+        Opened::Other(l) if l.head_seq < event.sequence_number => Open::Behind,
+        Opened::Other(_) => Open::Older,
+    })
+}
+
+/// The ledger record a parked event gets when it is released: attempt 1 due now, under the
+/// policy in force for its type, its history saying where it waited.
+fn released_record(settler: &Settler, parked: &Parked, line: &Line, now: SystemTime) -> LedgerRecord {
+    let e = &parked.event;
+    let note = format!(
+        "parked behind {} (sequence number {}) since {}; released when it settled",
+        line.head_key,
+        line.head_seq,
+        rfc3339(at(parked.parked_ms))
+    );
+    LedgerRecord {
+        key: e.identity.idempotency_key.clone(),
+        correlation_id: e.identity.correlation_id.clone(),
+        event_type: e.identity.event_type.clone(),
+        state: State::RetryScheduled,
+        attempts: 0,
+        next_attempt_ms: Some(ms(now)),
+        first_failure_ms: ms(now),
+        updated_ms: ms(now),
+        last_error: None,
+        dead_letter_reason: None,
+        last_delay_ms: None,
+        policy: settler
+            .policies()
+            .for_type(e.identity.event_type.as_deref())
+            .clone(),
+        attempt_base: 0,
+        history: vec![AttemptEntry {
+            attempt: 0,
+            started_ms: parked.parked_ms,
+            finished_ms: ms(now),
+            outcome: crate::telemetry::names::outcome::PARKED.into(),
+            error: Some(note),
+            next_attempt_ms: Some(ms(now)),
+            trace_id: None,
+            retry_after_capped_from_s: None,
+        }],
+        event: e.clone(),
+        quarantined: None,
+        event_unknown: false,
+        claim: None,
+        run_now: None,
+        indexed: None,
+    }
+}
+
+/// The dead letter of an event parked behind a head that was dead-lettered
+/// (`line_on_dead_letter = "dead_letter_line"`).
+fn line_dead_letter(parked: &Parked, line: &Line, policy: crate::policy::RetryPolicy, now: SystemTime) -> LedgerRecord {
+    let e = &parked.event;
+    let error = format!(
+        "parked behind {} (sequence number {}), which was dead-lettered; the line followed it",
+        line.head_key, line.head_seq
+    );
+    LedgerRecord {
+        key: e.identity.idempotency_key.clone(),
+        correlation_id: e.identity.correlation_id.clone(),
+        event_type: e.identity.event_type.clone(),
+        state: State::DeadLettered,
+        attempts: 0,
+        next_attempt_ms: None,
+        first_failure_ms: ms(now),
+        updated_ms: ms(now),
+        last_error: Some(error.clone()),
+        dead_letter_reason: Some(DeadLetterReason::LineDeadLettered),
+        last_delay_ms: None,
+        policy,
+        attempt_base: 0,
+        history: vec![AttemptEntry {
+            attempt: 0,
+            started_ms: parked.parked_ms,
+            finished_ms: ms(now),
+            outcome: "dead_lettered".into(),
+            error: Some(error),
+            next_attempt_ms: None,
+            trace_id: None,
+            retry_after_capped_from_s: None,
+        }],
+        event: e.clone(),
+        quarantined: None,
+        event_unknown: false,
+        claim: None,
+        run_now: None,
+        indexed: None,
+    }
+}
+
+/// Writes `rec` (a released or line-dead-lettered record) unless the ledger holds a record of
+/// this very event already (a replay settled it, or an earlier round of this release wrote
+/// it): the record as it stands is returned.
+async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
+    let ledger = &settler.ledger;
+    for _ in 0..ROUNDS {
+        if rec.state == State::DeadLettered {
+            settler.publish_dead_letter(&rec).await?;
+            ledger.index_dead_letter(&rec.key).await?;
+        }
+        match ledger.put(&rec, None).await {
+            Ok(_) => return Ok(rec),
+            Err(LedgerError::Store(StoreError::Conflict)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let Some((existing, etag)) = ledger.get(&rec.key).await? else {
+            continue;
+        };
+        let same = existing.event.partition_id == rec.event.partition_id
+            && existing.event.sequence_number == rec.event.sequence_number;
+        if same || existing.state == State::RetryScheduled {
+            // This event's own record, or another event's retry under the same idempotency
+            // key (left as it is: that one is owed its delivery too).
+            return Ok(existing);
+        }
+        // A final record of another event with the same key: this event's record replaces it.
+        let mut rec = rec.clone();
+        rec.indexed = existing.indexed;
+        match ledger.put(&rec, Some(&etag)).await {
+            Ok(_) => return Ok(rec),
+            Err(LedgerError::Store(StoreError::Conflict)) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(SettleError::Contended(rec.key))
+}
+
+/// The line of `key` after `head` settled for good (delivered or dead-lettered): releases the
+/// next parked event (or, with `dead_letter_line` after a dead letter, dead-letters the
+/// parked events one by one), or ends the line when nothing is parked. Idempotent: a copy
+/// that finds the line moved past `head` only makes sure the current head's first attempt was
+/// sent (a crash between the pointer's write and the send). `Ok(true)` when the line ended.
+pub(crate) async fn advance(
+    settler: &Settler,
+    head: &Event,
+    key: &str,
+    on_dead_letter: LineOnDeadLetter,
+    health: Option<&super::health::Health>,
+) -> Result<bool, SettleError> {
+    let ledger = &settler.ledger;
+    let p = head.partition_id.as_str();
+    let mut current = (head.identity.idempotency_key.clone(), head.sequence_number);
+    for _ in 0..ROUNDS {
+        let Some((mut line, etag)) = ledger.line(p, key).await? else {
+            return Ok(true);
+        };
+        if line.head_key != current.0 || line.head_seq != current.1 {
+            if line.head_seq > current.1 {
+                ensure_sent(settler, &line).await?;
+            }
+            return Ok(false);
+        }
+        // What the head came to. No record of it: it was delivered on a replay of its first
+        // attempt before its failure was ever recorded.
+        let dead = match ledger.get(&line.head_key).await? {
+            Some((r, _))
+                if r.event.partition_id == p && r.event.sequence_number == line.head_seq =>
+            {
+                match r.state {
+                    State::RetryScheduled => return Ok(false), // its own settlement advances it
+                    State::Delivered => false,
+                    State::DeadLettered => true,
+                }
+            }
+            _ => false,
+        };
+        let parked = ledger.parked_in(p, key).await?;
+        // Records at or before the head were released already (a crash before their removal).
+        for stale in parked.iter().filter(|e| e.seq <= line.head_seq) {
+            ledger.remove_parked(&stale.name).await?;
+        }
+        let head_seq = line.head_seq;
+        let mut rest = parked.iter().filter(|e| e.seq > head_seq);
+        let Some(next) = rest.next() else {
+            match ledger.end_line(p, key, &etag).await {
+                Ok(()) | Err(LedgerError::Store(StoreError::NotFound)) => {
+                    tracing::debug!(partition = %p, ordering_key = %key, "line ended");
+                    return Ok(true);
+                }
+                // Something was parked meanwhile: list again.
+                Err(LedgerError::Store(StoreError::Conflict)) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let Some(parked_event) = ledger.read_parked(&next.name).await? else {
+            continue;
+        };
+        let now = settler.clock().now();
+        let follow = dead && on_dead_letter == LineOnDeadLetter::DeadLetterLine;
+        let e = &parked_event.event;
+        let new = if follow {
+            let policy = settler
+                .policies()
+                .for_type(e.identity.event_type.as_deref())
+                .clone();
+            line_dead_letter(&parked_event, &line, policy, now)
+        } else {
+            released_record(settler, &parked_event, &line, now)
+        };
+        // The event's record first, then the pointer naming it: whoever reads the pointer
+        // finds the record.
+        let rec = write_new(settler, new).await?;
+        line.head_key = e.identity.idempotency_key.clone();
+        line.head_seq = e.sequence_number;
+        line.parked = line.parked.saturating_sub(1);
+        line.oldest_parked_ms = rest.next().map(|n| n.parked_ms.unwrap_or(ms(now)));
+        match ledger.write_line(&line, &etag).await {
+            Ok(_) => {}
+            Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => continue,
+            Err(e) => return Err(e.into()),
+        }
+        current = (line.head_key.clone(), line.head_seq);
+        if rec.state == State::RetryScheduled && rec.attempts == 0 {
+            if let Some(h) = health {
+                h.count(&h.counters.released);
+            }
+            tracing::info!(partition = %p, ordering_key = %key, key = %rec.key, sequence_number = line.head_seq, "a parked event is released: its first attempt is due now");
+            let sent = settler.resend_recorded(&rec, &[]).await?;
+            ledger.remove_parked(&next.name).await?;
+            if sent.is_some() {
+                return Ok(false);
+            }
+            // Service Bus refused its message: it was dead-lettered, and the line moves on.
+            continue;
+        }
+        if follow && health.is_some() {
+            let h = health.expect("checked");
+            h.count(&h.counters.dead_lettered);
+        }
+        ledger.remove_parked(&next.name).await?;
+        if rec.state == State::RetryScheduled {
+            // Another event's retry under the same key holds the record (see `write_new`):
+            // this event is owed a delivery the record cannot give. Left to that retry; the
+            // line waits on it as on any head.
+            return Ok(false);
+        }
+        // Final already (dead-lettered with the line, or settled by a replay): on to the next.
+    }
+    Err(SettleError::Contended(ledger.line_name(p, key)))
+}
+
+/// Makes sure the line's head, released but not yet attempted, has its first attempt on
+/// Service Bus (duplicate detection drops a repeat).
+async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
+    if let Some((rec, _)) = settler.ledger.get(&line.head_key).await? {
+        if rec.state == State::RetryScheduled
+            && rec.attempts == 0
+            && rec.event.sequence_number == line.head_seq
+        {
+            settler.resend_recorded(&rec, &[]).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The backstop for a line whose head settled for good while nobody advanced it (a process
+/// died between the head's settlement and the line's advance, an operator cancelled the
+/// head): every open line whose head's record is final is advanced. One listing plus one
+/// record read per open line; run by the retry loop's periodic sweep. Returns the lines
+/// advanced.
+pub(crate) async fn sweep(
+    settler: &Settler,
+    on_dead_letter: LineOnDeadLetter,
+    health: Option<&super::health::Health>,
+) -> Result<usize, SettleError> {
+    let mut advanced = 0;
+    for line in settler.ledger.lines(None).await? {
+        // No record yet: the partition opened the line and is settling its head's failure.
+        let Some((rec, _)) = settler.ledger.get(&line.head_key).await? else {
+            continue;
+        };
+        if rec.state == State::RetryScheduled
+            || rec.event.partition_id != line.partition
+            || rec.event.sequence_number != line.head_seq
+        {
+            continue;
+        }
+        advance(settler, &rec.event, &line.ordering_key, on_dead_letter, health).await?;
+        advanced += 1;
+    }
+    Ok(advanced)
+}
