@@ -22,6 +22,7 @@ mod ledger_scale;
 mod limits;
 mod operable;
 mod operators;
+mod ordered_retries;
 mod otlp;
 mod outage;
 mod owner_ids;
