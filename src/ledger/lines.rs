@@ -127,7 +127,11 @@ pub enum Opened {
 
 impl Ledger {
     fn line_segment(&self, area: &str, partition: &str, ordering_key: &str) -> String {
-        let readable = format!("{area}/{}{partition}/{}", self.prefix, encode_key(ordering_key));
+        let readable = format!(
+            "{area}/{}{partition}/{}",
+            self.prefix,
+            encode_key(ordering_key)
+        );
         // Room for the parked record's `/{20 digits}` after it.
         if readable.len() + 21 <= BLOB_NAME_LIMIT {
             readable
@@ -346,8 +350,8 @@ impl Ledger {
             );
             let decoded = super::decode_key(encoded);
             match tagged {
-                (Some(k), Some(h), Some(seq)) if decoded.as_deref() == Some(k.as_str()) => {
-                    out.push(Line {
+                (Some(k), Some(h), Some(seq)) if decoded.as_deref() == Some(k.as_str()) => out
+                    .push(Line {
                         ordering_key: k.clone(),
                         partition: p.to_string(),
                         head_key: h.clone(),
@@ -360,8 +364,7 @@ impl Ledger {
                             .unwrap_or(0),
                         opened_ms: 0,
                         oldest_parked_ms: l.tags.get(TAG_OLDEST).and_then(|n| n.parse().ok()),
-                    })
-                }
+                    }),
                 _ => {
                     if let Some(r) = self.store.read(&l.key).await? {
                         match serde_json::from_slice::<Line>(&r.body) {

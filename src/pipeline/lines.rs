@@ -46,9 +46,7 @@ use std::time::SystemTime;
 use crate::azure::StoreError;
 use crate::clock::{ms, rfc3339};
 use crate::event::Event;
-use crate::ledger::{
-    at, AttemptEntry, Line, LedgerError, LedgerRecord, Opened, Parked, State,
-};
+use crate::ledger::{at, AttemptEntry, LedgerError, LedgerRecord, Line, Opened, Parked, State};
 use crate::policy::DeadLetterReason;
 
 use super::settle::{SettleError, Settler};
@@ -144,11 +142,7 @@ pub(crate) enum Park {
 }
 
 /// Parks `event` (ordering key `key`) behind its line, if the line is still there.
-pub(crate) async fn park(
-    settler: &Settler,
-    event: &Event,
-    key: &str,
-) -> Result<Park, LedgerError> {
+pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<Park, LedgerError> {
     let ledger = &settler.ledger;
     let (p, seq) = (event.partition_id.as_str(), event.sequence_number);
     let mut wrote = false;
@@ -244,7 +238,12 @@ pub(crate) async fn open(settler: &Settler, event: &Event, key: &str) -> Result<
 
 /// The ledger record a parked event gets when it is released: attempt 1 due now, under the
 /// policy in force for its type, its history saying where it waited.
-fn released_record(settler: &Settler, parked: &Parked, line: &Line, now: SystemTime) -> LedgerRecord {
+fn released_record(
+    settler: &Settler,
+    parked: &Parked,
+    line: &Line,
+    now: SystemTime,
+) -> LedgerRecord {
     let e = &parked.event;
     let note = format!(
         "parked behind {} (sequence number {}) since {}; released when it settled",
@@ -290,7 +289,12 @@ fn released_record(settler: &Settler, parked: &Parked, line: &Line, now: SystemT
 
 /// The dead letter of an event parked behind a head that was dead-lettered
 /// (`line_on_dead_letter = "dead_letter_line"`).
-fn line_dead_letter(parked: &Parked, line: &Line, policy: crate::policy::RetryPolicy, now: SystemTime) -> LedgerRecord {
+fn line_dead_letter(
+    parked: &Parked,
+    line: &Line,
+    policy: crate::policy::RetryPolicy,
+    now: SystemTime,
+) -> LedgerRecord {
     let e = &parked.event;
     let error = format!(
         "parked behind {} (sequence number {}), which was dead-lettered; the line followed it",
@@ -516,7 +520,14 @@ pub(crate) async fn sweep(
         {
             continue;
         }
-        advance(settler, &rec.event, &line.ordering_key, on_dead_letter, health).await?;
+        advance(
+            settler,
+            &rec.event,
+            &line.ordering_key,
+            on_dead_letter,
+            health,
+        )
+        .await?;
         advanced += 1;
     }
     Ok(advanced)

@@ -424,7 +424,12 @@ async fn process(
             KeyState::Unknown => {
                 let read = until_done(pid, seq, shared, cancel, lag, || async {
                     Ok::<_, super::settle::SettleError>(
-                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| l.head_seq),
+                        shared
+                            .settler
+                            .ledger
+                            .line(pid, k)
+                            .await?
+                            .map(|(l, _)| l.head_seq),
                     )
                 })
                 .await;
@@ -592,11 +597,8 @@ async fn process(
                     } else {
                         // Settled for good: the line moves on (a stop before it leaves the
                         // event unsettled, and its replay moves the line on).
-                        let on_dead_letter = shared
-                            .options
-                            .retry_ordering
-                            .lines()
-                            .unwrap_or_default();
+                        let on_dead_letter =
+                            shared.options.retry_ordering.lines().unwrap_or_default();
                         let ended = until_done(pid, seq, shared, cancel, lag, || {
                             super::lines::advance(
                                 &shared.settler,

@@ -133,6 +133,11 @@ pub mod metric {
     pub const RETRIES_PENDING: &str = "hubguard.retries.pending";
     /// Gauge: of those, the ones already past their due time.
     pub const RETRIES_OVERDUE: &str = "hubguard.retries.overdue";
+    /// Gauge: events parked behind an earlier event of their ordering key (ordered retries),
+    /// from the ledger's listing.
+    pub const LINES_PARKED: &str = "hubguard.lines.parked";
+    /// Gauge (s): how long the oldest parked event has waited.
+    pub const LINES_OLDEST_PARKED_AGE: &str = "hubguard.lines.oldest_parked_age";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
@@ -227,6 +232,8 @@ pub fn all() -> Vec<&'static str> {
         attr::MESSAGING_PARTITION,
         attr::SEQUENCE_NUMBER,
         attr::REPLAY,
+        attr::PARKED_BEHIND,
+        attr::PARKED_BEHIND_SEQUENCE_NUMBER,
         metric::DELIVERED,
         metric::RETRIES_SCHEDULED,
         metric::DEAD_LETTERED,
@@ -238,6 +245,8 @@ pub fn all() -> Vec<&'static str> {
         metric::RECORDS_MISSING,
         metric::RETRIES_PENDING,
         metric::RETRIES_OVERDUE,
+        metric::LINES_PARKED,
+        metric::LINES_OLDEST_PARKED_AGE,
         metric::SETTLE_FAILURES,
         metric::HANDLER_DURATION,
         metric::RETRY_LATENESS,

@@ -259,13 +259,40 @@ async fn a_key_waits_behind_its_retry_while_other_keys_flow_and_its_line_drains_
     assert_eq!(lines[0].parked, 3);
     for k in ["k-1", "k-2", "k-3"] {
         assert_eq!(receiver.deliveries_of(k), 0, "{k} is parked, not delivered");
-        assert!(ledger.get(k).await.unwrap().is_none(), "parked: no record yet");
+        assert!(
+            ledger.get(k).await.unwrap().is_none(),
+            "parked: no record yet"
+        );
     }
     assert!(
         ledger.get("o-0").await.unwrap().is_none(),
         "a key without a line costs nothing: no ledger record"
     );
     assert_eq!(r.health.snapshot().parked, 3);
+    // `status k-2`: what it waits behind, and where it stands in the line.
+    let v = hubguard::status::parked_view(&ledger, "k-2")
+        .await
+        .unwrap()
+        .expect("k-2 is parked");
+    assert_eq!(v["state"], "PARKED");
+    assert_eq!(v["ordering_key"], "k");
+    assert_eq!(
+        (v["position"].as_u64(), v["line_length"].as_u64()),
+        (Some(2), Some(3))
+    );
+    assert_eq!(v["waits_behind"]["key"], "k-0");
+    assert_eq!(v["waits_behind"]["next_attempt"], 2);
+    assert!(v["waits_behind"]["next_attempt_at"].is_string(), "{v}");
+    let text = hubguard::status::parked_text(&v);
+    assert!(
+        text.contains("waits behind:    k-0 (sequence number 0)"),
+        "{text}"
+    );
+    assert!(text.contains("attempt 2 at"), "{text}");
+    // `retries list` and `/v1/retries`: the line and its length.
+    let listed = hubguard::status::lines_text(&lines);
+    assert!(listed.contains("1 line of parked events"), "{listed}");
+    assert_eq!(hubguard::status::line_view(&lines[0])["parked"], 3);
     // The head's retry comes due: it is delivered, then its line in sequence order.
     clock.advance(Duration::from_secs(61));
     wait_for("the line drained", &r.health, LIMIT, || async {
@@ -459,7 +486,11 @@ async fn a_replay_after_a_crash_parks_nothing_twice() {
     })
     .await;
     a.kill().await;
-    assert_eq!(bed.checkpoint_of("0").await, None, "no checkpoint was written");
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        None,
+        "no checkpoint was written"
+    );
     let b = start(
         &bed,
         "replica-b",
@@ -592,8 +623,12 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
         Duration::from_secs(240),
         || async {
             let delivered = receiver.delivered();
-            let dead: BTreeSet<String> =
-                ledger.dead_letter_keys().await.unwrap().into_iter().collect();
+            let dead: BTreeSet<String> = ledger
+                .dead_letter_keys()
+                .await
+                .unwrap()
+                .into_iter()
+                .collect();
             all.iter()
                 .all(|k| delivered.contains(k) || dead.contains(k))
                 && ledger.lines(None).await.unwrap().is_empty()
@@ -618,11 +653,10 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
     assert_eq!(delivered, expect_delivered, "delivered");
     assert_eq!(dead, expect_dead, "dead-lettered");
     assert!(ledger.all_parked().await.unwrap().is_empty());
-    let per_key: HashMap<String, usize> =
-        receiver.log().iter().fold(HashMap::new(), |mut m, c| {
-            *m.entry(c.key.clone()).or_default() += usize::from(c.delivered);
-            m
-        });
+    let per_key: HashMap<String, usize> = receiver.log().iter().fold(HashMap::new(), |mut m, c| {
+        *m.entry(c.key.clone()).or_default() += usize::from(c.delivered);
+        m
+    });
     let duplicates: usize = per_key.values().map(|n| n.saturating_sub(1)).sum();
     eprintln!(
         "ordered retries: {} events, {} delivered, {} dead-lettered, {duplicates} duplicate deliveries, {parked} parked by the surviving replicas",
