@@ -58,9 +58,17 @@ const ROUNDS: usize = 64;
 /// What a partition task knows of its keys' lines.
 #[derive(Debug, Default)]
 pub(crate) struct Known {
-    /// `None` until a listing succeeded; then ordering key → the head's sequence number as
-    /// last seen (the head may have moved on since: only ever to a later event).
-    listed: Mutex<Option<HashMap<String, i64>>>,
+    inner: Mutex<KnownInner>,
+}
+
+#[derive(Debug, Default)]
+struct KnownInner {
+    /// Whether a listing succeeded.
+    listed: bool,
+    /// Ordering key → the head's sequence number as last seen (the head may have moved on
+    /// since: only ever to a later event). Lines this task opens are kept from the start,
+    /// before any listing, so a listing that started before one opened cannot drop it.
+    lines: HashMap<String, i64>,
 }
 
 /// What a partition knows of a key's line before it delivers an event of it.
@@ -75,51 +83,44 @@ pub(crate) enum KeyState {
 }
 
 impl Known {
-    fn map(&self) -> std::sync::MutexGuard<'_, Option<HashMap<String, i64>>> {
-        self.listed.lock().unwrap_or_else(|p| p.into_inner())
+    fn inner(&self) -> std::sync::MutexGuard<'_, KnownInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes in a listing of the partition's lines.
+    /// Takes in a listing of the partition's lines. What the task learnt meanwhile stays: a
+    /// line it opened is kept; one it saw end may come back from a listing that started
+    /// before, which only costs a pointer read.
     pub(crate) fn set_listing(&self, lines: Vec<Line>) {
-        let mut m = self.map();
-        let mut listed: HashMap<String, i64> = lines
-            .into_iter()
-            .map(|l| (l.ordering_key, l.head_seq))
-            .collect();
-        // Lines this task opened while the listing ran stay known.
-        if let Some(before) = m.take() {
-            for (k, s) in before {
-                listed.entry(k).or_insert(s);
-            }
+        let mut k = self.inner();
+        for l in lines {
+            k.lines.entry(l.ordering_key).or_insert(l.head_seq);
         }
-        *m = Some(listed);
+        k.listed = true;
     }
 
     /// Whether a listing has succeeded.
     pub(crate) fn is_listed(&self) -> bool {
-        self.map().is_some()
+        self.inner().listed
     }
 
     /// What is known of `key`'s line.
     pub(crate) fn state(&self, key: &str) -> KeyState {
-        match &*self.map() {
+        let k = self.inner();
+        match k.lines.get(key) {
+            Some(s) => KeyState::Line(*s),
+            None if k.listed => KeyState::Free,
             None => KeyState::Unknown,
-            Some(m) => m.get(key).map_or(KeyState::Free, |s| KeyState::Line(*s)),
         }
     }
 
     /// `key` has a line headed by `seq` (or later).
     pub(crate) fn line(&self, key: &str, seq: i64) {
-        if let Some(m) = &mut *self.map() {
-            m.insert(key.to_string(), seq);
-        }
+        self.inner().lines.insert(key.to_string(), seq);
     }
 
     /// `key`'s line ended.
     pub(crate) fn ended(&self, key: &str) {
-        if let Some(m) = &mut *self.map() {
-            m.remove(key);
-        }
+        self.inner().lines.remove(key);
     }
 }
 
@@ -531,4 +532,400 @@ pub(crate) async fn sweep(
         advanced += 1;
     }
     Ok(advanced)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+    use crate::clock::Clock;
+    use crate::event::Identity;
+    use crate::handler::{Failure, Outcome};
+    use crate::ledger::Ledger;
+    use crate::pipeline::settle::{Policies, Settled, Source};
+    use crate::policy::{Curve, RetryPolicy};
+
+    fn event(key: &str, seq: i64) -> Event {
+        Event {
+            body: b"payload".to_vec(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "hub".into(),
+            partition_id: "0".into(),
+            sequence_number: seq,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: Some("K".into()),
+            identity: Identity {
+                idempotency_key: key.into(),
+                correlation_id: key.into(),
+                event_type: None,
+            },
+        }
+    }
+
+    fn bed() -> (Settler, Arc<MemoryRetryQueue>) {
+        let clock = Arc::new(Clock::default());
+        let queue = Arc::new(MemoryRetryQueue::new(clock.clone()));
+        let ledger = Ledger::new(Arc::new(MemoryRecordStore::new()), "hub", "$Default");
+        let policy = RetryPolicy {
+            name: "test".into(),
+            curve: Curve::Fixed,
+            base_s: 10,
+            floor_s: 10,
+            cap_s: 60,
+            max_attempts: 2,
+            max_age_s: None,
+        };
+        let settler = Settler::new(
+            ledger,
+            queue.clone(),
+            Policies {
+                default: policy,
+                by_type: HashMap::new(),
+            },
+        )
+        .with_clock(clock);
+        (settler, queue)
+    }
+
+    async fn settle(s: &Settler, e: &Event, attempt: u32, outcome: Outcome) -> Settled {
+        s.settle(
+            e,
+            attempt,
+            if attempt == 1 && outcome != Outcome::Delivered {
+                Source::EventHubs
+            } else {
+                Source::Retry
+            },
+            s.clock().now(),
+            &outcome,
+            "0af7651916cd43dd8448eb211c80319c",
+            &[],
+        )
+        .await
+        .unwrap()
+    }
+
+    fn parked_seqs(p: &[crate::ledger::ParkedEntry]) -> Vec<i64> {
+        p.iter().map(|e| e.seq).collect()
+    }
+
+    #[test]
+    fn a_line_opened_before_the_listing_is_kept_and_an_unlisted_key_is_unknown() {
+        let k = Known::default();
+        assert_eq!(k.state("a"), KeyState::Unknown);
+        k.line("a", 3); // opened while the listing ran
+        let listed = Line {
+            ordering_key: "b".into(),
+            partition: "0".into(),
+            head_key: "b-1".into(),
+            head_seq: 1,
+            tail_seq: None,
+            parked: 0,
+            opened_ms: 0,
+            oldest_parked_ms: None,
+        };
+        k.set_listing(vec![listed]);
+        assert_eq!(k.state("a"), KeyState::Line(3));
+        assert_eq!(k.state("b"), KeyState::Line(1));
+        assert_eq!(k.state("c"), KeyState::Free);
+        k.ended("a");
+        assert_eq!(k.state("a"), KeyState::Free);
+    }
+
+    #[tokio::test]
+    async fn a_line_parks_once_releases_in_order_through_service_bus_and_ends() {
+        let (s, queue) = bed();
+        let (h, e1, e2) = (event("h", 1), event("e1", 4), event("e2", 9));
+        assert_eq!(open(&s, &h, "K").await.unwrap(), Open::Head);
+        assert_eq!(open(&s, &h, "K").await.unwrap(), Open::Head, "idempotent");
+        assert!(matches!(
+            settle(&s, &h, 1, Outcome::Failed(Failure::transient("x"))).await,
+            Settled::RetryScheduled { .. }
+        ));
+        for e in [&e1, &e2, &e1] {
+            assert!(matches!(
+                park(&s, e, "K").await.unwrap(),
+                Park::Parked { behind_seq: 1, .. }
+            ));
+        }
+        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        assert_eq!(
+            (line.parked, line.tail_seq),
+            (2, Some(9)),
+            "parked once each"
+        );
+        assert_eq!(
+            parked_seqs(&s.ledger.parked_in("0", "K").await.unwrap()),
+            [4, 9]
+        );
+        // The head's own event, or one before it, is delivered, not parked.
+        assert_eq!(
+            park(&s, &h, "K").await.unwrap(),
+            Park::Deliver { head: Some(1) }
+        );
+        // An event behind a waiting head opens no line of its own.
+        assert_eq!(
+            open(&s, &event("late", 12), "K").await.unwrap(),
+            Open::Behind
+        );
+        // Not final yet: nothing moves.
+        assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap());
+        assert_eq!(
+            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            "h"
+        );
+
+        settle(&s, &h, 2, Outcome::Delivered).await;
+        assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap());
+        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        assert_eq!((line.head_key.as_str(), line.head_seq), ("e1", 4));
+        let (rec, _) = s.ledger.get("e1").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+        assert!(queue.accepted().contains(&"e1-attempt-1".to_string()));
+        assert_eq!(
+            parked_seqs(&s.ledger.parked_in("0", "K").await.unwrap()),
+            [9]
+        );
+        // A copy of the head's settlement (a crash before its message was completed) moves
+        // nothing further and sends nothing new.
+        let sent = queue.len();
+        assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap());
+        assert_eq!(
+            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            "e1"
+        );
+        assert_eq!(queue.len(), sent, "duplicate detection drops the re-send");
+
+        settle(&s, &e1, 1, Outcome::Delivered).await;
+        advance(&s, &e1, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            "e2"
+        );
+        settle(&s, &e2, 1, Outcome::Delivered).await;
+        assert!(advance(&s, &e2, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap());
+        assert!(
+            s.ledger.line("0", "K").await.unwrap().is_none(),
+            "the line ended"
+        );
+        assert!(s.ledger.all_parked().await.unwrap().is_empty());
+        // After the end, the key's next event is delivered, and leaves no parked record.
+        assert_eq!(
+            park(&s, &event("e3", 15), "K").await.unwrap(),
+            Park::Deliver { head: None }
+        );
+        assert!(s.ledger.all_parked().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_dead_lettered_head_takes_its_line_along_or_releases_it() {
+        for (mode, key) in [
+            (LineOnDeadLetter::DeadLetterLine, "A"),
+            (LineOnDeadLetter::Release, "B"),
+        ] {
+            let (s, _queue) = bed();
+            let h = event(&format!("{key}-h"), 1);
+            let parked = [event(&format!("{key}-1"), 2), event(&format!("{key}-2"), 3)];
+            open(&s, &h, key).await.unwrap();
+            settle(&s, &h, 1, Outcome::Failed(Failure::transient("x"))).await;
+            for e in &parked {
+                park(&s, e, key).await.unwrap();
+            }
+            assert!(matches!(
+                settle(&s, &h, 2, Outcome::Failed(Failure::transient("x"))).await,
+                Settled::DeadLettered(_)
+            ));
+            let ended = advance(&s, &h, key, mode, None).await.unwrap();
+            let states: Vec<Option<(State, Option<DeadLetterReason>)>> = {
+                let mut v = Vec::new();
+                for e in &parked {
+                    let r = s.ledger.get(&e.identity.idempotency_key).await.unwrap();
+                    v.push(r.map(|(r, _)| (r.state, r.dead_letter_reason)));
+                }
+                v
+            };
+            match mode {
+                LineOnDeadLetter::DeadLetterLine => {
+                    assert!(ended, "the whole line followed its head");
+                    assert_eq!(
+                        states,
+                        vec![
+                            Some((
+                                State::DeadLettered,
+                                Some(DeadLetterReason::LineDeadLettered)
+                            ));
+                            2
+                        ]
+                    );
+                    assert_eq!(s.ledger.dead_letter_keys().await.unwrap().len(), 3);
+                }
+                LineOnDeadLetter::Release => {
+                    assert!(!ended);
+                    assert_eq!(states[0], Some((State::RetryScheduled, None)), "released");
+                    assert_eq!(states[1], None, "still parked: no record");
+                    assert_eq!(
+                        s.ledger.parked_in("0", key).await.unwrap().len(),
+                        1,
+                        "the rest stay parked"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A record store that runs `hook` once, right before the first call matching `when`
+    /// goes through: a second party acting between two steps of the first.
+    struct Interleave {
+        inner: Arc<MemoryRecordStore>,
+        when: fn(&str, &str) -> bool,
+        #[allow(clippy::type_complexity)]
+        hook: std::sync::Mutex<
+            Option<Box<dyn FnOnce() -> futures::future::BoxFuture<'static, ()> + Send>>,
+        >,
+    }
+
+    impl Interleave {
+        async fn maybe(&self, op: &str, key: &str) {
+            if !(self.when)(op, key) {
+                return;
+            }
+            let hook = self.hook.lock().unwrap().take();
+            if let Some(h) = hook {
+                h().await;
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl crate::azure::RecordStore for Interleave {
+        async fn read(&self, key: &str) -> Result<Option<crate::azure::Record>, StoreError> {
+            self.inner.read(key).await
+        }
+        async fn create(&self, key: &str, body: bytes::Bytes) -> Result<String, StoreError> {
+            self.inner.create(key, body).await
+        }
+        async fn update(
+            &self,
+            key: &str,
+            body: bytes::Bytes,
+            etag: &str,
+        ) -> Result<String, StoreError> {
+            self.maybe("update", key).await;
+            self.inner.update(key, body, etag).await
+        }
+        async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError> {
+            self.maybe("delete", key).await;
+            self.inner.delete(key, etag).await
+        }
+        async fn remove(&self, key: &str) -> Result<(), StoreError> {
+            self.inner.remove(key).await
+        }
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> Result<Vec<crate::azure::record_store::Listed>, StoreError> {
+            self.inner.list(prefix).await
+        }
+        async fn write_tagged(
+            &self,
+            key: &str,
+            body: bytes::Bytes,
+            etag: Option<&str>,
+            tags: &crate::azure::record_store::Tags,
+        ) -> Result<String, StoreError> {
+            if etag.is_some() {
+                self.maybe("update", key).await;
+            }
+            self.inner.write_tagged(key, body, etag, tags).await
+        }
+    }
+
+    fn interleaved(when: fn(&str, &str) -> bool) -> (Arc<Settler>, Arc<Interleave>) {
+        let clock = Arc::new(Clock::default());
+        let queue = Arc::new(MemoryRetryQueue::new(clock.clone()));
+        let store = Arc::new(Interleave {
+            inner: Arc::new(MemoryRecordStore::new()),
+            when,
+            hook: std::sync::Mutex::new(None),
+        });
+        let settler = Settler::new(
+            Ledger::new(store.clone(), "hub", "$Default"),
+            queue,
+            Policies {
+                default: RetryPolicy::seed_fibonacci(),
+                by_type: HashMap::new(),
+            },
+        )
+        .with_clock(clock);
+        (Arc::new(settler), store)
+    }
+
+    #[tokio::test]
+    async fn when_the_line_ends_between_parking_and_the_pointer_the_partition_delivers_the_event() {
+        // The parker has written its parked record and is about to rewrite the pointer; the
+        // head settles elsewhere, an advance lists nothing (the listing came first) and ends
+        // the line. The parker's rewrite fails, it finds no line, removes its record and
+        // delivers the event itself.
+        let (s, store) = interleaved(|op, key| op == "update" && key.starts_with("lines/"));
+        let h = event("h", 1);
+        open(&s, &h, "K").await.unwrap();
+        let line_name = s.ledger.line_name("0", "K");
+        let inner = store.inner.clone();
+        *store.hook.lock().unwrap() = Some(Box::new(move || {
+            Box::pin(async move {
+                use crate::azure::RecordStore;
+                let r = inner.read(&line_name).await.unwrap().unwrap();
+                inner.delete(&line_name, &r.etag).await.unwrap();
+            })
+        }));
+        assert_eq!(
+            park(&s, &event("e", 5), "K").await.unwrap(),
+            Park::Deliver { head: None }
+        );
+        assert!(
+            s.ledger.all_parked().await.unwrap().is_empty(),
+            "nothing left behind"
+        );
+    }
+
+    #[tokio::test]
+    async fn when_an_event_is_parked_before_the_line_ends_the_end_fails_and_releases_it() {
+        // The head settled and its advance listed nothing parked; before its delete, the
+        // partition parks an event (record, then the pointer's rewrite). The delete fails on
+        // the pointer's new ETag, the advance lists again and releases the event.
+        let (s, store) = interleaved(|op, key| op == "delete" && key.starts_with("lines/"));
+        let h = event("h", 1);
+        open(&s, &h, "K").await.unwrap();
+        let (parker, e) = (s.clone(), event("e", 5));
+        *store.hook.lock().unwrap() = Some(Box::new(move || {
+            Box::pin(async move {
+                assert!(matches!(
+                    park(&parker, &e, "K").await.unwrap(),
+                    Park::Parked { .. }
+                ));
+            })
+        }));
+        assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
+            .await
+            .unwrap());
+        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        assert_eq!(line.head_key, "e", "released, not lost");
+        let (rec, _) = s.ledger.get("e").await.unwrap().unwrap();
+        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+    }
 }

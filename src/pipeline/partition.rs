@@ -443,8 +443,8 @@ async fn process(
             if seq > h {
                 match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
                     None => return false,
-                    Some(None) => return true,
-                    Some(Some(h)) => heads = h,
+                    Some(Err(_parked)) => return true,
+                    Some(Ok(h)) => heads = h,
                 }
             } else {
                 heads = h == seq;
@@ -537,22 +537,16 @@ async fn process(
                     Some(super::lines::Open::Behind) => {
                         match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
                             None => return false,
-                            Some(None) => {
-                                attempt::finish(
-                                    &attempted,
-                                    Ok(&super::settle::Settled::Parked {
-                                        behind: String::new(),
-                                        behind_seq: -1,
-                                    }),
-                                );
+                            Some(Err(parked)) => {
+                                attempt::finish(&attempted, Ok(&parked));
                                 return true;
                             }
-                            Some(Some(true)) => {
+                            Some(Ok(true)) => {
                                 heads = true;
                                 break;
                             }
                             // The line ended meanwhile: open it again with this event.
-                            Some(Some(false)) => {}
+                            Some(Ok(false)) => {}
                         }
                     }
                 }
@@ -645,9 +639,10 @@ async fn process(
     }
 }
 
-/// Parks `event` behind its key's line: `Some(None)` when it is parked (settled: counted,
-/// its hold released), `Some(Some(heads))` when it is to be delivered (the line ended, or the
-/// event is at or before its head — `heads` when it is the head), `None` if stopped first.
+/// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:
+/// counted, its hold released), `Some(Ok(heads))` when it is to be delivered (the line ended,
+/// or the event is at or before its head — `heads` when it is the head), `None` if stopped
+/// first.
 async fn park_or_deliver(
     event: &Event,
     key: &str,
@@ -656,7 +651,7 @@ async fn park_or_deliver(
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
     known: &super::lines::Known,
-) -> Option<Option<bool>> {
+) -> Option<Result<bool, super::settle::Settled>> {
     let seq = event.sequence_number;
     let parked = until_done(pid, seq, shared, cancel, lag, || async {
         Ok::<_, super::settle::SettleError>(super::lines::park(&shared.settler, event, key).await?)
@@ -665,21 +660,37 @@ async fn park_or_deliver(
     match parked {
         super::lines::Park::Parked { behind, behind_seq } => {
             known.line(key, behind_seq);
+            // A span of its own, found by the same trace query as its attempts (the
+            // conversation id), saying what it waits behind.
+            tracing::info_span!(
+                target: "hubguard::attempt",
+                "park",
+                otel.name = crate::telemetry::names::span::PARK,
+                otel.kind = "consumer",
+                messaging.message.id = %event.identity.idempotency_key,
+                messaging.message.conversation_id = %event.identity.correlation_id,
+                messaging.destination.partition.id = %pid,
+                messaging.eventhubs.message.sequence_number = seq,
+                hubguard.outcome = crate::telemetry::names::outcome::PARKED,
+                hubguard.parked_behind = %behind,
+                hubguard.parked_behind.sequence_number = behind_seq,
+            )
+            .in_scope(|| {});
             tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, behind = %behind, behind_seq, "parked behind the head of its ordering key's line");
             let s = super::settle::Settled::Parked { behind, behind_seq };
             shared
                 .observe
                 .count_settled(&s, event.identity.event_type.as_deref());
             shared.health.release(pid, seq);
-            Some(None)
+            Some(Err(s))
         }
         super::lines::Park::Deliver { head: None } => {
             known.ended(key);
-            Some(Some(false))
+            Some(Ok(false))
         }
         super::lines::Park::Deliver { head: Some(h) } => {
             known.line(key, h);
-            Some(Some(h == seq))
+            Some(Ok(h == seq))
         }
     }
 }

@@ -12,6 +12,9 @@ pub mod span {
     pub const SCHEDULE: &str = "hubguard.servicebus.schedule";
     /// Writing the ledger record.
     pub const LEDGER_WRITE: &str = "hubguard.ledger.write";
+    /// Ordered retries: an event parked behind the head of its ordering key's line (no
+    /// handler call); its attempts, once released, are ordinary attempt spans.
+    pub const PARK: &str = "hubguard.park";
 }
 
 /// Span attribute keys.
@@ -208,6 +211,7 @@ pub fn all() -> Vec<&'static str> {
         span::HANDLER,
         span::SCHEDULE,
         span::LEDGER_WRITE,
+        span::PARK,
         attr::MESSAGING_OPERATION_TYPE,
         attr::MESSAGING_OPERATION_NAME,
         attr::MESSAGE_ID,
