@@ -469,8 +469,7 @@ pub(crate) async fn advance(
             // Service Bus refused its message: it was dead-lettered, and the line moves on.
             continue;
         }
-        if follow && health.is_some() {
-            let h = health.expect("checked");
+        if let (true, Some(h)) = (follow, health) {
             h.count(&h.counters.dead_lettered);
         }
         ledger.remove_parked(&next.name).await?;
