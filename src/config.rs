@@ -1382,6 +1382,40 @@ url = "http://127.0.0.1:9000/events"
         assert!(e.contains("duplicate_detection_window_s"), "{e}");
     }
     #[test]
+    fn ordered_retries_are_off_unless_asked_for_and_checked() {
+        use crate::pipeline::{LineOnDeadLetter, RetryOrdering};
+        let o = Config::parse(BASE, none())
+            .unwrap()
+            .pipeline_options()
+            .unwrap();
+        assert_eq!(o.retry_ordering, RetryOrdering::Off, "today's behaviour");
+        let on = |extra: &str| {
+            Config::parse(&format!("{BASE}[processor]\n{extra}"), none())
+                .and_then(|c| c.pipeline_options())
+        };
+        assert_eq!(
+            on("retry_ordering = \"key\"\n").unwrap().retry_ordering,
+            RetryOrdering::Key(LineOnDeadLetter::Release)
+        );
+        assert_eq!(
+            on("retry_ordering = \"key\"\nline_on_dead_letter = \"dead_letter_line\"\n")
+                .unwrap()
+                .retry_ordering,
+            RetryOrdering::Key(LineOnDeadLetter::DeadLetterLine)
+        );
+        let e = on("retry_ordering = \"strict\"\n").unwrap_err().to_string();
+        assert!(e.contains("processor.retry_ordering") && e.contains("`key`"), "{e}");
+        let e = on("retry_ordering = \"key\"\nline_on_dead_letter = \"drop\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("processor.line_on_dead_letter"), "{e}");
+        let e = on("retry_ordering = \"key\"\nordering_key = \"none\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("processor.ordering_key is `none`"), "{e}");
+    }
+
+    #[test]
     fn concurrency_and_checkpoint_pacing_are_configured_and_checked() {
         let c = Config::parse(
             &format!("{BASE}[processor]\nmax_in_flight = 32\nordering_key = \"property:order_id\"\n[checkpoint]\nmin_interval_ms = 250\n"),
