@@ -1404,7 +1404,10 @@ url = "http://127.0.0.1:9000/events"
             RetryOrdering::Key(LineOnDeadLetter::DeadLetterLine)
         );
         let e = on("retry_ordering = \"strict\"\n").unwrap_err().to_string();
-        assert!(e.contains("processor.retry_ordering") && e.contains("`key`"), "{e}");
+        assert!(
+            e.contains("processor.retry_ordering") && e.contains("`key`"),
+            "{e}"
+        );
         let e = on("retry_ordering = \"key\"\nline_on_dead_letter = \"drop\"\n")
             .unwrap_err()
             .to_string();

@@ -215,6 +215,8 @@ fn assert_in_order(receiver: &Receiver) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_waits_behind_its_retry_while_other_keys_flow_and_its_line_drains_in_order() {
     let bed = Bed::start(1).await;
+    bed.blob.store().record_writes();
+    bed.sb.queue("retries").unwrap().record_accepted();
     let clock = bed.clock();
     let receiver = Arc::new(Receiver::default());
     send(
@@ -309,6 +311,27 @@ async fn a_key_waits_behind_its_retry_while_other_keys_flow_and_its_line_drains_
     assert_eq!(k1.history[0].outcome, "parked", "{:?}", k1.history);
     assert!(k1.history[0].error.as_deref().unwrap().contains("k-0"));
     assert_eq!(r.health.snapshot().released, 3);
+    // Key `o` never had a line: not one ledger, line or parked write, nor a message, for it.
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    for w in bed.blob.store().writes() {
+        let name = w.name.as_str();
+        // `{area}/hub/$default/{key}` and `{area}/hub/$default/{partition}/{ordering key}/…`.
+        let parts: Vec<&str> = name.split('/').collect();
+        let mine = match parts[0] {
+            "ledger" | "pending" => parts[3].starts_with(&b64("k-")[..2]),
+            "lines" | "parked" => parts[4] == b64("k"),
+            _ => true,
+        };
+        assert!(mine, "only key k's events touched the ledger: {name}");
+    }
+    assert!(bed
+        .sb
+        .queue("retries")
+        .unwrap()
+        .accepted()
+        .iter()
+        .all(|(id, _)| hubguard::pipeline::settle::unqualified(id).starts_with("k-")));
     // A released event runs as its first attempt.
     assert!(receiver
         .log()
