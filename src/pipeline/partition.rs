@@ -449,6 +449,56 @@ async fn process(
             } else {
                 heads = h == seq;
             }
+            // The key has (or had) a line, and this event is its head, before it, or the
+            // first after it ended: it may be a replay of an event the line already settled
+            // (released and delivered, or dead-lettered with its head). Such an event is not
+            // delivered again, which could bring it after later events of its key.
+            let final_record = until_done(pid, seq, shared, cancel, lag, || async {
+                Ok::<_, super::settle::SettleError>(
+                    shared
+                        .settler
+                        .ledger
+                        .get(&event.identity.idempotency_key)
+                        .await?
+                        .map(|(r, _)| r)
+                        .filter(|r| {
+                            r.state != crate::ledger::State::RetryScheduled
+                                && r.event.partition_id == event.partition_id
+                                && r.event.sequence_number == seq
+                        }),
+                )
+            })
+            .await;
+            let Some(final_record) = final_record else {
+                return false;
+            };
+            if let Some(rec) = final_record {
+                if heads {
+                    let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+                    let ended = until_done(pid, seq, shared, cancel, lag, || {
+                        super::lines::advance(
+                            &shared.settler,
+                            &event,
+                            k,
+                            on_dead_letter,
+                            Some(&shared.health),
+                        )
+                    })
+                    .await;
+                    match ended {
+                        None => return false,
+                        Some(true) => known.ended(k),
+                        Some(false) => {}
+                    }
+                }
+                tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
+                let s = super::settle::Settled::AlreadyFinal(rec.state);
+                shared
+                    .observe
+                    .count_settled(&s, event.identity.event_type.as_deref());
+                shared.health.release(pid, seq);
+                return true;
+            }
         }
     }
     shared.health.count(&shared.health.counters.attempts);

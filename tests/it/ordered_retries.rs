@@ -592,9 +592,14 @@ async fn blob_storage_down_while_parking_holds_the_partition_and_nothing_overtak
     .await;
     assert_eq!(receiver.deliveries_of("k-1"), 0);
     bed.blob.faults().clear();
-    wait_for("k-1 parked once storage is back", &r.health, LIMIT, || async {
-        ledger.all_parked().await.is_ok_and(|p| p.len() == 1) && r.health.held().is_empty()
-    })
+    wait_for(
+        "k-1 parked once storage is back",
+        &r.health,
+        LIMIT,
+        || async {
+            ledger.all_parked().await.is_ok_and(|p| p.len() == 1) && r.health.held().is_empty()
+        },
+    )
     .await;
     assert_eq!(receiver.deliveries_of("k-1"), 0);
     clock.advance(Duration::from_secs(61));
@@ -625,22 +630,33 @@ impl Lcg {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_order_and_lose_nothing(
 ) {
+    randomized(LineOnDeadLetter::Release, 24, 12).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_with_dead_letter_line_every_event_ends_delivered_in_order_or_dead_lettered() {
+    randomized(LineOnDeadLetter::DeadLetterLine, 16, 10).await;
+}
+
+/// `keys` ordering keys (each on one partition) with `per_key` events each: 65 % delivered at
+/// once, 25 % fail once or twice, 5 % fail until their budget (3 attempts) is spent, 5 % are
+/// refused. Two replicas; one dies mid-run (no final checkpoint, its ownerships left to
+/// expire) and a third joins. Checked from the receiver's log: each key's first deliveries
+/// in sequence order; every event delivered or dead-lettered.
+async fn randomized(on_dead_letter: LineOnDeadLetter, keys: u64, per_key: u64) {
     let seed = std::env::var("HUBGUARD_ORDERED_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(26u64);
-    eprintln!("ordered retries: seed {seed} (HUBGUARD_ORDERED_SEED)");
+    eprintln!("ordered retries ({on_dead_letter}): seed {seed} (HUBGUARD_ORDERED_SEED)");
     let mut rng = Lcg(seed);
     let mut queue = QueueSpec::new("retries");
     queue.lock_duration = Duration::from_secs(5);
     let bed = Bed::start_with_queue(2, queue).await;
-    // 24 keys, each on one partition; 12 events per key. 65 % delivered at once, 25 % fail
-    // once or twice, 5 % fail until their budget (3 attempts) is spent, 5 % are refused.
-    let keys = 24;
     let mut events: Vec<Vec<(String, String, String)>> = vec![Vec::new(), Vec::new()];
     let mut expect_dead = BTreeSet::new();
     let mut all = BTreeSet::new();
-    for i in 0..keys * 12 {
+    for i in 0..keys * per_key {
         let k = rng.below(keys);
         let body = match rng.below(100) {
             0..65 => "ok".to_string(),
@@ -666,7 +682,7 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
             owner,
             receiver.clone(),
             policy(1, 3),
-            LineOnDeadLetter::Release,
+            on_dead_letter,
             tune,
         )
     };
@@ -683,9 +699,9 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
     let a = replica("replica-a");
     let b = replica("replica-b");
     // A crash in the middle: replica-a dies with events parked, retries in hand and
-    // checkpoints behind; a new replica takes over after its ownerships expire.
+    // checkpoints behind; the others take over after its ownerships expire.
     wait_for("work under way", &a.health, LIMIT, || async {
-        receiver.delivered().len() >= 40
+        receiver.delivered().len() as u64 >= keys
     })
     .await;
     a.kill().await;
@@ -718,7 +734,7 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
     assert!(parked > 0, "events were parked along the way");
     // From the receiver's log: each key's first deliveries in sequence order.
     assert_in_order(&receiver);
-    // Every event ends delivered or dead-lettered: delivered exactly those that could be.
+    // Every event ends delivered or dead-lettered, and never both.
     let delivered = receiver.delivered();
     let dead: BTreeSet<String> = ledger
         .dead_letter_keys()
@@ -726,9 +742,38 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
         .unwrap()
         .into_iter()
         .collect();
-    let expect_delivered: BTreeSet<String> = all.difference(&expect_dead).cloned().collect();
-    assert_eq!(delivered, expect_delivered, "delivered");
-    assert_eq!(dead, expect_dead, "dead-lettered");
+    assert_eq!(
+        delivered.union(&dead).cloned().collect::<BTreeSet<_>>(),
+        all,
+        "every event ends delivered or dead-lettered"
+    );
+    assert!(
+        delivered.is_disjoint(&expect_dead),
+        "refused events are never delivered"
+    );
+    match on_dead_letter {
+        LineOnDeadLetter::Release => {
+            let expect_delivered: BTreeSet<String> =
+                all.difference(&expect_dead).cloned().collect();
+            assert_eq!(delivered, expect_delivered, "delivered");
+            assert_eq!(dead, expect_dead, "dead-lettered");
+        }
+        LineOnDeadLetter::DeadLetterLine => {
+            assert!(dead.is_superset(&expect_dead));
+            assert!(
+                delivered.is_disjoint(&dead),
+                "delivered or dead-lettered, not both"
+            );
+            for k in dead.difference(&expect_dead) {
+                let rec = ledger.get(k).await.unwrap().unwrap().0;
+                assert_eq!(
+                    rec.dead_letter_reason,
+                    Some(hubguard::policy::DeadLetterReason::LineDeadLettered),
+                    "{k}: dead-lettered only with its line"
+                );
+            }
+        }
+    }
     assert!(ledger.all_parked().await.unwrap().is_empty());
     let per_key: HashMap<String, usize> = receiver.log().iter().fold(HashMap::new(), |mut m, c| {
         *m.entry(c.key.clone()).or_default() += usize::from(c.delivered);
@@ -736,7 +781,7 @@ async fn randomized_keys_failures_a_crash_and_two_replicas_keep_every_key_in_ord
     });
     let duplicates: usize = per_key.values().map(|n| n.saturating_sub(1)).sum();
     eprintln!(
-        "ordered retries: {} events, {} delivered, {} dead-lettered, {duplicates} duplicate deliveries, {parked} parked by the surviving replicas",
+        "ordered retries ({on_dead_letter}): {} events, {} delivered, {} dead-lettered, {duplicates} duplicate deliveries, {parked} parked by the surviving replicas",
         all.len(),
         delivered.len(),
         dead.len()
