@@ -528,8 +528,11 @@ async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
 /// attempt. Reads one listing of the pending index (the retries waiting, not the ledger's
 /// history), and repairs the entries its records contradict.
 async fn recover_overdue(shared: &Shared) {
-    // Ordered retries: lines whose head settled for good while nobody advanced them.
-    if let Some(on_dead_letter) = shared.options.retry_ordering.lines() {
+    // Ordered retries: lines whose head settled for good while nobody advanced them. Also
+    // with ordering off (one listing, empty unless it was on): lines left open when it was
+    // switched off still drain, one event per sweep, instead of stranding what they parked.
+    {
+        let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
         match super::lines::sweep(&shared.settler, on_dead_letter, Some(&shared.health)).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(lines = n, "advanced lines whose head had settled"),
