@@ -50,6 +50,21 @@ pub struct Line {
     /// When the oldest event still parked was parked (ms since the epoch).
     #[serde(default)]
     pub oldest_parked_ms: Option<i64>,
+    /// The line ended: nothing is parked and its last head settled. The pointer stays as a
+    /// *tombstone* saying which events the line settled (up to `tail_seq`), so a replay of
+    /// one of them from Event Hubs (a crash before the checkpoint passed it) is recognised
+    /// and not delivered again; the partition's owner removes it once its checkpoint passes
+    /// `tail_seq`, and opening a new line of the key replaces it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ended: bool,
+}
+
+impl Line {
+    /// The last event of its partition the line settled: its highest parked, or its head.
+    pub fn last_seq(&self) -> i64 {
+        self.tail_seq
+            .map_or(self.head_seq, |t| t.max(self.head_seq))
+    }
 }
 
 /// A parked event.
@@ -87,6 +102,8 @@ const TAG_PARKED: &str = "hubguard_parked";
 const TAG_OLDEST: &str = "hubguard_oldest_parked_ms";
 const TAG_ORDERING: &str = "hubguard_ordering_key";
 const TAG_PARKED_MS: &str = "hubguard_parked_ms";
+const TAG_TAIL_SEQ: &str = "hubguard_tail_seq";
+const TAG_ENDED: &str = "hubguard_ended";
 
 /// Printable ASCII of at most 512 bytes, exactly as given (a tag value carries it as is).
 fn taggable(s: &str) -> bool {
@@ -105,6 +122,12 @@ fn line_tags(line: &Line) -> Tags {
     t.insert(TAG_PARKED.into(), line.parked.to_string());
     if let Some(o) = line.oldest_parked_ms {
         t.insert(TAG_OLDEST.into(), o.to_string());
+    }
+    if let Some(tail) = line.tail_seq {
+        t.insert(TAG_TAIL_SEQ.into(), tail.to_string());
+    }
+    if line.ended {
+        t.insert(TAG_ENDED.into(), "1".into());
     }
     t
 }
@@ -187,9 +210,27 @@ impl Ledger {
                 Err(e) => return Err(e.into()),
             }
             match self.line(&line.partition, &line.ordering_key).await? {
-                None => continue, // ended meanwhile: open it again
+                None => continue, // removed meanwhile: open it again
                 Some((l, _)) if l.head_key == line.head_key && l.head_seq == line.head_seq => {
                     return Ok(Opened::Head)
+                }
+                // A line that ended: the new one replaces its tombstone (the new head is
+                // later than anything it settled, so replays of those still meet a line).
+                Some((l, etag)) if l.ended && l.last_seq() < line.head_seq => {
+                    match self
+                        .store
+                        .write_tagged(
+                            &name,
+                            Bytes::from(body.clone()),
+                            Some(&etag),
+                            &line_tags(line),
+                        )
+                        .await
+                    {
+                        Ok(_) => return Ok(Opened::Head),
+                        Err(StoreError::Conflict | StoreError::NotFound) => continue,
+                        Err(e) => return Err(e.into()),
+                    }
                 }
                 Some((l, _)) => return Ok(Opened::Other(Box::new(l))),
             }
@@ -329,8 +370,15 @@ impl Ledger {
 
     /// The open lines: of `partition`, or of every partition. From one listing of the
     /// pointers' tags (a pointer whose tags cannot carry its keys is read); a line read from
-    /// its tags alone leaves `tail_seq` and `opened_ms` unknown (`None`, 0).
+    /// its tags alone leaves `opened_ms` unknown (0). Lines that ended are left out.
     pub async fn lines(&self, partition: Option<&str>) -> Result<Vec<Line>, LedgerError> {
+        let mut all = self.lines_and_ends(partition).await?;
+        all.retain(|l| !l.ended);
+        Ok(all)
+    }
+
+    /// [`lines`](Self::lines), and the tombstones of lines that ended (see [`Line::ended`]).
+    pub async fn lines_and_ends(&self, partition: Option<&str>) -> Result<Vec<Line>, LedgerError> {
         let prefix = match partition {
             Some(p) => format!("lines/{}{p}/", self.prefix),
             None => format!("lines/{}", self.prefix),
@@ -356,7 +404,7 @@ impl Ledger {
                         partition: p.to_string(),
                         head_key: h.clone(),
                         head_seq: seq,
-                        tail_seq: None,
+                        tail_seq: l.tags.get(TAG_TAIL_SEQ).and_then(|n| n.parse().ok()),
                         parked: l
                             .tags
                             .get(TAG_PARKED)
@@ -364,6 +412,7 @@ impl Ledger {
                             .unwrap_or(0),
                         opened_ms: 0,
                         oldest_parked_ms: l.tags.get(TAG_OLDEST).and_then(|n| n.parse().ok()),
+                        ended: l.tags.contains_key(TAG_ENDED),
                     }),
                 _ => {
                     if let Some(r) = self.store.read(&l.key).await? {

@@ -65,10 +65,9 @@ pub(crate) struct Known {
 struct KnownInner {
     /// Whether a listing succeeded.
     listed: bool,
-    /// Ordering key → the head's sequence number as last seen (the head may have moved on
-    /// since: only ever to a later event). Lines this task opens are kept from the start,
+    /// Ordering key → its line as last seen. Lines this task opens are kept from the start,
     /// before any listing, so a listing that started before one opened cannot drop it.
-    lines: HashMap<String, i64>,
+    lines: HashMap<String, KeyState>,
 }
 
 /// What a partition knows of a key's line before it delivers an event of it.
@@ -78,8 +77,10 @@ pub(crate) enum KeyState {
     Unknown,
     /// No line.
     Free,
-    /// A line whose head was this event (or a later one).
+    /// A line whose head was this event (or a later one: heads only move forward).
     Line(i64),
+    /// A line that ended having settled the events up to this one (its tombstone).
+    Ended(i64),
 }
 
 impl Known {
@@ -87,13 +88,18 @@ impl Known {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes in a listing of the partition's lines. What the task learnt meanwhile stays: a
-    /// line it opened is kept; one it saw end may come back from a listing that started
-    /// before, which only costs a pointer read.
+    /// Takes in a listing of the partition's lines and tombstones. What the task learnt
+    /// meanwhile stays: a line it opened is kept; one it saw end may come back from a listing
+    /// that started before, which only costs a pointer read.
     pub(crate) fn set_listing(&self, lines: Vec<Line>) {
         let mut k = self.inner();
         for l in lines {
-            k.lines.entry(l.ordering_key).or_insert(l.head_seq);
+            let state = if l.ended {
+                KeyState::Ended(l.last_seq())
+            } else {
+                KeyState::Line(l.head_seq)
+            };
+            k.lines.entry(l.ordering_key).or_insert(state);
         }
         k.listed = true;
     }
@@ -107,7 +113,7 @@ impl Known {
     pub(crate) fn state(&self, key: &str) -> KeyState {
         let k = self.inner();
         match k.lines.get(key) {
-            Some(s) => KeyState::Line(*s),
+            Some(s) => *s,
             None if k.listed => KeyState::Free,
             None => KeyState::Unknown,
         }
@@ -115,12 +121,64 @@ impl Known {
 
     /// `key` has a line headed by `seq` (or later).
     pub(crate) fn line(&self, key: &str, seq: i64) {
-        self.inner().lines.insert(key.to_string(), seq);
+        self.inner()
+            .lines
+            .insert(key.to_string(), KeyState::Line(seq));
     }
 
-    /// `key`'s line ended.
-    pub(crate) fn ended(&self, key: &str) {
-        self.inner().lines.remove(key);
+    /// `key`'s line ended, having settled the events up to `last` (`None`: not known, its
+    /// tombstone is gone).
+    pub(crate) fn ended(&self, key: &str, last: Option<i64>) {
+        let mut k = self.inner();
+        match last {
+            Some(x) => k.lines.insert(key.to_string(), KeyState::Ended(x)),
+            None => k.lines.remove(key),
+        };
+    }
+
+    /// Sets what is known of `key` (from [`remove_tombstone`]).
+    pub(crate) fn set(&self, key: &str, state: KeyState) {
+        let mut k = self.inner();
+        match state {
+            KeyState::Free | KeyState::Unknown => k.lines.remove(key),
+            s => k.lines.insert(key.to_string(), s),
+        };
+    }
+
+    /// Tombstones the checkpoint has passed (at `checkpoint`): their events are never read
+    /// again, so they can go.
+    pub(crate) fn passed(&self, checkpoint: i64) -> Vec<String> {
+        self.inner()
+            .lines
+            .iter()
+            .filter(|(_, s)| matches!(s, KeyState::Ended(x) if *x <= checkpoint))
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}
+
+/// Removes the tombstone of `key`'s line in `partition` if it still is one and the checkpoint
+/// (at `checkpoint`) has passed what it settled; a new line opened meanwhile stays. Returns
+/// what the partition should know of the key now (`None`: unchanged, try again later).
+pub(crate) async fn remove_tombstone(
+    settler: &Settler,
+    partition: &str,
+    key: &str,
+    checkpoint: i64,
+) -> Result<Option<KeyState>, LedgerError> {
+    let Some((line, etag)) = settler.ledger.line(partition, key).await? else {
+        return Ok(Some(KeyState::Free));
+    };
+    if !line.ended {
+        return Ok(Some(KeyState::Line(line.head_seq)));
+    }
+    if line.last_seq() > checkpoint {
+        return Ok(Some(KeyState::Ended(line.last_seq())));
+    }
+    match settler.ledger.end_line(partition, key, &etag).await {
+        Ok(()) | Err(LedgerError::Store(StoreError::NotFound)) => Ok(Some(KeyState::Free)),
+        Err(LedgerError::Store(StoreError::Conflict)) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -139,6 +197,8 @@ pub(crate) enum Park {
     Deliver {
         /// The line's head's sequence number, when there is a line.
         head: Option<i64>,
+        /// When the line ended: the last event it settled (its tombstone's), if it says.
+        ended_at: Option<i64>,
     },
 }
 
@@ -148,11 +208,16 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
     let (p, seq) = (event.partition_id.as_str(), event.sequence_number);
     let mut wrote = false;
     for _ in 0..ROUNDS {
-        let Some((mut line, etag)) = ledger.line(p, key).await? else {
+        let current = ledger.line(p, key).await?;
+        let Some((mut line, etag)) = current.filter(|(l, _)| !l.ended) else {
             // The line ended: a parked record of this event (written by this call before the
             // end, or by an earlier owner) was seen by nobody and goes.
             ledger.unpark(p, key, seq).await?;
-            return Ok(Park::Deliver { head: None });
+            let ended_at = ledger.line(p, key).await?.map(|(l, _)| l.last_seq());
+            return Ok(Park::Deliver {
+                head: None,
+                ended_at,
+            });
         };
         if seq <= line.head_seq {
             return Ok(if wrote {
@@ -164,6 +229,7 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
             } else {
                 Park::Deliver {
                     head: Some(line.head_seq),
+                    ended_at: None,
                 }
             });
         }
@@ -229,9 +295,12 @@ pub(crate) async fn open(settler: &Settler, event: &Event, key: &str) -> Result<
         parked: 0,
         opened_ms: ms(settler.clock().now()),
         oldest_parked_ms: None,
+        ended: false,
     };
     Ok(match settler.ledger.open_line(&line).await? {
         Opened::Head => Open::Head,
+        // The tombstone of a line that settled this very event: a replay of it.
+        Opened::Other(l) if l.ended => Open::Older,
         Opened::Other(l) if l.head_seq < event.sequence_number => Open::Behind,
         Opened::Other(_) => Open::Older,
     })
@@ -390,6 +459,9 @@ pub(crate) async fn advance(
         let Some((mut line, etag)) = ledger.line(p, key).await? else {
             return Ok(true);
         };
+        if line.ended {
+            return Ok(true);
+        }
         if line.head_key != current.0 || line.head_seq != current.1 {
             if line.head_seq > current.1 {
                 ensure_sent(settler, &line).await?;
@@ -418,8 +490,14 @@ pub(crate) async fn advance(
         let head_seq = line.head_seq;
         let mut rest = parked.iter().filter(|e| e.seq > head_seq);
         let Some(next) = rest.next() else {
-            match ledger.end_line(p, key, &etag).await {
-                Ok(()) | Err(LedgerError::Store(StoreError::NotFound)) => {
+            // The line ends: its pointer becomes a tombstone (see `Line::ended`), written
+            // `If-Match` like any change, so a parking that came first makes it fail.
+            line.tail_seq = Some(line.last_seq());
+            line.ended = true;
+            line.parked = 0;
+            line.oldest_parked_ms = None;
+            match ledger.write_line(&line, &etag).await {
+                Ok(_) | Err(LedgerError::Store(StoreError::NotFound)) => {
                     tracing::debug!(partition = %p, ordering_key = %key, "line ended");
                     return Ok(true);
                 }
@@ -627,12 +705,17 @@ mod tests {
             parked: 0,
             opened_ms: 0,
             oldest_parked_ms: None,
+            ended: false,
         };
         k.set_listing(vec![listed]);
         assert_eq!(k.state("a"), KeyState::Line(3));
         assert_eq!(k.state("b"), KeyState::Line(1));
         assert_eq!(k.state("c"), KeyState::Free);
-        k.ended("a");
+        k.ended("a", Some(7));
+        assert_eq!(k.state("a"), KeyState::Ended(7));
+        assert_eq!(k.passed(6), Vec::<String>::new());
+        assert_eq!(k.passed(7), vec!["a".to_string()]);
+        k.ended("a", None);
         assert_eq!(k.state("a"), KeyState::Free);
     }
 
@@ -665,7 +748,10 @@ mod tests {
         // The head's own event, or one before it, is delivered, not parked.
         assert_eq!(
             park(&s, &h, "K").await.unwrap(),
-            Park::Deliver { head: Some(1) }
+            Park::Deliver {
+                head: Some(1),
+                ended_at: None
+            }
         );
         // An event behind a waiting head opens no line of its own.
         assert_eq!(
@@ -718,17 +804,46 @@ mod tests {
         assert!(advance(&s, &e2, "K", LineOnDeadLetter::Release, None)
             .await
             .unwrap());
-        assert!(
-            s.ledger.line("0", "K").await.unwrap().is_none(),
-            "the line ended"
-        );
+        let open_lines = s.ledger.lines(None).await.unwrap();
+        assert!(open_lines.is_empty(), "the line ended: {open_lines:?}");
+        let (tomb, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        assert!(tomb.ended, "its tombstone says what it settled");
+        assert_eq!(tomb.last_seq(), 9);
+        // A replay of an event the line settled meets the tombstone.
+        assert_eq!(open(&s, &e1, "K").await.unwrap(), Open::Older);
         assert!(s.ledger.all_parked().await.unwrap().is_empty());
         // After the end, the key's next event is delivered, and leaves no parked record.
         assert_eq!(
             park(&s, &event("e3", 15), "K").await.unwrap(),
-            Park::Deliver { head: None }
+            Park::Deliver {
+                head: None,
+                ended_at: Some(9)
+            }
         );
         assert!(s.ledger.all_parked().await.unwrap().is_empty());
+        // A new line replaces the tombstone; once the checkpoint passes a tombstone, it goes.
+        assert_eq!(open(&s, &event("e4", 20), "K").await.unwrap(), Open::Head);
+        assert_eq!(
+            remove_tombstone(&s, "0", "K", 30).await.unwrap(),
+            Some(KeyState::Line(20)),
+            "not a tombstone any more"
+        );
+        settle(&s, &event("e4", 20), 1, Outcome::Delivered).await;
+        assert!(
+            advance(&s, &event("e4", 20), "K", LineOnDeadLetter::Release, None)
+                .await
+                .unwrap()
+        );
+        assert_eq!(
+            remove_tombstone(&s, "0", "K", 19).await.unwrap(),
+            Some(KeyState::Ended(20)),
+            "the checkpoint has not passed it"
+        );
+        assert_eq!(
+            remove_tombstone(&s, "0", "K", 20).await.unwrap(),
+            Some(KeyState::Free)
+        );
+        assert!(s.ledger.line("0", "K").await.unwrap().is_none());
     }
 
     #[tokio::test]
@@ -875,11 +990,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn when_the_line_ends_between_parking_and_the_pointer_the_partition_delivers_the_event() {
+    async fn when_the_line_ends_between_parking_and_the_pointer_the_partition_delivers_the_event_itself(
+    ) {
         // The parker has written its parked record and is about to rewrite the pointer; the
         // head settles elsewhere, an advance lists nothing (the listing came first) and ends
-        // the line. The parker's rewrite fails, it finds no line, removes its record and
-        // delivers the event itself.
+        // the line (its tombstone). The parker's rewrite fails, it finds the line ended,
+        // removes its record and delivers the event itself.
         let (s, store) = interleaved(|op, key| op == "update" && key.starts_with("lines/"));
         let h = event("h", 1);
         open(&s, &h, "K").await.unwrap();
@@ -889,12 +1005,18 @@ mod tests {
             Box::pin(async move {
                 use crate::azure::RecordStore;
                 let r = inner.read(&line_name).await.unwrap().unwrap();
-                inner.delete(&line_name, &r.etag).await.unwrap();
+                let mut line: Line = serde_json::from_slice(&r.body).unwrap();
+                line.ended = true;
+                let body = bytes::Bytes::from(serde_json::to_vec(&line).unwrap());
+                inner.update(&line_name, body, &r.etag).await.unwrap();
             })
         }));
         assert_eq!(
             park(&s, &event("e", 5), "K").await.unwrap(),
-            Park::Deliver { head: None }
+            Park::Deliver {
+                head: None,
+                ended_at: Some(1)
+            }
         );
         assert!(
             s.ledger.all_parked().await.unwrap().is_empty(),
@@ -904,10 +1026,11 @@ mod tests {
 
     #[tokio::test]
     async fn when_an_event_is_parked_before_the_line_ends_the_end_fails_and_releases_it() {
-        // The head settled and its advance listed nothing parked; before its delete, the
-        // partition parks an event (record, then the pointer's rewrite). The delete fails on
-        // the pointer's new ETag, the advance lists again and releases the event.
-        let (s, store) = interleaved(|op, key| op == "delete" && key.starts_with("lines/"));
+        // The head settled and its advance listed nothing parked; before it ends the line
+        // (its tombstone's write), the partition parks an event (record, then the pointer's
+        // rewrite). The end fails on the pointer's new ETag, the advance lists again and
+        // releases the event.
+        let (s, store) = interleaved(|op, key| op == "update" && key.starts_with("lines/"));
         let h = event("h", 1);
         open(&s, &h, "K").await.unwrap();
         let (parker, e) = (s.clone(), event("e", 5));

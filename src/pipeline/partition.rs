@@ -233,6 +233,17 @@ pub(crate) async fn run(
                     if cp.interval_passed(&shared) {
                         cp.write(&pc, &shared).await;
                     }
+                    // Ordered retries: tombstones of lines whose events the checkpoint passed
+                    // (no replay can meet them again) go.
+                    if let (true, Some(c)) = (ordered, cp.written) {
+                        for k in known.passed(c) {
+                            match super::lines::remove_tombstone(&shared.settler, &pid, &k, c).await {
+                                Ok(Some(state)) => known.set(&k, state),
+                                Ok(None) => {}
+                                Err(e) => tracing::debug!(partition = %pid, error = %e, "a line's tombstone stays until the next try"),
+                            }
+                        }
+                    }
                     cp.publish_lag(&pid, &shared);
                     // Listed again in the background, so a slow listing holds nothing up.
                     let lines_unlisted = ordered && !known.is_listed();
@@ -371,7 +382,7 @@ async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: 
 /// Lists the open lines of `pid`'s keys into `known` (ordered retries); a failure leaves it
 /// unlisted, which only costs a pointer read per event with a key until a listing succeeds.
 async fn list_lines(known: &super::lines::Known, pid: &str, shared: &Shared) {
-    match shared.settler.ledger.lines(Some(pid)).await {
+    match shared.settler.ledger.lines_and_ends(Some(pid)).await {
         Ok(lines) => known.set_listing(lines),
         Err(e) => {
             tracing::warn!(partition = %pid, error = %e, "cannot list the partition's lines (ordered retries); every event with an ordering key reads its line until a listing succeeds")
@@ -418,41 +429,51 @@ async fn process(
     let mut heads = false;
     if let Some(k) = line_key {
         use super::lines::KeyState;
-        let head = match known.state(k) {
-            KeyState::Free => None,
-            KeyState::Line(h) => Some(h),
+        let state = match known.state(k) {
             KeyState::Unknown => {
                 let read = until_done(pid, seq, shared, cancel, lag, || async {
                     Ok::<_, super::settle::SettleError>(
-                        shared
-                            .settler
-                            .ledger
-                            .line(pid, k)
-                            .await?
-                            .map(|(l, _)| l.head_seq),
+                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
+                            if l.ended {
+                                KeyState::Ended(l.last_seq())
+                            } else {
+                                KeyState::Line(l.head_seq)
+                            }
+                        }),
                     )
                 })
                 .await;
                 match read {
                     None => return false,
-                    Some(h) => h,
+                    Some(s) => s.unwrap_or(KeyState::Free),
                 }
             }
+            s => s,
         };
-        if let Some(h) = head {
-            if seq > h {
+        // Whether the event may be a replay of one a line already settled.
+        let verify = match state {
+            KeyState::Unknown | KeyState::Free => false,
+            KeyState::Ended(x) => seq <= x,
+            KeyState::Line(h) if seq > h => {
                 match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
                     None => return false,
                     Some(Err(_parked)) => return true,
-                    Some(Ok(h)) => heads = h,
+                    Some(Ok((h, verify))) => {
+                        heads = h;
+                        verify
+                    }
                 }
-            } else {
-                heads = h == seq;
             }
-            // The key has (or had) a line, and this event is its head, before it, or the
-            // first after it ended: it may be a replay of an event the line already settled
-            // (released and delivered, or dead-lettered with its head). Such an event is not
-            // delivered again, which could bring it after later events of its key.
+            KeyState::Line(h) => {
+                heads = h == seq;
+                true
+            }
+        };
+        // The key has (or had) a line, and this event is its head, before it, or read before
+        // it ended: it may be a replay of an event the line already settled (released and
+        // delivered, or dead-lettered with its head). Such an event is not delivered again,
+        // which could bring it after later events of its key.
+        if verify {
             let final_record = until_done(pid, seq, shared, cancel, lag, || async {
                 Ok::<_, super::settle::SettleError>(
                     shared
@@ -487,7 +508,7 @@ async fn process(
                     .await;
                     match ended {
                         None => return false,
-                        Some(true) => known.ended(k),
+                        Some(true) => known.ended(k, Some(seq)),
                         Some(false) => {}
                     }
                 }
@@ -591,12 +612,12 @@ async fn process(
                                 attempt::finish(&attempted, Ok(&parked));
                                 return true;
                             }
-                            Some(Ok(true)) => {
+                            Some(Ok((true, _))) => {
                                 heads = true;
                                 break;
                             }
                             // The line ended meanwhile: open it again with this event.
-                            Some(Ok(false)) => {}
+                            Some(Ok((false, _))) => {}
                         }
                     }
                 }
@@ -658,7 +679,7 @@ async fn process(
                                 attempt::finish(&attempted, Ok(&s));
                                 return false;
                             }
-                            Some(true) => known.ended(k),
+                            Some(true) => known.ended(k, Some(seq)),
                             Some(false) => known.line(k, seq),
                         }
                     }
@@ -690,9 +711,9 @@ async fn process(
 }
 
 /// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:
-/// counted, its hold released), `Some(Ok(heads))` when it is to be delivered (the line ended,
-/// or the event is at or before its head — `heads` when it is the head), `None` if stopped
-/// first.
+/// counted, its hold released), `Some(Ok((heads, verify)))` when it is to be delivered (the
+/// line ended, or the event is at or before its head — `heads` when it is the head; `verify`
+/// when it may be a replay of an event the line settled), `None` if stopped first.
 async fn park_or_deliver(
     event: &Event,
     key: &str,
@@ -701,7 +722,7 @@ async fn park_or_deliver(
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
     known: &super::lines::Known,
-) -> Option<Result<bool, super::settle::Settled>> {
+) -> Option<Result<(bool, bool), super::settle::Settled>> {
     let seq = event.sequence_number;
     let parked = until_done(pid, seq, shared, cancel, lag, || async {
         Ok::<_, super::settle::SettleError>(super::lines::park(&shared.settler, event, key).await?)
@@ -734,13 +755,16 @@ async fn park_or_deliver(
             shared.health.release(pid, seq);
             Some(Err(s))
         }
-        super::lines::Park::Deliver { head: None } => {
-            known.ended(key);
-            Some(Ok(false))
+        super::lines::Park::Deliver {
+            head: None,
+            ended_at,
+        } => {
+            known.ended(key, ended_at);
+            Some(Ok((false, ended_at.is_none_or(|x| seq <= x))))
         }
-        super::lines::Park::Deliver { head: Some(h) } => {
+        super::lines::Park::Deliver { head: Some(h), .. } => {
             known.line(key, h);
-            Some(Ok(h == seq))
+            Some(Ok((h == seq, true)))
         }
     }
 }
