@@ -5,8 +5,9 @@
 //!   event is the head (its idempotency key and sequence number), the highest sequence number
 //!   parked behind it, how many were parked, and when the oldest still parked was parked.
 //!   Every change is a compare-and-swap (`If-None-Match: *` to open the line, `If-Match` to
-//!   park or release, a conditional delete to end it), so of a partition parking an event and
-//!   a retry loop ending the line at the same moment exactly one sees the other. Its tags
+//!   park, release or end it), so of a partition parking an event and a retry loop ending the
+//!   line at the same moment exactly one sees the other. An ended line's pointer stays as a
+//!   tombstone (see [`Line::ended`]) until its partition's checkpoint passes what it settled. Its tags
 //!   carry the same facts, so a listing answers "which keys have a line?" without reading a
 //!   pointer.
 //! - One **parked record** per parked event,

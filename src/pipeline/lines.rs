@@ -13,15 +13,18 @@
 //! (compare-and-swap), its retry message goes to Service Bus, and its parked record goes. So a
 //! line drains through the same durable, claimable path as every retry, on whichever replica
 //! takes the message; one that fails becomes the head with its own schedule. When nothing
-//! is parked, the pointer is deleted with `If-Match`.
+//! is parked, the line ends: the pointer becomes a tombstone (`If-Match`) naming the last
+//! event the line settled, so a replay of an event it settled (a crash before the checkpoint
+//! passed it) is checked against its ledger record and not delivered again; the partition's
+//! owner deletes the tombstone once its checkpoint has passed that event.
 //!
 //! **The race.** A partition parking event `E` while a retry loop ends the line: the
 //! partition writes `E`'s parked record, then rewrites the pointer `If-Match` the ETag it
-//! read; the retry loop reads the pointer, lists the parked records, and deletes the pointer
-//! `If-Match` the ETag it read. If the partition's rewrite lands first, the delete fails and
-//! the retry loop lists again (finding `E`); if the delete lands first, the rewrite fails, the
-//! partition finds no line, removes `E`'s parked record and delivers `E` itself; and a listing
-//! that found `E` releases it instead of deleting the pointer. List Blobs is strongly
+//! read; the retry loop reads the pointer, lists the parked records, and writes the tombstone
+//! `If-Match` the ETag it read. If the partition's rewrite lands first, the end fails and the
+//! retry loop lists again (finding `E`); if the end lands first, the rewrite fails, the
+//! partition finds the line ended, removes `E`'s parked record and delivers `E` itself; and a
+//! listing that found `E` releases it instead of ending the line. List Blobs is strongly
 //! consistent (see `pipeline::recorded`), so exactly one of them takes `E`.
 //!
 //! **What the partition knows.** At claim it lists its lines' pointers (one listing, tags
