@@ -581,16 +581,21 @@ async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> 
 
 /// The backstop for a line whose head settled for good while nobody advanced it (a process
 /// died between the head's settlement and the line's advance, an operator cancelled the
-/// head): every open line whose head's record is final is advanced. One listing plus one
-/// record read per open line; run by the retry loop's periodic sweep. Returns the lines
-/// advanced.
+/// head): every open line whose head's record is final is advanced. One listing, plus one
+/// record read per open line whose head is not in `waiting` (the keys the pending index
+/// lists: a waiting record always has an entry there); run by the retry loop's periodic
+/// sweep. Returns the lines advanced.
 pub(crate) async fn sweep(
     settler: &Settler,
     on_dead_letter: LineOnDeadLetter,
     health: Option<&super::health::Health>,
+    waiting: &std::collections::HashSet<&str>,
 ) -> Result<usize, SettleError> {
     let mut advanced = 0;
     for line in settler.ledger.lines(None).await? {
+        if waiting.contains(line.head_key.as_str()) {
+            continue;
+        }
         // No record yet: the partition opened the line and is settling its head's failure.
         let Some((rec, _)) = settler.ledger.get(&line.head_key).await? else {
             continue;

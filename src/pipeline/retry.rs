@@ -528,19 +528,6 @@ async fn sweep_dead_letters(shared: Arc<Shared>, cancel: CancellationToken) {
 /// attempt. Reads one listing of the pending index (the retries waiting, not the ledger's
 /// history), and repairs the entries its records contradict.
 async fn recover_overdue(shared: &Shared) {
-    // Ordered retries: lines whose head settled for good while nobody advanced them. Also
-    // with ordering off (one listing, empty unless it was on): lines left open when it was
-    // switched off still drain, one event per sweep, instead of stranding what they parked.
-    {
-        let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
-        match super::lines::sweep(&shared.settler, on_dead_letter, Some(&shared.health)).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(lines = n, "advanced lines whose head had settled"),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not sweep the lines of ordered retries; trying again at the next sweep")
-            }
-        }
-    }
     let ledger = &shared.settler.ledger;
     let pending = match ledger.pending().await {
         Ok(p) => p,
@@ -549,6 +536,29 @@ async fn recover_overdue(shared: &Shared) {
             return;
         }
     };
+    // Ordered retries: lines whose head settled for good while nobody advanced them (a head
+    // still in the pending index is waiting: its record is not read). Also with ordering off
+    // (one listing, empty unless it was on): lines left open when it was switched off still
+    // drain, one event per sweep, instead of stranding what they parked.
+    {
+        let waiting: std::collections::HashSet<&str> =
+            pending.iter().map(|p| p.key.as_str()).collect();
+        let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+        match super::lines::sweep(
+            &shared.settler,
+            on_dead_letter,
+            Some(&shared.health),
+            &waiting,
+        )
+        .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(lines = n, "advanced lines whose head had settled"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not sweep the lines of ordered retries; trying again at the next sweep")
+            }
+        }
+    }
     let now = shared.clock().now();
     let Some(overdue_before) = now.checked_sub(shared.options.overdue_margin) else {
         return;
