@@ -798,10 +798,14 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         Some((rec, _)) if args.json => println!("{}", crate::status::record_view(&rec)),
         Some((rec, _)) => print!("{}", crate::status::record_text(&rec)),
         None if args.json => {
-            println!(
-                "{}",
-                serde_json::json!({ "key": args.key, "state": "UNKNOWN", "delivered_records_kept_days": config.ledger.retention_days })
-            );
+            // The status API's answer: why, how long delivered records are kept, since when.
+            let keep = (config.ledger.retention_days > 0).then(|| {
+                std::time::Duration::from_secs(config.ledger.retention_days.saturating_mul(86_400))
+            });
+            let view = ledger
+                .with_retention(keep)
+                .no_record(&args.key, std::time::SystemTime::now());
+            println!("{view}");
             return Ok(EXIT_UNKNOWN_KEY);
         }
         None => {

@@ -538,12 +538,18 @@ pub struct LedgerSection {
     /// event is settled on its partition (0: kept forever). Dead letters stay until replayed
     /// or purged.
     pub retention_days: u64,
+    /// Tags each record with its state as a blob index tag (`hubguard-state`, on the
+    /// record's own write: no extra call), for the lifecycle management policy in
+    /// `deploy/azure/`. Off by default: it needs the `tags/write` permission (Storage Blob
+    /// Data Owner, or a SAS with `t`) and an account without a hierarchical namespace.
+    pub lifecycle_tags: bool,
 }
 
 impl Default for LedgerSection {
     fn default() -> Self {
         Self {
             retention_days: crate::pipeline::DEFAULT_RETENTION.as_secs() / 86_400,
+            lifecycle_tags: false,
         }
     }
 }

@@ -605,7 +605,11 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
                 redact_json(&mut v);
                 Json(v).into_response()
             }
-            _ => unknown(key),
+            _ => (
+                StatusCode::NOT_FOUND,
+                Json(s.ledger.no_record(&key, SystemTime::now())),
+            )
+                .into_response(),
         },
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -613,14 +617,6 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         )
             .into_response(),
     }
-}
-
-fn unknown(key: String) -> Response {
-    (
-        StatusCode::NOT_FOUND,
-        Json(json!({ "key": key, "state": "UNKNOWN", "detail": "the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which" })),
-    )
-        .into_response()
 }
 
 /// The operator's control record, read now: which partitions are paused (by whom, since

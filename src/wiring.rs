@@ -212,6 +212,8 @@ pub struct StorageAccess {
     pub container_url: String,
     /// An Entra ID credential (https only), or none for a SAS or an emulator.
     pub credential: Option<Arc<dyn TokenCredential>>,
+    /// Whether ledger records carry their state as a blob index tag (`ledger.lifecycle_tags`).
+    pub index_tags: bool,
 }
 
 impl std::fmt::Debug for StorageAccess {
@@ -228,6 +230,7 @@ impl StorageAccess {
         Ok(Self {
             container_url: c.storage.container_url.clone(),
             credential: c.storage.credential.map(credential).transpose()?,
+            index_tags: c.ledger.lifecycle_tags,
         })
     }
 
@@ -236,12 +239,14 @@ impl StorageAccess {
         Self {
             container_url: url.into(),
             credential: None,
+            index_tags: false,
         }
     }
 
     /// The record store (the ledger's and the breaker's blobs); every call has `deadline`.
     pub fn record_store(&self, deadline: Duration) -> Result<BlobRecordStore, WiringError> {
         BlobRecordStore::new(&self.container_url, self.credential.clone(), deadline)
+            .map(|s| s.with_index_tags(self.index_tags))
             .map_err(|e| WiringError::client("storage.container_url", e))
     }
 }

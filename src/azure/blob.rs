@@ -337,15 +337,75 @@ impl BlobContainer {
         metadata: &[(&str, &str)],
         condition: &Condition,
     ) -> Result<Written, BlobError> {
-        let req = self
+        self.put_blob_tagged(name, body, content_type, metadata, &[], condition)
+            .await
+    }
+
+    /// Put Blob with blob index tags (`x-ms-tags`, query-string encoded; none: the header is
+    /// not sent) in the same request: "Put Blob", learn.microsoft.com/rest/api/
+    /// storageservices/put-blob. Setting tags needs the `tags/write` permission (a SAS with
+    /// `t`; Storage Blob Data Owner) and an account without a hierarchical namespace.
+    pub async fn put_blob_tagged(
+        &self,
+        name: &str,
+        body: Bytes,
+        content_type: &str,
+        metadata: &[(&str, &str)],
+        tags: &[(&str, &str)],
+        condition: &Condition,
+    ) -> Result<Written, BlobError> {
+        let mut req = self
             .http
             .put(self.url_for(Some(name), &[]))
             .header("x-ms-blob-type", "BlockBlob")
             .header("content-type", content_type)
             .header("content-length", body.len())
             .body(body);
+        if !tags.is_empty() {
+            req = req.header("x-ms-tags", encode_tags(tags));
+        }
         let req = Self::with_metadata(Self::conditioned(req, condition), metadata);
         written(&self.send(req).await?)
+    }
+
+    /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
+    /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
+    /// storageservices/set-blob-tags).
+    pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
+        let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
+        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
+        for (k, v) in tags {
+            xml.push_str(&format!(
+                "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
+                esc(k),
+                esc(v)
+            ));
+        }
+        xml.push_str("</TagSet></Tags>");
+        let req = self
+            .http
+            .put(self.url_for(Some(name), &[("comp", "tags")]))
+            .header("content-type", "application/xml; charset=UTF-8")
+            .header("content-length", xml.len())
+            .body(xml);
+        self.send(req).await.map(|_| ())
+    }
+
+    /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
+    /// exist.
+    pub async fn get_tags(&self, name: &str) -> Result<Option<Vec<(String, String)>>, BlobError> {
+        let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
+        match self.send(req).await {
+            Ok(resp) => {
+                let text = resp
+                    .text()
+                    .await
+                    .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+                Ok(Some(parse_tag_set(&text)))
+            }
+            Err(e) if e.status() == Some(404) && e.code() == Some("BlobNotFound") => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Set Blob Metadata (replaces all of the blob's metadata).
@@ -427,35 +487,54 @@ impl BlobContainer {
         with_metadata: bool,
     ) -> Result<Vec<BlobItem>, BlobError> {
         let mut out = Vec::new();
-        let mut marker = String::new();
+        let mut marker: Option<String> = None;
         loop {
-            let mut params = vec![("restype", "container"), ("comp", "list")];
-            if !prefix.is_empty() {
-                params.push(("prefix", prefix));
-            }
-            if with_metadata {
-                params.push(("include", "metadata"));
-            }
-            if !marker.is_empty() {
-                params.push(("marker", marker.as_str()));
-            }
-            let req = self
-                .http
-                .get(self.url_for(None, &params))
-                .header("accept", "application/xml");
-            let resp = self.send(req).await?;
-            let text = resp
-                .text()
-                .await
-                .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
-            let (items, next) = parse_list(&text)?;
+            let (items, next) = self
+                .list_blobs_page(prefix, with_metadata, marker.as_deref(), None)
+                .await?;
             out.extend(items);
             match next {
-                Some(n) if !n.is_empty() => marker = n,
-                _ => break,
+                Some(n) => marker = Some(n),
+                None => break,
             }
         }
         Ok(out)
+    }
+
+    /// One List Blobs call: at most `max` blobs (the service's page, at most 5,000, when
+    /// `None`) from `marker`, and the marker of the next page (`None`: the last page).
+    pub async fn list_blobs_page(
+        &self,
+        prefix: &str,
+        with_metadata: bool,
+        marker: Option<&str>,
+        max: Option<usize>,
+    ) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
+        let max = max.map(|m| m.clamp(1, 5_000).to_string());
+        let mut params = vec![("restype", "container"), ("comp", "list")];
+        if !prefix.is_empty() {
+            params.push(("prefix", prefix));
+        }
+        if with_metadata {
+            params.push(("include", "metadata"));
+        }
+        if let Some(m) = marker.filter(|m| !m.is_empty()) {
+            params.push(("marker", m));
+        }
+        if let Some(m) = &max {
+            params.push(("maxresults", m.as_str()));
+        }
+        let req = self
+            .http
+            .get(self.url_for(None, &params))
+            .header("accept", "application/xml");
+        let resp = self.send(req).await?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+        let (items, next) = parse_list(&text)?;
+        Ok((items, next.filter(|n| !n.is_empty())))
     }
 }
 
@@ -590,6 +669,45 @@ fn parse_list(xml: &str) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
         ));
     }
     Ok((items, next))
+}
+
+/// `x-ms-tags`: the tags as a URL query string (every byte but `A–Z a–z 0–9 - . _ ~`
+/// percent-encoded).
+pub fn encode_tags(tags: &[(&str, &str)]) -> String {
+    const TAG: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    tags.iter()
+        .map(|(k, v)| {
+            format!(
+                "{}={}",
+                utf8_percent_encode(k, TAG),
+                utf8_percent_encode(v, TAG)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
+    let text = |t: &str, name: &str| -> String {
+        let (open, close) = (format!("<{name}>"), format!("</{name}>"));
+        t.split_once(&open)
+            .and_then(|(_, rest)| rest.split_once(&close))
+            .map(|(v, _)| {
+                quick_xml::escape::unescape(v)
+                    .map(|c| c.into_owned())
+                    .unwrap_or_else(|_| v.to_string())
+            })
+            .unwrap_or_default()
+    };
+    xml.split("<Tag>")
+        .skip(1)
+        .map(|t| (text(t, "Key"), text(t, "Value")))
+        .collect()
 }
 
 #[cfg(test)]

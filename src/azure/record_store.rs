@@ -104,6 +104,21 @@ pub trait RecordStore: Send + Sync {
     async fn delete(&self, key: &str, etag: &str) -> Result<(), StoreError>;
     /// Every record whose key starts with `prefix`, with its tags.
     async fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError>;
+    /// One page of [`list`](Self::list): records whose key starts with `prefix`, from
+    /// `marker` (the continuation the previous page returned; `None`: the first page), and
+    /// the next page's marker (`None`: no more). Lets a caller walk a large prefix holding
+    /// one page at a time (blob storage: one List Blobs call, at most 5,000 blobs). The
+    /// default lists everything and returns it as one page.
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        if marker.is_some() {
+            return Ok((Vec::new(), None));
+        }
+        Ok((self.list(prefix).await?, None))
+    }
     /// Creates (`etag` `None`) or replaces `key` like [`create`](Self::create) and
     /// [`update`](Self::update), storing `tags` beside it in the same write. A store that
     /// cannot keep tags writes the record alone (the default).
@@ -119,6 +134,21 @@ pub trait RecordStore: Send + Sync {
             None => self.create(key, body).await,
             Some(e) => self.update(key, body, e).await,
         }
+    }
+    /// [`write_tagged`](Self::write_tagged), also setting `index` as the blob's index tags
+    /// (blob storage: `x-ms-tags` on the same Put Blob, when the store was built to send
+    /// them), which a lifecycle management policy can filter on (`blobIndexMatch`). A store
+    /// without index tags writes as [`write_tagged`](Self::write_tagged) does (the default).
+    async fn write_indexed(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+        index: &Tags,
+    ) -> Result<String, StoreError> {
+        let _ = index;
+        self.write_tagged(key, body, etag, tags).await
     }
     /// Deletes `key` whatever its ETag; a missing record is no error. The default reads
     /// the ETag first; blob storage deletes with one unconditional Delete Blob.
@@ -162,6 +192,8 @@ pub trait RecordStore: Send + Sync {
 pub struct BlobRecordStore {
     container: Arc<BlobContainer>,
     deadline: Duration,
+    /// Whether [`RecordStore::write_indexed`] sends blob index tags (`x-ms-tags`).
+    index_tags: bool,
 }
 
 impl fmt::Debug for BlobRecordStore {
@@ -191,7 +223,19 @@ impl BlobRecordStore {
         Self {
             container,
             deadline,
+            index_tags: false,
         }
+    }
+
+    /// Sends the blob index tags of [`RecordStore::write_indexed`] with each write (`x-ms-tags`
+    /// on the same Put Blob: no extra call). Off by default: setting tags needs the
+    /// `tags/write` permission (Storage Blob Data Owner, or a SAS with `t`), which Storage
+    /// Blob Data Contributor lacks, and accounts with a hierarchical namespace have no tags
+    /// ("Manage and find Azure Blob data with blob index tags", learn.microsoft.com/azure/
+    /// storage/blobs/storage-manage-find-blobs).
+    pub fn with_index_tags(mut self, on: bool) -> Self {
+        self.index_tags = on;
+        self
     }
 
     /// The container client (shared with the checkpoint store).
@@ -224,13 +268,16 @@ impl BlobRecordStore {
         condition: Condition,
         not_found_as: Option<StoreError>,
         tags: Option<&Tags>,
+        index: Option<&Tags>,
     ) -> Result<String, StoreError> {
         self.deadline(async {
-            let metadata: Vec<(&str, &str)> = tags
-                .map(|t| t.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
-                .unwrap_or_default();
+            fn pairs(t: Option<&Tags>) -> Vec<(&str, &str)> {
+                t.map(|t| t.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+                    .unwrap_or_default()
+            }
+            let (metadata, index) = (pairs(tags), pairs(index.filter(|_| self.index_tags)));
             self.container
-                .put_blob(key, body, "application/json", &metadata, &condition)
+                .put_blob_tagged(key, body, "application/json", &metadata, &index, &condition)
                 .await
                 .map(|w| w.etag)
                 .map_err(|e| match (classify(&e), &not_found_as) {
@@ -239,6 +286,15 @@ impl BlobRecordStore {
                 })
         })
         .await
+    }
+}
+
+fn listed(i: crate::azure::blob::BlobItem) -> Listed {
+    Listed {
+        key: i.name,
+        etag: i.etag,
+        last_modified: i.last_modified.map(SystemTime::from),
+        tags: i.metadata.into_iter().collect(),
     }
 }
 
@@ -316,7 +372,7 @@ impl RecordStore for BlobRecordStore {
     }
 
     async fn create(&self, key: &str, body: Bytes) -> Result<String, StoreError> {
-        self.upload(key, body, Condition::IfNotExists, None, None)
+        self.upload(key, body, Condition::IfNotExists, None, None, None)
             .await
     }
 
@@ -327,10 +383,29 @@ impl RecordStore for BlobRecordStore {
         etag: Option<&str>,
         tags: &Tags,
     ) -> Result<String, StoreError> {
+        self.write_indexed(key, body, etag, tags, &Tags::new())
+            .await
+    }
+
+    async fn write_indexed(
+        &self,
+        key: &str,
+        body: Bytes,
+        etag: Option<&str>,
+        tags: &Tags,
+        index: &Tags,
+    ) -> Result<String, StoreError> {
         match etag {
             None => {
-                self.upload(key, body, Condition::IfNotExists, None, Some(tags))
-                    .await
+                self.upload(
+                    key,
+                    body,
+                    Condition::IfNotExists,
+                    None,
+                    Some(tags),
+                    Some(index),
+                )
+                .await
             }
             Some(e) => {
                 self.upload(
@@ -339,6 +414,7 @@ impl RecordStore for BlobRecordStore {
                     Condition::IfMatch(e.to_string()),
                     Some(StoreError::Conflict),
                     Some(tags),
+                    Some(index),
                 )
                 .await
             }
@@ -359,7 +435,7 @@ impl RecordStore for BlobRecordStore {
     }
 
     async fn put_tagged(&self, key: &str, body: Bytes, tags: &Tags) -> Result<String, StoreError> {
-        self.upload(key, body, Condition::None, None, Some(tags))
+        self.upload(key, body, Condition::None, None, Some(tags), None)
             .await
     }
 
@@ -370,6 +446,7 @@ impl RecordStore for BlobRecordStore {
             body,
             Condition::IfMatch(etag.to_string()),
             Some(StoreError::Conflict),
+            None,
             None,
         )
         .await
@@ -392,15 +469,23 @@ impl RecordStore for BlobRecordStore {
                 .list_blobs(prefix, true)
                 .await
                 .map_err(|e| classify(&e))?;
-            Ok(items
-                .into_iter()
-                .map(|i| Listed {
-                    key: i.name,
-                    etag: i.etag,
-                    last_modified: i.last_modified.map(SystemTime::from),
-                    tags: i.metadata.into_iter().collect(),
-                })
-                .collect())
+            Ok(items.into_iter().map(listed).collect())
+        })
+        .await
+    }
+
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        self.deadline(async {
+            let (items, next) = self
+                .container
+                .list_blobs_page(prefix, true, marker, None)
+                .await
+                .map_err(|e| classify(&e))?;
+            Ok((items.into_iter().map(listed).collect(), next))
         })
         .await
     }

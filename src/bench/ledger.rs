@@ -38,6 +38,45 @@ pub(super) struct LedgerFigures {
     pub retries_list_ms: f64,
     /// The same with no settled record.
     pub retries_list_empty_ms: f64,
+    /// Peak resident memory this process gained during one sweep's listing over the large
+    /// ledger, and over the one with no settled record (MB; `None` off Linux).
+    pub sweep_peak_mb: (Option<f64>, Option<f64>),
+    /// The same for one retention pass (`Ledger::expire`, deleting nothing).
+    pub retention_peak_mb: (Option<f64>, Option<f64>),
+}
+
+/// What one ledger measured.
+struct One {
+    calls: u64,
+    listed: u64,
+    ms: f64,
+    sweep_peak_mb: Option<f64>,
+    retention_peak_mb: Option<f64>,
+}
+
+/// A `/proc/self/status` figure in MB.
+fn status_mb(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())?;
+    Some(kb / 1024.0)
+}
+
+/// How much this process's peak resident memory rose above what it held before `f` ran:
+/// the peak (`VmHWM`) is reset first by writing 5 to `/proc/self/clear_refs` (Linux).
+async fn peak_growth<T>(f: impl std::future::Future<Output = T>) -> (T, Option<f64>) {
+    let before = status_mb("VmRSS:");
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let out = f.await;
+    let peak = status_mb("VmHWM:");
+    let growth = match (reset, before, peak) {
+        (true, Some(b), Some(p)) => Some((p - b).max(0.0)),
+        _ => None,
+    };
+    (out, growth)
 }
 
 /// Counts calls as Azure bills them.
@@ -76,6 +115,17 @@ impl RecordStore for Billed {
         self.listed
             .fetch_add(listed.len() as u64, Ordering::Relaxed);
         Ok(listed)
+    }
+    async fn list_page(
+        &self,
+        prefix: &str,
+        marker: Option<&str>,
+    ) -> Result<(Vec<Listed>, Option<String>), StoreError> {
+        let page = self.inner.list_page(prefix, marker).await?;
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.listed
+            .fetch_add(page.0.len() as u64, Ordering::Relaxed);
+        Ok(page)
     }
     async fn write_tagged(
         &self,
@@ -139,7 +189,7 @@ fn record(key: &str, seq: i64, due: Option<SystemTime>) -> LedgerRecord {
 
 /// A ledger holding `settled` delivered records (each went through the index: waiting,
 /// then delivered) and `pending` waiting ones; one sweep's listing measured over it.
-async fn one(settled: usize, pending: usize) -> anyhow::Result<(u64, u64, f64)> {
+async fn one(settled: usize, pending: usize) -> anyhow::Result<One> {
     let store = Arc::new(Billed {
         inner: MemoryRecordStore::new(),
         calls: AtomicU64::new(0),
@@ -180,27 +230,44 @@ async fn one(settled: usize, pending: usize) -> anyhow::Result<(u64, u64, f64)> 
         "the sweep found {} of {pending} waiting retries",
         found.len()
     );
-    Ok((
+    let (calls, listed) = (
         store.calls.load(Ordering::Relaxed) - calls,
         store.listed.load(Ordering::Relaxed) - listed,
-        took,
-    ))
+    );
+    // Memory: the sweep again, and a retention pass that deletes nothing (no event is
+    // settled on its partition), each from a fresh replica.
+    let replica = Ledger::new(store.clone(), "hub", "$Default");
+    replica.pending().await?; // the index marker, read once per replica
+    let (swept, sweep_peak_mb) = peak_growth(replica.pending()).await;
+    anyhow::ensure!(swept?.len() == pending, "the second sweep missed retries");
+    let (expired, retention_peak_mb) =
+        peak_growth(replica.expire(SystemTime::now(), &|_, _| false)).await;
+    anyhow::ensure!(expired?.deleted == 0, "retention deleted a record");
+    Ok(One {
+        calls,
+        listed,
+        ms: took,
+        sweep_peak_mb,
+        retention_peak_mb,
+    })
 }
 
 /// The scenario: `settled` settled records and `pending` waiting ones, against `pending`
 /// alone.
 pub(super) async fn ledger(settled: usize, pending: usize) -> anyhow::Result<LedgerFigures> {
-    let (sweep_calls_settled, sweep_listed_settled, retries_list_ms) =
-        one(settled, pending).await?;
-    let (sweep_calls_empty, _, retries_list_empty_ms) = one(0, pending).await?;
+    // The empty ledger first, so the large one's allocations do not flatter it.
+    let empty = one(0, pending).await?;
+    let large = one(settled, pending).await?;
     Ok(LedgerFigures {
         settled,
         pending,
-        sweep_calls_settled,
-        sweep_calls_empty,
-        sweep_listed_settled,
-        retries_list_ms,
-        retries_list_empty_ms,
+        sweep_calls_settled: large.calls,
+        sweep_calls_empty: empty.calls,
+        sweep_listed_settled: large.listed,
+        retries_list_ms: large.ms,
+        retries_list_empty_ms: empty.ms,
+        sweep_peak_mb: (large.sweep_peak_mb, empty.sweep_peak_mb),
+        retention_peak_mb: (large.retention_peak_mb, empty.retention_peak_mb),
     })
 }
 

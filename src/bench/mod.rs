@@ -10,11 +10,15 @@
 //! - The retry path: failure to Service Bus acceptance, due time to actual start.
 //! - Resident memory of `hubguard run` with no retries and with many pending ([`memory`]).
 //! - `--profile azure`: hubguard at Azure's latencies, with a 50 ms downstream ([`azure`]).
+//! - With `--only cost` (not in the default run): Azure operations per event on each path
+//!   (happy, first failure, retry, dead letter), counted from the pipeline's calls ([`cost`]).
 //! - With `--only rate_limit` (not in the default run): three replicas under one
 //!   `handler.rate_limit`, to a receiver that takes everything and to one that answers 429
 //!   above its capacity ([`ratelimit`]).
 
 pub mod azure;
+pub mod cost;
+pub mod cpu;
 mod ledger;
 pub mod memory;
 pub mod pipelines;
@@ -54,6 +58,9 @@ pub struct BenchArgs {
     /// scale (not run by default: replicas joining and leaving on a backlog).
     /// rate_limit (not run unless named).
     /// ledger (not run by default).
+    /// cpu (not run by default): CPU per event, hubguard against a bare consumer, with the
+    /// emulators in a child process (`--cpu-latency`).
+    /// cost (not run by default: Azure operations per event on each path).
     #[arg(
         long,
         value_delimiter = ',',
@@ -111,12 +118,19 @@ pub struct BenchArgs {
     /// `rate_limit`: events through the adaptive run.
     #[arg(long, default_value_t = 2400)]
     adaptive_events: usize,
+    /// `cpu`: the emulators' latency profile in their process (`none`, `azure`, or
+    /// `service=median:p99,…`, as `hubguard emulator --latency`).
+    #[arg(long, default_value = "none")]
+    cpu_latency: String,
     /// Settled ledger records for the ledger scenario.
     #[arg(long, default_value_t = 200_000)]
     ledger_settled: usize,
     /// Waiting ledger records for the ledger scenario.
     #[arg(long, default_value_t = 1_000)]
     ledger_pending: usize,
+    /// Events through the cost scenario (a fifth on each scripted path).
+    #[arg(long, default_value_t = 200)]
+    cost_events: usize,
 }
 
 /// One measured scenario.
@@ -144,6 +158,8 @@ struct Figures {
     scale: Vec<scale::ScaleRun>,
     rate_limit: Option<ratelimit::RateLimitFigures>,
     ledger: Option<ledger::LedgerFigures>,
+    cpu: Option<cpu::CpuFigures>,
+    cost: Option<cost::CostFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -151,7 +167,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 8] = [
+    const KNOWN: [&str; 10] = [
+        "cpu",
         "eventhubs",
         "guard",
         "concurrency",
@@ -160,6 +177,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "scale",
         "rate_limit",
         "ledger",
+        "cost",
     ];
     if let Some(bad) = args.only.iter().find(|o| !KNOWN.contains(&o.as_str())) {
         bail!(
@@ -188,6 +206,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             )
             .await?,
         );
+        f.cpu = Some(cpu::cpu(args.azure_partitions, args.azure_events, 1024, "azure").await?);
         if args.json {
             println!("{}", json_line(&args, &f));
         } else {
@@ -246,8 +265,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .await?,
         );
     }
+    if on("cpu") {
+        f.cpu = Some(cpu::cpu(4, args.events, args.size, &args.cpu_latency).await?);
+    }
     if on("ledger") {
         f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
+    }
+    if on("cost") {
+        if args.cost_events < 5 {
+            bail!("--cost-events must be at least 5 (one event on each path)");
+        }
+        f.cost = Some(cost::cost(args.cost_events).await?);
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -441,6 +469,11 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             a.events as f64 / a.seconds.max(1e-9)
         ));
     }
+    if let Some(c) = &f.cpu {
+        fields.push(format!("\"cpu_us_per_event_guard\":{:.1}", c.guard_us));
+        fields.push(format!("\"cpu_us_per_event_bare\":{:.1}", c.bare_us));
+        fields.push(format!("\"cpu_per_event_ratio\":{:.3}", c.ratio()));
+    }
     if let Some(l) = &f.ledger {
         fields.push(format!("\"ledger_settled\":{}", l.settled));
         fields.push(format!("\"ledger_pending\":{}", l.pending));
@@ -461,8 +494,88 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             "\"retries_list_empty_ms\":{:.1}",
             l.retries_list_empty_ms
         ));
+        let mb = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_settled\":{}",
+            mb(l.sweep_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_sweep_peak_mb_empty\":{}",
+            mb(l.sweep_peak_mb.1)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_settled\":{}",
+            mb(l.retention_peak_mb.0)
+        ));
+        fields.push(format!(
+            "\"ledger_retention_peak_mb_empty\":{}",
+            mb(l.retention_peak_mb.1)
+        ));
+    }
+    if let Some(c) = &f.cost {
+        for (name, _, ops) in c.paths() {
+            fields.push(format!("\"{name}\":{}", ops.json()));
+        }
+        fields.push(format!("\"cost_lock_s\":{}", c.lock_s));
+        fields.push(format!(
+            "\"cost_renewed_attempt_s\":{}",
+            c.retry_long_attempt_s
+        ));
+        let background: Vec<String> = c
+            .background
+            .iter()
+            .map(|(k, n)| format!("\"{}\":{n}", k.name()))
+            .collect();
+        fields.push(format!(
+            "\"cost_background\":{{\"seconds\":{:.1},{}}}",
+            c.seconds,
+            background.join(",")
+        ));
     }
     format!("{{{}}}", fields.join(","))
+}
+
+/// The cost table: operations per event on each path, by service and kind.
+fn print_cost(c: &cost::CostFigures) {
+    println!("Azure operations per event on each path (counted from the pipeline's calls; means)");
+    let short = |k: cost::Kind| match k {
+        cost::Kind::BlobWrite => "write",
+        cost::Kind::BlobRead => "read",
+        cost::Kind::BlobList => "list",
+        cost::Kind::BlobOther => "delete",
+        cost::Kind::SbSend => "send",
+        cost::Kind::SbReceive => "receive",
+        cost::Kind::SbComplete => "complete",
+        cost::Kind::SbAbandon => "abandon",
+        cost::Kind::SbRenew => "renew",
+    };
+    print!("{:>34} {:>6} {:>6}", "", "blob", "sb");
+    for k in cost::KINDS {
+        print!(" {:>8}", short(k));
+    }
+    println!();
+    for (_, label, ops) in c.paths() {
+        print!("{label:>34} {:>6.2} {:>6.2}", ops.blob(), ops.servicebus());
+        for k in cost::KINDS {
+            print!(" {:>8.2}", ops.of(k));
+        }
+        println!();
+    }
+    println!(
+        "(blob: write = Put Blob, read = Get Blob, list = List Blobs page, delete is free; sb: each is one billed operation. The renewed retry's attempt took {:.2} s on a {:.0} s lock.)",
+        c.retry_long_attempt_s, c.lock_s
+    );
+    let background: Vec<String> = c
+        .background
+        .iter()
+        .map(|(k, n)| format!("{} {n}", k.name()))
+        .collect();
+    println!(
+        "Calls for no event in {:.1} s (sweeps, empty long polls; per replica, not per event): {}",
+        c.seconds,
+        background.join(", ")
+    );
+    println!();
 }
 
 fn print_rate_limit(r: &ratelimit::RateLimitFigures) {
@@ -633,6 +746,24 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
         );
         println!();
     }
+    if let Some(c) = &f.cpu {
+        println!(
+            "CPU of the consuming process per event ({} events, {} partitions; emulators in a child process, latency {}; no-op handler)",
+            c.events, c.partitions, c.latency
+        );
+        println!(
+            "{:>24} {:>12} {:>12} {:>8}",
+            "", "hubguard", "bare SDK", "ratio"
+        );
+        println!(
+            "{:>24} {:>12.1} {:>12.1} {:>8.2}",
+            "CPU µs per event",
+            c.guard_us,
+            c.bare_us,
+            c.ratio()
+        );
+        println!();
+    }
     if let Some(l) = &f.ledger {
         println!(
             "The overdue sweep's listing (= /v1/retries, retries list, the gauges): {} waiting retries, with {} settled records and with none",
@@ -651,7 +782,24 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
             "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
         );
         println!("{:>24} {:>12}", "blobs listed", l.sweep_listed_settled);
+        let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "sweep peak +MB",
+            mb(l.sweep_peak_mb.0),
+            mb(l.sweep_peak_mb.1)
+        );
+        println!(
+            "{:>24} {:>12} {:>12}",
+            "retention peak +MB",
+            mb(l.retention_peak_mb.0),
+            mb(l.retention_peak_mb.1)
+        );
+        println!("(peak resident memory gained during one pass, this process; Linux)");
         println!();
+    }
+    if let Some(c) = &f.cost {
+        print_cost(c);
     }
     if let Some(m) = &f.memory {
         println!("Resident memory of `hubguard run` (a child process; emulators in this one)");

@@ -300,6 +300,23 @@ const TAG_ERROR: &str = "hubguard_last_error";
 const TAG_PARTITION: &str = "hubguard_partition";
 const TAG_SEQUENCE: &str = "hubguard_sequence_number";
 const STATE_RETRY_SCHEDULED: &str = "RETRY_SCHEDULED";
+/// The blob index tag every ledger record carries when `ledger.lifecycle_tags` is on (sent
+/// with the record's own Put Blob, `x-ms-tags`: no extra call): the record's state, for a
+/// lifecycle management policy that deletes only DELIVERED records (`deploy/azure/
+/// lifecycle-policy.json`). Index tag names and values allow a-z A-Z 0-9 space `+ - . / : =
+/// _` ("Manage and find Azure Blob data with blob index tags", learn.microsoft.com/azure/
+/// storage/blobs/storage-manage-find-blobs).
+pub const STATE_INDEX_TAG: &str = "hubguard-state";
+
+/// The value of [`STATE_INDEX_TAG`] for a record in `state`.
+pub fn state_index_value(state: State) -> &'static str {
+    match state {
+        State::RetryScheduled => "retry-scheduled",
+        State::Delivered => "delivered",
+        State::DeadLettered => "dead-lettered",
+    }
+}
+
 /// Longest key, and longest error, copied into a tag (all tags stay far under 8 KB).
 const TAG_TEXT_LIMIT: usize = 512;
 
@@ -402,6 +419,9 @@ pub struct Ledger {
     /// Set once the pending index is known to cover every waiting record (see
     /// [`Ledger::pending`]).
     indexed: Arc<tokio::sync::OnceCell<()>>,
+    /// How long DELIVERED records are kept (`ledger.retention_days`), when the owner says:
+    /// `Some(None)` for ever, `None` not known here.
+    retention: Option<Option<std::time::Duration>>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -464,7 +484,52 @@ impl Ledger {
             store,
             prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
             indexed: Arc::default(),
+            retention: None,
         }
+    }
+
+    /// This ledger, knowing that DELIVERED records are deleted `keep` after their last write
+    /// (`None`: kept for ever), so [`no_record`](Self::no_record) can say so.
+    pub fn with_retention(mut self, keep: Option<std::time::Duration>) -> Self {
+        self.retention = Some(keep);
+        self
+    }
+
+    /// What to say of `key` when the ledger has no record of it (the status API): state
+    /// `UNKNOWN`, why that can be, and — when the retention is known — how long delivered
+    /// records are kept (`delivered_records_kept_days`, `null` for ever) and since when a
+    /// delivered record would still be there (`records_kept_since`).
+    pub fn no_record(&self, key: &str, now: SystemTime) -> serde_json::Value {
+        let (kept, since, why) = match self.retention {
+            Some(Some(keep)) => {
+                let since = now.checked_sub(keep).map(crate::clock::rfc3339);
+                let days = keep.as_secs() / 86_400;
+                let why = format!("delivered on a retry before {} (delivered records are kept {days} days after delivery, ledger.retention_days, and then deleted)", since.as_deref().unwrap_or("the epoch"));
+                (serde_json::json!(days), serde_json::json!(since), why)
+            }
+            Some(None) => (
+                serde_json::Value::Null,
+                serde_json::Value::Null,
+                "(delivered records are kept for ever here: ledger.retention_days = 0)".into(),
+            ),
+            None => (
+                serde_json::Value::Null,
+                serde_json::Value::Null,
+                "delivered on a retry longer ago than ledger.retention_days".into(),
+            ),
+        };
+        let detail = if self.retention == Some(None) {
+            format!("the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, or never seen by hubguard (not read yet, another key, or a record removed by hand) {why}; it cannot tell which")
+        } else {
+            format!("the ledger has no record of this key. hubguard writes one at an event's first failure and never for a delivery on the first attempt, so this means either that: delivered on its first attempt, {why}, or never seen by hubguard (not read yet, another key, or a record removed by hand); it cannot tell which")
+        };
+        serde_json::json!({
+            "key": key,
+            "state": "UNKNOWN",
+            "detail": detail,
+            "delivered_records_kept_days": kept,
+            "records_kept_since": since,
+        })
     }
 
     /// The operator's control record of this ledger's deployment (pauses, rewinds), beside
@@ -479,13 +544,13 @@ impl Ledger {
     }
 
     /// The blob name of `key`'s entry in the pending index.
-    fn entry_name(&self, key: &str) -> String {
+    pub fn entry_name(&self, key: &str) -> String {
         self.blob_name("pending", key)
     }
 
     /// The marker saying the pending index covers every waiting record: written once the
     /// first start of a version with the index has indexed the records written before it.
-    fn index_marker(&self) -> String {
+    pub fn index_marker(&self) -> String {
         format!("indexes/{}pending-v1", self.prefix)
     }
 
@@ -494,7 +559,8 @@ impl Ledger {
         self.blob_name("ledger", key)
     }
 
-    fn dead_letter_name(&self, key: &str) -> String {
+    /// The blob name of `key`'s entry in the dead-letter index.
+    pub fn dead_letter_name(&self, key: &str) -> String {
         self.blob_name("deadletters", key)
     }
 
@@ -605,7 +671,15 @@ impl Ledger {
         let name = self.record_name(&record.key);
         let tags = tags_of(record);
         let span = tracing::info_span!(target: "hubguard::attempt", "ledger", otel.name = crate::telemetry::names::span::LEDGER_WRITE);
-        let write = async { self.store.write_tagged(&name, body, etag, &tags).await };
+        let index = crate::azure::record_store::Tags::from([(
+            STATE_INDEX_TAG.to_string(),
+            state_index_value(record.state).to_string(),
+        )]);
+        let write = async {
+            self.store
+                .write_indexed(&name, body, etag, &tags, &index)
+                .await
+        };
         let written: String = tracing::Instrument::instrument(write, span).await?;
         match (had, want) {
             (Some(h), Some(w)) if h != w => {
@@ -1053,7 +1127,29 @@ impl Ledger {
     ) -> Result<Expired, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);
         let mut out = Expired::default();
-        for l in self.store.list(&prefix).await? {
+        // Page by page (one List Blobs call of at most 5,000 each): a replica holds one page,
+        // however many records retention keeps.
+        let mut marker: Option<String> = None;
+        loop {
+            let (page, next) = self.store.list_page(&prefix, marker.as_deref()).await?;
+            self.expire_page(page, before, settled, &mut out).await?;
+            match next {
+                Some(n) => marker = Some(n),
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`expire`](Self::expire) over one listed page.
+    async fn expire_page(
+        &self,
+        page: Vec<crate::azure::record_store::Listed>,
+        before: SystemTime,
+        settled: &(dyn Fn(&str, i64) -> bool + Send + Sync),
+        out: &mut Expired,
+    ) -> Result<(), LedgerError> {
+        for l in page {
             if l.tags.get(TAG_STATE).map(String::as_str) != Some("DELIVERED")
                 || l.last_modified.is_none_or(|t| t >= before)
             {
@@ -1076,7 +1172,7 @@ impl Ledger {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Keys of every record (for tests and the demo's verification).
@@ -1363,6 +1459,35 @@ mod tests {
         let reads = store.reads();
         assert_eq!(again.pending().await.unwrap().len(), 1);
         assert_eq!(store.reads() - reads, 1, "the marker only");
+    }
+
+    #[test]
+    fn a_key_without_a_record_says_how_long_delivered_records_are_kept() {
+        use std::time::Duration;
+        let store = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(30 * 86_400);
+        let week = Ledger::new(store.clone(), "hub", "$Default")
+            .with_retention(Some(Duration::from_secs(7 * 86_400)))
+            .no_record("k", now);
+        assert_eq!(week["state"], "UNKNOWN");
+        assert_eq!(week["delivered_records_kept_days"], 7);
+        let since =
+            crate::clock::rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(23 * 86_400));
+        assert_eq!(week["records_kept_since"], since.as_str());
+        assert!(week["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("delivered on a retry before {since}")));
+        let forever = Ledger::new(store.clone(), "hub", "$Default")
+            .with_retention(None)
+            .no_record("k", now);
+        assert!(forever["records_kept_since"].is_null());
+        assert!(forever["detail"]
+            .as_str()
+            .unwrap()
+            .contains("kept for ever"));
+        let unknown = Ledger::new(store, "hub", "$Default").no_record("k", now);
+        assert!(unknown["delivered_records_kept_days"].is_null());
     }
 
     #[test]

@@ -437,7 +437,8 @@ impl Pipeline {
             parts.records,
             &parts.eventhubs.hub,
             &parts.eventhubs.consumer_group,
-        );
+        )
+        .with_retention(parts.options.retention);
         let deployment = crate::event::Deployment::new(
             &parts.eventhubs.namespace,
             &parts.eventhubs.hub,

@@ -26,15 +26,18 @@
 //! Retry messages are scheduled `retry_lead` before their due time (never before the next
 //! whole second), so the loop has a burst in hand before it comes due: it reads each one's
 //! ledger record when the message arrives, waits under the lock until the due time its body
-//! carries, then re-validates the record with a conditional read (blob storage answers 304
-//! without the body while it is unchanged; storage down means no attempt, as before) and
-//! starts the attempt. At most `retry_prefetch` messages are in hand.
+//! carries, then claims the attempt with a write conditioned on that read's ETag (`If-Match`:
+//! a record changed meanwhile fails the claim, which reads it afresh and decides on what it
+//! says; storage down means no attempt, as before) and starts the attempt. At most
+//! `retry_prefetch` messages are in hand.
 //!
-//! Admission is rationed: `retry_concurrency` slots, one per attempt, taken before the
-//! record is re-validated and the breaker asked, and held until the breaker has been told
-//! the attempt's outcome. However many held messages come due in one instant, at most that
-//! many calls reach the downstream before a failure can trip the breaker; settling the
-//! attempt afterwards does not hold the slot. A message waiting for a slot keeps its lock
+//! Admission is rationed: `retry_concurrency` slots, one per attempt, taken once the
+//! attempt is claimed in the ledger and before the breaker is asked, and held until the
+//! breaker has been told the attempt's outcome. However many held messages come due in one
+//! instant, at most that many calls reach the downstream before a failure can trip the
+//! breaker; the ledger's round trips before the call and settling the attempt after it do
+//! not hold a slot, so the slots bound the downstream calls in flight (`retry_concurrency` ÷
+//! the handler's latency is the drain's limit). A message waiting for a slot keeps its lock
 //! renewed, and receivers pause while as many due messages as there are slots already wait
 //! for one (a busy replica leaves the backlog to the others).
 //!
@@ -915,57 +918,49 @@ async fn process(
     let waiting = waiting.unwrap_or_else(|| DueWaiting::new(limits.clone()));
     let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
-    // The attempt's slot: taken before the record is re-validated and the breaker asked, and
-    // held until the breaker knows the outcome (or no call is made).
-    let Some(Ok(slot)) = under_lock(&mut msg, shared, cancel, limits.attempts.acquire()).await
-    else {
-        return;
-    };
-    drop(waiting);
+    // The record at the due time. Read early, it is not read again: the claim below writes
+    // with `If-Match` on its ETag, so a record changed since (an operator's action, another
+    // copy's attempt) fails the claim, which reads it afresh and decides on what it says.
     // A record that cannot be parsed is set aside and its event dead-lettered (the message
     // carries only the key), never held forever.
-    let Some(current) = holding(
-        &mut msg,
-        key,
-        shared,
-        cancel,
-        "reading the ledger",
-        || async {
-            let read = match &early {
-                Some((rec, etag)) => shared
-                    .settler
-                    .ledger
-                    .get_if_changed(key, etag)
-                    .await
-                    .map(|changed| changed.unwrap_or_else(|| Some((rec.clone(), etag.clone())))),
-                None => shared.settler.ledger.get(key).await,
+    let current = match early {
+        Some(read) => Some(read),
+        None => {
+            let Some(read) = holding(
+                &mut msg,
+                key,
+                shared,
+                cancel,
+                "reading the ledger",
+                || async {
+                    match shared.settler.ledger.get(key).await {
+                        Err(LedgerError::Corrupt { reason, .. }) => shared
+                            .settler
+                            .ledger
+                            .quarantine(key, None, &reason, shared.clock().now())
+                            .await
+                            .map(|_| None),
+                        other => other.map(Some),
+                    }
+                },
+            )
+            .await
+            else {
+                return;
             };
-            match read {
-                Err(LedgerError::Corrupt { reason, .. }) => shared
-                    .settler
-                    .ledger
-                    .quarantine(key, None, &reason, shared.clock().now())
-                    .await
-                    .map(|_| None),
-                other => other.map(Some),
-            }
-        },
-    )
-    .await
-    else {
-        return;
-    };
-    drop(early);
-    let Some(current) = current else {
-        drop((slot, starting));
-        shared.health.count(&shared.health.counters.dead_lettered);
-        settle_message(&msg, true).await;
-        return;
+            let Some(read) = read else {
+                drop(starting);
+                shared.health.count(&shared.health.counters.dead_lettered);
+                settle_message(&msg, true).await;
+                return;
+            };
+            read
+        }
     };
     let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
     let rec = match current {
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
-            drop((slot, starting));
+            drop(starting);
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
             if advance_line(&mut msg, shared, cancel, &rec.event).await {
@@ -974,7 +969,7 @@ async fn process(
             return;
         }
         Some((rec, _)) if verdict == Verdict::Stale => {
-            drop((slot, starting));
+            drop(starting);
             // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
             let scheduled = holding(
                 &mut msg,
@@ -1019,7 +1014,7 @@ async fn process(
                 // is not the one waiting: final, or superseded (its recorded next attempt is
                 // made sure of, as for any stale copy).
                 Some((rec, _)) => {
-                    drop((slot, starting));
+                    drop(starting);
                     let settled = match Verdict::of(Some(&rec), body.attempt) {
                         Verdict::Stale => holding(
                             &mut msg,
@@ -1039,7 +1034,7 @@ async fn process(
                     return;
                 }
                 None => {
-                    drop((slot, starting));
+                    drop(starting);
                     shared.observe.count_record_missing(key);
                     shared.health.count(&shared.health.counters.dead_lettered);
                     settle_message(&msg, true).await;
@@ -1051,7 +1046,7 @@ async fn process(
     // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
     // scheduled before, and the copy sent for the pull is the one that runs.
     if rec.0.superseded_copy(body.attempt, body.run_now) {
-        drop((slot, starting));
+        drop(starting);
         tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
         settle_message(&msg, true).await;
         return;
@@ -1059,8 +1054,8 @@ async fn process(
     // The attempt is claimed in the ledger before the call, so a copy of the message in
     // another replica stands down; a lapsed lock or a newer delivery of this message is
     // noticed before the claim, and again before the call.
-    let (mut slot, mut starting) = (Some(slot), Some(starting));
-    let Some(claimed) = claim(
+    let mut starting = Some(starting);
+    let Some(mut claimed) = claim(
         &mut msg,
         shared,
         cancel,
@@ -1068,7 +1063,6 @@ async fn process(
         &copy,
         &body,
         rec,
-        &mut slot,
         &mut starting,
     )
     .await
@@ -1076,17 +1070,27 @@ async fn process(
         return;
     };
     if !lock_held(&msg, shared) {
-        drop((slot, starting));
+        drop(starting);
         shared.settler.release_claim(claimed).await;
         return;
     }
     if claimed.0.superseded_copy(body.attempt, body.run_now) {
-        drop((slot, starting));
+        drop(starting);
         shared.settler.release_claim(claimed).await;
         tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
         settle_message(&msg, true).await;
         return;
     }
+    // The attempt's slot, taken once the attempt is claimed (the claim renewed while it
+    // waits), and held until the breaker knows the outcome (or no call is made): it bounds
+    // the downstream calls in flight, not the ledger's round trips before them.
+    let Some(slot) = slot_keeping_claim(&mut msg, shared, cancel, limits, &mut claimed).await
+    else {
+        drop(starting);
+        shared.settler.release_claim(claimed).await;
+        return;
+    };
+    drop(waiting);
     let (rec, etag) = claimed;
     let event = rec.event.clone();
     // An open breaker defers the attempt past its expiry, without counting it (the deferral
@@ -1282,6 +1286,37 @@ async fn advance_line(
     .is_some()
 }
 
+/// Takes an attempt slot for a claimed attempt, under the message's lock, renewing the claim
+/// every half lease while it waits (a burst larger than the slots waits here, claimed, so
+/// another replica's copy stands down instead of running it). `None`: the lock was lost or
+/// the loop stopped.
+async fn slot_keeping_claim<'l>(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    limits: &'l Limits,
+    claimed: &mut (crate::ledger::LedgerRecord, String),
+) -> Option<tokio::sync::SemaphorePermit<'l>> {
+    loop {
+        let renew_at = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
+        let got = under_lock(msg, shared, cancel, async {
+            tokio::select! {
+                s = limits.attempts.acquire() => Some(s),
+                _ = shared.clock().sleep_until(renew_at) => None,
+            }
+        })
+        .await?;
+        match got {
+            Some(s) => return s.ok(),
+            None => {
+                if let Err(e) = shared.settler.renew_claim(claimed).await {
+                    tracing::warn!(key = %claimed.0.key, error = %e, "renewing the claim of a retry waiting for an attempt slot failed");
+                }
+            }
+        }
+    }
+}
+
 /// Claims attempt `body.attempt` for this copy ([`Settler::claim`](super::settle::Settler::claim)),
 /// starting from the record `read` at the due time. `Some` with the claimed record and its
 /// ETag when this copy runs the attempt; `None` when it is done without running it: it stood
@@ -1298,7 +1333,6 @@ async fn claim<'l>(
     copy: &Copy,
     body: &RetryMessage,
     read: (crate::ledger::LedgerRecord, String),
-    slot: &mut Option<tokio::sync::SemaphorePermit<'l>>,
     starting: &mut Option<Starting<'l>>,
 ) -> Option<(crate::ledger::LedgerRecord, String)> {
     use super::settle::Claimed;
@@ -1326,17 +1360,12 @@ async fn claim<'l>(
         match claimed {
             Claimed::Mine(claimed) => return Some(*claimed),
             Claimed::Busy(until) => {
-                drop((slot.take(), starting.take()));
+                drop(starting.take());
                 tracing::info!(key = %key, attempt = body.attempt, until = %crate::clock::rfc3339(until), "another replica runs this attempt; waiting for its claim to settle or expire");
                 under_lock(msg, shared, cancel, shared.clock().sleep_until(until)).await?;
-                let Ok(s) = under_lock(msg, shared, cancel, limits.attempts.acquire()).await?
-                else {
-                    return None;
-                };
-                *slot = Some(s);
             }
             Claimed::Changed(verdict, rec) => {
-                drop((slot.take(), starting.take()));
+                drop(starting.take());
                 match (verdict, rec) {
                     (Verdict::Final(_), _) => settle_message(msg, true).await,
                     (Verdict::Stale, Some(rec)) => {

@@ -52,7 +52,7 @@ impl Backend {
 }
 
 fn account_sas() -> String {
-    let (sv, sp, ss, srt, se) = ("2021-08-06", "rwdlac", "b", "sco", "2099-01-01T00:00:00Z");
+    let (sv, sp, ss, srt, se) = ("2021-08-06", "rwdlact", "b", "sco", "2099-01-01T00:00:00Z");
     let to_sign = format!("{ACCOUNT}\n{sp}\n{ss}\n{srt}\n\n{se}\n\n\n{sv}\n\n");
     let key = base64::engine::general_purpose::STANDARD
         .decode(AZURITE_KEY)

@@ -335,6 +335,16 @@ async fn status_of_an_expired_record_says_how_long_records_are_kept() {
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     assert_eq!(v["delivered_records_kept_days"], 7);
+    assert_eq!(v["state"], "UNKNOWN");
+    // Since when a delivered record would still be there: 7 days before now.
+    let since = v["records_kept_since"]
+        .as_str()
+        .expect("records_kept_since");
+    let since =
+        time::OffsetDateTime::parse(since, &time::format_description::well_known::Rfc3339).unwrap();
+    let age = (time::OffsetDateTime::now_utc() - since).whole_seconds();
+    assert!((age - 7 * 86_400).abs() < 600, "{v}");
+    assert!(v["detail"].as_str().unwrap().contains("kept 7 days"), "{v}");
 }
 
 /// A configuration on the bed for the command line (the handler is never called).

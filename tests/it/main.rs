@@ -19,6 +19,7 @@ mod eventhubs_sdk;
 mod handover;
 mod interop;
 mod ledger_scale;
+mod lifecycle;
 mod limits;
 mod operable;
 mod operators;

@@ -5,7 +5,10 @@
 //! - containers: create (201/409), properties (200/404), delete (202), list blobs
 //!   (`prefix`, `marker`, `maxresults`, `include=metadata`);
 //! - blobs: Put Blob (201), Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
-//!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202);
+//!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202); blob index tags: `x-ms-tags`
+//!   on Put Blob (which replaces the blob's tags with those given, none without the header),
+//!   Set Blob Tags (`comp=tags`, 204; the ETag and Last-Modified stay), Get Blob Tags (200),
+//!   `x-ms-tag-count` on Get Blob and Get Properties;
 //! - `If-Match` → 412 `ConditionNotMet`, `If-None-Match: *` → 409 `BlobAlreadyExists` on
 //!   Put Blob (412 elsewhere); on Get Blob and Get Properties, `If-None-Match` (and
 //!   `If-Modified-Since`) → 304 Not Modified without a body, `If-Match` (and
@@ -29,6 +32,9 @@
 //! | a blob name over 1,024 characters | 400 `OutOfRangeInput` |
 //! | a metadata name that is not a valid C# identifier | 400 `InvalidMetadata` |
 //! | all of a blob's metadata (names and values) over 8 KB | 400 `MetadataTooLarge` |
+//! | more than 10 index tags, a key over 128 characters, a value over 256 | 400 `TagsTooLarge` |
+//! | an empty index tag key | 400 `EmptyTagName` |
+//! | a character outside a-z A-Z 0-9 space `+ - . / : = _`, a key twice | 400 `InvalidTag` |
 //! | a throttled account (fault kind `server-busy`) | 503 `ServerBusy` |
 
 pub mod store;
@@ -280,6 +286,119 @@ fn check_metadata(
     Ok(())
 }
 
+/// Most index tags on a blob.
+const TAGS_MAX: usize = 10;
+
+/// Parses and checks blob index tags as Azure does ("Manage and find Azure Blob data with
+/// blob index tags", learn.microsoft.com/azure/storage/blobs/storage-manage-find-blobs: at
+/// most 10 tags; keys 1 to 128 characters, values 0 to 256, case-sensitive; only a-z A-Z
+/// 0-9, space and `+ - . / : = _`). Errors as Azurite 3.37 answers them (its validation
+/// follows the Set Blob Tags reference): 400 `TagsTooLarge` for more than 10 tags or a key or
+/// value too long, 400 `EmptyTagName` for an empty key, 400 `InvalidTag` for a character
+/// outside the set (and a key given twice).
+fn check_tags(
+    pairs: Vec<(String, String)>,
+) -> Result<BTreeMap<String, String>, (StatusCode, &'static str, String)> {
+    if pairs.len() > TAGS_MAX {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "TagsTooLarge",
+            "The tags specified exceed the maximum permissible limit.".into(),
+        ));
+    }
+    let allowed = |t: &str| {
+        t.chars()
+            .all(|c| c.is_ascii_alphanumeric() || " +-./:=_".contains(c))
+    };
+    let invalid = || {
+        (
+            StatusCode::BAD_REQUEST,
+            "InvalidTag",
+            "The tags specified are invalid. It contains characters that are not permitted."
+                .to_string(),
+        )
+    };
+    let too_large = || {
+        (
+            StatusCode::BAD_REQUEST,
+            "TagsTooLarge",
+            "The tags specified exceed the maximum permissible limit.".to_string(),
+        )
+    };
+    let mut tags = BTreeMap::new();
+    for (k, v) in pairs {
+        if k.is_empty() {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                "EmptyTagName",
+                "The name of one of the tag key-value pairs is empty.".into(),
+            ));
+        }
+        if k.chars().count() > 128 || v.chars().count() > 256 {
+            return Err(too_large());
+        }
+        if !allowed(&k) || !allowed(&v) {
+            return Err(invalid());
+        }
+        if tags.insert(k, v).is_some() {
+            return Err(invalid()); // a key given twice
+        }
+    }
+    Ok(tags)
+}
+
+/// The tags of `x-ms-tags` (a URL query string), checked; none without the header.
+fn header_tags(
+    h: &HeaderMap,
+) -> Result<BTreeMap<String, String>, (StatusCode, &'static str, String)> {
+    let Some(raw) = h.get("x-ms-tags") else {
+        return Ok(BTreeMap::new());
+    };
+    let raw = String::from_utf8_lossy(raw.as_bytes()).into_owned();
+    let pairs = raw
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            let dec = |x: &str| {
+                percent_encoding::percent_decode_str(&x.replace('+', " "))
+                    .decode_utf8_lossy()
+                    .into_owned()
+            };
+            (dec(k), dec(v))
+        })
+        .collect();
+    check_tags(pairs)
+}
+
+/// The tags of a Set Blob Tags body (`<Tags><TagSet><Tag><Key>…</Key><Value>…</Value>`).
+fn body_tags(body: &[u8]) -> Result<BTreeMap<String, String>, (StatusCode, &'static str, String)> {
+    let text = String::from_utf8_lossy(body);
+    if !text.contains("<Tags") {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            "InvalidXmlDocument",
+            "XML specified is not syntactically valid.".into(),
+        ));
+    }
+    check_tags(crate::azure::blob::parse_tag_set(&text))
+}
+
+/// Get Blob Tags' answer.
+fn tag_set_xml(tags: &BTreeMap<String, String>) -> String {
+    let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
+    let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
+    for (k, v) in tags {
+        xml.push_str(&format!(
+            "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
+            esc(k),
+            esc(v)
+        ));
+    }
+    xml.push_str("</TagSet></Tags>");
+    xml
+}
+
 fn metadata(h: &HeaderMap) -> BTreeMap<String, String> {
     h.iter()
         .filter_map(|(k, v)| {
@@ -314,6 +433,9 @@ fn blob_headers(h: &mut HeaderMap, b: &Blob) {
     h.insert("x-ms-server-encrypted", HeaderValue::from_static("true"));
     if let Ok(v) = HeaderValue::from_str(&http_date(b.created)) {
         h.insert("x-ms-creation-time", v);
+    }
+    if !b.tags.is_empty() {
+        h.insert("x-ms-tag-count", HeaderValue::from(b.tags.len()));
     }
     for (k, v) in &b.metadata {
         if let (Ok(name), Ok(value)) = (
@@ -467,6 +589,12 @@ async fn handle(
         (Method::GET, None, Some("container"), Some("list")) => list(&shared, &container, &q, h),
         // Blobs.
         (Method::PUT, Some(name), None, None) => {
+            let tags = match header_tags(&headers) {
+                Ok(t) => t,
+                Err((status, code, message)) => {
+                    return error_response(status, code, &message, head, now)
+                }
+            };
             let content_type = headers
                 .get("x-ms-blob-content-type")
                 .or_else(|| headers.get("content-type"))
@@ -481,6 +609,7 @@ async fn handle(
                         content: body,
                         content_type,
                         metadata: metadata(&headers),
+                        tags,
                     },
                     &conditions(&headers),
                     now,
@@ -510,6 +639,21 @@ async fn handle(
                 );
                 (StatusCode::OK, h).into_response()
             }),
+        (Method::PUT, Some(name), None, Some("tags")) => {
+            let tags = match body_tags(&body) {
+                Ok(t) => t,
+                Err((status, code, message)) => {
+                    return error_response(status, code, &message, head, now)
+                }
+            };
+            store
+                .set_tags(&container, name, tags)
+                .map(|_| (StatusCode::NO_CONTENT, h).into_response())
+        }
+        (Method::GET, Some(name), None, Some("tags")) => store.get(&container, name).map(|b| {
+            h.insert("content-type", HeaderValue::from_static("application/xml"));
+            (StatusCode::OK, h, tag_set_xml(&b.tags)).into_response()
+        }),
         (Method::GET | Method::HEAD, Some(name), None, None) => store
             .get(&container, name)
             .and_then(|b| get_blob(&b, &headers, head, h, now)),

@@ -22,6 +22,8 @@ pub struct Blob {
     pub content_type: String,
     /// Metadata (names lower-cased as the service stores them).
     pub metadata: BTreeMap<String, String>,
+    /// Blob index tags (`x-ms-tags`, Set Blob Tags).
+    pub tags: BTreeMap<String, String>,
     /// Entity tag (unquoted).
     pub etag: String,
     /// Last modification (whole seconds, like the service).
@@ -34,6 +36,8 @@ pub struct Blob {
 struct BlobHeader {
     content_type: String,
     metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    tags: BTreeMap<String, String>,
     etag: String,
     last_modified_s: u64,
     created_s: u64,
@@ -48,6 +52,8 @@ pub struct NewBlob {
     pub content_type: String,
     /// Metadata.
     pub metadata: BTreeMap<String, String>,
+    /// Blob index tags: Put Blob replaces the blob, tags included (none given: none kept).
+    pub tags: BTreeMap<String, String>,
 }
 
 impl NewBlob {
@@ -57,6 +63,7 @@ impl NewBlob {
             content: content.into(),
             content_type: content_type.into(),
             metadata: BTreeMap::new(),
+            tags: BTreeMap::new(),
         }
     }
 }
@@ -244,6 +251,7 @@ impl BlobStore {
                             content: Bytes::copy_from_slice(&data[nl + 1..]),
                             content_type: h.content_type,
                             metadata: h.metadata,
+                            tags: h.tags,
                             etag: h.etag,
                             last_modified: SystemTime::UNIX_EPOCH
                                 + Duration::from_secs(h.last_modified_s),
@@ -304,6 +312,7 @@ impl BlobStore {
                 let header = BlobHeader {
                     content_type: b.content_type.clone(),
                     metadata: b.metadata.clone(),
+                    tags: b.tags.clone(),
                     etag: b.etag.clone(),
                     last_modified_s: secs(b.last_modified),
                     created_s: secs(b.created),
@@ -405,6 +414,7 @@ impl BlobStore {
             content,
             content_type,
             metadata,
+            tags,
         } = new;
         let mut all = self.lock();
         let c = all.get_mut(container).ok_or(BlobError::ContainerNotFound)?;
@@ -414,6 +424,7 @@ impl BlobStore {
             content,
             content_type,
             metadata,
+            tags,
             etag: self.next_etag(),
             last_modified: whole_seconds(now),
             created: current.map_or(whole_seconds(now), |b| b.created),
@@ -443,6 +454,25 @@ impl BlobStore {
         blob.last_modified = whole_seconds(now);
         self.persist(container, name, Some(&blob))?;
         self.log_write(container, name, &blob);
+        c.blobs.insert(name.to_string(), blob.clone());
+        Ok(blob)
+    }
+
+    /// Set Blob Tags: replaces all of the blob's index tags. As on Azure, neither the ETag nor
+    /// Last-Modified changes ("Set Blob Tags", learn.microsoft.com/rest/api/storageservices/
+    /// set-blob-tags).
+    pub fn set_tags(
+        &self,
+        container: &str,
+        name: &str,
+        tags: BTreeMap<String, String>,
+    ) -> Result<Blob, BlobError> {
+        let mut all = self.lock();
+        let c = all.get_mut(container).ok_or(BlobError::ContainerNotFound)?;
+        let current = c.blobs.get(name).ok_or(BlobError::BlobNotFound)?;
+        let mut blob = current.clone();
+        blob.tags = tags;
+        self.persist(container, name, Some(&blob))?;
         c.blobs.insert(name.to_string(), blob.clone());
         Ok(blob)
     }
@@ -515,6 +545,7 @@ mod tests {
                     content: Bytes::from_static(b"1"),
                     content_type: "text/plain".into(),
                     metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &create,
                 now,
@@ -527,7 +558,8 @@ mod tests {
                 NewBlob {
                     content: Bytes::new(),
                     content_type: "x".into(),
-                    metadata: BTreeMap::new()
+                    metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &create,
                 now
@@ -545,7 +577,8 @@ mod tests {
                 NewBlob {
                     content: Bytes::new(),
                     content_type: "x".into(),
-                    metadata: BTreeMap::new()
+                    metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &stale,
                 now
@@ -564,6 +597,7 @@ mod tests {
                     content: Bytes::from_static(b"2"),
                     content_type: "x".into(),
                     metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &fresh,
                 now,
@@ -598,7 +632,8 @@ mod tests {
                 NewBlob {
                     content: Bytes::new(),
                     content_type: "x".into(),
-                    metadata: BTreeMap::new()
+                    metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &absent_match,
                 now
@@ -620,6 +655,7 @@ mod tests {
                     content: Bytes::new(),
                     content_type: "x".into(),
                     metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &Conditions::default(),
                 now,
@@ -650,6 +686,7 @@ mod tests {
                     content: Bytes::from_static(b"{}"),
                     content_type: "application/json".into(),
                     metadata: BTreeMap::from([("offset".into(), "42".into())]),
+                    tags: BTreeMap::new(),
                 },
                 &Conditions::default(),
                 now,
@@ -662,6 +699,7 @@ mod tests {
                     content: Bytes::new(),
                     content_type: "x".into(),
                     metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &Conditions::default(),
                 now,
@@ -685,6 +723,7 @@ mod tests {
                     content: Bytes::new(),
                     content_type: "x".into(),
                     metadata: BTreeMap::new(),
+                    tags: BTreeMap::new(),
                 },
                 &Conditions::default(),
                 now,
