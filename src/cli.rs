@@ -701,9 +701,10 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         let _ = axum::serve(status, router).await;
     });
     // What is waiting, for /metrics: the ledger's listing once a minute.
-    let _pending_gauges = crate::status::PendingGauges::start(
+    let _pending_gauges = crate::status::PendingGauges::start_with_lines(
         pipeline.settler().ledger.clone(),
         std::time::Duration::from_secs(60),
+        config.pipeline_options()?.retry_ordering.lines().is_some(),
     );
     // The figures alerts compare readings with (retention headroom).
     let _config_gauges = crate::telemetry::gauges::ConfigGauges::register(
@@ -779,6 +780,20 @@ async fn demo(args: crate::demo::DemoArgs) -> anyhow::Result<()> {
 async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let config = load_config(&args.config)?;
     let ledger = ledger_of(&config)?;
+    let parked = match ledger.get(&args.key).await? {
+        Some(_) => None,
+        // Ordered retries: a parked event has no ledger record yet, only its parked one.
+        None => crate::status::parked_view(&ledger, &args.key).await?,
+    };
+    if let Some(mut v) = parked {
+        crate::redact::redact_json(&mut v);
+        if args.json {
+            println!("{v}");
+        } else {
+            print!("{}", crate::status::parked_text(&v));
+        }
+        return Ok(EXIT_OK);
+    }
     match ledger.get(&args.key).await? {
         Some((rec, _)) if args.json => println!("{}", crate::status::record_view(&rec)),
         Some((rec, _)) => print!("{}", crate::status::record_text(&rec)),
@@ -825,12 +840,19 @@ async fn retries(cmd: RetriesCommand) -> anyhow::Result<u8> {
     let config = load_config(&config)?;
     let ledger = ledger_of(&config)?;
     let pending = crate::status::pending_retries(&ledger, due_before).await?;
+    let lines = ledger.lines(None).await?;
     if json {
         for p in &pending {
             println!("{}", crate::status::pending_view(p));
         }
+        for l in &lines {
+            let mut v = crate::status::line_view(l);
+            v["line"] = true.into();
+            println!("{v}");
+        }
     } else {
         print!("{}", crate::status::pending_text(&pending));
+        print!("{}", crate::status::lines_text(&lines));
     }
     Ok(EXIT_OK)
 }

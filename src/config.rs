@@ -329,6 +329,13 @@ pub struct ProcessorSection {
     /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
     /// `property:<name>` or `none`.
     pub ordering_key: String,
+    /// Ordered retries: `off` (default) or `key` — while an event of an ordering key waits
+    /// for a retry, the later events of that key on its partition are parked behind it.
+    pub retry_ordering: String,
+    /// With `retry_ordering = "key"`, what a line does when its head is dead-lettered:
+    /// `release` (the next parked event runs) or `dead_letter_line` (the parked events
+    /// follow it into the dead letters).
+    pub line_on_dead_letter: String,
     /// Most events read past the partition's oldest unsettled one (at least
     /// `max_in_flight`): settled events behind a slow one wait here, not in a slot.
     pub window: usize,
@@ -366,6 +373,8 @@ impl Default for ProcessorSection {
             .into(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             ordering_key: o.ordering.to_string(),
+            retry_ordering: "off".into(),
+            line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default().to_string(),
             window: DEFAULT_WINDOW,
         }
     }
@@ -879,6 +888,7 @@ impl Config {
                     format!("processor.ordering_key: {e}"),
                 )
             })?;
+        self.retry_ordering()?;
         if self.retry.dead_letter_sweep_ms < 1000 {
             return Err(invalid(
                 "retry.dead_letter_sweep_ms",
@@ -992,6 +1002,36 @@ impl Config {
         )
     }
 
+    /// `processor.retry_ordering` and `processor.line_on_dead_letter`, read.
+    fn retry_ordering(&self) -> Result<crate::pipeline::RetryOrdering, ConfigError> {
+        let on_dead_letter = self
+            .processor
+            .line_on_dead_letter
+            .parse::<crate::pipeline::LineOnDeadLetter>()
+            .map_err(|e| {
+                invalid(
+                    "processor.line_on_dead_letter",
+                    format!("processor.line_on_dead_letter: {e}"),
+                )
+            })?;
+        match self.processor.retry_ordering.as_str() {
+            "off" => Ok(crate::pipeline::RetryOrdering::Off),
+            "key" => {
+                if self.processor.ordering_key == "none" {
+                    return Err(invalid(
+                        "processor.retry_ordering",
+                        "processor.retry_ordering = \"key\" needs an ordering key: processor.ordering_key is `none`",
+                    ));
+                }
+                Ok(crate::pipeline::RetryOrdering::Key(on_dead_letter))
+            }
+            other => Err(invalid(
+                "processor.retry_ordering",
+                format!("processor.retry_ordering: expected `off` or `key`, got {other:?}"),
+            )),
+        }
+    }
+
     /// The tunables this configuration sets (the rest at their defaults).
     pub fn pipeline_options(&self) -> Result<PipelineOptions, ConfigError> {
         Ok(PipelineOptions {
@@ -1014,6 +1054,7 @@ impl Config {
                     format!("processor.ordering_key: {e}"),
                 )
             })?,
+            retry_ordering: self.retry_ordering()?,
             prefetch: self.processor.prefetch,
             start_at_latest: self.processor.start == "latest",
             deadline: Duration::from_millis(self.retry.call_deadline_ms),
@@ -1346,6 +1387,43 @@ url = "http://127.0.0.1:9000/events"
         let e = Config::parse(&c, none()).unwrap_err().to_string();
         assert!(e.contains("duplicate_detection_window_s"), "{e}");
     }
+    #[test]
+    fn ordered_retries_are_off_unless_asked_for_and_checked() {
+        use crate::pipeline::{LineOnDeadLetter, RetryOrdering};
+        let o = Config::parse(BASE, none())
+            .unwrap()
+            .pipeline_options()
+            .unwrap();
+        assert_eq!(o.retry_ordering, RetryOrdering::Off, "today's behaviour");
+        let on = |extra: &str| {
+            Config::parse(&format!("{BASE}[processor]\n{extra}"), none())
+                .and_then(|c| c.pipeline_options())
+        };
+        assert_eq!(
+            on("retry_ordering = \"key\"\n").unwrap().retry_ordering,
+            RetryOrdering::Key(LineOnDeadLetter::Release)
+        );
+        assert_eq!(
+            on("retry_ordering = \"key\"\nline_on_dead_letter = \"dead_letter_line\"\n")
+                .unwrap()
+                .retry_ordering,
+            RetryOrdering::Key(LineOnDeadLetter::DeadLetterLine)
+        );
+        let e = on("retry_ordering = \"strict\"\n").unwrap_err().to_string();
+        assert!(
+            e.contains("processor.retry_ordering") && e.contains("`key`"),
+            "{e}"
+        );
+        let e = on("retry_ordering = \"key\"\nline_on_dead_letter = \"drop\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("processor.line_on_dead_letter"), "{e}");
+        let e = on("retry_ordering = \"key\"\nordering_key = \"none\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("processor.ordering_key is `none`"), "{e}");
+    }
+
     #[test]
     fn concurrency_and_checkpoint_pacing_are_configured_and_checked() {
         let c = Config::parse(

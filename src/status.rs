@@ -206,6 +206,160 @@ pub fn pending_text(pending: &[Pending]) -> String {
     out
 }
 
+/// An event parked behind the head of its ordering key's line (ordered retries), as `status
+/// KEY` shows it: what it waits behind (the head's key, attempt and due time), its place in
+/// the line. `None` when no parked event has the key. One listing of the parked records,
+/// then the record, the line's pointer and the head's ledger record.
+pub async fn parked_view(
+    ledger: &Ledger,
+    key: &str,
+) -> Result<Option<serde_json::Value>, crate::ledger::LedgerError> {
+    let all = ledger.all_parked().await?;
+    let Some(entry) = all.iter().find(|p| p.key.as_deref() == Some(key)) else {
+        return Ok(None);
+    };
+    let Some(parked) = ledger.read_parked(&entry.name).await? else {
+        return Ok(None);
+    };
+    let e = &parked.event;
+    let in_line: Vec<i64> = {
+        let prefix = entry.name.rsplit_once('/').map_or("", |(p, _)| p);
+        let mut v: Vec<i64> = all
+            .iter()
+            .filter(|p| p.name.rsplit_once('/').is_some_and(|(q, _)| q == prefix))
+            .map(|p| p.seq)
+            .collect();
+        v.sort();
+        v
+    };
+    // The ordering key is the line's: read from the pointer beside it.
+    let line = ledger
+        .lines(Some(&e.partition_id))
+        .await?
+        .into_iter()
+        .find(|l| {
+            ledger
+                .line_name(&l.partition, &l.ordering_key)
+                .rsplit('/')
+                .next()
+                == entry.name.rsplit('/').nth(1)
+        });
+    let head = match &line {
+        Some(l) => ledger.get(&l.head_key).await?.map(|(r, _)| r),
+        None => None,
+    };
+    Ok(Some(json!({
+        "key": key,
+        "state": "PARKED",
+        "partition": e.partition_id,
+        "sequence_number": e.sequence_number,
+        "ordering_key": line.as_ref().map(|l| l.ordering_key.clone()),
+        "parked_at": rfc3339(at(parked.parked_ms)),
+        "position": in_line.iter().position(|s| *s == e.sequence_number).map(|p| p + 1),
+        "line_length": in_line.len(),
+        "waits_behind": line.as_ref().map(|l| json!({
+            "key": l.head_key,
+            "sequence_number": l.head_seq,
+            "state": head.as_ref().map(|h| h.state),
+            "next_attempt": head.as_ref().filter(|h| h.state == LedgerState::RetryScheduled).map(|h| h.attempts + 1),
+            "next_attempt_at": head.as_ref().and_then(|h| h.next_attempt_ms).map(|m| rfc3339(at(m))),
+            "last_error": head.as_ref().and_then(|h| h.last_error.as_deref()).map(redacted),
+        })),
+    })))
+}
+
+/// [`parked_view`] as text, for `hubguard status`.
+pub fn parked_text(v: &serde_json::Value) -> String {
+    let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
+    let mut out = String::new();
+    out.push_str(&format!(
+        "key:             {}
+",
+        s("key")
+    ));
+    out.push_str("state:           PARKED (ordered retries: waits behind an earlier event of its ordering key)
+");
+    out.push_str(&format!(
+        "event:           partition {} sequence number {}
+",
+        s("partition"),
+        v["sequence_number"]
+    ));
+    out.push_str(&format!(
+        "ordering key:    {}
+",
+        s("ordering_key")
+    ));
+    out.push_str(&format!(
+        "parked at:       {}
+",
+        s("parked_at")
+    ));
+    out.push_str(&format!(
+        "place in line:   {} of {}
+",
+        v["position"], v["line_length"]
+    ));
+    let w = &v["waits_behind"];
+    if w.is_object() {
+        out.push_str(&format!(
+            "waits behind:    {} (sequence number {}), {}",
+            w["key"].as_str().unwrap_or(""),
+            w["sequence_number"],
+            w["state"].as_str().unwrap_or("no record yet")
+        ));
+        if let (Some(n), Some(t)) = (w["next_attempt"].as_u64(), w["next_attempt_at"].as_str()) {
+            out.push_str(&format!(", attempt {n} at {t}"));
+        }
+        out.push('\n');
+        if let Some(e) = w["last_error"].as_str() {
+            out.push_str(&format!("head's error:    {}\n", redact(e)));
+        }
+    }
+    out
+}
+
+/// The open lines of ordered retries, as `/v1/retries` and `retries list` show them.
+pub fn line_view(l: &crate::ledger::Line) -> serde_json::Value {
+    json!({
+        "partition": l.partition,
+        "ordering_key": l.ordering_key,
+        "head": l.head_key,
+        "head_sequence_number": l.head_seq,
+        "parked": l.parked,
+        "oldest_parked_at": l.oldest_parked_ms.map(|m| rfc3339(at(m))),
+    })
+}
+
+/// Open lines as a text table, for `hubguard retries list`.
+pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
+    if lines.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "{} line{} of parked events (ordered retries)\n{:<10} {:<24} {:<32} {:>7}  OLDEST PARKED\n",
+        lines.len(),
+        if lines.len() == 1 { "" } else { "s" },
+        "PARTITION",
+        "ORDERING KEY",
+        "HEAD",
+        "PARKED"
+    );
+    for l in lines {
+        out.push_str(&format!(
+            "{:<10} {:<24} {:<32} {:>7}  {}\n",
+            l.partition,
+            l.ordering_key,
+            l.head_key,
+            l.parked,
+            l.oldest_parked_ms
+                .map(|m| rfc3339(at(m)))
+                .unwrap_or_default()
+        ));
+    }
+    out
+}
+
 /// The `hubguard.retries.pending` and `hubguard.retries.overdue` gauges, from the ledger's
 /// listing refreshed every `every` — the answer to "what
 /// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
@@ -215,7 +369,11 @@ pub struct PendingGauges {
     task: tokio::task::JoinHandle<()>,
     _pending: opentelemetry::metrics::ObservableGauge<u64>,
     _overdue: opentelemetry::metrics::ObservableGauge<u64>,
+    _parked: Option<[opentelemetry::metrics::ObservableGauge<f64>; 2]>,
 }
+
+/// Parked events and when the oldest was parked (ordered retries), as last listed.
+type ParkedReading = Arc<std::sync::Mutex<Option<(u64, Option<SystemTime>)>>>;
 
 impl std::fmt::Debug for PendingGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -233,7 +391,43 @@ impl PendingGauges {
     /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
     /// current Tokio runtime). Overdue is against the wall clock.
     pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
+        Self::start_with_lines(ledger, every, false)
+    }
+
+    /// [`start`](Self::start), and with `lines` (ordered retries on) the
+    /// `hubguard.lines.parked` and `hubguard.lines.oldest_parked_age` gauges from a listing of
+    /// the parked records at each refresh.
+    pub fn start_with_lines(ledger: Ledger, every: std::time::Duration, lines: bool) -> Self {
         use crate::telemetry::names::metric;
+        let parked_reading: ParkedReading = Default::default();
+        let parked = lines.then(|| {
+            let meter = crate::telemetry::meter();
+            let r = parked_reading.clone();
+            let count = meter
+                .f64_observable_gauge(metric::LINES_PARKED)
+                .with_description("Events parked behind an earlier event of their ordering key (from the ledger's listing)")
+                .with_callback(move |o| {
+                    if let Some((n, _)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                        o.observe(*n as f64, &[]);
+                    }
+                })
+                .build();
+            let r = parked_reading.clone();
+            let age = meter
+                .f64_observable_gauge(metric::LINES_OLDEST_PARKED_AGE)
+                .with_description("Seconds the oldest parked event has waited")
+                .with_unit("s")
+                .with_callback(move |o| {
+                    if let Some((_, oldest)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                        let age = oldest
+                            .and_then(|t| SystemTime::now().duration_since(t).ok())
+                            .map_or(0.0, |d| d.as_secs_f64());
+                        o.observe(age, &[]);
+                    }
+                })
+                .build();
+            [count, age]
+        });
         let dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>> = Default::default();
         let meter = crate::telemetry::meter();
         let d = dues.clone();
@@ -258,12 +452,25 @@ impl PendingGauges {
             })
             .build();
         let d = dues.clone();
+        let pr = parked_reading.clone();
         let task = tokio::spawn(async move {
             loop {
                 match ledger.pending().await {
                     Ok(p) => Self::store(&d, &p),
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot list pending retries for the gauges")
+                    }
+                }
+                if lines {
+                    match ledger.all_parked().await {
+                        Ok(p) => {
+                            let oldest = p.iter().filter_map(|e| e.parked_ms).min().map(at);
+                            *pr.lock().unwrap_or_else(|e| e.into_inner()) =
+                                Some((p.len() as u64, oldest));
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot list parked events for the gauges")
+                        }
                     }
                 }
                 tokio::time::sleep(every).await;
@@ -274,6 +481,7 @@ impl PendingGauges {
             task,
             _pending: pending,
             _overdue: overdue,
+            _parked: parked,
         }
     }
 
@@ -391,11 +599,18 @@ async fn report(State(s): State<AppState>) -> Json<serde_json::Value> {
 async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
     match s.ledger.get(&key).await {
         Ok(Some((rec, _))) => Json(record_view(&rec)).into_response(),
-        Ok(None) => (
-            StatusCode::NOT_FOUND,
-            Json(s.ledger.no_record(&key, SystemTime::now())),
-        )
-            .into_response(),
+        Ok(None) => match parked_view(&s.ledger, &key).await {
+            // Ordered retries: a parked event has no ledger record yet, only its parked one.
+            Ok(Some(mut v)) => {
+                redact_json(&mut v);
+                Json(v).into_response()
+            }
+            _ => (
+                StatusCode::NOT_FOUND,
+                Json(s.ledger.no_record(&key, SystemTime::now())),
+            )
+                .into_response(),
+        },
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({ "error": redacted(&e.to_string()) })),
@@ -458,11 +673,19 @@ async fn retries(
             return (StatusCode::BAD_REQUEST, Json(json!({ "error": e }))).into_response()
         }
     };
-    match pending_retries(&s.ledger, due_before).await {
-        Ok(p) => Json(json!({
+    let listed = async {
+        let p = pending_retries(&s.ledger, due_before).await?;
+        let lines = s.ledger.lines(None).await?;
+        Ok::<_, crate::ledger::LedgerError>((p, lines))
+    };
+    match listed.await {
+        Ok((p, lines)) => Json(json!({
             "count": p.len(),
             "due_before": due_before.map(rfc3339),
             "retries": p.iter().map(pending_view).collect::<Vec<_>>(),
+            // Ordered retries: each open line, its head and how many wait behind it.
+            "lines": lines.iter().map(line_view).collect::<Vec<_>>(),
+            "parked": lines.iter().map(|l| l.parked).sum::<u64>(),
         }))
         .into_response(),
         Err(e) => (

@@ -239,6 +239,9 @@ impl LedgerRecord {
 
 pub use crate::clock::{at, ms};
 
+pub mod lines;
+pub use lines::{Line, Opened, Parked, ParkedEntry};
+
 /// What the ledger says about running attempt `attempt` of an event: the one rule the
 /// settlement, the retry loop, deferrals and the dead-letter sweep all follow. The ledger is
 /// authoritative for the attempt number.

@@ -264,6 +264,11 @@ pub(super) fn finish(a: &Attempted, settled: Result<&Settled, &SettleError>) {
             (out::DEAD_LETTERED, true)
         }
         Ok(Settled::AlreadyFinal(_)) => (out::ALREADY_FINAL, false),
+        Ok(Settled::Parked { behind, behind_seq }) => {
+            span.set_attribute(attr::PARKED_BEHIND, behind.clone());
+            span.set_attribute(attr::PARKED_BEHIND_SEQUENCE_NUMBER, *behind_seq);
+            (out::PARKED, false)
+        }
         Err(_) => (out::SETTLE_FAILED, false),
     };
     span.set_attribute(attr::OUTCOME, outcome);

@@ -141,6 +141,10 @@ pub struct Counters {
     pub records_rebuilt: AtomicU64,
     /// Retries dead-lettered as `record_missing`.
     pub records_missing: AtomicU64,
+    /// Events parked behind an earlier event of their ordering key (ordered retries).
+    pub parked: AtomicU64,
+    /// Parked events released from their line (scheduled to run, due now).
+    pub released: AtomicU64,
 }
 
 /// A snapshot of the counters.
@@ -168,6 +172,10 @@ pub struct CounterSnapshot {
     pub records_rebuilt: u64,
     /// Retries dead-lettered as `record_missing`.
     pub records_missing: u64,
+    /// Events parked behind an earlier event of their ordering key (ordered retries).
+    pub parked: u64,
+    /// Parked events released from their line.
+    pub released: u64,
 }
 
 /// How long a `record_missing` dead letter keeps readiness at 503: long enough for an alert
@@ -664,6 +672,8 @@ impl Health {
             forwarded: c.forwarded.load(Ordering::Relaxed),
             records_rebuilt: c.records_rebuilt.load(Ordering::Relaxed),
             records_missing: c.records_missing.load(Ordering::Relaxed),
+            parked: c.parked.load(Ordering::Relaxed),
+            released: c.released.load(Ordering::Relaxed),
         }
     }
 

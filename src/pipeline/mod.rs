@@ -20,6 +20,7 @@ pub mod control;
 pub mod dead_letter;
 mod handover;
 pub mod health;
+mod lines;
 mod observe;
 pub mod owner;
 mod partition;
@@ -125,6 +126,62 @@ impl std::fmt::Display for OrderingKey {
     }
 }
 
+/// Ordered retries (`processor.retry_ordering`): whether an event of an ordering key waiting
+/// for a retry holds the later events of its key on its partition in a durable line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RetryOrdering {
+    /// Today's behaviour: a retry does not hold the later events of its key.
+    #[default]
+    Off,
+    /// While an event of ordering key K waits for a retry (or is parked), every later event
+    /// of K on its partition is parked behind it and delivered, in sequence order, once it
+    /// settles; what happens when it is dead-lettered is the value.
+    Key(LineOnDeadLetter),
+}
+
+impl RetryOrdering {
+    /// What a line does when its head is dead-lettered, when lines are on.
+    pub fn lines(&self) -> Option<LineOnDeadLetter> {
+        match self {
+            Self::Off => None,
+            Self::Key(d) => Some(*d),
+        }
+    }
+}
+
+/// What a line does when its head is dead-lettered (`processor.line_on_dead_letter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LineOnDeadLetter {
+    /// The line moves on: the next parked event is delivered.
+    #[default]
+    Release,
+    /// The parked events follow the head into the dead letters, with reason
+    /// `line_dead_lettered`.
+    DeadLetterLine,
+}
+
+impl std::str::FromStr for LineOnDeadLetter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "release" => Ok(Self::Release),
+            "dead_letter_line" => Ok(Self::DeadLetterLine),
+            _ => Err(format!(
+                "expected `release` or `dead_letter_line`, got {s:?}"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for LineOnDeadLetter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Release => "release",
+            Self::DeadLetterLine => "dead_letter_line",
+        })
+    }
+}
+
 /// Tunables.
 #[derive(Debug, Clone)]
 pub struct PipelineOptions {
@@ -145,6 +202,9 @@ pub struct PipelineOptions {
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1.
     pub ordering: OrderingKey,
+    /// Whether a key's retry holds its later events (ordered retries; off by default). The
+    /// key is `ordering`'s: events without one are never parked.
+    pub retry_ordering: RetryOrdering,
     /// Most events of a partition read past its oldest unsettled event (at least
     /// `max_in_flight`, which it is by default): settled events waiting behind a slow one
     /// stay here instead of holding a slot, so the slots stay busy while it settles. An
@@ -218,6 +278,7 @@ impl Default for PipelineOptions {
             checkpoint_min_interval: Duration::from_millis(200),
             max_in_flight: 1,
             ordering: OrderingKey::PartitionKey,
+            retry_ordering: RetryOrdering::Off,
             window: 0,
             prefetch: 300,
             start_at_latest: false,

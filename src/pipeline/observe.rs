@@ -83,6 +83,7 @@ impl Observer {
                 m.dead_lettered.add(1, &labels);
             }
             Settled::AlreadyFinal(_) => {}
+            Settled::Parked { .. } => self.health.count(&c.parked),
         }
     }
 

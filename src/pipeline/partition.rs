@@ -139,15 +139,21 @@ pub(crate) async fn run(
     // later listing succeeds).
     let recorded = Arc::new(super::recorded::Recorded::default());
     list_recorded(&recorded, &pid, &shared).await;
+    // Ordered retries: which of this partition's keys have a line (see `pipeline::lines`).
+    let known = Arc::new(super::lines::Known::default());
+    let ordered = shared.options.retry_ordering.lines().is_some();
+    if ordered {
+        list_lines(&known, &pid, &shared).await;
+    }
     let start = |event: Event, cp: &Checkpointer| {
         let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
-        let recorded = recorded.clone();
+        let (recorded, known) = (recorded.clone(), known.clone());
         let lag = (cp.uncovered, cp.oldest_uncovered);
         async move {
             let seq = event.sequence_number;
             (
                 seq,
-                process(event, &pid, &shared, &cancel, lag, &recorded).await,
+                process(event, &pid, &shared, &cancel, lag, &recorded, &known).await,
             )
         }
     };
@@ -227,12 +233,30 @@ pub(crate) async fn run(
                     if cp.interval_passed(&shared) {
                         cp.write(&pc, &shared).await;
                     }
+                    // Ordered retries: tombstones of lines whose events the checkpoint passed
+                    // (no replay can meet them again) go.
+                    if let (true, Some(c)) = (ordered, cp.written) {
+                        for k in known.passed(c) {
+                            match super::lines::remove_tombstone(&shared.settler, &pid, &k, c).await {
+                                Ok(Some(state)) => known.set(&k, state),
+                                Ok(None) => {}
+                                Err(e) => tracing::debug!(partition = %pid, error = %e, "a line's tombstone stays until the next try"),
+                            }
+                        }
+                    }
                     cp.publish_lag(&pid, &shared);
                     // Listed again in the background, so a slow listing holds nothing up.
-                    if !recorded.is_listed() && relisting.is_none() {
+                    let lines_unlisted = ordered && !known.is_listed();
+                    if (!recorded.is_listed() || lines_unlisted) && relisting.is_none() {
                         let (recorded, pid, shared) = (recorded.clone(), pid.clone(), shared.clone());
+                        let known = known.clone();
                         relisting = Some(Box::pin(async move {
-                            list_recorded(&recorded, &pid, &shared).await
+                            if !recorded.is_listed() {
+                                list_recorded(&recorded, &pid, &shared).await
+                            }
+                            if lines_unlisted {
+                                list_lines(&known, &pid, &shared).await
+                            }
                         }));
                     }
                 }
@@ -355,6 +379,17 @@ async fn list_recorded(recorded: &super::recorded::Recorded, pid: &str, shared: 
     }
 }
 
+/// Lists the open lines of `pid`'s keys into `known` (ordered retries); a failure leaves it
+/// unlisted, which only costs a pointer read per event with a key until a listing succeeds.
+async fn list_lines(known: &super::lines::Known, pid: &str, shared: &Shared) {
+    match shared.settler.ledger.lines_and_ends(Some(pid)).await {
+        Ok(lines) => known.set_listing(lines),
+        Err(e) => {
+            tracing::warn!(partition = %pid, error = %e, "cannot list the partition's lines (ordered retries); every event with an ordering key reads its line until a listing succeeds")
+        }
+    }
+}
+
 /// Shows partition `pid` as paused by `pause`, or no longer: held as `{pid} (paused)`, apart
 /// from the partition's own holds (an unsettled event's cause stays in view beside it), with
 /// no event (-1) as its oldest unsettled.
@@ -379,8 +414,114 @@ async fn process(
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
     recorded: &super::recorded::Recorded,
+    known: &super::lines::Known,
 ) -> bool {
     let seq = event.sequence_number;
+    // Ordered retries: an event whose key has a line is parked behind its head instead of
+    // delivered (see `pipeline::lines`). `heads`: this event is its key's line's head (a
+    // replay of it, or a failure that just opened the line), so it settles through the ledger
+    // and moves the line on once it settles for good.
+    let line_key = shared
+        .options
+        .retry_ordering
+        .lines()
+        .and(shared.options.ordering.of(&event));
+    let mut heads = false;
+    if let Some(k) = line_key {
+        use super::lines::KeyState;
+        let state = match known.state(k) {
+            KeyState::Unknown => {
+                let read = until_done(pid, seq, shared, cancel, lag, || async {
+                    Ok::<_, super::settle::SettleError>(
+                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
+                            if l.ended {
+                                KeyState::Ended(l.last_seq())
+                            } else {
+                                KeyState::Line(l.head_seq)
+                            }
+                        }),
+                    )
+                })
+                .await;
+                match read {
+                    None => return false,
+                    Some(s) => s.unwrap_or(KeyState::Free),
+                }
+            }
+            s => s,
+        };
+        // Whether the event may be a replay of one a line already settled.
+        let verify = match state {
+            KeyState::Unknown | KeyState::Free => false,
+            KeyState::Ended(x) => seq <= x,
+            KeyState::Line(h) if seq > h => {
+                match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
+                    None => return false,
+                    Some(Err(_parked)) => return true,
+                    Some(Ok((h, verify))) => {
+                        heads = h;
+                        verify
+                    }
+                }
+            }
+            KeyState::Line(h) => {
+                heads = h == seq;
+                true
+            }
+        };
+        // The key has (or had) a line, and this event is its head, before it, or read before
+        // it ended: it may be a replay of an event the line already settled (released and
+        // delivered, or dead-lettered with its head). Such an event is not delivered again,
+        // which could bring it after later events of its key.
+        if verify {
+            let final_record = until_done(pid, seq, shared, cancel, lag, || async {
+                Ok::<_, super::settle::SettleError>(
+                    shared
+                        .settler
+                        .ledger
+                        .get(&event.identity.idempotency_key)
+                        .await?
+                        .map(|(r, _)| r)
+                        .filter(|r| {
+                            r.state != crate::ledger::State::RetryScheduled
+                                && r.event.partition_id == event.partition_id
+                                && r.event.sequence_number == seq
+                        }),
+                )
+            })
+            .await;
+            let Some(final_record) = final_record else {
+                return false;
+            };
+            if let Some(rec) = final_record {
+                if heads {
+                    let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+                    let ended = until_done(pid, seq, shared, cancel, lag, || {
+                        super::lines::advance(
+                            &shared.settler,
+                            &event,
+                            k,
+                            on_dead_letter,
+                            Some(&shared.health),
+                        )
+                    })
+                    .await;
+                    match ended {
+                        None => return false,
+                        Some(true) => known.ended(k, Some(seq)),
+                        Some(false) => {}
+                    }
+                }
+                tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
+                let s = super::settle::Settled::AlreadyFinal(rec.state);
+                shared
+                    .observe
+                    .count_settled(&s, event.identity.event_type.as_deref());
+                shared.health.release(pid, seq);
+                return true;
+            }
+        }
+    }
     shared.health.count(&shared.health.counters.attempts);
     let policy = shared
         .settler
@@ -444,9 +585,50 @@ async fn process(
     }
     let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
     shared.attempted(&attempted, gate, event_type).await;
+    // Ordered retries: a failure opens its key's line before it is settled, so the line
+    // exists before any retry message of it can run (and end the line).
+    if let (Some(k), crate::handler::Outcome::Failed(_)) = (line_key, &attempted.outcome) {
+        if !heads {
+            loop {
+                let opened = until_done(pid, seq, shared, cancel, lag, || async {
+                    Ok::<_, super::settle::SettleError>(
+                        super::lines::open(&shared.settler, &event, k).await?,
+                    )
+                })
+                .await;
+                match opened {
+                    None => return false,
+                    Some(super::lines::Open::Head) => {
+                        heads = true;
+                        break;
+                    }
+                    Some(super::lines::Open::Older) => break,
+                    // A line this partition did not know of (a previous owner's, during a
+                    // rebalance): the event belongs behind it, whatever this attempt said.
+                    Some(super::lines::Open::Behind) => {
+                        match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
+                            None => return false,
+                            Some(Err(parked)) => {
+                                attempt::finish(&attempted, Ok(&parked));
+                                return true;
+                            }
+                            Some(Ok((true, _))) => {
+                                heads = true;
+                                break;
+                            }
+                            // The line ended meanwhile: open it again with this event.
+                            Some(Ok((false, _))) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
     // The happy path: a delivery of an event the ledger provably has no record of is
     // settled as it is (see `pipeline::recorded` for why that is safe).
-    if attempted.outcome == crate::handler::Outcome::Delivered && !recorded.may_have_record(&event)
+    if attempted.outcome == crate::handler::Outcome::Delivered
+        && !heads
+        && !recorded.may_have_record(&event)
     {
         let s = super::settle::Settled::Delivered;
         attempt::finish(&attempted, Ok(&s));
@@ -474,6 +656,34 @@ async fn process(
         match settled {
             Ok(s) => {
                 recorded.forget(&event);
+                if let (Some(k), true) = (line_key, heads) {
+                    if matches!(s, super::settle::Settled::RetryScheduled { .. }) {
+                        known.line(k, seq);
+                    } else {
+                        // Settled for good: the line moves on (a stop before it leaves the
+                        // event unsettled, and its replay moves the line on).
+                        let on_dead_letter =
+                            shared.options.retry_ordering.lines().unwrap_or_default();
+                        let ended = until_done(pid, seq, shared, cancel, lag, || {
+                            super::lines::advance(
+                                &shared.settler,
+                                &event,
+                                k,
+                                on_dead_letter,
+                                Some(&shared.health),
+                            )
+                        })
+                        .await;
+                        match ended {
+                            None => {
+                                attempt::finish(&attempted, Ok(&s));
+                                return false;
+                            }
+                            Some(true) => known.ended(k, Some(seq)),
+                            Some(false) => known.line(k, seq),
+                        }
+                    }
+                }
                 attempt::finish(&attempted, Ok(&s));
                 shared
                     .observe
@@ -492,6 +702,107 @@ async fn process(
                         attempt::finish(&attempted, Err(&e));
                         return false;
                     }
+                    _ = shared.clock().sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
+            }
+        }
+    }
+}
+
+/// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:
+/// counted, its hold released), `Some(Ok((heads, verify)))` when it is to be delivered (the
+/// line ended, or the event is at or before its head — `heads` when it is the head; `verify`
+/// when it may be a replay of an event the line settled), `None` if stopped first.
+async fn park_or_deliver(
+    event: &Event,
+    key: &str,
+    pid: &str,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    lag: (u64, Option<SystemTime>),
+    known: &super::lines::Known,
+) -> Option<Result<(bool, bool), super::settle::Settled>> {
+    let seq = event.sequence_number;
+    let parked = until_done(pid, seq, shared, cancel, lag, || async {
+        Ok::<_, super::settle::SettleError>(super::lines::park(&shared.settler, event, key).await?)
+    })
+    .await?;
+    match parked {
+        super::lines::Park::Parked { behind, behind_seq } => {
+            known.line(key, behind_seq);
+            // A span of its own, found by the same trace query as its attempts (the
+            // conversation id), saying what it waits behind.
+            tracing::info_span!(
+                target: "hubguard::attempt",
+                "park",
+                otel.name = crate::telemetry::names::span::PARK,
+                otel.kind = "consumer",
+                messaging.message.id = %event.identity.idempotency_key,
+                messaging.message.conversation_id = %event.identity.correlation_id,
+                messaging.destination.partition.id = %pid,
+                messaging.eventhubs.message.sequence_number = seq,
+                hubguard.outcome = crate::telemetry::names::outcome::PARKED,
+                hubguard.parked_behind = %behind,
+                hubguard.parked_behind.sequence_number = behind_seq,
+            )
+            .in_scope(|| {});
+            tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, behind = %behind, behind_seq, "parked behind the head of its ordering key's line");
+            let s = super::settle::Settled::Parked { behind, behind_seq };
+            shared
+                .observe
+                .count_settled(&s, event.identity.event_type.as_deref());
+            shared.health.release(pid, seq);
+            Some(Err(s))
+        }
+        super::lines::Park::Deliver {
+            head: None,
+            ended_at,
+        } => {
+            known.ended(key, ended_at);
+            Some(Ok((false, ended_at.is_none_or(|x| seq <= x))))
+        }
+        super::lines::Park::Deliver { head: Some(h), .. } => {
+            known.line(key, h);
+            Some(Ok((h == seq, true)))
+        }
+    }
+}
+
+/// Runs `op` until it succeeds, holding the partition at `seq` on each failure (as a
+/// settlement does: nothing behind the event moves the checkpoint) with backoff; `None` if
+/// stopped first.
+async fn until_done<T, F, Fut>(
+    pid: &str,
+    seq: i64,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    lag: (u64, Option<SystemTime>),
+    mut op: F,
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, super::settle::SettleError>>,
+{
+    let mut backoff = Duration::from_millis(200);
+    let mut held = false;
+    loop {
+        match op().await {
+            Ok(v) => {
+                if held {
+                    shared.health.release(pid, seq);
+                }
+                return Some(v);
+            }
+            Err(e) => {
+                shared.observe.settle_failed(&e);
+                shared.health.set_lag(pid, lag.0, age(lag.1));
+                shared
+                    .health
+                    .hold(pid, e.hold_cause(), e.held_reason(), seq);
+                held = true;
+                tokio::select! {
+                    _ = cancel.cancelled() => return None,
                     _ = shared.clock().sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(shared.options.settle_backoff_max);

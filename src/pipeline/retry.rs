@@ -65,7 +65,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::health::RetryLoopState;
-use super::settle::{RetryMessage, Source};
+use super::settle::{RetryMessage, Settled, Source};
 use super::{attempt, Shared};
 use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
@@ -539,6 +539,29 @@ async fn recover_overdue(shared: &Shared) {
             return;
         }
     };
+    // Ordered retries: lines whose head settled for good while nobody advanced them (a head
+    // still in the pending index is waiting: its record is not read). Also with ordering off
+    // (one listing, empty unless it was on): lines left open when it was switched off still
+    // drain, one event per sweep, instead of stranding what they parked.
+    {
+        let waiting: std::collections::HashSet<&str> =
+            pending.iter().map(|p| p.key.as_str()).collect();
+        let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+        match super::lines::sweep(
+            &shared.settler,
+            on_dead_letter,
+            Some(&shared.health),
+            &waiting,
+        )
+        .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(lines = n, "advanced lines whose head had settled"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not sweep the lines of ordered retries; trying again at the next sweep")
+            }
+        }
+    }
     let now = shared.clock().now();
     let Some(overdue_before) = now.checked_sub(shared.options.overdue_margin) else {
         return;
@@ -939,7 +962,10 @@ async fn process(
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
             drop(starting);
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
-            settle_message(&msg, true).await;
+            // A copy after a crash between the settlement and the line's advance.
+            if advance_line(&mut msg, shared, cancel, &rec.event).await {
+                settle_message(&msg, true).await;
+            }
             return;
         }
         Some((rec, _)) if verdict == Verdict::Stale => {
@@ -1212,8 +1238,52 @@ async fn process(
         shared
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
+        // Ordered retries: a head settled for good lets its line move on, before the message
+        // is completed (a crash in between leaves a copy, whose `Final` verdict advances it).
+        let settled_for_good = matches!(
+            s,
+            Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_)
+        );
+        if settled_for_good && !advance_line(&mut msg, shared, cancel, &event).await {
+            return;
+        }
         settle_message(&msg, true).await;
     }
+}
+
+/// Ordered retries: advances the line of `event`'s ordering key after `event` settled for good
+/// (see `pipeline::lines`), holding the message while blob storage or Service Bus fails.
+/// `false` if the loop stopped first (the message is left to its next receiver).
+async fn advance_line(
+    msg: &mut ReceivedMessage,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    event: &crate::event::Event,
+) -> bool {
+    let Some(on_dead_letter) = shared.options.retry_ordering.lines() else {
+        return true;
+    };
+    let Some(ordering_key) = shared.options.ordering.of(event) else {
+        return true;
+    };
+    holding(
+        msg,
+        &event.identity.idempotency_key,
+        shared,
+        cancel,
+        "advancing the line of the event's ordering key",
+        || {
+            super::lines::advance(
+                &shared.settler,
+                event,
+                ordering_key,
+                on_dead_letter,
+                Some(&shared.health),
+            )
+        },
+    )
+    .await
+    .is_some()
 }
 
 /// Takes an attempt slot for a claimed attempt, under the message's lock, renewing the claim

@@ -85,6 +85,14 @@ pub enum Settled {
     DeadLettered(DeadLetterReason),
     /// The ledger already had a final state for the event (a duplicate delivery).
     AlreadyFinal(State),
+    /// Parked behind the head of its ordering key's line (ordered retries): the event is
+    /// recorded there and runs once the head settles.
+    Parked {
+        /// The head's idempotency key.
+        behind: String,
+        /// The head's sequence number.
+        behind_seq: i64,
+    },
 }
 
 /// How long a claim on an attempt holds ([`Settler::claim`]) unless renewed: a call that runs
@@ -414,7 +422,7 @@ impl Settler {
     }
 
     /// Publishes `rec` (about to be written dead-lettered) to the destination, if any.
-    async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
+    pub(crate) async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
         if let Some(d) = &self.dead_letters {
             d.publish(rec).await?;
         }
@@ -431,6 +439,11 @@ impl Settler {
     pub fn with_schedule_lead(mut self, lead: Duration) -> Self {
         self.lead = lead;
         self
+    }
+
+    /// The clock due times are computed on.
+    pub fn clock(&self) -> &Arc<crate::clock::Clock> {
+        &self.clock
     }
 
     /// The policies in force (for new failures).

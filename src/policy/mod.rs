@@ -187,6 +187,10 @@ pub enum DeadLetterReason {
     /// An operator cancelled the pending retry (`hubguard retries cancel`); the last error
     /// holds their reason. Replayable like any dead letter.
     Cancelled,
+    /// Parked behind an event of its ordering key that was dead-lettered, with
+    /// `processor.line_on_dead_letter = "dead_letter_line"`: the line followed its head into
+    /// the dead letters. Replayable like any dead letter.
+    LineDeadLettered,
 }
 
 impl std::fmt::Display for DeadLetterReason {
@@ -200,6 +204,7 @@ impl std::fmt::Display for DeadLetterReason {
             Self::CorruptRecord => "corrupt ledger record",
             Self::RecordMissing => "ledger record missing and the event gone from Event Hubs",
             Self::Cancelled => "cancelled",
+            Self::LineDeadLettered => "parked behind a dead-lettered event of its ordering key",
         })
     }
 }

@@ -12,6 +12,9 @@ pub mod span {
     pub const SCHEDULE: &str = "hubguard.servicebus.schedule";
     /// Writing the ledger record.
     pub const LEDGER_WRITE: &str = "hubguard.ledger.write";
+    /// Ordered retries: an event parked behind the head of its ordering key's line (no
+    /// handler call); its attempts, once released, are ordinary attempt spans.
+    pub const PARK: &str = "hubguard.park";
 }
 
 /// Span attribute keys.
@@ -50,6 +53,11 @@ pub mod attr {
     /// Seconds of a `Retry-After` longer than the policy allows, which the retry's schedule
     /// shortened to the policy's limit (set only when it did).
     pub const RETRY_AFTER_CAPPED_FROM: &str = "hubguard.retry_after_capped_from_s";
+    /// Ordered retries: the idempotency key of the event this one was parked behind (the
+    /// head of its ordering key's line); the head's own spans answer when it retries.
+    pub const PARKED_BEHIND: &str = "hubguard.parked_behind";
+    /// Ordered retries: the sequence number of that head.
+    pub const PARKED_BEHIND_SEQUENCE_NUMBER: &str = "hubguard.parked_behind.sequence_number";
     /// Seconds the attempt waited for the downstream's rate limiter before it called it.
     pub const RATE_LIMIT_WAIT: &str = "hubguard.ratelimit.wait_s";
     /// OpenTelemetry semantic convention: the error's type (`transient`, `permanent`, …).
@@ -95,6 +103,9 @@ pub mod outcome {
     pub const SETTLE_FAILED: &str = "settle_failed";
     /// The ledger already had a final state (a duplicate delivery).
     pub const ALREADY_FINAL: &str = "already_final";
+    /// Parked behind an earlier event of its ordering key waiting for a retry (ordered
+    /// retries): delivered once that one settles.
+    pub const PARKED: &str = "parked";
 }
 
 /// Metric names (OpenTelemetry instruments; Prometheus turns dots into underscores).
@@ -125,6 +136,11 @@ pub mod metric {
     pub const RETRIES_PENDING: &str = "hubguard.retries.pending";
     /// Gauge: of those, the ones already past their due time.
     pub const RETRIES_OVERDUE: &str = "hubguard.retries.overdue";
+    /// Gauge: events parked behind an earlier event of their ordering key (ordered retries),
+    /// from the ledger's listing.
+    pub const LINES_PARKED: &str = "hubguard.lines.parked";
+    /// Gauge (s): how long the oldest parked event has waited.
+    pub const LINES_OLDEST_PARKED_AGE: &str = "hubguard.lines.oldest_parked_age";
     /// Counter: settlements that failed (and were retried).
     pub const SETTLE_FAILURES: &str = "hubguard.settle.failures";
     /// Histogram (s): handler call duration.
@@ -195,6 +211,7 @@ pub fn all() -> Vec<&'static str> {
         span::HANDLER,
         span::SCHEDULE,
         span::LEDGER_WRITE,
+        span::PARK,
         attr::MESSAGING_OPERATION_TYPE,
         attr::MESSAGING_OPERATION_NAME,
         attr::MESSAGE_ID,
@@ -219,6 +236,8 @@ pub fn all() -> Vec<&'static str> {
         attr::MESSAGING_PARTITION,
         attr::SEQUENCE_NUMBER,
         attr::REPLAY,
+        attr::PARKED_BEHIND,
+        attr::PARKED_BEHIND_SEQUENCE_NUMBER,
         metric::DELIVERED,
         metric::RETRIES_SCHEDULED,
         metric::DEAD_LETTERED,
@@ -230,6 +249,8 @@ pub fn all() -> Vec<&'static str> {
         metric::RECORDS_MISSING,
         metric::RETRIES_PENDING,
         metric::RETRIES_OVERDUE,
+        metric::LINES_PARKED,
+        metric::LINES_OLDEST_PARKED_AGE,
         metric::SETTLE_FAILURES,
         metric::HANDLER_DURATION,
         metric::RETRY_LATENESS,

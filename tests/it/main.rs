@@ -23,6 +23,7 @@ mod lifecycle;
 mod limits;
 mod operable;
 mod operators;
+mod ordered_retries;
 mod otlp;
 mod outage;
 mod owner_ids;
