@@ -227,12 +227,15 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
     let (rec, _) = ledger.get("crashed").await.unwrap().unwrap();
     assert_eq!(rec.state, State::Delivered);
     // Every listing the pipeline made (the sweep, the partition's listing at claim) read the
-    // pending index: a handful of blobs, never the settled records.
+    // pending index, or the ordered retries' line pointers (the sweep releases a line whose
+    // head settled, whatever the setting): a handful of blobs, never the settled records.
     let listings = counting.listings.lock().unwrap().clone();
     assert!(!listings.is_empty());
     for (prefix, n) in &listings {
         assert!(
-            prefix.starts_with("pending/") || prefix.starts_with("checkpoints"),
+            prefix.starts_with("pending/")
+                || prefix.starts_with("lines/")
+                || prefix.starts_with("checkpoints"),
             "listed {prefix}: {listings:?}"
         );
         assert!(*n <= 2, "listed {n} blobs under {prefix}");
