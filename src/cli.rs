@@ -1,5 +1,6 @@
 //! The `hubguard` command line: `run` (the service), `status`, `retries` and `dead-letters`
-//! (the ledger's answers), `emulator` (the emulators standalone), `bench` (performance
+//! (the ledger's answers and the operator's actions on them), `partitions` and `checkpoints`
+//! (pause, resume, rewind), `emulator` (the emulators standalone), `bench` (performance
 //! figures through the real SDK), and `completions` and `man` (generated from this
 //! definition).
 //!
