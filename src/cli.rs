@@ -915,10 +915,7 @@ async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
         (next != *now).then_some(next)
     };
     let (record, written) = if args.dry_run {
-        let now = control::read(&store, &name)
-            .await?
-            .map(|(p, _)| p)
-            .unwrap_or_default();
+        let now = control::current(&store, &name).await?;
         let next = wanted(&now);
         let changes = next.is_some();
         (next.unwrap_or(now), changes)

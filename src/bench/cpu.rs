@@ -15,11 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use azure_messaging_eventhubs::models::Checkpoint;
-use azure_messaging_eventhubs::{
-    CheckpointStore, ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
-};
-use futures::StreamExt as _;
+use azure_messaging_eventhubs::ConsumerClient;
 
 use super::pipelines;
 use crate::azure::{BlobCheckpointStore, ConnectionString};
@@ -137,7 +133,7 @@ fn start_child(partitions: usize, latency: &str) -> anyhow::Result<ChildEmulator
 /// through the same blob checkpoint store; returns the events read.
 async fn bare_with_checkpoints(
     cs: &ConnectionString,
-    checkpoints: Arc<BlobCheckpointStore>,
+    store: Arc<BlobCheckpointStore>,
     per_partition: &[usize],
     every_events: u64,
     every: Duration,
@@ -147,61 +143,14 @@ async fn bare_with_checkpoints(
             .await
             .context("opening the bare consumer")?,
     );
-    let mut tasks = Vec::new();
-    for (p, &expected) in per_partition.iter().enumerate() {
-        let (consumer, checkpoints, ns) = (consumer.clone(), checkpoints.clone(), cs.host.clone());
-        tasks.push(tokio::spawn(async move {
-            let receiver = consumer
-                .open_receiver_on_partition(
-                    p.to_string(),
-                    Some(OpenReceiverOptions {
-                        start_position: Some(StartPosition {
-                            location: StartLocation::Earliest,
-                            inclusive: false,
-                        }),
-                        prefetch: Some(300),
-                        ..Default::default()
-                    }),
-                )
-                .await?;
-            let mut got = 0usize;
-            let (mut since, mut at) = (0u64, tokio::time::Instant::now());
-            {
-                let stream = receiver.stream_events();
-                futures::pin_mut!(stream);
-                while got < expected {
-                    let e = match tokio::time::timeout(Duration::from_secs(30), stream.next()).await
-                    {
-                        Ok(Some(Ok(e))) => e,
-                        Ok(Some(Err(e))) => return Err(anyhow::Error::from(e)),
-                        _ => bail!("the bare consumer stalled after {got} of {expected}"),
-                    };
-                    got += 1;
-                    since += 1;
-                    if since >= every_events || at.elapsed() >= every || got == expected {
-                        checkpoints
-                            .update_checkpoint(Checkpoint {
-                                fully_qualified_namespace: ns.clone(),
-                                event_hub_name: "bench".into(),
-                                consumer_group: "bare".into(),
-                                partition_id: p.to_string(),
-                                offset: e.offset().clone(),
-                                sequence_number: e.sequence_number(),
-                            })
-                            .await?;
-                        since = 0;
-                        at = tokio::time::Instant::now();
-                    }
-                }
-            }
-            receiver.close().await?;
-            Ok::<_, anyhow::Error>(got)
-        }));
-    }
-    let mut n = 0;
-    for t in tasks {
-        n += t.await??;
-    }
+    let checkpoints = super::BareCheckpoints {
+        store,
+        namespace: cs.host.clone(),
+        consumer_group: "bare".into(),
+        every_events,
+        every,
+    };
+    let (n, _, _) = super::bare_consume(&consumer, per_partition, 300, Some(checkpoints)).await?;
     if let Ok(c) = Arc::try_unwrap(consumer) {
         c.close().await?;
     }

@@ -928,21 +928,35 @@ async fn consume(
             .await
             .context("opening the consumer")?,
     );
-    let (n, first, last) = bare_consume(&consumer, per_partition, prefetch).await?;
+    let (n, first, last) = bare_consume(&consumer, per_partition, prefetch, None).await?;
     if let Ok(c) = Arc::try_unwrap(consumer) {
         c.close().await?;
     }
     Ok((n, last.saturating_duration_since(first)))
 }
 
-async fn bare_consume(
+/// Where and how often a bare consumer checkpoints (the `cpu` scenario's bare loop checkpoints
+/// on hubguard's schedule, through the same blob checkpoint store).
+#[derive(Clone)]
+pub(crate) struct BareCheckpoints {
+    pub(crate) store: Arc<crate::azure::BlobCheckpointStore>,
+    pub(crate) namespace: String,
+    pub(crate) consumer_group: String,
+    pub(crate) every_events: u64,
+    pub(crate) every: Duration,
+}
+
+/// A bare SDK consumer loop over `per_partition[p]` events of each partition, from the
+/// earliest, checkpointing on `checkpoints`' schedule if given: events read, first, last.
+pub(crate) async fn bare_consume(
     consumer: &Arc<ConsumerClient>,
     per_partition: &[usize],
     prefetch: u32,
+    checkpoints: Option<BareCheckpoints>,
 ) -> anyhow::Result<(usize, Instant, Instant)> {
     let mut tasks = Vec::new();
     for (p, &expected) in per_partition.iter().enumerate() {
-        let consumer = consumer.clone();
+        let (consumer, checkpoints) = (consumer.clone(), checkpoints.clone());
         tasks.push(tokio::spawn(async move {
             let receiver = consumer
                 .open_receiver_on_partition(
@@ -959,18 +973,35 @@ async fn bare_consume(
                 .await?;
             let mut got = 0usize;
             let (mut first, mut last) = (None, Instant::now());
+            let (mut since, mut at) = (0u64, Instant::now());
             {
                 let stream = receiver.stream_events();
                 futures::pin_mut!(stream);
                 while got < expected {
-                    match tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
-                        Ok(Some(Ok(_))) => {
-                            got += 1;
-                            last = Instant::now();
-                            first.get_or_insert(last);
-                        }
+                    let e = match tokio::time::timeout(Duration::from_secs(30), stream.next()).await
+                    {
+                        Ok(Some(Ok(e))) => e,
                         Ok(Some(Err(e))) => return Err(anyhow::Error::from(e)),
                         _ => bail!("bare consumer stalled after {got} of {expected}"),
+                    };
+                    got += 1;
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                    let Some(c) = &checkpoints else { continue };
+                    since += 1;
+                    if since >= c.every_events || at.elapsed() >= c.every || got == expected {
+                        use azure_messaging_eventhubs::CheckpointStore as _;
+                        c.store
+                            .update_checkpoint(azure_messaging_eventhubs::models::Checkpoint {
+                                fully_qualified_namespace: c.namespace.clone(),
+                                event_hub_name: "bench".into(),
+                                consumer_group: c.consumer_group.clone(),
+                                partition_id: p.to_string(),
+                                offset: e.offset().clone(),
+                                sequence_number: e.sequence_number(),
+                            })
+                            .await?;
+                        (since, at) = (0, Instant::now());
                     }
                 }
             }

@@ -191,6 +191,11 @@ pub async fn read(
     }
 }
 
+/// The control record as it stands (empty when none was ever written).
+pub async fn current(store: &dyn RecordStore, name: &str) -> Result<Pauses, ControlError> {
+    Ok(read(store, name).await?.map(|(p, _)| p).unwrap_or_default())
+}
+
 /// Changes the control record with compare-and-swap: `change` gets what is there and says
 /// what should be (`None`: nothing to change). Returns the record as it stands, and whether
 /// it was written.

@@ -19,6 +19,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::{
     ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
 };
@@ -52,47 +53,59 @@ pub(crate) struct SdkEventReader {
     pub(crate) application_id: String,
 }
 
-impl SdkEventReader {
-    async fn first_event(
-        &self,
-        consumer: &ConsumerClient,
-        partition: &str,
-        sequence_number: i64,
-        owner_level: Option<i64>,
-    ) -> Result<Event, String> {
-        let receiver = tokio::time::timeout(
-            self.deadline,
+/// The first event of `partition` at `location` (inclusive), read by a receiver opened for
+/// it and closed after. Tried without an owner level first; refused while the processor's
+/// receiver (owner level 0) is connected, it reads with owner level 0 (see the module's
+/// documentation for what that does to the processor's reader).
+pub(crate) async fn first_event_at(
+    consumer: &ConsumerClient,
+    partition: &str,
+    location: StartLocation,
+    deadline: Duration,
+) -> Result<ReceivedEventData, String> {
+    let mut last_error = String::new();
+    for owner_level in [None, Some(0)] {
+        let opened = tokio::time::timeout(
+            deadline,
             consumer.open_receiver_on_partition(
                 partition.to_string(),
                 Some(OpenReceiverOptions {
                     owner_level,
                     prefetch: Some(1),
                     start_position: Some(StartPosition {
-                        location: StartLocation::SequenceNumber(sequence_number),
+                        location: location.clone(),
                         inclusive: true,
                     }),
                     receive_timeout: None,
                 }),
             ),
         )
-        .await
-        .map_err(|_| format!("opening a receiver timed out after {:?}", self.deadline))?
-        .map_err(|e| format!("opening a receiver: {e}"))?;
+        .await;
+        let receiver = match opened {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                last_error = format!("opening a receiver: {e}");
+                continue;
+            }
+            Err(_) => {
+                last_error = format!("opening a receiver timed out after {deadline:?}");
+                continue;
+            }
+        };
         let first = {
             let stream = receiver.stream_events();
             futures::pin_mut!(stream);
-            tokio::time::timeout(self.deadline, stream.next()).await
+            tokio::time::timeout(deadline, stream.next()).await
         };
-        let _ = tokio::time::timeout(self.deadline, receiver.close()).await;
+        let _ = tokio::time::timeout(deadline, receiver.close()).await;
         match first {
-            Ok(Some(Ok(received))) => {
-                Ok(self.identity.event(&self.target.hub, partition, &received))
-            }
-            Ok(Some(Err(e))) => Err(format!("receiving: {e}")),
-            Ok(None) => Err("the receiver ended without an event".into()),
-            Err(_) => Err(format!("no event within {:?}", self.deadline)),
+            Ok(Some(Ok(received))) => return Ok(received),
+            Ok(Some(Err(e))) => last_error = format!("receiving: {e}"),
+            Ok(None) => last_error = "the receiver ended without an event".into(),
+            Err(_) => last_error = format!("no event within {deadline:?}"),
         }
     }
+    Err(last_error)
 }
 
 #[async_trait]
@@ -132,17 +145,14 @@ impl EventReader for SdkEventReader {
                     props.beginning_sequence_number, props.last_enqueued_sequence_number
                 )));
             }
-            let event = match self
-                .first_event(&consumer, partition, sequence_number, None)
-                .await
-            {
-                Ok(e) => e,
-                // Refused while the processor's receiver (owner level 0) is connected.
-                Err(_) => {
-                    self.first_event(&consumer, partition, sequence_number, Some(0))
-                        .await?
-                }
-            };
+            let received = first_event_at(
+                &consumer,
+                partition,
+                StartLocation::SequenceNumber(sequence_number),
+                self.deadline,
+            )
+            .await?;
+            let event = self.identity.event(&self.target.hub, partition, &received);
             if event.sequence_number != sequence_number {
                 return Ok(ReadBack::Gone(format!(
                     "partition {partition} begins at sequence number {} now; {sequence_number} is past the hub's retention",

@@ -26,10 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use azure_messaging_eventhubs::models::Ownership;
-use azure_messaging_eventhubs::{
-    CheckpointStore, ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
-};
-use futures::StreamExt as _;
+use azure_messaging_eventhubs::{CheckpointStore, ConsumerClient, StartLocation};
 use serde::Serialize;
 
 use super::control::{self, Pauses, Rewind};
@@ -189,62 +186,22 @@ async fn timed<T, E: std::fmt::Display>(
         .map_err(|e| format!("{what}: {e}"))
 }
 
-/// The first event of `partition` at `location` (inclusive): its sequence number and offset.
-/// Tried without an owner level first; a partition a replica holds (paused) refuses that, and
-/// is read with owner level 0 (its reader is detached and the processor hands the partition
-/// out again from its checkpoint, as for the read-back of a retry's event).
+/// The first event of `partition` at `location` (inclusive): its sequence number and offset
+/// (read as the read-back of a retry's event reads, owner level 0 when a replica holds it).
 async fn first_event(
     consumer: &ConsumerClient,
     partition: &str,
     location: StartLocation,
     deadline: Duration,
 ) -> Result<(i64, String), String> {
-    let mut last_error = String::new();
-    for owner_level in [None, Some(0)] {
-        let opened = timed(
-            deadline,
-            "opening a receiver",
-            consumer.open_receiver_on_partition(
-                partition.to_string(),
-                Some(OpenReceiverOptions {
-                    owner_level,
-                    prefetch: Some(1),
-                    start_position: Some(StartPosition {
-                        location: location.clone(),
-                        inclusive: true,
-                    }),
-                    receive_timeout: None,
-                }),
-            ),
-        )
-        .await;
-        let receiver = match opened {
-            Ok(r) => r,
-            Err(e) => {
-                last_error = e;
-                continue;
-            }
-        };
-        let first = {
-            let stream = receiver.stream_events();
-            futures::pin_mut!(stream);
-            tokio::time::timeout(deadline, stream.next()).await
-        };
-        let _ = tokio::time::timeout(deadline, receiver.close()).await;
-        match first {
-            Ok(Some(Ok(e))) => {
-                let seq = e
-                    .sequence_number()
-                    .ok_or("the event carries no sequence number")?;
-                let offset = e.offset().clone().ok_or("the event carries no offset")?;
-                return Ok((seq, offset));
-            }
-            Ok(Some(Err(e))) => last_error = format!("receiving: {e}"),
-            Ok(None) => last_error = "the receiver ended without an event".into(),
-            Err(_) => last_error = format!("no event within {deadline:?}"),
-        }
-    }
-    Err(format!("reading partition {partition}: {last_error}"))
+    let e = super::readback::first_event_at(consumer, partition, location, deadline)
+        .await
+        .map_err(|e| format!("reading partition {partition}: {e}"))?;
+    let seq = e
+        .sequence_number()
+        .ok_or("the event carries no sequence number")?;
+    let offset = e.offset().clone().ok_or("the event carries no offset")?;
+    Ok((seq, offset))
 }
 
 /// Runs the rewind; `progress` hears what it waits for.
@@ -304,11 +261,9 @@ async fn plan_and_apply(
             .cloned()
             .collect()
     };
-    let control_now = control::read(job.records.as_ref(), name)
+    let control_now = control::current(job.records.as_ref(), name)
         .await
-        .map_err(|e| e.to_string())?
-        .map(|(p, _)| p)
-        .unwrap_or_default();
+        .map_err(|e| e.to_string())?;
     let owners = list_owners(job, namespace).await?;
     let checkpoints: BTreeMap<String, Option<i64>> = timed(
         job.deadline,
@@ -446,11 +401,9 @@ async fn plan_and_apply(
     let until = tokio::time::Instant::now() + job.wait;
     let mut told: BTreeMap<String, String> = BTreeMap::new();
     loop {
-        let control_now = control::read(job.records.as_ref(), name)
+        let control_now = control::current(job.records.as_ref(), name)
             .await
-            .map_err(|e| e.to_string())?
-            .map(|(p, _)| p)
-            .unwrap_or_default();
+            .map_err(|e| e.to_string())?;
         let owners = list_owners(job, namespace).await?;
         let now = SystemTime::now();
         let mut waiting = 0;
