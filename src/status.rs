@@ -215,10 +215,26 @@ pub async fn parked_view(
     key: &str,
 ) -> Result<Option<serde_json::Value>, crate::ledger::LedgerError> {
     let all = ledger.all_parked().await?;
-    let Some(entry) = all.iter().find(|p| p.key.as_deref() == Some(key)) else {
-        return Ok(None);
+    let found = match all.iter().find(|p| p.key.as_deref() == Some(key)) {
+        Some(entry) => ledger
+            .read_parked(&entry.name)
+            .await?
+            .map(|parked| (entry, parked)),
+        None => {
+            // A key too long for the listing's tags to carry: read those records.
+            let mut found = None;
+            for entry in all.iter().filter(|p| p.key.is_none()) {
+                if let Some(parked) = ledger.read_parked(&entry.name).await? {
+                    if parked.event.identity.idempotency_key == key {
+                        found = Some((entry, parked));
+                        break;
+                    }
+                }
+            }
+            found
+        }
     };
-    let Some(parked) = ledger.read_parked(&entry.name).await? else {
+    let Some((entry, parked)) = found else {
         return Ok(None);
     };
     let e = &parked.event;

@@ -58,6 +58,11 @@ pub struct Line {
     /// `tail_seq`, and opening a new line of the key replaces it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ended: bool,
+    /// The W3C `traceparent` of the head's failing attempt, when the line opened on it (not
+    /// known for a head released from the line until it runs): the span of an event parked
+    /// behind it links to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_traceparent: Option<String>,
 }
 
 impl Line {
@@ -79,6 +84,10 @@ pub struct Parked {
     pub behind_key: String,
     /// The head's sequence number.
     pub behind_seq: i64,
+    /// The `traceparent` of the head's failing attempt, when the line knew it: the parked
+    /// event's first attempt, once released, links to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub behind_traceparent: Option<String>,
 }
 
 /// A parked record as a listing shows it (no body read).
@@ -97,6 +106,9 @@ pub struct ParkedEntry {
 }
 
 const TAG_KEY: &str = "hubguard_key";
+/// The idempotency key in base64url, when it is not printable ASCII (a metadata value is an
+/// HTTP header value).
+const TAG_KEY_B64: &str = "hubguard_key_b64";
 const TAG_HEAD: &str = "hubguard_head_key";
 const TAG_HEAD_SEQ: &str = "hubguard_head_seq";
 const TAG_PARKED: &str = "hubguard_parked";
@@ -109,6 +121,13 @@ const TAG_ENDED: &str = "hubguard_ended";
 /// Printable ASCII of at most 512 bytes, exactly as given (a tag value carries it as is).
 fn taggable(s: &str) -> bool {
     s.len() <= 512 && s.trim() == s && s.chars().all(|c| (' '..='~').contains(&c))
+}
+
+/// A parked record's idempotency key from its listing's tags, when they carry it.
+fn tagged_key(tags: &Tags) -> Option<String> {
+    tags.get(TAG_KEY)
+        .cloned()
+        .or_else(|| tags.get(TAG_KEY_B64).and_then(|k| super::decode_key(k)))
 }
 
 fn line_tags(line: &Line) -> Tags {
@@ -272,6 +291,11 @@ impl Ledger {
         let mut tags = Tags::new();
         if taggable(&e.identity.idempotency_key) {
             tags.insert(TAG_KEY.into(), e.identity.idempotency_key.clone());
+        } else {
+            let encoded = encode_key(&e.identity.idempotency_key);
+            if encoded.len() <= 512 {
+                tags.insert(TAG_KEY_B64.into(), encoded);
+            }
         }
         if taggable(ordering_key) {
             tags.insert(TAG_ORDERING.into(), ordering_key.to_string());
@@ -308,7 +332,7 @@ impl Ledger {
                 Some(ParkedEntry {
                     partition: partition.to_string(),
                     seq,
-                    key: l.tags.get(TAG_KEY).cloned(),
+                    key: tagged_key(&l.tags),
                     parked_ms: l.tags.get(TAG_PARKED_MS).and_then(|m| m.parse().ok()),
                     name: l.key,
                 })
@@ -335,7 +359,7 @@ impl Ledger {
                 Some(ParkedEntry {
                     partition,
                     seq,
-                    key: l.tags.get(TAG_KEY).cloned(),
+                    key: tagged_key(&l.tags),
                     parked_ms: l.tags.get(TAG_PARKED_MS).and_then(|m| m.parse().ok()),
                     name: l.key,
                 })
@@ -414,6 +438,7 @@ impl Ledger {
                         opened_ms: 0,
                         oldest_parked_ms: l.tags.get(TAG_OLDEST).and_then(|n| n.parse().ok()),
                         ended: l.tags.contains_key(TAG_ENDED),
+                        head_traceparent: None,
                     }),
                 _ => {
                     if let Some(r) = self.store.read(&l.key).await? {

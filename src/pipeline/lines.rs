@@ -194,6 +194,8 @@ pub(crate) enum Park {
         behind: String,
         /// The head's sequence number.
         behind_seq: i64,
+        /// The `traceparent` of the head's failing attempt, when the line knows it.
+        behind_traceparent: Option<String>,
     },
     /// Deliver it: the line ended (`head` `None`), or the event is the line's head or before
     /// it (a replay).
@@ -228,6 +230,7 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
                 Park::Parked {
                     behind: line.head_key,
                     behind_seq: line.head_seq,
+                    behind_traceparent: line.head_traceparent,
                 }
             } else {
                 Park::Deliver {
@@ -246,6 +249,7 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
                         parked_ms: ms(now),
                         behind_key: line.head_key.clone(),
                         behind_seq: line.head_seq,
+                        behind_traceparent: line.head_traceparent.clone(),
                     },
                 )
                 .await?;
@@ -263,6 +267,7 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
                 return Ok(Park::Parked {
                     behind: line.head_key,
                     behind_seq: line.head_seq,
+                    behind_traceparent: line.head_traceparent,
                 })
             }
             Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => continue,
@@ -286,9 +291,14 @@ pub(crate) enum Open {
     Older,
 }
 
-/// Opens `key`'s line with `event` (which just failed on its first attempt) as its head,
-/// before the failure is settled.
-pub(crate) async fn open(settler: &Settler, event: &Event, key: &str) -> Result<Open, LedgerError> {
+/// Opens `key`'s line with `event` (which just failed on its first attempt, `traceparent`)
+/// as its head, before the failure is settled.
+pub(crate) async fn open(
+    settler: &Settler,
+    event: &Event,
+    key: &str,
+    traceparent: &str,
+) -> Result<Open, LedgerError> {
     let line = Line {
         ordering_key: key.to_string(),
         partition: event.partition_id.clone(),
@@ -299,6 +309,7 @@ pub(crate) async fn open(settler: &Settler, event: &Event, key: &str) -> Result<
         opened_ms: ms(settler.clock().now()),
         oldest_parked_ms: None,
         ended: false,
+        head_traceparent: Some(traceparent.to_string()),
     };
     Ok(match settler.ledger.open_line(&line).await? {
         Opened::Head => Open::Head,
@@ -529,6 +540,8 @@ pub(crate) async fn advance(
         let rec = write_new(settler, new).await?;
         line.head_key = e.identity.idempotency_key.clone();
         line.head_seq = e.sequence_number;
+        // Not known until the released head runs (and fails, if it does).
+        line.head_traceparent = None;
         line.parked = line.parked.saturating_sub(1);
         line.oldest_parked_ms = rest.next().map(|n| n.parked_ms.unwrap_or(ms(now)));
         match ledger.write_line(&line, &etag).await {
@@ -542,7 +555,10 @@ pub(crate) async fn advance(
                 h.count(&h.counters.released);
             }
             tracing::info!(partition = %p, ordering_key = %key, key = %rec.key, sequence_number = line.head_seq, "a parked event is released: its first attempt is due now");
-            let sent = settler.resend_recorded(&rec, &[]).await?;
+            // Its first attempt links to the attempt of the head it waited behind.
+            let waited_behind: Vec<String> =
+                parked_event.behind_traceparent.iter().cloned().collect();
+            let sent = settler.resend_recorded(&rec, &waited_behind).await?;
             ledger.remove_parked(&next.name).await?;
             if sent.is_some() {
                 return Ok(false);
@@ -626,6 +642,9 @@ mod tests {
 
     use super::*;
     use crate::azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+
+    /// The traceparent of a head's failing attempt.
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     use crate::clock::Clock;
     use crate::event::Identity;
     use crate::handler::{Failure, Outcome};
@@ -714,6 +733,7 @@ mod tests {
             opened_ms: 0,
             oldest_parked_ms: None,
             ended: false,
+            head_traceparent: None,
         };
         k.set_listing(vec![listed]);
         assert_eq!(k.state("a"), KeyState::Line(3));
@@ -731,8 +751,12 @@ mod tests {
     async fn a_line_parks_once_releases_in_order_through_service_bus_and_ends() {
         let (s, queue) = bed();
         let (h, e1, e2) = (event("h", 1), event("e1", 4), event("e2", 9));
-        assert_eq!(open(&s, &h, "K").await.unwrap(), Open::Head);
-        assert_eq!(open(&s, &h, "K").await.unwrap(), Open::Head, "idempotent");
+        assert_eq!(open(&s, &h, "K", TP).await.unwrap(), Open::Head);
+        assert_eq!(
+            open(&s, &h, "K", TP).await.unwrap(),
+            Open::Head,
+            "idempotent"
+        );
         assert!(matches!(
             settle(&s, &h, 1, Outcome::Failed(Failure::transient("x"))).await,
             Settled::RetryScheduled { .. }
@@ -763,7 +787,7 @@ mod tests {
         );
         // An event behind a waiting head opens no line of its own.
         assert_eq!(
-            open(&s, &event("late", 12), "K").await.unwrap(),
+            open(&s, &event("late", 12), "K", TP).await.unwrap(),
             Open::Behind
         );
         // Not final yet: nothing moves.
@@ -818,7 +842,7 @@ mod tests {
         assert!(tomb.ended, "its tombstone says what it settled");
         assert_eq!(tomb.last_seq(), 9);
         // A replay of an event the line settled meets the tombstone.
-        assert_eq!(open(&s, &e1, "K").await.unwrap(), Open::Older);
+        assert_eq!(open(&s, &e1, "K", TP).await.unwrap(), Open::Older);
         assert!(s.ledger.all_parked().await.unwrap().is_empty());
         // After the end, the key's next event is delivered, and leaves no parked record.
         assert_eq!(
@@ -830,7 +854,10 @@ mod tests {
         );
         assert!(s.ledger.all_parked().await.unwrap().is_empty());
         // A new line replaces the tombstone; once the checkpoint passes a tombstone, it goes.
-        assert_eq!(open(&s, &event("e4", 20), "K").await.unwrap(), Open::Head);
+        assert_eq!(
+            open(&s, &event("e4", 20), "K", TP).await.unwrap(),
+            Open::Head
+        );
         assert_eq!(
             remove_tombstone(&s, "0", "K", 30).await.unwrap(),
             Some(KeyState::Line(20)),
@@ -863,7 +890,7 @@ mod tests {
             let (s, _queue) = bed();
             let h = event(&format!("{key}-h"), 1);
             let parked = [event(&format!("{key}-1"), 2), event(&format!("{key}-2"), 3)];
-            open(&s, &h, key).await.unwrap();
+            open(&s, &h, key, TP).await.unwrap();
             settle(&s, &h, 1, Outcome::Failed(Failure::transient("x"))).await;
             for e in &parked {
                 park(&s, e, key).await.unwrap();
@@ -1006,7 +1033,7 @@ mod tests {
         // removes its record and delivers the event itself.
         let (s, store) = interleaved(|op, key| op == "update" && key.starts_with("lines/"));
         let h = event("h", 1);
-        open(&s, &h, "K").await.unwrap();
+        open(&s, &h, "K", TP).await.unwrap();
         let line_name = s.ledger.line_name("0", "K");
         let inner = store.inner.clone();
         *store.hook.lock().unwrap() = Some(Box::new(move || {
@@ -1040,7 +1067,7 @@ mod tests {
         // releases the event.
         let (s, store) = interleaved(|op, key| op == "update" && key.starts_with("lines/"));
         let h = event("h", 1);
-        open(&s, &h, "K").await.unwrap();
+        open(&s, &h, "K", TP).await.unwrap();
         let (parker, e) = (s.clone(), event("e", 5));
         *store.hook.lock().unwrap() = Some(Box::new(move || {
             Box::pin(async move {

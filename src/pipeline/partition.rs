@@ -592,7 +592,8 @@ async fn process(
             loop {
                 let opened = until_done(pid, seq, shared, cancel, lag, || async {
                     Ok::<_, super::settle::SettleError>(
-                        super::lines::open(&shared.settler, &event, k).await?,
+                        super::lines::open(&shared.settler, &event, k, &attempted.traceparent)
+                            .await?,
                     )
                 })
                 .await;
@@ -729,11 +730,16 @@ async fn park_or_deliver(
     })
     .await?;
     match parked {
-        super::lines::Park::Parked { behind, behind_seq } => {
+        super::lines::Park::Parked {
+            behind,
+            behind_seq,
+            behind_traceparent,
+        } => {
             known.line(key, behind_seq);
             // A span of its own, found by the same trace query as its attempts (the
-            // conversation id), saying what it waits behind.
-            tracing::info_span!(
+            // conversation id), saying what it waits behind and linked to the head's failing
+            // attempt when the line knows it.
+            let span = tracing::info_span!(
                 target: "hubguard::attempt",
                 "park",
                 otel.name = crate::telemetry::names::span::PARK,
@@ -745,8 +751,17 @@ async fn park_or_deliver(
                 hubguard.outcome = crate::telemetry::names::outcome::PARKED,
                 hubguard.parked_behind = %behind,
                 hubguard.parked_behind.sequence_number = behind_seq,
-            )
-            .in_scope(|| {});
+            );
+            if !span.is_disabled() {
+                if let Some(sc) = behind_traceparent
+                    .as_deref()
+                    .and_then(crate::telemetry::parse_traceparent)
+                {
+                    use tracing_opentelemetry::OpenTelemetrySpanExt;
+                    span.add_link(sc);
+                }
+            }
+            span.in_scope(|| {});
             tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, behind = %behind, behind_seq, "parked behind the head of its ordering key's line");
             let s = super::settle::Settled::Parked { behind, behind_seq };
             shared

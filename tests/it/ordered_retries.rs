@@ -793,3 +793,110 @@ async fn randomized(on_dead_letter: LineOnDeadLetter, keys: u64, per_key: u64) {
         dead.len()
     );
 }
+
+/// "Why has this not arrived?" from the trace: a parked event's span links to the failing
+/// attempt of the head it waits behind, and so does its first attempt once released. And
+/// `status` finds a parked event whatever script its key is written in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_event_links_to_its_heads_attempt_and_status_finds_any_key() {
+    use crate::otlp::{telemetry, Span};
+    use hubguard::telemetry::names::{attr, span};
+    let t = telemetry();
+    let bed = Bed::start(1).await;
+    let clock = bed.clock();
+    let receiver = Arc::new(Receiver::default());
+    let (head, parked, accented) = ("traced-k-0", "traced-k-1", "zahlung-é-ü-2");
+    send(
+        &bed,
+        0,
+        &[
+            ev(head, "traced", "fail:1"),
+            ev(parked, "traced", "ok"),
+            ev(accented, "traced", "ok"),
+        ],
+    )
+    .await;
+    let r = start(
+        &bed,
+        "replica-a",
+        receiver.clone(),
+        policy(60, 5),
+        LineOnDeadLetter::Release,
+        |_| {},
+    );
+    let ledger = bed.ledger();
+    wait_for("parked behind the head", &r.health, LIMIT, || async {
+        ledger.all_parked().await.unwrap().len() == 2
+    })
+    .await;
+    let v = hubguard::status::parked_view(&ledger, accented)
+        .await
+        .unwrap()
+        .expect("a key outside ASCII is found parked");
+    assert_eq!(v["key"], accented);
+    assert_eq!(v["waits_behind"]["key"], head);
+    assert_eq!(
+        (v["position"].as_u64(), v["line_length"].as_u64()),
+        (Some(2), Some(2))
+    );
+    clock.advance(Duration::from_secs(61));
+    wait_for("the line drained", &r.health, LIMIT, || async {
+        [head, parked, accented]
+            .iter()
+            .all(|k| receiver.delivered().contains(*k))
+            && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    assert_in_order(&receiver);
+    r.stop().await;
+    t.flush().await;
+
+    let of = |spans: &[Span], name: &str, key: &str| -> Vec<Span> {
+        spans
+            .iter()
+            .filter(|s| {
+                s.name == name
+                    && s.attributes.get(attr::CONVERSATION_ID).map(String::as_str) == Some(key)
+            })
+            .cloned()
+            .collect()
+    };
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    let spans = loop {
+        let spans = t.collected.lock().unwrap().spans.clone();
+        let have = |name, key| !of(&spans, name, key).is_empty();
+        if have(span::ATTEMPT, head)
+            && [parked, accented]
+                .iter()
+                .all(|k| have(span::PARK, k) && have(span::ATTEMPT, k))
+        {
+            break spans;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "spans never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        t.flush().await;
+    };
+    let head_first = of(&spans, span::ATTEMPT, head)
+        .into_iter()
+        .find(|s| s.attributes.get(attr::ATTEMPT).map(String::as_str) == Some("1"))
+        .expect("the head's first attempt");
+    let head_id = (head_first.trace_id.clone(), head_first.span_id.clone());
+    for k in [parked, accented] {
+        let park = &of(&spans, span::PARK, k)[0];
+        assert_eq!(
+            park.links,
+            vec![head_id.clone()],
+            "{k}'s park span: {park:?}"
+        );
+        assert_eq!(park.attributes[attr::PARKED_BEHIND], head);
+        let first = &of(&spans, span::ATTEMPT, k)[0];
+        assert_eq!(
+            first.links,
+            vec![head_id.clone()],
+            "{k}'s first attempt links to what it waited behind: {first:?}"
+        );
+    }
+}
