@@ -285,7 +285,10 @@ pub enum DeadLettersCommand {
     /// Schedule dead-lettered events again (a fresh attempt budget, due now): one KEY, or
     /// --all, or those the filters match (filters combine). Resumable: run the same command
     /// again with the --until the first run printed, and it replays what is left, never an
-    /// event it replayed that was dead-lettered again since. Exit 1 if any failed.
+    /// event it replayed that was dead-lettered again since. With ordered retries
+    /// (`processor.retry_ordering = "key"`), the matched dead letters of one partition and
+    /// ordering key are re-driven in order: the first replayed, the others parked behind
+    /// it. Exit 1 if any failed.
     Replay {
         /// The configuration.
         #[command(flatten)]
@@ -303,8 +306,9 @@ pub enum DeadLettersCommand {
         #[arg(long = "type", value_name = "TYPE")]
         event_type: Option<String>,
         /// Only this dead-letter reason: permanent, attempts_exhausted, age_exceeded,
-        /// schedule_exhausted, retry_refused, corrupt_record, record_missing, cancelled.
-        #[arg(long, value_parser = ["permanent", "attempts_exhausted", "age_exceeded", "schedule_exhausted", "retry_refused", "corrupt_record", "record_missing", "cancelled"])]
+        /// schedule_exhausted, retry_refused, corrupt_record, record_missing, cancelled,
+        /// line_dead_lettered.
+        #[arg(long, value_parser = ["permanent", "attempts_exhausted", "age_exceeded", "schedule_exhausted", "retry_refused", "corrupt_record", "record_missing", "cancelled", "line_dead_lettered"])]
         reason: Option<String>,
         /// Only those whose last error contains this text.
         #[arg(long, value_name = "TEXT")]
@@ -1334,42 +1338,69 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             });
             use std::io::IsTerminal as _;
             let bar = !json && std::io::stderr().is_terminal();
+            // Ordered retries: a line's dead letters are replayed in order, as a line.
+            let options = config.pipeline_options()?;
+            let ordering = options
+                .retry_ordering
+                .lines()
+                .is_some()
+                .then_some(&options.ordering);
             let report = settler
-                .replay_matching(&filter, per_second, dry_run, &stop, |step, done, total| {
-                    use crate::pipeline::settle::ReplayStep as S;
-                    if bar {
-                        eprint!("\r\x1b[2K");
-                    }
-                    if json {
-                        println!("{}", serde_json::to_string(step).unwrap_or_default());
-                    } else {
-                        match step {
-                            S::Replayed { key, attempt } => {
-                                println!("{}: attempt {attempt} scheduled now", key.escape_debug())
-                            }
-                            S::WouldReplay { key } => {
-                                println!("{}: would be replayed", key.escape_debug())
-                            }
-                            S::Skipped { key, why } => {
-                                println!("{}: skipped: {why}", key.escape_debug())
-                            }
-                            S::Failed { key, error } => println!(
-                                "{}: not replayed: {}",
-                                key.escape_debug(),
-                                error.escape_debug()
-                            ),
+                .replay_matching_ordered(
+                    &filter,
+                    per_second,
+                    dry_run,
+                    ordering,
+                    &stop,
+                    |step, done, total| {
+                        use crate::pipeline::settle::ReplayStep as S;
+                        if bar {
+                            eprint!("\r\x1b[2K");
                         }
-                    }
-                    if bar {
-                        let width = 30;
-                        let filled = done * width / total.max(1);
-                        eprint!(
-                            "[{}{}] {done}/{total}",
-                            "=".repeat(filled),
-                            " ".repeat(width - filled)
-                        );
-                    }
-                })
+                        if json {
+                            println!("{}", serde_json::to_string(step).unwrap_or_default());
+                        } else {
+                            match step {
+                                S::Replayed { key, attempt } => {
+                                    println!(
+                                        "{}: attempt {attempt} scheduled now",
+                                        key.escape_debug()
+                                    )
+                                }
+                                S::WouldReplay { key } => {
+                                    println!("{}: would be replayed", key.escape_debug())
+                                }
+                                S::Parked { key, behind } => println!(
+                                    "{}: parked behind {} (released after it, in order)",
+                                    key.escape_debug(),
+                                    behind.escape_debug()
+                                ),
+                                S::WouldPark { key, behind } => println!(
+                                    "{}: would be parked behind {}",
+                                    key.escape_debug(),
+                                    behind.escape_debug()
+                                ),
+                                S::Skipped { key, why } => {
+                                    println!("{}: skipped: {why}", key.escape_debug())
+                                }
+                                S::Failed { key, error } => println!(
+                                    "{}: not replayed: {}",
+                                    key.escape_debug(),
+                                    error.escape_debug()
+                                ),
+                            }
+                        }
+                        if bar {
+                            let width = 30;
+                            let filled = done * width / total.max(1);
+                            eprint!(
+                                "[{}{}] {done}/{total}",
+                                "=".repeat(filled),
+                                " ".repeat(width - filled)
+                            );
+                        }
+                    },
+                )
                 .await;
             signal.abort();
             if bar {

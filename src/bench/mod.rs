@@ -20,6 +20,7 @@ pub mod azure;
 pub mod cost;
 pub mod cpu;
 mod ledger;
+pub mod lines;
 pub mod memory;
 pub mod pipelines;
 pub mod ratelimit;
@@ -61,6 +62,9 @@ pub struct BenchArgs {
     /// cpu (not run by default): CPU per event, hubguard against a bare consumer, with the
     /// emulators in a child process (`--cpu-latency`).
     /// cost (not run by default: Azure operations per event on each path).
+    /// lines (not run by default): ordered retries at the azure latency profile, free keys
+    /// beside long lines and a released line's drain (`--lines`, `--line-length`,
+    /// `--handler-ms`; `--events` free events).
     #[arg(
         long,
         value_delimiter = ',',
@@ -131,6 +135,12 @@ pub struct BenchArgs {
     /// Events through the cost scenario (a fifth on each scripted path).
     #[arg(long, default_value_t = 200)]
     cost_events: usize,
+    /// `lines`: keys whose head waits for a retry (spread over 4 partitions).
+    #[arg(long, default_value_t = 16)]
+    lines: usize,
+    /// `lines`: events parked behind each.
+    #[arg(long, default_value_t = 25)]
+    line_length: usize,
 }
 
 /// One measured scenario.
@@ -160,6 +170,7 @@ struct Figures {
     ledger: Option<ledger::LedgerFigures>,
     cpu: Option<cpu::CpuFigures>,
     cost: Option<cost::CostFigures>,
+    lines: Option<lines::LinesFigures>,
 }
 
 /// Runs the benchmark and prints it.
@@ -167,8 +178,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
-    const KNOWN: [&str; 10] = [
+    const KNOWN: [&str; 11] = [
         "cpu",
+        "lines",
         "eventhubs",
         "guard",
         "concurrency",
@@ -276,6 +288,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             bail!("--cost-events must be at least 5 (one event on each path)");
         }
         f.cost = Some(cost::cost(args.cost_events).await?);
+    }
+    if on("lines") {
+        f.lines = Some(
+            lines::lines(
+                4,
+                args.lines,
+                args.line_length,
+                args.events,
+                Duration::from_millis(args.handler_ms),
+            )
+            .await?,
+        );
     }
     if args.json {
         println!("{}", json_line(&args, &f));
@@ -511,6 +535,9 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             "\"ledger_retention_peak_mb_empty\":{}",
             mb(l.retention_peak_mb.1)
         ));
+    }
+    if let Some(l) = &f.lines {
+        fields.push(l.json());
     }
     if let Some(c) = &f.cost {
         for (name, _, ops) in c.paths() {
@@ -800,6 +827,34 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
     }
     if let Some(c) = &f.cost {
         print_cost(c);
+    }
+    if let Some(l) = &f.lines {
+        println!(
+            "Ordered retries at the azure latency profile: {} partitions, handler {} ms, {} lines of {} parked events, {} events of free keys (max_in_flight {})",
+            l.partitions,
+            l.handler.as_millis(),
+            l.lines,
+            l.line_length,
+            l.free_events,
+            crate::config::DEFAULT_MAX_IN_FLIGHT
+        );
+        println!(
+            "{:>44} {:>10.1}",
+            "free keys, events/s, no line open", l.free_per_s_without_lines
+        );
+        println!(
+            "{:>44} {:>10.1}",
+            "free keys, events/s, lines open and filling", l.free_per_s_with_lines
+        );
+        println!("{:>44} {:>10.3}", "ratio", l.free_ratio());
+        println!(
+            "{:>44} {:>10.1} ({:.2} per line; {:.1} s for all)",
+            "released lines drain, parked events/s",
+            l.drain_per_s,
+            l.drain_per_s_per_line(),
+            l.drain_s
+        );
+        println!();
     }
     if let Some(m) = &f.memory {
         println!("Resident memory of `hubguard run` (a child process; emulators in this one)");

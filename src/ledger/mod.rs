@@ -981,6 +981,19 @@ impl Ledger {
         }
     }
 
+    /// Removes `key`'s dead-lettered record if it still has `etag`, then its index entry
+    /// (its event lives on elsewhere: an ordered replay parked it). `false` when it changed
+    /// meanwhile (nothing removed).
+    pub async fn remove_dead_letter(&self, key: &str, etag: &str) -> Result<bool, LedgerError> {
+        match self.store.delete(&self.record_name(key), etag).await {
+            Ok(()) | Err(StoreError::NotFound) => {}
+            Err(StoreError::Conflict) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        self.unindex_dead_letter(key).await?;
+        Ok(true)
+    }
+
     /// Purges `key`'s dead letter when it was last written before `before`: the record
     /// (with its ETag, so one replayed meanwhile stays), then its dead-letter index entry and
     /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would

@@ -1309,9 +1309,23 @@ impl Settler {
         key: &str,
         matches: impl Fn(&LedgerRecord) -> bool,
     ) -> Result<Option<u32>, SettleError> {
+        match self.replay_record_if(key, matches).await? {
+            Some(rec) => self.send_replayed(&rec).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The first half of [`replay_if`](Self::replay_if): the dead-lettered record becomes a
+    /// retry due now (a fresh attempt budget), its message not yet sent. `Ok(None)` when it
+    /// no longer matches or is no longer dead-lettered. Until [`send_replayed`](Self::send_replayed)
+    /// sends it, the retry loop's overdue sweep would send it (the record is due).
+    pub(crate) async fn replay_record_if(
+        &self,
+        key: &str,
+        matches: impl Fn(&LedgerRecord) -> bool,
+    ) -> Result<Option<LedgerRecord>, SettleError> {
         let now = self.clock.now();
-        let replaying = self
-            .ledger
+        self.ledger
             .update(key, |rec| match rec {
                 Some(rec) if rec.state == State::DeadLettered && !matches(&rec) => {
                     Change::Keep(Ok(None))
@@ -1341,19 +1355,23 @@ impl Settler {
                 }
                 _ => Change::Keep(Ok(None)),
             })
-            .await??;
-        let Some(rec) = replaying else {
-            return Ok(None);
-        };
+            .await?
+    }
+
+    /// The second half of [`replay_if`](Self::replay_if): sends the replayed record's
+    /// message; the attempt it runs.
+    pub(crate) async fn send_replayed(&self, rec: &LedgerRecord) -> Result<u32, SettleError> {
+        let key = rec.key.as_str();
+        let marked = rec.run_now.as_ref().map_or(rec.updated_ms, |r| r.at_ms);
         // A MessageId of its own: the attempt's plain one may still be in the
         // duplicate-detection window (a cancelled retry's), and would be dropped.
         // Off the dead-letter index before the copy is sent: an attempt that dead-letters
         // it again at once indexes it again, and must not be undone by this.
         self.ledger.unindex_dead_letter(key).await?;
         let attempt = rec.attempts + 1;
-        let id = format!("{}-replay-{}", message_id(key, attempt), ms(now));
+        let id = format!("{}-replay-{}", message_id(key, attempt), marked);
         if let Err(e) = self
-            .schedule_marked(&id, &rec.event, attempt, now, &[], Some(ms(now)))
+            .schedule_marked(&id, &rec.event, attempt, at(marked), &[], Some(marked))
             .await
         {
             if e.is_refusal_of_request() {
@@ -1362,7 +1380,7 @@ impl Settler {
             }
             return Err(e.into());
         }
-        Ok(Some(attempt))
+        Ok(attempt)
     }
 }
 

@@ -409,6 +409,14 @@ async fn a_released_event_that_fails_heads_the_line_and_later_events_join_its_en
 
 /// k-0 fails twice (its budget: 2 attempts) with k-1 and k-2 parked behind it.
 async fn head_dead_lettered(on_dead_letter: LineOnDeadLetter) -> (Arc<Receiver>, Bed) {
+    head_dead_lettered_with(on_dead_letter, "fail:9").await
+}
+
+/// [`head_dead_lettered`], k-0's body `head` (`fail:2`: delivered on its third call).
+async fn head_dead_lettered_with(
+    on_dead_letter: LineOnDeadLetter,
+    head: &str,
+) -> (Arc<Receiver>, Bed) {
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let receiver = Arc::new(Receiver::default());
@@ -416,7 +424,7 @@ async fn head_dead_lettered(on_dead_letter: LineOnDeadLetter) -> (Arc<Receiver>,
         &bed,
         0,
         &[
-            ev("k-0", "k", "fail:9"),
+            ev("k-0", "k", head),
             ev("k-1", "k", "ok"),
             ev("k-2", "k", "ok"),
         ],
@@ -472,6 +480,115 @@ async fn with_dead_letter_line_the_parked_events_follow_their_head_into_the_dead
         );
         assert_eq!(rec.attempts, 0, "never attempted");
     }
+}
+
+/// `dead-letters replay` with ordered retries re-drives a dead-lettered line in order: the
+/// head as a retry due now, the others parked behind it (off the dead letters), released
+/// after it; an event of the key read meanwhile joins the end of the line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_of_a_dead_lettered_line_re_drives_it_in_order() {
+    use hubguard::pipeline::settle::{ReplayFilter, ReplayStep};
+    let (receiver, bed) = head_dead_lettered_with(LineOnDeadLetter::DeadLetterLine, "fail:2").await;
+    assert!(receiver.delivered().is_empty(), "{:?}", receiver.log());
+    let ledger = bed.ledger();
+    let operator = bed
+        .settler(policy(60, 2))
+        .with_deployment(bed.wiring("operator").deployment())
+        .with_clock(bed.clock());
+    let filter = ReplayFilter {
+        until_ms: hubguard::clock::ms(bed.clock().now()),
+        ..Default::default()
+    };
+    let ordering = OrderingKey::Property("order".into());
+    let stop = CancellationToken::new();
+    // The dry run says what would happen, and changes nothing.
+    let mut planned = Vec::new();
+    let dry = operator
+        .replay_matching_ordered(&filter, 100.0, true, Some(&ordering), &stop, |s, _, _| {
+            planned.push(s.clone())
+        })
+        .await
+        .unwrap();
+    assert_eq!((dry.matched, dry.replayed), (3, 3));
+    assert_eq!(
+        planned,
+        vec![
+            ReplayStep::WouldReplay { key: "k-0".into() },
+            ReplayStep::WouldPark {
+                key: "k-1".into(),
+                behind: "k-0".into()
+            },
+            ReplayStep::WouldPark {
+                key: "k-2".into(),
+                behind: "k-0".into()
+            },
+        ]
+    );
+    assert_eq!(ledger.dead_letter_keys().await.unwrap().len(), 3);
+    let mut steps = Vec::new();
+    let report = operator
+        .replay_matching_ordered(&filter, 100.0, false, Some(&ordering), &stop, |s, _, _| {
+            steps.push(s.clone())
+        })
+        .await
+        .unwrap();
+    assert_eq!((report.replayed, report.failed, report.skipped), (3, 0, 0));
+    assert!(
+        matches!(&steps[0], ReplayStep::Replayed { key, attempt: 3 } if key == "k-0"),
+        "{steps:?}"
+    );
+    assert_eq!(
+        steps[1..],
+        [
+            ReplayStep::Parked {
+                key: "k-1".into(),
+                behind: "k-0".into()
+            },
+            ReplayStep::Parked {
+                key: "k-2".into(),
+                behind: "k-0".into()
+            },
+        ]
+    );
+    // Off the dead letters, parked in the line.
+    assert_eq!(
+        ledger.dead_letter_keys().await.unwrap(),
+        Vec::<String>::new()
+    );
+    assert_eq!(ledger.all_parked().await.unwrap().len(), 2);
+    let lines = ledger.lines(None).await.unwrap();
+    assert_eq!((lines.len(), lines[0].head_key.as_str()), (1, "k-0"));
+    // A second run finds nothing to replay.
+    let again = operator
+        .replay_matching_ordered(&filter, 100.0, false, Some(&ordering), &stop, |_, _, _| {})
+        .await
+        .unwrap();
+    assert_eq!(again.matched, 0);
+    // A replica runs the line: k-0 (its third call succeeds), then k-1 and k-2, then an
+    // event of the key read meanwhile, k-3.
+    let r = start(
+        &bed,
+        "replica-b",
+        receiver.clone(),
+        policy(60, 2),
+        LineOnDeadLetter::DeadLetterLine,
+        |_| {},
+    );
+    send(&bed, 0, &[ev("k-3", "k", "ok")]).await;
+    wait_for("the line re-driven", &r.health, LIMIT, || async {
+        (0..4).all(|i| receiver.delivered().contains(&format!("k-{i}")))
+            && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    assert_in_order(&receiver);
+    for i in 0..4 {
+        assert_eq!(receiver.deliveries_of(&format!("k-{i}")), 1, "k-{i}");
+    }
+    for k in ["k-0", "k-1", "k-2"] {
+        let rec = ledger.get(k).await.unwrap().unwrap().0;
+        assert_eq!(rec.state, State::Delivered, "{k}");
+    }
+    r.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -308,6 +308,21 @@ pub enum ReplayStep {
         /// Why.
         why: String,
     },
+    /// Ordered retries: parked behind `behind`, the first replayed event of its line, and
+    /// released after it in sequence order.
+    Parked {
+        /// The key.
+        key: String,
+        /// The line's head.
+        behind: String,
+    },
+    /// `--dry-run` with ordered retries: would be parked behind `behind`.
+    WouldPark {
+        /// The key.
+        key: String,
+        /// The line's head.
+        behind: String,
+    },
     /// Could not be replayed: `error`.
     Failed {
         /// The key.
@@ -345,6 +360,23 @@ impl Settler {
         per_second: f64,
         dry_run: bool,
         stop: &tokio_util::sync::CancellationToken,
+        step: impl FnMut(&ReplayStep, usize, usize),
+    ) -> Result<ReplayReport, SettleError> {
+        self.replay_matching_ordered(filter, per_second, dry_run, None, stop, step)
+            .await
+    }
+
+    /// [`replay_matching`](Self::replay_matching); with `ordering` (ordered retries on), the
+    /// dead letters that have an ordering key are replayed line by line: those of one
+    /// partition and key in sequence order, the first as a retry due now and the others
+    /// parked behind it (see `pipeline::lines::replay_line`), after the rest.
+    pub async fn replay_matching_ordered(
+        &self,
+        filter: &ReplayFilter,
+        per_second: f64,
+        dry_run: bool,
+        ordering: Option<&crate::pipeline::OrderingKey>,
+        stop: &tokio_util::sync::CancellationToken,
         mut step: impl FnMut(&ReplayStep, usize, usize),
     ) -> Result<ReplayReport, SettleError> {
         let keys: Vec<String> = self
@@ -361,7 +393,24 @@ impl Settler {
         let mut pace = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second.max(0.001)));
         pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let total = keys.len();
-        for (i, key) in keys.into_iter().enumerate() {
+        let mut done = 0;
+        let mut count = |report: &mut ReplayReport, outcome: &ReplayStep| {
+            report.matched += 1;
+            match outcome {
+                ReplayStep::Replayed { .. }
+                | ReplayStep::WouldReplay { .. }
+                | ReplayStep::Parked { .. }
+                | ReplayStep::WouldPark { .. } => report.replayed += 1,
+                ReplayStep::Skipped { .. } => report.skipped += 1,
+                ReplayStep::Failed { .. } => report.failed += 1,
+            }
+            done += 1;
+            step(outcome, done, total);
+        };
+        // Ordered: (partition, ordering key) → its dead letters, replayed after the loop.
+        let mut lines: std::collections::BTreeMap<(String, String), Vec<(LedgerRecord, String)>> =
+            Default::default();
+        for key in keys {
             if stop.is_cancelled() {
                 report.interrupted = true;
                 break;
@@ -384,6 +433,17 @@ impl Settler {
                     skipped("dead-lettered again after --until (a replay of this run, or later)")
                 }
                 Ok(Some((rec, _))) if !filter.matches(&rec) => continue,
+                Ok(Some((rec, etag))) if ordering.is_some_and(|o| o.of(&rec.event).is_some()) => {
+                    let line = (
+                        rec.event.partition_id.clone(),
+                        ordering
+                            .and_then(|o| o.of(&rec.event))
+                            .unwrap_or_default()
+                            .to_string(),
+                    );
+                    lines.entry(line).or_default().push((rec, etag));
+                    continue;
+                }
                 Ok(Some(_)) if dry_run => ReplayStep::WouldReplay { key: key.clone() },
                 Ok(Some(_)) => {
                     tokio::select! {
@@ -406,15 +466,48 @@ impl Settler {
                     }
                 }
             };
-            report.matched += 1;
-            match &outcome {
-                ReplayStep::Replayed { .. } | ReplayStep::WouldReplay { .. } => {
-                    report.replayed += 1
-                }
-                ReplayStep::Skipped { .. } => report.skipped += 1,
-                ReplayStep::Failed { .. } => report.failed += 1,
+            count(&mut report, &outcome);
+        }
+        for ((_, ordering_key), mut group) in lines {
+            if report.interrupted || stop.is_cancelled() {
+                report.interrupted = true;
+                break;
             }
-            step(&outcome, i + 1, total);
+            group.sort_by_key(|(r, _)| r.event.sequence_number);
+            if dry_run {
+                let head = group[0].0.key.clone();
+                for (i, (r, _)) in group.iter().enumerate() {
+                    let outcome = if i == 0 {
+                        ReplayStep::WouldReplay { key: r.key.clone() }
+                    } else {
+                        ReplayStep::WouldPark {
+                            key: r.key.clone(),
+                            behind: head.clone(),
+                        }
+                    };
+                    count(&mut report, &outcome);
+                }
+                continue;
+            }
+            // One tick per event of the line: its operations are the rate's to pace.
+            for _ in 0..group.len() {
+                tokio::select! {
+                    _ = pace.tick() => {}
+                    _ = stop.cancelled() => {
+                        report.interrupted = true;
+                        break;
+                    }
+                }
+            }
+            if report.interrupted {
+                break;
+            }
+            let matches = |r: &LedgerRecord| filter.matches(r);
+            for outcome in
+                crate::pipeline::lines::replay_line(self, &ordering_key, group, &matches).await
+            {
+                count(&mut report, &outcome);
+            }
         }
         Ok(report)
     }
