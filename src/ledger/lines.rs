@@ -88,6 +88,17 @@ pub struct Parked {
     /// event's first attempt, once released, links to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub behind_traceparent: Option<String>,
+    /// Attempts made before it was parked (a dead letter re-driven in order by `dead-letters
+    /// replay`: its count goes on from there once released, never back to 1).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempts: u32,
+    /// Its ledger history before it was parked (the same dead letter's), kept for `status`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<super::AttemptEntry>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A parked record as a listing shows it (no body read).

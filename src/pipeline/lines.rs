@@ -207,8 +207,14 @@ pub(crate) enum Park {
     },
 }
 
-/// Parks `event` (ordering key `key`) behind its line, if the line is still there.
-pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<Park, LedgerError> {
+/// Parks `event` (ordering key `key`) behind its line, if the line is still there; `before`:
+/// its dead-lettered record, when `dead-letters replay` re-drives it in order.
+pub(crate) async fn park(
+    settler: &Settler,
+    event: &Event,
+    key: &str,
+    before: Option<&LedgerRecord>,
+) -> Result<Park, LedgerError> {
     let ledger = &settler.ledger;
     let (p, seq) = (event.partition_id.as_str(), event.sequence_number);
     let mut wrote = false;
@@ -250,6 +256,8 @@ pub(crate) async fn park(settler: &Settler, event: &Event, key: &str) -> Result<
                         behind_key: line.head_key.clone(),
                         behind_seq: line.head_seq,
                         behind_traceparent: line.head_traceparent.clone(),
+                        attempts: before.map_or(0, |r| r.attempts),
+                        history: before.map(|r| r.history.clone()).unwrap_or_default(),
                     },
                 )
                 .await?;
@@ -335,12 +343,23 @@ fn released_record(
         line.head_seq,
         rfc3339(at(parked.parked_ms))
     );
+    let mut history = parked.history.clone();
+    history.push(AttemptEntry {
+        attempt: parked.attempts,
+        started_ms: parked.parked_ms,
+        finished_ms: ms(now),
+        outcome: crate::telemetry::names::outcome::PARKED.into(),
+        error: Some(note),
+        next_attempt_ms: Some(ms(now)),
+        trace_id: None,
+        retry_after_capped_from_s: None,
+    });
     LedgerRecord {
         key: e.identity.idempotency_key.clone(),
         correlation_id: e.identity.correlation_id.clone(),
         event_type: e.identity.event_type.clone(),
         state: State::RetryScheduled,
-        attempts: 0,
+        attempts: parked.attempts,
         next_attempt_ms: Some(ms(now)),
         first_failure_ms: ms(now),
         updated_ms: ms(now),
@@ -351,17 +370,8 @@ fn released_record(
             .policies()
             .for_type(e.identity.event_type.as_deref())
             .clone(),
-        attempt_base: 0,
-        history: vec![AttemptEntry {
-            attempt: 0,
-            started_ms: parked.parked_ms,
-            finished_ms: ms(now),
-            outcome: crate::telemetry::names::outcome::PARKED.into(),
-            error: Some(note),
-            next_attempt_ms: Some(ms(now)),
-            trace_id: None,
-            retry_after_capped_from_s: None,
-        }],
+        attempt_base: parked.attempts,
+        history,
         event: e.clone(),
         quarantined: None,
         event_unknown: false,
@@ -389,7 +399,7 @@ fn line_dead_letter(
         correlation_id: e.identity.correlation_id.clone(),
         event_type: e.identity.event_type.clone(),
         state: State::DeadLettered,
-        attempts: 0,
+        attempts: parked.attempts,
         next_attempt_ms: None,
         first_failure_ms: ms(now),
         updated_ms: ms(now),
@@ -397,17 +407,22 @@ fn line_dead_letter(
         dead_letter_reason: Some(DeadLetterReason::LineDeadLettered),
         last_delay_ms: None,
         policy,
-        attempt_base: 0,
-        history: vec![AttemptEntry {
-            attempt: 0,
-            started_ms: parked.parked_ms,
-            finished_ms: ms(now),
-            outcome: "dead_lettered".into(),
-            error: Some(error),
-            next_attempt_ms: None,
-            trace_id: None,
-            retry_after_capped_from_s: None,
-        }],
+        attempt_base: parked.attempts,
+        history: parked
+            .history
+            .iter()
+            .cloned()
+            .chain([AttemptEntry {
+                attempt: parked.attempts,
+                started_ms: parked.parked_ms,
+                finished_ms: ms(now),
+                outcome: "dead_lettered".into(),
+                error: Some(error),
+                next_attempt_ms: None,
+                trace_id: None,
+                retry_after_capped_from_s: None,
+            }])
+            .collect(),
         event: e.clone(),
         quarantined: None,
         event_unknown: false,
@@ -550,7 +565,7 @@ pub(crate) async fn advance(
             Err(e) => return Err(e.into()),
         }
         current = (line.head_key.clone(), line.head_seq);
-        if rec.state == State::RetryScheduled && rec.attempts == 0 {
+        if rec.state == State::RetryScheduled && rec.attempts == rec.attempt_base {
             if let Some(h) = health {
                 h.count(&h.counters.released);
             }
@@ -714,7 +729,7 @@ pub(crate) async fn replay_line(
             rest.push(step(rec.key.clone()));
             continue;
         }
-        match park(settler, &rec.event, key).await {
+        match park(settler, &rec.event, key, Some(rec)).await {
             Ok(Park::Parked { .. }) => match ledger.remove_dead_letter(&rec.key, etag).await {
                 Ok(_) => rest.push(ReplayStep::Parked {
                     key: rec.key.clone(),
@@ -783,7 +798,7 @@ async fn open_replayed(ledger: &crate::ledger::Ledger, line: &Line) -> Result<bo
 async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
     if let Some((rec, _)) = settler.ledger.get(&line.head_key).await? {
         if rec.state == State::RetryScheduled
-            && rec.attempts == 0
+            && rec.attempts == rec.attempt_base
             && rec.event.sequence_number == line.head_seq
         {
             settler.resend_recorded(&rec, &[]).await?;
@@ -944,6 +959,52 @@ mod tests {
         assert_eq!(k.state("a"), KeyState::Free);
     }
 
+    #[test]
+    fn a_re_driven_dead_letter_keeps_its_count_and_history_when_released_or_dead_lettered() {
+        let (s, _) = bed();
+        let before = AttemptEntry {
+            attempt: 3,
+            started_ms: 1,
+            finished_ms: 2,
+            outcome: "dead_lettered".into(),
+            error: Some("attempts exhausted".into()),
+            next_attempt_ms: None,
+            trace_id: None,
+            retry_after_capped_from_s: None,
+        };
+        let parked = Parked {
+            event: event("e2", 2),
+            parked_ms: 10,
+            behind_key: "e1".into(),
+            behind_seq: 1,
+            behind_traceparent: None,
+            attempts: 3,
+            history: vec![before.clone()],
+        };
+        let line = Line {
+            ordering_key: "K".into(),
+            partition: "0".into(),
+            head_key: "e1".into(),
+            head_seq: 1,
+            tail_seq: Some(2),
+            parked: 1,
+            opened_ms: 0,
+            oldest_parked_ms: Some(10),
+            ended: false,
+            head_traceparent: None,
+        };
+        let now = at(20);
+        let released = released_record(&s, &parked, &line, now);
+        // Attempt 4 comes next, under a fresh budget: released, not yet attempted.
+        assert_eq!((released.attempts, released.attempt_base), (3, 3));
+        assert_eq!(released.history[0], before);
+        assert_eq!(released.history[1].outcome, "parked");
+        let dead = line_dead_letter(&parked, &line, released.policy.clone(), now);
+        assert_eq!((dead.attempts, dead.attempt_base), (3, 3));
+        assert_eq!(dead.history.len(), 2);
+        assert_eq!(dead.history[0], before);
+    }
+
     #[tokio::test]
     async fn a_line_parks_once_releases_in_order_through_service_bus_and_ends() {
         let (s, queue) = bed();
@@ -960,7 +1021,7 @@ mod tests {
         ));
         for e in [&e1, &e2, &e1] {
             assert!(matches!(
-                park(&s, e, "K").await.unwrap(),
+                park(&s, e, "K", None).await.unwrap(),
                 Park::Parked { behind_seq: 1, .. }
             ));
         }
@@ -976,7 +1037,7 @@ mod tests {
         );
         // The head's own event, or one before it, is delivered, not parked.
         assert_eq!(
-            park(&s, &h, "K").await.unwrap(),
+            park(&s, &h, "K", None).await.unwrap(),
             Park::Deliver {
                 head: Some(1),
                 ended_at: None
@@ -1043,7 +1104,7 @@ mod tests {
         assert!(s.ledger.all_parked().await.unwrap().is_empty());
         // After the end, the key's next event is delivered, and leaves no parked record.
         assert_eq!(
-            park(&s, &event("e3", 15), "K").await.unwrap(),
+            park(&s, &event("e3", 15), "K", None).await.unwrap(),
             Park::Deliver {
                 head: None,
                 ended_at: Some(9)
@@ -1090,7 +1151,7 @@ mod tests {
             open(&s, &h, key, TP).await.unwrap();
             settle(&s, &h, 1, Outcome::Failed(Failure::transient("x"))).await;
             for e in &parked {
-                park(&s, e, key).await.unwrap();
+                park(&s, e, key, None).await.unwrap();
             }
             assert!(matches!(
                 settle(&s, &h, 2, Outcome::Failed(Failure::transient("x"))).await,
@@ -1244,7 +1305,7 @@ mod tests {
             })
         }));
         assert_eq!(
-            park(&s, &event("e", 5), "K").await.unwrap(),
+            park(&s, &event("e", 5), "K", None).await.unwrap(),
             Park::Deliver {
                 head: None,
                 ended_at: Some(1)
@@ -1269,7 +1330,7 @@ mod tests {
         *store.hook.lock().unwrap() = Some(Box::new(move || {
             Box::pin(async move {
                 assert!(matches!(
-                    park(&parker, &e, "K").await.unwrap(),
+                    park(&parker, &e, "K", None).await.unwrap(),
                     Park::Parked { .. }
                 ));
             })

@@ -726,7 +726,9 @@ async fn park_or_deliver(
 ) -> Option<Result<(bool, bool), super::settle::Settled>> {
     let seq = event.sequence_number;
     let parked = until_done(pid, seq, shared, cancel, lag, || async {
-        Ok::<_, super::settle::SettleError>(super::lines::park(&shared.settler, event, key).await?)
+        Ok::<_, super::settle::SettleError>(
+            super::lines::park(&shared.settler, event, key, None).await?,
+        )
     })
     .await?;
     match parked {

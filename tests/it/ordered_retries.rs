@@ -588,6 +588,14 @@ async fn a_replay_of_a_dead_lettered_line_re_drives_it_in_order() {
         let rec = ledger.get(k).await.unwrap().unwrap().0;
         assert_eq!(rec.state, State::Delivered, "{k}");
     }
+    // A re-driven event keeps its history: dead-lettered with the line, parked, delivered.
+    let k1 = ledger.get("k-1").await.unwrap().unwrap().0;
+    let outcomes: Vec<&str> = k1.history.iter().map(|h| h.outcome.as_str()).collect();
+    assert_eq!(
+        outcomes,
+        vec!["dead_lettered", "parked", "delivered"],
+        "{k1:?}"
+    );
     r.stop().await;
 }
 
