@@ -356,7 +356,10 @@ pub enum DeadLettersCommand {
 fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
     let t = text.trim();
     let when = crate::status::parse_due_before(t, now)?;
-    if t.ends_with(|c: char| c.is_ascii_alphabetic()) && t != "now" && when > now {
+    let duration = t.starts_with(|c: char| c.is_ascii_digit())
+        && t.ends_with(['s', 'm', 'h', 'd'])
+        && t[..t.len() - 1].bytes().all(|b| b.is_ascii_digit());
+    if duration && when > now {
         // A duration: before now, not after.
         Ok(now - when.duration_since(now).unwrap_or_default())
     } else {
@@ -1461,5 +1464,38 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn a_time_is_taken_as_written_and_a_duration_as_that_long_ago() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let later = crate::clock::rfc3339(now + Duration::from_secs(3600));
+        // A time after now stays after now (it was once mirrored into the past: it ends in a
+        // letter, `Z`, like a duration).
+        assert_eq!(
+            parse_ago(&later, now).unwrap(),
+            now + Duration::from_secs(3600)
+        );
+        let earlier = crate::clock::rfc3339(now - Duration::from_secs(60));
+        assert_eq!(
+            parse_ago(&earlier, now).unwrap(),
+            now - Duration::from_secs(60)
+        );
+        assert_eq!(
+            parse_ago("12h", now).unwrap(),
+            now - Duration::from_secs(12 * 3600)
+        );
+        assert_eq!(
+            parse_ago(" 90s ", now).unwrap(),
+            now - Duration::from_secs(90)
+        );
+        assert_eq!(parse_ago("now", now).unwrap(), now);
+        assert!(parse_ago("yesterday", now).is_err());
     }
 }

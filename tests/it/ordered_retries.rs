@@ -525,30 +525,74 @@ async fn a_replay_of_a_dead_lettered_line_re_drives_it_in_order() {
         ]
     );
     assert_eq!(ledger.dead_letter_keys().await.unwrap().len(), 3);
-    let mut steps = Vec::new();
-    let report = operator
-        .replay_matching_ordered(&filter, 100.0, false, Some(&ordering), &stop, |s, _, _| {
-            steps.push(s.clone())
-        })
-        .await
-        .unwrap();
-    assert_eq!((report.replayed, report.failed, report.skipped), (3, 0, 0));
-    assert!(
-        matches!(&steps[0], ReplayStep::Replayed { key, attempt: 3 } if key == "k-0"),
-        "{steps:?}"
-    );
+    // The command, as an operator runs it, with the deployment's configuration.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/events\"\n[processor]\nordering_key = \"property:order\"\nretry_ordering = \"key\"\nline_on_dead_letter = \"dead_letter_line\"\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+        ),
+    )
+    .unwrap();
+    // The bed's clock ran ahead of the wall clock (the retries' waits): `--until` its now.
+    let until = hubguard::clock::rfc3339(bed.clock().now());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+            .args([
+                "dead-letters",
+                "replay",
+                "--all",
+                "--json",
+                "--until",
+                &until,
+            ])
+            .arg("--config")
+            .arg(&config)
+            .env("NO_COLOR", "1")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert_eq!(
-        steps[1..],
-        [
-            ReplayStep::Parked {
-                key: "k-1".into(),
-                behind: "k-0".into()
-            },
-            ReplayStep::Parked {
-                key: "k-2".into(),
-                behind: "k-0".into()
-            },
-        ]
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps: Vec<(&str, &str, Option<&str>)> = lines[..3]
+        .iter()
+        .map(|v| {
+            (
+                v["result"].as_str().unwrap(),
+                v["key"].as_str().unwrap(),
+                v["behind"].as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        steps,
+        vec![
+            ("replayed", "k-0", None),
+            ("parked", "k-1", Some("k-0")),
+            ("parked", "k-2", Some("k-0")),
+        ],
+        "{stdout}"
+    );
+    assert_eq!(lines[0]["attempt"], 3, "{stdout}");
+    assert_eq!(
+        (lines[3]["replayed"].as_u64(), lines[3]["failed"].as_u64()),
+        (Some(3), Some(0)),
+        "{stdout}"
     );
     // Off the dead letters, parked in the line.
     assert_eq!(
