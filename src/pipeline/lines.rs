@@ -345,7 +345,7 @@ fn released_record(
             attempt: 0,
             started_ms: parked.parked_ms,
             finished_ms: ms(now),
-            outcome: crate::telemetry::names::outcome::PARKED.into(),
+            outcome: crate::ledger::HistoryOutcome::Parked,
             error: Some(note),
             next_attempt_ms: Some(ms(now)),
             trace_id: None,
@@ -391,7 +391,7 @@ fn line_dead_letter(
             attempt: 0,
             started_ms: parked.parked_ms,
             finished_ms: ms(now),
-            outcome: "dead_lettered".into(),
+            outcome: crate::ledger::HistoryOutcome::DeadLettered,
             error: Some(error),
             next_attempt_ms: None,
             trace_id: None,
@@ -678,19 +678,19 @@ mod tests {
     }
 
     async fn settle(s: &Settler, e: &Event, attempt: u32, outcome: Outcome) -> Settled {
-        s.settle(
-            e,
+        s.settle(&crate::pipeline::settle::Report {
+            event: e,
             attempt,
-            if attempt == 1 && outcome != Outcome::Delivered {
+            source: if attempt == 1 && outcome != Outcome::Delivered {
                 Source::EventHubs
             } else {
                 Source::Retry
             },
-            s.clock().now(),
-            &outcome,
-            "0af7651916cd43dd8448eb211c80319c",
-            &[],
-        )
+            started: s.clock().now(),
+            outcome: &outcome,
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
+        })
         .await
         .unwrap()
     }

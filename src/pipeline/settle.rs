@@ -28,12 +28,11 @@ use tracing::Instrument;
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
 use crate::event::{Deployment, Event};
-use crate::handler::{Failure, Outcome};
+use crate::handler::Outcome;
 use crate::ledger::{
-    AttemptEntry, Change, Claim, Ledger, LedgerError, LedgerRecord, State, Verdict,
+    AttemptEntry, Change, Claim, HistoryOutcome, Ledger, LedgerError, LedgerRecord, State, Verdict,
 };
-use crate::policy::classify::ErrorClass;
-use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
+use crate::policy::{DeadLetterReason, RetryPolicy};
 
 /// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
 /// event whose record had counted later attempts.
@@ -93,6 +92,15 @@ pub enum Settled {
         /// The head's sequence number.
         behind_seq: i64,
     },
+}
+
+/// Where a retry message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    /// Service Bus accepted it.
+    Scheduled,
+    /// Service Bus refused it for what it is, and the event was dead-lettered instead.
+    DeadLettered,
 }
 
 /// How long a claim on an attempt holds ([`Settler::claim`]) unless renewed: a call that runs
@@ -482,7 +490,7 @@ impl Settler {
         let sent = self
             .schedule_marked(&id, event, attempt, until, traceparents, mark)
             .await;
-        if self.sent_or_dead_lettered(key, sent).await?.is_none() {
+        if self.sent_or_dead_lettered(key, sent).await? == Sent::DeadLettered {
             return Ok(());
         }
         // The ledger's next attempt time follows, if the record still waits for it.
@@ -526,7 +534,8 @@ impl Settler {
                 message.run_now,
             )
             .await;
-        self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
+        self.sent_or_dead_lettered(&rec.key, sent).await?;
+        Ok(())
     }
 
     /// Schedules again, due now and under a fresh MessageId, the retry `key`'s record says is
@@ -566,7 +575,7 @@ impl Settler {
         let sent = self
             .schedule_marked(&id, &rec.event, attempt, now, &[], mark)
             .await;
-        Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
+        Ok(self.sent_or_dead_lettered(key, sent).await? == Sent::Scheduled)
     }
 
     /// Claims attempt `attempt` of `key` for the copy of its retry message in hand, before
@@ -665,10 +674,10 @@ impl Settler {
         let sent = self
             .schedule(&rec.event, rec.attempts + 1, due, traceparents)
             .await;
-        Ok(self
-            .sent_or_dead_lettered(&rec.key, sent)
-            .await?
-            .map(|()| due))
+        Ok(match self.sent_or_dead_lettered(&rec.key, sent).await? {
+            Sent::Scheduled => Some(due),
+            Sent::DeadLettered => None,
+        })
     }
 
     /// Schedules attempt `attempt` of `event` for `due`.
@@ -689,59 +698,41 @@ impl Settler {
         .await
     }
 
-    /// `Some(())` when the retry message was sent. When Service Bus refused that one message
-    /// for what it is (it would refuse it every time), holding the event would hold its
-    /// partition forever: the event is dead-lettered instead, with reason
-    /// [`DeadLetterReason::RetryRefused`] and Service Bus's words as its last error, and
-    /// `None` is returned. Any other failure is returned: the caller holds and tries again.
+    /// [`Sent::Scheduled`] when the retry message was sent. When Service Bus refused that
+    /// one message for what it is (it would refuse it every time), holding the event would
+    /// hold its partition forever: the event is dead-lettered instead, with reason
+    /// [`DeadLetterReason::RetryRefused`] and Service Bus's words as its last error
+    /// ([`Sent::DeadLettered`]). Any other failure is returned: the caller holds and tries
+    /// again.
     async fn sent_or_dead_lettered(
         &self,
         key: &str,
         sent: Result<(), RetryQueueError>,
-    ) -> Result<Option<()>, SettleError> {
+    ) -> Result<Sent, SettleError> {
         match sent {
-            Ok(()) => Ok(Some(())),
+            Ok(()) => Ok(Sent::Scheduled),
             Err(e) if e.is_refusal_of_request() => {
                 tracing::error!(key = %key, error = %e, "Service Bus refused the retry message; dead-lettering the event (`hubguard dead-letters replay` sends it again once the cause is fixed)");
                 self.dead_letter_refused(key, &e).await?;
-                Ok(None)
+                Ok(Sent::DeadLettered)
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Marks `key`'s record dead-lettered because Service Bus refused its retry message.
+    /// Marks `key`'s record dead-lettered because Service Bus refused its retry message
+    /// (see [`plan::refusal`]), planning again on a conflict.
     async fn dead_letter_refused(&self, key: &str, e: &RetryQueueError) -> Result<(), SettleError> {
+        let error = e.to_string();
         for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+            let Some((rec, etag)) = self.ledger.get(key).await? else {
                 return Ok(());
             };
-            if rec.state != State::RetryScheduled {
+            let Some(dead) = plan::refusal(&rec, &error, self.clock.now()) else {
                 return Ok(());
-            }
-            let now = ms(self.clock.now());
-            let error = e.to_string();
-            rec.state = State::DeadLettered;
-            rec.next_attempt_ms = None;
-            rec.dead_letter_reason = Some(DeadLetterReason::RetryRefused);
-            rec.last_error = Some(error.clone());
-            rec.updated_ms = now;
-            rec.push_history(AttemptEntry {
-                attempt: rec.attempts,
-                started_ms: now,
-                finished_ms: now,
-                outcome: "dead_lettered".into(),
-                error: Some(error),
-                next_attempt_ms: None,
-                trace_id: None,
-                retry_after_capped_from_s: None,
-            });
-            self.publish_dead_letter(&rec).await?;
-            self.ledger.index_dead_letter(key).await?;
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => return Ok(()),
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
+            };
+            if self.dead_letter_written(&dead, Some(&etag)).await? {
+                return Ok(());
             }
         }
         Err(SettleError::Contended(key.to_string()))
@@ -957,7 +948,7 @@ impl Settler {
                 attempt: message.attempt,
                 started_ms: now,
                 finished_ms: now,
-                outcome: "dead_lettered".into(),
+                outcome: HistoryOutcome::DeadLettered,
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
@@ -1002,64 +993,28 @@ impl Settler {
         }
     }
 
-    /// Settles `outcome` of attempt `attempt` of `event`.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn settle(
-        &self,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        outcome: &Outcome,
-        trace_id: &str,
-        traceparents: &[String],
-    ) -> Result<Settled, SettleError> {
-        self.settle_from(
-            None,
-            event,
-            attempt,
-            source,
-            started,
-            outcome,
-            trace_id,
-            traceparents,
-        )
-        .await
+    /// Settles the outcome `report` carries.
+    pub async fn settle(&self, report: &Report<'_>) -> Result<Settled, SettleError> {
+        self.settle_from(None, report).await
     }
 
     /// [`settle`](Self::settle), starting from the ledger record (and its ETag) the caller
     /// read to decide that this attempt was the current one: the retry loop's one read of a
     /// retry. The write's `If-Match` proves nobody wrote since; if somebody did, the record is
     /// read again and the decision made again.
-    #[allow(clippy::too_many_arguments)]
     pub async fn settle_from(
         &self,
         read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        outcome: &Outcome,
-        trace_id: &str,
-        traceparents: &[String],
+        report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
-        let settled = match outcome {
-            // Also a first attempt from Event Hubs: whether its event may have a record is
-            // the partition's knowledge (see `pipeline::recorded`), which skips this call
-            // when it provably has none. Here the ledger is asked.
-            Outcome::Delivered => {
-                self.delivered(read, event, attempt, source, started, trace_id)
-                    .await
-            }
-            Outcome::Failed(f) => {
-                self.failed(read, event, attempt, started, f, trace_id, traceparents)
-                    .await
-            }
-        };
-        match settled {
+        // Also a first attempt from Event Hubs that was delivered: whether its event may have
+        // a record is the partition's knowledge (see `pipeline::recorded`), which skips this
+        // call when it provably has none. Here the ledger is asked.
+        match self.execute_plans(read, report).await {
             // A record that cannot be parsed would hold the event (and its partition) forever:
             // set it aside and dead-letter the event, which is in hand.
             Err(SettleError::Ledger(LedgerError::Corrupt { reason, .. })) => {
+                let event = report.event;
                 self.ledger
                     .quarantine(
                         &event.identity.idempotency_key,
@@ -1074,225 +1029,122 @@ impl Settler {
         }
     }
 
-    async fn delivered(
-        &self,
-        read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        trace_id: &str,
-    ) -> Result<Settled, SettleError> {
-        let key = &event.identity.idempotency_key;
-        let now = self.clock.now();
-        Ok(self
-            .ledger
-            .update_from(key, read, |rec| {
-                let Some(mut rec) = rec else {
-                    return Change::Keep(Settled::Delivered);
-                };
-                // A delivery is recorded whatever attempt it was, unless the event is final.
-                if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
-                    return Change::Keep(Settled::AlreadyFinal(state));
-                }
-                // From Event Hubs, only a replay of the recorded event settles its record:
-                // another event that happens to carry the same key leaves the record's
-                // retry alone (it is a different event, still owed its delivery).
-                if source == Source::EventHubs
-                    && (rec.event.partition_id != event.partition_id
-                        || rec.event.sequence_number != event.sequence_number)
-                {
-                    return Change::Keep(Settled::Delivered);
-                }
-                rec.state = State::Delivered;
-                rec.claim = None;
-                rec.attempts = rec.attempts.max(attempt);
-                rec.next_attempt_ms = None;
-                rec.updated_ms = ms(now);
-                // A replay from Event Hubs runs as attempt 1 although the record counted
-                // more (the retry it had scheduled never ran, or has not yet): recorded as
-                // what it was, a replay, so the history's retries still never go backwards.
-                let replayed = source == Source::EventHubs && attempt < rec.attempts;
-                rec.push_history(AttemptEntry {
-                    attempt,
-                    started_ms: ms(started),
-                    finished_ms: ms(now),
-                    outcome: if replayed {
-                        DELIVERED_ON_REPLAY.into()
-                    } else {
-                        "delivered".into()
-                    },
-                    error: None,
-                    next_attempt_ms: None,
-                    trace_id: Some(trace_id.to_string()),
-                    retry_after_capped_from_s: None,
-                });
-                Change::Write(Box::new(rec), Settled::Delivered)
-            })
-            .await?)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn failed(
+    /// Plans the settlement of `report` on the record (the caller's `read` first, then a
+    /// fresh read after each conflict) and executes the plan; a write that finds the record
+    /// changed (412) plans again on what it now says.
+    async fn execute_plans(
         &self,
         mut read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        started: SystemTime,
-        failure: &Failure,
-        trace_id: &str,
-        traceparents: &[String],
+        report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
-        let key = &event.identity.idempotency_key;
+        let key = &report.event.identity.idempotency_key;
         for _ in 0..CAS_ROUNDS {
-            // The caller's read first; after a conflict, a fresh one.
             let current = match read.take() {
                 Some(known) => Some(known),
                 None => self.ledger.get(key).await?,
             };
-            if let Some((rec, _)) = &current {
-                if let Verdict::Final(state) = Verdict::of(Some(rec), attempt) {
-                    return Ok(Settled::AlreadyFinal(state));
-                }
-                if Verdict::of(Some(rec), attempt) == Verdict::Stale {
-                    // This attempt is already recorded (a replay): make sure the recorded next
-                    // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
-                    super::attempt::mark_replay(&tracing::Span::current());
-                    return Ok(match self.resend_recorded(rec, traceparents).await? {
+            let (record, etag) = match current {
+                Some((r, e)) => (Some(r), Some(e)),
+                None => (None, None),
+            };
+            let plan = plan(
+                record.as_ref(),
+                report,
+                &self.policies,
+                self.clock.now(),
+                &mut rand::thread_rng(),
+            );
+            if let Some(settled) = self.execute(plan, etag.as_deref(), report).await? {
+                return Ok(settled);
+            }
+        }
+        Err(match report.outcome {
+            Outcome::Delivered => SettleError::Ledger(LedgerError::Contended { key: key.clone() }),
+            Outcome::Failed(_) => SettleError::Contended(key.clone()),
+        })
+    }
+
+    /// Performs `plan`'s effects in the order the invariant needs, writing the record with
+    /// `If-Match: etag` (`If-None-Match: *` without one). `None` when that write found the
+    /// record changed: nothing after it was done, and the caller plans again.
+    async fn execute(
+        &self,
+        plan: Plan,
+        etag: Option<&str>,
+        report: &Report<'_>,
+    ) -> Result<Option<Settled>, SettleError> {
+        let key = &report.event.identity.idempotency_key;
+        match plan {
+            Plan::Done(settled) => Ok(Some(settled)),
+            Plan::RecordDelivery(record) => Ok(self
+                .written(&record, etag)
+                .await?
+                .then_some(Settled::Delivered)),
+            Plan::ResendRecorded(record) => {
+                // This attempt is already recorded (a replay): make sure the recorded next
+                // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
+                super::attempt::mark_replay(&tracing::Span::current());
+                Ok(Some(
+                    match self.resend_recorded(&record, report.traceparents).await? {
                         Some(due) => Settled::RetryScheduled {
-                            attempt: rec.attempts + 1,
+                            attempt: record.attempts + 1,
                             due,
                         },
                         None => Settled::DeadLettered(DeadLetterReason::RetryRefused),
-                    });
-                }
+                    },
+                ))
             }
-            let now = self.clock.now();
-            let (policy, first_failure, base, previous) = match &current {
-                Some((rec, _)) => (
-                    rec.policy.clone(),
-                    at(rec.first_failure_ms),
-                    rec.attempt_base,
-                    rec.last_delay_ms.map(Duration::from_millis),
-                ),
-                None => (
-                    self.policies
-                        .for_type(event.identity.event_type.as_deref())
-                        .clone(),
-                    now,
-                    0,
-                    None,
-                ),
-            };
-            let (decision, capped_from) = policy.decision(
-                &FailedAttempt {
-                    attempt: attempt.saturating_sub(base).max(1),
-                    first_failure,
-                    now,
-                    permanent: failure.class == ErrorClass::Permanent,
-                    retry_after: failure.retry_after,
-                    retry_after_max: failure.retry_after_max,
-                    previous_delay: previous,
-                },
-                &mut rand::thread_rng(),
-            );
-            let mut rec = match current.as_ref() {
-                Some((rec, _)) => rec.clone(),
-                None => LedgerRecord {
-                    key: key.clone(),
-                    correlation_id: event.identity.correlation_id.clone(),
-                    event_type: event.identity.event_type.clone(),
-                    state: State::RetryScheduled,
-                    attempts: 0,
-                    next_attempt_ms: None,
-                    first_failure_ms: ms(now),
-                    updated_ms: ms(now),
-                    last_error: None,
-                    dead_letter_reason: None,
-                    last_delay_ms: None,
-                    policy: policy.clone(),
-                    attempt_base: 0,
-                    history: Vec::new(),
-                    event: event.clone(),
-                    quarantined: None,
-                    event_unknown: false,
-                    claim: None,
-                    run_now: None,
-                    indexed: None,
-                },
-            };
-            rec.attempts = attempt;
-            rec.claim = None;
-            rec.updated_ms = ms(now);
-            rec.last_error = Some(failure.error.clone());
-            let etag = current.as_ref().map(|(_, e)| e.as_str());
-            match decision {
-                Decision::RetryAt(due) => {
-                    // Service Bus schedules in whole seconds: record the time it will use, so
-                    // the ledger (and `hubguard status`) tells when the retry really runs.
-                    let due = if due > now {
-                        crate::clock::ceil_to_second(due)
-                    } else {
-                        due
-                    };
-                    rec.state = State::RetryScheduled;
-                    rec.next_attempt_ms = Some(ms(due));
-                    rec.last_delay_ms =
-                        Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
-                    rec.push_history(AttemptEntry {
-                        attempt,
-                        started_ms: ms(started),
-                        finished_ms: ms(now),
-                        outcome: "retry_scheduled".into(),
-                        error: Some(failure.error.clone()),
-                        next_attempt_ms: Some(ms(due)),
-                        trace_id: Some(trace_id.to_string()),
-                        retry_after_capped_from_s: capped_from.map(|d| d.as_secs()),
-                    });
-                    // Ledger first: if Service Bus then fails, the replay (or the redelivered
-                    // retry message) finds the attempt recorded and re-sends the same message.
-                    match self.ledger.put(&rec, etag).await {
-                        Ok(_) => super::attempt::mark_retry_after_capped(
-                            &tracing::Span::current(),
-                            capped_from,
-                        ),
-                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                        Err(e) => return Err(e.into()),
-                    }
-                    let sent = self.schedule(event, attempt + 1, due, traceparents).await;
-                    if self.sent_or_dead_lettered(key, sent).await?.is_none() {
-                        return Ok(Settled::DeadLettered(DeadLetterReason::RetryRefused));
-                    }
-                    return Ok(Settled::RetryScheduled {
-                        attempt: attempt + 1,
-                        due,
-                    });
+            Plan::Schedule {
+                record,
+                attempt,
+                due,
+                capped_from,
+            } => {
+                // Ledger first: if Service Bus then fails, the replay (or the redelivered
+                // retry message) finds the attempt recorded and re-sends the same message.
+                if !self.written(&record, etag).await? {
+                    return Ok(None);
                 }
-                Decision::DeadLetter(reason) => {
-                    rec.state = State::DeadLettered;
-                    rec.next_attempt_ms = None;
-                    rec.dead_letter_reason = Some(reason.clone());
-                    rec.push_history(AttemptEntry {
-                        attempt,
-                        started_ms: ms(started),
-                        finished_ms: ms(now),
-                        outcome: "dead_lettered".into(),
-                        error: Some(failure.error.clone()),
-                        next_attempt_ms: None,
-                        trace_id: Some(trace_id.to_string()),
-                        retry_after_capped_from_s: None,
-                    });
-                    self.publish_dead_letter(&rec).await?;
-                    self.ledger.index_dead_letter(key).await?;
-                    match self.ledger.put(&rec, etag).await {
-                        Ok(_) => return Ok(Settled::DeadLettered(reason)),
-                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                        Err(e) => return Err(e.into()),
-                    }
-                }
+                super::attempt::mark_retry_after_capped(&tracing::Span::current(), capped_from);
+                let sent = self
+                    .schedule(report.event, attempt, due, report.traceparents)
+                    .await;
+                Ok(Some(match self.sent_or_dead_lettered(key, sent).await? {
+                    Sent::Scheduled => Settled::RetryScheduled { attempt, due },
+                    Sent::DeadLettered => Settled::DeadLettered(DeadLetterReason::RetryRefused),
+                }))
             }
+            Plan::DeadLetter { record, reason } => Ok(self
+                .dead_letter_written(&record, etag)
+                .await?
+                .then_some(Settled::DeadLettered(reason))),
         }
-        Err(SettleError::Contended(key.clone()))
+    }
+
+    /// Writes `record` over the version `etag` names; `false` when it changed since (412).
+    async fn written(
+        &self,
+        record: &LedgerRecord,
+        etag: Option<&str>,
+    ) -> Result<bool, SettleError> {
+        match self.ledger.put(record, etag).await {
+            Ok(_) => Ok(true),
+            Err(LedgerError::Store(StoreError::Conflict)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A dead letter's effects, in their order: published to the destination (if any),
+    /// indexed, then `record` (dead-lettered) written over the version `etag` names; `false`
+    /// when it changed since (412).
+    async fn dead_letter_written(
+        &self,
+        record: &LedgerRecord,
+        etag: Option<&str>,
+    ) -> Result<bool, SettleError> {
+        self.publish_dead_letter(record).await?;
+        self.ledger.index_dead_letter(&record.key).await?;
+        self.written(record, etag).await
     }
 
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
@@ -1367,9 +1219,12 @@ impl Settler {
 }
 
 mod operate;
+mod plan;
 pub use operate::{
     reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
 };
+pub use plan::Report;
+use plan::{plan, Plan};
 
 #[cfg(test)]
 mod tests {
@@ -1378,6 +1233,7 @@ mod tests {
     use crate::azure::RecordStore;
     use crate::clock::Clock;
     use crate::event::{Event, Identity};
+    use crate::handler::Failure;
     use crate::policy::{Curve, RetryPolicy};
 
     fn event(key: &str) -> Event {
@@ -1448,15 +1304,15 @@ mod tests {
         source: Source,
     ) -> Result<Settled, SettleError> {
         b.settler
-            .settle(
-                &event(key),
+            .settle(&Report {
+                event: &event(key),
                 attempt,
                 source,
-                b.clock.now(),
-                &Outcome::Failed(Failure::transient("boom")),
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
-            )
+                started: b.clock.now(),
+                outcome: &Outcome::Failed(Failure::transient("boom")),
+                trace_id: "0af7651916cd43dd8448eb211c80319c",
+                traceparents: &[],
+            })
             .await
     }
 
@@ -1483,18 +1339,16 @@ mod tests {
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
         let read = b.settler.ledger.get("k").await.unwrap().unwrap();
         let k = event("k");
-        let delivered = |read| {
-            b.settler.settle_from(
-                read,
-                &k,
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
-            )
+        let report = Report {
+            event: &k,
+            attempt: 2,
+            source: Source::Retry,
+            started: b.clock.now(),
+            outcome: &Outcome::Delivered,
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
         };
+        let delivered = |read| b.settler.settle_from(read, &report);
         // Nobody wrote since the read: the write's If-Match proves it, no second read.
         let before = b.records.reads();
         assert_eq!(delivered(Some(read)).await.unwrap(), Settled::Delivered);
@@ -1512,13 +1366,15 @@ mod tests {
             .settler
             .settle_from(
                 Some(stale),
-                &event("j"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Failed(Failure::transient("boom")),
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
+                &Report {
+                    event: &event("j"),
+                    attempt: 2,
+                    source: Source::Retry,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Failed(Failure::transient("boom")),
+                    trace_id: "0af7651916cd43dd8448eb211c80319c",
+                    traceparents: &[],
+                },
             )
             .await
             .unwrap();
@@ -1581,15 +1437,15 @@ mod tests {
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
         let delivered = b
             .settler
-            .settle(
-                &event("k"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
-            )
+            .settle(&Report {
+                event: &event("k"),
+                attempt: 2,
+                source: Source::Retry,
+                started: b.clock.now(),
+                outcome: &Outcome::Delivered,
+                trace_id: "t",
+                traceparents: &[],
+            })
             .await
             .unwrap();
         assert_eq!(delivered, Settled::Delivered);
@@ -1699,13 +1555,15 @@ mod tests {
             .settler
             .settle_from(
                 Some(*taken),
-                &event("k"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
+                &Report {
+                    event: &event("k"),
+                    attempt: 2,
+                    source: Source::Retry,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Delivered,
+                    trace_id: "t",
+                    traceparents: &[],
+                },
             )
             .await
             .unwrap();
@@ -1744,15 +1602,15 @@ mod tests {
         let b = &b;
         let delivered = |e: Event| async move {
             b.settler
-                .settle(
-                    &e,
-                    1,
-                    Source::EventHubs,
-                    b.clock.now(),
-                    &Outcome::Delivered,
-                    "t",
-                    &[],
-                )
+                .settle(&Report {
+                    event: &e,
+                    attempt: 1,
+                    source: Source::EventHubs,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Delivered,
+                    trace_id: "t",
+                    traceparents: &[],
+                })
                 .await
                 .unwrap()
         };
@@ -1778,15 +1636,15 @@ mod tests {
         fail(&b, "k", 2, Source::Retry).await.unwrap();
         let settled = b
             .settler
-            .settle(
-                &event("k"),
-                1,
-                Source::EventHubs,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
-            )
+            .settle(&Report {
+                event: &event("k"),
+                attempt: 1,
+                source: Source::EventHubs,
+                started: b.clock.now(),
+                outcome: &Outcome::Delivered,
+                trace_id: "t",
+                traceparents: &[],
+            })
             .await
             .unwrap();
         assert_eq!(settled, Settled::Delivered);

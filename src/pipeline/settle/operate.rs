@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use super::{message_id, SettleError, Settler};
 use crate::clock::ms;
-use crate::ledger::{AttemptEntry, LedgerError, LedgerRecord, RunNow, State};
+use crate::ledger::{AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, RunNow, State};
 use crate::policy::DeadLetterReason;
 
 /// How close to its due time a retry is taken as running: an operator's action on it is
@@ -194,7 +194,7 @@ impl Settler {
                 attempt: rec.attempts + 1,
                 started_ms: ms(now),
                 finished_ms: ms(now),
-                outcome: "cancelled".into(),
+                outcome: HistoryOutcome::Cancelled,
                 error: Some(text.clone()),
                 next_attempt_ms: None,
                 trace_id: None,
