@@ -264,30 +264,10 @@ impl RetryMessage {
 /// ones, so a message stays small however many attempts an event takes.
 pub const TRACE_LINKS_LIMIT: usize = 32;
 
-/// Longest key used as it is in a MessageId. Service Bus allows 128 characters ("Service Bus
-/// quotas", learn.microsoft.com); hubguard puts the deployment id and a dot before it (13)
-/// and appends at most 47 (`-attempt-4294967295` and `-rescued-` with a 19-digit sequence
-/// number): 128 − 13 − 47 = 68, one spare.
-const READABLE_KEY_LIMIT: usize = 67;
-
-/// What stands for `key` in a MessageId: the key itself when it is short printable ASCII
-/// (so operators can read it in the queue), else its [`key_digest`](crate::event::key_digest).
-pub fn message_id_base(key: &str) -> std::borrow::Cow<'_, str> {
-    let readable = !key.is_empty()
-        && key.len() <= READABLE_KEY_LIMIT
-        && !key.starts_with('~')
-        && key.bytes().all(|b| (0x21..0x7f).contains(&b));
-    if readable {
-        std::borrow::Cow::Borrowed(key)
-    } else {
-        std::borrow::Cow::Owned(crate::event::key_digest(key))
-    }
-}
-
-/// The Service Bus MessageId of attempt `attempt` of `key`: `{key}-attempt-{n}`, with a
-/// long or unusual key replaced by its digest (see [`message_id_base`]).
+/// The Service Bus MessageId of attempt `attempt` of `key`, without the deployment:
+/// [`MessageId::retry`]'s `{key}-attempt-{n}`.
 pub fn message_id(key: &str, attempt: u32) -> String {
-    format!("{}-attempt-{attempt}", message_id_base(key))
+    MessageId::retry(key, attempt).to_string()
 }
 
 /// Forwards of another deployment's retry that go back to the queue at once; later ones
@@ -299,28 +279,6 @@ pub const FORWARD_FAST_HOPS: u32 = 64;
 
 /// The longest a handed-back copy waits before Service Bus shows it again.
 pub const FORWARD_WAIT_MAX: Duration = Duration::from_secs(30);
-
-/// `id` under `deployment`: `{deployment id}.{id}`, or `id` alone for an unnamed one.
-pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
-    match deployment {
-        Some(d) => format!("{}.{id}", d.id),
-        None => id.to_string(),
-    }
-}
-
-/// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
-pub fn unqualified(id: &str) -> &str {
-    match id.split_at_checked(crate::event::DEPLOYMENT_ID_LEN) {
-        Some((d, rest))
-            if rest.starts_with('.')
-                && d.bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
-        {
-            &rest[1..]
-        }
-        _ => id,
-    }
-}
 
 /// The properties that name a deployment on a message, for operators browsing a queue and
 /// for subscribers of a shared dead-letter queue (header values: printable ASCII only).
@@ -410,11 +368,6 @@ impl Settler {
         self.deployment.as_ref()
     }
 
-    /// `id` as this deployment sends it: `{deployment id}.{id}`.
-    pub fn qualified(&self, id: &str) -> String {
-        qualified(self.deployment.as_ref(), id)
-    }
-
     /// Also publishes every dead letter to `destination`, before the ledger records it.
     pub fn with_dead_letters(
         mut self,
@@ -486,9 +439,11 @@ impl Settler {
             // The deferred copy of an attempt an operator pulled forward is still that copy.
             mark = rec.run_now_mark(attempt);
         }
-        let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Deferred {
+            until_ms: ms(until),
+        });
         let sent = self
-            .schedule_marked(&id, event, attempt, until, traceparents, mark)
+            .schedule_marked(id, event, attempt, until, traceparents, mark)
             .await;
         if self.sent_or_dead_lettered(key, sent).await? == Sent::DeadLettered {
             return Ok(());
@@ -519,14 +474,12 @@ impl Settler {
         message: &RetryMessage,
         dead_letter_seq: i64,
     ) -> Result<(), SettleError> {
-        let id = format!(
-            "{}-rescued-{dead_letter_seq}",
-            message_id(&rec.key, message.attempt)
-        );
+        let id = MessageId::retry(&rec.key, message.attempt)
+            .copy(RetryCopy::Rescued { dead_letter_seq });
         let due = at(message.due_ms).max(self.clock.now());
         let sent = self
             .schedule_marked(
-                &id,
+                id,
                 &rec.event,
                 message.attempt,
                 due,
@@ -570,10 +523,10 @@ impl Settler {
             return Ok(false);
         };
         let attempt = rec.attempts + 1;
-        let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Recovered { at_ms: ms(now) });
         let mark = rec.run_now_mark(attempt);
         let sent = self
-            .schedule_marked(&id, &rec.event, attempt, now, &[], mark)
+            .schedule_marked(id, &rec.event, attempt, now, &[], mark)
             .await;
         Ok(self.sent_or_dead_lettered(key, sent).await? == Sent::Scheduled)
     }
@@ -689,7 +642,7 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<(), RetryQueueError> {
         self.schedule_as(
-            &message_id(&event.identity.idempotency_key, attempt),
+            MessageId::retry(&event.identity.idempotency_key, attempt),
             event,
             attempt,
             due,
@@ -740,7 +693,7 @@ impl Settler {
 
     async fn schedule_as(
         &self,
-        id: &str,
+        id: MessageId<'_>,
         event: &Event,
         attempt: u32,
         due: SystemTime,
@@ -753,7 +706,7 @@ impl Settler {
     /// [`schedule_as`](Self::schedule_as), the copy carrying an operator's pull `mark`.
     async fn schedule_marked(
         &self,
-        id: &str,
+        id: MessageId<'_>,
         event: &Event,
         attempt: u32,
         due: SystemTime,
@@ -787,7 +740,7 @@ impl Settler {
         let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
-                message_id: self.qualified(id),
+                message_id: id.qualified(self.deployment.as_ref()),
                 correlation_id: Some(bounded(&identity.correlation_id)),
                 label: identity.event_type.as_deref().map(bounded),
                 body: serde_json::to_string(&body)
@@ -828,13 +781,9 @@ impl Settler {
         sequence_number: i64,
         forwards: u32,
     ) -> Result<(), RetryQueueError> {
-        let id = qualified(
-            Some(theirs),
-            &format!(
-                "{}-fwd-{sequence_number}",
-                message_id(message.key(), message.attempt)
-            ),
-        );
+        let id = MessageId::retry(message.key(), message.attempt)
+            .copy(RetryCopy::Forwarded { sequence_number })
+            .qualified(Some(theirs));
         let mut visible = self.visible_at(at(message.due_ms));
         if let Some(extra) = forwards.checked_sub(FORWARD_FAST_HOPS) {
             let wait = Duration::from_secs(1u64 << extra.min(6)).min(FORWARD_WAIT_MAX);
@@ -1203,9 +1152,9 @@ impl Settler {
         // it again at once indexes it again, and must not be undone by this.
         self.ledger.unindex_dead_letter(key).await?;
         let attempt = rec.attempts + 1;
-        let id = format!("{}-replay-{}", message_id(key, attempt), ms(now));
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Replayed { at_ms: ms(now) });
         if let Err(e) = self
-            .schedule_marked(&id, &rec.event, attempt, now, &[], Some(ms(now)))
+            .schedule_marked(id, &rec.event, attempt, now, &[], Some(ms(now)))
             .await
         {
             if e.is_refusal_of_request() {
@@ -1217,6 +1166,8 @@ impl Settler {
         Ok(Some(attempt))
     }
 }
+
+pub use super::message_id::{qualified, unqualified, MessageId, RetryCopy};
 
 mod operate;
 mod plan;
@@ -1683,31 +1634,35 @@ mod tests {
     #[test]
     fn every_message_id_names_its_deployment_within_128_characters_for_any_key() {
         let d = Deployment::new("ns.servicebus.windows.net", "hub", "$Default");
-        let readable = "k".repeat(READABLE_KEY_LIMIT);
+        let readable = "k".repeat(super::super::message_id::READABLE_KEY_LIMIT);
         for key in [readable.as_str(), &"é".repeat(300), "~x", "a b"] {
+            let retry = MessageId::retry(key, u32::MAX);
             for id in [
-                format!("{}-rescued-{}", message_id(key, u32::MAX), i64::MAX),
+                retry.copy(RetryCopy::Rescued {
+                    dead_letter_seq: i64::MAX,
+                }),
                 // Times in ms since the epoch: 13 digits until the year 2286.
-                format!(
-                    "{}-deferred-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                format!(
-                    "{}-recovered-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                format!("{}-fwd-{}", message_id(key, u32::MAX), i64::MAX),
-                format!("{}-now-{}", message_id(key, u32::MAX), 9_999_999_999_999i64),
-                format!(
-                    "{}-replay-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                super::super::dead_letter::message_id(key, u32::MAX),
+                retry.copy(RetryCopy::Deferred {
+                    until_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Recovered {
+                    at_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Forwarded {
+                    sequence_number: i64::MAX,
+                }),
+                retry.copy(RetryCopy::Pulled {
+                    at_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Replayed {
+                    at_ms: 9_999_999_999_999,
+                }),
+                MessageId::DeadLetter {
+                    key,
+                    attempts: u32::MAX,
+                },
             ] {
-                let q = qualified(Some(&d), &id);
+                let q = id.qualified(Some(&d));
                 assert!(q.chars().count() <= 128, "{q}");
                 assert!(q.starts_with(&format!("{}.", d.id)), "{q}");
             }
