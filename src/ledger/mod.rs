@@ -34,6 +34,78 @@ pub enum State {
     DeadLettered,
 }
 
+/// What one attempt in a record's history came to. On the wire (the record's JSON) it is
+/// the same lower-case string as always, so records of earlier and later versions read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum HistoryOutcome {
+    /// `delivered`: the handler succeeded.
+    Delivered,
+    /// `delivered_on_replay`: a replay from Event Hubs (attempt 1 again) of an event whose
+    /// record had counted later attempts was delivered.
+    DeliveredOnReplay,
+    /// `retry_scheduled`: failed; the next attempt is scheduled.
+    RetryScheduled,
+    /// `dead_lettered`: failed for good.
+    DeadLettered,
+    /// `cancelled`: an operator cancelled the waiting retry.
+    Cancelled,
+    /// `parked`: parked behind the head of its ordering key's line (ordered retries).
+    Parked,
+    /// An outcome this version does not know (written by a later one): kept as it was.
+    Other(String),
+}
+
+impl HistoryOutcome {
+    /// The outcome as the record's JSON spells it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::DeliveredOnReplay => "delivered_on_replay",
+            Self::RetryScheduled => "retry_scheduled",
+            Self::DeadLettered => "dead_lettered",
+            Self::Cancelled => "cancelled",
+            Self::Parked => crate::telemetry::names::outcome::PARKED,
+            Self::Other(s) => s,
+        }
+    }
+}
+
+impl From<String> for HistoryOutcome {
+    fn from(s: String) -> Self {
+        match s.as_str() {
+            "delivered" => Self::Delivered,
+            "delivered_on_replay" => Self::DeliveredOnReplay,
+            "retry_scheduled" => Self::RetryScheduled,
+            "dead_lettered" => Self::DeadLettered,
+            "cancelled" => Self::Cancelled,
+            crate::telemetry::names::outcome::PARKED => Self::Parked,
+            _ => Self::Other(s),
+        }
+    }
+}
+
+impl From<HistoryOutcome> for String {
+    fn from(o: HistoryOutcome) -> Self {
+        match o {
+            HistoryOutcome::Other(s) => s,
+            known => known.as_str().to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for HistoryOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for HistoryOutcome {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 /// One attempt in the history.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttemptEntry {
@@ -43,8 +115,8 @@ pub struct AttemptEntry {
     pub started_ms: i64,
     /// When it ended.
     pub finished_ms: i64,
-    /// `delivered`, `retry_scheduled` or `dead_lettered`.
-    pub outcome: String,
+    /// What the attempt came to.
+    pub outcome: HistoryOutcome,
     /// The error, for a failed attempt.
     pub error: Option<String>,
     /// When the next attempt is due, when one was scheduled.
@@ -1203,6 +1275,75 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Records as this version and the ones before it write them (waiting, dead-lettered,
+    /// delivered on a replay): each reads, and writes back byte for byte.
+    const RECORDS_ON_THE_WIRE: [&str; 3] = [
+        r#"{"key":"k","correlation_id":"c","event_type":"order.created","state":"RETRY_SCHEDULED","attempts":2,"next_attempt_ms":1700000030000,"first_failure_ms":1700000000000,"updated_ms":1700000020000,"last_error":"503","dead_letter_reason":null,"last_delay_ms":10000,"policy":{"name":"fibonacci","curve":"fibonacci","base_s":10,"floor_s":10,"cap_s":604800,"max_attempts":29,"max_age_s":null},"attempt_base":0,"history":[{"attempt":1,"started_ms":1700000000000,"finished_ms":1700000000100,"outcome":"retry_scheduled","error":"503","next_attempt_ms":1700000010000,"trace_id":"t1"},{"attempt":2,"started_ms":1700000010000,"finished_ms":1700000020000,"outcome":"retry_scheduled","error":"503","next_attempt_ms":1700000030000,"trace_id":"t2","retry_after_capped_from_s":600}],"event":{"body":"eyJuIjoxfQ==","content_type":"application/json","properties":{},"hub":"h","partition_id":"0","sequence_number":7,"offset":"1024","enqueued_ms":1000,"partition_key":null,"identity":{"idempotency_key":"k","correlation_id":"c","event_type":"order.created"}},"indexed":{"attempt":3,"due_ms":1700000030000}}"#,
+        r#"{"key":"k","correlation_id":"c","event_type":"order.created","state":"DEAD_LETTERED","attempts":2,"next_attempt_ms":null,"first_failure_ms":1700000000000,"updated_ms":1700000020000,"last_error":"503","dead_letter_reason":"attempts_exhausted","last_delay_ms":10000,"policy":{"name":"fibonacci","curve":"fibonacci","base_s":10,"floor_s":10,"cap_s":604800,"max_attempts":29,"max_age_s":null},"attempt_base":0,"history":[{"attempt":1,"started_ms":1700000000000,"finished_ms":1700000000100,"outcome":"retry_scheduled","error":"503","next_attempt_ms":1700000010000,"trace_id":"t1"},{"attempt":2,"started_ms":1700000010000,"finished_ms":1700000020000,"outcome":"dead_lettered","error":"503","next_attempt_ms":null,"trace_id":"t2"}],"event":{"body":"eyJuIjoxfQ==","content_type":"application/json","properties":{},"hub":"h","partition_id":"0","sequence_number":7,"offset":"1024","enqueued_ms":1000,"partition_key":null,"identity":{"idempotency_key":"k","correlation_id":"c","event_type":"order.created"}}}"#,
+        r#"{"key":"k","correlation_id":"c","event_type":"order.created","state":"DELIVERED","attempts":2,"next_attempt_ms":null,"first_failure_ms":1700000000000,"updated_ms":1700000020000,"last_error":"503","dead_letter_reason":null,"last_delay_ms":10000,"policy":{"name":"fibonacci","curve":"fibonacci","base_s":10,"floor_s":10,"cap_s":604800,"max_attempts":29,"max_age_s":null},"attempt_base":0,"history":[{"attempt":1,"started_ms":1700000000000,"finished_ms":1700000000100,"outcome":"retry_scheduled","error":"503","next_attempt_ms":1700000010000,"trace_id":"t1"},{"attempt":2,"started_ms":1700000010000,"finished_ms":1700000020000,"outcome":"delivered_on_replay","error":null,"next_attempt_ms":null,"trace_id":"t2"}],"event":{"body":"eyJuIjoxfQ==","content_type":"application/json","properties":{},"hub":"h","partition_id":"0","sequence_number":7,"offset":"1024","enqueued_ms":1000,"partition_key":null,"identity":{"idempotency_key":"k","correlation_id":"c","event_type":"order.created"}}}"#,
+    ];
+
+    #[test]
+    fn records_on_the_wire_read_and_write_back_byte_for_byte() {
+        let outcomes = |rec: &LedgerRecord| -> Vec<HistoryOutcome> {
+            rec.history.iter().map(|h| h.outcome.clone()).collect()
+        };
+        let read: Vec<LedgerRecord> = RECORDS_ON_THE_WIRE
+            .iter()
+            .map(|json| serde_json::from_str(json).unwrap())
+            .collect();
+        for (rec, json) in read.iter().zip(RECORDS_ON_THE_WIRE) {
+            assert_eq!(serde_json::to_string(rec).unwrap(), json);
+        }
+        use HistoryOutcome::*;
+        assert_eq!(
+            (read[0].state, read[0].next_attempt_ms, outcomes(&read[0])),
+            (
+                State::RetryScheduled,
+                Some(1_700_000_030_000),
+                vec![RetryScheduled, RetryScheduled]
+            )
+        );
+        assert_eq!(
+            (
+                read[1].state,
+                &read[1].dead_letter_reason,
+                outcomes(&read[1])
+            ),
+            (
+                State::DeadLettered,
+                &Some(DeadLetterReason::AttemptsExhausted),
+                vec![RetryScheduled, DeadLettered]
+            )
+        );
+        assert_eq!(
+            (read[2].state, outcomes(&read[2])),
+            (State::Delivered, vec![RetryScheduled, DeliveredOnReplay])
+        );
+    }
+
+    #[test]
+    fn history_outcomes_keep_their_strings_and_an_unknown_one_survives() {
+        for (outcome, text) in [
+            (HistoryOutcome::Delivered, "delivered"),
+            (HistoryOutcome::DeliveredOnReplay, "delivered_on_replay"),
+            (HistoryOutcome::RetryScheduled, "retry_scheduled"),
+            (HistoryOutcome::DeadLettered, "dead_lettered"),
+            (HistoryOutcome::Cancelled, "cancelled"),
+            (HistoryOutcome::Parked, "parked"),
+            (HistoryOutcome::Other("rerouted".into()), "rerouted"),
+        ] {
+            let json = format!("\"{text}\"");
+            assert_eq!(serde_json::to_string(&outcome).unwrap(), json);
+            assert_eq!(
+                serde_json::from_str::<HistoryOutcome>(&json).unwrap(),
+                outcome
+            );
+            assert_eq!(outcome, text);
+            assert_eq!(format!("{outcome:<10}|"), format!("{text:<10}|"));
+        }
+    }
 
     #[test]
     fn the_verdict_follows_the_record() {

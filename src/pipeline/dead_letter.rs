@@ -3,7 +3,7 @@
 //!
 //! Every event hubguard dead-letters is also sent there *before* the ledger marks it
 //! dead-lettered, under the MessageId `{key}-deadletter-{attempts}` (the key's readable or
-//! digest form, [`message_id_base`]): a crash between the two, or a compare-and-swap round
+//! digest form, [`MessageId`]): a crash between the two, or a compare-and-swap round
 //! that runs again, re-sends the same MessageId, which duplicate detection drops — so a dead
 //! letter is never left unpublished, and a repeat is harmless. A failure that concerns every
 //! request (Service Bus unreachable, credentials, a missing or full queue, throttling) fails
@@ -36,7 +36,7 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 
-use super::settle::message_id_base;
+use super::message_id::MessageId;
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError};
 use crate::ledger::LedgerRecord;
 
@@ -111,13 +111,6 @@ pub struct PublishError {
     pub queue: String,
     /// What Service Bus said.
     pub error: RetryQueueError,
-}
-
-/// The MessageId of the dead letter of `key` after `attempts` attempts: within Service
-/// Bus's 128 characters for any key (the base is at most 67, and the deployment id the
-/// destination puts before it 13).
-pub fn message_id(key: &str, attempts: u32) -> String {
-    format!("{}-deadletter-{attempts}", message_id_base(key))
 }
 
 /// A header-safe copy of `value`: printable ASCII kept, anything else percent-encoded, at
@@ -362,10 +355,11 @@ impl DeadLetterDestination {
             }
         };
         OutgoingMessage {
-            message_id: super::settle::qualified(
-                self.deployment.as_ref(),
-                &message_id(&rec.key, rec.attempts),
-            ),
+            message_id: MessageId::DeadLetter {
+                key: &rec.key,
+                attempts: rec.attempts,
+            }
+            .qualified(self.deployment.as_ref()),
             correlation_id: Some(bounded(&rec.correlation_id)),
             label: rec.event_type.as_deref().map(bounded),
             body,
@@ -530,8 +524,9 @@ mod tests {
     #[test]
     fn message_ids_stay_within_service_bus_limits() {
         let long = "k".repeat(5000);
-        assert!(message_id(&long, u32::MAX).len() <= 128);
-        assert_eq!(message_id("order-42", 3), "order-42-deadletter-3");
+        let dead_letter = |key, attempts| MessageId::DeadLetter { key, attempts }.to_string();
+        assert!(dead_letter(&long, u32::MAX).len() <= 128);
+        assert_eq!(dead_letter("order-42", 3), "order-42-deadletter-3");
         assert_eq!(ascii_value("é x%", 100), "%C3%A9 x%25");
         assert_eq!(ascii_value("abcdef", 3), "abc");
     }

@@ -348,7 +348,7 @@ fn released_record(
         attempt: parked.attempts,
         started_ms: parked.parked_ms,
         finished_ms: ms(now),
-        outcome: crate::telemetry::names::outcome::PARKED.into(),
+        outcome: crate::ledger::HistoryOutcome::Parked,
         error: Some(note),
         next_attempt_ms: Some(ms(now)),
         trace_id: None,
@@ -416,7 +416,7 @@ fn line_dead_letter(
                 attempt: parked.attempts,
                 started_ms: parked.parked_ms,
                 finished_ms: ms(now),
-                outcome: "dead_lettered".into(),
+                outcome: crate::ledger::HistoryOutcome::DeadLettered,
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
@@ -909,19 +909,19 @@ mod tests {
     }
 
     async fn settle(s: &Settler, e: &Event, attempt: u32, outcome: Outcome) -> Settled {
-        s.settle(
-            e,
+        s.settle(&crate::pipeline::settle::Report {
+            event: e,
             attempt,
-            if attempt == 1 && outcome != Outcome::Delivered {
+            source: if attempt == 1 && outcome != Outcome::Delivered {
                 Source::EventHubs
             } else {
                 Source::Retry
             },
-            s.clock().now(),
-            &outcome,
-            "0af7651916cd43dd8448eb211c80319c",
-            &[],
-        )
+            started: s.clock().now(),
+            outcome: &outcome,
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
+        })
         .await
         .unwrap()
     }
@@ -966,7 +966,7 @@ mod tests {
             attempt: 3,
             started_ms: 1,
             finished_ms: 2,
-            outcome: "dead_lettered".into(),
+            outcome: crate::ledger::HistoryOutcome::DeadLettered,
             error: Some("attempts exhausted".into()),
             next_attempt_ms: None,
             trace_id: None,

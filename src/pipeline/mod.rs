@@ -21,6 +21,7 @@ pub mod dead_letter;
 mod handover;
 pub mod health;
 mod lines;
+mod message_id;
 mod observe;
 pub mod owner;
 mod partition;

@@ -19,7 +19,7 @@ use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::settle::Source;
+use super::settle::{Report, Source};
 use super::{attempt, Shared};
 use crate::event::Event;
 use crate::guard::Dispatcher;
@@ -643,15 +643,15 @@ async fn process(
     loop {
         let settled = shared
             .settler
-            .settle(
-                &event,
-                1,
-                Source::EventHubs,
-                attempted.started,
-                &attempted.outcome,
-                &attempted.trace_id,
-                std::slice::from_ref(&attempted.traceparent),
-            )
+            .settle(&Report {
+                event: &event,
+                attempt: 1,
+                source: Source::EventHubs,
+                started: attempted.started,
+                outcome: &attempted.outcome,
+                trace_id: &attempted.trace_id,
+                traceparents: std::slice::from_ref(&attempted.traceparent),
+            })
             .instrument(attempted.span.clone())
             .await;
         match settled {

@@ -65,7 +65,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::health::RetryLoopState;
-use super::settle::{RetryMessage, Settled, Source};
+use super::settle::{Report, RetryMessage, Settled, Source};
 use super::{attempt, Shared};
 use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
@@ -1193,20 +1193,20 @@ async fn process(
     // The first settlement starts from the record read at the due time (one read per
     // retry); one tried again after a failure reads afresh.
     let read = std::sync::Mutex::new(Some((rec, etag)));
+    let report = Report {
+        event: &event,
+        attempt: body.attempt,
+        source: Source::Retry,
+        started: attempted.started,
+        outcome: &attempted.outcome,
+        trace_id: &attempted.trace_id,
+        traceparents: &trail,
+    };
     let settle = || {
         let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
         shared
             .settler
-            .settle_from(
-                read,
-                &event,
-                body.attempt,
-                Source::Retry,
-                attempted.started,
-                &attempted.outcome,
-                &attempted.trace_id,
-                &trail,
-            )
+            .settle_from(read, &report)
             .instrument(attempted.span.clone())
     };
     let settled = match settle().await {

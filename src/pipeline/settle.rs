@@ -28,12 +28,11 @@ use tracing::Instrument;
 use crate::azure::{OutgoingMessage, RetryQueue, RetryQueueError, StoreError};
 use crate::clock::{at, ms};
 use crate::event::{Deployment, Event};
-use crate::handler::{Failure, Outcome};
+use crate::handler::Outcome;
 use crate::ledger::{
-    AttemptEntry, Change, Claim, Ledger, LedgerError, LedgerRecord, State, Verdict,
+    AttemptEntry, Change, Claim, HistoryOutcome, Ledger, LedgerError, LedgerRecord, State, Verdict,
 };
-use crate::policy::classify::ErrorClass;
-use crate::policy::{DeadLetterReason, Decision, FailedAttempt, RetryPolicy};
+use crate::policy::{DeadLetterReason, RetryPolicy};
 
 /// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
 /// event whose record had counted later attempts.
@@ -93,6 +92,15 @@ pub enum Settled {
         /// The head's sequence number.
         behind_seq: i64,
     },
+}
+
+/// Where a retry message went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    /// Service Bus accepted it.
+    Scheduled,
+    /// Service Bus refused it for what it is, and the event was dead-lettered instead.
+    DeadLettered,
 }
 
 /// How long a claim on an attempt holds ([`Settler::claim`]) unless renewed: a call that runs
@@ -256,30 +264,10 @@ impl RetryMessage {
 /// ones, so a message stays small however many attempts an event takes.
 pub const TRACE_LINKS_LIMIT: usize = 32;
 
-/// Longest key used as it is in a MessageId. Service Bus allows 128 characters ("Service Bus
-/// quotas", learn.microsoft.com); hubguard puts the deployment id and a dot before it (13)
-/// and appends at most 47 (`-attempt-4294967295` and `-rescued-` with a 19-digit sequence
-/// number): 128 − 13 − 47 = 68, one spare.
-const READABLE_KEY_LIMIT: usize = 67;
-
-/// What stands for `key` in a MessageId: the key itself when it is short printable ASCII
-/// (so operators can read it in the queue), else its [`key_digest`](crate::event::key_digest).
-pub fn message_id_base(key: &str) -> std::borrow::Cow<'_, str> {
-    let readable = !key.is_empty()
-        && key.len() <= READABLE_KEY_LIMIT
-        && !key.starts_with('~')
-        && key.bytes().all(|b| (0x21..0x7f).contains(&b));
-    if readable {
-        std::borrow::Cow::Borrowed(key)
-    } else {
-        std::borrow::Cow::Owned(crate::event::key_digest(key))
-    }
-}
-
-/// The Service Bus MessageId of attempt `attempt` of `key`: `{key}-attempt-{n}`, with a
-/// long or unusual key replaced by its digest (see [`message_id_base`]).
+/// The Service Bus MessageId of attempt `attempt` of `key`, without the deployment:
+/// [`MessageId::retry`]'s `{key}-attempt-{n}`.
 pub fn message_id(key: &str, attempt: u32) -> String {
-    format!("{}-attempt-{attempt}", message_id_base(key))
+    MessageId::retry(key, attempt).to_string()
 }
 
 /// Forwards of another deployment's retry that go back to the queue at once; later ones
@@ -291,28 +279,6 @@ pub const FORWARD_FAST_HOPS: u32 = 64;
 
 /// The longest a handed-back copy waits before Service Bus shows it again.
 pub const FORWARD_WAIT_MAX: Duration = Duration::from_secs(30);
-
-/// `id` under `deployment`: `{deployment id}.{id}`, or `id` alone for an unnamed one.
-pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
-    match deployment {
-        Some(d) => format!("{}.{id}", d.id),
-        None => id.to_string(),
-    }
-}
-
-/// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
-pub fn unqualified(id: &str) -> &str {
-    match id.split_at_checked(crate::event::DEPLOYMENT_ID_LEN) {
-        Some((d, rest))
-            if rest.starts_with('.')
-                && d.bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
-        {
-            &rest[1..]
-        }
-        _ => id,
-    }
-}
 
 /// The properties that name a deployment on a message, for operators browsing a queue and
 /// for subscribers of a shared dead-letter queue (header values: printable ASCII only).
@@ -402,11 +368,6 @@ impl Settler {
         self.deployment.as_ref()
     }
 
-    /// `id` as this deployment sends it: `{deployment id}.{id}`.
-    pub fn qualified(&self, id: &str) -> String {
-        qualified(self.deployment.as_ref(), id)
-    }
-
     /// Also publishes every dead letter to `destination`, before the ledger records it.
     pub fn with_dead_letters(
         mut self,
@@ -478,11 +439,13 @@ impl Settler {
             // The deferred copy of an attempt an operator pulled forward is still that copy.
             mark = rec.run_now_mark(attempt);
         }
-        let id = format!("{}-deferred-{}", message_id(key, attempt), ms(until));
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Deferred {
+            until_ms: ms(until),
+        });
         let sent = self
-            .schedule_marked(&id, event, attempt, until, traceparents, mark)
+            .schedule_marked(id, event, attempt, until, traceparents, mark)
             .await;
-        if self.sent_or_dead_lettered(key, sent).await?.is_none() {
+        if self.sent_or_dead_lettered(key, sent).await? == Sent::DeadLettered {
             return Ok(());
         }
         // The ledger's next attempt time follows, if the record still waits for it.
@@ -511,14 +474,12 @@ impl Settler {
         message: &RetryMessage,
         dead_letter_seq: i64,
     ) -> Result<(), SettleError> {
-        let id = format!(
-            "{}-rescued-{dead_letter_seq}",
-            message_id(&rec.key, message.attempt)
-        );
+        let id = MessageId::retry(&rec.key, message.attempt)
+            .copy(RetryCopy::Rescued { dead_letter_seq });
         let due = at(message.due_ms).max(self.clock.now());
         let sent = self
             .schedule_marked(
-                &id,
+                id,
                 &rec.event,
                 message.attempt,
                 due,
@@ -526,7 +487,8 @@ impl Settler {
                 message.run_now,
             )
             .await;
-        self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
+        self.sent_or_dead_lettered(&rec.key, sent).await?;
+        Ok(())
     }
 
     /// Schedules again, due now and under a fresh MessageId, the retry `key`'s record says is
@@ -561,12 +523,12 @@ impl Settler {
             return Ok(false);
         };
         let attempt = rec.attempts + 1;
-        let id = format!("{}-recovered-{}", message_id(key, attempt), ms(now));
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Recovered { at_ms: ms(now) });
         let mark = rec.run_now_mark(attempt);
         let sent = self
-            .schedule_marked(&id, &rec.event, attempt, now, &[], mark)
+            .schedule_marked(id, &rec.event, attempt, now, &[], mark)
             .await;
-        Ok(self.sent_or_dead_lettered(key, sent).await?.is_some())
+        Ok(self.sent_or_dead_lettered(key, sent).await? == Sent::Scheduled)
     }
 
     /// Claims attempt `attempt` of `key` for the copy of its retry message in hand, before
@@ -665,10 +627,10 @@ impl Settler {
         let sent = self
             .schedule(&rec.event, rec.attempts + 1, due, traceparents)
             .await;
-        Ok(self
-            .sent_or_dead_lettered(&rec.key, sent)
-            .await?
-            .map(|()| due))
+        Ok(match self.sent_or_dead_lettered(&rec.key, sent).await? {
+            Sent::Scheduled => Some(due),
+            Sent::DeadLettered => None,
+        })
     }
 
     /// Schedules attempt `attempt` of `event` for `due`.
@@ -680,7 +642,7 @@ impl Settler {
         traceparents: &[String],
     ) -> Result<(), RetryQueueError> {
         self.schedule_as(
-            &message_id(&event.identity.idempotency_key, attempt),
+            MessageId::retry(&event.identity.idempotency_key, attempt),
             event,
             attempt,
             due,
@@ -689,59 +651,41 @@ impl Settler {
         .await
     }
 
-    /// `Some(())` when the retry message was sent. When Service Bus refused that one message
-    /// for what it is (it would refuse it every time), holding the event would hold its
-    /// partition forever: the event is dead-lettered instead, with reason
-    /// [`DeadLetterReason::RetryRefused`] and Service Bus's words as its last error, and
-    /// `None` is returned. Any other failure is returned: the caller holds and tries again.
+    /// [`Sent::Scheduled`] when the retry message was sent. When Service Bus refused that
+    /// one message for what it is (it would refuse it every time), holding the event would
+    /// hold its partition forever: the event is dead-lettered instead, with reason
+    /// [`DeadLetterReason::RetryRefused`] and Service Bus's words as its last error
+    /// ([`Sent::DeadLettered`]). Any other failure is returned: the caller holds and tries
+    /// again.
     async fn sent_or_dead_lettered(
         &self,
         key: &str,
         sent: Result<(), RetryQueueError>,
-    ) -> Result<Option<()>, SettleError> {
+    ) -> Result<Sent, SettleError> {
         match sent {
-            Ok(()) => Ok(Some(())),
+            Ok(()) => Ok(Sent::Scheduled),
             Err(e) if e.is_refusal_of_request() => {
                 tracing::error!(key = %key, error = %e, "Service Bus refused the retry message; dead-lettering the event (`hubguard dead-letters replay` sends it again once the cause is fixed)");
                 self.dead_letter_refused(key, &e).await?;
-                Ok(None)
+                Ok(Sent::DeadLettered)
             }
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Marks `key`'s record dead-lettered because Service Bus refused its retry message.
+    /// Marks `key`'s record dead-lettered because Service Bus refused its retry message
+    /// (see [`plan::refusal`]), planning again on a conflict.
     async fn dead_letter_refused(&self, key: &str, e: &RetryQueueError) -> Result<(), SettleError> {
+        let error = e.to_string();
         for _ in 0..CAS_ROUNDS {
-            let Some((mut rec, etag)) = self.ledger.get(key).await? else {
+            let Some((rec, etag)) = self.ledger.get(key).await? else {
                 return Ok(());
             };
-            if rec.state != State::RetryScheduled {
+            let Some(dead) = plan::refusal(&rec, &error, self.clock.now()) else {
                 return Ok(());
-            }
-            let now = ms(self.clock.now());
-            let error = e.to_string();
-            rec.state = State::DeadLettered;
-            rec.next_attempt_ms = None;
-            rec.dead_letter_reason = Some(DeadLetterReason::RetryRefused);
-            rec.last_error = Some(error.clone());
-            rec.updated_ms = now;
-            rec.push_history(AttemptEntry {
-                attempt: rec.attempts,
-                started_ms: now,
-                finished_ms: now,
-                outcome: "dead_lettered".into(),
-                error: Some(error),
-                next_attempt_ms: None,
-                trace_id: None,
-                retry_after_capped_from_s: None,
-            });
-            self.publish_dead_letter(&rec).await?;
-            self.ledger.index_dead_letter(key).await?;
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => return Ok(()),
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
+            };
+            if self.dead_letter_written(&dead, Some(&etag)).await? {
+                return Ok(());
             }
         }
         Err(SettleError::Contended(key.to_string()))
@@ -749,7 +693,7 @@ impl Settler {
 
     async fn schedule_as(
         &self,
-        id: &str,
+        id: MessageId<'_>,
         event: &Event,
         attempt: u32,
         due: SystemTime,
@@ -762,7 +706,7 @@ impl Settler {
     /// [`schedule_as`](Self::schedule_as), the copy carrying an operator's pull `mark`.
     async fn schedule_marked(
         &self,
-        id: &str,
+        id: MessageId<'_>,
         event: &Event,
         attempt: u32,
         due: SystemTime,
@@ -796,7 +740,7 @@ impl Settler {
         let span = tracing::info_span!(target: "hubguard::attempt", "schedule", otel.name = crate::telemetry::names::span::SCHEDULE, attempt);
         self.queue
             .schedule(OutgoingMessage {
-                message_id: self.qualified(id),
+                message_id: id.qualified(self.deployment.as_ref()),
                 correlation_id: Some(bounded(&identity.correlation_id)),
                 label: identity.event_type.as_deref().map(bounded),
                 body: serde_json::to_string(&body)
@@ -837,13 +781,9 @@ impl Settler {
         sequence_number: i64,
         forwards: u32,
     ) -> Result<(), RetryQueueError> {
-        let id = qualified(
-            Some(theirs),
-            &format!(
-                "{}-fwd-{sequence_number}",
-                message_id(message.key(), message.attempt)
-            ),
-        );
+        let id = MessageId::retry(message.key(), message.attempt)
+            .copy(RetryCopy::Forwarded { sequence_number })
+            .qualified(Some(theirs));
         let mut visible = self.visible_at(at(message.due_ms));
         if let Some(extra) = forwards.checked_sub(FORWARD_FAST_HOPS) {
             let wait = Duration::from_secs(1u64 << extra.min(6)).min(FORWARD_WAIT_MAX);
@@ -957,7 +897,7 @@ impl Settler {
                 attempt: message.attempt,
                 started_ms: now,
                 finished_ms: now,
-                outcome: "dead_lettered".into(),
+                outcome: HistoryOutcome::DeadLettered,
                 error: Some(error),
                 next_attempt_ms: None,
                 trace_id: None,
@@ -1002,64 +942,28 @@ impl Settler {
         }
     }
 
-    /// Settles `outcome` of attempt `attempt` of `event`.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn settle(
-        &self,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        outcome: &Outcome,
-        trace_id: &str,
-        traceparents: &[String],
-    ) -> Result<Settled, SettleError> {
-        self.settle_from(
-            None,
-            event,
-            attempt,
-            source,
-            started,
-            outcome,
-            trace_id,
-            traceparents,
-        )
-        .await
+    /// Settles the outcome `report` carries.
+    pub async fn settle(&self, report: &Report<'_>) -> Result<Settled, SettleError> {
+        self.settle_from(None, report).await
     }
 
     /// [`settle`](Self::settle), starting from the ledger record (and its ETag) the caller
     /// read to decide that this attempt was the current one: the retry loop's one read of a
     /// retry. The write's `If-Match` proves nobody wrote since; if somebody did, the record is
     /// read again and the decision made again.
-    #[allow(clippy::too_many_arguments)]
     pub async fn settle_from(
         &self,
         read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        outcome: &Outcome,
-        trace_id: &str,
-        traceparents: &[String],
+        report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
-        let settled = match outcome {
-            // Also a first attempt from Event Hubs: whether its event may have a record is
-            // the partition's knowledge (see `pipeline::recorded`), which skips this call
-            // when it provably has none. Here the ledger is asked.
-            Outcome::Delivered => {
-                self.delivered(read, event, attempt, source, started, trace_id)
-                    .await
-            }
-            Outcome::Failed(f) => {
-                self.failed(read, event, attempt, started, f, trace_id, traceparents)
-                    .await
-            }
-        };
-        match settled {
+        // Also a first attempt from Event Hubs that was delivered: whether its event may have
+        // a record is the partition's knowledge (see `pipeline::recorded`), which skips this
+        // call when it provably has none. Here the ledger is asked.
+        match self.execute_plans(read, report).await {
             // A record that cannot be parsed would hold the event (and its partition) forever:
             // set it aside and dead-letter the event, which is in hand.
             Err(SettleError::Ledger(LedgerError::Corrupt { reason, .. })) => {
+                let event = report.event;
                 self.ledger
                     .quarantine(
                         &event.identity.idempotency_key,
@@ -1074,225 +978,122 @@ impl Settler {
         }
     }
 
-    async fn delivered(
-        &self,
-        read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        source: Source,
-        started: SystemTime,
-        trace_id: &str,
-    ) -> Result<Settled, SettleError> {
-        let key = &event.identity.idempotency_key;
-        let now = self.clock.now();
-        Ok(self
-            .ledger
-            .update_from(key, read, |rec| {
-                let Some(mut rec) = rec else {
-                    return Change::Keep(Settled::Delivered);
-                };
-                // A delivery is recorded whatever attempt it was, unless the event is final.
-                if let Verdict::Final(state) = Verdict::of(Some(&rec), attempt) {
-                    return Change::Keep(Settled::AlreadyFinal(state));
-                }
-                // From Event Hubs, only a replay of the recorded event settles its record:
-                // another event that happens to carry the same key leaves the record's
-                // retry alone (it is a different event, still owed its delivery).
-                if source == Source::EventHubs
-                    && (rec.event.partition_id != event.partition_id
-                        || rec.event.sequence_number != event.sequence_number)
-                {
-                    return Change::Keep(Settled::Delivered);
-                }
-                rec.state = State::Delivered;
-                rec.claim = None;
-                rec.attempts = rec.attempts.max(attempt);
-                rec.next_attempt_ms = None;
-                rec.updated_ms = ms(now);
-                // A replay from Event Hubs runs as attempt 1 although the record counted
-                // more (the retry it had scheduled never ran, or has not yet): recorded as
-                // what it was, a replay, so the history's retries still never go backwards.
-                let replayed = source == Source::EventHubs && attempt < rec.attempts;
-                rec.push_history(AttemptEntry {
-                    attempt,
-                    started_ms: ms(started),
-                    finished_ms: ms(now),
-                    outcome: if replayed {
-                        DELIVERED_ON_REPLAY.into()
-                    } else {
-                        "delivered".into()
-                    },
-                    error: None,
-                    next_attempt_ms: None,
-                    trace_id: Some(trace_id.to_string()),
-                    retry_after_capped_from_s: None,
-                });
-                Change::Write(Box::new(rec), Settled::Delivered)
-            })
-            .await?)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn failed(
+    /// Plans the settlement of `report` on the record (the caller's `read` first, then a
+    /// fresh read after each conflict) and executes the plan; a write that finds the record
+    /// changed (412) plans again on what it now says.
+    async fn execute_plans(
         &self,
         mut read: Option<(LedgerRecord, String)>,
-        event: &Event,
-        attempt: u32,
-        started: SystemTime,
-        failure: &Failure,
-        trace_id: &str,
-        traceparents: &[String],
+        report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
-        let key = &event.identity.idempotency_key;
+        let key = &report.event.identity.idempotency_key;
         for _ in 0..CAS_ROUNDS {
-            // The caller's read first; after a conflict, a fresh one.
             let current = match read.take() {
                 Some(known) => Some(known),
                 None => self.ledger.get(key).await?,
             };
-            if let Some((rec, _)) = &current {
-                if let Verdict::Final(state) = Verdict::of(Some(rec), attempt) {
-                    return Ok(Settled::AlreadyFinal(state));
-                }
-                if Verdict::of(Some(rec), attempt) == Verdict::Stale {
-                    // This attempt is already recorded (a replay): make sure the recorded next
-                    // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
-                    super::attempt::mark_replay(&tracing::Span::current());
-                    return Ok(match self.resend_recorded(rec, traceparents).await? {
+            let (record, etag) = match current {
+                Some((r, e)) => (Some(r), Some(e)),
+                None => (None, None),
+            };
+            let plan = plan(
+                record.as_ref(),
+                report,
+                &self.policies,
+                self.clock.now(),
+                &mut rand::thread_rng(),
+            );
+            if let Some(settled) = self.execute(plan, etag.as_deref(), report).await? {
+                return Ok(settled);
+            }
+        }
+        Err(match report.outcome {
+            Outcome::Delivered => SettleError::Ledger(LedgerError::Contended { key: key.clone() }),
+            Outcome::Failed(_) => SettleError::Contended(key.clone()),
+        })
+    }
+
+    /// Performs `plan`'s effects in the order the invariant needs, writing the record with
+    /// `If-Match: etag` (`If-None-Match: *` without one). `None` when that write found the
+    /// record changed: nothing after it was done, and the caller plans again.
+    async fn execute(
+        &self,
+        plan: Plan,
+        etag: Option<&str>,
+        report: &Report<'_>,
+    ) -> Result<Option<Settled>, SettleError> {
+        let key = &report.event.identity.idempotency_key;
+        match plan {
+            Plan::Done(settled) => Ok(Some(settled)),
+            Plan::RecordDelivery(record) => Ok(self
+                .written(&record, etag)
+                .await?
+                .then_some(Settled::Delivered)),
+            Plan::ResendRecorded(record) => {
+                // This attempt is already recorded (a replay): make sure the recorded next
+                // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
+                super::attempt::mark_replay(&tracing::Span::current());
+                Ok(Some(
+                    match self.resend_recorded(&record, report.traceparents).await? {
                         Some(due) => Settled::RetryScheduled {
-                            attempt: rec.attempts + 1,
+                            attempt: record.attempts + 1,
                             due,
                         },
                         None => Settled::DeadLettered(DeadLetterReason::RetryRefused),
-                    });
-                }
+                    },
+                ))
             }
-            let now = self.clock.now();
-            let (policy, first_failure, base, previous) = match &current {
-                Some((rec, _)) => (
-                    rec.policy.clone(),
-                    at(rec.first_failure_ms),
-                    rec.attempt_base,
-                    rec.last_delay_ms.map(Duration::from_millis),
-                ),
-                None => (
-                    self.policies
-                        .for_type(event.identity.event_type.as_deref())
-                        .clone(),
-                    now,
-                    0,
-                    None,
-                ),
-            };
-            let (decision, capped_from) = policy.decision(
-                &FailedAttempt {
-                    attempt: attempt.saturating_sub(base).max(1),
-                    first_failure,
-                    now,
-                    permanent: failure.class == ErrorClass::Permanent,
-                    retry_after: failure.retry_after,
-                    retry_after_max: failure.retry_after_max,
-                    previous_delay: previous,
-                },
-                &mut rand::thread_rng(),
-            );
-            let mut rec = match current.as_ref() {
-                Some((rec, _)) => rec.clone(),
-                None => LedgerRecord {
-                    key: key.clone(),
-                    correlation_id: event.identity.correlation_id.clone(),
-                    event_type: event.identity.event_type.clone(),
-                    state: State::RetryScheduled,
-                    attempts: 0,
-                    next_attempt_ms: None,
-                    first_failure_ms: ms(now),
-                    updated_ms: ms(now),
-                    last_error: None,
-                    dead_letter_reason: None,
-                    last_delay_ms: None,
-                    policy: policy.clone(),
-                    attempt_base: 0,
-                    history: Vec::new(),
-                    event: event.clone(),
-                    quarantined: None,
-                    event_unknown: false,
-                    claim: None,
-                    run_now: None,
-                    indexed: None,
-                },
-            };
-            rec.attempts = attempt;
-            rec.claim = None;
-            rec.updated_ms = ms(now);
-            rec.last_error = Some(failure.error.clone());
-            let etag = current.as_ref().map(|(_, e)| e.as_str());
-            match decision {
-                Decision::RetryAt(due) => {
-                    // Service Bus schedules in whole seconds: record the time it will use, so
-                    // the ledger (and `hubguard status`) tells when the retry really runs.
-                    let due = if due > now {
-                        crate::clock::ceil_to_second(due)
-                    } else {
-                        due
-                    };
-                    rec.state = State::RetryScheduled;
-                    rec.next_attempt_ms = Some(ms(due));
-                    rec.last_delay_ms =
-                        Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
-                    rec.push_history(AttemptEntry {
-                        attempt,
-                        started_ms: ms(started),
-                        finished_ms: ms(now),
-                        outcome: "retry_scheduled".into(),
-                        error: Some(failure.error.clone()),
-                        next_attempt_ms: Some(ms(due)),
-                        trace_id: Some(trace_id.to_string()),
-                        retry_after_capped_from_s: capped_from.map(|d| d.as_secs()),
-                    });
-                    // Ledger first: if Service Bus then fails, the replay (or the redelivered
-                    // retry message) finds the attempt recorded and re-sends the same message.
-                    match self.ledger.put(&rec, etag).await {
-                        Ok(_) => super::attempt::mark_retry_after_capped(
-                            &tracing::Span::current(),
-                            capped_from,
-                        ),
-                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                        Err(e) => return Err(e.into()),
-                    }
-                    let sent = self.schedule(event, attempt + 1, due, traceparents).await;
-                    if self.sent_or_dead_lettered(key, sent).await?.is_none() {
-                        return Ok(Settled::DeadLettered(DeadLetterReason::RetryRefused));
-                    }
-                    return Ok(Settled::RetryScheduled {
-                        attempt: attempt + 1,
-                        due,
-                    });
+            Plan::Schedule {
+                record,
+                attempt,
+                due,
+                capped_from,
+            } => {
+                // Ledger first: if Service Bus then fails, the replay (or the redelivered
+                // retry message) finds the attempt recorded and re-sends the same message.
+                if !self.written(&record, etag).await? {
+                    return Ok(None);
                 }
-                Decision::DeadLetter(reason) => {
-                    rec.state = State::DeadLettered;
-                    rec.next_attempt_ms = None;
-                    rec.dead_letter_reason = Some(reason.clone());
-                    rec.push_history(AttemptEntry {
-                        attempt,
-                        started_ms: ms(started),
-                        finished_ms: ms(now),
-                        outcome: "dead_lettered".into(),
-                        error: Some(failure.error.clone()),
-                        next_attempt_ms: None,
-                        trace_id: Some(trace_id.to_string()),
-                        retry_after_capped_from_s: None,
-                    });
-                    self.publish_dead_letter(&rec).await?;
-                    self.ledger.index_dead_letter(key).await?;
-                    match self.ledger.put(&rec, etag).await {
-                        Ok(_) => return Ok(Settled::DeadLettered(reason)),
-                        Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                        Err(e) => return Err(e.into()),
-                    }
-                }
+                super::attempt::mark_retry_after_capped(&tracing::Span::current(), capped_from);
+                let sent = self
+                    .schedule(report.event, attempt, due, report.traceparents)
+                    .await;
+                Ok(Some(match self.sent_or_dead_lettered(key, sent).await? {
+                    Sent::Scheduled => Settled::RetryScheduled { attempt, due },
+                    Sent::DeadLettered => Settled::DeadLettered(DeadLetterReason::RetryRefused),
+                }))
             }
+            Plan::DeadLetter { record, reason } => Ok(self
+                .dead_letter_written(&record, etag)
+                .await?
+                .then_some(Settled::DeadLettered(reason))),
         }
-        Err(SettleError::Contended(key.clone()))
+    }
+
+    /// Writes `record` over the version `etag` names; `false` when it changed since (412).
+    async fn written(
+        &self,
+        record: &LedgerRecord,
+        etag: Option<&str>,
+    ) -> Result<bool, SettleError> {
+        match self.ledger.put(record, etag).await {
+            Ok(_) => Ok(true),
+            Err(LedgerError::Store(StoreError::Conflict)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// A dead letter's effects, in their order: published to the destination (if any),
+    /// indexed, then `record` (dead-lettered) written over the version `etag` names; `false`
+    /// when it changed since (412).
+    async fn dead_letter_written(
+        &self,
+        record: &LedgerRecord,
+        etag: Option<&str>,
+    ) -> Result<bool, SettleError> {
+        self.publish_dead_letter(record).await?;
+        self.ledger.index_dead_letter(&record.key).await?;
+        self.written(record, etag).await
     }
 
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
@@ -1369,9 +1170,9 @@ impl Settler {
         // it again at once indexes it again, and must not be undone by this.
         self.ledger.unindex_dead_letter(key).await?;
         let attempt = rec.attempts + 1;
-        let id = format!("{}-replay-{}", message_id(key, attempt), marked);
+        let id = MessageId::retry(key, attempt).copy(RetryCopy::Replayed { at_ms: marked });
         if let Err(e) = self
-            .schedule_marked(&id, &rec.event, attempt, at(marked), &[], Some(marked))
+            .schedule_marked(id, &rec.event, attempt, at(marked), &[], Some(marked))
             .await
         {
             if e.is_refusal_of_request() {
@@ -1384,10 +1185,15 @@ impl Settler {
     }
 }
 
+pub use super::message_id::{qualified, unqualified, MessageId, RetryCopy};
+
 mod operate;
+mod plan;
 pub use operate::{
     reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
 };
+pub use plan::Report;
+use plan::{plan, Plan};
 
 #[cfg(test)]
 mod tests {
@@ -1396,6 +1202,7 @@ mod tests {
     use crate::azure::RecordStore;
     use crate::clock::Clock;
     use crate::event::{Event, Identity};
+    use crate::handler::Failure;
     use crate::policy::{Curve, RetryPolicy};
 
     fn event(key: &str) -> Event {
@@ -1466,15 +1273,15 @@ mod tests {
         source: Source,
     ) -> Result<Settled, SettleError> {
         b.settler
-            .settle(
-                &event(key),
+            .settle(&Report {
+                event: &event(key),
                 attempt,
                 source,
-                b.clock.now(),
-                &Outcome::Failed(Failure::transient("boom")),
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
-            )
+                started: b.clock.now(),
+                outcome: &Outcome::Failed(Failure::transient("boom")),
+                trace_id: "0af7651916cd43dd8448eb211c80319c",
+                traceparents: &[],
+            })
             .await
     }
 
@@ -1501,18 +1308,16 @@ mod tests {
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
         let read = b.settler.ledger.get("k").await.unwrap().unwrap();
         let k = event("k");
-        let delivered = |read| {
-            b.settler.settle_from(
-                read,
-                &k,
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
-            )
+        let report = Report {
+            event: &k,
+            attempt: 2,
+            source: Source::Retry,
+            started: b.clock.now(),
+            outcome: &Outcome::Delivered,
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
         };
+        let delivered = |read| b.settler.settle_from(read, &report);
         // Nobody wrote since the read: the write's If-Match proves it, no second read.
         let before = b.records.reads();
         assert_eq!(delivered(Some(read)).await.unwrap(), Settled::Delivered);
@@ -1530,13 +1335,15 @@ mod tests {
             .settler
             .settle_from(
                 Some(stale),
-                &event("j"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Failed(Failure::transient("boom")),
-                "0af7651916cd43dd8448eb211c80319c",
-                &[],
+                &Report {
+                    event: &event("j"),
+                    attempt: 2,
+                    source: Source::Retry,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Failed(Failure::transient("boom")),
+                    trace_id: "0af7651916cd43dd8448eb211c80319c",
+                    traceparents: &[],
+                },
             )
             .await
             .unwrap();
@@ -1599,15 +1406,15 @@ mod tests {
         fail(&b, "k", 1, Source::EventHubs).await.unwrap();
         let delivered = b
             .settler
-            .settle(
-                &event("k"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
-            )
+            .settle(&Report {
+                event: &event("k"),
+                attempt: 2,
+                source: Source::Retry,
+                started: b.clock.now(),
+                outcome: &Outcome::Delivered,
+                trace_id: "t",
+                traceparents: &[],
+            })
             .await
             .unwrap();
         assert_eq!(delivered, Settled::Delivered);
@@ -1717,13 +1524,15 @@ mod tests {
             .settler
             .settle_from(
                 Some(*taken),
-                &event("k"),
-                2,
-                Source::Retry,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
+                &Report {
+                    event: &event("k"),
+                    attempt: 2,
+                    source: Source::Retry,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Delivered,
+                    trace_id: "t",
+                    traceparents: &[],
+                },
             )
             .await
             .unwrap();
@@ -1762,15 +1571,15 @@ mod tests {
         let b = &b;
         let delivered = |e: Event| async move {
             b.settler
-                .settle(
-                    &e,
-                    1,
-                    Source::EventHubs,
-                    b.clock.now(),
-                    &Outcome::Delivered,
-                    "t",
-                    &[],
-                )
+                .settle(&Report {
+                    event: &e,
+                    attempt: 1,
+                    source: Source::EventHubs,
+                    started: b.clock.now(),
+                    outcome: &Outcome::Delivered,
+                    trace_id: "t",
+                    traceparents: &[],
+                })
                 .await
                 .unwrap()
         };
@@ -1796,15 +1605,15 @@ mod tests {
         fail(&b, "k", 2, Source::Retry).await.unwrap();
         let settled = b
             .settler
-            .settle(
-                &event("k"),
-                1,
-                Source::EventHubs,
-                b.clock.now(),
-                &Outcome::Delivered,
-                "t",
-                &[],
-            )
+            .settle(&Report {
+                event: &event("k"),
+                attempt: 1,
+                source: Source::EventHubs,
+                started: b.clock.now(),
+                outcome: &Outcome::Delivered,
+                trace_id: "t",
+                traceparents: &[],
+            })
             .await
             .unwrap();
         assert_eq!(settled, Settled::Delivered);
@@ -1843,31 +1652,35 @@ mod tests {
     #[test]
     fn every_message_id_names_its_deployment_within_128_characters_for_any_key() {
         let d = Deployment::new("ns.servicebus.windows.net", "hub", "$Default");
-        let readable = "k".repeat(READABLE_KEY_LIMIT);
+        let readable = "k".repeat(super::super::message_id::READABLE_KEY_LIMIT);
         for key in [readable.as_str(), &"é".repeat(300), "~x", "a b"] {
+            let retry = MessageId::retry(key, u32::MAX);
             for id in [
-                format!("{}-rescued-{}", message_id(key, u32::MAX), i64::MAX),
+                retry.copy(RetryCopy::Rescued {
+                    dead_letter_seq: i64::MAX,
+                }),
                 // Times in ms since the epoch: 13 digits until the year 2286.
-                format!(
-                    "{}-deferred-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                format!(
-                    "{}-recovered-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                format!("{}-fwd-{}", message_id(key, u32::MAX), i64::MAX),
-                format!("{}-now-{}", message_id(key, u32::MAX), 9_999_999_999_999i64),
-                format!(
-                    "{}-replay-{}",
-                    message_id(key, u32::MAX),
-                    9_999_999_999_999i64
-                ),
-                super::super::dead_letter::message_id(key, u32::MAX),
+                retry.copy(RetryCopy::Deferred {
+                    until_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Recovered {
+                    at_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Forwarded {
+                    sequence_number: i64::MAX,
+                }),
+                retry.copy(RetryCopy::Pulled {
+                    at_ms: 9_999_999_999_999,
+                }),
+                retry.copy(RetryCopy::Replayed {
+                    at_ms: 9_999_999_999_999,
+                }),
+                MessageId::DeadLetter {
+                    key,
+                    attempts: u32::MAX,
+                },
             ] {
-                let q = qualified(Some(&d), &id);
+                let q = id.qualified(Some(&d));
                 assert!(q.chars().count() <= 128, "{q}");
                 assert!(q.starts_with(&format!("{}.", d.id)), "{q}");
             }

@@ -273,15 +273,15 @@ async fn dead_letters_list_and_replay_report_a_bad_record_and_carry_on() {
             },
         };
         let s = settler
-            .settle(
-                &event,
-                1,
-                Source::EventHubs,
-                std::time::SystemTime::now(),
-                &Outcome::Failed(Failure::permanent("400 from the webhook")),
-                "t",
-                &[],
-            )
+            .settle(&hubguard::pipeline::settle::Report {
+                event: &event,
+                attempt: 1,
+                source: Source::EventHubs,
+                started: std::time::SystemTime::now(),
+                outcome: &Outcome::Failed(Failure::permanent("400 from the webhook")),
+                trace_id: "t",
+                traceparents: &[],
+            })
             .await
             .unwrap();
         assert!(matches!(

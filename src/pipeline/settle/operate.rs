@@ -19,9 +19,9 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use super::{message_id, SettleError, Settler};
+use super::{MessageId, RetryCopy, SettleError, Settler};
 use crate::clock::ms;
-use crate::ledger::{AttemptEntry, LedgerError, LedgerRecord, RunNow, State};
+use crate::ledger::{AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, RunNow, State};
 use crate::policy::DeadLetterReason;
 
 /// How close to its due time a retry is taken as running: an operator's action on it is
@@ -164,10 +164,10 @@ impl Settler {
         now: SystemTime,
     ) -> Result<(), SettleError> {
         let attempt = rec.attempts + 1;
-        let id = format!("{}-now-{at_ms}", message_id(&rec.key, attempt));
+        let id = MessageId::retry(&rec.key, attempt).copy(RetryCopy::Pulled { at_ms });
         let due = crate::clock::at(at_ms).max(now);
         let sent = self
-            .schedule_marked(&id, &rec.event, attempt, due, &[], Some(at_ms))
+            .schedule_marked(id, &rec.event, attempt, due, &[], Some(at_ms))
             .await;
         self.sent_or_dead_lettered(&rec.key, sent).await.map(drop)
     }
@@ -194,7 +194,7 @@ impl Settler {
                 attempt: rec.attempts + 1,
                 started_ms: ms(now),
                 finished_ms: ms(now),
-                outcome: "cancelled".into(),
+                outcome: HistoryOutcome::Cancelled,
                 error: Some(text.clone()),
                 next_attempt_ms: None,
                 trace_id: None,
