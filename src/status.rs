@@ -577,7 +577,7 @@ async fn healthz(State(s): State<AppState>) -> Response {
         Ok(()) => "ok".into_response(),
         Err(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "live": false, "reason": redacted(&reason) })),
+            Json(json!({ "live": false, "reason": redacted(&reason.to_string()) })),
         )
             .into_response(),
     }

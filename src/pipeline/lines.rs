@@ -453,7 +453,7 @@ pub(crate) async fn advance(
     head: &Event,
     key: &str,
     on_dead_letter: LineOnDeadLetter,
-    health: Option<&super::health::Health>,
+    observe: Option<&super::observe::Observer>,
 ) -> Result<bool, SettleError> {
     let ledger = &settler.ledger;
     let p = head.partition_id.as_str();
@@ -538,8 +538,8 @@ pub(crate) async fn advance(
         }
         current = (line.head_key.clone(), line.head_seq);
         if rec.state == State::RetryScheduled && rec.attempts == 0 {
-            if let Some(h) = health {
-                h.count(&h.counters.released);
+            if let Some(o) = observe {
+                o.count_released();
             }
             tracing::info!(partition = %p, ordering_key = %key, key = %rec.key, sequence_number = line.head_seq, "a parked event is released: its first attempt is due now");
             let sent = settler.resend_recorded(&rec, &[]).await?;
@@ -550,8 +550,8 @@ pub(crate) async fn advance(
             // Service Bus refused its message: it was dead-lettered, and the line moves on.
             continue;
         }
-        if let (true, Some(h)) = (follow, health) {
-            h.count(&h.counters.dead_lettered);
+        if let (true, Some(o)) = (follow, observe) {
+            o.count_dead_lettered(rec.event.identity.event_type.as_deref());
         }
         ledger.remove_parked(&next.name).await?;
         if rec.state == State::RetryScheduled {
@@ -588,7 +588,7 @@ async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> 
 pub(crate) async fn sweep(
     settler: &Settler,
     on_dead_letter: LineOnDeadLetter,
-    health: Option<&super::health::Health>,
+    observe: Option<&super::observe::Observer>,
     waiting: &std::collections::HashSet<&str>,
 ) -> Result<usize, SettleError> {
     let mut advanced = 0;
@@ -611,7 +611,7 @@ pub(crate) async fn sweep(
             &rec.event,
             &line.ordering_key,
             on_dead_letter,
-            health,
+            observe,
         )
         .await?;
         advanced += 1;

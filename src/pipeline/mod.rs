@@ -457,7 +457,7 @@ impl Pipeline {
                 .with_dead_letters(parts.options.dead_letters.clone())
                 .with_schedule_lead(parts.options.retry_lead),
         );
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Health::new(parts.options.clock.clone()));
         health.set_unhealthy_after(parts.options.unhealthy_after);
         if let Some(b) = &breaker {
             health.watch(b.clone());
@@ -715,12 +715,17 @@ async fn watch_blocked(
     cancel: CancellationToken,
     crash: CancellationToken,
 ) {
-    let name = format!("handler {downstream}");
+    let subject = self::health::HoldSubject::Handler(downstream);
     loop {
         let reason = blocked.borrow_and_update().clone();
         match reason {
-            Some(r) => health.hold(&name, self::health::HoldCause::HandlerBlocked, r, 0),
-            None => health.release(&name, 0),
+            Some(r) => health.hold(
+                subject.clone(),
+                None,
+                self::health::HoldCause::HandlerBlocked,
+                r,
+            ),
+            None => health.release(&subject, None),
         }
         tokio::select! {
             changed = blocked.changed() => if changed.is_err() { break },
@@ -728,7 +733,7 @@ async fn watch_blocked(
             _ = crash.cancelled() => break,
         }
     }
-    health.release(&name, 0);
+    health.release(&subject, None);
 }
 
 /// Shows in readiness a pause of the downstream (a 429's `Retry-After`) longer than
@@ -743,19 +748,19 @@ async fn watch_paused(
     crash: CancellationToken,
 ) {
     let mut changes = limiter.subscribe();
-    let name = format!("rate limit {}", limiter.snapshot().downstream);
+    let subject = self::health::HoldSubject::RateLimit(limiter.snapshot().downstream);
     loop {
         let until = limiter.paused_until();
         match until {
             Some(u) if clock.until(u) > PAUSE_SHOWN_AFTER => {
                 health.hold(
-                    &name,
+                    subject.clone(),
+                    None,
                     self::health::HoldCause::HandlerBlocked,
                     format!(
                         "the downstream answered 429 with Retry-After: every replica waits until {} before calling it (handler.rate_limit)",
                         crate::clock::rfc3339(u)
                     ),
-                    0,
                 );
                 tokio::select! {
                     _ = clock.sleep_until(u) => {}
@@ -765,7 +770,7 @@ async fn watch_paused(
                 }
             }
             _ => {
-                health.release(&name, 0);
+                health.release(&subject, None);
                 tokio::select! {
                     changed = changes.changed() => if changed.is_err() { break },
                     _ = cancel.cancelled() => break,
@@ -774,7 +779,7 @@ async fn watch_paused(
             }
         }
     }
-    health.release(&name, 0);
+    health.release(&subject, None);
 }
 
 /// A pause of the downstream longer than this shows in readiness.
