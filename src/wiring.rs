@@ -52,7 +52,7 @@ pub enum WiringError {
     /// The retry queue exists but cannot keep hubguard's promise (its description names the
     /// property and the value needed).
     #[error("configuration: servicebus.queue: {0}")]
-    QueueRefused(String),
+    QueueRefused(#[from] crate::azure::retry_queue::QueueRefusal),
 }
 
 impl WiringError {
@@ -473,7 +473,7 @@ impl Wiring {
                 tracing::info!("{}", proof.summary);
                 Ok(proof.warnings)
             }
-            Err(refusal) => Err(WiringError::QueueRefused(refusal.to_string())),
+            Err(refusal) => Err(WiringError::QueueRefused(refusal)),
         }
     }
 
