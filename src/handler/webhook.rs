@@ -184,19 +184,59 @@ fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, String> {
     })
 }
 
-impl WebhookHandler {
-    /// A handler for `config`.
-    pub fn new(config: WebhookConfig) -> Result<Self, String> {
-        let url = reqwest::Url::parse(&config.url)
-            .map_err(|e| format!("handler.url is not a URL: {e}"))?;
+/// What a [`WebhookConfig`] loads before a handler can be built: the TLS identity and the
+/// secrets, each read and parsed once.
+struct Loaded {
+    identity: Option<reqwest::Identity>,
+    signing: Option<Arc<Live<SigningKeys>>>,
+    authorization: Option<Arc<Live<HeaderValue>>>,
+}
+
+impl WebhookConfig {
+    /// Checks what [`WebhookHandler::new`] would refuse, without building the handler: the
+    /// URL, the TLS certificate and key, the secrets (read and parsed), the handshake's
+    /// origin. Configuration validation calls it; wiring builds.
+    pub fn check(&self) -> Result<(), String> {
+        self.load().map(drop)
+    }
+
+    fn load(&self) -> Result<Loaded, String> {
+        let url =
+            reqwest::Url::parse(&self.url).map_err(|e| format!("handler.url is not a URL: {e}"))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err("handler.url must be an http or https URL".into());
         }
+        let identity = self.tls.as_ref().map(client_identity).transpose()?;
+        let signing = self
+            .signing
+            .as_ref()
+            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
+            .transpose()?;
+        let authorization = self
+            .authorization
+            .as_ref()
+            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
+            .transpose()?;
+        if self.handshake.enabled && self.handshake.origin.trim().is_empty() {
+            return Err("handler.handshake.origin must not be empty".into());
+        }
+        Ok(Loaded {
+            identity,
+            signing,
+            authorization,
+        })
+    }
+}
+
+impl WebhookHandler {
+    /// A handler for `config`.
+    pub fn new(config: WebhookConfig) -> Result<Self, String> {
+        let loaded = config.load()?;
         let mut builder = reqwest::Client::builder()
             .timeout(Duration::from_millis(config.timeout_ms))
             .redirect(reqwest::redirect::Policy::none());
-        if let Some(tls) = &config.tls {
-            builder = builder.identity(client_identity(tls)?);
+        if let Some(identity) = loaded.identity {
+            builder = builder.identity(identity);
         }
         let client = builder.build().map_err(|e| match &config.tls {
             // The client reads the certificate and key here; its error could describe them.
@@ -207,19 +247,6 @@ impl WebhookHandler {
             ),
             None => format!("cannot build the HTTP client: {e}"),
         })?;
-        let signing = config
-            .signing
-            .as_ref()
-            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
-            .transpose()?;
-        let authorization = config
-            .authorization
-            .as_ref()
-            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
-            .transpose()?;
-        if config.handshake.enabled && config.handshake.origin.trim().is_empty() {
-            return Err("handler.handshake.origin must not be empty".into());
-        }
         let handshake = config
             .handshake
             .enabled
@@ -227,8 +254,8 @@ impl WebhookHandler {
         Ok(Self {
             client,
             config,
-            signing,
-            authorization,
+            signing: loaded.signing,
+            authorization: loaded.authorization,
             handshake,
         })
     }

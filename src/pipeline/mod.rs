@@ -76,8 +76,10 @@ impl std::fmt::Debug for EventHubsTarget {
     }
 }
 
-/// What keeps events of one partition in order when several run at once.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// What keeps events of one partition in order when several run at once. Read from the
+/// configuration's spelling (`partition_key`, `property:<name>`, `none`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(try_from = "String")]
 pub enum OrderingKey {
     /// The event's partition key (events without one are not ordered against others).
     #[default]
@@ -99,19 +101,29 @@ impl OrderingKey {
     }
 }
 
+/// Not an ordering key's spelling.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected `partition_key`, `property:<name>` or `none`, got {0:?}")]
+pub struct BadOrderingKey(pub String);
+
 impl std::str::FromStr for OrderingKey {
-    type Err = String;
+    type Err = BadOrderingKey;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "partition_key" => Ok(Self::PartitionKey),
             "none" => Ok(Self::None),
             _ => match s.strip_prefix("property:") {
                 Some(p) if !p.trim().is_empty() => Ok(Self::Property(p.trim().to_string())),
-                _ => Err(format!(
-                    "expected `partition_key`, `property:<name>` or `none`, got {s:?}"
-                )),
+                _ => Err(BadOrderingKey(s.to_string())),
             },
         }
+    }
+}
+
+impl TryFrom<String> for OrderingKey {
+    type Error = BadOrderingKey;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 
