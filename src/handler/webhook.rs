@@ -151,6 +151,8 @@ pub struct WebhookHandler {
     signing: Option<Arc<Live<SigningKeys>>>,
     authorization: Option<Arc<Live<HeaderValue>>>,
     handshake: Option<Arc<Handshake>>,
+    /// The clock a `Retry-After` date is read against.
+    clock: Arc<crate::clock::Clock>,
 }
 
 fn parse_authorization(key: &str, text: &str) -> Result<HeaderValue, String> {
@@ -257,7 +259,14 @@ impl WebhookHandler {
             signing: loaded.signing,
             authorization: loaded.authorization,
             handshake,
+            clock: Arc::default(),
         })
+    }
+
+    /// Reads a `Retry-After` date against `clock` (the pipeline's) instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 }
 
@@ -325,16 +334,12 @@ const KEY_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add
 /// percent-encoded (RFC 3986 style, UTF-8). Unambiguous: `café` goes as `caf%C3%A9`, and a
 /// literal `caf%C3%A9` as `caf%25C3%25A9`; a `-` stays a `-`.
 fn key_header_value(value: &str) -> String {
-    percent_encoding::utf8_percent_encode(value, KEY_ENCODED).to_string()
+    super::percent_encode(value, KEY_ENCODED)
 }
 
 /// Header names must be tokens and values visible ASCII; anything else is left out.
 fn header_safe(name: &str, value: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-        && value.bytes().all(|b| (0x20..0x7f).contains(&b))
+    super::is_field_name(name) && value.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
 
 #[async_trait]
@@ -438,7 +443,7 @@ impl Handler for WebhookHandler {
                     .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
                 let retry_after = retry_after_raw
                     .as_deref()
-                    .and_then(|v| classify::retry_after(v, SystemTime::now()));
+                    .and_then(|v| classify::retry_after(v, self.clock.now()));
                 let class = classify::http_status(status, self.config.conflict_is_permanent);
                 let error = failure_text(status, retry_after_raw.as_deref(), &mut resp).await;
                 Outcome::Failed(Failure {

@@ -389,6 +389,11 @@ impl Health {
         self.changed.send_modify(|n| *n += 1);
     }
 
+    /// The clock health's times come from (the pipeline's).
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
     /// The counters, for the `Observer` that bumps them beside the metrics.
     pub(super) fn counters(&self) -> &Counters {
         &self.counters

@@ -361,7 +361,7 @@ impl ServiceBusRetryQueue {
         let clock = self.clock.clone();
         self.deadline(wait, async {
             // The protocol's timeout is in whole seconds; round up so short waits still wait.
-            let secs = Duration::from_secs(wait.as_secs() + u64::from(wait.subsec_nanos() > 0));
+            let secs = crate::clock::ceil_secs(wait);
             let response = client
                 .peek_lock_message2(Some(secs))
                 .await
