@@ -685,13 +685,14 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     // Start-up proof: the retry queue must keep hubguard's promise (duplicate detection on,
     // its window long enough for this configuration), or hubguard does not start.
-    let wiring = Wiring::from_config(&config)?;
+    let mut wiring = Wiring::from_config(&config)?;
     for w in wiring.prove_retry_queue().await? {
         tracing::warn!("{w}");
     }
     let HandlerSection::Webhook(w) = &config.handler;
-    let handler = Arc::new(WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?);
-    let parts = wiring.parts(handler)?;
+    let clock = wiring.options_mut().clock.clone();
+    let handler = WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?;
+    let parts = wiring.parts(Arc::new(handler.with_clock(clock)))?;
     let owner = parts.options.owner_id.clone();
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();

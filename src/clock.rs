@@ -63,13 +63,14 @@ pub fn parse_http_date(s: &str) -> Option<SystemTime> {
 /// Rounds up to the next whole second (Service Bus's scheduled times carry no fractions):
 /// the time Service Bus will actually enqueue a message scheduled for `t`.
 pub fn ceil_to_second(t: SystemTime) -> SystemTime {
-    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
-    let secs = if d.subsec_nanos() > 0 {
-        d.as_secs() + 1
-    } else {
-        d.as_secs()
-    };
-    SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+    SystemTime::UNIX_EPOCH + ceil_secs(t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default())
+}
+
+/// `d` rounded up to whole seconds: Service Bus takes times and waits in whole seconds
+/// (scheduled enqueue times, a peek-lock's timeout), and rounding up keeps a short wait a
+/// wait and a due time never early.
+pub fn ceil_secs(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
 }
 
 use tokio::sync::Notify;

@@ -15,8 +15,8 @@ use serde::Deserialize;
 
 use crate::azure::ConnectionString;
 use crate::event::IdentityConfig;
-use crate::handler::webhook::{WebhookConfig, WebhookHandler};
-use crate::pipeline::PipelineOptions;
+use crate::handler::webhook::WebhookConfig;
+use crate::pipeline::{OrderingKey, PipelineOptions};
 use crate::policy::RetryPolicy;
 
 /// A configuration problem: where (the file, a key, an environment variable) and why. No
@@ -151,6 +151,69 @@ pub enum CredentialKind {
 const CREDENTIAL_KINDS: &str =
     "managed_identity, workload_identity, azure_cli, developer_tools, client_secret";
 
+/// How a section reaches its namespace: the one rule of `[eventhubs]` and `[servicebus]`,
+/// which wiring follows to create the clients.
+#[derive(Clone)]
+pub enum Access {
+    /// A namespace connection string (SAS), parsed.
+    ConnectionString(ConnectionString),
+    /// A namespace and an Entra ID credential.
+    Entra {
+        /// The namespace as configured.
+        namespace: String,
+        /// The credential's kind.
+        credential: CredentialKind,
+    },
+}
+
+impl std::fmt::Debug for Access {
+    /// The endpoint only: a connection string's key is never shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::ConnectionString(cs) => write!(f, "ConnectionString({})", cs.namespace()),
+            Self::Entra {
+                namespace,
+                credential,
+            } => write!(f, "Entra({namespace}, {credential:?})"),
+        }
+    }
+}
+
+/// Either `connection_string`, or `namespace` and `credential`, of `section`.
+fn access(
+    section: &str,
+    connection_string: Option<&str>,
+    namespace: Option<&str>,
+    credential: Option<CredentialKind>,
+) -> Result<Access, ConfigError> {
+    match (connection_string, namespace, credential) {
+        (Some(cs), None, None) => cs.parse().map(Access::ConnectionString).map_err(|e| {
+            let key = format!("{section}.connection_string");
+            invalid(&key, format!("{key}: {e}"))
+        }),
+        (None, Some(ns), Some(credential)) => Ok(Access::Entra {
+            namespace: ns.to_string(),
+            credential,
+        }),
+        _ => Err(invalid(
+            section,
+            format!(
+                "{section}: give either connection_string, or namespace and credential ({CREDENTIAL_KINDS})"
+            ),
+        )),
+    }
+}
+
+/// Where partitions without a checkpoint start (`processor.start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartPosition {
+    /// The oldest event the hub retains.
+    Earliest,
+    /// Only events enqueued from now on.
+    Latest,
+}
+
 /// `[eventhubs]`
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -195,6 +258,44 @@ pub struct ServiceBusSection {
     /// The queue's duplicate-detection window (seconds), as configured on the service.
     #[serde(default = "default_dedup")]
     pub duplicate_detection_window_s: u64,
+}
+
+impl EventHubsSection {
+    /// How the hub's namespace is reached. A namespace must be a host name: a user name or
+    /// password has no place in it, and would be shown wherever the namespace is named.
+    pub fn access(&self) -> Result<Access, ConfigError> {
+        let a = access(
+            "eventhubs",
+            self.connection_string.as_deref(),
+            self.namespace.as_deref(),
+            self.credential,
+        )?;
+        if let Access::Entra { namespace, .. } = &a {
+            if namespace.contains('@') {
+                return Err(invalid("eventhubs.namespace", "eventhubs.namespace must be the namespace's host name (myns.servicebus.windows.net), without a user name or password"));
+            }
+        }
+        Ok(a)
+    }
+}
+
+impl ServiceBusSection {
+    /// How the retry queue's namespace is reached; a namespace must parse as a
+    /// [`ServiceBusEndpoint`](crate::azure::retry_queue::ServiceBusEndpoint).
+    pub fn access(&self) -> Result<Access, ConfigError> {
+        let a = access(
+            "servicebus",
+            self.connection_string.as_deref(),
+            self.namespace.as_deref(),
+            self.credential,
+        )?;
+        if let Access::Entra { namespace, .. } = &a {
+            crate::azure::retry_queue::ServiceBusEndpoint::parse(namespace).map_err(|e| {
+                invalid("servicebus.namespace", format!("servicebus.namespace: {e}"))
+            })?;
+        }
+        Ok(a)
+    }
 }
 
 fn default_queue() -> String {
@@ -292,6 +393,20 @@ pub struct DeadLettersSection {
     pub max_message_kb: u32,
 }
 
+impl DeadLettersSection {
+    /// Another queue than the retry queue `retry_queue`, and a size Service Bus allows.
+    fn validate(&self, retry_queue: &str) -> Result<(), ConfigError> {
+        dead_letter_queue_is_not_the_retry_queue(&self.queue, retry_queue)?;
+        if !(1..=102_400).contains(&self.max_message_kb) {
+            return Err(invalid("dead_letters.max_message_kb", format!(
+                "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
+                self.max_message_kb
+            )));
+        }
+        Ok(())
+    }
+}
+
 fn d256() -> u32 {
     256
 }
@@ -323,12 +438,12 @@ pub struct ProcessorSection {
     /// Prefetch per partition.
     pub prefetch: u32,
     /// Where partitions without a checkpoint start: `earliest` or `latest`.
-    pub start: String,
+    pub start: StartPosition,
     /// Events of one partition handled at once (1: strictly one by one).
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
     /// `property:<name>` or `none`.
-    pub ordering_key: String,
+    pub ordering_key: OrderingKey,
     /// Ordered retries: `off` (default) or `key` — while an event of an ordering key waits
     /// for a retry, the later events of that key on its partition are parked behind it.
     pub retry_ordering: String,
@@ -366,13 +481,12 @@ impl Default for ProcessorSection {
             ownership_expiration_ms: ms_of(o.ownership_expiration),
             prefetch: o.prefetch,
             start: if o.start_at_latest {
-                "latest"
+                StartPosition::Latest
             } else {
-                "earliest"
-            }
-            .into(),
+                StartPosition::Earliest
+            },
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
-            ordering_key: o.ordering.to_string(),
+            ordering_key: o.ordering,
             retry_ordering: "off".into(),
             line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default().to_string(),
             window: DEFAULT_WINDOW,
@@ -757,42 +871,35 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks values serde cannot.
+    /// Checks values serde cannot, section by section (the first problem found is reported).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        match (&self.eventhubs.connection_string, &self.eventhubs.namespace, self.eventhubs.credential) {
-            (Some(cs), None, None) => {
-                cs.parse::<ConnectionString>().map_err(|e| invalid("eventhubs.connection_string", format!("eventhubs.connection_string: {e}")))?;
-            }
-            // A host name: a user name or password has no place in it, and would be shown
-            // wherever the namespace is named.
-            (None, Some(ns), Some(_)) if ns.contains('@') => {
-                return Err(invalid("eventhubs.namespace", "eventhubs.namespace must be the namespace's host name (myns.servicebus.windows.net), without a user name or password"));
-            }
-            (None, Some(_), Some(_)) => {}
-            _ => {
-                return Err(invalid("eventhubs", 
-                    format!("eventhubs: give either connection_string, or namespace and credential ({CREDENTIAL_KINDS})"),
-                ))
-            }
-        }
+        self.eventhubs.access()?;
         if self.eventhubs.hub.trim().is_empty() {
             return Err(invalid("eventhubs.hub", "eventhubs.hub must not be empty"));
         }
-        match (&self.servicebus.connection_string, &self.servicebus.namespace, self.servicebus.credential) {
-            (Some(cs), None, None) => {
-                cs.parse::<ConnectionString>()
-                    .map_err(|e| invalid("servicebus.connection_string", format!("servicebus.connection_string: {e}")))?;
-            }
-            (None, Some(ns), Some(_)) => {
-                crate::azure::retry_queue::ServiceBusEndpoint::parse(ns)
-                    .map_err(|e| invalid("servicebus.namespace", format!("servicebus.namespace: {e}")))?;
-            }
-            _ => {
-                return Err(invalid("servicebus", 
-                    "servicebus: give either connection_string, or namespace and credential (managed_identity, workload_identity, azure_cli, developer_tools, client_secret)",
-                ))
-            }
+        self.servicebus.access()?;
+        self.validate_storage()?;
+        self.validate_handler()?;
+        self.validate_minimums()?;
+        self.validate_processor()?;
+        self.validate_retry()?;
+        self.validate_checkpoint()?;
+        self.validate_policies()?;
+        self.validate_duplicate_window()?;
+        self.validate_breaker()?;
+        if let Some(d) = &self.dead_letters {
+            d.validate(&self.servicebus.queue)?;
         }
+        if self.eventhubs.retention_hours == 0 {
+            return Err(invalid(
+                "eventhubs.retention_hours",
+                "eventhubs.retention_hours must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_storage(&self) -> Result<(), ConfigError> {
         let url = url::Url::parse(&self.storage.container_url).map_err(|e| {
             invalid(
                 "storage.container_url",
@@ -812,28 +919,39 @@ impl Config {
             return Err(invalid(
                 "storage.container_url",
                 format!(
-                "storage.container_url must be an https (or, for an emulator, http) URL, not {}:",
-                url.scheme()
-            ),
+                    "storage.container_url must be an https (or, for an emulator, http) URL, not {}:",
+                    url.scheme()
+                ),
             ));
         }
         let loopback = matches!(url.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if self.storage.credential.is_some() && url.scheme() != "https" && !loopback {
-            return Err(invalid("storage.credential", 
+            return Err(invalid("storage.credential",
                 "storage.credential needs an https storage.container_url (Azure takes bearer tokens over TLS only)",
             ));
         }
+        Ok(())
+    }
+
+    /// The webhook's settings, its secrets and TLS files read and checked (wiring builds the
+    /// handler).
+    fn validate_handler(&self) -> Result<(), ConfigError> {
         let HandlerSection::Webhook(w) = &self.handler;
         if w.timeout_ms == 0 {
-            return Err(invalid("handler.timeout_ms", 
+            return Err(invalid("handler.timeout_ms",
                 "handler.timeout_ms must be positive: a webhook call with no time to answer fails every event",
             ));
         }
-        WebhookHandler::new(w.clone()).map_err(|e| invalid("handler", e))?;
+        w.check().map_err(|e| invalid("handler", e))?;
         if let Some(limit) = w.rate_limit {
             crate::ratelimit::validate_limit(limit)
                 .map_err(|e| invalid("handler.rate_limit", format!("handler.rate_limit {e}")))?;
         }
+        Ok(())
+    }
+
+    /// Values below which nothing would run.
+    fn validate_minimums(&self) -> Result<(), ConfigError> {
         for (key, value, min) in [
             ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
             ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
@@ -847,25 +965,24 @@ impl Config {
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
         ] {
             if value < min {
-                return Err(invalid(key, format!(
-                    "{key} must be at least {min} (got {value}): {}",
-                    match key {
-                        "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
-                        "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
-                        "processor.prefetch" => "a partition with no prefetch receives nothing",
-                        _ => "nothing would run",
-                    }
-                )));
+                let why = match key {
+                    "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
+                    "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
+                    "processor.prefetch" => "a partition with no prefetch receives nothing",
+                    _ => "nothing would run",
+                };
+                return Err(invalid(
+                    key,
+                    format!("{key} must be at least {min} (got {value}): {why}"),
+                ));
             }
         }
+        Ok(())
+    }
+
+    fn validate_processor(&self) -> Result<(), ConfigError> {
         if self.processor.ownership_expiration_ms <= self.processor.update_interval_ms {
             return Err(invalid("processor.ownership_expiration_ms", "processor.ownership_expiration_ms must be greater than processor.update_interval_ms"));
-        }
-        if !matches!(self.processor.start.as_str(), "earliest" | "latest") {
-            return Err(invalid(
-                "processor.start",
-                "processor.start must be `earliest` or `latest`",
-            ));
         }
         if !(1..=10_000).contains(&self.processor.max_in_flight) {
             return Err(invalid(
@@ -879,34 +996,28 @@ impl Config {
                 "processor.window must be at most 100000 (each event in it is held in memory)",
             ));
         }
-        self.processor
-            .ordering_key
-            .parse::<crate::pipeline::OrderingKey>()
-            .map_err(|e| {
-                invalid(
-                    "processor.ordering_key",
-                    format!("processor.ordering_key: {e}"),
-                )
-            })?;
-        self.retry_ordering()?;
-        if self.retry.dead_letter_sweep_ms < 1000 {
-            return Err(invalid(
+        self.retry_ordering().map(drop)
+    }
+
+    fn validate_retry(&self) -> Result<(), ConfigError> {
+        for (key, value) in [
+            (
                 "retry.dead_letter_sweep_ms",
-                format!(
-                    "retry.dead_letter_sweep_ms must be at least 1000 (got {})",
-                    self.retry.dead_letter_sweep_ms
-                ),
-            ));
+                self.retry.dead_letter_sweep_ms,
+            ),
+            ("retry.overdue_margin_ms", self.retry.overdue_margin_ms),
+        ] {
+            if value < 1000 {
+                return Err(invalid(
+                    key,
+                    format!("{key} must be at least 1000 (got {value})"),
+                ));
+            }
         }
-        if self.retry.overdue_margin_ms < 1000 {
-            return Err(invalid(
-                "retry.overdue_margin_ms",
-                format!(
-                    "retry.overdue_margin_ms must be at least 1000 (got {})",
-                    self.retry.overdue_margin_ms
-                ),
-            ));
-        }
+        Ok(())
+    }
+
+    fn validate_checkpoint(&self) -> Result<(), ConfigError> {
         if self.checkpoint.every_events == 0 || self.checkpoint.every_ms == 0 {
             return Err(invalid(
                 "checkpoint.every_events",
@@ -919,6 +1030,10 @@ impl Config {
                 "checkpoint.min_interval_ms must not exceed checkpoint.every_ms",
             ));
         }
+        Ok(())
+    }
+
+    fn validate_policies(&self) -> Result<(), ConfigError> {
         self.policy
             .default
             .validate()
@@ -931,50 +1046,58 @@ impl Config {
                 )
             })?;
         }
-        // A replay re-sends a retry message with the same MessageId; if that can happen after
-        // the duplicate-detection window, a second retry message would be created.
-        let gap_s = self.replay_gap().as_secs();
-        if self.servicebus.duplicate_detection_window_s < gap_s {
+        Ok(())
+    }
+
+    /// A replay re-sends a retry message with the same MessageId, and so does a redelivered
+    /// retry message; if either can happen after the duplicate-detection window, a second
+    /// retry message would be created. The window needed is [`QueueNeeds::window`]'s (the
+    /// start-up proof's), with the queue's lock duration unknown here (Service Bus's
+    /// default, 60 s, as there).
+    ///
+    /// [`QueueNeeds::window`]: crate::azure::retry_queue::QueueNeeds::window
+    fn validate_duplicate_window(&self) -> Result<(), ConfigError> {
+        let needs = self.queue_needs();
+        let need = needs.window(None);
+        let window = self.servicebus.duplicate_detection_window_s;
+        if Duration::from_secs(window) < need {
             return Err(invalid("servicebus.duplicate_detection_window_s", format!(
-                "servicebus.duplicate_detection_window_s ({}) is shorter than the longest schedule-to-replay gap this configuration allows ({gap_s} s): a replay could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
-                self.servicebus.duplicate_detection_window_s
+                "servicebus.duplicate_detection_window_s ({window}) is shorter than this configuration needs ({} s: the longer of the schedule-to-replay gap, {} s, and the re-send of a retry message redelivered after its lock lapsed): a replay or a redelivery could schedule a second retry. Raise the window on the queue (and here) or checkpoint more often",
+                need.as_secs_f64().ceil(),
+                needs.replay_gap.as_secs_f64().ceil()
             )));
         }
-        if self.breaker.enabled
-            && (self.breaker.consecutive_failures == 0 || self.breaker.open_ms == 0)
-        {
+        Ok(())
+    }
+
+    fn validate_breaker(&self) -> Result<(), ConfigError> {
+        if !self.breaker.enabled {
+            return Ok(());
+        }
+        if self.breaker.consecutive_failures == 0 || self.breaker.open_ms == 0 {
             return Err(invalid("breaker", "breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
         }
-        if self.breaker.enabled {
-            self.breaker
-                .validate()
-                .map_err(|(key, message)| invalid(key, message))?;
-        }
-        if self.breaker.enabled
-            && Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
-                >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
+        self.breaker
+            .validate()
+            .map_err(|(key, message)| invalid(key, message))?;
+        if Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
+            >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
         {
             return Err(invalid("breaker.open_ms", format!(
                 "breaker.open_ms + breaker.probe_timeout_ms reaches eventhubs.retention_hours ({} h): a partition paused by the breaker would lose events to retention",
                 self.eventhubs.retention_hours
             )));
         }
-        if let Some(d) = &self.dead_letters {
-            dead_letter_queue_is_not_the_retry_queue(&d.queue, &self.servicebus.queue)?;
-            if !(1..=102_400).contains(&d.max_message_kb) {
-                return Err(invalid("dead_letters.max_message_kb", format!(
-                    "dead_letters.max_message_kb must be 1 to 102400 (256 on Service Bus Standard), got {}",
-                    d.max_message_kb
-                )));
-            }
-        }
-        if self.eventhubs.retention_hours == 0 {
-            return Err(invalid(
-                "eventhubs.retention_hours",
-                "eventhubs.retention_hours must be positive",
-            ));
-        }
         Ok(())
+    }
+
+    /// What the retry queue must offer for this configuration: the start-up proof checks the
+    /// queue's description against it, and validation the configured window.
+    pub fn queue_needs(&self) -> crate::azure::retry_queue::QueueNeeds {
+        crate::azure::retry_queue::QueueNeeds {
+            replay_gap: self.replay_gap(),
+            call_deadline: Duration::from_millis(self.retry.call_deadline_ms),
+        }
     }
 
     /// Warnings about configurations that are allowed but risky.
@@ -1017,7 +1140,7 @@ impl Config {
         match self.processor.retry_ordering.as_str() {
             "off" => Ok(crate::pipeline::RetryOrdering::Off),
             "key" => {
-                if self.processor.ordering_key == "none" {
+                if self.processor.ordering_key == OrderingKey::None {
                     return Err(invalid(
                         "processor.retry_ordering",
                         "processor.retry_ordering = \"key\" needs an ordering key: processor.ordering_key is `none`",
@@ -1048,15 +1171,10 @@ impl Config {
             checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
             max_in_flight: self.processor.max_in_flight,
             window: self.processor.window,
-            ordering: self.processor.ordering_key.parse().map_err(|e| {
-                invalid(
-                    "processor.ordering_key",
-                    format!("processor.ordering_key: {e}"),
-                )
-            })?,
+            ordering: self.processor.ordering_key.clone(),
             retry_ordering: self.retry_ordering()?,
             prefetch: self.processor.prefetch,
-            start_at_latest: self.processor.start == "latest",
+            start_at_latest: self.processor.start == StartPosition::Latest,
             deadline: Duration::from_millis(self.retry.call_deadline_ms),
             retry_concurrency: self.retry.concurrency,
             retry_lead: Duration::from_millis(self.retry.lead_ms),
@@ -1387,6 +1505,58 @@ url = "http://127.0.0.1:9000/events"
         let e = Config::parse(&c, none()).unwrap_err().to_string();
         assert!(e.contains("duplicate_detection_window_s"), "{e}");
     }
+    #[test]
+    fn the_duplicate_window_covers_a_redelivered_retry_as_the_queue_proof_does() {
+        // A short replay gap (1 s + 10 s + 4 × 10 s + 60 s = 111 s), shorter than a
+        // redelivered retry's re-send (60 s lock + 4 × 10 s + 60 s = 160 s): the window must
+        // cover the longer, as `QueueNeeds::window` requires at start-up.
+        let with_window = |s: u64| {
+            BASE.replace(
+                "[storage]",
+                &format!("duplicate_detection_window_s = {s}\n[storage]"),
+            ) + "[checkpoint]\nevery_ms = 1000\nmin_interval_ms = 500\n[processor]\nupdate_interval_ms = 2000\nownership_expiration_ms = 10000\n[retry]\ncall_deadline_ms = 10000\n"
+        };
+        let c = Config::parse(&with_window(160), none()).unwrap();
+        assert_eq!(c.replay_gap(), Duration::from_secs(111));
+        assert_eq!(c.queue_needs().window(None), Duration::from_secs(160));
+        let e = Config::parse(&with_window(120), none()).unwrap_err();
+        assert_eq!(e.key(), Some("servicebus.duplicate_detection_window_s"));
+        let e = e.to_string();
+        assert!(e.contains("(120)") && e.contains("needs (160 s"), "{e}");
+    }
+
+    #[test]
+    fn start_and_ordering_key_are_read_once_into_their_types() {
+        let c = Config::parse(
+            &(BASE.to_string()
+                + "[processor]\nstart = \"latest\"\nordering_key = \"property:order\"\n"),
+            none(),
+        )
+        .unwrap();
+        assert_eq!(c.processor.start, StartPosition::Latest);
+        assert_eq!(
+            c.processor.ordering_key,
+            OrderingKey::Property("order".into())
+        );
+        let o = c.pipeline_options().unwrap();
+        assert!(o.start_at_latest);
+        assert_eq!(o.ordering, OrderingKey::Property("order".into()));
+        let e = Config::parse(
+            &(BASE.to_string() + "[processor]\nordering_key = \"colour\"\n"),
+            none(),
+        )
+        .unwrap_err();
+        assert_eq!(e.key(), Some("processor.ordering_key"));
+        assert!(e.to_string().contains("property:<name>"), "{e}");
+        let e = Config::parse(
+            &(BASE.to_string() + "[processor]\nstart = \"middle\"\n"),
+            none(),
+        )
+        .unwrap_err();
+        assert_eq!(e.key(), Some("processor.start"));
+        assert!(e.to_string().contains("earliest"), "{e}");
+    }
+
     #[test]
     fn ordered_retries_are_off_unless_asked_for_and_checked() {
         use crate::pipeline::{LineOnDeadLetter, RetryOrdering};

@@ -530,11 +530,7 @@ impl AppState {
                 "breaker".into(),
                 json!({
                     "downstream": b.downstream(),
-                    "state": match rec.open_until_ms {
-                        None => "closed",
-                        Some(u) if at(u) > SystemTime::now() => "open",
-                        Some(_) => "half_open",
-                    },
+                    "state": b.state(),
                     "open_until": rec.open_until_ms.map(|u| rfc3339(at(u))),
                     "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
                     "opens": rec.opens,
@@ -593,7 +589,7 @@ async fn healthz(State(s): State<AppState>) -> Response {
         Ok(()) => "ok".into_response(),
         Err(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "live": false, "reason": redacted(&reason) })),
+            Json(json!({ "live": false, "reason": redacted(&reason.to_string()) })),
         )
             .into_response(),
     }
@@ -623,7 +619,7 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
             }
             _ => (
                 StatusCode::NOT_FOUND,
-                Json(s.ledger.no_record(&key, SystemTime::now())),
+                Json(s.ledger.no_record(&key, s.health.clock().now())),
             )
                 .into_response(),
         },
@@ -681,7 +677,7 @@ async fn retries(
     let due_before = match q
         .due_before
         .as_deref()
-        .map(|t| parse_due_before(t, SystemTime::now()))
+        .map(|t| parse_due_before(t, s.health.clock().now()))
     {
         None => None,
         Some(Ok(t)) => Some(t),

@@ -18,7 +18,7 @@ use crate::azure::{
     ServiceBusRetryQueue,
 };
 use crate::breaker::BreakerConfig;
-use crate::config::{Config, CredentialKind};
+use crate::config::{Access, Config, CredentialKind};
 use crate::event::IdentityConfig;
 use crate::handler::Handler;
 use crate::pipeline::dead_letter::DeadLetterDestination;
@@ -52,10 +52,22 @@ pub enum WiringError {
     /// The retry queue exists but cannot keep hubguard's promise (its description names the
     /// property and the value needed).
     #[error("configuration: servicebus.queue: {0}")]
-    QueueRefused(String),
+    QueueRefused(#[from] crate::azure::retry_queue::QueueRefusal),
 }
 
 impl WiringError {
+    /// A section that does not say how to reach its namespace (see [`Access`]).
+    fn config(e: crate::config::ConfigError) -> Self {
+        let key = e.key().unwrap_or("configuration").to_string();
+        match e {
+            crate::config::ConfigError::Invalid { message, .. } => Self::Client {
+                key,
+                reason: message,
+            },
+            other => Self::client(&key, other),
+        }
+    }
+
     fn client(key: &str, reason: impl std::fmt::Display) -> Self {
         Self::Client {
             key: key.into(),
@@ -166,20 +178,15 @@ impl std::fmt::Debug for ServiceBusAccess {
 impl ServiceBusAccess {
     /// The `[servicebus]` section's namespace and credential.
     pub fn from_config(c: &Config) -> Result<Self, WiringError> {
-        let sb = &c.servicebus;
-        match (&sb.connection_string, &sb.namespace, sb.credential) {
-            (Some(cs), _, _) => Ok(Self::ConnectionString(parse_cs(
-                "servicebus.connection_string",
-                cs,
-            )?)),
-            (None, Some(ns), Some(kind)) => Ok(Self::Credential {
-                namespace: ns.clone(),
+        match c.servicebus.access().map_err(WiringError::config)? {
+            Access::ConnectionString(cs) => Ok(Self::ConnectionString(cs)),
+            Access::Entra {
+                namespace,
+                credential: kind,
+            } => Ok(Self::Credential {
+                namespace,
                 credential: credential(kind)?,
             }),
-            _ => Err(WiringError::client(
-                "servicebus",
-                "give either connection_string, or namespace and credential",
-            )),
         }
     }
 
@@ -311,15 +318,16 @@ impl Wiring {
     /// credentials are created once per section.
     pub fn from_config(c: &Config) -> Result<Self, WiringError> {
         let eh = &c.eventhubs;
-        let eventhubs = match &eh.connection_string {
-            Some(cs) => EventHubsTarget::with_connection_string(
-                &parse_cs("eventhubs.connection_string", cs)?,
-                &eh.hub,
-                &eh.consumer_group,
-            ),
-            None => EventHubsTarget::with_credential(
-                eh.namespace.as_deref().unwrap_or_default(),
-                credential(eh.credential.unwrap_or(CredentialKind::DeveloperTools))?,
+        let eventhubs = match eh.access().map_err(WiringError::config)? {
+            Access::ConnectionString(cs) => {
+                EventHubsTarget::with_connection_string(&cs, &eh.hub, &eh.consumer_group)
+            }
+            Access::Entra {
+                namespace,
+                credential: kind,
+            } => EventHubsTarget::with_credential(
+                &namespace,
+                credential(kind)?,
                 &eh.hub,
                 &eh.consumer_group,
             ),
@@ -473,7 +481,7 @@ impl Wiring {
                 tracing::info!("{}", proof.summary);
                 Ok(proof.warnings)
             }
-            Err(refusal) => Err(WiringError::QueueRefused(refusal.to_string())),
+            Err(refusal) => Err(WiringError::QueueRefused(refusal)),
         }
     }
 
@@ -512,10 +520,6 @@ impl Wiring {
             breaker: self.breaker.clone(),
         })
     }
-}
-
-fn parse_cs(key: &str, cs: &str) -> Result<ConnectionString, WiringError> {
-    cs.parse().map_err(|e| WiringError::client(key, e))
 }
 
 #[cfg(test)]

@@ -182,6 +182,29 @@ pub struct BreakerRecord {
     pub reopens: u64,
 }
 
+/// Where a breaker is, as the status API shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BreakerState {
+    /// Calls go through.
+    Closed,
+    /// Calls are deferred until `open_until_ms`.
+    Open,
+    /// Past `open_until_ms`: a trial decides whether it closes.
+    HalfOpen,
+}
+
+impl BreakerRecord {
+    /// The state this record puts the breaker in at `now`.
+    pub fn state(&self, now: SystemTime) -> BreakerState {
+        match self.open_until_ms {
+            None => BreakerState::Closed,
+            Some(u) if at(u) > now => BreakerState::Open,
+            Some(_) => BreakerState::HalfOpen,
+        }
+    }
+}
+
 /// What to do with work for the downstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Admission {
@@ -754,6 +777,11 @@ impl Shared {
             .and_then(|r| r.opened_at_ms)
             .and_then(|t| self.clock.now().duration_since(at(t)).ok())
             .unwrap_or_default()
+    }
+
+    /// The breaker's state now (on its clock), as last seen.
+    pub fn state(&self) -> BreakerState {
+        self.cached().unwrap_or_default().state(self.clock.now())
     }
 
     /// The record as last seen.

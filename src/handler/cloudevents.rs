@@ -77,15 +77,10 @@ pub fn data_content_type<'e>(
 /// Percent-encodes a header value as the HTTP binding asks (§3.1.3.2): printable ASCII
 /// stays, except space, `"` and `%`; every other byte of the UTF-8 form becomes `%XX`.
 pub fn header_value(value: &str) -> String {
-    let mut out = String::with_capacity(value.len());
-    for b in value.bytes() {
-        if (0x21..=0x7e).contains(&b) && b != b'"' && b != b'%' {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    /// Controls (and DEL), space, `"` and `%`; bytes outside ASCII are always encoded.
+    const ENCODED: &percent_encoding::AsciiSet =
+        &percent_encoding::CONTROLS.add(b' ').add(b'"').add(b'%');
+    super::percent_encode(value, ENCODED)
 }
 
 /// What to send: headers (besides hubguard's own) and the body.

@@ -17,6 +17,21 @@ use async_trait::async_trait;
 use crate::event::Event;
 use crate::policy::classify::ErrorClass;
 
+/// Percent-encodes `value` for a header: every byte of its UTF-8 form outside ASCII, and the
+/// ASCII characters in `set` (uppercase hex, RFC 3986 §2.1). The one encoder of header
+/// values; each caller's set says what else it escapes.
+pub(crate) fn percent_encode(value: &str, set: &'static percent_encoding::AsciiSet) -> String {
+    percent_encoding::utf8_percent_encode(value, set).to_string()
+}
+
+/// Whether `name` can be an HTTP field name: a token (RFC 9110 §5.6.2, `tchar`).
+pub(crate) fn is_field_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
 /// What the handler is told about the attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attempt {

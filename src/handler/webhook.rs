@@ -151,6 +151,8 @@ pub struct WebhookHandler {
     signing: Option<Arc<Live<SigningKeys>>>,
     authorization: Option<Arc<Live<HeaderValue>>>,
     handshake: Option<Arc<Handshake>>,
+    /// The clock a `Retry-After` date is read against.
+    clock: Arc<crate::clock::Clock>,
 }
 
 fn parse_authorization(key: &str, text: &str) -> Result<HeaderValue, String> {
@@ -184,19 +186,59 @@ fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, String> {
     })
 }
 
-impl WebhookHandler {
-    /// A handler for `config`.
-    pub fn new(config: WebhookConfig) -> Result<Self, String> {
-        let url = reqwest::Url::parse(&config.url)
-            .map_err(|e| format!("handler.url is not a URL: {e}"))?;
+/// What a [`WebhookConfig`] loads before a handler can be built: the TLS identity and the
+/// secrets, each read and parsed once.
+struct Loaded {
+    identity: Option<reqwest::Identity>,
+    signing: Option<Arc<Live<SigningKeys>>>,
+    authorization: Option<Arc<Live<HeaderValue>>>,
+}
+
+impl WebhookConfig {
+    /// Checks what [`WebhookHandler::new`] would refuse, without building the handler: the
+    /// URL, the TLS certificate and key, the secrets (read and parsed), the handshake's
+    /// origin. Configuration validation calls it; wiring builds.
+    pub fn check(&self) -> Result<(), String> {
+        self.load().map(drop)
+    }
+
+    fn load(&self) -> Result<Loaded, String> {
+        let url =
+            reqwest::Url::parse(&self.url).map_err(|e| format!("handler.url is not a URL: {e}"))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err("handler.url must be an http or https URL".into());
         }
+        let identity = self.tls.as_ref().map(client_identity).transpose()?;
+        let signing = self
+            .signing
+            .as_ref()
+            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
+            .transpose()?;
+        let authorization = self
+            .authorization
+            .as_ref()
+            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
+            .transpose()?;
+        if self.handshake.enabled && self.handshake.origin.trim().is_empty() {
+            return Err("handler.handshake.origin must not be empty".into());
+        }
+        Ok(Loaded {
+            identity,
+            signing,
+            authorization,
+        })
+    }
+}
+
+impl WebhookHandler {
+    /// A handler for `config`.
+    pub fn new(config: WebhookConfig) -> Result<Self, String> {
+        let loaded = config.load()?;
         let mut builder = reqwest::Client::builder()
             .timeout(Duration::from_millis(config.timeout_ms))
             .redirect(reqwest::redirect::Policy::none());
-        if let Some(tls) = &config.tls {
-            builder = builder.identity(client_identity(tls)?);
+        if let Some(identity) = loaded.identity {
+            builder = builder.identity(identity);
         }
         let client = builder.build().map_err(|e| match &config.tls {
             // The client reads the certificate and key here; its error could describe them.
@@ -207,19 +249,6 @@ impl WebhookHandler {
             ),
             None => format!("cannot build the HTTP client: {e}"),
         })?;
-        let signing = config
-            .signing
-            .as_ref()
-            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
-            .transpose()?;
-        let authorization = config
-            .authorization
-            .as_ref()
-            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
-            .transpose()?;
-        if config.handshake.enabled && config.handshake.origin.trim().is_empty() {
-            return Err("handler.handshake.origin must not be empty".into());
-        }
         let handshake = config
             .handshake
             .enabled
@@ -227,10 +256,17 @@ impl WebhookHandler {
         Ok(Self {
             client,
             config,
-            signing,
-            authorization,
+            signing: loaded.signing,
+            authorization: loaded.authorization,
             handshake,
+            clock: Arc::default(),
         })
+    }
+
+    /// Reads a `Retry-After` date against `clock` (the pipeline's) instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 }
 
@@ -298,16 +334,12 @@ const KEY_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add
 /// percent-encoded (RFC 3986 style, UTF-8). Unambiguous: `café` goes as `caf%C3%A9`, and a
 /// literal `caf%C3%A9` as `caf%25C3%25A9`; a `-` stays a `-`.
 fn key_header_value(value: &str) -> String {
-    percent_encoding::utf8_percent_encode(value, KEY_ENCODED).to_string()
+    super::percent_encode(value, KEY_ENCODED)
 }
 
 /// Header names must be tokens and values visible ASCII; anything else is left out.
 fn header_safe(name: &str, value: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-        && value.bytes().all(|b| (0x20..0x7f).contains(&b))
+    super::is_field_name(name) && value.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
 
 #[async_trait]
@@ -411,7 +443,7 @@ impl Handler for WebhookHandler {
                     .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
                 let retry_after = retry_after_raw
                     .as_deref()
-                    .and_then(|v| classify::retry_after(v, SystemTime::now()));
+                    .and_then(|v| classify::retry_after(v, self.clock.now()));
                 let class = classify::http_status(status, self.config.conflict_is_permanent);
                 let error = failure_text(status, retry_after_raw.as_deref(), &mut resp).await;
                 Outcome::Failed(Failure {

@@ -699,22 +699,19 @@ impl FencedCheckpointStore {
         if let Some(health) = &self.health {
             for (p, blob) in newly {
                 health.hold(
-                    &p,
+                    crate::pipeline::health::HoldSubject::Partition(p),
+                    None,
                     crate::pipeline::health::HoldCause::CorruptCheckpoint,
                     format!("checkpoint blob {blob} holds no readable position (sequencenumber/offset): the partition is not read until the blob is repaired or deleted"),
-                    POISONED_SEQ,
                 );
             }
             for p in healed {
-                health.release(&p, POISONED_SEQ);
+                health.release(&crate::pipeline::health::HoldSubject::Partition(p), None);
             }
         }
         Ok(cps)
     }
 }
-
-/// The sequence number a poisoned checkpoint is held under in [`Health`](crate::pipeline::health::Health).
-const POISONED_SEQ: i64 = -1;
 
 #[async_trait]
 impl CheckpointStore for FencedCheckpointStore {

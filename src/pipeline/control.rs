@@ -145,7 +145,7 @@ impl Pauses {
 
 /// The name a paused partition is held under in readiness and `/v1/status`.
 pub fn held_name(pid: &str) -> String {
-    format!("{pid} (paused)")
+    super::health::HoldSubject::PausedPartition(pid.to_string()).to_string()
 }
 
 /// The control record's name for a deployment (consumer group lower-cased, as the ledger's).

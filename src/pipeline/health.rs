@@ -1,15 +1,27 @@
 //! What the pipeline says about itself: held partitions and why, the retry loop's state, and
 //! counters — for `/readyz`, the status API, logs and tests.
+//!
+//! One [`State`] behind one lock; times are [`SystemTime`]s of the pipeline's [`Clock`] and
+//! become RFC 3339 only in the [`HealthReport`] the status API serves. The mutators are
+//! crate-private: the pipeline's loops change health, and its counters change only through
+//! the `Observer` that records the matching metric, so an embedder reads health and cannot
+//! falsify it.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use std::time::SystemTime;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 use tokio::sync::watch;
 
-use crate::clock::rfc3339;
+use super::observe::Counters;
+use crate::clock::{rfc3339, Clock};
+
+/// Serialises a time as RFC 3339 (the status API's form).
+fn as_rfc3339<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&rfc3339(*t))
+}
 
 /// What holds a partition, as a closed set: the `reason` label of
 /// `hubguard_partitions_held`, and what callers branch on. [`Held::reason`] says the rest.
@@ -47,17 +59,77 @@ impl HoldCause {
     }
 }
 
-/// Why a partition is held.
+/// What a hold is on. Its [`Display`](fmt::Display) is the name readiness and the status
+/// API list it under (`held_partitions`).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum HoldSubject {
+    /// A partition: one of its events cannot settle, or the partition cannot be read at all
+    /// (a corrupt checkpoint). Listed under the partition's id.
+    Partition(String),
+    /// A partition an operator paused, held beside the partition's own holds (an event
+    /// that cannot settle stays in view under the partition's id). Listed as `{id} (paused)`.
+    PausedPartition(String),
+    /// The handler for a downstream cannot deliver yet. Listed as `handler {downstream}`.
+    Handler(String),
+    /// The downstream asked every replica to pause (a long `Retry-After`). Listed as
+    /// `rate limit {downstream}`.
+    RateLimit(String),
+}
+
+impl HoldSubject {
+    /// The partition `id`.
+    pub fn partition(id: &str) -> Self {
+        Self::Partition(id.to_string())
+    }
+
+    /// What the status API shows as `oldest_unsettled` for a hold on no event: `-1` for a
+    /// partition (before any sequence number), `0` for the handler and the rate limit — the
+    /// values it has always shown (docs/status-api.md).
+    fn no_event_wire(&self) -> i64 {
+        match self {
+            Self::Partition(_) | Self::PausedPartition(_) => -1,
+            Self::Handler(_) | Self::RateLimit(_) => 0,
+        }
+    }
+}
+
+impl fmt::Display for HoldSubject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Partition(id) => f.write_str(id),
+            Self::PausedPartition(id) => write!(f, "{id} (paused)"),
+            Self::Handler(downstream) => write!(f, "handler {downstream}"),
+            Self::RateLimit(downstream) => write!(f, "rate limit {downstream}"),
+        }
+    }
+}
+
+/// Why a partition (or the handler) is held, as readiness and the status API show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Held {
     /// What holds it.
     pub cause: HoldCause,
-    /// Since when (RFC 3339).
-    pub since: String,
+    /// Since when.
+    #[serde(serialize_with = "as_rfc3339")]
+    pub since: SystemTime,
     /// The dependency that failed and how.
     pub reason: String,
-    /// The oldest unsettled sequence number: nothing at or after it is checkpointed.
+    /// The oldest unsettled sequence number: nothing at or after it is checkpointed. A hold
+    /// on no event shows `-1` for a partition and `0` for the handler, as the status API
+    /// always has; [`event`](Self::event) says which.
     pub oldest_unsettled: i64,
+    /// The held event's sequence number; `None` when the hold is on no one event (a paused
+    /// partition, a corrupt checkpoint, the handler).
+    #[serde(skip)]
+    pub event: Option<i64>,
+}
+
+/// One hold as recorded: on one event of its subject, or on none.
+#[derive(Debug, Clone)]
+struct Hold {
+    cause: HoldCause,
+    since: SystemTime,
+    reason: String,
 }
 
 /// The retry loop's state (three layers of recovery: retry at once with backoff, then a watchdog at a slow pace).
@@ -96,8 +168,9 @@ pub enum ConsumerState {
     Running,
     /// Opening the consumer or running the processor fails; it is rebuilt with backoff.
     Failing {
-        /// Since when (RFC 3339).
-        since: String,
+        /// Since when.
+        #[serde(serialize_with = "as_rfc3339")]
+        since: SystemTime,
         /// Consecutive failures.
         failures: u32,
         /// The last error, naming the endpoint.
@@ -110,41 +183,20 @@ pub enum ConsumerState {
 pub struct HeldRetry {
     /// The event's idempotency key.
     pub key: String,
-    /// Since when (RFC 3339).
-    pub since: String,
+    /// Since when.
+    #[serde(serialize_with = "as_rfc3339")]
+    pub since: SystemTime,
     /// What failed.
     pub reason: String,
 }
 
-/// Counters of the pipeline.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Events delivered (any attempt).
-    pub delivered: AtomicU64,
-    /// Retries scheduled.
-    pub retries_scheduled: AtomicU64,
-    /// Events dead-lettered.
-    pub dead_lettered: AtomicU64,
-    /// Settlements that failed (and were retried).
-    pub settle_failures: AtomicU64,
-    /// Checkpoints written.
-    pub checkpoints: AtomicU64,
-    /// Handler calls.
-    pub attempts: AtomicU64,
-    /// Retries taken back from Service Bus's dead-letter sub-queue.
-    pub rescued: AtomicU64,
-    /// Overdue retries the ledger recorded and nothing ran, scheduled again.
-    pub recovered: AtomicU64,
-    /// Retries of another deployment handed back to a shared queue.
-    pub forwarded: AtomicU64,
-    /// Missing ledger records rebuilt from the event read back from Event Hubs.
-    pub records_rebuilt: AtomicU64,
-    /// Retries dead-lettered as `record_missing`.
-    pub records_missing: AtomicU64,
-    /// Events parked behind an earlier event of their ordering key (ordered retries).
-    pub parked: AtomicU64,
-    /// Parked events released from their line (scheduled to run, due now).
-    pub released: AtomicU64,
+/// A partition's checkpoint lag.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Lag {
+    /// Events received but not covered by the checkpoint.
+    pub events: u64,
+    /// The age in seconds of the oldest of them.
+    pub seconds: f64,
 }
 
 /// A snapshot of the counters.
@@ -178,9 +230,54 @@ pub struct CounterSnapshot {
     pub released: u64,
 }
 
+/// Everything health knows, as `/readyz` and `/v1/status` serve it (before the status API
+/// adds the breaker and the rate limit).
+#[derive(Debug, Clone, Serialize)]
+pub struct HealthReport {
+    /// Whether the replica is ready: `not_ready` is empty.
+    pub ready: bool,
+    /// Why it is not, one line per cause.
+    pub not_ready: Vec<String>,
+    /// The Event Hubs consumer.
+    pub consumer: ConsumerState,
+    /// Partitions of the hub no replica owns.
+    pub unowned_partitions: Vec<String>,
+    /// Due retries held, by MessageId.
+    pub held_retries: BTreeMap<String, HeldRetry>,
+    /// Holds, by the name of what is held ([`HoldSubject`]'s display).
+    pub held_partitions: BTreeMap<String, Held>,
+    /// Partitions this replica processes, with their last checkpointed sequence number
+    /// (`-1`: none yet).
+    pub owned_partitions: BTreeMap<String, i64>,
+    /// The retry loop.
+    pub retry_loop: RetryLoopState,
+    /// Checkpoint lag per partition.
+    pub checkpoint_lag: BTreeMap<String, Lag>,
+    /// The counters.
+    pub counters: CounterSnapshot,
+    /// Other deployments whose retries came from the shared queue: name → how many.
+    pub other_deployments_seen: BTreeMap<String, u64>,
+}
+
+/// Liveness refused: the Event Hubs consumer has failed without a break for too long.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the Event Hubs consumer has failed without a break for {}s (limit {}s): {error}",
+    failing_for.as_secs(),
+    limit.as_secs()
+)]
+pub struct NotLive {
+    /// How long it has been failing.
+    pub failing_for: Duration,
+    /// `status.unhealthy_after_ms`.
+    pub limit: Duration,
+    /// The last error, naming the endpoint.
+    pub error: String,
+}
+
 /// How long a `record_missing` dead letter keeps readiness at 503: long enough for an alert
 /// on readiness to fire and an operator to see the key, short enough not to stall a rollout.
-pub const RECORD_MISSING_READINESS: std::time::Duration = std::time::Duration::from_secs(900);
+pub const RECORD_MISSING_READINESS: Duration = Duration::from_secs(900);
 /// Something work can wait on besides its own schedule and the partitions' holds (the
 /// downstream's circuit breaker): why it does now, or `None`. Read by [`Health::ready`].
 pub trait WaitingOn: std::fmt::Debug + Send + Sync + 'static {
@@ -188,52 +285,118 @@ pub trait WaitingOn: std::fmt::Debug + Send + Sync + 'static {
     fn waiting(&self) -> Option<String>;
 }
 
-/// Shared health of one pipeline.
-#[derive(Debug)]
-pub struct Health {
-    waits: Mutex<Vec<std::sync::Arc<dyn WaitingOn>>>,
-    held: Mutex<BTreeMap<String, BTreeMap<i64, Held>>>,
-    owned: Mutex<BTreeMap<String, i64>>,
-    retry_loop: Mutex<RetryLoopState>,
-    consumer: Mutex<(ConsumerState, Option<std::time::Instant>)>,
-    held_retries: Mutex<BTreeMap<String, HeldRetry>>,
-    unowned: Mutex<Vec<String>>,
-    unhealthy_after: Mutex<Option<std::time::Duration>>,
-    lag: Mutex<BTreeMap<String, (u64, f64)>>,
-    owner_conflict: Mutex<Option<String>>,
-    /// The last `record_missing` dead letter: its key, when (RFC 3339), and when (monotonic).
-    record_missing: Mutex<Option<(String, String, std::time::Instant)>>,
-    /// Other deployments whose retries came from the shared queue: name → how many.
-    foreign: Mutex<BTreeMap<String, u64>>,
-    /// Counters.
-    pub counters: Counters,
-    changed: watch::Sender<u64>,
+/// The last retry dead-lettered as `record_missing`.
+#[derive(Debug, Clone)]
+struct RecordMissing {
+    key: String,
+    at: SystemTime,
 }
 
-impl Default for Health {
+/// Everything health records, behind [`Health`]'s one lock.
+#[derive(Debug)]
+struct State {
+    waits: Vec<Arc<dyn WaitingOn>>,
+    /// Holds by subject, then by event (`None`: on the subject as a whole, listed first).
+    holds: BTreeMap<HoldSubject, BTreeMap<Option<i64>, Hold>>,
+    /// Owned partitions and their last checkpoint.
+    owned: BTreeMap<String, Option<i64>>,
+    retry_loop: RetryLoopState,
+    consumer: ConsumerState,
+    held_retries: BTreeMap<String, HeldRetry>,
+    unowned: Vec<String>,
+    unhealthy_after: Option<Duration>,
+    lag: BTreeMap<String, Lag>,
+    owner_conflict: Option<String>,
+    record_missing: Option<RecordMissing>,
+    foreign: BTreeMap<String, u64>,
+}
+
+impl Default for State {
     fn default() -> Self {
         Self {
-            waits: Mutex::default(),
-            held: Mutex::default(),
-            owned: Mutex::default(),
-            retry_loop: Mutex::new(RetryLoopState::Starting),
-            consumer: Mutex::new((ConsumerState::Starting, None)),
-            held_retries: Mutex::default(),
-            unowned: Mutex::default(),
-            unhealthy_after: Mutex::default(),
-            lag: Mutex::default(),
-            owner_conflict: Mutex::default(),
-            record_missing: Mutex::default(),
-            foreign: Mutex::default(),
-            counters: Counters::default(),
-            changed: watch::channel(0).0,
+            waits: Vec::new(),
+            holds: BTreeMap::new(),
+            owned: BTreeMap::new(),
+            retry_loop: RetryLoopState::Starting,
+            consumer: ConsumerState::Starting,
+            held_retries: BTreeMap::new(),
+            unowned: Vec::new(),
+            unhealthy_after: None,
+            lag: BTreeMap::new(),
+            owner_conflict: None,
+            record_missing: None,
+            foreign: BTreeMap::new(),
         }
     }
 }
 
+impl State {
+    /// Held subjects: for each, the oldest held event's reason and sequence number, since
+    /// the earliest hold began.
+    fn held(&self) -> BTreeMap<String, Held> {
+        self.holds
+            .iter()
+            .filter_map(|(subject, events)| {
+                let (event, oldest) = events.iter().next()?;
+                let since = events.values().map(|e| e.since).min()?;
+                Some((
+                    subject.to_string(),
+                    Held {
+                        cause: oldest.cause,
+                        since,
+                        reason: oldest.reason.clone(),
+                        oldest_unsettled: event.unwrap_or_else(|| subject.no_event_wire()),
+                        event: *event,
+                    },
+                ))
+            })
+            .collect()
+    }
+}
+
+/// Shared health of one pipeline.
+#[derive(Debug)]
+pub struct Health {
+    state: Mutex<State>,
+    counters: Counters,
+    clock: Arc<Clock>,
+    changed: watch::Sender<u64>,
+}
+
+impl Default for Health {
+    /// Health on the wall clock.
+    fn default() -> Self {
+        Self::new(Arc::new(Clock::default()))
+    }
+}
+
 impl Health {
+    /// Health whose times come from `clock` (the pipeline's).
+    pub fn new(clock: Arc<Clock>) -> Self {
+        Self {
+            state: Mutex::default(),
+            counters: Counters::default(),
+            clock,
+            changed: watch::channel(0).0,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn bump(&self) {
         self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// The clock health's times come from (the pipeline's).
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// The counters, for the `Observer` that bumps them beside the metrics.
+    pub(super) fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// Resolves whenever something changes (for tests that wait on conditions).
@@ -241,207 +404,175 @@ impl Health {
         self.changed.subscribe()
     }
 
-    /// Records that event `seq` of `partition` is held (its settlement is failing). With
-    /// `max_in_flight` above 1 several events of a partition can hold at once; the partition
-    /// is reported held until the last of them settles, with the oldest one's reason.
-    pub fn hold(&self, partition: &str, cause: HoldCause, reason: String, seq: i64) {
-        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let events = h.entry(partition.to_string()).or_default();
-        let since = events
-            .get(&seq)
-            .map(|x| x.since.clone())
-            .unwrap_or_else(|| rfc3339(SystemTime::now()));
-        if events.get(&seq).map(|x| &x.reason) != Some(&reason) {
-            tracing::warn!(partition, %reason, oldest_unsettled = seq, "partition held: its checkpoint will not pass the unsettled event");
+    /// Records that `subject` is held, on its event `event` (its settlement is failing) or
+    /// on none. With `max_in_flight` above 1 several events of a partition can hold at once;
+    /// the partition is reported held until the last of them settles, with the oldest one's
+    /// reason.
+    pub(crate) fn hold(
+        &self,
+        subject: HoldSubject,
+        event: Option<i64>,
+        cause: HoldCause,
+        reason: String,
+    ) {
+        let now = self.clock.now();
+        let mut st = self.state();
+        let events = st.holds.entry(subject.clone()).or_default();
+        let previous = events.get(&event);
+        let since = previous.map_or(now, |x| x.since);
+        if previous.map(|x| &x.reason) != Some(&reason) {
+            tracing::warn!(partition = %subject, %reason, oldest_unsettled = ?event, "partition held: its checkpoint will not pass the unsettled event");
         }
         events.insert(
-            seq,
-            Held {
+            event,
+            Hold {
                 cause,
                 since,
                 reason,
-                oldest_unsettled: seq,
             },
         );
-        drop(h);
+        drop(st);
         self.bump();
     }
 
-    /// Records that event `seq` of `partition` is no longer held.
-    pub fn release(&self, partition: &str, seq: i64) {
-        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(events) = h.get_mut(partition) else {
+    /// Records that event `seq` of `partition` is held (see [`hold`](Self::hold)).
+    pub(crate) fn hold_event(&self, partition: &str, seq: i64, cause: HoldCause, reason: String) {
+        self.hold(HoldSubject::partition(partition), Some(seq), cause, reason)
+    }
+
+    /// Records that `subject` is no longer held on `event` (or on none).
+    pub(crate) fn release(&self, subject: &HoldSubject, event: Option<i64>) {
+        let mut st = self.state();
+        let Some(events) = st.holds.get_mut(subject) else {
             return;
         };
-        let removed = events.remove(&seq);
+        let removed = events.remove(&event);
         let now_free = events.is_empty();
         if now_free {
-            h.remove(partition);
+            st.holds.remove(subject);
         }
-        drop(h);
+        drop(st);
         if let Some(held) = removed {
             if now_free {
-                tracing::info!(partition, since = %held.since, "partition released: settlement succeeded");
+                tracing::info!(partition = %subject, since = %rfc3339(held.since), "partition released: settlement succeeded");
             }
             self.bump();
         }
     }
 
-    /// Makes readiness also say no while `source` has work waiting on it.
-    pub fn watch(&self, source: std::sync::Arc<dyn WaitingOn>) {
-        self.waits
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(source);
+    /// Records that event `seq` of `partition` is no longer held.
+    pub(crate) fn release_event(&self, partition: &str, seq: i64) {
+        self.release(&HoldSubject::partition(partition), Some(seq))
     }
 
-    /// Held partitions: for each, the oldest held event's reason and sequence number, since
+    /// Makes readiness also say no while `source` has work waiting on it.
+    pub(crate) fn watch(&self, source: Arc<dyn WaitingOn>) {
+        self.state().waits.push(source);
+    }
+
+    /// Held partitions (and the handler, a pause, the rate limit), by the name readiness
+    /// lists them under: for each, the oldest held event's reason and sequence number, since
     /// the earliest hold began.
     pub fn held(&self) -> BTreeMap<String, Held> {
-        let h = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        h.iter()
-            .filter_map(|(p, events)| {
-                let (_, oldest) = events.iter().next()?;
-                let since = events.values().map(|e| e.since.as_str()).min()?;
-                Some((
-                    p.clone(),
-                    Held {
-                        since: since.to_string(),
-                        ..oldest.clone()
-                    },
-                ))
-            })
-            .collect()
+        self.state().held()
     }
 
     /// Records that this replica processes `partition` (and its last checkpoint).
-    pub fn set_owned(&self, partition: &str, checkpoint: Option<i64>) {
-        self.owned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(partition.into(), checkpoint.unwrap_or(-1));
+    pub(crate) fn set_owned(&self, partition: &str, checkpoint: Option<i64>) {
+        self.state().owned.insert(partition.into(), checkpoint);
         self.bump();
     }
 
-    /// Records that this replica gave `partition` up.
-    pub fn unset_owned(&self, partition: &str) {
-        self.owned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(partition);
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(partition);
+    /// Records that this replica gave `partition` up (which ends the partition's holds).
+    pub(crate) fn unset_owned(&self, partition: &str) {
+        let mut st = self.state();
+        st.owned.remove(partition);
+        st.holds.remove(&HoldSubject::partition(partition));
+        drop(st);
         self.bump();
     }
 
-    /// Partitions this replica processes, with their last checkpointed sequence number.
-    pub fn owned(&self) -> BTreeMap<String, i64> {
-        self.owned.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// Partitions this replica processes, with their last checkpointed sequence number
+    /// (`None`: no checkpoint yet).
+    pub fn owned(&self) -> BTreeMap<String, Option<i64>> {
+        self.state().owned.clone()
     }
 
     /// Records a partition's checkpoint lag: events received but not covered by the
     /// checkpoint, and the age in seconds of the oldest of them.
-    pub fn set_lag(&self, partition: &str, events: u64, seconds: f64) {
-        self.lag
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(partition.into(), (events, seconds));
+    pub(crate) fn set_lag(&self, partition: &str, lag: Lag) {
+        self.state().lag.insert(partition.into(), lag);
     }
 
-    /// Checkpoint lag per partition: (events, seconds).
-    pub fn lag(&self) -> BTreeMap<String, (u64, f64)> {
-        self.lag.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// The retry loop's state as a number (1 running, 2 reconnecting, 3 watchdog, 0 otherwise).
-    pub fn retry_loop_code(&self) -> u64 {
-        match self.retry_loop() {
-            RetryLoopState::Running => 1,
-            RetryLoopState::Reconnecting { .. } => 2,
-            RetryLoopState::Watchdog { .. } => 3,
-            RetryLoopState::Starting | RetryLoopState::Stopped => 0,
-        }
+    /// Checkpoint lag per partition.
+    pub fn lag(&self) -> BTreeMap<String, Lag> {
+        self.state().lag.clone()
     }
 
     /// Sets the retry loop's state.
-    pub fn set_retry_loop(&self, s: RetryLoopState) {
-        *self.retry_loop.lock().unwrap_or_else(|p| p.into_inner()) = s;
+    pub(crate) fn set_retry_loop(&self, s: RetryLoopState) {
+        self.state().retry_loop = s;
         self.bump();
     }
 
     /// The retry loop's state.
     pub fn retry_loop(&self) -> RetryLoopState {
-        self.retry_loop
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.state().retry_loop.clone()
     }
 
     /// The consumer is running (the processor was built and runs).
-    pub fn consumer_running(&self) {
-        let mut c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
-        if c.0 != ConsumerState::Running {
-            if matches!(c.0, ConsumerState::Failing { .. }) {
+    pub(crate) fn consumer_running(&self) {
+        let mut st = self.state();
+        if st.consumer != ConsumerState::Running {
+            if matches!(st.consumer, ConsumerState::Failing { .. }) {
                 tracing::info!("the Event Hubs consumer recovered");
             }
-            *c = (ConsumerState::Running, None);
-            drop(c);
+            st.consumer = ConsumerState::Running;
+            drop(st);
             self.bump();
         }
     }
 
     /// The consumer failed with `error` (and is being rebuilt).
-    pub fn consumer_failed(&self, error: String) {
-        let mut c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
-        let (since, failures, started) = match (&c.0, c.1) {
-            (
-                ConsumerState::Failing {
-                    since, failures, ..
-                },
-                Some(t),
-            ) => (since.clone(), failures + 1, t),
-            _ => (rfc3339(SystemTime::now()), 1, std::time::Instant::now()),
-        };
-        *c = (
+    pub(crate) fn consumer_failed(&self, error: String) {
+        let now = self.clock.now();
+        let mut st = self.state();
+        let (since, failures) = match &st.consumer {
             ConsumerState::Failing {
-                since,
-                failures,
-                error,
-            },
-            Some(started),
-        );
-        drop(c);
+                since, failures, ..
+            } => (*since, failures + 1),
+            _ => (now, 1),
+        };
+        st.consumer = ConsumerState::Failing {
+            since,
+            failures,
+            error,
+        };
+        drop(st);
         self.bump();
     }
 
     /// The consumer's state.
     pub fn consumer(&self) -> ConsumerState {
-        self.consumer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .0
-            .clone()
+        self.state().consumer.clone()
     }
 
     /// How long the consumer has been failing without a break, if it is.
-    pub fn consumer_failing_for(&self) -> Option<std::time::Duration> {
-        self.consumer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .1
-            .map(|t| t.elapsed())
+    pub fn consumer_failing_for(&self) -> Option<Duration> {
+        match self.state().consumer {
+            ConsumerState::Failing { since, .. } => {
+                Some(self.clock.now().duration_since(since).unwrap_or_default())
+            }
+            _ => None,
+        }
     }
 
     /// Records that the due retry `message_id` (of `key`) is held: `reason` keeps failing.
-    pub fn hold_retry(&self, message_id: &str, key: &str, reason: String) {
-        let mut h = self.held_retries.lock().unwrap_or_else(|p| p.into_inner());
-        let since = h
-            .get(message_id)
-            .map(|x| x.since.clone())
-            .unwrap_or_else(|| rfc3339(SystemTime::now()));
-        h.insert(
+    pub(crate) fn hold_retry(&self, message_id: &str, key: &str, reason: String) {
+        let now = self.clock.now();
+        let mut st = self.state();
+        let since = st.held_retries.get(message_id).map_or(now, |x| x.since);
+        st.held_retries.insert(
             message_id.to_string(),
             HeldRetry {
                 key: key.to_string(),
@@ -449,117 +580,103 @@ impl Health {
                 reason,
             },
         );
-        drop(h);
+        drop(st);
         self.bump();
     }
 
     /// Records that the retry `message_id` is no longer held.
-    pub fn release_retry(&self, message_id: &str) {
-        let removed = self
-            .held_retries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(message_id);
+    pub(crate) fn release_retry(&self, message_id: &str) {
+        let removed = self.state().held_retries.remove(message_id);
         if removed.is_some() {
             self.bump();
         }
     }
 
-    /// Records a retry dead-lettered as `record_missing` (see [`RECORD_MISSING_READINESS`]).
-    pub fn record_missing(&self, key: &str) {
-        self.count(&self.counters.records_missing);
-        *self
-            .record_missing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some((
-            key.to_string(),
-            crate::clock::rfc3339(std::time::SystemTime::now()),
-            std::time::Instant::now(),
-        ));
+    /// Remembers the latest retry dead-lettered as `record_missing`, for readiness (see
+    /// [`RECORD_MISSING_READINESS`]); the `Observer` counts it.
+    pub(super) fn record_missing(&self, key: &str) {
+        let at = self.clock.now();
+        self.state().record_missing = Some(RecordMissing {
+            key: key.to_string(),
+            at,
+        });
         self.bump();
     }
 
     /// Records a retry of `deployment` (another one) received from the shared queue.
-    pub fn saw_foreign(&self, deployment: &str) {
+    pub(crate) fn saw_foreign(&self, deployment: &str) {
         *self
+            .state()
             .foreign
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
             .entry(deployment.to_string())
             .or_default() += 1;
     }
 
     /// Due retries held now, by MessageId.
     pub fn held_retries(&self) -> BTreeMap<String, HeldRetry> {
-        self.held_retries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.state().held_retries.clone()
     }
 
     /// Sets the partitions of the hub that no replica has owned for longer than ownership
     /// takes to expire and be claimed again.
-    pub fn set_unowned(&self, partitions: Vec<String>) {
-        let mut u = self.unowned.lock().unwrap_or_else(|p| p.into_inner());
-        if *u != partitions {
+    pub(crate) fn set_unowned(&self, partitions: Vec<String>) {
+        let mut st = self.state();
+        if st.unowned != partitions {
             if !partitions.is_empty() {
                 tracing::warn!(
                     ?partitions,
                     "partitions of the hub are owned by no replica: nothing reads them"
                 );
             }
-            *u = partitions;
-            drop(u);
+            st.unowned = partitions;
+            drop(st);
             self.bump();
         }
     }
 
     /// Sets how long the consumer may fail without a break before [`live`](Self::live) says no.
-    pub fn set_unhealthy_after(&self, limit: Option<std::time::Duration>) {
-        *self
-            .unhealthy_after
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = limit;
+    pub(crate) fn set_unhealthy_after(&self, limit: Option<Duration>) {
+        self.state().unhealthy_after = limit;
     }
 
-    /// Liveness (`/healthz`): `Err(reason)` once the Event Hubs consumer has failed without a
+    /// Liveness (`/healthz`): refused once the Event Hubs consumer has failed without a
     /// break for longer than the limit. hubguard never exits on a failing dependency by itself
     /// — everything it must not lose is durable, and it rebuilds the consumer with backoff —
     /// but a process that has not read the hub for that long is better restarted by its
     /// orchestrator with fresh connections. Everything else (a held partition, a retry loop
     /// in its watchdog) is readiness, not liveness: a restart would not mend a dependency.
-    pub fn live(&self) -> Result<(), String> {
-        let limit = *self
-            .unhealthy_after
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        match (limit, self.consumer_failing_for()) {
-            (Some(limit), Some(failing)) if failing >= limit => Err(format!(
-                "the Event Hubs consumer has failed without a break for {}s (limit {}s): {}",
-                failing.as_secs(),
-                limit.as_secs(),
-                match self.consumer() {
-                    ConsumerState::Failing { error, .. } => error,
-                    _ => String::new(),
+    pub fn live(&self) -> Result<(), NotLive> {
+        let now = self.clock.now();
+        let st = self.state();
+        match (st.unhealthy_after, &st.consumer) {
+            (Some(limit), ConsumerState::Failing { since, error, .. }) => {
+                let failing_for = now.duration_since(*since).unwrap_or_default();
+                if failing_for >= limit {
+                    return Err(NotLive {
+                        failing_for,
+                        limit,
+                        error: error.clone(),
+                    });
                 }
-            )),
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
 
     /// Partitions no replica owns.
     pub fn unowned(&self) -> Vec<String> {
-        self.unowned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.state().unowned.clone()
     }
 
     /// Why this replica is not making the progress it should, one line per cause; empty when
     /// ready. `/readyz` answers 503 with these.
     pub fn not_ready_reasons(&self) -> Vec<String> {
+        let now = self.clock.now();
+        let records_missing = self.counters.snapshot().records_missing;
+        let st = self.state();
         let mut r = Vec::new();
-        match self.consumer() {
+        match &st.consumer {
             ConsumerState::Running => {}
             ConsumerState::Starting => r.push("Event Hubs consumer starting".to_string()),
             ConsumerState::Failing {
@@ -567,49 +684,54 @@ impl Health {
                 failures,
                 error,
             } => r.push(format!(
-                "Event Hubs consumer failing since {since} ({failures} attempts): {error}"
+                "Event Hubs consumer failing since {} ({failures} attempts): {error}",
+                rfc3339(*since)
             )),
         }
-        if let Some(conflict) = self.owner_conflict() {
-            r.push(conflict);
+        if let Some(conflict) = &st.owner_conflict {
+            r.push(conflict.clone());
         }
-        let unowned = self.unowned();
-        if !unowned.is_empty() {
+        if !st.unowned.is_empty() {
             r.push(format!(
                 "partitions {} are owned by no replica",
-                unowned.join(", ")
+                st.unowned.join(", ")
             ));
         }
-        for (p, h) in self.held() {
+        for (p, h) in st.held() {
             r.push(format!(
                 "partition {p} held since {}: {}; oldest unsettled sequence number {}",
-                h.since, h.reason, h.oldest_unsettled
+                rfc3339(h.since),
+                h.reason,
+                h.oldest_unsettled
             ));
         }
-        for (id, h) in self.held_retries() {
+        for (id, h) in &st.held_retries {
             r.push(format!(
                 "retry {id} (key {}) held since {}: {}",
-                h.key, h.since, h.reason
+                h.key,
+                rfc3339(h.since),
+                h.reason
             ));
         }
-        if let Some((key, at, when)) = self
+        if let Some(m) = st
             .record_missing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .filter(|(_, _, when)| when.elapsed() < RECORD_MISSING_READINESS)
+            .as_ref()
+            .filter(|m| now.duration_since(m.at).unwrap_or_default() < RECORD_MISSING_READINESS)
         {
-            let _ = when;
             r.push(format!(
-                "{} retries found no ledger record and their event gone from Event Hubs; dead-lettered as record_missing, the latest key {key:?} at {at} (hubguard dead-letters list)",
-                self.counters.records_missing.load(Ordering::Relaxed)
+                "{records_missing} retries found no ledger record and their event gone from Event Hubs; dead-lettered as record_missing, the latest key {:?} at {} (hubguard dead-letters list)",
+                m.key,
+                rfc3339(m.at)
             ));
         }
+        let retry_loop = st.retry_loop.clone();
         // Work deferred past a breaker's expiry waits in Service Bus while no partition
-        // holds anything: the breaker itself says so.
-        let waits = self.waits.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        // holds anything: the breaker itself says so. Asked outside the lock (it reads its
+        // own state).
+        let waits = st.waits.clone();
+        drop(st);
         r.extend(waits.iter().filter_map(|w| w.waiting()));
-        match self.retry_loop() {
+        match retry_loop {
             RetryLoopState::Running => {}
             RetryLoopState::Starting => r.push("retry loop starting".into()),
             RetryLoopState::Stopped => r.push("retry loop stopped".into()),
@@ -625,24 +747,18 @@ impl Health {
 
     /// Records why this process may not use its owner id (another live process holds it),
     /// or that it may (`None`).
-    pub fn set_owner_conflict(&self, reason: Option<String>) {
-        let mut c = self
-            .owner_conflict
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if *c != reason {
-            *c = reason;
-            drop(c);
+    pub(crate) fn set_owner_conflict(&self, reason: Option<String>) {
+        let mut st = self.state();
+        if st.owner_conflict != reason {
+            st.owner_conflict = reason;
+            drop(st);
             self.bump();
         }
     }
 
     /// Why this process may not use its owner id, if it may not.
     pub fn owner_conflict(&self) -> Option<String> {
-        self.owner_conflict
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.state().owner_conflict.clone()
     }
 
     /// Ready: the consumer runs, every partition has an owner, nothing is held and the retry
@@ -651,47 +767,62 @@ impl Health {
         self.not_ready_reasons().is_empty()
     }
 
-    /// Adds one to a counter (counters do not wake [`subscribe`](Self::subscribe)rs: they
-    /// change on every event, and waking on each would cost the hot path).
-    pub fn count(&self, c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// The counters now.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let c = &self.counters;
-        CounterSnapshot {
-            delivered: c.delivered.load(Ordering::Relaxed),
-            retries_scheduled: c.retries_scheduled.load(Ordering::Relaxed),
-            dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
-            settle_failures: c.settle_failures.load(Ordering::Relaxed),
-            checkpoints: c.checkpoints.load(Ordering::Relaxed),
-            attempts: c.attempts.load(Ordering::Relaxed),
-            rescued: c.rescued.load(Ordering::Relaxed),
-            recovered: c.recovered.load(Ordering::Relaxed),
-            forwarded: c.forwarded.load(Ordering::Relaxed),
-            records_rebuilt: c.records_rebuilt.load(Ordering::Relaxed),
-            records_missing: c.records_missing.load(Ordering::Relaxed),
-            parked: c.parked.load(Ordering::Relaxed),
-            released: c.released.load(Ordering::Relaxed),
+        self.counters.snapshot()
+    }
+
+    /// Everything, as a typed report.
+    pub fn status(&self) -> HealthReport {
+        let not_ready = self.not_ready_reasons();
+        let counters = self.snapshot();
+        let st = self.state();
+        HealthReport {
+            ready: not_ready.is_empty(),
+            not_ready,
+            consumer: st.consumer.clone(),
+            unowned_partitions: st.unowned.clone(),
+            held_retries: st.held_retries.clone(),
+            held_partitions: st.held(),
+            owned_partitions: st
+                .owned
+                .iter()
+                .map(|(p, cp)| (p.clone(), cp.unwrap_or(-1)))
+                .collect(),
+            retry_loop: st.retry_loop.clone(),
+            checkpoint_lag: st.lag.clone(),
+            counters,
+            other_deployments_seen: st.foreign.clone(),
         }
     }
 
-    /// Everything, as JSON.
+    /// Everything, as JSON ([`status`](Self::status) serialised).
     pub fn report(&self) -> serde_json::Value {
-        serde_json::json!({
-            "ready": self.ready(),
-            "not_ready": self.not_ready_reasons(),
-            "consumer": self.consumer(),
-            "unowned_partitions": self.unowned(),
-            "held_retries": self.held_retries(),
-            "held_partitions": self.held(),
-            "owned_partitions": self.owned(),
-            "retry_loop": self.retry_loop(),
-            "checkpoint_lag": self.lag().into_iter().map(|(p, (e, s))| (p, serde_json::json!({ "events": e, "seconds": s }))).collect::<serde_json::Map<_, _>>(),
-            "counters": self.snapshot(),
-            "other_deployments_seen": self.foreign.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-        })
+        serde_json::to_value(self.status()).unwrap_or_default()
+    }
+}
+
+impl RetryLoopState {
+    /// The `hubguard_retry_loop_state` gauge's value: 1 running, 2 reconnecting, 3 watchdog,
+    /// 0 otherwise.
+    pub fn gauge_value(&self) -> u64 {
+        match self {
+            Self::Running => 1,
+            Self::Reconnecting { .. } => 2,
+            Self::Watchdog { .. } => 3,
+            Self::Starting | Self::Stopped => 0,
+        }
+    }
+}
+
+impl ConsumerState {
+    /// The consumer state gauge's value: 1 running, 2 failing, 0 starting.
+    pub fn gauge_value(&self) -> u64 {
+        match self {
+            Self::Running => 1,
+            Self::Failing { .. } => 2,
+            Self::Starting => 0,
+        }
     }
 }
 
@@ -705,30 +836,29 @@ impl crate::telemetry::gauges::PipelineReadings for Health {
     }
 
     fn retry_loop_code(&self) -> u64 {
-        Health::retry_loop_code(self)
+        self.retry_loop().gauge_value()
     }
 
     fn checkpoint_lag(&self) -> BTreeMap<String, (u64, f64)> {
         self.lag()
+            .into_iter()
+            .map(|(p, l)| (p, (l.events, l.seconds)))
+            .collect()
     }
 
     fn held_for(&self) -> BTreeMap<String, (&'static str, f64)> {
-        let now = time::OffsetDateTime::now_utc();
+        let now = self.clock.now();
         self.held()
             .into_iter()
             .map(|(p, h)| {
-                let since = time::OffsetDateTime::parse(
-                    &h.since,
-                    &time::format_description::well_known::Rfc3339,
-                )
-                .map_or(0.0, |t| (now - t).as_seconds_f64().max(0.0));
-                (p, (h.cause.label(), since))
+                let since = now.duration_since(h.since).unwrap_or_default();
+                (p, (h.cause.label(), since.as_secs_f64()))
             })
             .collect()
     }
 
     fn owned_count(&self) -> u64 {
-        self.owned().len() as u64
+        self.state().owned.len() as u64
     }
 
     fn unowned(&self) -> Vec<String> {
@@ -740,11 +870,7 @@ impl crate::telemetry::gauges::PipelineReadings for Health {
     }
 
     fn consumer_code(&self) -> u64 {
-        match self.consumer() {
-            ConsumerState::Running => 1,
-            ConsumerState::Failing { .. } => 2,
-            ConsumerState::Starting => 0,
-        }
+        self.consumer().gauge_value()
     }
 }
 
@@ -758,7 +884,7 @@ mod tests {
         h.set_unhealthy_after(Some(std::time::Duration::ZERO));
         assert!(h.live().is_ok(), "starting is not a failure");
         h.consumer_failed("opening the Event Hubs consumer at ns: refused".into());
-        let e = h.live().unwrap_err();
+        let e = h.live().unwrap_err().to_string();
         assert!(e.contains("refused"), "{e}");
         h.consumer_running();
         assert!(h.live().is_ok());
@@ -783,11 +909,11 @@ mod tests {
         h.set_owned("0", Some(4));
         h.set_owned("1", None);
         assert_eq!(h.owned_count(), 2);
-        h.hold(
+        h.hold_event(
             "1",
+            7,
             HoldCause::ServiceBus,
             "Service Bus unavailable".into(),
-            7,
         );
         let held = h.held_for();
         let (reason, secs) = held["1"];
@@ -812,11 +938,11 @@ mod tests {
         h.consumer_running();
         h.set_retry_loop(RetryLoopState::Running);
         assert!(h.ready(), "{:?}", h.not_ready_reasons());
-        h.hold(
+        h.hold_event(
             "3",
+            42,
             HoldCause::ServiceBus,
             "Service Bus unavailable: down".into(),
-            42,
         );
         h.hold_retry("k-attempt-2", "k", "reading the ledger failed: x".into());
         h.set_unowned(vec!["5".into()]);
@@ -829,9 +955,117 @@ mod tests {
         ] {
             assert!(reasons.contains(needle), "{needle}: {reasons}");
         }
-        h.release("3", 42);
+        h.release_event("3", 42);
         h.release_retry("k-attempt-2");
         h.set_unowned(Vec::new());
         assert!(h.ready());
+    }
+
+    #[test]
+    fn times_come_from_the_clock_and_holds_on_no_event_keep_their_wire_values() {
+        use crate::telemetry::gauges::PipelineReadings;
+        let clock = Arc::new(Clock::default());
+        let h = Health::new(clock.clone());
+        h.hold_event("0", 5, HoldCause::Ledger, "blob storage down".into());
+        h.hold(
+            HoldSubject::Handler("https://example.test".into()),
+            None,
+            HoldCause::HandlerBlocked,
+            "handshake not agreed".into(),
+        );
+        h.hold(
+            HoldSubject::PausedPartition("1".into()),
+            None,
+            HoldCause::Paused,
+            "paused by ops".into(),
+        );
+        clock.advance(Duration::from_secs(600));
+        let held_for = h.held_for();
+        assert!(held_for["0"].1 >= 600.0, "{held_for:?}");
+        let report = h.report();
+        let held = &report["held_partitions"];
+        assert_eq!(held["0"]["oldest_unsettled"], 5);
+        assert_eq!(held["handler https://example.test"]["oldest_unsettled"], 0);
+        assert_eq!(held["1 (paused)"]["oldest_unsettled"], -1);
+        assert_eq!(held["1 (paused)"]["cause"], "paused");
+        let since = held["0"]["since"].as_str().unwrap();
+        assert!(
+            time::OffsetDateTime::parse(since, &time::format_description::well_known::Rfc3339)
+                .is_ok(),
+            "{since}"
+        );
+        assert!(held["0"].get("event").is_none(), "not on the wire");
+        assert_eq!(h.held()["1 (paused)"].event, None);
+        assert_eq!(h.held()["0"].event, Some(5));
+
+        // A hold on the partition as a whole (a corrupt checkpoint) comes first.
+        h.hold(
+            HoldSubject::partition("0"),
+            None,
+            HoldCause::CorruptCheckpoint,
+            "unreadable".into(),
+        );
+        assert_eq!(h.held()["0"].cause, HoldCause::CorruptCheckpoint);
+        assert_eq!(h.report()["held_partitions"]["0"]["oldest_unsettled"], -1);
+        h.release(&HoldSubject::partition("0"), None);
+        assert_eq!(h.held()["0"].cause, HoldCause::Ledger);
+    }
+
+    #[test]
+    fn the_report_keeps_its_field_names() {
+        let h = Health::default();
+        h.set_owned("0", None);
+        h.set_owned("1", Some(9));
+        h.set_lag(
+            "1",
+            Lag {
+                events: 3,
+                seconds: 1.5,
+            },
+        );
+        h.consumer_failed("refused".into());
+        let r = h.report();
+        let mut keys: Vec<_> = r.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "checkpoint_lag",
+                "consumer",
+                "counters",
+                "held_partitions",
+                "held_retries",
+                "not_ready",
+                "other_deployments_seen",
+                "owned_partitions",
+                "ready",
+                "retry_loop",
+                "unowned_partitions",
+            ]
+        );
+        assert_eq!(r["owned_partitions"]["0"], -1);
+        assert_eq!(r["owned_partitions"]["1"], 9);
+        assert_eq!(
+            r["checkpoint_lag"]["1"],
+            serde_json::json!({ "events": 3, "seconds": 1.5 })
+        );
+        assert_eq!(r["consumer"]["state"], "failing");
+        assert_eq!(r["consumer"]["failures"], 1);
+        assert!(r["consumer"]["since"].is_string());
+        assert_eq!(r["retry_loop"]["state"], "starting");
+        assert_eq!(r["ready"], false);
+    }
+
+    #[test]
+    fn liveness_runs_on_the_clock() {
+        let clock = Arc::new(Clock::default());
+        let h = Health::new(clock.clone());
+        h.set_unhealthy_after(Some(Duration::from_secs(900)));
+        h.consumer_failed("refused".into());
+        assert!(h.live().is_ok());
+        clock.advance(Duration::from_secs(901));
+        let e = h.live().unwrap_err();
+        assert_eq!(e.limit, Duration::from_secs(900));
+        assert!(e.to_string().contains("limit 900s): refused"), "{e}");
     }
 }

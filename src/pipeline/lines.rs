@@ -479,7 +479,7 @@ pub(crate) async fn advance(
     head: &Event,
     key: &str,
     on_dead_letter: LineOnDeadLetter,
-    health: Option<&super::health::Health>,
+    observe: Option<&super::observe::Observer>,
 ) -> Result<bool, SettleError> {
     let ledger = &settler.ledger;
     let p = head.partition_id.as_str();
@@ -566,8 +566,8 @@ pub(crate) async fn advance(
         }
         current = (line.head_key.clone(), line.head_seq);
         if rec.state == State::RetryScheduled && rec.attempts == rec.attempt_base {
-            if let Some(h) = health {
-                h.count(&h.counters.released);
+            if let Some(o) = observe {
+                o.count_released();
             }
             tracing::info!(partition = %p, ordering_key = %key, key = %rec.key, sequence_number = line.head_seq, "a parked event is released: its first attempt is due now");
             // Its first attempt links to the attempt of the head it waited behind.
@@ -581,8 +581,8 @@ pub(crate) async fn advance(
             // Service Bus refused its message: it was dead-lettered, and the line moves on.
             continue;
         }
-        if let (true, Some(h)) = (follow, health) {
-            h.count(&h.counters.dead_lettered);
+        if let (true, Some(o)) = (follow, observe) {
+            o.count_dead_lettered(rec.event.identity.event_type.as_deref());
         }
         ledger.remove_parked(&next.name).await?;
         if rec.state == State::RetryScheduled {
@@ -816,7 +816,7 @@ async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> 
 pub(crate) async fn sweep(
     settler: &Settler,
     on_dead_letter: LineOnDeadLetter,
-    health: Option<&super::health::Health>,
+    observe: Option<&super::observe::Observer>,
     waiting: &std::collections::HashSet<&str>,
 ) -> Result<usize, SettleError> {
     let mut advanced = 0;
@@ -839,7 +839,7 @@ pub(crate) async fn sweep(
             &rec.event,
             &line.ordering_key,
             on_dead_letter,
-            health,
+            observe,
         )
         .await?;
         advanced += 1;

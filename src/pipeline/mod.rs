@@ -77,8 +77,10 @@ impl std::fmt::Debug for EventHubsTarget {
     }
 }
 
-/// What keeps events of one partition in order when several run at once.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// What keeps events of one partition in order when several run at once. Read from the
+/// configuration's spelling (`partition_key`, `property:<name>`, `none`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(try_from = "String")]
 pub enum OrderingKey {
     /// The event's partition key (events without one are not ordered against others).
     #[default]
@@ -100,19 +102,29 @@ impl OrderingKey {
     }
 }
 
+/// Not an ordering key's spelling.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected `partition_key`, `property:<name>` or `none`, got {0:?}")]
+pub struct BadOrderingKey(pub String);
+
 impl std::str::FromStr for OrderingKey {
-    type Err = String;
+    type Err = BadOrderingKey;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "partition_key" => Ok(Self::PartitionKey),
             "none" => Ok(Self::None),
             _ => match s.strip_prefix("property:") {
                 Some(p) if !p.trim().is_empty() => Ok(Self::Property(p.trim().to_string())),
-                _ => Err(format!(
-                    "expected `partition_key`, `property:<name>` or `none`, got {s:?}"
-                )),
+                _ => Err(BadOrderingKey(s.to_string())),
             },
         }
+    }
+}
+
+impl TryFrom<String> for OrderingKey {
+    type Error = BadOrderingKey;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 
@@ -458,7 +470,7 @@ impl Pipeline {
                 .with_dead_letters(parts.options.dead_letters.clone())
                 .with_schedule_lead(parts.options.retry_lead),
         );
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Health::new(parts.options.clock.clone()));
         health.set_unhealthy_after(parts.options.unhealthy_after);
         if let Some(b) = &breaker {
             health.watch(b.clone());
@@ -716,12 +728,17 @@ async fn watch_blocked(
     cancel: CancellationToken,
     crash: CancellationToken,
 ) {
-    let name = format!("handler {downstream}");
+    let subject = self::health::HoldSubject::Handler(downstream);
     loop {
         let reason = blocked.borrow_and_update().clone();
         match reason {
-            Some(r) => health.hold(&name, self::health::HoldCause::HandlerBlocked, r, 0),
-            None => health.release(&name, 0),
+            Some(r) => health.hold(
+                subject.clone(),
+                None,
+                self::health::HoldCause::HandlerBlocked,
+                r,
+            ),
+            None => health.release(&subject, None),
         }
         tokio::select! {
             changed = blocked.changed() => if changed.is_err() { break },
@@ -729,7 +746,7 @@ async fn watch_blocked(
             _ = crash.cancelled() => break,
         }
     }
-    health.release(&name, 0);
+    health.release(&subject, None);
 }
 
 /// Shows in readiness a pause of the downstream (a 429's `Retry-After`) longer than
@@ -744,19 +761,19 @@ async fn watch_paused(
     crash: CancellationToken,
 ) {
     let mut changes = limiter.subscribe();
-    let name = format!("rate limit {}", limiter.snapshot().downstream);
+    let subject = self::health::HoldSubject::RateLimit(limiter.snapshot().downstream);
     loop {
         let until = limiter.paused_until();
         match until {
             Some(u) if clock.until(u) > PAUSE_SHOWN_AFTER => {
                 health.hold(
-                    &name,
+                    subject.clone(),
+                    None,
                     self::health::HoldCause::HandlerBlocked,
                     format!(
                         "the downstream answered 429 with Retry-After: every replica waits until {} before calling it (handler.rate_limit)",
                         crate::clock::rfc3339(u)
                     ),
-                    0,
                 );
                 tokio::select! {
                     _ = clock.sleep_until(u) => {}
@@ -766,7 +783,7 @@ async fn watch_paused(
                 }
             }
             _ => {
-                health.release(&name, 0);
+                health.release(&subject, None);
                 tokio::select! {
                     changed = changes.changed() => if changed.is_err() { break },
                     _ = cancel.cancelled() => break,
@@ -775,7 +792,7 @@ async fn watch_paused(
             }
         }
     }
-    health.release(&name, 0);
+    health.release(&subject, None);
 }
 
 /// A pause of the downstream longer than this shows in readiness.

@@ -34,16 +34,23 @@ struct Checkpointer {
     oldest_uncovered: Option<SystemTime>,
 }
 
-fn age(t: Option<SystemTime>) -> f64 {
-    t.and_then(|t| SystemTime::now().duration_since(t).ok())
-        .map_or(0.0, |d| d.as_secs_f64())
+/// The lag of `events` uncovered events, the oldest enqueued at `oldest`, on the
+/// pipeline's clock.
+fn lag(shared: &Shared, events: u64, oldest: Option<SystemTime>) -> super::health::Lag {
+    let now = shared.clock().now();
+    super::health::Lag {
+        events,
+        seconds: oldest
+            .and_then(|t| now.duration_since(t).ok())
+            .map_or(0.0, |d| d.as_secs_f64()),
+    }
 }
 
 impl Checkpointer {
     fn publish_lag(&self, pid: &str, shared: &Shared) {
         shared
             .health
-            .set_lag(pid, self.uncovered, age(self.oldest_uncovered));
+            .set_lag(pid, lag(shared, self.uncovered, self.oldest_uncovered));
     }
 
     fn dirty(&self) -> bool {
@@ -77,7 +84,7 @@ impl Checkpointer {
                 self.since = 0;
                 self.uncovered = 0;
                 self.oldest_uncovered = None;
-                shared.health.count(&shared.health.counters.checkpoints);
+                shared.observe.count_checkpoint();
                 shared.health.set_owned(pc.get_partition_id(), seq);
             }
             Ok(Err(e)) => {
@@ -282,7 +289,7 @@ pub(crate) async fn run(
                         let event = shared.origin.identity.event(&shared.origin.hub, &pid, &received);
                         cp.uncovered += 1;
                         if cp.oldest_uncovered.is_none() {
-                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(SystemTime::now));
+                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(|| shared.clock().now()));
                         }
                         let now = dispatcher.accept(seq, shared.options.ordering.of(&event));
                         received_by_seq.insert(seq, received);
@@ -394,15 +401,15 @@ async fn list_lines(known: &super::lines::Known, pid: &str, shared: &Shared) {
 /// from the partition's own holds (an unsettled event's cause stays in view beside it), with
 /// no event (-1) as its oldest unsettled.
 fn mark_paused(shared: &Shared, pid: &str, pause: Option<&super::control::Pause>) {
-    let name = super::control::held_name(pid);
+    let subject = super::health::HoldSubject::PausedPartition(pid.to_string());
     match pause {
         Some(p) => shared.health.hold(
-            &name,
+            subject,
+            None,
             super::health::HoldCause::Paused,
             super::control::Pauses::reason(p),
-            -1,
         ),
-        None => shared.health.release(&name, -1),
+        None => shared.health.release(&subject, None),
     }
 }
 
@@ -502,7 +509,7 @@ async fn process(
                             &event,
                             k,
                             on_dead_letter,
-                            Some(&shared.health),
+                            Some(&shared.observe),
                         )
                     })
                     .await;
@@ -517,12 +524,12 @@ async fn process(
                 shared
                     .observe
                     .count_settled(&s, event.identity.event_type.as_deref());
-                shared.health.release(pid, seq);
+                shared.health.release_event(pid, seq);
                 return true;
             }
         }
     }
-    shared.health.count(&shared.health.counters.attempts);
+    shared.observe.count_attempt();
     let policy = shared
         .settler
         .policies()
@@ -550,14 +557,14 @@ async fn process(
                     deferred = true;
                     shared.observe.count_deferred(event_type);
                 }
-                shared.health.hold(
+                shared.health.hold_event(
                     pid,
+                    seq,
                     super::health::HoldCause::BreakerOpen,
                     format!(
                         "downstream breaker open: until {}",
                         crate::clock::rfc3339(until)
                     ),
-                    seq,
                 );
                 tokio::select! {
                     _ = cancel.cancelled() => return false,
@@ -568,7 +575,7 @@ async fn process(
         }
     };
     if deferred {
-        shared.health.release(pid, seq);
+        shared.health.release_event(pid, seq);
     }
     // The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
     // behind it), uncounted; the checkpoint window cannot pass it meanwhile.
@@ -636,7 +643,7 @@ async fn process(
         shared
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
-        shared.health.release(pid, seq);
+        shared.health.release_event(pid, seq);
         return true;
     }
     let mut backoff = Duration::from_millis(200);
@@ -671,7 +678,7 @@ async fn process(
                                 &event,
                                 k,
                                 on_dead_letter,
-                                Some(&shared.health),
+                                Some(&shared.observe),
                             )
                         })
                         .await;
@@ -689,15 +696,15 @@ async fn process(
                 shared
                     .observe
                     .count_settled(&s, event.identity.event_type.as_deref());
-                shared.health.release(pid, seq);
+                shared.health.release_event(pid, seq);
                 return true;
             }
             Err(e) => {
                 shared.observe.settle_failed(&e);
-                shared.health.set_lag(pid, lag.0, age(lag.1));
+                shared.health.set_lag(pid, self::lag(shared, lag.0, lag.1));
                 shared
                     .health
-                    .hold(pid, e.hold_cause(), e.held_reason(), seq);
+                    .hold_event(pid, seq, e.hold_cause(), e.held_reason());
                 tokio::select! {
                     _ = cancel.cancelled() => {
                         attempt::finish(&attempted, Err(&e));
@@ -769,7 +776,7 @@ async fn park_or_deliver(
             shared
                 .observe
                 .count_settled(&s, event.identity.event_type.as_deref());
-            shared.health.release(pid, seq);
+            shared.health.release_event(pid, seq);
             Some(Err(s))
         }
         super::lines::Park::Deliver {
@@ -807,16 +814,16 @@ where
         match op().await {
             Ok(v) => {
                 if held {
-                    shared.health.release(pid, seq);
+                    shared.health.release_event(pid, seq);
                 }
                 return Some(v);
             }
             Err(e) => {
                 shared.observe.settle_failed(&e);
-                shared.health.set_lag(pid, lag.0, age(lag.1));
+                shared.health.set_lag(pid, self::lag(shared, lag.0, lag.1));
                 shared
                     .health
-                    .hold(pid, e.hold_cause(), e.held_reason(), seq);
+                    .hold_event(pid, seq, e.hold_cause(), e.held_reason());
                 held = true;
                 tokio::select! {
                     _ = cancel.cancelled() => return None,

@@ -550,7 +550,7 @@ async fn recover_overdue(shared: &Shared) {
         match super::lines::sweep(
             &shared.settler,
             on_dead_letter,
-            Some(&shared.health),
+            Some(&shared.observe),
             &waiting,
         )
         .await
@@ -736,7 +736,7 @@ where
                 return Some(v);
             }
             Err(e) => {
-                shared.health.count(&shared.health.counters.settle_failures);
+                shared.observe.held_retry_failed();
                 tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
                 // Readiness says so while it lasts.
                 shared
@@ -950,7 +950,7 @@ async fn process(
             };
             let Some(read) = read else {
                 drop(starting);
-                shared.health.count(&shared.health.counters.dead_lettered);
+                shared.observe.count_dead_lettered(None);
                 settle_message(&msg, true).await;
                 return;
             };
@@ -1036,7 +1036,7 @@ async fn process(
                 None => {
                     drop(starting);
                     shared.observe.count_record_missing(key);
-                    shared.health.count(&shared.health.counters.dead_lettered);
+                    shared.observe.count_dead_lettered(None);
                     settle_message(&msg, true).await;
                     return;
                 }
@@ -1133,7 +1133,7 @@ async fn process(
         Some(Some(crate::ratelimit::limiter::Acquired::Go(w))) => w,
     };
     drop(starting);
-    shared.health.count(&shared.health.counters.attempts);
+    shared.observe.count_attempt();
     // Lateness: how long after its due time the retry actually starts.
     shared.observe.retry_lateness(
         shared
@@ -1278,7 +1278,7 @@ async fn advance_line(
                 event,
                 ordering_key,
                 on_dead_letter,
-                Some(&shared.health),
+                Some(&shared.observe),
             )
         },
     )

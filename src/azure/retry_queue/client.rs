@@ -1,0 +1,414 @@
+//! [`ServiceBusRetryQueue`]: the [`RetryQueue`](super::RetryQueue) on `azure_messaging_servicebus` 0.21.
+
+use super::atom::QueueDescription;
+use super::classify::classify;
+use super::classify::lock_error;
+use super::classify::status_error;
+use super::endpoint::ServiceBusEndpoint;
+use super::error::RetryQueueError;
+use super::http::BearerTokenHttpClient;
+use super::http::DetailedErrors;
+use super::MessageLock;
+use super::OutgoingMessage;
+use super::ReceivedMessage;
+use super::RetryQueue;
+use crate::azure::ConnectionString;
+use crate::azure::SasKey;
+use crate::clock::ceil_to_second;
+use async_trait::async_trait;
+use azure_core::credentials::TokenCredential;
+use azure_core_legacy::headers::HeaderValue;
+use azure_core_legacy::headers::Headers;
+use azure_core_legacy::HttpClient;
+use azure_core_legacy::Request;
+use azure_messaging_servicebus::service_bus::PeekLockResponse;
+use azure_messaging_servicebus::service_bus::QueueClient;
+use azure_messaging_servicebus::service_bus::SendMessageOptions;
+use azure_messaging_servicebus::service_bus::SettableBrokerProperties;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+use std::time::SystemTime;
+use std::time::UNIX_EPOCH;
+
+/// Options of [`ServiceBusRetryQueue`].
+#[derive(Debug, Clone)]
+pub struct ServiceBusOptions {
+    /// Deadline of every call (a peek-lock gets its wait on top).
+    pub deadline: Duration,
+}
+
+impl Default for ServiceBusOptions {
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+/// [`RetryQueue`] on a Service Bus queue.
+pub struct ServiceBusRetryQueue {
+    client: QueueClient,
+    /// The same queue's `$DeadLetterQueue`.
+    dead_letters: QueueClient,
+    queue: String,
+    /// The HTTP stack every request goes through (redirect, bearer token, error details).
+    http: Arc<dyn HttpClient>,
+    /// `https://{namespace}.servicebus.windows.net/{queue}` as the crate names it (the stack
+    /// redirects it to the real endpoint).
+    entity_url: String,
+    /// The key to sign management requests with (`None` with a token credential).
+    sas: Option<SasKey>,
+    options: ServiceBusOptions,
+    clock: Arc<crate::clock::Clock>,
+}
+
+impl fmt::Debug for ServiceBusRetryQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServiceBusRetryQueue")
+            .field("queue", &self.queue)
+            .field("entity_url", &self.entity_url)
+            .field(
+                "auth",
+                &if self.sas.is_some() {
+                    "sas"
+                } else {
+                    "entra id"
+                },
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// The API version of the management (entity description) requests, as the official SDKs'
+/// administration clients send it.
+pub const MANAGEMENT_API_VERSION: &str = "2021-05";
+
+impl ServiceBusRetryQueue {
+    /// A retry queue on `queue` of the namespace in `connection`, authenticated with its SAS
+    /// key. With `UseDevelopmentEmulator=true` requests go over plain HTTP to the endpoint's
+    /// host and port; otherwise to `https://{namespace}.servicebus.windows.net`.
+    pub fn new(
+        connection: &ConnectionString,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let endpoint = ServiceBusEndpoint::of_connection_string(connection);
+        if !connection.use_development_emulator
+            && !connection.host.ends_with(".servicebus.windows.net")
+        {
+            return Err(RetryQueueError::Protocol(format!(
+                "{} is not a *.servicebus.windows.net namespace",
+                connection.host
+            )));
+        }
+        Self::build(
+            &endpoint,
+            Some(connection.key.clone()),
+            None,
+            queue,
+            options,
+        )
+    }
+
+    /// A retry queue on `queue` of `namespace` (see [`ServiceBusEndpoint::parse`]),
+    /// authenticated with an Entra ID token from `credential` for [`SERVICE_BUS_SCOPE`](super::SERVICE_BUS_SCOPE)
+    /// (roles: Azure Service Bus Data Sender and Data Receiver; Data Owner to read the
+    /// queue's description).
+    pub fn with_token_credential(
+        namespace: &str,
+        credential: Arc<dyn TokenCredential>,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let endpoint = ServiceBusEndpoint::parse(namespace).map_err(RetryQueueError::Protocol)?;
+        Self::build(&endpoint, None, Some(credential), queue, options)
+    }
+
+    fn build(
+        endpoint: &ServiceBusEndpoint,
+        sas: Option<SasKey>,
+        credential: Option<Arc<dyn TokenCredential>>,
+        queue: &str,
+        options: ServiceBusOptions,
+    ) -> Result<Self, RetryQueueError> {
+        let (namespace, transport) = endpoint.legacy_client();
+        let authenticated: Arc<dyn HttpClient> = match credential {
+            Some(c) => Arc::new(BearerTokenHttpClient::new(transport, c)),
+            None => transport,
+        };
+        let http: Arc<dyn HttpClient> = Arc::new(DetailedErrors::new(authenticated));
+        // With a token credential the crate still signs a SAS (it cannot do otherwise); the
+        // bearer client replaces it, so the key is a placeholder that never leaves here.
+        let (key_name, key) = match &sas {
+            Some(k) => (k.name().to_string(), k.secret().to_string()),
+            None => ("entra-id".to_string(), "unused".to_string()),
+        };
+        let client = |entity: &str| {
+            QueueClient::new(
+                http.clone(),
+                namespace.clone(),
+                entity,
+                key_name.clone(),
+                key.clone(),
+            )
+            .map_err(|e| RetryQueueError::Protocol(e.to_string()))
+        };
+        Ok(Self {
+            client: client(queue)?,
+            dead_letters: client(&format!("{queue}/$DeadLetterQueue"))?,
+            queue: queue.into(),
+            entity_url: format!("https://{namespace}.servicebus.windows.net/{queue}"),
+            http,
+            sas,
+            options,
+            clock: Arc::default(),
+        })
+    }
+
+    /// Reads the queue's description: `GET https://{namespace}/{queue}?api-version=2021-05`,
+    /// an Atom entry holding a `QueueDescription`. It needs the Manage right (a SAS policy
+    /// with Manage, or the Azure Service Bus Data Owner role); without it Service Bus answers
+    /// 401 ("Manage,EntityRead claims required for this operation"). A queue that does not
+    /// exist comes back as an empty feed (status 200): `EntityNotFound`.
+    pub async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
+        self.deadline(Duration::ZERO, async {
+            let url = format!("{}?api-version={MANAGEMENT_API_VERSION}", self.entity_url);
+            let url = azure_core_legacy::Url::parse(&url)
+                .map_err(|e| RetryQueueError::Protocol(format!("bad queue URL: {e}")))?;
+            let mut request = Request::new(url, azure_core_legacy::Method::Get);
+            if let Some(key) = &self.sas {
+                let expiry = self
+                    .clock
+                    .now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs()
+                    + 3600;
+                request.insert_header(
+                    azure_core_legacy::headers::AUTHORIZATION,
+                    HeaderValue::from(key.token(&self.entity_url, expiry)),
+                );
+            }
+            let response = self
+                .http
+                .execute_request(&request)
+                .await
+                .map_err(|e| classify(&e))?;
+            let (_status, _headers, body) = response.deconstruct();
+            let body = body
+                .collect()
+                .await
+                .map_err(|e| RetryQueueError::Transport(e.to_string()))?;
+            match QueueDescription::from_atom(&String::from_utf8_lossy(&body)) {
+                Ok(Some(d)) => Ok(d),
+                Ok(None) => Err(RetryQueueError::EntityNotFound {
+                    status: 404,
+                    detail: format!(
+                        "the namespace has no queue named '{}' (its description is an empty feed)",
+                        self.queue
+                    ),
+                }),
+                Err(e) => Err(RetryQueueError::Protocol(format!(
+                    "the queue's description cannot be read: {e}"
+                ))),
+            }
+        })
+        .await
+    }
+    /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
+    /// emulator share) instead of the wall clock.
+    pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    async fn deadline<T>(
+        &self,
+        extra: Duration,
+        f: impl std::future::Future<Output = Result<T, RetryQueueError>>,
+    ) -> Result<T, RetryQueueError> {
+        let limit = self.options.deadline + extra;
+        tokio::time::timeout(limit, f)
+            .await
+            .unwrap_or(Err(RetryQueueError::Timeout(limit)))
+    }
+}
+
+/// Every response header, kept for parsing the raw `brokerproperties` and custom properties.
+struct RawHeaders(Vec<(String, String)>);
+
+impl From<Headers> for RawHeaders {
+    fn from(h: Headers) -> Self {
+        Self(
+            h.iter()
+                .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
+                .collect(),
+        )
+    }
+}
+
+/// The fields of `BrokerProperties` the legacy crate does not expose.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ExtraBrokerProperties {
+    correlation_id: Option<String>,
+    label: Option<String>,
+}
+
+const PLUMBING: &[&str] = &[
+    "brokerproperties",
+    "location",
+    "content-type",
+    "content-length",
+    "date",
+    "server",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "strict-transport-security",
+    "deadletterreason",
+    "deadlettererrordescription",
+];
+
+struct ServiceBusLock {
+    response: PeekLockResponse,
+    lock_duration_hint: Duration,
+    deadline: Duration,
+    clock: Arc<crate::clock::Clock>,
+}
+
+#[async_trait]
+impl MessageLock for ServiceBusLock {
+    async fn complete(&self) -> Result<(), RetryQueueError> {
+        match tokio::time::timeout(self.deadline, self.response.delete_message()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            Ok(Ok(_)) => Ok(()),
+        }
+    }
+
+    async fn abandon(&self) -> Result<(), RetryQueueError> {
+        match tokio::time::timeout(self.deadline, self.response.unlock_message()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            Ok(Ok(())) => Ok(()),
+        }
+    }
+
+    async fn renew(&self) -> Result<SystemTime, RetryQueueError> {
+        let started = self.clock.now();
+        match tokio::time::timeout(self.deadline, self.response.renew_message_lock()).await {
+            Err(_) => Err(RetryQueueError::Timeout(self.deadline)),
+            Ok(Err(e)) => Err(lock_error(&e)),
+            // The crate does not return the new expiry: count from before the request.
+            Ok(Ok(())) => Ok(started + self.lock_duration_hint),
+        }
+    }
+}
+
+#[async_trait]
+impl RetryQueue for ServiceBusRetryQueue {
+    async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError> {
+        // A due time in the past means "now": send unscheduled rather than rounding it up.
+        let scheduled = (message.due > self.clock.now())
+            .then(|| time::OffsetDateTime::from(ceil_to_second(message.due)));
+        let options = SendMessageOptions {
+            content_type: message.content_type,
+            broker_properties: Some(SettableBrokerProperties {
+                message_id: Some(message.message_id),
+                correlation_id: message.correlation_id,
+                label: message.label,
+                time_to_live: message.time_to_live,
+                scheduled_enqueue_time_utc: scheduled,
+                ..Default::default()
+            }),
+            custom_properties: (!message.properties.is_empty())
+                .then(|| message.properties.into_iter().collect()),
+        };
+        self.deadline(Duration::ZERO, async {
+            self.client
+                .send_message(&message.body, Some(options))
+                .await
+                .map_err(|e| classify(&e))
+        })
+        .await
+    }
+
+    async fn receive(&self, wait: Duration) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        self.receive_from(&self.client, wait).await
+    }
+
+    async fn receive_dead_lettered(
+        &self,
+        wait: Duration,
+    ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        self.receive_from(&self.dead_letters, wait).await
+    }
+
+    async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
+        ServiceBusRetryQueue::describe(self).await
+    }
+}
+
+impl ServiceBusRetryQueue {
+    async fn receive_from(
+        &self,
+        client: &QueueClient,
+        wait: Duration,
+    ) -> Result<Option<ReceivedMessage>, RetryQueueError> {
+        let deadline = self.options.deadline;
+        let clock = self.clock.clone();
+        self.deadline(wait, async {
+            // The protocol's timeout is in whole seconds; round up so short waits still wait.
+            let secs = crate::clock::ceil_secs(wait);
+            let response = client
+                .peek_lock_message2(Some(secs))
+                .await
+                .map_err(|e| classify(&e))?;
+            let status = u16::from(*response.status());
+            match status {
+                204 => return Ok(None),
+                200 | 201 => {}
+                other => return Err(status_error(other, "")),
+            }
+            let bp = response.broker_properties().ok_or_else(|| {
+                RetryQueueError::Protocol("a locked message without BrokerProperties".into())
+            })?;
+            let RawHeaders(headers) = response
+                .custom_properties::<RawHeaders>()
+                .unwrap_or_else(|never| match never {});
+            let extra: ExtraBrokerProperties = headers
+                .iter()
+                .find(|(k, _)| k == "brokerproperties")
+                .and_then(|(_, v)| serde_json::from_str(v).ok())
+                .unwrap_or_default();
+            let properties = headers
+                .into_iter()
+                .filter(|(k, _)| !PLUMBING.contains(&k.as_str()))
+                .collect();
+            let locked_until = SystemTime::from(bp.locked_until_utc);
+            let lock_duration_hint = locked_until
+                .duration_since(clock.now())
+                .unwrap_or(Duration::from_secs(30));
+            Ok(Some(ReceivedMessage {
+                message_id: bp.message_id.clone(),
+                correlation_id: extra.correlation_id,
+                label: extra.label,
+                body: response.body(),
+                delivery_count: u32::try_from(bp.delivery_count).unwrap_or(0),
+                sequence_number: bp.sequence_number,
+                enqueued_at: bp.enqueued_time_utc.map(SystemTime::from),
+                locked_until,
+                properties,
+                lock: Box::new(ServiceBusLock {
+                    response,
+                    lock_duration_hint,
+                    deadline,
+                    clock,
+                }),
+            }))
+        })
+        .await
+    }
+}
