@@ -93,7 +93,7 @@ struct Replica {
     health: Arc<Health>,
     cancel: CancellationToken,
     crash: CancellationToken,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    task: tokio::task::JoinHandle<Result<(), crate::pipeline::RunError>>,
 }
 
 /// Watches which replica reads each partition.

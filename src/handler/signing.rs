@@ -22,44 +22,85 @@ impl std::fmt::Debug for SigningKeys {
 /// The secret prefix of the Standard Webhooks format.
 pub const SECRET_PREFIX: &str = "whsec_";
 
+/// Why signing secrets could not be read: names the configuration key and the secret's
+/// position, never a secret.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SigningKeyError {
+    /// A secret without the `whsec_` prefix.
+    #[error("{key}: secret {n} of {of} does not start with `{SECRET_PREFIX}` (Standard Webhooks form: whsec_ followed by base64)")]
+    NoPrefix {
+        /// The configuration key.
+        key: String,
+        /// Which secret (from 1).
+        n: usize,
+        /// How many were given.
+        of: usize,
+    },
+    /// A secret whose key is not base64.
+    #[error("{key}: secret {n} of {of} is not valid base64 after `{SECRET_PREFIX}`")]
+    NotBase64 {
+        /// The configuration key.
+        key: String,
+        /// Which secret (from 1).
+        n: usize,
+        /// How many were given.
+        of: usize,
+    },
+    /// A key shorter than 16 bytes.
+    #[error(
+        "{key}: secret {n} of {of} is shorter than 16 bytes (Standard Webhooks asks for 24 to 64)"
+    )]
+    TooShort {
+        /// The configuration key.
+        key: String,
+        /// Which secret (from 1).
+        n: usize,
+        /// How many were given.
+        of: usize,
+    },
+    /// No secret at all.
+    #[error("{key}: no secret given")]
+    Empty {
+        /// The configuration key.
+        key: String,
+    },
+}
+
 impl SigningKeys {
     /// Parses one or more `whsec_<base64>` secrets separated by whitespace or commas. The
     /// error names `key` and which secret is wrong (by position), never a secret.
-    pub fn parse(key: &str, text: &str) -> Result<Self, String> {
+    pub fn parse(key: &str, text: &str) -> Result<Self, SigningKeyError> {
         let mut keys = Vec::new();
         let parts: Vec<&str> = text
             .split(|c: char| c.is_whitespace() || c == ',')
             .filter(|s| !s.is_empty())
             .collect();
+        let (key, of) = (key.to_string(), parts.len());
         for (i, s) in parts.iter().enumerate() {
-            let b64 = s.strip_prefix(SECRET_PREFIX).ok_or_else(|| {
-                format!(
-                    "{key}: secret {} of {} does not start with `{SECRET_PREFIX}` (Standard Webhooks form: whsec_ followed by base64)",
-                    i + 1,
-                    parts.len()
-                )
-            })?;
+            let n = i + 1;
+            let b64 = s
+                .strip_prefix(SECRET_PREFIX)
+                .ok_or_else(|| SigningKeyError::NoPrefix {
+                    key: key.clone(),
+                    n,
+                    of,
+                })?;
             let bytes = base64::engine::general_purpose::STANDARD
                 .decode(b64)
                 .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(b64))
-                .map_err(|_| {
-                    format!(
-                        "{key}: secret {} of {} is not valid base64 after `{SECRET_PREFIX}`",
-                        i + 1,
-                        parts.len()
-                    )
+                .map_err(|_| SigningKeyError::NotBase64 {
+                    key: key.clone(),
+                    n,
+                    of,
                 })?;
             if bytes.len() < 16 {
-                return Err(format!(
-                    "{key}: secret {} of {} is shorter than 16 bytes (Standard Webhooks asks for 24 to 64)",
-                    i + 1,
-                    parts.len()
-                ));
+                return Err(SigningKeyError::TooShort { key, n, of });
             }
             keys.push(bytes);
         }
         if keys.is_empty() {
-            return Err(format!("{key}: no secret given"));
+            return Err(SigningKeyError::Empty { key });
         }
         Ok(Self(keys))
     }
@@ -130,13 +171,16 @@ mod tests {
             "handler.signing",
             "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw nope-SECRETVALUE",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("handler.signing") && e.contains("secret 2 of 2"),
             "{e}"
         );
         assert!(!e.contains("SECRETVALUE"), "{e}");
-        let e = SigningKeys::parse("k", "whsec_!!!SECRET").unwrap_err();
+        let e = SigningKeys::parse("k", "whsec_!!!SECRET")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("base64") && !e.contains("SECRET!"), "{e}");
     }
 }

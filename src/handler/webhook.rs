@@ -212,7 +212,12 @@ impl WebhookConfig {
         let signing = self
             .signing
             .as_ref()
-            .map(|s| Live::load("handler.signing", s, SigningKeys::parse).map(Arc::new))
+            .map(|s| {
+                Live::load("handler.signing", s, |key, text| {
+                    SigningKeys::parse(key, text).map_err(|e| e.to_string())
+                })
+                .map(Arc::new)
+            })
             .transpose()?;
         let authorization = self
             .authorization

@@ -1,7 +1,7 @@
 //! What the pipeline says about itself: held partitions and why, the retry loop's state, and
 //! counters — for `/readyz`, the status API, logs and tests.
 //!
-//! One [`State`] behind one lock; times are [`SystemTime`]s of the pipeline's [`Clock`] and
+//! One state behind one lock; times are [`SystemTime`]s of the pipeline's [`Clock`] and
 //! become RFC 3339 only in the [`HealthReport`] the status API serves. The mutators are
 //! crate-private: the pipeline's loops change health, and its counters change only through
 //! the `Observer` that records the matching metric, so an embedder reads health and cannot

@@ -560,7 +560,7 @@ impl Pipeline {
 
     /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
     /// is in flight, write final checkpoints, close partition clients.
-    pub async fn run(self, cancel: CancellationToken) -> std::io::Result<()> {
+    pub async fn run(self, cancel: CancellationToken) -> Result<(), RunError> {
         self.run_until(cancel, CancellationToken::new()).await
     }
 
@@ -571,9 +571,9 @@ impl Pipeline {
         self,
         cancel: CancellationToken,
         crash: CancellationToken,
-    ) -> std::io::Result<()> {
+    ) -> Result<(), RunError> {
         if let Some(dl) = self.shared.settler.dead_letters() {
-            dl.probe().await.map_err(std::io::Error::other)?;
+            dl.probe().await?;
         }
         self.claim_ledger().await?;
         // The operator's pauses: read by every replica, every few seconds.
@@ -656,11 +656,72 @@ impl Pipeline {
                     Err(e) => tracing::error!(error = %e, "cannot start the partition runtime"),
                 }
                 let _ = done_tx.send(());
-            })?;
+            })
+            .map_err(RunError::Thread)?;
         let _ = done_rx.await;
         let _ = retry.await;
         Ok(())
     }
+}
+
+/// Why a pipeline stopped before it ran.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The dead-letter destination refused the start-up probe: dead letters could not be
+    /// published.
+    #[error(transparent)]
+    DeadLetters(#[from] dead_letter::PublishError),
+    /// The ledger in this container belongs to another deployment of the same hub and
+    /// consumer group (see [`Ledger::claim`](crate::ledger::Ledger::claim)).
+    #[error("the ledger of hub {} consumer group {} in this container belongs to {other}; this is {me}. Their records would be one another's: give one of them a container of its own (storage.container_url)", me.hub, me.consumer_group)]
+    LedgerTaken {
+        /// This deployment.
+        me: crate::event::Deployment,
+        /// The deployment that claimed the ledger.
+        other: crate::event::Deployment,
+    },
+    /// The partitions' thread could not be started.
+    #[error(transparent)]
+    Thread(std::io::Error),
+}
+
+/// Why the Event Hubs consumer (or its processor) failed; each names the endpoint where it
+/// has one. Health shows it while the consumer is rebuilt.
+#[derive(Debug, thiserror::Error)]
+enum ConsumerError {
+    /// A step did not answer within the call deadline.
+    #[error("{step} at {endpoint} timed out after {deadline:?}")]
+    TimedOut {
+        step: &'static str,
+        endpoint: String,
+        deadline: Duration,
+    },
+    /// A step failed.
+    #[error("{step} at {endpoint}: {error}")]
+    Failed {
+        step: &'static str,
+        endpoint: String,
+        error: azure_messaging_eventhubs::EventHubsError,
+    },
+    /// An interval the SDK cannot represent.
+    #[error("bad {0}")]
+    Interval(&'static str),
+    /// Building the processor did not answer within the call deadline.
+    #[error("building the event processor timed out")]
+    BuildTimedOut,
+    /// Building the processor failed.
+    #[error("building the event processor: {0}")]
+    Build(azure_messaging_eventhubs::EventHubsError),
+    /// The processor's `run()` ended on its own.
+    #[error("processor run() ended: {0}")]
+    RunEnded(String),
+    /// Two partition clients in a row failed without an event.
+    #[error("partition streams fail as soon as they open: the Event Hubs connection is gone")]
+    ConnectionGone,
+    /// The processor could not hand out a partition client.
+    #[error("next_partition_client: {0}")]
+    NextPartition(azure_messaging_eventhubs::EventHubsError),
 }
 
 /// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
@@ -692,7 +753,7 @@ impl Pipeline {
     /// Refuses to start on a ledger another namespace's deployment of the same hub and
     /// consumer group names already uses in this container (see [`Ledger::claim`]). Storage
     /// down at start is not a refusal: the partitions hold on it as on any outage.
-    async fn claim_ledger(&self) -> std::io::Result<()> {
+    async fn claim_ledger(&self) -> Result<(), RunError> {
         let Some(me) = self.shared.settler.deployment() else {
             return Ok(());
         };
@@ -703,16 +764,18 @@ impl Pipeline {
         .await;
         match claimed {
             Ok(Ok(None)) => Ok(()),
-            Ok(Ok(Some(other))) => Err(std::io::Error::other(format!(
-                "the ledger of hub {} consumer group {} in this container belongs to {other}; this is {me}. Their records would be one another's: give one of them a container of its own (storage.container_url)",
-                me.hub, me.consumer_group
-            ))),
+            Ok(Ok(Some(other))) => Err(RunError::LedgerTaken {
+                me: me.clone(),
+                other,
+            }),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "could not check that this deployment's ledger is its own; starting");
                 Ok(())
             }
             Err(_) => {
-                tracing::warn!("checking that this deployment's ledger is its own timed out; starting");
+                tracing::warn!(
+                    "checking that this deployment's ledger is its own timed out; starting"
+                );
                 Ok(())
             }
         }
@@ -811,7 +874,7 @@ async fn supervise(
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "event processor stopped; rebuilding");
-                shared.health.consumer_failed(e);
+                shared.health.consumer_failed(e.to_string());
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = shared.clock().sleep(backoff) => {}
@@ -827,7 +890,7 @@ async fn run_processor(
     target: &EventHubsTarget,
     checkpoints: &Arc<FencedCheckpointStore>,
     cancel: &CancellationToken,
-) -> Result<(), String> {
+) -> Result<(), ConsumerError> {
     let o = &shared.options;
     let mut builder = ConsumerClient::builder()
         .with_application_id(o.owner_id.clone())
@@ -847,22 +910,28 @@ async fn run_processor(
             .open_consumer(builder, &target.namespace, &target.hub),
     )
     .await
-    .map_err(|_| {
-        format!(
-            "opening the Event Hubs consumer at {endpoint} timed out after {:?}",
-            o.deadline
-        )
+    .map_err(|_| ConsumerError::TimedOut {
+        step: "opening the Event Hubs consumer",
+        endpoint: endpoint.clone(),
+        deadline: o.deadline,
     })?
-    .map_err(|e| format!("opening the Event Hubs consumer at {endpoint}: {e}"))?;
+    .map_err(|error| ConsumerError::Failed {
+        step: "opening the Event Hubs consumer",
+        endpoint: endpoint.clone(),
+        error,
+    })?;
     let properties = tokio::time::timeout(o.deadline, consumer.get_eventhub_properties())
         .await
-        .map_err(|_| {
-            format!(
-                "reading the hub's properties at {endpoint} timed out after {:?}",
-                o.deadline
-            )
+        .map_err(|_| ConsumerError::TimedOut {
+            step: "reading the hub's properties",
+            endpoint: endpoint.clone(),
+            deadline: o.deadline,
         })?
-        .map_err(|e| format!("reading the hub's properties at {endpoint}: {e}"))?;
+        .map_err(|error| ConsumerError::Failed {
+            step: "reading the hub's properties",
+            endpoint: endpoint.clone(),
+            error,
+        })?;
     checkpoints.set_partitions(properties.partition_ids);
     checkpoints.resume_claiming();
     let location = if o.start_at_latest {
@@ -877,12 +946,12 @@ async fn run_processor(
             .with_update_interval(
                 o.update_interval
                     .try_into()
-                    .map_err(|_| "bad update interval")?,
+                    .map_err(|_| ConsumerError::Interval("update interval"))?,
             )
             .with_partition_expiration_duration(
                 o.ownership_expiration
                     .try_into()
-                    .map_err(|_| "bad ownership expiration")?,
+                    .map_err(|_| ConsumerError::Interval("ownership expiration"))?,
             )
             .with_prefetch(o.prefetch)
             .with_start_positions(StartPositions {
@@ -895,8 +964,8 @@ async fn run_processor(
             .build(consumer, store),
     )
     .await
-    .map_err(|_| "building the event processor timed out".to_string())?
-    .map_err(|e| format!("building the event processor: {e}"))?;
+    .map_err(|_| ConsumerError::BuildTimedOut)?
+    .map_err(ConsumerError::Build)?;
     shared.health.consumer_running();
 
     let mut run = {
@@ -916,13 +985,13 @@ async fn run_processor(
             _ = cancel.cancelled() => break Ok(()),
             r = &mut run => {
                 run_done = true;
-                break Err(format!("processor run() ended: {r:?}"));
+                break Err(ConsumerError::RunEnded(format!("{r:?}")));
             }
             Some(ended) = ended_rx.recv() => {
                 if ended.failed && ended.received == 0 {
                     dead_in_a_row += 1;
                     if dead_in_a_row >= 2 {
-                        break Err("partition streams fail as soon as they open: the Event Hubs connection is gone".into());
+                        break Err(ConsumerError::ConnectionGone);
                     }
                 } else if ended.received > 0 {
                     dead_in_a_row = 0;
@@ -947,7 +1016,7 @@ async fn run_processor(
                         let _ = tx.send(ended);
                     }));
                 }
-                Err(e) => break Err(format!("next_partition_client: {e}")),
+                Err(e) => break Err(ConsumerError::NextPartition(e)),
             },
         }
     };

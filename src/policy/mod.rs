@@ -348,26 +348,22 @@ impl RetryPolicy {
     }
 
     /// Checks the policy; the error names the field and what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), PolicyError> {
         if self.max_attempts == 0 {
-            return Err("max_attempts must be at least 1".into());
+            return Err(PolicyError::NoAttempts);
         }
         if self.floor_s > self.cap_s {
-            return Err(format!(
-                "floor_s ({}) must not exceed cap_s ({})",
-                self.floor_s, self.cap_s
-            ));
+            return Err(PolicyError::FloorAboveCap {
+                floor_s: self.floor_s,
+                cap_s: self.cap_s,
+            });
         }
         if self.cap_s > MAX_SCHEDULE_AHEAD.as_secs() {
-            return Err(format!(
-                "cap_s ({}) exceeds what Service Bus can schedule ({} s, 7 days)",
-                self.cap_s,
-                MAX_SCHEDULE_AHEAD.as_secs()
-            ));
+            return Err(PolicyError::CapBeyondSchedule { cap_s: self.cap_s });
         }
         if let Curve::Schedule { delays_s, .. } = &self.curve {
             if delays_s.is_empty() {
-                return Err("a schedule curve needs at least one delay in delays_s".into());
+                return Err(PolicyError::EmptySchedule);
             }
         }
         if matches!(
@@ -380,10 +376,39 @@ impl RetryPolicy {
                 | Curve::Fibonacci
         ) && self.base_s == 0
         {
-            return Err("base_s must be at least 1 second".into());
+            return Err(PolicyError::NoBase);
         }
         Ok(())
     }
+}
+
+/// Why a retry policy cannot run; each names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// `max_attempts` is 0.
+    #[error("max_attempts must be at least 1")]
+    NoAttempts,
+    /// `floor_s` exceeds `cap_s`.
+    #[error("floor_s ({floor_s}) must not exceed cap_s ({cap_s})")]
+    FloorAboveCap {
+        /// The floor.
+        floor_s: u64,
+        /// The cap.
+        cap_s: u64,
+    },
+    /// `cap_s` exceeds what Service Bus can schedule ahead ([`MAX_SCHEDULE_AHEAD`]).
+    #[error("cap_s ({cap_s}) exceeds what Service Bus can schedule ({} s, 7 days)", MAX_SCHEDULE_AHEAD.as_secs())]
+    CapBeyondSchedule {
+        /// The cap.
+        cap_s: u64,
+    },
+    /// A schedule curve without delays.
+    #[error("a schedule curve needs at least one delay in delays_s")]
+    EmptySchedule,
+    /// A curve that needs `base_s` has 0.
+    #[error("base_s must be at least 1 second")]
+    NoBase,
 }
 
 #[cfg(test)]
@@ -629,10 +654,14 @@ mod tests {
     fn validation_names_the_problem() {
         let mut p = RetryPolicy::seed_fibonacci();
         p.max_attempts = 0;
-        assert!(p.validate().unwrap_err().contains("max_attempts"));
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("max_attempts"));
         let mut p = RetryPolicy::seed_fibonacci();
         p.cap_s = 30 * 24 * 3600;
-        assert!(p.validate().unwrap_err().contains("cap_s"));
+        assert!(p.validate().unwrap_err().to_string().contains("cap_s"));
         assert!(RetryPolicy::event_grid().validate().is_ok());
     }
 

@@ -18,6 +18,25 @@ pub struct QueueDescription {
     pub max_message_size_in_kilobytes: Option<u32>,
 }
 
+/// Why a queue description could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DescriptionError {
+    /// The document is neither an Atom entry nor a feed.
+    #[error("neither an Atom entry nor a feed")]
+    NotAtom,
+    /// An element holds a value of the wrong form.
+    #[error("{element} `{value}` is not {expected}")]
+    Value {
+        /// The element's name.
+        element: String,
+        /// Its text.
+        value: String,
+        /// The form expected.
+        expected: &'static str,
+    },
+}
+
 /// The text of the first element whose local name (without a namespace prefix) is `name`.
 pub(super) fn element_text<'a>(xml: &'a str, name: &str) -> Option<&'a str> {
     let mut rest = xml;
@@ -53,36 +72,37 @@ pub(super) fn has_element(xml: &str, name: &str) -> bool {
 impl QueueDescription {
     /// Reads the Atom entry Service Bus answers to `GET /{queue}`. `Ok(None)` when the
     /// document holds no `QueueDescription` (an empty feed: the queue does not exist).
-    pub fn from_atom(xml: &str) -> Result<Option<Self>, String> {
+    pub fn from_atom(xml: &str) -> Result<Option<Self>, DescriptionError> {
         if !has_element(xml, "QueueDescription") {
             return if has_element(xml, "feed") || has_element(xml, "entry") {
                 Ok(None)
             } else {
-                Err("neither an Atom entry nor a feed".into())
+                Err(DescriptionError::NotAtom)
             };
         }
         let start = xml.find("QueueDescription").unwrap_or(0);
         let body = &xml[start..];
-        let duration = |name: &str| -> Result<Option<Duration>, String> {
+        let bad = |name: &str, value: &str, expected: &'static str| DescriptionError::Value {
+            element: name.to_string(),
+            value: value.to_string(),
+            expected,
+        };
+        let duration = |name: &str| -> Result<Option<Duration>, DescriptionError> {
             element_text(body, name)
                 .map(|t| {
-                    parse_iso8601_duration(t)
-                        .ok_or(format!("{name} `{t}` is not an ISO 8601 duration"))
+                    parse_iso8601_duration(t).ok_or_else(|| bad(name, t, "an ISO 8601 duration"))
                 })
                 .transpose()
         };
-        let number = |name: &str| -> Result<Option<u32>, String> {
+        let number = |name: &str| -> Result<Option<u32>, DescriptionError> {
             element_text(body, name)
-                .map(|t| {
-                    t.parse::<u32>()
-                        .map_err(|_| format!("{name} `{t}` is not a number"))
-                })
+                .map(|t| t.parse::<u32>().map_err(|_| bad(name, t, "a number")))
                 .transpose()
         };
         let requires = match element_text(body, "RequiresDuplicateDetection") {
             Some(t) if t.eq_ignore_ascii_case("true") => true,
             Some(t) if t.eq_ignore_ascii_case("false") => false,
-            Some(t) => return Err(format!("RequiresDuplicateDetection `{t}` is not a boolean")),
+            Some(t) => return Err(bad("RequiresDuplicateDetection", t, "a boolean")),
             // The service's default.
             None => false,
         };
@@ -225,7 +245,7 @@ pub(super) mod tests {
         assert_eq!(QueueDescription::from_atom(feed), Ok(None));
         assert!(QueueDescription::from_atom("not xml").is_err());
         let bad = ENTRY.replace("PT10M", "ten minutes");
-        let e = QueueDescription::from_atom(&bad).unwrap_err();
+        let e = QueueDescription::from_atom(&bad).unwrap_err().to_string();
         assert!(e.contains("DuplicateDetectionHistoryTimeWindow"), "{e}");
     }
 }

@@ -121,7 +121,8 @@ impl ServiceBusRetryQueue {
         queue: &str,
         options: ServiceBusOptions,
     ) -> Result<Self, RetryQueueError> {
-        let endpoint = ServiceBusEndpoint::parse(namespace).map_err(RetryQueueError::Protocol)?;
+        let endpoint = ServiceBusEndpoint::parse(namespace)
+            .map_err(|e| RetryQueueError::Protocol(e.to_string()))?;
         Self::build(&endpoint, None, Some(credential), queue, options)
     }
 

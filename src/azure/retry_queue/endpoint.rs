@@ -6,6 +6,29 @@ use crate::azure::ConnectionString;
 use azure_core_legacy::HttpClient;
 use std::sync::Arc;
 
+/// Why a configured namespace is not one hubguard can reach.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointError {
+    /// A scheme other than `https`, `sb` or `http`.
+    #[error(
+        "unsupported scheme `{0}` (use a host name, or http://127.0.0.1:PORT for a local emulator)"
+    )]
+    Scheme(String),
+    /// A user name or password (never quoted).
+    #[error("a namespace is a host name, without a user name or password")]
+    Credentials,
+    /// Not a host.
+    #[error("not a namespace host: {0}")]
+    NotAHost(String),
+    /// No host at all.
+    #[error("no host")]
+    NoHost,
+    /// Plain `http` to a host that is not loopback.
+    #[error("plain http is only for a local emulator (a loopback host, not {0}): use the namespace's host name")]
+    PlainHttp(String),
+}
+
 /// Where a namespace's REST API is: `https://{namespace host}` for Azure, or plain
 /// `http://host:port` for a local emulator.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,7 +46,7 @@ impl ServiceBusEndpoint {
     /// `https://` and a trailing `/`), or `http://127.0.0.1:5380` for a local emulator. Plain
     /// `http` is allowed only to a loopback host: a bearer token must not cross a network
     /// unencrypted.
-    pub fn parse(namespace: &str) -> Result<Self, String> {
+    pub fn parse(namespace: &str) -> Result<Self, EndpointError> {
         let s = namespace.trim();
         let (scheme, rest) = match s.split_once("://") {
             Some((sch, rest)) => (sch.to_ascii_lowercase(), rest),
@@ -32,19 +55,19 @@ impl ServiceBusEndpoint {
         let scheme = match scheme.as_str() {
             "https" | "sb" => "https",
             "http" => "http",
-            other => return Err(format!("unsupported scheme `{other}` (use a host name, or http://127.0.0.1:PORT for a local emulator)")),
+            other => return Err(EndpointError::Scheme(other.to_string())),
         };
         let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
         // A host name: a user name or password has no place in it (and is never quoted).
         if authority.contains('@') {
-            return Err("a namespace is a host name, without a user name or password".into());
+            return Err(EndpointError::Credentials);
         }
         let url = url::Url::parse(&format!("{scheme}://{authority}"))
-            .map_err(|e| format!("not a namespace host: {e}"))?;
+            .map_err(|e| EndpointError::NotAHost(e.to_string()))?;
         let host = url
             .host_str()
             .filter(|h| !h.is_empty())
-            .ok_or("no host")?
+            .ok_or(EndpointError::NoHost)?
             .to_string();
         if scheme == "http" {
             let loopback = host == "localhost"
@@ -53,9 +76,7 @@ impl ServiceBusEndpoint {
                     .parse::<std::net::IpAddr>()
                     .is_ok_and(|ip| ip.is_loopback());
             if !loopback {
-                return Err(format!(
-                    "plain http is only for a local emulator (a loopback host, not {host}): use the namespace's host name"
-                ));
+                return Err(EndpointError::PlainHttp(host));
             }
         }
         Ok(Self {
@@ -115,7 +136,9 @@ mod tests {
         assert_eq!((e.scheme.as_str(), e.port), ("http", Some(5380)));
         assert!(ServiceBusEndpoint::parse("http://myns.servicebus.windows.net").is_err());
         assert!(ServiceBusEndpoint::parse("ftp://x").is_err());
-        let e = ServiceBusEndpoint::parse("http://user:pa55word@127.0.0.1:5380").unwrap_err();
+        let e = ServiceBusEndpoint::parse("http://user:pa55word@127.0.0.1:5380")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("user name") && !e.contains("pa55word"), "{e}");
         assert!(ServiceBusEndpoint::parse("").is_err());
     }

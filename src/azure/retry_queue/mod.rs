@@ -27,10 +27,10 @@ mod error;
 mod http;
 mod proof;
 
-pub use self::atom::{iso8601, parse_iso8601_duration, QueueDescription};
+pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError, QueueDescription};
 pub use self::classify::error_detail;
 pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue, MANAGEMENT_API_VERSION};
-pub use self::endpoint::ServiceBusEndpoint;
+pub use self::endpoint::{EndpointError, ServiceBusEndpoint};
 pub use self::error::RetryQueueError;
 pub use self::http::{
     BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
