@@ -64,6 +64,7 @@ use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::backoff::{until_settled, Hold};
 use super::health::RetryLoopState;
 use super::settle::{Report, RetryMessage, Settled, Source};
 use super::{attempt, Shared};
@@ -839,49 +840,27 @@ impl<'s> LockedMessage<'s> {
     /// Runs `op` until it succeeds, with backoff, holding the message (its lock renewed)
     /// meanwhile; readiness shows the hold while it lasts. `None` if the loop stops first
     /// (the message is abandoned then, so Service Bus redelivers it).
-    async fn holding<T, E, F, Fut>(&mut self, key: &str, what: &str, mut op: F) -> Option<T>
+    async fn holding<T, E, F, Fut>(&mut self, key: &str, what: &str, op: F) -> Option<T>
     where
         E: std::fmt::Display,
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, E>>,
     {
-        let shared = self.shared;
-        let mut backoff = Duration::from_millis(200);
-        loop {
-            match op().await {
-                Ok(v) => {
-                    shared.health.release_retry(&self.msg.message_id);
-                    return Some(v);
-                }
-                Err(e) => {
-                    shared.health.count(&shared.health.counters.settle_failures);
-                    tracing::warn!(message_id = %self.msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
-                    // Readiness says so while it lasts.
-                    shared.health.hold_retry(
-                        &self.msg.message_id,
-                        key,
-                        format!("{what} failed: {e}"),
-                    );
-                    let wait = shared.clock().sleep(backoff);
-                    tokio::pin!(wait);
-                    loop {
-                        let renew_in = self.renew_in();
-                        tokio::select! {
-                            _ = self.cancel.cancelled() => {
-                                shared.health.release_retry(&self.msg.message_id);
-                                self.dispose(Disposition::Abandon).await;
-                                return None;
-                            }
-                            _ = &mut wait => break,
-                            _ = shared.clock().sleep(renew_in) => {
-                                self.renew(OnLockLost::Continue).await;
-                            }
-                        }
-                    }
-                    backoff = (backoff * 2).min(shared.options.settle_backoff_max);
-                }
-            }
+        let max = self.shared.options.settle_backoff_max;
+        let done = until_settled(
+            &mut Holding {
+                msg: self,
+                key,
+                what,
+            },
+            max,
+            op,
+        )
+        .await;
+        if done.is_ok() {
+            self.shared.health.release_retry(&self.msg.message_id);
         }
+        done.ok()
     }
 
     /// How long after `due` it is now.
@@ -891,6 +870,47 @@ impl<'s> LockedMessage<'s> {
             .now()
             .duration_since(due)
             .unwrap_or_default()
+    }
+}
+
+/// A retry message held while `what` fails for `key`: readiness shows it, the lock is
+/// renewed through each wait, and a stop abandons the message.
+struct Holding<'m, 's> {
+    msg: &'m mut LockedMessage<'s>,
+    key: &'m str,
+    what: &'m str,
+}
+
+impl<E: std::fmt::Display> Hold<E> for Holding<'_, '_> {
+    fn failed(&mut self, e: &E) {
+        let (shared, id, what) = (self.msg.shared, &self.msg.msg.message_id, self.what);
+        shared.health.count(&shared.health.counters.settle_failures);
+        tracing::warn!(message_id = %id, error = %e, "{what} failed; holding the retry message and trying again");
+        // Readiness says so while it lasts.
+        shared
+            .health
+            .hold_retry(id, self.key, format!("{what} failed: {e}"));
+    }
+
+    async fn pause(&mut self, wait: Duration) -> bool {
+        let msg = &mut *self.msg;
+        let (shared, cancel) = (msg.shared, msg.cancel);
+        let wait = shared.clock().sleep(wait);
+        tokio::pin!(wait);
+        loop {
+            let renew_in = msg.renew_in();
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    shared.health.release_retry(&msg.msg.message_id);
+                    msg.dispose(Disposition::Abandon).await;
+                    return false;
+                }
+                _ = &mut wait => return true,
+                _ = shared.clock().sleep(renew_in) => {
+                    msg.renew(OnLockLost::Continue).await;
+                }
+            }
+        }
     }
 }
 
