@@ -1026,123 +1026,10 @@ async fn process(
     let waiting = waiting.unwrap_or_else(|| DueWaiting::new(limits.clone()));
     let lateness = msg.lateness(due);
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
-    // The record at the due time. Read early, it is not read again: the claim below writes
-    // with `If-Match` on its ETag, so a record changed since (an operator's action, another
-    // copy's attempt) fails the claim, which reads it afresh and decides on what it says.
-    // A record that cannot be parsed is set aside and its event dead-lettered (the message
-    // carries only the key), never held forever.
-    let current = match early {
-        Some(read) => Some(read),
-        None => {
-            let Some(read) = msg
-                .holding(key, "reading the ledger", || async {
-                    match shared.settler.ledger.get(key).await {
-                        Err(LedgerError::Corrupt { reason, .. }) => shared
-                            .settler
-                            .ledger
-                            .quarantine(key, None, &reason, shared.clock().now())
-                            .await
-                            .map(|_| None),
-                        other => other.map(Some),
-                    }
-                })
-                .await
-            else {
-                return;
-            };
-            let Some(read) = read else {
-                drop(starting);
-                shared.health.count(&shared.health.counters.dead_lettered);
-                msg.dispose(Disposition::Complete).await;
-                return;
-            };
-            read
-        }
+    let (rec, starting) = match validated(&mut msg, &body, early, starting).await {
+        Ok(run) => run,
+        Err(then) => return stand_down(&mut msg, &body, then).await,
     };
-    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
-    let rec = match current {
-        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
-            drop(starting);
-            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
-            // A copy after a crash between the settlement and the line's advance.
-            if advance_line(&mut msg, &rec.event).await {
-                msg.dispose(Disposition::Complete).await;
-            }
-            return;
-        }
-        Some((rec, _)) if verdict == Verdict::Stale => {
-            drop(starting);
-            // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-            let scheduled = msg
-                .holding(key, "re-sending the recorded retry", || {
-                    shared.settler.resend_recorded(&rec, &body.traceparents)
-                })
-                .await;
-            if scheduled.is_some() {
-                msg.dispose(Disposition::Complete).await;
-            }
-            return;
-        }
-        Some(read) => read,
-        None => {
-            // The ledger is written before any retry message is sent, and the event lives
-            // there (the message is a claim check): a message without a record means the
-            // record was removed by hand. The message says where the event sits in Event
-            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
-            // as `record_missing` — never drop it silently.
-            let Some(recovered) = msg
-                .holding(
-                    key,
-                    "recovering the missing ledger record from Event Hubs",
-                    || recover_missing(shared, &body),
-                )
-                .await
-            else {
-                return;
-            };
-            match recovered {
-                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
-                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
-                    shared.observe.count_record_rebuilt();
-                    read
-                }
-                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
-                // is not the one waiting: final, or superseded (its recorded next attempt is
-                // made sure of, as for any stale copy).
-                Some((rec, _)) => {
-                    drop(starting);
-                    let settled = match Verdict::of(Some(&rec), body.attempt) {
-                        Verdict::Stale => msg
-                            .holding(key, "re-sending the recorded retry", || {
-                                shared.settler.resend_recorded(&rec, &body.traceparents)
-                            })
-                            .await
-                            .map(drop),
-                        _ => Some(()),
-                    };
-                    if settled.is_some() {
-                        msg.dispose(Disposition::Complete).await;
-                    }
-                    return;
-                }
-                None => {
-                    drop(starting);
-                    shared.observe.count_record_missing(key);
-                    shared.health.count(&shared.health.counters.dead_lettered);
-                    msg.dispose(Disposition::Complete).await;
-                    return;
-                }
-            }
-        }
-    };
-    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
-    // scheduled before, and the copy sent for the pull is the one that runs.
-    if rec.0.superseded_copy(body.attempt, body.run_now) {
-        drop(starting);
-        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
-        msg.dispose(Disposition::Complete).await;
-        return;
-    }
     // The attempt is claimed in the ledger before the call, so a copy of the message in
     // another replica stands down; a lapsed lock or a newer delivery of this message is
     // noticed before the claim, and again before the call.
@@ -1294,6 +1181,140 @@ async fn process(
         if settled_for_good && !advance_line(&mut msg, &event).await {
             return;
         }
+        msg.dispose(Disposition::Complete).await;
+    }
+}
+
+/// What a due copy that does not run its attempt does instead. By the time it is done, the
+/// copy's place among the starting attempts ([`Starting`]) is given up.
+enum StandDown {
+    /// Nothing more: the loop stopped (the message is abandoned) or the lock is gone.
+    Leave,
+    /// Complete the message.
+    Complete,
+    /// The event is final: advance its ordering key's line, then complete.
+    AdvanceLine(Box<crate::event::Event>),
+    /// The attempt already ran: make sure the recorded next attempt exists, then complete.
+    Resend(Box<crate::ledger::LedgerRecord>),
+}
+
+/// The due step: the ledger record at the due time decides whether this copy runs its
+/// attempt. `Ok` with the record and its ETag (and `starting`, still held) when it runs;
+/// else what to do instead, with `starting` released on the way out.
+async fn validated<'l>(
+    msg: &mut LockedMessage<'_>,
+    body: &RetryMessage,
+    early: Option<(crate::ledger::LedgerRecord, String)>,
+    starting: Starting<'l>,
+) -> Result<((crate::ledger::LedgerRecord, String), Starting<'l>), StandDown> {
+    let shared = msg.shared;
+    let key = body.key();
+    // The record at the due time. Read early, it is not read again: the claim below writes
+    // with `If-Match` on its ETag, so a record changed since (an operator's action, another
+    // copy's attempt) fails the claim, which reads it afresh and decides on what it says.
+    // A record that cannot be parsed is set aside and its event dead-lettered (the message
+    // carries only the key), never held forever.
+    let current = match early {
+        Some(read) => Some(read),
+        None => {
+            let Some(read) = msg
+                .holding(key, "reading the ledger", || async {
+                    match shared.settler.ledger.get(key).await {
+                        Err(LedgerError::Corrupt { reason, .. }) => shared
+                            .settler
+                            .ledger
+                            .quarantine(key, None, &reason, shared.clock().now())
+                            .await
+                            .map(|_| None),
+                        other => other.map(Some),
+                    }
+                })
+                .await
+            else {
+                return Err(StandDown::Leave);
+            };
+            let Some(read) = read else {
+                shared.health.count(&shared.health.counters.dead_lettered);
+                return Err(StandDown::Complete);
+            };
+            read
+        }
+    };
+    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
+    let rec = match current {
+        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
+            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
+            // A copy after a crash between the settlement and the line's advance.
+            return Err(StandDown::AdvanceLine(Box::new(rec.event)));
+        }
+        // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
+        Some((rec, _)) if verdict == Verdict::Stale => {
+            return Err(StandDown::Resend(Box::new(rec)))
+        }
+        Some(read) => read,
+        None => {
+            // The ledger is written before any retry message is sent, and the event lives
+            // there (the message is a claim check): a message without a record means the
+            // record was removed by hand. The message says where the event sits in Event
+            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
+            // as `record_missing` — never drop it silently.
+            let Some(recovered) = msg
+                .holding(
+                    key,
+                    "recovering the missing ledger record from Event Hubs",
+                    || recover_missing(shared, body),
+                )
+                .await
+            else {
+                return Err(StandDown::Leave);
+            };
+            match recovered {
+                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
+                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
+                    shared.observe.count_record_rebuilt();
+                    read
+                }
+                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
+                // is not the one waiting: final, or superseded (its recorded next attempt is
+                // made sure of, as for any stale copy).
+                Some((rec, _)) => {
+                    return Err(match Verdict::of(Some(&rec), body.attempt) {
+                        Verdict::Stale => StandDown::Resend(Box::new(rec)),
+                        _ => StandDown::Complete,
+                    });
+                }
+                None => {
+                    shared.observe.count_record_missing(key);
+                    shared.health.count(&shared.health.counters.dead_lettered);
+                    return Err(StandDown::Complete);
+                }
+            }
+        }
+    };
+    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
+    // scheduled before, and the copy sent for the pull is the one that runs.
+    if rec.0.superseded_copy(body.attempt, body.run_now) {
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        return Err(StandDown::Complete);
+    }
+    Ok((rec, starting))
+}
+
+/// Does what a copy that stands down does instead of its attempt.
+async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: StandDown) {
+    let shared = msg.shared;
+    let done = match then {
+        StandDown::Leave => false,
+        StandDown::Complete => true,
+        StandDown::AdvanceLine(event) => advance_line(msg, &event).await,
+        StandDown::Resend(rec) => msg
+            .holding(body.key(), "re-sending the recorded retry", || {
+                shared.settler.resend_recorded(&rec, &body.traceparents)
+            })
+            .await
+            .is_some(),
+    };
+    if done {
         msg.dispose(Disposition::Complete).await;
     }
 }
