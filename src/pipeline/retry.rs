@@ -70,6 +70,7 @@ use super::settle::{Report, RetryMessage, Settled, Source};
 use super::{attempt, Shared};
 use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
+use crate::event::Deployment;
 use crate::ledger::{LedgerError, Verdict};
 
 /// Consecutive receive failures before the watchdog takes over.
@@ -922,6 +923,57 @@ impl std::ops::Deref for LockedMessage<'_> {
     }
 }
 
+/// Hands a retry of another deployment (`theirs`, from a queue the two share) back to the
+/// queue for its own deployment's receivers, unchanged: never run against this one's
+/// ledger, never dropped.
+async fn hand_back(msg: &mut LockedMessage<'_>, body: &RetryMessage, theirs: &Deployment) {
+    let shared = msg.shared;
+    let key = body.key();
+    let forwards = msg
+        .properties
+        .get("hubguard-forwards")
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0u32);
+    let raw = msg.body.clone();
+    let seq = msg.sequence_number;
+    // A hand-back Service Bus refuses for what it is (a MessageId past 128 characters
+    // from a deployment id no hubguard writes, say) would be refused for ever: it does not
+    // hold the message. Abandoned, it reaches the queue's dead-letter sub-queue at its
+    // MaxDeliveryCount, where its own deployment's sweep takes it back ("Overview of
+    // Service Bus dead-letter queues", https://learn.microsoft.com/azure/service-bus-messaging/service-bus-dead-letter-queues).
+    let forwarded = msg
+        .holding(
+            key,
+            "handing another deployment's retry back to the queue",
+            || async {
+                match shared
+                    .settler
+                    .forward(&raw, body, theirs, seq, forwards)
+                    .await
+                {
+                    Err(e) if e.is_refusal_of_request() => Ok(Err(e)),
+                    other => other.map(Ok),
+                }
+            },
+        )
+        .await;
+    if let Some(Err(e)) = &forwarded {
+        tracing::error!(key = %key, deployment = %theirs, error = %e, "Service Bus refused to take another deployment's retry back for what the message is; abandoning it, so Service Bus dead-letters it at the queue's MaxDeliveryCount and its deployment's sweep takes it from there");
+        msg.dispose(Disposition::Abandon).await;
+        return;
+    }
+    if forwarded.is_some() {
+        shared.observe.count_forwarded();
+        shared.health.saw_foreign(&theirs.to_string());
+        if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
+            tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
+        } else {
+            tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
+        }
+        msg.dispose(Disposition::Complete).await;
+    }
+}
+
 async fn process(
     msg: ReceivedMessage,
     shared: &Shared,
@@ -947,51 +999,7 @@ async fn process(
     // deployment's receivers.
     if let Some(theirs) = foreign(&body, shared) {
         drop(waiting);
-        let theirs = theirs.clone();
-        let forwards = msg
-            .properties
-            .get("hubguard-forwards")
-            .and_then(|f| f.parse().ok())
-            .unwrap_or(0u32);
-        let raw = msg.body.clone();
-        let seq = msg.sequence_number;
-        // A hand-back Service Bus refuses for what it is (a MessageId past 128 characters
-        // from a deployment id no hubguard writes, say) would be refused for ever: it does not
-        // hold the message. Abandoned, it reaches the queue's dead-letter sub-queue at its
-        // MaxDeliveryCount, where its own deployment's sweep takes it back ("Overview of
-        // Service Bus dead-letter queues", https://learn.microsoft.com/azure/service-bus-messaging/service-bus-dead-letter-queues).
-        let forwarded = msg
-            .holding(
-                key,
-                "handing another deployment's retry back to the queue",
-                || async {
-                    match shared
-                        .settler
-                        .forward(&raw, &body, &theirs, seq, forwards)
-                        .await
-                    {
-                        Err(e) if e.is_refusal_of_request() => Ok(Err(e)),
-                        other => other.map(Ok),
-                    }
-                },
-            )
-            .await;
-        if let Some(Err(e)) = &forwarded {
-            tracing::error!(key = %key, deployment = %theirs, error = %e, "Service Bus refused to take another deployment's retry back for what the message is; abandoning it, so Service Bus dead-letters it at the queue's MaxDeliveryCount and its deployment's sweep takes it from there");
-            msg.dispose(Disposition::Abandon).await;
-            return;
-        }
-        if forwarded.is_some() {
-            shared.observe.count_forwarded();
-            shared.health.saw_foreign(&theirs.to_string());
-            if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
-                tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
-            } else {
-                tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
-            }
-            msg.dispose(Disposition::Complete).await;
-        }
-        return;
+        return hand_back(&mut msg, &body, theirs).await;
     }
     let due = at(body.due_ms);
     // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
