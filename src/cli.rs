@@ -23,7 +23,7 @@ use crate::emulator::servicebus::QueueSpec;
 use crate::emulator::{Emulators, EmulatorsConfig, DEFAULT_KEY, DEFAULT_KEY_NAME};
 use crate::handler::webhook::WebhookHandler;
 use crate::ledger::Ledger;
-use crate::pipeline::settle::{Policies, Settler};
+use crate::pipeline::settle::Settler;
 use crate::pipeline::Pipeline;
 use crate::redact::{redact, redacted};
 use crate::wiring::{StorageAccess, Wiring};
@@ -672,13 +672,14 @@ fn load_config(arg: &ConfigArg) -> anyhow::Result<Config> {
     Ok(config)
 }
 
+/// The ledger the configuration names. Only the storage section is wired: the commands that
+/// read the ledger alone need no Event Hubs or Service Bus credentials.
 fn ledger_of(config: &Config) -> anyhow::Result<Ledger> {
-    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
-    Ok(Ledger::new(
-        Arc::new(StorageAccess::from_config(config)?.record_store(deadline)?),
+    Ok(StorageAccess::from_config(config)?.ledger(
         &config.eventhubs.hub,
         &config.eventhubs.consumer_group,
-    ))
+        Duration::from_millis(config.retry.call_deadline_ms),
+    )?)
 }
 
 async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
@@ -869,18 +870,7 @@ async fn retries(cmd: RetriesCommand) -> anyhow::Result<u8> {
 /// A settler as the replicas run it: the configuration's ledger, retry queue, policies,
 /// dead-letter destination and deployment.
 fn settler_of(config: &Config) -> anyhow::Result<Settler> {
-    let wiring = Wiring::from_config(config)?;
-    let queue: Arc<dyn crate::azure::RetryQueue> = Arc::new(wiring.retry_queue()?);
-    Ok(Settler::new(
-        ledger_of(config)?,
-        queue,
-        Policies {
-            default: config.policy.default.clone(),
-            by_type: config.policy.types.clone(),
-        },
-    )
-    .with_dead_letters(wiring.dead_letter_destination()?)
-    .with_deployment(wiring.deployment()))
+    Ok(Wiring::from_config(config)?.settler()?)
 }
 
 /// `partitions pause|resume`: one compare-and-swap on the control record.

@@ -21,8 +21,9 @@ use crate::breaker::BreakerConfig;
 use crate::config::{Access, Config, CredentialKind};
 use crate::event::IdentityConfig;
 use crate::handler::Handler;
+use crate::ledger::Ledger;
 use crate::pipeline::dead_letter::DeadLetterDestination;
-use crate::pipeline::settle::Policies;
+use crate::pipeline::settle::{Policies, Settler};
 use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
 
@@ -256,6 +257,21 @@ impl StorageAccess {
             .map(|s| s.with_index_tags(self.index_tags))
             .map_err(|e| WiringError::client("storage.container_url", e))
     }
+
+    /// The attempt ledger of `hub` and `consumer_group` in this container, every call with
+    /// `deadline` (no retention: the operator commands' ledger, which expires nothing).
+    pub fn ledger(
+        &self,
+        hub: &str,
+        consumer_group: &str,
+        deadline: Duration,
+    ) -> Result<Ledger, WiringError> {
+        Ok(Ledger::new(
+            Arc::new(self.record_store(deadline)?),
+            hub,
+            consumer_group,
+        ))
+    }
 }
 
 /// The one builder of [`PipelineParts`]: where the services are, plus the handler's
@@ -483,6 +499,23 @@ impl Wiring {
             }
             Err(refusal) => Err(WiringError::QueueRefused(refusal)),
         }
+    }
+
+    /// A settler as the replicas run it, for the operator commands: this wiring's ledger
+    /// (without retention), retry queue, policies, dead-letter destination and deployment.
+    pub fn settler(&self) -> Result<Settler, WiringError> {
+        let records: Arc<dyn RecordStore> = match &self.records {
+            Some(r) => r.clone(),
+            None => Arc::new(self.storage.record_store(self.options.deadline)?),
+        };
+        let ledger = Ledger::new(records, &self.eventhubs.hub, &self.eventhubs.consumer_group);
+        let queue: Arc<dyn RetryQueue> = match &self.retry_queue {
+            Some(q) => q.clone(),
+            None => Arc::new(self.retry_queue()?),
+        };
+        Ok(Settler::new(ledger, queue, self.policies.clone())
+            .with_dead_letters(self.dead_letter_destination()?)
+            .with_deployment(self.deployment()))
     }
 
     /// Everything the pipeline needs, with `handler`.

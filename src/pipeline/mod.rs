@@ -15,6 +15,7 @@
 
 mod admission;
 mod attempt;
+mod backoff;
 mod checkpoint;
 pub mod control;
 pub mod dead_letter;

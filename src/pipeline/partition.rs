@@ -19,6 +19,7 @@ use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::backoff::{until_settled, Hold};
 use super::settle::{Report, Source};
 use super::{attempt, Shared};
 use crate::event::Event;
@@ -646,76 +647,71 @@ async fn process(
         shared.health.release_event(pid, seq);
         return true;
     }
-    let mut backoff = Duration::from_millis(200);
-    loop {
-        let settled = shared
+    let report = Report {
+        event: &event,
+        attempt: 1,
+        source: Source::EventHubs,
+        started: attempted.started,
+        outcome: &attempted.outcome,
+        trace_id: &attempted.trace_id,
+        traceparents: std::slice::from_ref(&attempted.traceparent),
+    };
+    let mut hold = PartitionHold {
+        pid,
+        seq,
+        shared,
+        cancel,
+        lag,
+        held: false,
+    };
+    let settled = until_settled(&mut hold, shared.options.settle_backoff_max, || {
+        shared
             .settler
-            .settle(&Report {
-                event: &event,
-                attempt: 1,
-                source: Source::EventHubs,
-                started: attempted.started,
-                outcome: &attempted.outcome,
-                trace_id: &attempted.trace_id,
-                traceparents: std::slice::from_ref(&attempted.traceparent),
-            })
+            .settle(&report)
             .instrument(attempted.span.clone())
+    })
+    .await;
+    let s = match settled {
+        Ok(s) => s,
+        Err(e) => {
+            attempt::finish(&attempted, Err(&e));
+            return false;
+        }
+    };
+    recorded.forget(&event);
+    if let (Some(k), true) = (line_key, heads) {
+        if matches!(s, super::settle::Settled::RetryScheduled { .. }) {
+            known.line(k, seq);
+        } else {
+            // Settled for good: the line moves on (a stop before it leaves the event
+            // unsettled, and its replay moves the line on).
+            let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+            let ended = until_done(pid, seq, shared, cancel, lag, || {
+                super::lines::advance(
+                    &shared.settler,
+                    &event,
+                    k,
+                    on_dead_letter,
+                    Some(&shared.observe),
+                )
+            })
             .await;
-        match settled {
-            Ok(s) => {
-                recorded.forget(&event);
-                if let (Some(k), true) = (line_key, heads) {
-                    if matches!(s, super::settle::Settled::RetryScheduled { .. }) {
-                        known.line(k, seq);
-                    } else {
-                        // Settled for good: the line moves on (a stop before it leaves the
-                        // event unsettled, and its replay moves the line on).
-                        let on_dead_letter =
-                            shared.options.retry_ordering.lines().unwrap_or_default();
-                        let ended = until_done(pid, seq, shared, cancel, lag, || {
-                            super::lines::advance(
-                                &shared.settler,
-                                &event,
-                                k,
-                                on_dead_letter,
-                                Some(&shared.observe),
-                            )
-                        })
-                        .await;
-                        match ended {
-                            None => {
-                                attempt::finish(&attempted, Ok(&s));
-                                return false;
-                            }
-                            Some(true) => known.ended(k, Some(seq)),
-                            Some(false) => known.line(k, seq),
-                        }
-                    }
+            match ended {
+                None => {
+                    attempt::finish(&attempted, Ok(&s));
+                    return false;
                 }
-                attempt::finish(&attempted, Ok(&s));
-                shared
-                    .observe
-                    .count_settled(&s, event.identity.event_type.as_deref());
-                shared.health.release_event(pid, seq);
-                return true;
-            }
-            Err(e) => {
-                shared.observe.settle_failed(&e);
-                shared.health.set_lag(pid, self::lag(shared, lag.0, lag.1));
-                shared
-                    .health
-                    .hold_event(pid, seq, e.hold_cause(), e.held_reason());
-                tokio::select! {
-                    _ = cancel.cancelled() => {
-                        attempt::finish(&attempted, Err(&e));
-                        return false;
-                    }
-                    _ = shared.clock().sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
+                Some(true) => known.ended(k, Some(seq)),
+                Some(false) => known.line(k, seq),
             }
         }
     }
+    attempt::finish(&attempted, Ok(&s));
+    shared
+        .observe
+        .count_settled(&s, event.identity.event_type.as_deref());
+    shared.health.release_event(pid, seq);
+    true
 }
 
 /// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:
@@ -802,35 +798,56 @@ async fn until_done<T, F, Fut>(
     shared: &Shared,
     cancel: &CancellationToken,
     lag: (u64, Option<SystemTime>),
-    mut op: F,
+    op: F,
 ) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, super::settle::SettleError>>,
 {
-    let mut backoff = Duration::from_millis(200);
-    let mut held = false;
-    loop {
-        match op().await {
-            Ok(v) => {
-                if held {
-                    shared.health.release_event(pid, seq);
-                }
-                return Some(v);
-            }
-            Err(e) => {
-                shared.observe.settle_failed(&e);
-                shared.health.set_lag(pid, self::lag(shared, lag.0, lag.1));
-                shared
-                    .health
-                    .hold_event(pid, seq, e.hold_cause(), e.held_reason());
-                held = true;
-                tokio::select! {
-                    _ = cancel.cancelled() => return None,
-                    _ = shared.clock().sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
-            }
+    let mut hold = PartitionHold {
+        pid,
+        seq,
+        shared,
+        cancel,
+        lag,
+        held: false,
+    };
+    let done = until_settled(&mut hold, shared.options.settle_backoff_max, op).await;
+    if done.is_ok() && hold.held {
+        shared.health.release_event(pid, seq);
+    }
+    done.ok()
+}
+
+/// A partition holding its event at `seq` while a settlement (or a step of one) fails:
+/// readiness and the lag show the hold, and the wait ends early when the partition stops.
+struct PartitionHold<'a> {
+    pid: &'a str,
+    seq: i64,
+    shared: &'a Shared,
+    cancel: &'a CancellationToken,
+    lag: (u64, Option<SystemTime>),
+    /// Whether a failure held the partition.
+    held: bool,
+}
+
+impl Hold<super::settle::SettleError> for PartitionHold<'_> {
+    fn failed(&mut self, e: &super::settle::SettleError) {
+        let (pid, shared) = (self.pid, self.shared);
+        shared.observe.settle_failed(e);
+        shared
+            .health
+            .set_lag(pid, lag(shared, self.lag.0, self.lag.1));
+        shared
+            .health
+            .hold_event(pid, self.seq, e.hold_cause(), e.held_reason());
+        self.held = true;
+    }
+
+    async fn pause(&mut self, wait: Duration) -> bool {
+        tokio::select! {
+            _ = self.cancel.cancelled() => false,
+            _ = self.shared.clock().sleep(wait) => true,
         }
     }
 }

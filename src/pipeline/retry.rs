@@ -56,7 +56,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -64,11 +64,13 @@ use super::admission::Gate;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::backoff::{until_settled, Hold};
 use super::health::RetryLoopState;
 use super::settle::{Report, RetryMessage, Settled, Source};
 use super::{attempt, Shared};
 use crate::azure::{ReceivedMessage, RetryQueueError};
 use crate::clock::at;
+use crate::event::Deployment;
 use crate::ledger::{LedgerError, Verdict};
 
 /// Consecutive receive failures before the watchdog takes over.
@@ -695,136 +697,298 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
         },
     };
     match put_back {
-        Ok(()) => settle_message(&msg, true).await,
+        Ok(()) => dispose(&msg, Disposition::Complete).await,
         Err(e) => {
             tracing::warn!(key = %key, error = %e, "could not put a dead-lettered retry back; leaving it for the next sweep");
         }
     }
 }
 
-async fn settle_message(msg: &ReceivedMessage, complete: bool) {
-    let r = if complete {
-        msg.complete().await
-    } else {
-        msg.abandon().await
+/// What becomes of a retry message in hand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Disposition {
+    /// Completed: its attempt is settled (or it had nothing left to do).
+    Complete,
+    /// Abandoned: Service Bus hands it out again at once (counting a delivery).
+    Abandon,
+}
+
+/// Completes or abandons `msg`; a failure only means Service Bus redelivers it.
+async fn dispose(msg: &ReceivedMessage, disposition: Disposition) {
+    let complete = disposition == Disposition::Complete;
+    let r = match disposition {
+        Disposition::Complete => msg.complete().await,
+        Disposition::Abandon => msg.abandon().await,
     };
     if let Err(e) = r {
         tracing::warn!(message_id = %msg.message_id, error = %e, complete, "could not settle the retry message; Service Bus will redeliver it");
     }
 }
 
-/// Runs `op` until it succeeds, with backoff, renewing `msg`'s lock meanwhile; `None` if the
-/// loop stops first (the message is abandoned then, so Service Bus redelivers it).
-async fn holding<T, E, F, Fut>(
-    msg: &mut ReceivedMessage,
-    key: &str,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    what: &str,
-    mut op: F,
-) -> Option<T>
-where
-    E: std::fmt::Display,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-{
-    let mut backoff = Duration::from_millis(200);
-    loop {
-        match op().await {
-            Ok(v) => {
-                shared.health.release_retry(&msg.message_id);
-                return Some(v);
+/// A retry message in hand under its peek-lock: the one place its lock is renewed (half-way
+/// to its expiry, at most every 500 ms) while anything waits on it. A message left without a
+/// disposition (its lock lost or lapsed) goes to its next receiver when the lock expires.
+struct LockedMessage<'s> {
+    msg: ReceivedMessage,
+    shared: &'s Shared,
+    cancel: &'s CancellationToken,
+}
+
+/// How a wait under the lock is renewed when Service Bus says the lock is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnLockLost {
+    /// Stop waiting: another receiver has the message.
+    Stop,
+    /// Keep going (the wait's outcome still counts: a settlement holding, a running call).
+    Continue,
+}
+
+impl<'s> LockedMessage<'s> {
+    fn new(msg: ReceivedMessage, shared: &'s Shared, cancel: &'s CancellationToken) -> Self {
+        Self {
+            msg,
+            shared,
+            cancel,
+        }
+    }
+
+    /// Completes or abandons the message.
+    async fn dispose(&self, disposition: Disposition) {
+        dispose(&self.msg, disposition).await;
+    }
+
+    /// How long until the lock should be renewed.
+    fn renew_in(&self) -> Duration {
+        (self.shared.clock().until(self.msg.locked_until) / 2).max(Duration::from_millis(500))
+    }
+
+    /// Renews the lock; `false` when it is lost and `on_lost` says to stop.
+    async fn renew(&mut self, on_lost: OnLockLost) -> bool {
+        match self.msg.renew().await {
+            Ok(()) => true,
+            Err(RetryQueueError::LockLost) if on_lost == OnLockLost::Stop => {
+                tracing::warn!(message_id = %self.msg.message_id, "lost the lock on a retry waiting to start; Service Bus hands it to another receiver");
+                false
             }
             Err(e) => {
-                shared.observe.held_retry_failed();
-                tracing::warn!(message_id = %msg.message_id, error = %e, "{what} failed; holding the retry message and trying again");
-                // Readiness says so while it lasts.
-                shared
-                    .health
-                    .hold_retry(&msg.message_id, key, format!("{what} failed: {e}"));
-                let wait = shared.clock().sleep(backoff);
-                tokio::pin!(wait);
-                loop {
-                    let renew_in = shared.clock().until(msg.locked_until) / 2;
-                    tokio::select! {
-                        _ = cancel.cancelled() => {
-                            shared.health.release_retry(&msg.message_id);
-                            settle_message(msg, false).await;
-                            return None;
-                        }
-                        _ = &mut wait => break,
-                        _ = shared.clock().sleep(renew_in.max(Duration::from_millis(500))) => {
-                            if let Err(e) = msg.renew().await {
-                                tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
-                            }
-                        }
-                    }
-                }
-                backoff = (backoff * 2).min(shared.options.settle_backoff_max);
+                tracing::warn!(message_id = %self.msg.message_id, error = %e, "lock renewal failed");
+                true
             }
         }
     }
-}
 
-/// Waits for `fut` while holding `msg`: its lock renewed meanwhile. `None` if the loop
-/// stops first (the message abandoned, so Service Bus hands it to another replica at once),
-/// or if the lock is lost or lapsed (a stalled process, a step of the clock): Service Bus
-/// hands the message to another receiver, and running it here too would be a second attempt.
-async fn under_lock<T>(
-    msg: &mut ReceivedMessage,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    fut: impl std::future::Future<Output = T>,
-) -> Option<T> {
-    tokio::pin!(fut);
-    loop {
-        if !lock_held(msg, shared) {
-            return None;
+    /// Whether the lock still holds on the clock; says so when it lapsed.
+    fn lock_held(&self) -> bool {
+        let held = self.shared.clock().now() < self.msg.locked_until;
+        if !held {
+            tracing::warn!(message_id = %self.msg.message_id, "the lock on a retry waiting to start lapsed; leaving it to its next receiver");
         }
-        let renew_in = (shared.clock().until(msg.locked_until) / 2).max(Duration::from_millis(500));
-        tokio::select! {
-            _ = cancel.cancelled() => {
-                settle_message(msg, false).await;
+        held
+    }
+
+    /// Waits for `fut` under the lock, renewing it meanwhile. `None` if the loop stops first
+    /// (the message abandoned, so Service Bus hands it to another replica at once), or if the
+    /// lock is lost or lapsed (a stalled process, a step of the clock): Service Bus hands the
+    /// message to another receiver, and running it here too would be a second attempt.
+    async fn under_lock<T>(&mut self, fut: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::pin!(fut);
+        loop {
+            if !self.lock_held() {
                 return None;
             }
-            v = &mut fut => return lock_held(msg, shared).then_some(v),
-            _ = shared.clock().sleep(renew_in) => match msg.renew().await {
-                Ok(()) => {}
-                Err(RetryQueueError::LockLost) => {
-                    tracing::warn!(message_id = %msg.message_id, "lost the lock on a retry waiting to start; Service Bus hands it to another receiver");
+            let renew_in = self.renew_in();
+            tokio::select! {
+                _ = self.cancel.cancelled() => {
+                    self.dispose(Disposition::Abandon).await;
                     return None;
                 }
-                Err(e) => {
-                    tracing::warn!(message_id = %msg.message_id, error = %e, "lock renewal failed");
+                v = &mut fut => return self.lock_held().then_some(v),
+                _ = self.shared.clock().sleep(renew_in) => {
+                    if !self.renew(OnLockLost::Stop).await {
+                        return None;
+                    }
                 }
+            }
+        }
+    }
+
+    /// Runs `fut` to its end under the lock (a handler's call), renewing the lock and, every
+    /// half [`CLAIM_LEASE`](super::settle::CLAIM_LEASE), the attempt's `claimed` ledger claim.
+    async fn running<T>(
+        &mut self,
+        claimed: &mut (crate::ledger::LedgerRecord, String),
+        fut: impl std::future::Future<Output = T>,
+    ) -> T {
+        futures::pin_mut!(fut);
+        let mut claim_renewal = self.shared.clock().now() + super::settle::CLAIM_LEASE / 2;
+        loop {
+            let renew_in = self.renew_in();
+            tokio::select! {
+                v = &mut fut => return v,
+                _ = self.shared.clock().sleep(renew_in) => {
+                    self.renew(OnLockLost::Continue).await;
+                }
+                _ = self.shared.clock().sleep_until(claim_renewal) => {
+                    if let Err(e) = self.shared.settler.renew_claim(claimed).await {
+                        tracing::warn!(key = %claimed.0.key, error = %e, "renewing the claim on a running attempt failed");
+                    }
+                    claim_renewal = self.shared.clock().now() + super::settle::CLAIM_LEASE / 2;
+                }
+            }
+        }
+    }
+
+    /// Runs `op` until it succeeds, with backoff, holding the message (its lock renewed)
+    /// meanwhile; readiness shows the hold while it lasts. `None` if the loop stops first
+    /// (the message is abandoned then, so Service Bus redelivers it).
+    async fn holding<T, E, F, Fut>(&mut self, key: &str, what: &str, op: F) -> Option<T>
+    where
+        E: std::fmt::Display,
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, E>>,
+    {
+        let max = self.shared.options.settle_backoff_max;
+        let done = until_settled(
+            &mut Holding {
+                msg: self,
+                key,
+                what,
             },
+            max,
+            op,
+        )
+        .await;
+        if done.is_ok() {
+            self.shared.health.release_retry(&self.msg.message_id);
+        }
+        done.ok()
+    }
+
+    /// How long after `due` it is now.
+    fn lateness(&self, due: SystemTime) -> Duration {
+        self.shared
+            .clock()
+            .now()
+            .duration_since(due)
+            .unwrap_or_default()
+    }
+}
+
+/// A retry message held while `what` fails for `key`: readiness shows it, the lock is
+/// renewed through each wait, and a stop abandons the message.
+struct Holding<'m, 's> {
+    msg: &'m mut LockedMessage<'s>,
+    key: &'m str,
+    what: &'m str,
+}
+
+impl<E: std::fmt::Display> Hold<E> for Holding<'_, '_> {
+    fn failed(&mut self, e: &E) {
+        let (shared, id, what) = (self.msg.shared, &self.msg.msg.message_id, self.what);
+        shared.observe.held_retry_failed();
+        tracing::warn!(message_id = %id, error = %e, "{what} failed; holding the retry message and trying again");
+        // Readiness says so while it lasts.
+        shared
+            .health
+            .hold_retry(id, self.key, format!("{what} failed: {e}"));
+    }
+
+    async fn pause(&mut self, wait: Duration) -> bool {
+        let msg = &mut *self.msg;
+        let (shared, cancel) = (msg.shared, msg.cancel);
+        let wait = shared.clock().sleep(wait);
+        tokio::pin!(wait);
+        loop {
+            let renew_in = msg.renew_in();
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    shared.health.release_retry(&msg.msg.message_id);
+                    msg.dispose(Disposition::Abandon).await;
+                    return false;
+                }
+                _ = &mut wait => return true,
+                _ = shared.clock().sleep(renew_in) => {
+                    msg.renew(OnLockLost::Continue).await;
+                }
+            }
         }
     }
 }
 
-/// Whether `msg`'s lock still holds on the clock; says so when it lapsed.
-fn lock_held(msg: &ReceivedMessage, shared: &Shared) -> bool {
-    let held = shared.clock().now() < msg.locked_until;
-    if !held {
-        tracing::warn!(message_id = %msg.message_id, "the lock on a retry waiting to start lapsed; leaving it to its next receiver");
+impl std::ops::Deref for LockedMessage<'_> {
+    type Target = ReceivedMessage;
+
+    fn deref(&self) -> &ReceivedMessage {
+        &self.msg
     }
-    held
+}
+
+/// Hands a retry of another deployment (`theirs`, from a queue the two share) back to the
+/// queue for its own deployment's receivers, unchanged: never run against this one's
+/// ledger, never dropped.
+async fn hand_back(msg: &mut LockedMessage<'_>, body: &RetryMessage, theirs: &Deployment) {
+    let shared = msg.shared;
+    let key = body.key();
+    let forwards = msg
+        .properties
+        .get("hubguard-forwards")
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0u32);
+    let raw = msg.body.clone();
+    let seq = msg.sequence_number;
+    // A hand-back Service Bus refuses for what it is (a MessageId past 128 characters
+    // from a deployment id no hubguard writes, say) would be refused for ever: it does not
+    // hold the message. Abandoned, it reaches the queue's dead-letter sub-queue at its
+    // MaxDeliveryCount, where its own deployment's sweep takes it back ("Overview of
+    // Service Bus dead-letter queues", https://learn.microsoft.com/azure/service-bus-messaging/service-bus-dead-letter-queues).
+    let forwarded = msg
+        .holding(
+            key,
+            "handing another deployment's retry back to the queue",
+            || async {
+                match shared
+                    .settler
+                    .forward(&raw, body, theirs, seq, forwards)
+                    .await
+                {
+                    Err(e) if e.is_refusal_of_request() => Ok(Err(e)),
+                    other => other.map(Ok),
+                }
+            },
+        )
+        .await;
+    if let Some(Err(e)) = &forwarded {
+        tracing::error!(key = %key, deployment = %theirs, error = %e, "Service Bus refused to take another deployment's retry back for what the message is; abandoning it, so Service Bus dead-letters it at the queue's MaxDeliveryCount and its deployment's sweep takes it from there");
+        msg.dispose(Disposition::Abandon).await;
+        return;
+    }
+    if forwarded.is_some() {
+        shared.observe.count_forwarded();
+        shared.health.saw_foreign(&theirs.to_string());
+        if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
+            tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
+        } else {
+            tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
+        }
+        msg.dispose(Disposition::Complete).await;
+    }
 }
 
 async fn process(
-    mut msg: ReceivedMessage,
+    msg: ReceivedMessage,
     shared: &Shared,
     cancel: &CancellationToken,
     limits: &Arc<Limits>,
     waiting: DueWaiting,
 ) {
+    let mut msg = LockedMessage::new(msg, shared, cancel);
     let mut waiting = Some(waiting);
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
             // Never drop it: abandon, and Service Bus dead-letters it at its delivery limit.
             tracing::error!(message_id = %msg.message_id, error = %e, "retry message is not hubguard's format; abandoning");
-            settle_message(&msg, false).await;
+            msg.dispose(Disposition::Abandon).await;
             return;
         }
     };
@@ -835,53 +999,7 @@ async fn process(
     // deployment's receivers.
     if let Some(theirs) = foreign(&body, shared) {
         drop(waiting);
-        let theirs = theirs.clone();
-        let forwards = msg
-            .properties
-            .get("hubguard-forwards")
-            .and_then(|f| f.parse().ok())
-            .unwrap_or(0u32);
-        let raw = msg.body.clone();
-        let seq = msg.sequence_number;
-        // A hand-back Service Bus refuses for what it is (a MessageId past 128 characters
-        // from a deployment id no hubguard writes, say) would be refused for ever: it does not
-        // hold the message. Abandoned, it reaches the queue's dead-letter sub-queue at its
-        // MaxDeliveryCount, where its own deployment's sweep takes it back ("Overview of
-        // Service Bus dead-letter queues", https://learn.microsoft.com/azure/service-bus-messaging/service-bus-dead-letter-queues).
-        let forwarded = holding(
-            &mut msg,
-            key,
-            shared,
-            cancel,
-            "handing another deployment's retry back to the queue",
-            || async {
-                match shared
-                    .settler
-                    .forward(&raw, &body, &theirs, seq, forwards)
-                    .await
-                {
-                    Err(e) if e.is_refusal_of_request() => Ok(Err(e)),
-                    other => other.map(Ok),
-                }
-            },
-        )
-        .await;
-        if let Some(Err(e)) = &forwarded {
-            tracing::error!(key = %key, deployment = %theirs, error = %e, "Service Bus refused to take another deployment's retry back for what the message is; abandoning it, so Service Bus dead-letters it at the queue's MaxDeliveryCount and its deployment's sweep takes it from there");
-            settle_message(&msg, false).await;
-            return;
-        }
-        if forwarded.is_some() {
-            shared.observe.count_forwarded();
-            shared.health.saw_foreign(&theirs.to_string());
-            if forwards + 1 == super::settle::FORWARD_FAST_HOPS {
-                tracing::warn!(key = %key, deployment = %theirs, ours = ?shared.settler.deployment().map(ToString::to_string), "a retry of another deployment keeps coming back to this one: is that deployment running? its copies now wait longer between hand-backs");
-            } else {
-                tracing::debug!(key = %key, deployment = %theirs, "handed another deployment's retry back to the shared queue");
-            }
-            settle_message(&msg, true).await;
-        }
-        return;
+        return hand_back(&mut msg, &body, theirs).await;
     }
     let due = at(body.due_ms);
     // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
@@ -891,10 +1009,7 @@ async fn process(
         body.attempt,
         (msg.message_id.clone(), msg.sequence_number),
     );
-    if under_lock(&mut msg, shared, cancel, copy.earlier_gone())
-        .await
-        .is_none()
-    {
+    if msg.under_lock(copy.earlier_gone()).await.is_none() {
         return;
     }
     // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
@@ -908,7 +1023,8 @@ async fn process(
     } else {
         None
     };
-    if under_lock(&mut msg, shared, cancel, shared.clock().sleep_until(due))
+    if msg
+        .under_lock(shared.clock().sleep_until(due))
         .await
         .is_none()
     {
@@ -916,160 +1032,20 @@ async fn process(
     }
     let starting = Starting::new(limits, body.due_ms);
     let waiting = waiting.unwrap_or_else(|| DueWaiting::new(limits.clone()));
-    let lateness = shared.clock().now().duration_since(due).unwrap_or_default();
+    let lateness = msg.lateness(due);
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
-    // The record at the due time. Read early, it is not read again: the claim below writes
-    // with `If-Match` on its ETag, so a record changed since (an operator's action, another
-    // copy's attempt) fails the claim, which reads it afresh and decides on what it says.
-    // A record that cannot be parsed is set aside and its event dead-lettered (the message
-    // carries only the key), never held forever.
-    let current = match early {
-        Some(read) => Some(read),
-        None => {
-            let Some(read) = holding(
-                &mut msg,
-                key,
-                shared,
-                cancel,
-                "reading the ledger",
-                || async {
-                    match shared.settler.ledger.get(key).await {
-                        Err(LedgerError::Corrupt { reason, .. }) => shared
-                            .settler
-                            .ledger
-                            .quarantine(key, None, &reason, shared.clock().now())
-                            .await
-                            .map(|_| None),
-                        other => other.map(Some),
-                    }
-                },
-            )
-            .await
-            else {
-                return;
-            };
-            let Some(read) = read else {
-                drop(starting);
-                shared.observe.count_dead_lettered(None);
-                settle_message(&msg, true).await;
-                return;
-            };
-            read
-        }
+    let (rec, starting) = match validated(&mut msg, &body, early, starting).await {
+        Ok(run) => run,
+        Err(then) => return stand_down(&mut msg, &body, then).await,
     };
-    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
-    let rec = match current {
-        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
-            drop(starting);
-            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
-            // A copy after a crash between the settlement and the line's advance.
-            if advance_line(&mut msg, shared, cancel, &rec.event).await {
-                settle_message(&msg, true).await;
-            }
-            return;
-        }
-        Some((rec, _)) if verdict == Verdict::Stale => {
-            drop(starting);
-            // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-            let scheduled = holding(
-                &mut msg,
-                key,
-                shared,
-                cancel,
-                "re-sending the recorded retry",
-                || shared.settler.resend_recorded(&rec, &body.traceparents),
-            )
-            .await;
-            if scheduled.is_some() {
-                settle_message(&msg, true).await;
-            }
-            return;
-        }
-        Some(read) => read,
-        None => {
-            // The ledger is written before any retry message is sent, and the event lives
-            // there (the message is a claim check): a message without a record means the
-            // record was removed by hand. The message says where the event sits in Event
-            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
-            // as `record_missing` — never drop it silently.
-            let Some(recovered) = holding(
-                &mut msg,
-                key,
-                shared,
-                cancel,
-                "recovering the missing ledger record from Event Hubs",
-                || recover_missing(shared, &body),
-            )
-            .await
-            else {
-                return;
-            };
-            match recovered {
-                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
-                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
-                    shared.observe.count_record_rebuilt();
-                    read
-                }
-                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
-                // is not the one waiting: final, or superseded (its recorded next attempt is
-                // made sure of, as for any stale copy).
-                Some((rec, _)) => {
-                    drop(starting);
-                    let settled = match Verdict::of(Some(&rec), body.attempt) {
-                        Verdict::Stale => holding(
-                            &mut msg,
-                            key,
-                            shared,
-                            cancel,
-                            "re-sending the recorded retry",
-                            || shared.settler.resend_recorded(&rec, &body.traceparents),
-                        )
-                        .await
-                        .map(drop),
-                        _ => Some(()),
-                    };
-                    if settled.is_some() {
-                        settle_message(&msg, true).await;
-                    }
-                    return;
-                }
-                None => {
-                    drop(starting);
-                    shared.observe.count_record_missing(key);
-                    shared.observe.count_dead_lettered(None);
-                    settle_message(&msg, true).await;
-                    return;
-                }
-            }
-        }
-    };
-    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
-    // scheduled before, and the copy sent for the pull is the one that runs.
-    if rec.0.superseded_copy(body.attempt, body.run_now) {
-        drop(starting);
-        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
-        settle_message(&msg, true).await;
-        return;
-    }
     // The attempt is claimed in the ledger before the call, so a copy of the message in
     // another replica stands down; a lapsed lock or a newer delivery of this message is
     // noticed before the claim, and again before the call.
     let mut starting = Some(starting);
-    let Some(mut claimed) = claim(
-        &mut msg,
-        shared,
-        cancel,
-        limits,
-        &copy,
-        &body,
-        rec,
-        &mut starting,
-    )
-    .await
-    else {
+    let Some(mut claimed) = claim(&mut msg, limits, &copy, &body, rec, &mut starting).await else {
         return;
     };
-    if !lock_held(&msg, shared) {
+    if !msg.lock_held() {
         drop(starting);
         shared.settler.release_claim(claimed).await;
         return;
@@ -1078,14 +1054,13 @@ async fn process(
         drop(starting);
         shared.settler.release_claim(claimed).await;
         tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
-        settle_message(&msg, true).await;
+        msg.dispose(Disposition::Complete).await;
         return;
     }
     // The attempt's slot, taken once the attempt is claimed (the claim renewed while it
     // waits), and held until the breaker knows the outcome (or no call is made): it bounds
     // the downstream calls in flight, not the ledger's round trips before them.
-    let Some(slot) = slot_keeping_claim(&mut msg, shared, cancel, limits, &mut claimed).await
-    else {
+    let Some(slot) = slot_keeping_claim(&mut msg, limits, &mut claimed).await else {
         drop(starting);
         shared.settler.release_claim(claimed).await;
         return;
@@ -1100,33 +1075,35 @@ async fn process(
     if let Gate::Defer(until) = gate {
         drop((slot, starting));
         shared.observe.count_deferred(event_type);
-        let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
-            shared
-                .settler
-                .defer(&event, body.attempt, until, &body.traceparents)
-        })
-        .await;
-        if deferred.is_some() {
-            settle_message(&msg, true).await;
-        }
-        return;
-    }
-    // The rate limit: the retry waits under its lock, uncounted. A replica that has lost
-    // its share of the rate meanwhile defers it (a second or two) for the others, uncounted.
-    let waited = match under_lock(&mut msg, shared, cancel, shared.pace(cancel, false)).await {
-        None | Some(None) => return,
-        Some(Some(crate::ratelimit::limiter::Acquired::NoShare)) => {
-            drop((slot, starting));
-            let until = shared.clock().now()
-                + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
-            let deferred = holding(&mut msg, key, shared, cancel, "deferring the retry", || {
+        let deferred = msg
+            .holding(key, "deferring the retry", || {
                 shared
                     .settler
                     .defer(&event, body.attempt, until, &body.traceparents)
             })
             .await;
+        if deferred.is_some() {
+            msg.dispose(Disposition::Complete).await;
+        }
+        return;
+    }
+    // The rate limit: the retry waits under its lock, uncounted. A replica that has lost
+    // its share of the rate meanwhile defers it (a second or two) for the others, uncounted.
+    let waited = match msg.under_lock(shared.pace(cancel, false)).await {
+        None | Some(None) => return,
+        Some(Some(crate::ratelimit::limiter::Acquired::NoShare)) => {
+            drop((slot, starting));
+            let until = shared.clock().now()
+                + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
+            let deferred = msg
+                .holding(key, "deferring the retry", || {
+                    shared
+                        .settler
+                        .defer(&event, body.attempt, until, &body.traceparents)
+                })
+                .await;
             if deferred.is_some() {
-                settle_message(&msg, true).await;
+                msg.dispose(Disposition::Complete).await;
             }
             return;
         }
@@ -1135,14 +1112,7 @@ async fn process(
     drop(starting);
     shared.observe.count_attempt();
     // Lateness: how long after its due time the retry actually starts.
-    shared.observe.retry_lateness(
-        shared
-            .clock()
-            .now()
-            .duration_since(at(body.due_ms))
-            .unwrap_or_default(),
-        event_type,
-    );
+    shared.observe.retry_lateness(msg.lateness(due), event_type);
     // The policy in force is the one pinned in the ledger at the first failure.
     let pinned = rec.policy.clone();
     let cx = attempt::Context {
@@ -1155,34 +1125,14 @@ async fn process(
     };
     // Keep the lock, and the claim, while the handler runs.
     let mut claimed = (rec, etag);
-    let attempted = {
-        let run = attempt::run(
-            &shared.downstream.handler,
-            &event,
-            body.attempt,
-            &body.traceparents,
-            cx,
-        );
-        futures::pin_mut!(run);
-        let mut claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
-        loop {
-            let renew_in = shared.clock().until(msg.locked_until) / 2;
-            tokio::select! {
-                a = &mut run => break a,
-                _ = shared.clock().sleep(renew_in.max(Duration::from_millis(500))) => {
-                    if let Err(e) = msg.renew().await {
-                        tracing::warn!(key = %key, error = %e, "lock renewal failed");
-                    }
-                }
-                _ = shared.clock().sleep_until(claim_renewal) => {
-                    if let Err(e) = shared.settler.renew_claim(&mut claimed).await {
-                        tracing::warn!(key = %key, error = %e, "renewing the claim on a running attempt failed");
-                    }
-                    claim_renewal = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
-                }
-            }
-        }
-    };
+    let run = attempt::run(
+        &shared.downstream.handler,
+        &event,
+        body.attempt,
+        &body.traceparents,
+        cx,
+    );
+    let attempted = msg.running(&mut claimed, run).await;
     let (rec, etag) = claimed;
     shared.attempted(&attempted, gate, event_type).await;
     // The breaker knows the outcome: the next attempt may ask it.
@@ -1190,9 +1140,6 @@ async fn process(
     limits.yield_to_starts(body.due_ms).await;
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
-    // The first settlement starts from the record read at the due time (one read per
-    // retry); one tried again after a failure reads afresh.
-    let read = std::sync::Mutex::new(Some((rec, etag)));
     let report = Report {
         event: &event,
         attempt: body.attempt,
@@ -1202,31 +1149,26 @@ async fn process(
         trace_id: &attempted.trace_id,
         traceparents: &trail,
     };
-    let settle = || {
-        let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let settle = |read| {
         shared
             .settler
             .settle_from(read, &report)
             .instrument(attempted.span.clone())
     };
-    let settled = match settle().await {
+    // The first settlement starts from the record read at the due time (one read per
+    // retry); one tried again after a failure reads afresh.
+    let settled = match settle(Some((rec, etag))).await {
         Ok(s) => Ok(s),
         Err(e) => {
             shared.observe.settle_failed(&e);
             tracing::warn!(key = %key, error = %e, "settling the retry failed; holding it until it settles");
-            match holding(
-                &mut msg,
-                key,
-                shared,
-                cancel,
-                "settling the retry",
-                || async {
-                    settle()
+            match msg
+                .holding(key, "settling the retry", || async {
+                    settle(None)
                         .await
                         .inspect_err(|e| shared.observe.settle_failed_metric(e))
-                },
-            )
-            .await
+                })
+                .await
             {
                 Some(s) => Ok(s),
                 None => Err(e),
@@ -1244,33 +1186,160 @@ async fn process(
             s,
             Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_)
         );
-        if settled_for_good && !advance_line(&mut msg, shared, cancel, &event).await {
+        if settled_for_good && !advance_line(&mut msg, &event).await {
             return;
         }
-        settle_message(&msg, true).await;
+        msg.dispose(Disposition::Complete).await;
+    }
+}
+
+/// What a due copy that does not run its attempt does instead. By the time it is done, the
+/// copy's place among the starting attempts ([`Starting`]) is given up.
+enum StandDown {
+    /// Nothing more: the loop stopped (the message is abandoned) or the lock is gone.
+    Leave,
+    /// Complete the message.
+    Complete,
+    /// The event is final: advance its ordering key's line, then complete.
+    AdvanceLine(Box<crate::event::Event>),
+    /// The attempt already ran: make sure the recorded next attempt exists, then complete.
+    Resend(Box<crate::ledger::LedgerRecord>),
+}
+
+/// The due step: the ledger record at the due time decides whether this copy runs its
+/// attempt. `Ok` with the record and its ETag (and `starting`, still held) when it runs;
+/// else what to do instead, with `starting` released on the way out.
+async fn validated<'l>(
+    msg: &mut LockedMessage<'_>,
+    body: &RetryMessage,
+    early: Option<(crate::ledger::LedgerRecord, String)>,
+    starting: Starting<'l>,
+) -> Result<((crate::ledger::LedgerRecord, String), Starting<'l>), StandDown> {
+    let shared = msg.shared;
+    let key = body.key();
+    // The record at the due time. Read early, it is not read again: the claim below writes
+    // with `If-Match` on its ETag, so a record changed since (an operator's action, another
+    // copy's attempt) fails the claim, which reads it afresh and decides on what it says.
+    // A record that cannot be parsed is set aside and its event dead-lettered (the message
+    // carries only the key), never held forever.
+    let current = match early {
+        Some(read) => Some(read),
+        None => {
+            let Some(read) = msg
+                .holding(key, "reading the ledger", || async {
+                    match shared.settler.ledger.get(key).await {
+                        Err(LedgerError::Corrupt { reason, .. }) => shared
+                            .settler
+                            .ledger
+                            .quarantine(key, None, &reason, shared.clock().now())
+                            .await
+                            .map(|_| None),
+                        other => other.map(Some),
+                    }
+                })
+                .await
+            else {
+                return Err(StandDown::Leave);
+            };
+            let Some(read) = read else {
+                shared.observe.count_dead_lettered(None);
+                return Err(StandDown::Complete);
+            };
+            read
+        }
+    };
+    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
+    let rec = match current {
+        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
+            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
+            // A copy after a crash between the settlement and the line's advance.
+            return Err(StandDown::AdvanceLine(Box::new(rec.event)));
+        }
+        // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
+        Some((rec, _)) if verdict == Verdict::Stale => {
+            return Err(StandDown::Resend(Box::new(rec)))
+        }
+        Some(read) => read,
+        None => {
+            // The ledger is written before any retry message is sent, and the event lives
+            // there (the message is a claim check): a message without a record means the
+            // record was removed by hand. The message says where the event sits in Event
+            // Hubs: read it back and rebuild the record, or, if it is gone, dead-letter it
+            // as `record_missing` — never drop it silently.
+            let Some(recovered) = msg
+                .holding(
+                    key,
+                    "recovering the missing ledger record from Event Hubs",
+                    || recover_missing(shared, body),
+                )
+                .await
+            else {
+                return Err(StandDown::Leave);
+            };
+            match recovered {
+                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
+                    tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
+                    shared.observe.count_record_rebuilt();
+                    read
+                }
+                // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
+                // is not the one waiting: final, or superseded (its recorded next attempt is
+                // made sure of, as for any stale copy).
+                Some((rec, _)) => {
+                    return Err(match Verdict::of(Some(&rec), body.attempt) {
+                        Verdict::Stale => StandDown::Resend(Box::new(rec)),
+                        _ => StandDown::Complete,
+                    });
+                }
+                None => {
+                    shared.observe.count_record_missing(key);
+                    shared.observe.count_dead_lettered(None);
+                    return Err(StandDown::Complete);
+                }
+            }
+        }
+    };
+    // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
+    // scheduled before, and the copy sent for the pull is the one that runs.
+    if rec.0.superseded_copy(body.attempt, body.run_now) {
+        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+        return Err(StandDown::Complete);
+    }
+    Ok((rec, starting))
+}
+
+/// Does what a copy that stands down does instead of its attempt.
+async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: StandDown) {
+    let shared = msg.shared;
+    let done = match then {
+        StandDown::Leave => false,
+        StandDown::Complete => true,
+        StandDown::AdvanceLine(event) => advance_line(msg, &event).await,
+        StandDown::Resend(rec) => msg
+            .holding(body.key(), "re-sending the recorded retry", || {
+                shared.settler.resend_recorded(&rec, &body.traceparents)
+            })
+            .await
+            .is_some(),
+    };
+    if done {
+        msg.dispose(Disposition::Complete).await;
     }
 }
 
 /// Ordered retries: advances the line of `event`'s ordering key after `event` settled for good
 /// (see `pipeline::lines`), holding the message while blob storage or Service Bus fails.
 /// `false` if the loop stopped first (the message is left to its next receiver).
-async fn advance_line(
-    msg: &mut ReceivedMessage,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    event: &crate::event::Event,
-) -> bool {
+async fn advance_line(msg: &mut LockedMessage<'_>, event: &crate::event::Event) -> bool {
+    let shared = msg.shared;
     let Some(on_dead_letter) = shared.options.retry_ordering.lines() else {
         return true;
     };
     let Some(ordering_key) = shared.options.ordering.of(event) else {
         return true;
     };
-    holding(
-        msg,
+    msg.holding(
         &event.identity.idempotency_key,
-        shared,
-        cancel,
         "advancing the line of the event's ordering key",
         || {
             super::lines::advance(
@@ -1291,21 +1360,21 @@ async fn advance_line(
 /// another replica's copy stands down instead of running it). `None`: the lock was lost or
 /// the loop stopped.
 async fn slot_keeping_claim<'l>(
-    msg: &mut ReceivedMessage,
-    shared: &Shared,
-    cancel: &CancellationToken,
+    msg: &mut LockedMessage<'_>,
     limits: &'l Limits,
     claimed: &mut (crate::ledger::LedgerRecord, String),
 ) -> Option<tokio::sync::SemaphorePermit<'l>> {
+    let shared = msg.shared;
     loop {
         let renew_at = shared.clock().now() + super::settle::CLAIM_LEASE / 2;
-        let got = under_lock(msg, shared, cancel, async {
-            tokio::select! {
-                s = limits.attempts.acquire() => Some(s),
-                _ = shared.clock().sleep_until(renew_at) => None,
-            }
-        })
-        .await?;
+        let got = msg
+            .under_lock(async {
+                tokio::select! {
+                    s = limits.attempts.acquire() => Some(s),
+                    _ = shared.clock().sleep_until(renew_at) => None,
+                }
+            })
+            .await?;
         match got {
             Some(s) => return s.ok(),
             None => {
@@ -1324,11 +1393,8 @@ async fn slot_keeping_claim<'l>(
 /// message is settled as the record says), or the loop stopped. While another process holds
 /// a live claim, the copy waits under its lock — without an attempt slot — until the claim
 /// expires, then claims again.
-#[allow(clippy::too_many_arguments)]
 async fn claim<'l>(
-    msg: &mut ReceivedMessage,
-    shared: &Shared,
-    cancel: &CancellationToken,
+    msg: &mut LockedMessage<'_>,
     limits: &'l Limits,
     copy: &Copy,
     body: &RetryMessage,
@@ -1336,55 +1402,52 @@ async fn claim<'l>(
     starting: &mut Option<Starting<'l>>,
 ) -> Option<(crate::ledger::LedgerRecord, String)> {
     use super::settle::Claimed;
+    let shared = msg.shared;
     let key = body.key();
-    let read = std::sync::Mutex::new(Some(read));
+    let mut read = Some(read);
     loop {
-        if !lock_held(msg, shared) {
+        if !msg.lock_held() {
             return None;
         }
         if !copy.commit() {
             tracing::info!(key = %key, attempt = body.attempt, message_id = %msg.message_id, "Service Bus handed this retry out again (its lock lapsed); the newer copy runs the attempt");
             return None;
         }
-        let claimed = holding(msg, key, shared, cancel, "claiming the attempt", || {
-            let read = read.lock().unwrap_or_else(|p| p.into_inner()).take();
-            shared.settler.claim(
-                key,
-                body.attempt,
-                read,
-                &shared.options.owner_id,
-                &limits.instance,
-            )
-        })
-        .await?;
+        let claimed = msg
+            .holding(key, "claiming the attempt", || {
+                shared.settler.claim(
+                    key,
+                    body.attempt,
+                    read.take(),
+                    &shared.options.owner_id,
+                    &limits.instance,
+                )
+            })
+            .await?;
         match claimed {
             Claimed::Mine(claimed) => return Some(*claimed),
             Claimed::Busy(until) => {
                 drop(starting.take());
                 tracing::info!(key = %key, attempt = body.attempt, until = %crate::clock::rfc3339(until), "another replica runs this attempt; waiting for its claim to settle or expire");
-                under_lock(msg, shared, cancel, shared.clock().sleep_until(until)).await?;
+                msg.under_lock(shared.clock().sleep_until(until)).await?;
             }
             Claimed::Changed(verdict, rec) => {
                 drop(starting.take());
                 match (verdict, rec) {
-                    (Verdict::Final(_), _) => settle_message(msg, true).await,
+                    (Verdict::Final(_), _) => msg.dispose(Disposition::Complete).await,
                     (Verdict::Stale, Some(rec)) => {
-                        let scheduled = holding(
-                            msg,
-                            key,
-                            shared,
-                            cancel,
-                            "re-sending the recorded retry",
-                            || shared.settler.resend_recorded(&rec, &body.traceparents),
-                        )
-                        .await;
+                        let scheduled = msg
+                            .holding(key, "re-sending the recorded retry", || {
+                                shared.settler.resend_recorded(&rec, &body.traceparents)
+                            })
+                            .await;
                         if scheduled.is_some() {
-                            settle_message(msg, true).await;
+                            msg.dispose(Disposition::Complete).await;
                         }
                     }
                     _ => {
                         tracing::error!(key = %key, message_id = %msg.message_id, "the ledger record of a retry vanished before its attempt; abandoning it to Service Bus's dead-letter sub-queue");
-                        settle_message(msg, false).await;
+                        msg.dispose(Disposition::Abandon).await;
                     }
                 }
                 return None;
