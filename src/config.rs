@@ -942,7 +942,7 @@ impl Config {
                 "handler.timeout_ms must be positive: a webhook call with no time to answer fails every event",
             ));
         }
-        w.check().map_err(|e| invalid("handler", e))?;
+        w.check().map_err(|e| invalid(e.key(), e))?;
         if let Some(limit) = w.rate_limit {
             crate::ratelimit::validate_limit(limit)
                 .map_err(|e| invalid("handler.rate_limit", format!("handler.rate_limit {e}")))?;
@@ -1217,6 +1217,22 @@ url = "http://127.0.0.1:9000/events"
 
     fn none() -> Vec<(String, String)> {
         Vec::new()
+    }
+
+    #[test]
+    fn a_webhook_problem_names_its_key() {
+        let err = |url: &str| {
+            Config::parse(&BASE.replace("http://127.0.0.1:9000/events", url), none()).unwrap_err()
+        };
+        let e = err("ftp://127.0.0.1/events");
+        assert_eq!(e.key(), Some("handler.url"), "{e}");
+        assert!(e.to_string().contains("http or https"), "{e}");
+        let e = Config::parse(
+            &format!("{BASE}[handler.handshake]\nenabled = true\norigin = \" \"\n"),
+            none(),
+        )
+        .unwrap_err();
+        assert_eq!(e.key(), Some("handler.handshake.origin"), "{e}");
     }
 
     #[test]

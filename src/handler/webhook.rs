@@ -155,6 +155,30 @@ pub struct WebhookHandler {
     clock: Arc<crate::clock::Clock>,
 }
 
+/// What is wrong with a webhook's configuration: the configuration key it is about
+/// (`handler.url`, `handler.tls`, `handler.signing`, …) and a message that names the key and
+/// the file, never a secret's text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct WebhookConfigError {
+    key: &'static str,
+    message: String,
+}
+
+impl WebhookConfigError {
+    fn new(key: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            key,
+            message: message.into(),
+        }
+    }
+
+    /// The configuration key the problem is in.
+    pub fn key(&self) -> &'static str {
+        self.key
+    }
+}
+
 fn parse_authorization(key: &str, text: &str) -> Result<HeaderValue, String> {
     let mut v = HeaderValue::from_str(text).map_err(|_| {
         format!("{key}: the value is not a valid header value (visible ASCII only)")
@@ -163,13 +187,16 @@ fn parse_authorization(key: &str, text: &str) -> Result<HeaderValue, String> {
     Ok(v)
 }
 
-fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, String> {
+fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, WebhookConfigError> {
     let read = |what: &str, p: &PathBuf| {
         std::fs::read(p).map_err(|e| {
-            format!(
-                "handler.tls.{what}: cannot read {}: {}",
-                p.display(),
-                e.kind()
+            WebhookConfigError::new(
+                "handler.tls",
+                format!(
+                    "handler.tls.{what}: cannot read {}: {}",
+                    p.display(),
+                    e.kind()
+                ),
             )
         })
     };
@@ -178,10 +205,13 @@ fn client_identity(tls: &TlsConfig) -> Result<reqwest::Identity, String> {
     pem.extend(read("client_key_file", &tls.client_key_file)?);
     // The library's error could describe the key material: it is not passed on.
     reqwest::Identity::from_pem(&pem).map_err(|_| {
-        format!(
-            "handler.tls: {} and {} are not a PEM certificate and a PEM private key",
-            tls.client_cert_file.display(),
-            tls.client_key_file.display()
+        WebhookConfigError::new(
+            "handler.tls",
+            format!(
+                "handler.tls: {} and {} are not a PEM certificate and a PEM private key",
+                tls.client_cert_file.display(),
+                tls.client_key_file.display()
+            ),
         )
     })
 }
@@ -198,15 +228,19 @@ impl WebhookConfig {
     /// Checks what [`WebhookHandler::new`] would refuse, without building the handler: the
     /// URL, the TLS certificate and key, the secrets (read and parsed), the handshake's
     /// origin. Configuration validation calls it; wiring builds.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), WebhookConfigError> {
         self.load().map(drop)
     }
 
-    fn load(&self) -> Result<Loaded, String> {
-        let url =
-            reqwest::Url::parse(&self.url).map_err(|e| format!("handler.url is not a URL: {e}"))?;
+    fn load(&self) -> Result<Loaded, WebhookConfigError> {
+        let url = reqwest::Url::parse(&self.url).map_err(|e| {
+            WebhookConfigError::new("handler.url", format!("handler.url is not a URL: {e}"))
+        })?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err("handler.url must be an http or https URL".into());
+            return Err(WebhookConfigError::new(
+                "handler.url",
+                "handler.url must be an http or https URL",
+            ));
         }
         let identity = self.tls.as_ref().map(client_identity).transpose()?;
         let signing = self
@@ -217,15 +251,23 @@ impl WebhookConfig {
                     SigningKeys::parse(key, text).map_err(|e| e.to_string())
                 })
                 .map(Arc::new)
+                .map_err(|e| WebhookConfigError::new("handler.signing", e))
             })
             .transpose()?;
         let authorization = self
             .authorization
             .as_ref()
-            .map(|s| Live::load("handler.authorization", s, parse_authorization).map(Arc::new))
+            .map(|s| {
+                Live::load("handler.authorization", s, parse_authorization)
+                    .map(Arc::new)
+                    .map_err(|e| WebhookConfigError::new("handler.authorization", e))
+            })
             .transpose()?;
         if self.handshake.enabled && self.handshake.origin.trim().is_empty() {
-            return Err("handler.handshake.origin must not be empty".into());
+            return Err(WebhookConfigError::new(
+                "handler.handshake.origin",
+                "handler.handshake.origin must not be empty",
+            ));
         }
         Ok(Loaded {
             identity,
@@ -237,7 +279,7 @@ impl WebhookConfig {
 
 impl WebhookHandler {
     /// A handler for `config`.
-    pub fn new(config: WebhookConfig) -> Result<Self, String> {
+    pub fn new(config: WebhookConfig) -> Result<Self, WebhookConfigError> {
         let loaded = config.load()?;
         let mut builder = reqwest::Client::builder()
             .timeout(Duration::from_millis(config.timeout_ms))
@@ -247,12 +289,17 @@ impl WebhookHandler {
         }
         let client = builder.build().map_err(|e| match &config.tls {
             // The client reads the certificate and key here; its error could describe them.
-            Some(tls) => format!(
-                "handler.tls: cannot use {} and {} as a client certificate and key",
-                tls.client_cert_file.display(),
-                tls.client_key_file.display()
+            Some(tls) => WebhookConfigError::new(
+                "handler.tls",
+                format!(
+                    "handler.tls: cannot use {} and {} as a client certificate and key",
+                    tls.client_cert_file.display(),
+                    tls.client_key_file.display()
+                ),
             ),
-            None => format!("cannot build the HTTP client: {e}"),
+            None => {
+                WebhookConfigError::new("handler", format!("cannot build the HTTP client: {e}"))
+            }
         })?;
         let handshake = config
             .handshake

@@ -135,13 +135,6 @@ fn ascii_value(value: &str, limit: usize) -> String {
     out
 }
 
-fn token(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$&'*+-.^_`|~".contains(&b))
-}
-
 impl DeadLetterDestination {
     /// Dead letters go to `queue` (named `name`); messages at most `max_message_kb` KB.
     pub fn new(queue: Arc<dyn RetryQueue>, name: &str, max_message_kb: u32) -> Self {
@@ -332,7 +325,7 @@ impl DeadLetterDestination {
         for (k, v) in &event.properties {
             let v = ascii_value(v, PROPERTY_VALUE_LIMIT);
             if shape == Shape::ClaimCheck
-                || !token(k)
+                || !crate::handler::is_field_name(k)
                 || k.starts_with("hubguard-")
                 || copied >= room
                 || used + k.len() + v.len() > PROPERTIES_BUDGET

@@ -460,6 +460,8 @@ async fn credentials_never_leak_and_errors_keep_status_body_and_retry_after() {
         ..WebhookConfig::new(url.clone())
     })
     .unwrap_err();
+    assert_eq!(e.key(), "handler.authorization");
+    let e = e.to_string();
     assert!(
         e.contains("handler.authorization") && e.contains("absent"),
         "{e}"
@@ -484,6 +486,8 @@ async fn credentials_never_leak_and_errors_keep_status_body_and_retry_after() {
         ..WebhookConfig::new(url.clone())
     })
     .unwrap_err();
+    assert_eq!(e.key(), "handler.tls");
+    let e = e.to_string();
     assert!(e.contains("handler.tls") && !e.contains("TOPSECRET"), "{e}");
     // A real certificate and key (made by openssl, when it is installed) build a client.
     let made = std::process::Command::new("openssl")
