@@ -715,6 +715,7 @@ async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         pipeline.settler().ledger.clone(),
         std::time::Duration::from_secs(60),
         config.pipeline_options()?.retry_ordering.lines().is_some(),
+        pipeline.settler().clock().clone(),
     );
     // The figures alerts compare readings with (retention headroom).
     let _config_gauges = crate::telemetry::gauges::ConfigGauges::register(

@@ -407,13 +407,19 @@ impl PendingGauges {
     /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
     /// current Tokio runtime). Overdue is against the wall clock.
     pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
-        Self::start_with_lines(ledger, every, false)
+        Self::start_with_lines(ledger, every, false, Arc::default())
     }
 
-    /// [`start`](Self::start), and with `lines` (ordered retries on) the
-    /// `hubguard.lines.parked` and `hubguard.lines.oldest_parked_age` gauges from a listing of
-    /// the parked records at each refresh.
-    pub fn start_with_lines(ledger: Ledger, every: std::time::Duration, lines: bool) -> Self {
+    /// [`start`](Self::start), overdue and ages against `clock` (the pipeline's), and with
+    /// `lines` (ordered retries on) the `hubguard.lines.parked` and
+    /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
+    /// refresh.
+    pub fn start_with_lines(
+        ledger: Ledger,
+        every: std::time::Duration,
+        lines: bool,
+        clock: Arc<crate::clock::Clock>,
+    ) -> Self {
         use crate::telemetry::names::metric;
         let parked_reading: ParkedReading = Default::default();
         let parked = lines.then(|| {
@@ -429,6 +435,7 @@ impl PendingGauges {
                 })
                 .build();
             let r = parked_reading.clone();
+            let clock = clock.clone();
             let age = meter
                 .f64_observable_gauge(metric::LINES_OLDEST_PARKED_AGE)
                 .with_description("Seconds the oldest parked event has waited")
@@ -436,7 +443,7 @@ impl PendingGauges {
                 .with_callback(move |o| {
                     if let Some((_, oldest)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
                         let age = oldest
-                            .and_then(|t| SystemTime::now().duration_since(t).ok())
+                            .and_then(|t| clock.now().duration_since(t).ok())
                             .map_or(0.0, |d| d.as_secs_f64());
                         o.observe(age, &[]);
                     }
@@ -457,12 +464,13 @@ impl PendingGauges {
             })
             .build();
         let d = dues.clone();
+        let overdue_clock = clock.clone();
         let overdue = meter
             .u64_observable_gauge(metric::RETRIES_OVERDUE)
             .with_description("Retries waiting past their due time")
             .with_callback(move |o| {
                 if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
-                    let now = SystemTime::now();
+                    let now = overdue_clock.now();
                     o.observe(dues.partition_point(|due| *due < now) as u64, &[]);
                 }
             })
