@@ -355,29 +355,11 @@ fn released_record(
         retry_after_capped_from_s: None,
     });
     LedgerRecord {
-        key: e.identity.idempotency_key.clone(),
-        correlation_id: e.identity.correlation_id.clone(),
-        event_type: e.identity.event_type.clone(),
-        state: State::RetryScheduled,
         attempts: parked.attempts,
         next_attempt_ms: Some(ms(now)),
-        first_failure_ms: ms(now),
-        updated_ms: ms(now),
-        last_error: None,
-        dead_letter_reason: None,
-        last_delay_ms: None,
-        policy: settler
-            .policies()
-            .for_type(e.identity.event_type.as_deref())
-            .clone(),
         attempt_base: parked.attempts,
         history,
-        event: e.clone(),
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        run_now: None,
-        indexed: None,
+        ..super::settle::plan::first_failure(e, settler.policies(), now)
     }
 }
 

@@ -503,18 +503,7 @@ async fn process(
             };
             if let Some(rec) = final_record {
                 if heads {
-                    let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
-                    let ended = until_done(pid, seq, shared, cancel, lag, || {
-                        super::lines::advance(
-                            &shared.settler,
-                            &event,
-                            k,
-                            on_dead_letter,
-                            Some(&shared.observe),
-                        )
-                    })
-                    .await;
-                    match ended {
+                    match advance_line(&event, k, pid, shared, cancel, lag).await {
                         None => return false,
                         Some(true) => known.ended(k, Some(seq)),
                         Some(false) => {}
@@ -685,18 +674,7 @@ async fn process(
         } else {
             // Settled for good: the line moves on (a stop before it leaves the event
             // unsettled, and its replay moves the line on).
-            let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
-            let ended = until_done(pid, seq, shared, cancel, lag, || {
-                super::lines::advance(
-                    &shared.settler,
-                    &event,
-                    k,
-                    on_dead_letter,
-                    Some(&shared.observe),
-                )
-            })
-            .await;
-            match ended {
+            match advance_line(&event, k, pid, shared, cancel, lag).await {
                 None => {
                     attempt::finish(&attempted, Ok(&s));
                     return false;
@@ -712,6 +690,30 @@ async fn process(
         .count_settled(&s, event.identity.event_type.as_deref());
     shared.health.release_event(pid, seq);
     true
+}
+
+/// Moves the line of `key` on after its head `event` settled for good, holding the
+/// partition at the event while a step fails: `Some(true)` when the line ended, `None` if
+/// stopped first.
+async fn advance_line(
+    event: &Event,
+    key: &str,
+    pid: &str,
+    shared: &Shared,
+    cancel: &CancellationToken,
+    lag: (u64, Option<SystemTime>),
+) -> Option<bool> {
+    let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
+    until_done(pid, event.sequence_number, shared, cancel, lag, || {
+        super::lines::advance(
+            &shared.settler,
+            event,
+            key,
+            on_dead_letter,
+            Some(&shared.observe),
+        )
+    })
+    .await
 }
 
 /// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:

@@ -826,29 +826,10 @@ impl Settler {
             message.attempt, origin.partition, origin.sequence_number
         );
         let rec = LedgerRecord {
-            key: key.clone(),
-            correlation_id: event.identity.correlation_id.clone(),
-            event_type: event.identity.event_type.clone(),
-            state: State::RetryScheduled,
             attempts: message.attempt.saturating_sub(1),
             next_attempt_ms: Some(message.due_ms),
-            first_failure_ms: ms(now),
-            updated_ms: ms(now),
             last_error: Some(error),
-            dead_letter_reason: None,
-            last_delay_ms: None,
-            policy: self
-                .policies
-                .for_type(event.identity.event_type.as_deref())
-                .clone(),
-            attempt_base: 0,
-            history: Vec::new(),
-            event: event.clone(),
-            quarantined: None,
-            event_unknown: false,
-            claim: None,
-            run_now: None,
-            indexed: None,
+            ..plan::first_failure(event, &self.policies, now)
         };
         match self.ledger.put(&rec, None).await {
             Ok(etag) => Ok((rec, etag)),
@@ -1188,7 +1169,7 @@ impl Settler {
 pub use super::message_id::{qualified, unqualified, MessageId, RetryCopy};
 
 mod operate;
-mod plan;
+pub(crate) mod plan;
 pub use operate::{
     reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
 };

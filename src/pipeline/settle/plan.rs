@@ -210,7 +210,7 @@ fn failure(
 
 /// The record an event's first failure starts from: nothing counted yet, the policy for its
 /// type pinned, the age budget counting from `now`.
-fn first_failure(event: &Event, policies: &Policies, now: SystemTime) -> LedgerRecord {
+pub(crate) fn first_failure(event: &Event, policies: &Policies, now: SystemTime) -> LedgerRecord {
     LedgerRecord {
         key: event.identity.idempotency_key.clone(),
         correlation_id: event.identity.correlation_id.clone(),
