@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use azure_messaging_eventhubs::models::ReceivedEventData;
 use azure_messaging_eventhubs::processor::PartitionClient;
@@ -25,79 +25,8 @@ use super::{attempt, Shared};
 use crate::event::Event;
 use crate::guard::Dispatcher;
 
-struct Checkpointer {
-    last_settled: Option<ReceivedEventData>,
-    written: Option<i64>,
-    written_at: Option<Instant>,
-    since: u64,
-    /// Events received since the last checkpoint write, and when the oldest was enqueued.
-    uncovered: u64,
-    oldest_uncovered: Option<SystemTime>,
-}
-
-/// The lag of `events` uncovered events, the oldest enqueued at `oldest`, on the
-/// pipeline's clock.
-fn lag(shared: &Shared, events: u64, oldest: Option<SystemTime>) -> super::health::Lag {
-    let now = shared.clock().now();
-    super::health::Lag {
-        events,
-        seconds: oldest
-            .and_then(|t| now.duration_since(t).ok())
-            .map_or(0.0, |d| d.as_secs_f64()),
-    }
-}
-
-impl Checkpointer {
-    fn publish_lag(&self, pid: &str, shared: &Shared) {
-        shared
-            .health
-            .set_lag(pid, lag(shared, self.uncovered, self.oldest_uncovered));
-    }
-
-    fn dirty(&self) -> bool {
-        self.last_settled.as_ref().and_then(|e| e.sequence_number()) != self.written
-            && self.last_settled.is_some()
-    }
-
-    /// Whether the count trigger may write now: enough events, and not within the minimum
-    /// interval of the last write.
-    fn count_due(&self, shared: &Shared) -> bool {
-        self.since >= shared.options.checkpoint_every_events && self.interval_passed(shared)
-    }
-
-    fn interval_passed(&self, shared: &Shared) -> bool {
-        self.written_at
-            .is_none_or(|t| t.elapsed() >= shared.options.checkpoint_min_interval)
-    }
-
-    async fn write(&mut self, pc: &PartitionClient, shared: &Shared) {
-        let Some(ev) = self.last_settled.as_ref() else {
-            return;
-        };
-        if !self.dirty() {
-            return;
-        }
-        let seq = ev.sequence_number();
-        match tokio::time::timeout(shared.options.deadline, pc.update_checkpoint(ev)).await {
-            Ok(Ok(())) => {
-                self.written = seq;
-                self.written_at = Some(Instant::now());
-                self.since = 0;
-                self.uncovered = 0;
-                self.oldest_uncovered = None;
-                shared.observe.count_checkpoint();
-                shared.health.set_owned(pc.get_partition_id(), seq);
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(partition = pc.get_partition_id(), error = %e, "checkpoint not written; will try again")
-            }
-            Err(_) => tracing::warn!(
-                partition = pc.get_partition_id(),
-                "checkpoint timed out; will try again"
-            ),
-        }
-    }
-}
+mod checkpointer;
+use checkpointer::{lag, Checkpointer, Writing};
 
 /// How a partition task ended.
 #[derive(Debug, Clone, Copy)]
@@ -134,14 +63,9 @@ pub(crate) async fn run(
     let mut waiting: BTreeMap<i64, Event> = BTreeMap::new();
     let mut running: FuturesUnordered<_> = FuturesUnordered::new();
     let mut rewinding: Option<super::control::Rewind>;
-    let mut cp = Checkpointer {
-        last_settled: None,
-        written: None,
-        written_at: None,
-        since: 0,
-        uncovered: 0,
-        oldest_uncovered: None,
-    };
+    let mut cp = Checkpointer::default();
+    // The checkpoint write in flight (one at a time, in the background).
+    let mut writing: Option<Writing> = None;
     // Which of this partition's events the ledger may hold a retry of: listed before the
     // first event is read (if the listing fails, every delivery asks the ledger until a
     // later listing succeeds).
@@ -208,14 +132,13 @@ pub(crate) async fn run(
                     if let Some(next) = next.and_then(|n| waiting.remove(&n)) {
                         running.push(start(next, &cp));
                     }
-                    if let Some(c) = moved {
+                    let moved_to = moved.and_then(|c| {
                         let rest = received_by_seq.split_off(&(c + 1));
-                        cp.last_settled = received_by_seq.remove(&c).or(cp.last_settled.take());
-                        received_by_seq = rest;
-                    }
-                    cp.since += 1;
-                    if cp.count_due(&shared) {
-                        cp.write(&pc, &shared).await;
+                        std::mem::replace(&mut received_by_seq, rest).remove(&c)
+                    });
+                    cp.settled(moved_to);
+                    if writing.is_none() && cp.count_due(&shared) {
+                        writing = cp.begin(&pc, &shared);
                     }
                 }
                 Ok(()) = pauses.changed() => {
@@ -238,8 +161,8 @@ pub(crate) async fn run(
                     }
                 }
                 _ = tick.tick() => {
-                    if cp.interval_passed(&shared) {
-                        cp.write(&pc, &shared).await;
+                    if writing.is_none() && cp.interval_passed(&shared) {
+                        writing = cp.begin(&pc, &shared);
                     }
                     // Ordered retries: tombstones of lines whose events the checkpoint passed
                     // (no replay can meet them again) go.
@@ -271,6 +194,10 @@ pub(crate) async fn run(
                 _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
                     relisting = None;
                 }
+                written = async { writing.as_mut().expect("guarded").await }, if writing.is_some() => {
+                    writing = None;
+                    cp.finish(written, &pid, &shared);
+                }
                 next = stream.next(), if reading && dispatcher.has_room() && paused.is_none() => match next {
                     Some(Ok(received)) => {
                         let seq = received.sequence_number().unwrap_or(-1);
@@ -288,10 +215,7 @@ pub(crate) async fn run(
                         last_seq = Some(seq);
                         ended.received += 1;
                         let event = shared.origin.identity.event(&shared.origin.hub, &pid, &received);
-                        cp.uncovered += 1;
-                        if cp.oldest_uncovered.is_none() {
-                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(|| shared.clock().now()));
-                        }
+                        cp.received(received.enqueued_time().unwrap_or_else(|| shared.clock().now()));
                         let now = dispatcher.accept(seq, shared.options.ordering.of(&event));
                         received_by_seq.insert(seq, received);
                         if now {
@@ -321,8 +245,14 @@ pub(crate) async fn run(
         .and_then(|e| e.sequence_number())
         .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
     match &rewinding {
-        None => cp.write(&pc, &shared).await,
-        Some(r) => apply_rewind(&pid, r, &shared, fence).await,
+        None => cp.flush(writing.take(), &pc, &shared).await,
+        Some(r) => {
+            // A write still in flight lands first: it must not land after the rewind's.
+            if let Some(w) = writing.take() {
+                cp.finish(w.await, &pid, &shared);
+            }
+            apply_rewind(&pid, r, &shared, fence).await
+        }
     }
     mark_paused(&shared, &pid, None);
     shared.health.unset_owned(&pid);
