@@ -435,6 +435,10 @@ fn json_line(args: &BenchArgs, f: &Figures) -> String {
             a.retry_drain_per_s
         ));
         fields.push(format!(
+            "\"azure_retry_span_per_s\":{:.0}",
+            a.retry_span_per_s
+        ));
+        fields.push(format!(
             "\"azure_retry_drain_ratio\":{:.3}",
             a.retry_drain_ratio()
         ));
@@ -680,8 +684,15 @@ fn print_tables(args: &BenchArgs, f: &Figures) {
         );
         row("azure_failure_ratio", format!("{:.3}", a.failure_ratio()));
         row(
-            &format!("retries drained per s ({} due in ~10 s)", a.retries),
+            &format!(
+                "retries drained per s while due and waiting ({} due in ~10 s)",
+                a.retries
+            ),
             format!("{:.0}", a.retry_drain_per_s),
+        );
+        row(
+            "retries per s, first start to last return",
+            format!("{:.0}", a.retry_span_per_s),
         );
         row(
             "limit (retry.concurrency / handler latency)",

@@ -1058,11 +1058,12 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
         slow.in_flight.load(std::sync::atomic::Ordering::SeqCst) == SLOTS
     })
     .await;
-    // replica-a holds its calls and a few waiting for a slot, not the backlog: replica-b
-    // runs the rest meanwhile.
+    // replica-a holds its calls and a few waiting for a slot (two per slot, and what its
+    // receivers had in flight when it stopped taking more), not the backlog: replica-b runs
+    // the rest meanwhile.
     let b = Bed::run(replica(quick.clone(), "replica-b"));
     wait_for("replica-b runs the backlog", &b.health, LIMIT, || async {
-        quick.retries.lock().unwrap().len() >= N - 3 * SLOTS
+        quick.retries.lock().unwrap().len() >= N - 4 * SLOTS
     })
     .await;
     slow.gate.add_permits(N);
