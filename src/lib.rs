@@ -58,26 +58,101 @@
 //! - `bench`: performance figures measured through the real SDK.
 //! - `cli`: the `hubguard` command line.
 
-pub mod azure;
+// The crate's lints for the library without the test bed: every `pub` item of the internal
+// modules is public with the test bed (where `unreachable_pub` checks them) and unreachable
+// without it, by design; and every type the embedder's API names must be nameable, i.e.
+// re-exported below (a type that is reachable but not exported would be an accident).
+#![cfg_attr(not(feature = "testbed"), allow(unreachable_pub))]
+#![cfg_attr(not(feature = "testbed"), warn(unnameable_types))]
+
+/// An item public with the test bed and crate-visible without it: what the `hubguard`
+/// binary, the bench, the demo or the integration tests reach for, that the library uses
+/// itself, and that an embedder is not given. (Written `testbed_pub! { … }` around the item.)
+macro_rules! testbed_pub {
+    ($(#[$meta:meta])* pub $($item:tt)*) => {
+        #[cfg(feature = "testbed")]
+        $(#[$meta])* pub $($item)*
+        #[cfg(not(feature = "testbed"))]
+        $(#[$meta])* pub(crate) $($item)*
+    };
+}
+
+/// The product's modules: public with the test bed (the `hubguard` binary, the bench, the
+/// demo and the integration tests reach into them), private without it, where the crate's
+/// public API is exactly the re-exports below.
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "testbed")]
+        pub mod $name;
+        #[cfg(not(feature = "testbed"))]
+        mod $name;
+    )*};
+}
+
+internal_modules!(
+    azure, breaker, clock, config, event, guard, handler, ledger, pipeline, policy, ratelimit,
+    redact, status, telemetry, wiring,
+);
+
 #[cfg(feature = "testbed")]
 pub mod bench;
-pub mod breaker;
 #[cfg(feature = "testbed")]
 pub mod cli;
-pub mod clock;
-pub mod config;
 #[cfg(feature = "testbed")]
 pub mod demo;
 #[cfg(feature = "testbed")]
 pub mod emulator;
-pub mod event;
-pub mod guard;
-pub mod handler;
-pub mod ledger;
-pub mod pipeline;
-pub mod policy;
-pub mod ratelimit;
-pub mod redact;
-pub mod status;
-pub mod telemetry;
-pub mod wiring;
+
+// The embedder's API. Without `testbed` this is the crate's whole public surface (the
+// integration test `public_api` holds it to `tests/it/public_api.txt`).
+
+// The handler a program writes, what it is given and what it answers.
+pub use event::{Deployment, Event, Identity, IdentityConfig};
+pub use handler::{Attempt, Failure, Handler, Outcome};
+pub use policy::classify::ErrorClass;
+// The webhook handler and its configuration.
+pub use handler::cloudevents::ContentMode;
+pub use handler::handshake::HandshakeConfig;
+pub use handler::secret::SecretSource;
+pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, WebhookHandler};
+// The pipeline, its parts and options, and the one builder of them.
+pub use azure::retry_queue::QueueRefusal;
+pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
+pub use breaker::BreakerConfig;
+pub use clock::Clock;
+pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};
+pub use pipeline::settle::Policies;
+pub use pipeline::{
+    BadOrderingKey, EventHubsTarget, LineOnDeadLetter, OrderingKey, Pipeline, PipelineOptions,
+    PipelineParts, RetryOrdering, RunError,
+};
+pub use policy::{Curve, PolicyError, RetryPolicy};
+pub use ratelimit::RateLimitConfig;
+pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
+// `hubguard run`'s configuration file.
+pub use config::{
+    Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
+    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetrySection,
+    ServiceBusSection, StartPosition, StatusSection, StorageSection,
+};
+pub use telemetry::logs::{LogFormat, LogSection};
+// Logs, traces and metrics as `hubguard run` sets them up.
+pub use telemetry::logs::LogWriter;
+pub use telemetry::{
+    export_from_env as otlp_export_from_env, init_with as init_telemetry, Export as OtlpExport,
+    Guard as TelemetryGuard, Options as TelemetryOptions,
+};
+// The health read side, and the status endpoints over it.
+pub use pipeline::health::{
+    ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
+    RetryLoopState,
+};
+pub use status::pipeline_router as status_router;
+// The stores (record store, retry queue) and their in-memory twins.
+pub use azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+pub use azure::record_store::Listed;
+pub use azure::retry_queue::MessageLock;
+pub use azure::{
+    IfChanged, OutgoingMessage, QueueDescription, ReceivedMessage, Record, RecordStore, RetryQueue,
+    RetryQueueError, StoreError,
+};

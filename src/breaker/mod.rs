@@ -225,6 +225,9 @@ pub enum Change {
     /// Open until this time (only from closed, or re-open after a failed trial).
     Open(SystemTime),
     /// Close.
+    // No decision of the product's makes it (a trial closes the breaker through `Judge`);
+    // `apply` keeps its meaning for callers of the test bed's public `breaker` module.
+    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
     Close,
     /// Take one of the half-open trial's permits (beginning a trial if none runs).
     TakeProbe,
@@ -502,6 +505,7 @@ pub fn record_name(downstream: &str) -> String {
 
 /// The breaker record of `downstream` as kept in `store` (`None`: it never opened). A body
 /// that does not parse reads as a closed breaker, as [`Shared`] reads it.
+#[cfg(feature = "testbed")]
 pub async fn read(
     store: &dyn RecordStore,
     downstream: &str,

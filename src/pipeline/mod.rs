@@ -30,6 +30,7 @@ pub mod readback;
 mod recorded;
 mod retention;
 mod retry;
+#[cfg(feature = "testbed")]
 pub mod rewind;
 pub mod settle;
 
@@ -543,20 +544,26 @@ impl Pipeline {
         self.shared.health.clone()
     }
 
-    /// The downstream's circuit breaker, if enabled.
-    pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
-        self.shared.downstream.breaker.clone()
+    testbed_pub! {
+        /// The downstream's circuit breaker, if enabled.
+        pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
+            self.shared.downstream.breaker.clone()
+        }
     }
 
-    /// The downstream's rate limiter, when a limit is configured or the handler can grant
-    /// one (a webhook with the handshake).
-    pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
-        self.shared.downstream.limiter.clone()
+    testbed_pub! {
+        /// The downstream's rate limiter, when a limit is configured or the handler can grant
+        /// one (a webhook with the handshake).
+        pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+            self.shared.downstream.limiter.clone()
+        }
     }
 
-    /// The settler (ledger reads, dead-letter replay).
-    pub fn settler(&self) -> Arc<Settler> {
-        self.shared.settler.clone()
+    testbed_pub! {
+        /// The settler (ledger reads, dead-letter replay).
+        pub fn settler(&self) -> Arc<Settler> {
+            self.shared.settler.clone()
+        }
     }
 
     /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
