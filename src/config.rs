@@ -1079,7 +1079,7 @@ impl Config {
         }
         self.breaker
             .validate()
-            .map_err(|(key, message)| invalid(key, message))?;
+            .map_err(|e| invalid(e.key(), e))?;
         if Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
             >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
         {

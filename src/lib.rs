@@ -118,13 +118,13 @@ pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, Webhook
 // The pipeline, its parts and options, and the one builder of them.
 pub use azure::retry_queue::QueueRefusal;
 pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
-pub use breaker::BreakerConfig;
+pub use breaker::{BreakerConfig, BreakerConfigError};
 pub use clock::Clock;
 pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};
 pub use pipeline::settle::Policies;
 pub use pipeline::{
-    BadOrderingKey, EventHubsTarget, LineOnDeadLetter, OrderingKey, Pipeline, PipelineOptions,
-    PipelineParts, RetryOrdering, RunError,
+    BadLineOnDeadLetter, BadOrderingKey, EventHubsTarget, LineOnDeadLetter, OrderingKey, Pipeline,
+    PipelineOptions, PipelineParts, RetryOrdering, RunError,
 };
 pub use policy::{Curve, PolicyError, RetryPolicy};
 pub use ratelimit::RateLimitConfig;

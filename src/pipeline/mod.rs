@@ -175,15 +175,18 @@ pub enum LineOnDeadLetter {
     DeadLetterLine,
 }
 
+/// Not a [`LineOnDeadLetter`]'s spelling.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected `release` or `dead_letter_line`, got {0:?}")]
+pub struct BadLineOnDeadLetter(pub String);
+
 impl std::str::FromStr for LineOnDeadLetter {
-    type Err = String;
+    type Err = BadLineOnDeadLetter;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "release" => Ok(Self::Release),
             "dead_letter_line" => Ok(Self::DeadLetterLine),
-            _ => Err(format!(
-                "expected `release` or `dead_letter_line`, got {s:?}"
-            )),
+            _ => Err(BadLineOnDeadLetter(s.to_string())),
         }
     }
 }
@@ -572,6 +575,7 @@ impl Pipeline {
         self.run_until(cancel, CancellationToken::new()).await
     }
 
+    testbed_pub! {
     /// Like [`run`](Self::run), but `crash` stops everything at once, as a killed process
     /// would: no final checkpoint, no ownership release, in-flight attempts and retry-message
     /// locks abandoned. The demo and the chaos tests use it.
@@ -669,6 +673,7 @@ impl Pipeline {
         let _ = done_rx.await;
         let _ = retry.await;
         Ok(())
+    }
     }
 }
 
