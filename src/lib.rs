@@ -4,7 +4,39 @@
 //! only past events that were delivered, durably scheduled for retry, or dead-lettered, so no
 //! event is ever lost silently.
 //!
+//! ## The public API
+//!
+//! What a program embedding the pipeline uses, re-exported at the crate's root (without the
+//! default feature `testbed` this is all that is public; the integration test `public_api`
+//! holds it to `tests/it/public_api.txt`, so a change to it is a decision):
+//!
+//! - The handler: [`Handler`] (implement it), the [`Event`] it is given with its
+//!   [`Identity`], the [`Attempt`], and what it answers: [`Outcome`], [`Failure`] with its
+//!   [`ErrorClass`]. The webhook handler: [`WebhookHandler`], [`WebhookConfig`] (with
+//!   [`ContentMode`], [`SecretSource`], [`TlsConfig`], [`HandshakeConfig`]) and its
+//!   [`WebhookConfigError`].
+//! - Wiring and running: [`Wiring`] (the one builder of a pipeline's parts, from a
+//!   [`Config`] or from [`EventHubsTarget`], [`StorageAccess`] and [`ServiceBusAccess`]) and
+//!   its [`WiringError`] (a refused retry queue: [`QueueRefusal`]); [`Pipeline`],
+//!   [`PipelineParts`], [`PipelineOptions`] ([`OrderingKey`], [`RetryOrdering`],
+//!   [`RateLimitConfig`], [`Clock`], a [`DeadLetterDestination`]), [`RetryPolicy`] and
+//!   [`Policies`], [`BreakerConfig`], [`IdentityConfig`]; [`RunError`] when it cannot start.
+//! - The configuration file of `hubguard run`: [`Config`] and its sections, [`ConfigError`].
+//! - Logs, traces and metrics as `hubguard run` sets them up: [`init_telemetry`] with
+//!   [`TelemetryOptions`] (OTLP from the environment: [`otlp_export_from_env`]).
+//! - The read side: [`Health`] (from [`Pipeline::health`]; read only — the pipeline alone
+//!   changes it) and its [`HealthReport`], and [`status_router`], the HTTP endpoints
+//!   `hubguard run` serves (`/healthz`, `/readyz`, `/v1/status`, `/metrics`, …).
+//! - The stores: [`RecordStore`] and [`RetryQueue`] (with their messages and typed errors
+//!   [`StoreError`], [`RetryQueueError`]), and their in-memory twins [`MemoryRecordStore`]
+//!   and [`MemoryRetryQueue`] for testing a handler against the pipeline's rules without
+//!   Azure (as the Azure SDK ships an in-memory checkpoint store).
+//!
 //! ## Module map
+//!
+//! The modules are public only with the test bed (the `hubguard` binary, the bench, the demo
+//! and the integration tests use them); to a program embedding the library they are the
+//! implementation.
 //!
 //! ```text
 //!  Event Hubs ─► pipeline::partition ─► handler (Handler trait · webhook)
@@ -14,32 +46,32 @@
 //!              fenced checkpoint store          Service Bus ─► pipeline::retry ─► handler ─► settle
 //! ```
 //!
-//! - [`pipeline`]: the partition loop, the retry loop, settlement, the fenced checkpoint
+//! - `pipeline`: the partition loop, the retry loop, settlement, the fenced checkpoint
 //!   store, health; the admission step both loops take around a handler call (the breaker),
-//!   and what they count; [`pipeline::Pipeline`] runs it all.
-//! - [`breaker`]: the downstream's circuit breaker shared by every replica (a blob record) —
+//!   and what they count; `pipeline::Pipeline` runs it all.
+//! - `breaker`: the downstream's circuit breaker shared by every replica (a blob record) —
 //!   pure decide/apply over the record and `now`.
-//! - [`ratelimit`]: one downstream rate limit for the whole deployment, shared out by owned
+//! - `ratelimit`: one downstream rate limit for the whole deployment, shared out by owned
 //!   partitions and adapted from 429s, 503s and timeouts (AIMD; a blob record beside the
 //!   breaker's) — pure rate, share and pacing functions, and the replica's limiter.
-//! - [`handler`]: the [`handler::Handler`] trait library users implement, and the webhook.
-//! - [`policy`]: backoff curves, budgets and error classification — pure functions.
-//! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
-//! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
-//! - [`event`]: an event and its identity (idempotency key, correlation id, type).
-//! - [`config`]: `hubguard run`'s TOML + environment configuration: schema and validation.
-//! - [`wiring`]: credentials, clients and stores, and the one builder of the pipeline's parts
-//!   ([`wiring::Wiring`]) that `run`, the demo, the bench and the tests use.
-//! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
-//!   name in [`telemetry::names`], the gauges beside them ([`telemetry::gauges`]).
-//! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
+//! - `handler`: the `Handler` trait library users implement, and the webhook.
+//! - `policy`: backoff curves, budgets and error classification — pure functions.
+//! - `guard`: the contiguous-settled-prefix checkpoint window — pure.
+//! - `ledger`: attempt records in blob storage, authoritative for the attempt number.
+//! - `event`: an event and its identity (idempotency key, correlation id, type).
+//! - `config`: `hubguard run`'s TOML + environment configuration: schema and validation.
+//! - `wiring`: credentials, clients and stores, and the one builder of the pipeline's parts
+//!   (`Wiring`) that `run`, the demo, the bench and the tests use.
+//! - `telemetry`: spans per attempt (linked across retries) and metrics, by OTLP; every
+//!   name in `telemetry::names`, the gauges beside them (`telemetry::gauges`).
+//! - `clock`: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
-//! - [`redact`]: the one rule masking credentials (URL userinfo, SAS signatures, keys,
+//! - `redact`: the one rule masking credentials (URL userinfo, SAS signatures, keys,
 //!   tokens) in every text that leaves the process.
-//! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
-//! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
+//! - `status`: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
+//! - `azure`: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines; in-memory twins
-//!   of the record store and the retry queue ([`azure::memory`]).
+//!   of the record store and the retry queue (`azure::memory`).
 //!
 //! Dependencies point downwards only; each layer may use anything below it, and the
 //! integration test `architecture` checks there is no cycle and no use of the test bed:
