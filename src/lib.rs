@@ -32,6 +32,43 @@
 //!   and [`MemoryRetryQueue`] for testing a handler against the pipeline's rules without
 //!   Azure (as the Azure SDK ships an in-memory checkpoint store).
 //!
+//! `hubguard run`, embedded (with a handler of the program's own; the names are the
+//! crate's root's, with or without the test bed):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use hubguard::{Attempt, Config, Event, Failure, Handler, Outcome, Pipeline, Wiring};
+//!
+//! struct Print;
+//!
+//! #[async_trait::async_trait]
+//! impl Handler for Print {
+//!     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+//!         if event.body.is_empty() {
+//!             return Outcome::Failed(Failure::permanent("an empty body"));
+//!         }
+//!         println!("{} (attempt {})", event.identity.idempotency_key, attempt.number);
+//!         Outcome::Delivered
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = Config::load("hubguard.toml".as_ref(), std::env::vars())?;
+//! let _telemetry = hubguard::init_telemetry(hubguard::TelemetryOptions::default());
+//! let wiring = Wiring::from_config(&config)?;
+//! for warning in wiring.prove_retry_queue().await? {
+//!     eprintln!("{warning}");
+//! }
+//! let pipeline = Pipeline::new(wiring.parts(Arc::new(Print))?);
+//! let status = tokio::net::TcpListener::bind(config.status.listen).await?;
+//! let router = hubguard::status_router(&pipeline);
+//! tokio::spawn(async move { axum::serve(status, router).await });
+//! pipeline.run(tokio_util::sync::CancellationToken::new()).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ## Module map
 //!
 //! The modules are public only with the test bed (the `hubguard` binary, the bench, the demo
