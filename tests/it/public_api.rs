@@ -22,8 +22,13 @@ const LIST: &str = "tests/it/public_api.txt";
 const BLESS: &str = "HUBGUARD_BLESS_PUBLIC_API";
 
 /// The documentation of the library without the test bed: the directory of `hubguard`'s
-/// pages.
+/// pages (built once per test run).
 fn document() -> PathBuf {
+    static DOC: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DOC.get_or_init(build_documentation).clone()
+}
+
+fn build_documentation() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -165,6 +170,56 @@ fn members(kind: &str, page: &str) -> BTreeSet<(String, String)> {
     found
 }
 
+/// A page's text: tags dropped, entities read.
+fn text(html: &str) -> String {
+    let mut out = String::with_capacity(html.len());
+    let mut in_tag = false;
+    for c in html.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            c if !in_tag => out.push(c),
+            _ => {}
+        }
+    }
+    out.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&nbsp;", " ")
+        .replace("&amp;", "&")
+}
+
+/// The `Result<T, String>`s and `type Err = String`s in a page's text.
+fn string_errors(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (i, _) in text.match_indices("Result<") {
+        let args = &text[i + "Result<".len()..];
+        let (mut depth, mut split, mut end) = (0usize, None, None);
+        for (j, c) in args.char_indices() {
+            match c {
+                '<' | '(' | '[' => depth += 1,
+                '>' | ')' | ']' if depth == 0 => {
+                    end = Some(j);
+                    break;
+                }
+                '>' | ')' | ']' => depth -= 1,
+                ',' if depth == 0 => split = Some(j),
+                _ => {}
+            }
+        }
+        if let (Some(split), Some(end)) = (split, end) {
+            if args[split + 1..end].trim() == "String" {
+                found.push(format!("Result<{}>", &args[..end]));
+            }
+        }
+    }
+    for assoc in ["type Err = String", "type Error = String"] {
+        if text.contains(assoc) {
+            found.push(assoc.to_string());
+        }
+    }
+    found
+}
+
 /// The surface: one `kind path` line per item and member, an item's members after it.
 fn surface(doc: &Path) -> Vec<String> {
     let all = std::fs::read_to_string(doc.join("all.html")).expect("all.html");
@@ -215,6 +270,38 @@ fn the_reader_finds_items_and_members() {
             "method run",
             "variant Open"
         ]
+    );
+}
+
+#[test]
+fn the_string_error_reader_finds_them_only() {
+    let page = "<pre>pub fn parse(s: &amp;str) -&gt; <a>Result</a>&lt;<a>Vec</a>&lt;u8&gt;, <a>String</a>&gt;</pre>\
+                <pre>pub fn ok() -&gt; Result&lt;(String, u8), Error&gt;</pre>\
+                <pre>pub fn warnings() -&gt; Result&lt;Vec&lt;String&gt;, WiringError&gt;</pre>";
+    assert_eq!(string_errors(&text(page)), ["Result<Vec<u8>, String>"]);
+    assert_eq!(
+        string_errors("impl FromStr for X { type Err = String; }"),
+        ["type Err = String"]
+    );
+}
+
+/// Errors are typed wherever a caller decides on them: no public signature of the library
+/// without the test bed returns a `String` error.
+#[test]
+fn no_public_signature_has_a_string_error() {
+    let doc = document();
+    let all = std::fs::read_to_string(doc.join("all.html")).expect("all.html");
+    let mut found = Vec::new();
+    for (_, path, href) in items(&all) {
+        let page = std::fs::read_to_string(doc.join(&href)).unwrap_or_default();
+        for e in string_errors(&text(&page)) {
+            found.push(format!("{path}: {e}"));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "String errors in the public API (give them an error type naming the problem):\n  {}",
+        found.join("\n  ")
     );
 }
 
