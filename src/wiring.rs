@@ -160,8 +160,8 @@ impl EventHubsTarget {
 pub enum ServiceBusAccess {
     /// A namespace connection string (SAS).
     ConnectionString(ConnectionString),
-    /// A namespace (see [`ServiceBusEndpoint::parse`](crate::azure::retry_queue::ServiceBusEndpoint::parse))
-    /// and an Entra ID credential.
+    /// A namespace (read as `ServiceBusEndpoint::parse` reads it) and an Entra ID
+    /// credential.
     Credential {
         /// The namespace.
         namespace: String,
@@ -496,7 +496,7 @@ impl Wiring {
     /// The start-up proof of the retry queue: reads its description and refuses (naming the
     /// property and the value needed) when it cannot keep hubguard's promise; returns warnings
     /// (e.g. no Manage right to read the description). The gap its duplicate detection must
-    /// cover is [`PipelineOptions::replay_gap`]. See [`prove_queue`].
+    /// cover is [`PipelineOptions::replay_gap`]. See `prove_queue`.
     pub async fn prove_retry_queue(&self) -> Result<Vec<String>, WiringError> {
         let queue = self.retry_queue()?;
         let needs = QueueNeeds {

@@ -399,7 +399,7 @@ pub enum PolicyError {
         /// The cap.
         cap_s: u64,
     },
-    /// `cap_s` exceeds what Service Bus can schedule ahead ([`MAX_SCHEDULE_AHEAD`]).
+    /// `cap_s` exceeds what Service Bus can schedule ahead (`MAX_SCHEDULE_AHEAD`, 7 days).
     #[error("cap_s ({cap_s}) exceeds what Service Bus can schedule ({} s, 7 days)", MAX_SCHEDULE_AHEAD.as_secs())]
     CapBeyondSchedule {
         /// The cap.

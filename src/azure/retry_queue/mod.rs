@@ -184,7 +184,7 @@ pub trait RetryQueue: Send + Sync {
         Ok(None)
     }
     /// Reads the queue's description (duplicate detection, lock duration, …) for the
-    /// start-up proof ([`prove_queue`]). `EntityNotFound` when the queue does not exist.
+    /// start-up proof (`prove_queue`). `EntityNotFound` when the queue does not exist.
     async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
         Err(RetryQueueError::Protocol(
             "this retry queue cannot describe itself".into(),
