@@ -23,7 +23,7 @@ use serde_json::json;
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
 use crate::redact::{redact_json, redacted};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use crate::redact::redact;
 
 /// RFC 3339 with milliseconds.
@@ -68,7 +68,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 }
 
 /// The record as text, for `hubguard status`.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
     let state = match rec.state {
@@ -185,7 +185,7 @@ pub fn pending_view(p: &Pending) -> serde_json::Value {
 }
 
 /// Pending retries as a text table, for `hubguard retries list`.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn pending_text(pending: &[Pending]) -> String {
     let mut out = format!(
         "{} retr{} waiting\n",
@@ -289,7 +289,7 @@ pub async fn parked_view(
 }
 
 /// [`parked_view`] as text, for `hubguard status`.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn parked_text(v: &serde_json::Value) -> String {
     let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
     let mut out = String::new();
@@ -353,7 +353,7 @@ pub fn line_view(l: &crate::ledger::Line) -> serde_json::Value {
 }
 
 /// Open lines as a text table, for `hubguard retries list`.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
     if lines.is_empty() {
         return String::new();
@@ -386,7 +386,7 @@ pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
 /// listing refreshed every `every` — the answer to "what
 /// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
 /// with `max`, not `sum`. Stops when dropped.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub struct PendingGauges {
     dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
     task: tokio::task::JoinHandle<()>,
@@ -396,28 +396,28 @@ pub struct PendingGauges {
 }
 
 /// Parked events and when the oldest was parked (ordered retries), as last listed.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 type ParkedReading = Arc<std::sync::Mutex<Option<(u64, Option<SystemTime>)>>>;
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 impl std::fmt::Debug for PendingGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("PendingGauges")
     }
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 impl Drop for PendingGauges {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 impl PendingGauges {
     /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
     /// current Tokio runtime). Overdue is against the wall clock.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
         Self::start_with_lines(ledger, every, false, Arc::default())
     }
@@ -426,7 +426,7 @@ impl PendingGauges {
     /// `lines` (ordered retries on) the `hubguard.lines.parked` and
     /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
     /// refresh.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn start_with_lines(
         ledger: Ledger,
         every: std::time::Duration,
@@ -522,7 +522,7 @@ impl PendingGauges {
         }
     }
 
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
@@ -530,7 +530,7 @@ impl PendingGauges {
     }
 
     /// Updates the gauges from a complete listing just read.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn update(&self, pending: &[Pending]) {
         Self::store(&self.dues, pending);
     }
@@ -587,7 +587,7 @@ pub fn pipeline_router(pipeline: &crate::pipeline::Pipeline) -> Router {
 }
 
 /// The status router (`breaker`: the pipeline's circuit breaker, shown in the report).
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn router(
     health: Arc<Health>,
     ledger: Ledger,

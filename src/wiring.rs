@@ -21,11 +21,11 @@ use crate::breaker::BreakerConfig;
 use crate::config::{Access, Config, CredentialKind};
 use crate::event::IdentityConfig;
 use crate::handler::Handler;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use crate::ledger::Ledger;
 use crate::pipeline::dead_letter::DeadLetterDestination;
 use crate::pipeline::settle::Policies;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use crate::pipeline::settle::Settler;
 use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
@@ -267,7 +267,7 @@ impl StorageAccess {
 
     /// The attempt ledger of `hub` and `consumer_group` in this container, every call with
     /// `deadline` (no retention: the operator commands' ledger, which expires nothing).
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn ledger(
         &self,
         hub: &str,
@@ -462,7 +462,7 @@ impl Wiring {
     }
 
     /// The record store (the ledger and the breaker) in the container.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn record_store(&self) -> Result<BlobRecordStore, WiringError> {
         self.storage.record_store(self.options.deadline)
     }
@@ -514,7 +514,7 @@ impl Wiring {
 
     /// A settler as the replicas run it, for the operator commands: this wiring's ledger
     /// (without retention), retry queue, policies, dead-letter destination and deployment.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn settler(&self) -> Result<Settler, WiringError> {
         let records: Arc<dyn RecordStore> = match &self.records {
             Some(r) => r.clone(),

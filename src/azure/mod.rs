@@ -23,7 +23,7 @@ pub mod record_store;
 pub mod retry_queue;
 pub mod sas;
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use blob::BlobContainer;
 pub use checkpoint_store::BlobCheckpointStore;
 pub use connection_string::{ConnectionString, ConnectionStringError};
@@ -33,7 +33,7 @@ pub use retry_queue::{
     ServiceBusRetryQueue,
 };
 pub use sas::SasKey;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use sas::{SasCredential, SasError};
 
 /// Installs rustls's aws-lc-rs provider as the process-wide default, once. The Event Hubs

@@ -6,17 +6,17 @@
 //! UTF-8 bytes of the key string (not its base64 decoding).
 
 use std::fmt;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use async_trait::async_trait;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use azure_core::credentials::{AccessToken, TokenCredential, TokenRequestOptions};
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 use percent_encoding::percent_decode_str;
 use sha2::Sha256;
 
@@ -29,12 +29,12 @@ const FORM: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'_');
 
 /// The default lifetime of a token the [`SasCredential`] issues.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub const DEFAULT_TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
 
 /// Why a token was refused. The messages never contain the token or the key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub enum SasError {
     /// The token is not of the `SharedAccessSignature k=v&…` form or lacks a field.
     #[error("malformed SAS token: {0}")]
@@ -109,7 +109,7 @@ impl SasKey {
 
     /// Checks `token` against this key at time `now`, and that its resource covers
     /// `audience` (see [`audience_covers`]). Returns the token's expiry.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn verify(&self, token: &str, audience: &str, now: SystemTime) -> Result<u64, SasError> {
         let parsed = ParsedToken::parse(token)?;
         if parsed.key_name != self.name {
@@ -130,14 +130,14 @@ impl SasKey {
     }
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The fields of a SAS token.
 #[derive(Debug)]
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 struct ParsedToken {
     sr_raw: String,
     resource: String,
@@ -146,9 +146,9 @@ struct ParsedToken {
     key_name: String,
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 impl ParsedToken {
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     fn parse(token: &str) -> Result<Self, SasError> {
         let rest =
             token
@@ -191,7 +191,7 @@ impl ParsedToken {
 
 /// The path segments of an address, lower-cased, ignoring scheme, authority, query and a
 /// trailing slash: `amqps://ns/Hub/ConsumerGroups/$Default` → `["hub", "consumergroups", "$default"]`.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn path_segments(address: &str) -> Vec<String> {
     let without_scheme = address.split_once("://").map_or(address, |(_, rest)| rest);
     let path = if address.contains("://") {
@@ -209,7 +209,7 @@ pub fn path_segments(address: &str) -> Vec<String> {
 /// Whether a token issued for `resource` grants access to `audience`: the resource's path is a
 /// prefix (by whole segments, case-insensitively) of the audience's path. Scheme and host are
 /// not compared, because clients of a local emulator reach it under many names.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn audience_covers(resource: &str, audience: &str) -> bool {
     let r = path_segments(resource);
     let a = path_segments(audience);
@@ -220,17 +220,17 @@ pub fn audience_covers(resource: &str, audience: &str) -> bool {
 /// (which take only a `TokenCredential`) can use a connection string. Each call issues a
 /// fresh token; the SDK refreshes it before it expires.
 #[derive(Debug, Clone)]
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub struct SasCredential {
     key: SasKey,
     resource: String,
     lifetime: Duration,
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 impl SasCredential {
     /// Tokens for `resource` (for example `sb://host:5672/hub`), signed with `key`.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn new(key: SasKey, resource: impl Into<String>) -> Self {
         Self {
             key,
@@ -240,14 +240,14 @@ impl SasCredential {
     }
 
     /// Tokens that expire `lifetime` after they are issued.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn with_lifetime(mut self, lifetime: Duration) -> Self {
         self.lifetime = lifetime;
         self
     }
 
     /// A token valid from `now` for the credential's lifetime, and its expiry.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub fn token_at(&self, now: SystemTime) -> (String, u64) {
         let expiry = (now + self.lifetime)
             .duration_since(UNIX_EPOCH)
@@ -257,7 +257,7 @@ impl SasCredential {
     }
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 #[async_trait]
 impl TokenCredential for SasCredential {
     async fn get_token(

@@ -519,7 +519,7 @@ pub fn record_name(downstream: &str) -> String {
 
 /// The breaker record of `downstream` as kept in `store` (`None`: it never opened). A body
 /// that does not parse reads as a closed breaker, as [`Shared`] reads it.
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub async fn read(
     store: &dyn RecordStore,
     downstream: &str,

@@ -316,7 +316,7 @@ pub use crate::clock::{at, ms};
 
 pub mod lines;
 pub use lines::{Line, Opened, Parked};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use lines::ParkedEntry;
 
 /// What the ledger says about running attempt `attempt` of an event: the one rule the
@@ -657,7 +657,7 @@ impl Ledger {
 
     /// The keys behind listed names: decoded from the name, or — for a digest name — read
     /// from the blob itself with `key_of`.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     async fn listed_keys(
         &self,
         prefix: &str,
@@ -696,7 +696,7 @@ impl Ledger {
     /// (blob storage answers 304 without the body), else the record as it is now (`Some(None)`
     /// when it no longer exists).
     #[allow(clippy::type_complexity)]
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn get_if_changed(
         &self,
         key: &str,
@@ -1049,7 +1049,7 @@ impl Ledger {
     }
 
     /// Removes `key` from the dead-letter index (after a replay).
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn unindex_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
         let name = self.dead_letter_name(key);
         let Some(r) = self.store.read(&name).await? else {
@@ -1064,7 +1064,7 @@ impl Ledger {
     /// Removes `key`'s dead-lettered record if it still has `etag`, then its index entry
     /// (its event lives on elsewhere: an ordered replay parked it). `false` when it changed
     /// meanwhile (nothing removed).
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn remove_dead_letter(&self, key: &str, etag: &str) -> Result<bool, LedgerError> {
         match self.store.delete(&self.record_name(key), etag).await {
             Ok(()) | Err(StoreError::NotFound) => {}
@@ -1080,7 +1080,7 @@ impl Ledger {
     /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would
     /// be) purged; `None` when the record is no dead letter or is newer. An index entry
     /// whose record is gone is removed too.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn purge_dead_letter(
         &self,
         key: &str,
@@ -1115,7 +1115,7 @@ impl Ledger {
     }
 
     /// Keys in the dead-letter index.
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);
         // An index entry's body is its key.
@@ -1272,7 +1272,7 @@ impl Ledger {
     }
 
     /// Keys of every record (for tests and the demo's verification).
-    #[cfg(feature = "testbed")]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);
         self.listed_keys(&prefix, |body| {

@@ -166,7 +166,7 @@ pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
 }
 
 /// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub fn unqualified(id: &str) -> &str {
     match id.split_at_checked(DEPLOYMENT_ID_LEN) {
         Some((d, rest))

@@ -30,7 +30,7 @@ pub mod readback;
 mod recorded;
 mod retention;
 mod retry;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub mod rewind;
 pub mod settle;
 

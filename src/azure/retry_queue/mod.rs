@@ -28,24 +28,24 @@ mod http;
 mod proof;
 
 pub use self::atom::QueueDescription;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::classify::error_detail;
 pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::client::MANAGEMENT_API_VERSION;
 pub use self::endpoint::ServiceBusEndpoint;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::endpoint::EndpointError;
 pub use self::error::RetryQueueError;
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::http::{
     BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
     SERVICE_BUS_SCOPE,
 };
 pub use self::proof::{prove_queue, QueueNeeds, QueueRefusal};
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use self::proof::QueueProof;
 
 use std::collections::HashMap;
@@ -192,7 +192,7 @@ pub trait RetryQueue: Send + Sync {
     }
 }
 
-#[cfg(feature = "testbed")]
+#[cfg(any(test, feature = "testbed"))]
 pub use crate::clock::ceil_to_second;
 
 #[cfg(test)]
