@@ -1079,7 +1079,7 @@ impl Config {
         }
         self.breaker
             .validate()
-            .map_err(|(key, message)| invalid(key, message))?;
+            .map_err(|e| invalid(e.key(), e))?;
         if Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
             >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
         {
@@ -1093,7 +1093,7 @@ impl Config {
 
     /// What the retry queue must offer for this configuration: the start-up proof checks the
     /// queue's description against it, and validation the configured window.
-    pub fn queue_needs(&self) -> crate::azure::retry_queue::QueueNeeds {
+    pub(crate) fn queue_needs(&self) -> crate::azure::retry_queue::QueueNeeds {
         crate::azure::retry_queue::QueueNeeds {
             replay_gap: self.replay_gap(),
             call_deadline: Duration::from_millis(self.retry.call_deadline_ms),

@@ -273,7 +273,7 @@ pub const DEPLOYMENT_ID_LEN: usize = 12;
 
 impl Deployment {
     /// The deployment of `consumer_group` of `hub` in `namespace`. Its id is the first
-    /// [`DEPLOYMENT_ID_LEN`] hex digits of the SHA-256 of the three names, lower-cased:
+    /// `DEPLOYMENT_ID_LEN` (12) hex digits of the SHA-256 of the three names, lower-cased:
     /// Event Hubs compares entity and consumer group names without case, and the official
     /// checkpoint stores lower-case them too.
     pub fn new(namespace: &str, hub: &str, consumer_group: &str) -> Self {

@@ -4,7 +4,76 @@
 //! only past events that were delivered, durably scheduled for retry, or dead-lettered, so no
 //! event is ever lost silently.
 //!
+//! ## The public API
+//!
+//! What a program embedding the pipeline uses, re-exported at the crate's root (without the
+//! default feature `testbed` this is all that is public; the integration test `public_api`
+//! holds it to `tests/it/public_api.txt`, so a change to it is a decision):
+//!
+//! - The handler: [`Handler`] (implement it), the [`Event`] it is given with its
+//!   [`Identity`], the [`Attempt`], and what it answers: [`Outcome`], [`Failure`] with its
+//!   [`ErrorClass`]. The webhook handler: [`WebhookHandler`], [`WebhookConfig`] (with
+//!   [`ContentMode`], [`SecretSource`], [`TlsConfig`], [`HandshakeConfig`]) and its
+//!   [`WebhookConfigError`].
+//! - Wiring and running: [`Wiring`] (the one builder of a pipeline's parts, from a
+//!   [`Config`] or from [`EventHubsTarget`], [`StorageAccess`] and [`ServiceBusAccess`]) and
+//!   its [`WiringError`] (a refused retry queue: [`QueueRefusal`]); [`Pipeline`],
+//!   [`PipelineParts`], [`PipelineOptions`] ([`OrderingKey`], [`RetryOrdering`],
+//!   [`RateLimitConfig`], [`Clock`], a [`DeadLetterDestination`]), [`RetryPolicy`] and
+//!   [`Policies`], [`BreakerConfig`], [`IdentityConfig`]; [`RunError`] when it cannot start.
+//! - The configuration file of `hubguard run`: [`Config`] and its sections, [`ConfigError`].
+//! - Logs, traces and metrics as `hubguard run` sets them up: [`init_telemetry`] with
+//!   [`TelemetryOptions`] (OTLP from the environment: [`otlp_export_from_env`]).
+//! - The read side: [`Health`] (from [`Pipeline::health`]; read only — the pipeline alone
+//!   changes it) and its [`HealthReport`], and [`status_router`], the HTTP endpoints
+//!   `hubguard run` serves (`/healthz`, `/readyz`, `/v1/status`, `/metrics`, …).
+//! - The stores: [`RecordStore`] and [`RetryQueue`] (with their messages and typed errors
+//!   [`StoreError`], [`RetryQueueError`]), and their in-memory twins [`MemoryRecordStore`]
+//!   and [`MemoryRetryQueue`] for testing a handler against the pipeline's rules without
+//!   Azure (as the Azure SDK ships an in-memory checkpoint store).
+//!
+//! `hubguard run`, embedded (with a handler of the program's own; the names are the
+//! crate's root's, with or without the test bed):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//!
+//! use hubguard::{Attempt, Config, Event, Failure, Handler, Outcome, Pipeline, Wiring};
+//!
+//! struct Print;
+//!
+//! #[async_trait::async_trait]
+//! impl Handler for Print {
+//!     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+//!         if event.body.is_empty() {
+//!             return Outcome::Failed(Failure::permanent("an empty body"));
+//!         }
+//!         println!("{} (attempt {})", event.identity.idempotency_key, attempt.number);
+//!         Outcome::Delivered
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = Config::load("hubguard.toml".as_ref(), std::env::vars())?;
+//! let _telemetry = hubguard::init_telemetry(hubguard::TelemetryOptions::default());
+//! let wiring = Wiring::from_config(&config)?;
+//! for warning in wiring.prove_retry_queue().await? {
+//!     eprintln!("{warning}");
+//! }
+//! let pipeline = Pipeline::new(wiring.parts(Arc::new(Print))?);
+//! let status = tokio::net::TcpListener::bind(config.status.listen).await?;
+//! let router = hubguard::status_router(&pipeline);
+//! tokio::spawn(async move { axum::serve(status, router).await });
+//! pipeline.run(tokio_util::sync::CancellationToken::new()).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ## Module map
+//!
+//! The modules are public only with the test bed (the `hubguard` binary, the bench, the demo
+//! and the integration tests use them); to a program embedding the library they are the
+//! implementation.
 //!
 //! ```text
 //!  Event Hubs ─► pipeline::partition ─► handler (Handler trait · webhook)
@@ -14,32 +83,32 @@
 //!              fenced checkpoint store          Service Bus ─► pipeline::retry ─► handler ─► settle
 //! ```
 //!
-//! - [`pipeline`]: the partition loop, the retry loop, settlement, the fenced checkpoint
+//! - `pipeline`: the partition loop, the retry loop, settlement, the fenced checkpoint
 //!   store, health; the admission step both loops take around a handler call (the breaker),
-//!   and what they count; [`pipeline::Pipeline`] runs it all.
-//! - [`breaker`]: the downstream's circuit breaker shared by every replica (a blob record) —
+//!   and what they count; `pipeline::Pipeline` runs it all.
+//! - `breaker`: the downstream's circuit breaker shared by every replica (a blob record) —
 //!   pure decide/apply over the record and `now`.
-//! - [`ratelimit`]: one downstream rate limit for the whole deployment, shared out by owned
+//! - `ratelimit`: one downstream rate limit for the whole deployment, shared out by owned
 //!   partitions and adapted from 429s, 503s and timeouts (AIMD; a blob record beside the
 //!   breaker's) — pure rate, share and pacing functions, and the replica's limiter.
-//! - [`handler`]: the [`handler::Handler`] trait library users implement, and the webhook.
-//! - [`policy`]: backoff curves, budgets and error classification — pure functions.
-//! - [`guard`]: the contiguous-settled-prefix checkpoint window — pure.
-//! - [`ledger`]: attempt records in blob storage, authoritative for the attempt number.
-//! - [`event`]: an event and its identity (idempotency key, correlation id, type).
-//! - [`config`]: `hubguard run`'s TOML + environment configuration: schema and validation.
-//! - [`wiring`]: credentials, clients and stores, and the one builder of the pipeline's parts
-//!   ([`wiring::Wiring`]) that `run`, the demo, the bench and the tests use.
-//! - [`telemetry`]: spans per attempt (linked across retries) and metrics, by OTLP; every
-//!   name in [`telemetry::names`], the gauges beside them ([`telemetry::gauges`]).
-//! - [`clock`]: the clock policy time runs on (wall time; tests advance it), and time's
+//! - `handler`: the `Handler` trait library users implement, and the webhook.
+//! - `policy`: backoff curves, budgets and error classification — pure functions.
+//! - `guard`: the contiguous-settled-prefix checkpoint window — pure.
+//! - `ledger`: attempt records in blob storage, authoritative for the attempt number.
+//! - `event`: an event and its identity (idempotency key, correlation id, type).
+//! - `config`: `hubguard run`'s TOML + environment configuration: schema and validation.
+//! - `wiring`: credentials, clients and stores, and the one builder of the pipeline's parts
+//!   (`Wiring`) that `run`, the demo, the bench and the tests use.
+//! - `telemetry`: spans per attempt (linked across retries) and metrics, by OTLP; every
+//!   name in `telemetry::names`, the gauges beside them (`telemetry::gauges`).
+//! - `clock`: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
-//! - [`redact`]: the one rule masking credentials (URL userinfo, SAS signatures, keys,
+//! - `redact`: the one rule masking credentials (URL userinfo, SAS signatures, keys,
 //!   tokens) in every text that leaves the process.
-//! - [`status`]: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
-//! - [`azure`]: connection strings, the SAS credential, the Service Bus retry queue and the
+//! - `status`: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
+//! - `azure`: connection strings, the SAS credential, the Service Bus retry queue and the
 //!   blob record store — hubguard's clients, with typed errors and deadlines; in-memory twins
-//!   of the record store and the retry queue ([`azure::memory`]).
+//!   of the record store and the retry queue (`azure::memory`).
 //!
 //! Dependencies point downwards only; each layer may use anything below it, and the
 //! integration test `architecture` checks there is no cycle and no use of the test bed:
@@ -58,26 +127,101 @@
 //! - `bench`: performance figures measured through the real SDK.
 //! - `cli`: the `hubguard` command line.
 
-pub mod azure;
+// The crate's lints for the library without the test bed: every `pub` item of the internal
+// modules is public with the test bed (where `unreachable_pub` checks them) and unreachable
+// without it, by design; and every type the embedder's API names must be nameable, i.e.
+// re-exported below (a type that is reachable but not exported would be an accident).
+#![cfg_attr(not(feature = "testbed"), allow(unreachable_pub))]
+#![cfg_attr(not(feature = "testbed"), warn(unnameable_types))]
+
+/// An item public with the test bed and crate-visible without it: what the `hubguard`
+/// binary, the bench, the demo or the integration tests reach for, that the library uses
+/// itself, and that an embedder is not given. (Written `testbed_pub! { … }` around the item.)
+macro_rules! testbed_pub {
+    ($(#[$meta:meta])* pub $($item:tt)*) => {
+        #[cfg(feature = "testbed")]
+        $(#[$meta])* pub $($item)*
+        #[cfg(not(feature = "testbed"))]
+        $(#[$meta])* pub(crate) $($item)*
+    };
+}
+
+/// The product's modules: public with the test bed (the `hubguard` binary, the bench, the
+/// demo and the integration tests reach into them), private without it, where the crate's
+/// public API is exactly the re-exports below.
+macro_rules! internal_modules {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "testbed")]
+        pub mod $name;
+        #[cfg(not(feature = "testbed"))]
+        mod $name;
+    )*};
+}
+
+internal_modules!(
+    azure, breaker, clock, config, event, guard, handler, ledger, pipeline, policy, ratelimit,
+    redact, status, telemetry, wiring,
+);
+
 #[cfg(feature = "testbed")]
 pub mod bench;
-pub mod breaker;
 #[cfg(feature = "testbed")]
 pub mod cli;
-pub mod clock;
-pub mod config;
 #[cfg(feature = "testbed")]
 pub mod demo;
 #[cfg(feature = "testbed")]
 pub mod emulator;
-pub mod event;
-pub mod guard;
-pub mod handler;
-pub mod ledger;
-pub mod pipeline;
-pub mod policy;
-pub mod ratelimit;
-pub mod redact;
-pub mod status;
-pub mod telemetry;
-pub mod wiring;
+
+// The embedder's API. Without `testbed` this is the crate's whole public surface (the
+// integration test `public_api` holds it to `tests/it/public_api.txt`).
+
+// The handler a program writes, what it is given and what it answers.
+pub use event::{Deployment, Event, Identity, IdentityConfig};
+pub use handler::{Attempt, Failure, Handler, Outcome};
+pub use policy::classify::ErrorClass;
+// The webhook handler and its configuration.
+pub use handler::cloudevents::ContentMode;
+pub use handler::handshake::HandshakeConfig;
+pub use handler::secret::SecretSource;
+pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, WebhookHandler};
+// The pipeline, its parts and options, and the one builder of them.
+pub use azure::retry_queue::QueueRefusal;
+pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
+pub use breaker::{BreakerConfig, BreakerConfigError};
+pub use clock::Clock;
+pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};
+pub use pipeline::settle::Policies;
+pub use pipeline::{
+    BadLineOnDeadLetter, BadOrderingKey, EventHubsTarget, LineOnDeadLetter, OrderingKey, Pipeline,
+    PipelineOptions, PipelineParts, RetryOrdering, RunError,
+};
+pub use policy::{Curve, PolicyError, RetryPolicy};
+pub use ratelimit::RateLimitConfig;
+pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
+// `hubguard run`'s configuration file.
+pub use config::{
+    Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
+    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetrySection,
+    ServiceBusSection, StartPosition, StatusSection, StorageSection,
+};
+pub use telemetry::logs::{LogFormat, LogSection};
+// Logs, traces and metrics as `hubguard run` sets them up.
+pub use telemetry::logs::LogWriter;
+pub use telemetry::{
+    export_from_env as otlp_export_from_env, init_with as init_telemetry, Export as OtlpExport,
+    Guard as TelemetryGuard, Options as TelemetryOptions,
+};
+// The health read side, and the status endpoints over it.
+pub use pipeline::health::{
+    ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
+    RetryLoopState,
+};
+pub use status::pipeline_router as status_router;
+// The stores (record store, retry queue) and their in-memory twins.
+pub use azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+pub use azure::record_store::Listed;
+pub use azure::retry_queue::MessageLock;
+pub use azure::{
+    IfChanged, OutgoingMessage, QueueDescription, ReceivedMessage, Record, RecordStore, RetryQueue,
+    RetryQueueError, StoreError,
+};

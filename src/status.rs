@@ -22,7 +22,9 @@ use serde_json::json;
 
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
-use crate::redact::{redact, redact_json, redacted};
+use crate::redact::{redact_json, redacted};
+#[cfg(any(test, feature = "testbed"))]
+use crate::redact::redact;
 
 /// RFC 3339 with milliseconds.
 pub use crate::clock::rfc3339;
@@ -66,6 +68,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 }
 
 /// The record as text, for `hubguard status`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
     let state = match rec.state {
@@ -182,6 +185,7 @@ pub fn pending_view(p: &Pending) -> serde_json::Value {
 }
 
 /// Pending retries as a text table, for `hubguard retries list`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn pending_text(pending: &[Pending]) -> String {
     let mut out = format!(
         "{} retr{} waiting\n",
@@ -285,6 +289,7 @@ pub async fn parked_view(
 }
 
 /// [`parked_view`] as text, for `hubguard status`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn parked_text(v: &serde_json::Value) -> String {
     let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
     let mut out = String::new();
@@ -348,6 +353,7 @@ pub fn line_view(l: &crate::ledger::Line) -> serde_json::Value {
 }
 
 /// Open lines as a text table, for `hubguard retries list`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
     if lines.is_empty() {
         return String::new();
@@ -380,6 +386,7 @@ pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
 /// listing refreshed every `every` — the answer to "what
 /// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
 /// with `max`, not `sum`. Stops when dropped.
+#[cfg(any(test, feature = "testbed"))]
 pub struct PendingGauges {
     dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
     task: tokio::task::JoinHandle<()>,
@@ -389,23 +396,28 @@ pub struct PendingGauges {
 }
 
 /// Parked events and when the oldest was parked (ordered retries), as last listed.
+#[cfg(any(test, feature = "testbed"))]
 type ParkedReading = Arc<std::sync::Mutex<Option<(u64, Option<SystemTime>)>>>;
 
+#[cfg(any(test, feature = "testbed"))]
 impl std::fmt::Debug for PendingGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("PendingGauges")
     }
 }
 
+#[cfg(any(test, feature = "testbed"))]
 impl Drop for PendingGauges {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
+#[cfg(any(test, feature = "testbed"))]
 impl PendingGauges {
     /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
     /// current Tokio runtime). Overdue is against the wall clock.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
         Self::start_with_lines(ledger, every, false, Arc::default())
     }
@@ -414,6 +426,7 @@ impl PendingGauges {
     /// `lines` (ordered retries on) the `hubguard.lines.parked` and
     /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
     /// refresh.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn start_with_lines(
         ledger: Ledger,
         every: std::time::Duration,
@@ -509,6 +522,7 @@ impl PendingGauges {
         }
     }
 
+    #[cfg(any(test, feature = "testbed"))]
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
@@ -516,6 +530,7 @@ impl PendingGauges {
     }
 
     /// Updates the gauges from a complete listing just read.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn update(&self, pending: &[Pending]) {
         Self::store(&self.dues, pending);
     }
@@ -559,7 +574,20 @@ impl AppState {
     }
 }
 
+/// The status router of `pipeline`, as `hubguard run` serves it on `status.listen`:
+/// `/healthz`, `/readyz`, `/v1/status`, `/v1/events/{key}`, `/v1/retries`, `/v1/control` and
+/// `/metrics`, over the pipeline's health, ledger, circuit breaker and rate limiter.
+pub fn pipeline_router(pipeline: &crate::pipeline::Pipeline) -> Router {
+    router_with_rate_limit(
+        pipeline.health(),
+        pipeline.settler().ledger.clone(),
+        pipeline.breaker(),
+        pipeline.rate_limiter(),
+    )
+}
+
 /// The status router (`breaker`: the pipeline's circuit breaker, shown in the report).
+#[cfg(any(test, feature = "testbed"))]
 pub fn router(
     health: Arc<Health>,
     ledger: Ledger,

@@ -21,9 +21,12 @@ use crate::breaker::BreakerConfig;
 use crate::config::{Access, Config, CredentialKind};
 use crate::event::IdentityConfig;
 use crate::handler::Handler;
+#[cfg(any(test, feature = "testbed"))]
 use crate::ledger::Ledger;
 use crate::pipeline::dead_letter::DeadLetterDestination;
-use crate::pipeline::settle::{Policies, Settler};
+use crate::pipeline::settle::Policies;
+#[cfg(any(test, feature = "testbed"))]
+use crate::pipeline::settle::Settler;
 use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
 
@@ -157,8 +160,8 @@ impl EventHubsTarget {
 pub enum ServiceBusAccess {
     /// A namespace connection string (SAS).
     ConnectionString(ConnectionString),
-    /// A namespace (see [`ServiceBusEndpoint::parse`](crate::azure::retry_queue::ServiceBusEndpoint::parse))
-    /// and an Entra ID credential.
+    /// A namespace (read as `ServiceBusEndpoint::parse` reads it) and an Entra ID
+    /// credential.
     Credential {
         /// The namespace.
         namespace: String,
@@ -191,6 +194,7 @@ impl ServiceBusAccess {
         }
     }
 
+    testbed_pub! {
     /// A client of `queue` in this namespace; every call has `deadline`.
     pub fn queue(
         &self,
@@ -210,6 +214,7 @@ impl ServiceBusAccess {
                 options,
             ),
         }
+    }
     }
 }
 
@@ -251,15 +256,18 @@ impl StorageAccess {
         }
     }
 
-    /// The record store (the ledger's and the breaker's blobs); every call has `deadline`.
-    pub fn record_store(&self, deadline: Duration) -> Result<BlobRecordStore, WiringError> {
-        BlobRecordStore::new(&self.container_url, self.credential.clone(), deadline)
-            .map(|s| s.with_index_tags(self.index_tags))
-            .map_err(|e| WiringError::client("storage.container_url", e))
+    testbed_pub! {
+        /// The record store (the ledger's and the breaker's blobs); every call has `deadline`.
+        pub fn record_store(&self, deadline: Duration) -> Result<BlobRecordStore, WiringError> {
+            BlobRecordStore::new(&self.container_url, self.credential.clone(), deadline)
+                .map(|s| s.with_index_tags(self.index_tags))
+                .map_err(|e| WiringError::client("storage.container_url", e))
+        }
     }
 
     /// The attempt ledger of `hub` and `consumer_group` in this container, every call with
     /// `deadline` (no retention: the operator commands' ledger, which expires nothing).
+    #[cfg(any(test, feature = "testbed"))]
     pub fn ledger(
         &self,
         hub: &str,
@@ -437,6 +445,7 @@ impl Wiring {
         self
     }
 
+    testbed_pub! {
     /// Who this deployment is (namespace, hub, consumer group): what its messages carry.
     pub fn deployment(&self) -> crate::event::Deployment {
         crate::event::Deployment::new(
@@ -445,6 +454,7 @@ impl Wiring {
             &self.eventhubs.consumer_group,
         )
     }
+    }
 
     /// The Event Hub.
     pub fn eventhubs(&self) -> &EventHubsTarget {
@@ -452,12 +462,13 @@ impl Wiring {
     }
 
     /// The record store (the ledger and the breaker) in the container.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn record_store(&self) -> Result<BlobRecordStore, WiringError> {
         self.storage.record_store(self.options.deadline)
     }
 
     /// The retry queue's Service Bus client, on the pipeline's clock.
-    pub fn retry_queue(&self) -> Result<ServiceBusRetryQueue, WiringError> {
+    pub(crate) fn retry_queue(&self) -> Result<ServiceBusRetryQueue, WiringError> {
         Ok(self
             .servicebus
             .queue(&self.queue, self.options.deadline)
@@ -485,7 +496,7 @@ impl Wiring {
     /// The start-up proof of the retry queue: reads its description and refuses (naming the
     /// property and the value needed) when it cannot keep hubguard's promise; returns warnings
     /// (e.g. no Manage right to read the description). The gap its duplicate detection must
-    /// cover is [`PipelineOptions::replay_gap`]. See [`prove_queue`].
+    /// cover is [`PipelineOptions::replay_gap`]. See `prove_queue`.
     pub async fn prove_retry_queue(&self) -> Result<Vec<String>, WiringError> {
         let queue = self.retry_queue()?;
         let needs = QueueNeeds {
@@ -503,6 +514,7 @@ impl Wiring {
 
     /// A settler as the replicas run it, for the operator commands: this wiring's ledger
     /// (without retention), retry queue, policies, dead-letter destination and deployment.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn settler(&self) -> Result<Settler, WiringError> {
         let records: Arc<dyn RecordStore> = match &self.records {
             Some(r) => r.clone(),

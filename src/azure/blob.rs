@@ -316,6 +316,7 @@ impl BlobContainer {
 
     /// Create Container; `Ok(false)` when it already exists. (hubguard never creates its
     /// container in production: the operator does, with its access policy. Tests and tools.)
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn create_container(&self) -> Result<bool, BlobError> {
         let req = self
             .http
@@ -371,6 +372,7 @@ impl BlobContainer {
     /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
     /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
     /// storageservices/set-blob-tags).
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
         let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
         let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
@@ -393,6 +395,7 @@ impl BlobContainer {
 
     /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
     /// exist.
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn get_tags(&self, name: &str) -> Result<Option<Vec<(String, String)>>, BlobError> {
         let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
         match self.send(req).await {
@@ -692,6 +695,7 @@ pub fn encode_tags(tags: &[(&str, &str)]) -> String {
 }
 
 /// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+#[cfg(any(test, feature = "testbed"))]
 pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
     let text = |t: &str, name: &str| -> String {
         let (open, close) = (format!("<{name}>"), format!("</{name}>"));

@@ -7,7 +7,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::sas::{SasCredential, SasKey};
+use super::sas::SasKey;
+#[cfg(any(test, feature = "testbed"))]
+use super::sas::SasCredential;
 
 /// Why a connection string was refused. Never includes the secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -171,6 +173,7 @@ impl ConnectionString {
     /// `jwt`, which Azure refuses for a SAS token: use [`open_consumer`](Self::open_consumer)
     /// and [`open_producer`](Self::open_producer) for Event Hubs. This one is for checks and
     /// raw protocol tests.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn credential(&self, entity: Option<&str>) -> SasCredential {
         let resource = match entity.or(self.entity_path.as_deref()) {
             Some(e) => format!("sb://{}/{e}", self.namespace()),

@@ -23,6 +23,7 @@ pub mod record_store;
 pub mod retry_queue;
 pub mod sas;
 
+#[cfg(any(test, feature = "testbed"))]
 pub use blob::BlobContainer;
 pub use checkpoint_store::BlobCheckpointStore;
 pub use connection_string::{ConnectionString, ConnectionStringError};
@@ -31,7 +32,9 @@ pub use retry_queue::{
     OutgoingMessage, QueueDescription, ReceivedMessage, RetryQueue, RetryQueueError,
     ServiceBusRetryQueue,
 };
-pub use sas::{SasCredential, SasError, SasKey};
+pub use sas::SasKey;
+#[cfg(any(test, feature = "testbed"))]
+pub use sas::{SasCredential, SasError};
 
 /// Installs rustls's aws-lc-rs provider as the process-wide default, once. The Event Hubs
 /// SDK's AMQP transport asks rustls for the default provider, and with both of rustls's

@@ -6,13 +6,18 @@
 //! UTF-8 bytes of the key string (not its base64 decoding).
 
 use std::fmt;
+#[cfg(any(test, feature = "testbed"))]
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+#[cfg(any(test, feature = "testbed"))]
 use async_trait::async_trait;
+#[cfg(any(test, feature = "testbed"))]
 use azure_core::credentials::{AccessToken, TokenCredential, TokenRequestOptions};
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
-use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+#[cfg(any(test, feature = "testbed"))]
+use percent_encoding::percent_decode_str;
 use sha2::Sha256;
 
 /// The characters `application/x-www-form-urlencoded` leaves alone are `*-._` and
@@ -24,10 +29,12 @@ const FORM: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'_');
 
 /// The default lifetime of a token the [`SasCredential`] issues.
+#[cfg(any(test, feature = "testbed"))]
 pub const DEFAULT_TOKEN_LIFETIME: Duration = Duration::from_secs(3600);
 
 /// Why a token was refused. The messages never contain the token or the key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[cfg(any(test, feature = "testbed"))]
 pub enum SasError {
     /// The token is not of the `SharedAccessSignature k=v&…` form or lacks a field.
     #[error("malformed SAS token: {0}")]
@@ -102,6 +109,7 @@ impl SasKey {
 
     /// Checks `token` against this key at time `now`, and that its resource covers
     /// `audience` (see [`audience_covers`]). Returns the token's expiry.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn verify(&self, token: &str, audience: &str, now: SystemTime) -> Result<u64, SasError> {
         let parsed = ParsedToken::parse(token)?;
         if parsed.key_name != self.name {
@@ -122,12 +130,14 @@ impl SasKey {
     }
 }
 
+#[cfg(any(test, feature = "testbed"))]
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The fields of a SAS token.
 #[derive(Debug)]
+#[cfg(any(test, feature = "testbed"))]
 struct ParsedToken {
     sr_raw: String,
     resource: String,
@@ -136,7 +146,9 @@ struct ParsedToken {
     key_name: String,
 }
 
+#[cfg(any(test, feature = "testbed"))]
 impl ParsedToken {
+    #[cfg(any(test, feature = "testbed"))]
     fn parse(token: &str) -> Result<Self, SasError> {
         let rest =
             token
@@ -179,6 +191,7 @@ impl ParsedToken {
 
 /// The path segments of an address, lower-cased, ignoring scheme, authority, query and a
 /// trailing slash: `amqps://ns/Hub/ConsumerGroups/$Default` → `["hub", "consumergroups", "$default"]`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn path_segments(address: &str) -> Vec<String> {
     let without_scheme = address.split_once("://").map_or(address, |(_, rest)| rest);
     let path = if address.contains("://") {
@@ -196,6 +209,7 @@ pub fn path_segments(address: &str) -> Vec<String> {
 /// Whether a token issued for `resource` grants access to `audience`: the resource's path is a
 /// prefix (by whole segments, case-insensitively) of the audience's path. Scheme and host are
 /// not compared, because clients of a local emulator reach it under many names.
+#[cfg(any(test, feature = "testbed"))]
 pub fn audience_covers(resource: &str, audience: &str) -> bool {
     let r = path_segments(resource);
     let a = path_segments(audience);
@@ -206,14 +220,17 @@ pub fn audience_covers(resource: &str, audience: &str) -> bool {
 /// (which take only a `TokenCredential`) can use a connection string. Each call issues a
 /// fresh token; the SDK refreshes it before it expires.
 #[derive(Debug, Clone)]
+#[cfg(any(test, feature = "testbed"))]
 pub struct SasCredential {
     key: SasKey,
     resource: String,
     lifetime: Duration,
 }
 
+#[cfg(any(test, feature = "testbed"))]
 impl SasCredential {
     /// Tokens for `resource` (for example `sb://host:5672/hub`), signed with `key`.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn new(key: SasKey, resource: impl Into<String>) -> Self {
         Self {
             key,
@@ -223,12 +240,14 @@ impl SasCredential {
     }
 
     /// Tokens that expire `lifetime` after they are issued.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn with_lifetime(mut self, lifetime: Duration) -> Self {
         self.lifetime = lifetime;
         self
     }
 
     /// A token valid from `now` for the credential's lifetime, and its expiry.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn token_at(&self, now: SystemTime) -> (String, u64) {
         let expiry = (now + self.lifetime)
             .duration_since(UNIX_EPOCH)
@@ -238,6 +257,7 @@ impl SasCredential {
     }
 }
 
+#[cfg(any(test, feature = "testbed"))]
 #[async_trait]
 impl TokenCredential for SasCredential {
     async fn get_token(

@@ -132,23 +132,37 @@ impl BreakerConfig {
     }
 
     /// Checks the settings; the error names the key and what is allowed.
-    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+    pub fn validate(&self) -> Result<(), BreakerConfigError> {
         if self.half_open_calls == 0 {
-            return Err((
-                "breaker.half_open_calls",
-                "breaker.half_open_calls must be at least 1".into(),
-            ));
+            return Err(BreakerConfigError::NoTrialCalls);
         }
         if !(self.half_open_success_ratio > 0.0 && self.half_open_success_ratio <= 1.0) {
-            return Err((
-                "breaker.half_open_success_ratio",
-                format!(
-                    "breaker.half_open_success_ratio must be above 0 and at most 1, got {}",
-                    self.half_open_success_ratio
-                ),
+            return Err(BreakerConfigError::SuccessRatio(
+                self.half_open_success_ratio,
             ));
         }
         Ok(())
+    }
+}
+
+/// A breaker setting out of range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BreakerConfigError {
+    /// A half-open trial lets no call through.
+    #[error("breaker.half_open_calls must be at least 1")]
+    NoTrialCalls,
+    /// The share of a trial's calls that must succeed is not in (0, 1].
+    #[error("breaker.half_open_success_ratio must be above 0 and at most 1, got {0}")]
+    SuccessRatio(f64),
+}
+
+impl BreakerConfigError {
+    /// The configuration key of the setting.
+    pub fn key(&self) -> &'static str {
+        match self {
+            Self::NoTrialCalls => "breaker.half_open_calls",
+            Self::SuccessRatio(_) => "breaker.half_open_success_ratio",
+        }
     }
 }
 
@@ -225,6 +239,9 @@ pub enum Change {
     /// Open until this time (only from closed, or re-open after a failed trial).
     Open(SystemTime),
     /// Close.
+    // No decision of the product's makes it (a trial closes the breaker through `Judge`);
+    // `apply` keeps its meaning for callers of the test bed's public `breaker` module.
+    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
     Close,
     /// Take one of the half-open trial's permits (beginning a trial if none runs).
     TakeProbe,
@@ -502,6 +519,7 @@ pub fn record_name(downstream: &str) -> String {
 
 /// The breaker record of `downstream` as kept in `store` (`None`: it never opened). A body
 /// that does not parse reads as a closed breaker, as [`Shared`] reads it.
+#[cfg(any(test, feature = "testbed"))]
 pub async fn read(
     store: &dyn RecordStore,
     downstream: &str,
@@ -1119,12 +1137,12 @@ mod tests {
     fn config_names_the_key_of_a_bad_trial() {
         assert_eq!(BreakerConfig::default().validate(), Ok(()));
         assert_eq!(
-            trial(0, 0.5).validate().unwrap_err().0,
+            trial(0, 0.5).validate().unwrap_err().key(),
             "breaker.half_open_calls"
         );
         for bad in [0.0, -1.0, 1.5, f64::NAN] {
             assert_eq!(
-                trial(10, bad).validate().unwrap_err().0,
+                trial(10, bad).validate().unwrap_err().key(),
                 "breaker.half_open_success_ratio"
             );
         }

@@ -106,11 +106,13 @@ impl SigningKeys {
     }
 
     /// How many secrets are active.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
     /// Whether there are none (never, once parsed).
+    #[cfg(any(test, feature = "testbed"))]
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

@@ -48,7 +48,7 @@ pub struct TlsConfig {
     pub client_key_file: PathBuf,
 }
 
-/// Webhook settings. `Debug` shows the URL through the redaction rule ([`crate::redact`]).
+/// Webhook settings. `Debug` shows the URL through the redaction rule (`crate::redact`).
 #[derive(Clone, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookConfig {

@@ -38,6 +38,9 @@ pub enum State {
 /// the same lower-case string as always, so records of earlier and later versions read.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(from = "String", into = "String")]
+// Reachable without the test bed only through `impl From<HistoryOutcome> for String`, which
+// an embedder cannot call without naming it.
+#[cfg_attr(not(feature = "testbed"), allow(unnameable_types))]
 pub enum HistoryOutcome {
     /// `delivered`: the handler succeeded.
     Delivered,
@@ -312,7 +315,9 @@ impl LedgerRecord {
 pub use crate::clock::{at, ms};
 
 pub mod lines;
-pub use lines::{Line, Opened, Parked, ParkedEntry};
+pub use lines::{Line, Opened, Parked};
+#[cfg(any(test, feature = "testbed"))]
+pub use lines::ParkedEntry;
 
 /// What the ledger says about running attempt `attempt` of an event: the one rule the
 /// settlement, the retry loop, deferrals and the dead-letter sweep all follow. The ledger is
@@ -652,6 +657,7 @@ impl Ledger {
 
     /// The keys behind listed names: decoded from the name, or — for a digest name — read
     /// from the blob itself with `key_of`.
+    #[cfg(any(test, feature = "testbed"))]
     async fn listed_keys(
         &self,
         prefix: &str,
@@ -690,6 +696,7 @@ impl Ledger {
     /// (blob storage answers 304 without the body), else the record as it is now (`Some(None)`
     /// when it no longer exists).
     #[allow(clippy::type_complexity)]
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn get_if_changed(
         &self,
         key: &str,
@@ -1042,6 +1049,7 @@ impl Ledger {
     }
 
     /// Removes `key` from the dead-letter index (after a replay).
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn unindex_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
         let name = self.dead_letter_name(key);
         let Some(r) = self.store.read(&name).await? else {
@@ -1056,6 +1064,7 @@ impl Ledger {
     /// Removes `key`'s dead-lettered record if it still has `etag`, then its index entry
     /// (its event lives on elsewhere: an ordered replay parked it). `false` when it changed
     /// meanwhile (nothing removed).
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn remove_dead_letter(&self, key: &str, etag: &str) -> Result<bool, LedgerError> {
         match self.store.delete(&self.record_name(key), etag).await {
             Ok(()) | Err(StoreError::NotFound) => {}
@@ -1071,6 +1080,7 @@ impl Ledger {
     /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would
     /// be) purged; `None` when the record is no dead letter or is newer. An index entry
     /// whose record is gone is removed too.
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn purge_dead_letter(
         &self,
         key: &str,
@@ -1105,6 +1115,7 @@ impl Ledger {
     }
 
     /// Keys in the dead-letter index.
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);
         // An index entry's body is its key.
@@ -1261,6 +1272,7 @@ impl Ledger {
     }
 
     /// Keys of every record (for tests and the demo's verification).
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("ledger/{}", self.prefix);
         self.listed_keys(&prefix, |body| {

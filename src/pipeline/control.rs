@@ -116,6 +116,7 @@ impl Pauses {
     }
 
     /// The same record with nothing paused (rewinds kept).
+    #[cfg(any(test, feature = "testbed"))]
     pub fn resumed(&self) -> Self {
         Self {
             all: None,
@@ -125,6 +126,7 @@ impl Pauses {
     }
 
     /// Whether nothing is paused.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn is_empty(&self) -> bool {
         self.all.is_none() && self.partitions.is_empty()
     }
@@ -144,6 +146,7 @@ impl Pauses {
 }
 
 /// The name a paused partition is held under in readiness and `/v1/status`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn held_name(pid: &str) -> String {
     super::health::HoldSubject::PausedPartition(pid.to_string()).to_string()
 }
@@ -192,6 +195,7 @@ pub async fn read(
 }
 
 /// The control record as it stands (empty when none was ever written).
+#[cfg(any(test, feature = "testbed"))]
 pub async fn current(store: &dyn RecordStore, name: &str) -> Result<Pauses, ControlError> {
     Ok(read(store, name).await?.map(|(p, _)| p).unwrap_or_default())
 }

@@ -146,6 +146,7 @@ impl DeadLetterDestination {
         }
     }
 
+    testbed_pub! {
     /// Names every dead letter after `deployment`: its MessageId starts with the deployment
     /// id (duplicate detection must never drop another deployment's dead letter of the same
     /// key), and `hubguard-deployment`, `hubguard-namespace` and `hubguard-consumer-group`
@@ -153,6 +154,7 @@ impl DeadLetterDestination {
     pub fn with_deployment(mut self, deployment: crate::event::Deployment) -> Self {
         self.deployment = Some(deployment);
         self
+    }
     }
 
     /// The queue's name.
@@ -162,7 +164,7 @@ impl DeadLetterDestination {
 
     /// Proves the queue exists and takes messages: sends one message labelled
     /// [`PROBE_LABEL`] that lives one second.
-    pub async fn probe(&self) -> Result<(), PublishError> {
+    pub(crate) async fn probe(&self) -> Result<(), PublishError> {
         self.queue
             .schedule(OutgoingMessage {
                 message_id: format!("hubguard-probe-{}", uuid::Uuid::new_v4()),
@@ -181,6 +183,7 @@ impl DeadLetterDestination {
             })
     }
 
+    testbed_pub! {
     /// Publishes the dead letter of `rec` (its state, reason, last error and attempts
     /// already set as they are about to be written), in the most complete shape Service Bus
     /// takes (see the module's documentation):
@@ -223,6 +226,7 @@ impl DeadLetterDestination {
             }
             Err(error) => Err(self.failed(error)),
         }
+    }
     }
 
     fn failed(&self, error: RetryQueueError) -> PublishError {

@@ -372,7 +372,7 @@ impl Default for Health {
 
 impl Health {
     /// Health whose times come from `clock` (the pipeline's).
-    pub fn new(clock: Arc<Clock>) -> Self {
+    pub(crate) fn new(clock: Arc<Clock>) -> Self {
         Self {
             state: Mutex::default(),
             counters: Counters::default(),

@@ -52,7 +52,9 @@ use crate::event::Event;
 use crate::ledger::{at, AttemptEntry, LedgerError, LedgerRecord, Line, Opened, Parked, State};
 use crate::policy::DeadLetterReason;
 
-use super::settle::{ReplayStep, SettleError, Settler};
+use super::settle::{SettleError, Settler};
+#[cfg(any(test, feature = "testbed"))]
+use super::settle::ReplayStep;
 use super::LineOnDeadLetter;
 
 /// Compare-and-swap rounds (and line steps) before an operation reports contention.
@@ -596,6 +598,7 @@ pub(crate) async fn advance(
 ///
 /// A key whose line is open is left alone (its events are older than what the line holds:
 /// replay them once it has drained). One step per record, the head's first.
+#[cfg(any(test, feature = "testbed"))]
 pub(crate) async fn replay_line(
     settler: &Settler,
     key: &str,
@@ -751,6 +754,7 @@ pub(crate) async fn replay_line(
 
 /// Opens the line of a replay: `false` when another line of the key is open. The tombstone
 /// of an ended line (the one that dead-lettered these events, say) is replaced.
+#[cfg(any(test, feature = "testbed"))]
 async fn open_replayed(ledger: &crate::ledger::Ledger, line: &Line) -> Result<bool, LedgerError> {
     for _ in 0..ROUNDS {
         match ledger.open_line(line).await? {

@@ -47,11 +47,14 @@ pub enum RetryCopy {
         at_ms: i64,
     },
     /// `-attempt-{n}-now-{ms}`: an operator's pull forward.
+    // This and `Replayed` are the operator commands' (in the test bed).
+    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
     Pulled {
         /// The pull's mark (ms since the epoch).
         at_ms: i64,
     },
     /// `-attempt-{n}-replay-{ms}`: a dead letter replayed.
+    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
     Replayed {
         /// When it was replayed (ms since the epoch).
         at_ms: i64,
@@ -163,6 +166,7 @@ pub fn qualified(deployment: Option<&Deployment>, id: &str) -> String {
 }
 
 /// `id` without the deployment id [`qualified`] put before it (`id` itself when it has none).
+#[cfg(any(test, feature = "testbed"))]
 pub fn unqualified(id: &str) -> &str {
     match id.split_at_checked(DEPLOYMENT_ID_LEN) {
         Some((d, rest))

@@ -30,6 +30,7 @@ pub mod readback;
 mod recorded;
 mod retention;
 mod retry;
+#[cfg(any(test, feature = "testbed"))]
 pub mod rewind;
 pub mod settle;
 
@@ -174,15 +175,18 @@ pub enum LineOnDeadLetter {
     DeadLetterLine,
 }
 
+/// Not a [`LineOnDeadLetter`]'s spelling.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected `release` or `dead_letter_line`, got {0:?}")]
+pub struct BadLineOnDeadLetter(pub String);
+
 impl std::str::FromStr for LineOnDeadLetter {
-    type Err = String;
+    type Err = BadLineOnDeadLetter;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "release" => Ok(Self::Release),
             "dead_letter_line" => Ok(Self::DeadLetterLine),
-            _ => Err(format!(
-                "expected `release` or `dead_letter_line`, got {s:?}"
-            )),
+            _ => Err(BadLineOnDeadLetter(s.to_string())),
         }
     }
 }
@@ -543,20 +547,26 @@ impl Pipeline {
         self.shared.health.clone()
     }
 
-    /// The downstream's circuit breaker, if enabled.
-    pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
-        self.shared.downstream.breaker.clone()
+    testbed_pub! {
+        /// The downstream's circuit breaker, if enabled.
+        pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
+            self.shared.downstream.breaker.clone()
+        }
     }
 
-    /// The downstream's rate limiter, when a limit is configured or the handler can grant
-    /// one (a webhook with the handshake).
-    pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
-        self.shared.downstream.limiter.clone()
+    testbed_pub! {
+        /// The downstream's rate limiter, when a limit is configured or the handler can grant
+        /// one (a webhook with the handshake).
+        pub fn rate_limiter(&self) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
+            self.shared.downstream.limiter.clone()
+        }
     }
 
-    /// The settler (ledger reads, dead-letter replay).
-    pub fn settler(&self) -> Arc<Settler> {
-        self.shared.settler.clone()
+    testbed_pub! {
+        /// The settler (ledger reads, dead-letter replay).
+        pub fn settler(&self) -> Arc<Settler> {
+            self.shared.settler.clone()
+        }
     }
 
     /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
@@ -565,6 +575,7 @@ impl Pipeline {
         self.run_until(cancel, CancellationToken::new()).await
     }
 
+    testbed_pub! {
     /// Like [`run`](Self::run), but `crash` stops everything at once, as a killed process
     /// would: no final checkpoint, no ownership release, in-flight attempts and retry-message
     /// locks abandoned. The demo and the chaos tests use it.
@@ -662,6 +673,7 @@ impl Pipeline {
         let _ = done_rx.await;
         let _ = retry.await;
         Ok(())
+    }
     }
 }
 

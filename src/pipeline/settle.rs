@@ -36,6 +36,7 @@ use crate::policy::{DeadLetterReason, RetryPolicy};
 
 /// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
 /// event whose record had counted later attempts.
+#[cfg(any(test, feature = "testbed"))]
 pub const DELIVERED_ON_REPLAY: &str = "delivered_on_replay";
 
 /// Compare-and-swap rounds before giving up on a contended record.
@@ -134,6 +135,8 @@ pub enum SettleError {
     /// A dead letter whose event is not known (its record was corrupt and set aside): only
     /// an operator can restore it from the quarantined bytes.
     #[error("the event of {key} is not known: its ledger record was corrupt; its bytes are in blob {quarantined}")]
+    // Only a replay (an operator command, in the test bed) meets it.
+    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
     EventUnknown {
         /// The key.
         key: String,
@@ -266,6 +269,7 @@ pub const TRACE_LINKS_LIMIT: usize = 32;
 
 /// The Service Bus MessageId of attempt `attempt` of `key`, without the deployment:
 /// [`MessageId::retry`]'s `{key}-attempt-{n}`.
+#[cfg(any(test, feature = "testbed"))]
 pub fn message_id(key: &str, attempt: u32) -> String {
     MessageId::retry(key, attempt).to_string()
 }
@@ -1079,6 +1083,7 @@ impl Settler {
 
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
     /// budget, and takes it off the dead-letter index.
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
         self.replay_if(key, |_| true).await
     }
@@ -1086,6 +1091,7 @@ impl Settler {
     /// [`replay`](Self::replay), if the dead-lettered record still matches `matches` when
     /// it is replayed (under the compare-and-swap): `Ok(None)` when it does not, or is no
     /// longer dead-lettered.
+    #[cfg(any(test, feature = "testbed"))]
     pub async fn replay_if(
         &self,
         key: &str,
@@ -1101,6 +1107,7 @@ impl Settler {
     /// retry due now (a fresh attempt budget), its message not yet sent. `Ok(None)` when it
     /// no longer matches or is no longer dead-lettered. Until [`send_replayed`](Self::send_replayed)
     /// sends it, the retry loop's overdue sweep would send it (the record is due).
+    #[cfg(any(test, feature = "testbed"))]
     pub(crate) async fn replay_record_if(
         &self,
         key: &str,
@@ -1142,6 +1149,7 @@ impl Settler {
 
     /// The second half of [`replay_if`](Self::replay_if): sends the replayed record's
     /// message; the attempt it runs.
+    #[cfg(any(test, feature = "testbed"))]
     pub(crate) async fn send_replayed(&self, rec: &LedgerRecord) -> Result<u32, SettleError> {
         let key = rec.key.as_str();
         let marked = rec.run_now.as_ref().map_or(rec.updated_ms, |r| r.at_ms);
@@ -1166,10 +1174,14 @@ impl Settler {
     }
 }
 
-pub use super::message_id::{qualified, unqualified, MessageId, RetryCopy};
+pub use super::message_id::{MessageId, RetryCopy};
+#[cfg(any(test, feature = "testbed"))]
+pub use super::message_id::{qualified, unqualified};
 
+#[cfg(any(test, feature = "testbed"))]
 mod operate;
 pub(crate) mod plan;
+#[cfg(any(test, feature = "testbed"))]
 pub use operate::{
     reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
 };

@@ -106,6 +106,7 @@ pub struct FailedAttempt {
 
 impl FailedAttempt {
     /// A transient failure of `attempt` at `now`, first failing at `first_failure`.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn transient(attempt: u32, first_failure: SystemTime, now: SystemTime) -> Self {
         Self {
             attempt,
@@ -286,7 +287,7 @@ impl RetryPolicy {
 
     /// The wait after failed attempt `attempt`, within floor and cap (and never more than
     /// [`MAX_SCHEDULE_AHEAD`]); `None` when the schedule is exhausted.
-    pub fn delay(
+    pub(crate) fn delay(
         &self,
         attempt: u32,
         previous: Option<Duration>,
@@ -300,13 +301,14 @@ impl RetryPolicy {
 
     /// Decides what follows a failed attempt: dead-letter when the error is permanent or a
     /// budget is spent, else retry at `now + max(delay, retry_after)`.
-    pub fn decide(&self, f: &FailedAttempt, rng: &mut impl Rng) -> Decision {
+    #[cfg(test)]
+    pub(crate) fn decide(&self, f: &FailedAttempt, rng: &mut impl Rng) -> Decision {
         self.decision(f, rng).0
     }
 
     /// [`decide`](Self::decide), and the `Retry-After` it shortened to the policy's limit
     /// (see [`honour_retry_after`]), if it did.
-    pub fn decision(&self, f: &FailedAttempt, rng: &mut impl Rng) -> (Decision, Option<Duration>) {
+    pub(crate) fn decision(&self, f: &FailedAttempt, rng: &mut impl Rng) -> (Decision, Option<Duration>) {
         if f.permanent {
             return (Decision::DeadLetter(DeadLetterReason::Permanent), None);
         }
@@ -397,7 +399,7 @@ pub enum PolicyError {
         /// The cap.
         cap_s: u64,
     },
-    /// `cap_s` exceeds what Service Bus can schedule ahead ([`MAX_SCHEDULE_AHEAD`]).
+    /// `cap_s` exceeds what Service Bus can schedule ahead (`MAX_SCHEDULE_AHEAD`, 7 days).
     #[error("cap_s ({cap_s}) exceeds what Service Bus can schedule ({} s, 7 days)", MAX_SCHEDULE_AHEAD.as_secs())]
     CapBeyondSchedule {
         /// The cap.

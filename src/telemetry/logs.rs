@@ -9,7 +9,9 @@
 
 use std::fmt;
 use std::io::IsTerminal as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+#[cfg(any(test, feature = "testbed"))]
+use std::path::Path;
 
 use opentelemetry::trace::TraceContextExt as _;
 use serde::Deserialize;
@@ -88,6 +90,7 @@ fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
 /// The log format a configuration file asks for (`[log] format`, or `HUBGUARD_LOG__FORMAT`
 /// from `env` over it), read before logging starts; `None` when neither says (or the file
 /// does not parse: loading it reports that).
+#[cfg(any(test, feature = "testbed"))]
 pub fn format_from_config(
     path: Option<&Path>,
     env: impl IntoIterator<Item = (String, String)>,

@@ -28,7 +28,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 /// Where to export (for tests and embedders; the binary reads `OTEL_*`). `Debug` masks the
-/// endpoint's userinfo and query ([`crate::redact`]).
+/// endpoint's userinfo and query (`crate::redact`).
 #[derive(Clone)]
 pub struct Export {
     /// OTLP endpoint (`http://host:4317` for gRPC, `http://host:4318` for HTTP).
@@ -237,7 +237,7 @@ impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanEx
 /// How [`init_with`] sets up logs and telemetry.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Filter directives under `RUST_LOG` (see [`logs::DEFAULT_FILTER`]).
+    /// Filter directives under `RUST_LOG` (see `logs::DEFAULT_FILTER`).
     pub default_filter: String,
     /// Text or JSON lines.
     pub format: logs::LogFormat,
@@ -260,6 +260,7 @@ impl Default for Options {
 
 /// Installs logging (to stderr, `default_filter` under `RUST_LOG`), traces and metrics
 /// (`GET /metrics`; OTLP too when `export` is given). See [`init_with`].
+#[cfg(any(test, feature = "testbed"))]
 pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
     init_with(Options {
         default_filter: default_filter.into(),
@@ -319,7 +320,7 @@ fn log_layer(options: &Options) -> BoxedLayer {
 /// Installs logging as `options` say, and the tracer and meter providers: every hubguard
 /// span becomes an OpenTelemetry span (only the attributes hubguard sets: none of tracing's
 /// own — code location, thread, busy/idle times, level, target), metrics are served by
-/// [`prometheus::scrape`] and, with `options.export`, pushed by OTLP. Call once per process,
+/// `prometheus::scrape` (`GET /metrics`) and, with `options.export`, pushed by OTLP. Call once per process,
 /// inside a Tokio runtime (the exporters run on it); later calls return an empty guard.
 pub fn init_with(options: Options) -> Guard {
     let logs = log_layer(&options);

@@ -29,6 +29,7 @@ mod outage;
 mod owner_ids;
 mod pipeline;
 mod pipeline_support;
+mod public_api;
 mod ratelimit;
 mod recovery;
 mod refusals;

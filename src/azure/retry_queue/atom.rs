@@ -72,7 +72,7 @@ pub(super) fn has_element(xml: &str, name: &str) -> bool {
 impl QueueDescription {
     /// Reads the Atom entry Service Bus answers to `GET /{queue}`. `Ok(None)` when the
     /// document holds no `QueueDescription` (an empty feed: the queue does not exist).
-    pub fn from_atom(xml: &str) -> Result<Option<Self>, DescriptionError> {
+    pub(crate) fn from_atom(xml: &str) -> Result<Option<Self>, DescriptionError> {
         if !has_element(xml, "QueueDescription") {
             return if has_element(xml, "feed") || has_element(xml, "entry") {
                 Ok(None)

@@ -27,16 +27,26 @@ mod error;
 mod http;
 mod proof;
 
-pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError, QueueDescription};
+pub use self::atom::QueueDescription;
+#[cfg(any(test, feature = "testbed"))]
+pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError};
+#[cfg(any(test, feature = "testbed"))]
 pub use self::classify::error_detail;
-pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue, MANAGEMENT_API_VERSION};
-pub use self::endpoint::{EndpointError, ServiceBusEndpoint};
+pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue};
+#[cfg(any(test, feature = "testbed"))]
+pub use self::client::MANAGEMENT_API_VERSION;
+pub use self::endpoint::ServiceBusEndpoint;
+#[cfg(any(test, feature = "testbed"))]
+pub use self::endpoint::EndpointError;
 pub use self::error::RetryQueueError;
+#[cfg(any(test, feature = "testbed"))]
 pub use self::http::{
     BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
     SERVICE_BUS_SCOPE,
 };
-pub use self::proof::{prove_queue, QueueNeeds, QueueProof, QueueRefusal};
+pub use self::proof::{prove_queue, QueueNeeds, QueueRefusal};
+#[cfg(any(test, feature = "testbed"))]
+pub use self::proof::QueueProof;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -174,7 +184,7 @@ pub trait RetryQueue: Send + Sync {
         Ok(None)
     }
     /// Reads the queue's description (duplicate detection, lock duration, …) for the
-    /// start-up proof ([`prove_queue`]). `EntityNotFound` when the queue does not exist.
+    /// start-up proof (`prove_queue`). `EntityNotFound` when the queue does not exist.
     async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
         Err(RetryQueueError::Protocol(
             "this retry queue cannot describe itself".into(),
@@ -182,6 +192,7 @@ pub trait RetryQueue: Send + Sync {
     }
 }
 
+#[cfg(any(test, feature = "testbed"))]
 pub use crate::clock::ceil_to_second;
 
 #[cfg(test)]

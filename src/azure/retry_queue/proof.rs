@@ -69,7 +69,8 @@ pub enum QueueRefusal {
         /// The duplicate-detection window it needs.
         need: Duration,
     },
-    /// The duplicate-detection window is shorter than [`QueueNeeds::window`].
+    /// The duplicate-detection window is shorter than the configuration needs
+    /// (`QueueNeeds::window`).
     #[error(
         "the retry queue '{queue}' has DuplicateDetectionHistoryTimeWindow = {} ({} s); this configuration needs at least {} ({} s): the longest time from scheduling a retry to a replay re-sending the same MessageId (checkpoint.every_ms + processor.ownership_expiration_ms + 4 × retry.call_deadline_ms + 60 s, or the queue's LockDuration + 4 × retry.call_deadline_ms + 60 s). Raise the window on the queue, or checkpoint more often",
         iso8601(*window),
