@@ -17,7 +17,6 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use time::format_description::well_known::{Rfc2822, Rfc3339};
-#[cfg(any(test, feature = "testbed"))]
 use time::macros::format_description;
 use time::OffsetDateTime;
 
@@ -38,7 +37,6 @@ pub fn rfc3339(t: SystemTime) -> String {
 }
 
 /// `Wed, 02 Jul 2014 01:33:27 GMT` (RFC 1123, the form every Azure REST API returns).
-#[cfg(any(test, feature = "testbed"))]
 pub fn http_date(t: SystemTime) -> String {
     let fmt = format_description!(
         "[weekday repr:short], [day] [month repr:short] [year] [hour]:[minute]:[second] GMT"

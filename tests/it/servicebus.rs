@@ -530,3 +530,152 @@ async fn queues_configured_outside_azures_ranges_are_refused_at_start() {
         assert!(e.to_string().contains(named), "{e}");
     }
 }
+
+// ---- Send Message Batch: concurrent sends coalesced into one request. ----
+
+/// `n` sends at once through one client; each one's answer by MessageId.
+async fn send_at_once(
+    q: std::sync::Arc<ServiceBusRetryQueue>,
+    ids: Vec<String>,
+    due: SystemTime,
+) -> Vec<(String, Result<(), RetryQueueError>)> {
+    let tasks: Vec<_> = ids
+        .into_iter()
+        .map(|id| {
+            let q = q.clone();
+            tokio::spawn(async move {
+                let r = q.schedule(message(&id, due)).await;
+                (id, r)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(within("a send", t).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_at_once_go_as_batches_and_every_message_arrives_once_intact() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let q = std::sync::Arc::new(queue_client(&emu, "retries"));
+    let due = SystemTime::now() + Duration::from_secs(30);
+    let ids: Vec<String> = (0..400).map(|i| format!("batched-{i:03}")).collect();
+    let answers = send_at_once(q.clone(), ids.clone(), due).await;
+    assert!(answers.iter().all(|(_, r)| r.is_ok()), "{answers:?}");
+    let c = emu.counters("retries").unwrap();
+    assert_eq!(c.scheduled, 400, "each message once: {c:?}");
+    assert!(
+        emu.batches_accepted() > 0,
+        "400 sends at once went as batches"
+    );
+    // A batched message keeps what a single send carries: its due time (invisible before),
+    // MessageId, CorrelationId, Label, content type, custom properties and body.
+    assert!(within("nothing due", q.receive(Duration::ZERO))
+        .await
+        .unwrap()
+        .is_none());
+    emu.clock().advance(Duration::from_secs(31));
+    let mut seen = std::collections::BTreeSet::new();
+    while let Some(m) = within("receive", q.receive(Duration::ZERO)).await.unwrap() {
+        let id = m.message_id.clone();
+        assert_eq!(
+            m.correlation_id.as_deref(),
+            Some(format!("corr-{id}").as_str())
+        );
+        assert_eq!(m.label.as_deref(), Some("order.created"));
+        assert_eq!(m.body, format!("{{\"id\":\"{id}\",\"text\":\"grüße\"}}"));
+        assert_eq!(m.properties.get("attempt").map(String::as_str), Some("2"));
+        assert_eq!(
+            m.properties.get("idempotency-key").map(String::as_str),
+            Some(id.as_str())
+        );
+        within("complete", m.complete()).await.unwrap();
+        assert!(seen.insert(id), "delivered once");
+    }
+    assert_eq!(seen.len(), 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_holding_a_refused_message_is_refused_whole_and_only_that_message_fails() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    emu.refuse_messages_containing("poison-077");
+    let q = std::sync::Arc::new(queue_client(&emu, "retries"));
+    let ids: Vec<String> = (0..200).map(|i| format!("poison-{i:03}")).collect();
+    let answers = send_at_once(q, ids, SystemTime::now()).await;
+    for (id, r) in &answers {
+        if id == "poison-077" {
+            assert!(
+                matches!(r, Err(RetryQueueError::Refused { status: 400, .. })),
+                "{r:?}"
+            );
+        } else {
+            assert!(r.is_ok(), "{id}: {r:?}");
+        }
+    }
+    let c = emu.counters("retries").unwrap();
+    assert_eq!(c.active, 199, "{c:?}");
+}
+
+#[tokio::test]
+async fn a_malformed_or_oversized_batch_is_refused_as_azure_does() {
+    let emu = emulator_with(vec![QueueSpec::new("retries")], None).await;
+    let cs: ConnectionString = emu.connection_string().parse().unwrap();
+    let url = format!("http://{}/retries/messages", emu.local_addr());
+    let expiry = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let token = cs
+        .key
+        .token(&format!("https://{}/retries", cs.host), expiry);
+    let http = reqwest::Client::new();
+    let post = |content_type: &'static str, body: String| {
+        http.post(&url)
+            .header("authorization", token.clone())
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+    };
+    const BATCH: &str = "application/vnd.microsoft.servicebus.json";
+    let ok = within(
+        "a batch",
+        post(BATCH, r#"[{"Body":"a"},{"Body":"b"}]"#.into()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ok.status().as_u16(), 201);
+    for (what, content_type, body, status) in [
+        (
+            "with a charset",
+            "application/vnd.microsoft.servicebus.json; charset=utf-8",
+            r#"[{"Body":"a"}]"#.to_string(),
+            400,
+        ),
+        ("empty", BATCH, "[]".to_string(), 400),
+        ("not an array", BATCH, r#"{"Body":"a"}"#.to_string(), 400),
+        (
+            "a Body that is not a string",
+            BATCH,
+            r#"[{"Body":7}]"#.to_string(),
+            400,
+        ),
+        (
+            "over 256 KB",
+            BATCH,
+            format!(
+                r#"[{{"Body":"{}"}},{{"Body":"{}"}}]"#,
+                "x".repeat(130 * 1024),
+                "y".repeat(130 * 1024)
+            ),
+            403,
+        ),
+    ] {
+        let r = within(what, post(content_type, body)).await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "{what}");
+    }
+    // Nothing of a refused batch was enqueued.
+    assert_eq!(emu.counters("retries").unwrap().active, 2);
+}

@@ -20,6 +20,7 @@
 //! start-up proof; `client` the Service Bus implementation itself.
 
 mod atom;
+mod batch;
 mod classify;
 mod client;
 mod endpoint;

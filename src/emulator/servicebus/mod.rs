@@ -4,6 +4,7 @@
 //! | request | answer |
 //! |---|---|
 //! | `POST /{queue}/messages` | 201 (a duplicate MessageId inside the window: 201, dropped) |
+//! | `POST /{queue}/messages`, `Content-Type: application/vnd.microsoft.servicebus.json` | Send Message Batch: a JSON array of `{Body, BrokerProperties, UserProperties}`; 201 for the whole batch, or one refusal for all of it |
 //! | `POST /{entity}/messages/head?timeout=N` | peek-lock: 201 + message, 204 when none arrives in N s |
 //! | `DELETE /{entity}/messages/head` | receive-and-delete: 200 + message, 204 |
 //! | `DELETE /{entity}/messages/{seq}/{lock}` | complete: 200; stale lock 404 |
@@ -36,6 +37,9 @@
 //! | one custom property over 32 KB, all headers over 64 KB | 403, message too large | "Service Bus quotas": message property size, header size |
 //! | more than 255 custom properties (headers) | 400, too many properties | "Service Bus quotas": "Maximum number of header properties in property bag: byte/int.MaxValue" (the stricter reading, `byte.MaxValue`) |
 //! | body and headers over the queue's maximum message size (256 KB on Standard; 1 MB to 100 MB on Premium, per queue) | 403, message too large | "Service Bus quotas": message size; Send Message: "403 quota exceeded or message too large" |
+//! | a batch that is not a non-empty JSON array of messages each with a string `Body`, or whose `Content-Type` has parameters | 400 | Send Message Batch: "a JSON array of messages. Each message contains a Body string"; "`application/vnd.microsoft.servicebus.json`, without parameters" |
+//! | a batch over the queue's maximum message size (the request body) | 403, message too large | "Service Bus quotas": a batch may not exceed the maximum message size; Send Message Batch: "403 Quota exceeded or message too large" |
+//! | one message of a batch refused (any rule above) | the whole batch refused, nothing enqueued | Send Message Batch: one status code for the request |
 //! | a throttled namespace (fault kind `throttle`) | 503 (or 429) "server busy", `Retry-After` | "Service Bus messaging exceptions": ServerBusy; "Throttling operations on Azure Service Bus" |
 //! | a queue configured outside Azure's ranges (lock 5 s–5 min, duplicate detection 20 s–7 days, message size) | the emulator refuses to start | "Service Bus quotas"; `QueueDescription` |
 
@@ -107,6 +111,8 @@ struct Shared {
     /// MessageId fragments whose sends are refused with 400 (a test's stand-in for a message
     /// Azure refuses for what it is).
     refused: std::sync::Mutex<Vec<String>>,
+    /// Send Message Batch requests accepted.
+    batches: std::sync::atomic::AtomicU64,
 }
 
 /// A running Service Bus emulator. Dropping it stops it.
@@ -135,6 +141,7 @@ impl ServiceBusEmulator {
             accept_any_token: config.accept_any_token,
             default_receive_wait: config.default_receive_wait,
             refused: std::sync::Mutex::default(),
+            batches: Default::default(),
         });
         let shutdown = CancellationToken::new();
         let faults = Arc::new(Faults::new(shutdown.clone()));
@@ -190,6 +197,13 @@ impl ServiceBusEmulator {
         self.shared.broker.queue(name)
     }
 
+    /// Send Message Batch requests accepted so far (every queue).
+    pub fn batches_accepted(&self) -> u64 {
+        self.shared
+            .batches
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Counters of a queue.
     pub fn counters(&self, name: &str) -> Option<Counters> {
         let now = self.shared.broker.clock.now();
@@ -230,6 +244,22 @@ struct SentBrokerProperties {
     label: Option<String>,
     time_to_live: Option<f64>,
     scheduled_enqueue_time_utc: Option<String>,
+    /// Send Message Batch only: a single message's content type is its request's.
+    content_type: Option<String>,
+}
+
+/// The content type of Send Message Batch's body (REST reference, "Send Message Batch").
+const BATCH_CONTENT_TYPE: &str = "application/vnd.microsoft.servicebus.json";
+
+/// One message of a Send Message Batch body.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct BatchedMessage {
+    body: String,
+    #[serde(default)]
+    broker_properties: Option<SentBrokerProperties>,
+    #[serde(default)]
+    user_properties: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 fn error(status: StatusCode, code: &str, detail: impl Into<String>) -> Response {
@@ -488,6 +518,13 @@ async fn handle(
         .unwrap_or("localhost")
         .to_string();
     let result = match (method.clone(), rest.as_slice()) {
+        (Method::POST, []) if entity == Entity::Main && is_batch(&headers) => {
+            send_batch(&queue, &shared.refused, &name, &headers, body, now).inspect(|_| {
+                shared
+                    .batches
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+        }
         (Method::POST, []) if entity == Entity::Main => {
             send(&queue, &shared.refused, &name, &headers, body, now)
         }
@@ -596,6 +633,106 @@ fn check_limits(
         )));
     }
     Ok(())
+}
+
+/// Whether a send is a Send Message Batch (its content type, parameters or not: a batch
+/// with parameters is refused by [`send_batch`], not taken for one message).
+fn is_batch(headers: &HeaderMap) -> bool {
+    headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case(BATCH_CONTENT_TYPE))
+}
+
+/// Send Message Batch: every message checked as [`send`] checks one (its `UserProperties`
+/// are its custom properties), the batch as a whole against the queue's maximum message
+/// size; one refusal refuses the whole batch and nothing is enqueued.
+fn send_batch(
+    queue: &Queue,
+    refused: &std::sync::Mutex<Vec<String>>,
+    name: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    now: SystemTime,
+) -> Result<StatusCode, BrokerError> {
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if content_type.contains(';') {
+        return Err(BrokerError::BadRequest(format!(
+            "The Content-Type of a batch must be {BATCH_CONTENT_TYPE} without parameters, not '{content_type}'."
+        )));
+    }
+    let max = queue.max_message_bytes();
+    if body.len() > max {
+        return Err(BrokerError::MessageTooLarge(format!(
+            "The batch of {} bytes exceeds the maximum message size of {max} bytes allowed on the entity '{name}'.",
+            body.len()
+        )));
+    }
+    let batch: Vec<BatchedMessage> = serde_json::from_slice(&body).map_err(|e| {
+        BrokerError::BadRequest(format!(
+            "The batch is not a JSON array of messages with a Body string: {e}"
+        ))
+    })?;
+    if batch.is_empty() {
+        return Err(BrokerError::BadRequest("The batch has no messages.".into()));
+    }
+    let mut messages = Vec::with_capacity(batch.len());
+    for m in batch {
+        let props = m.broker_properties.unwrap_or_default();
+        // Its custom properties as the headers a single send would carry them in, so one
+        // set of checks applies to both.
+        let mut own = HeaderMap::new();
+        let mut properties = Vec::new();
+        for (k, v) in m.user_properties.unwrap_or_default() {
+            let value = match v {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            let (Ok(n), Ok(hv)) = (
+                axum::http::HeaderName::from_bytes(k.as_bytes()),
+                axum::http::HeaderValue::from_str(&value),
+            ) else {
+                return Err(BrokerError::BadRequest(format!(
+                    "The property '{k}' of a batched message is not a valid property name and value."
+                )));
+            };
+            own.append(n, hv);
+            properties.push((k.to_ascii_lowercase(), value));
+        }
+        check_limits(queue, name, &own, &props, m.body.len())?;
+        if let Some(id) = &props.message_id {
+            let refused = refused.lock().unwrap_or_else(|p| p.into_inner());
+            if refused.iter().any(|f| id.contains(f.as_str())) {
+                return Err(BrokerError::BadRequest(format!(
+                    "The message '{id}' was refused (injected refusal)."
+                )));
+            }
+        }
+        let scheduled = match props.scheduled_enqueue_time_utc.as_deref() {
+            Some(s) => Some(parse_http_date(s).ok_or(BrokerError::NotAllowed(
+                "ScheduledEnqueueTimeUtc is not an RFC 2822 date",
+            ))?),
+            None => None,
+        };
+        messages.push(NewMessage {
+            message_id: props.message_id,
+            body: m.body.into_bytes(),
+            content_type: props.content_type,
+            correlation_id: props.correlation_id,
+            label: props.label,
+            time_to_live: props.time_to_live,
+            scheduled_enqueue_time: scheduled,
+            properties,
+        });
+    }
+    for m in messages {
+        queue.send(m, now)?;
+    }
+    Ok(StatusCode::CREATED)
 }
 
 fn send(
