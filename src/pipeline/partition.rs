@@ -414,6 +414,29 @@ fn mark_paused(shared: &Shared, pid: &str, pause: Option<&super::control::Pause>
     }
 }
 
+/// What one event's task works with: its partition, how to stop, the lag a hold reports, and
+/// what the partition knows of the ledger's records and lines.
+#[derive(Clone, Copy)]
+struct EventTask<'a> {
+    pid: &'a str,
+    shared: &'a Shared,
+    cancel: &'a CancellationToken,
+    lag: (u64, Option<SystemTime>),
+    recorded: &'a super::recorded::Recorded,
+    known: &'a super::lines::Known,
+}
+
+/// Where an ordered-retries step leaves an event.
+enum LineStep {
+    /// Stopped before the event settled.
+    Stopped,
+    /// The event is settled without (another) delivery: parked behind its line's head, or a
+    /// replay of an event its line already settled.
+    Settled,
+    /// Go on with the event; `heads`: it is its key's line's head.
+    Continue { heads: bool },
+}
+
 /// Attempts and settles one event; `false` if stopped before it settled.
 async fn process(
     event: Event,
@@ -424,7 +447,14 @@ async fn process(
     recorded: &super::recorded::Recorded,
     known: &super::lines::Known,
 ) -> bool {
-    let seq = event.sequence_number;
+    let task = EventTask {
+        pid,
+        shared,
+        cancel,
+        lag,
+        recorded,
+        known,
+    };
     // Ordered retries: an event whose key has a line is parked behind its head instead of
     // delivered (see `pipeline::lines`). `heads`: this event is its key's line's head (a
     // replay of it, or a failure that just opened the line), so it settles through the ledger
@@ -436,87 +466,10 @@ async fn process(
         .and(shared.options.ordering.of(&event));
     let mut heads = false;
     if let Some(k) = line_key {
-        use super::lines::KeyState;
-        let state = match known.state(k) {
-            KeyState::Unknown => {
-                let read = until_done(pid, seq, shared, cancel, lag, || async {
-                    Ok::<_, super::settle::SettleError>(
-                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
-                            if l.ended {
-                                KeyState::Ended(l.last_seq())
-                            } else {
-                                KeyState::Line(l.head_seq)
-                            }
-                        }),
-                    )
-                })
-                .await;
-                match read {
-                    None => return false,
-                    Some(s) => s.unwrap_or(KeyState::Free),
-                }
-            }
-            s => s,
-        };
-        // Whether the event may be a replay of one a line already settled.
-        let verify = match state {
-            KeyState::Unknown | KeyState::Free => false,
-            KeyState::Ended(x) => seq <= x,
-            KeyState::Line(h) if seq > h => {
-                match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
-                    None => return false,
-                    Some(Err(_parked)) => return true,
-                    Some(Ok((h, verify))) => {
-                        heads = h;
-                        verify
-                    }
-                }
-            }
-            KeyState::Line(h) => {
-                heads = h == seq;
-                true
-            }
-        };
-        // The key has (or had) a line, and this event is its head, before it, or read before
-        // it ended: it may be a replay of an event the line already settled (released and
-        // delivered, or dead-lettered with its head). Such an event is not delivered again,
-        // which could bring it after later events of its key.
-        if verify {
-            let final_record = until_done(pid, seq, shared, cancel, lag, || async {
-                Ok::<_, super::settle::SettleError>(
-                    shared
-                        .settler
-                        .ledger
-                        .get(&event.identity.idempotency_key)
-                        .await?
-                        .map(|(r, _)| r)
-                        .filter(|r| {
-                            r.state != crate::ledger::State::RetryScheduled
-                                && r.event.partition_id == event.partition_id
-                                && r.event.sequence_number == seq
-                        }),
-                )
-            })
-            .await;
-            let Some(final_record) = final_record else {
-                return false;
-            };
-            if let Some(rec) = final_record {
-                if heads {
-                    match advance_line(&event, k, pid, shared, cancel, lag).await {
-                        None => return false,
-                        Some(true) => known.ended(k, Some(seq)),
-                        Some(false) => {}
-                    }
-                }
-                tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
-                let s = super::settle::Settled::AlreadyFinal(rec.state);
-                shared
-                    .observe
-                    .count_settled(&s, event.identity.event_type.as_deref());
-                shared.health.release_event(pid, seq);
-                return true;
-            }
+        match task.before_attempt(&event, k).await {
+            LineStep::Stopped => return false,
+            LineStep::Settled => return true,
+            LineStep::Continue { heads: h } => heads = h,
         }
     }
     shared.observe.count_attempt();
@@ -532,41 +485,10 @@ async fn process(
         clock: shared.clock(),
         rate_limit_wait: None,
     };
-    // Outage mode: while the downstream's breaker is open the partition waits — Event Hubs
-    // holds the backlog — instead of scheduling one retry per event. No attempt is counted.
     let event_type = event.identity.event_type.as_deref();
-    let mut deferred = false;
-    let gate = loop {
-        let admitted = tokio::select! {
-            _ = cancel.cancelled() => return false,
-            g = shared.admit_new() => g,
-        };
-        match admitted {
-            Gate::Defer(until) => {
-                if !deferred {
-                    deferred = true;
-                    shared.observe.count_deferred(event_type);
-                }
-                shared.health.hold_event(
-                    pid,
-                    seq,
-                    super::health::HoldCause::BreakerOpen,
-                    format!(
-                        "downstream breaker open: until {}",
-                        crate::clock::rfc3339(until)
-                    ),
-                );
-                tokio::select! {
-                    _ = cancel.cancelled() => return false,
-                    _ = shared.clock().sleep_until(until) => {}
-                }
-            }
-            run => break run,
-        }
+    let Some(gate) = task.admit(event.sequence_number, event_type).await else {
+        return false;
     };
-    if deferred {
-        shared.health.release_event(pid, seq);
-    }
     // The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
     // behind it), uncounted; the checkpoint window cannot pass it meanwhile.
     match shared.pace(cancel, true).await {
@@ -586,110 +508,282 @@ async fn process(
     // exists before any retry message of it can run (and end the line).
     if let (Some(k), crate::handler::Outcome::Failed(_)) = (line_key, &attempted.outcome) {
         if !heads {
-            loop {
-                let opened = until_done(pid, seq, shared, cancel, lag, || async {
-                    Ok::<_, super::settle::SettleError>(
-                        super::lines::open(&shared.settler, &event, k, &attempted.traceparent)
-                            .await?,
-                    )
-                })
-                .await;
-                match opened {
-                    None => return false,
-                    Some(super::lines::Open::Head) => {
-                        heads = true;
-                        break;
-                    }
-                    Some(super::lines::Open::Older) => break,
-                    // A line this partition did not know of (a previous owner's, during a
-                    // rebalance): the event belongs behind it, whatever this attempt said.
-                    Some(super::lines::Open::Behind) => {
-                        match park_or_deliver(&event, k, pid, shared, cancel, lag, known).await {
-                            None => return false,
-                            Some(Err(parked)) => {
-                                attempt::finish(&attempted, Ok(&parked));
-                                return true;
-                            }
-                            Some(Ok((true, _))) => {
-                                heads = true;
-                                break;
-                            }
-                            // The line ended meanwhile: open it again with this event.
-                            Some(Ok((false, _))) => {}
-                        }
-                    }
-                }
+            match task.open_line(&event, k, &attempted).await {
+                LineStep::Stopped => return false,
+                LineStep::Settled => return true,
+                LineStep::Continue { heads: h } => heads = h,
             }
         }
     }
-    // The happy path: a delivery of an event the ledger provably has no record of is
-    // settled as it is (see `pipeline::recorded` for why that is safe).
-    if attempted.outcome == crate::handler::Outcome::Delivered
-        && !heads
-        && !recorded.may_have_record(&event)
-    {
-        let s = super::settle::Settled::Delivered;
-        attempt::finish(&attempted, Ok(&s));
+    task.settle(&event, line_key.filter(|_| heads), &attempted)
+        .await
+}
+
+impl EventTask<'_> {
+    /// Ordered retries, before an attempt of `event` whose key `k` may have a line: parked
+    /// behind the line's head, recognised as a replay of an event the line already settled,
+    /// or delivered (as the line's head, or not).
+    async fn before_attempt(&self, event: &Event, k: &str) -> LineStep {
+        use super::lines::KeyState;
+        let seq = event.sequence_number;
+        let Some(state) = self.key_state(seq, k).await else {
+            return LineStep::Stopped;
+        };
+        let mut heads = false;
+        // Whether the event may be a replay of one a line already settled.
+        let verify = match state {
+            KeyState::Unknown | KeyState::Free => false,
+            KeyState::Ended(x) => seq <= x,
+            KeyState::Line(h) if seq > h => {
+                let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
+                match park_or_deliver(event, k, pid, shared, cancel, lag, self.known).await {
+                    None => return LineStep::Stopped,
+                    Some(Err(_parked)) => return LineStep::Settled,
+                    Some(Ok((h, verify))) => {
+                        heads = h;
+                        verify
+                    }
+                }
+            }
+            KeyState::Line(h) => {
+                heads = h == seq;
+                true
+            }
+        };
+        // The key has (or had) a line, and this event is its head, before it, or read before
+        // it ended: it may be a replay of an event the line already settled (released and
+        // delivered, or dead-lettered with its head). Such an event is not delivered again,
+        // which could bring it after later events of its key.
+        if verify {
+            match self.settled_replay(event, k, heads).await {
+                None => return LineStep::Stopped,
+                Some(true) => return LineStep::Settled,
+                Some(false) => {}
+            }
+        }
+        LineStep::Continue { heads }
+    }
+
+    /// What the partition knows of key `k`'s line, read from the ledger when it does not
+    /// know; `None` if stopped first.
+    async fn key_state(&self, seq: i64, k: &str) -> Option<super::lines::KeyState> {
+        use super::lines::KeyState;
+        let (pid, shared) = (self.pid, self.shared);
+        match self.known.state(k) {
+            KeyState::Unknown => {
+                let read = until_done(pid, seq, shared, self.cancel, self.lag, || async {
+                    Ok::<_, super::settle::SettleError>(
+                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
+                            if l.ended {
+                                KeyState::Ended(l.last_seq())
+                            } else {
+                                KeyState::Line(l.head_seq)
+                            }
+                        }),
+                    )
+                })
+                .await;
+                read.map(|s| s.unwrap_or(KeyState::Free))
+            }
+            s => Some(s),
+        }
+    }
+
+    /// Whether `event` is a replay of an event its line already settled for good (then it is
+    /// settled as such, and its line moved on if it `heads` it); `None` if stopped first.
+    async fn settled_replay(&self, event: &Event, k: &str, heads: bool) -> Option<bool> {
+        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
+        let seq = event.sequence_number;
+        let final_record = until_done(pid, seq, shared, cancel, lag, || async {
+            Ok::<_, super::settle::SettleError>(
+                shared
+                    .settler
+                    .ledger
+                    .get(&event.identity.idempotency_key)
+                    .await?
+                    .map(|(r, _)| r)
+                    .filter(|r| {
+                        r.state != crate::ledger::State::RetryScheduled
+                            && r.event.partition_id == event.partition_id
+                            && r.event.sequence_number == seq
+                    }),
+            )
+        })
+        .await?;
+        let Some(rec) = final_record else {
+            return Some(false);
+        };
+        if heads {
+            match advance_line(event, k, pid, shared, cancel, lag).await {
+                None => return None,
+                Some(true) => self.known.ended(k, Some(seq)),
+                Some(false) => {}
+            }
+        }
+        tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
+        let s = super::settle::Settled::AlreadyFinal(rec.state);
         shared
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());
         shared.health.release_event(pid, seq);
-        return true;
+        Some(true)
     }
-    let report = Report {
-        event: &event,
-        attempt: 1,
-        source: Source::EventHubs,
-        started: attempted.started,
-        outcome: &attempted.outcome,
-        trace_id: &attempted.trace_id,
-        traceparents: std::slice::from_ref(&attempted.traceparent),
-    };
-    let mut hold = PartitionHold {
-        pid,
-        seq,
-        shared,
-        cancel,
-        lag,
-        held: false,
-    };
-    let settled = until_settled(&mut hold, shared.options.settle_backoff_max, || {
-        shared
-            .settler
-            .settle(&report)
-            .instrument(attempted.span.clone())
-    })
-    .await;
-    let s = match settled {
-        Ok(s) => s,
-        Err(e) => {
-            attempt::finish(&attempted, Err(&e));
-            return false;
-        }
-    };
-    recorded.forget(&event);
-    if let (Some(k), true) = (line_key, heads) {
-        if matches!(s, super::settle::Settled::RetryScheduled { .. }) {
-            known.line(k, seq);
-        } else {
-            // Settled for good: the line moves on (a stop before it leaves the event
-            // unsettled, and its replay moves the line on).
-            match advance_line(&event, k, pid, shared, cancel, lag).await {
-                None => {
-                    attempt::finish(&attempted, Ok(&s));
-                    return false;
+
+    /// The breaker's admission of event `seq`. Outage mode: while the downstream's breaker
+    /// is open the partition waits — Event Hubs holds the backlog — instead of scheduling one
+    /// retry per event. No attempt is counted. `None` if stopped first.
+    async fn admit(&self, seq: i64, event_type: Option<&str>) -> Option<Gate> {
+        let (pid, shared, cancel) = (self.pid, self.shared, self.cancel);
+        let mut deferred = false;
+        let gate = loop {
+            let admitted = tokio::select! {
+                _ = cancel.cancelled() => return None,
+                g = shared.admit_new() => g,
+            };
+            match admitted {
+                Gate::Defer(until) => {
+                    if !deferred {
+                        deferred = true;
+                        shared.observe.count_deferred(event_type);
+                    }
+                    shared.health.hold_event(
+                        pid,
+                        seq,
+                        super::health::HoldCause::BreakerOpen,
+                        format!(
+                            "downstream breaker open: until {}",
+                            crate::clock::rfc3339(until)
+                        ),
+                    );
+                    tokio::select! {
+                        _ = cancel.cancelled() => return None,
+                        _ = shared.clock().sleep_until(until) => {}
+                    }
                 }
-                Some(true) => known.ended(k, Some(seq)),
-                Some(false) => known.line(k, seq),
+                run => break run,
+            }
+        };
+        if deferred {
+            shared.health.release_event(pid, seq);
+        }
+        Some(gate)
+    }
+
+    /// Ordered retries: opens the line of `event`'s key `k` after its first attempt failed;
+    /// an event that finds a line it did not know of belongs behind it, whatever its attempt
+    /// said.
+    async fn open_line(&self, event: &Event, k: &str, attempted: &attempt::Attempted) -> LineStep {
+        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
+        let seq = event.sequence_number;
+        loop {
+            let opened = until_done(pid, seq, shared, cancel, lag, || async {
+                Ok::<_, super::settle::SettleError>(
+                    super::lines::open(&shared.settler, event, k, &attempted.traceparent).await?,
+                )
+            })
+            .await;
+            match opened {
+                None => return LineStep::Stopped,
+                Some(super::lines::Open::Head) => return LineStep::Continue { heads: true },
+                Some(super::lines::Open::Older) => return LineStep::Continue { heads: false },
+                // A line this partition did not know of (a previous owner's, during a
+                // rebalance): the event belongs behind it, whatever this attempt said.
+                Some(super::lines::Open::Behind) => {
+                    match park_or_deliver(event, k, pid, shared, cancel, lag, self.known).await {
+                        None => return LineStep::Stopped,
+                        Some(Err(parked)) => {
+                            attempt::finish(attempted, Ok(&parked));
+                            return LineStep::Settled;
+                        }
+                        Some(Ok((true, _))) => return LineStep::Continue { heads: true },
+                        // The line ended meanwhile: open it again with this event.
+                        Some(Ok((false, _))) => {}
+                    }
+                }
             }
         }
     }
-    attempt::finish(&attempted, Ok(&s));
-    shared
-        .observe
-        .count_settled(&s, event.identity.event_type.as_deref());
-    shared.health.release_event(pid, seq);
-    true
+
+    /// Settles `event`'s first attempt; `head_of`: the key of the line it heads (it settles
+    /// through the ledger and moves the line on once settled for good). `false` if stopped
+    /// before it settled.
+    async fn settle(
+        &self,
+        event: &Event,
+        head_of: Option<&str>,
+        attempted: &attempt::Attempted,
+    ) -> bool {
+        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
+        let seq = event.sequence_number;
+        // The happy path: a delivery of an event the ledger provably has no record of is
+        // settled as it is (see `pipeline::recorded` for why that is safe).
+        if attempted.outcome == crate::handler::Outcome::Delivered
+            && head_of.is_none()
+            && !self.recorded.may_have_record(event)
+        {
+            let s = super::settle::Settled::Delivered;
+            attempt::finish(attempted, Ok(&s));
+            shared
+                .observe
+                .count_settled(&s, event.identity.event_type.as_deref());
+            shared.health.release_event(pid, seq);
+            return true;
+        }
+        let report = Report {
+            event,
+            attempt: 1,
+            source: Source::EventHubs,
+            started: attempted.started,
+            outcome: &attempted.outcome,
+            trace_id: &attempted.trace_id,
+            traceparents: std::slice::from_ref(&attempted.traceparent),
+        };
+        let mut hold = PartitionHold {
+            pid,
+            seq,
+            shared,
+            cancel,
+            lag,
+            held: false,
+        };
+        let settled = until_settled(&mut hold, shared.options.settle_backoff_max, || {
+            shared
+                .settler
+                .settle(&report)
+                .instrument(attempted.span.clone())
+        })
+        .await;
+        let s = match settled {
+            Ok(s) => s,
+            Err(e) => {
+                attempt::finish(attempted, Err(&e));
+                return false;
+            }
+        };
+        self.recorded.forget(event);
+        if let Some(k) = head_of {
+            if matches!(s, super::settle::Settled::RetryScheduled { .. }) {
+                self.known.line(k, seq);
+            } else {
+                // Settled for good: the line moves on (a stop before it leaves the event
+                // unsettled, and its replay moves the line on).
+                match advance_line(event, k, pid, shared, cancel, lag).await {
+                    None => {
+                        attempt::finish(attempted, Ok(&s));
+                        return false;
+                    }
+                    Some(true) => self.known.ended(k, Some(seq)),
+                    Some(false) => self.known.line(k, seq),
+                }
+            }
+        }
+        attempt::finish(attempted, Ok(&s));
+        shared
+            .observe
+            .count_settled(&s, event.identity.event_type.as_deref());
+        shared.health.release_event(pid, seq);
+        true
+    }
 }
 
 /// Moves the line of `key` on after its head `event` settled for good, holding the
