@@ -119,228 +119,345 @@ pub(crate) async fn run(
     stop_reading: CancellationToken,
     fence: &super::checkpoint::FencedCheckpointStore,
 ) -> Ended {
-    let mut ended = Ended {
-        failed: false,
-        received: 0,
-    };
     let pid = pc.get_partition_id().to_string();
     shared.health.set_owned(&pid, None);
     tracing::info!(partition = %pid, "partition claimed");
-    let mut dispatcher =
-        Dispatcher::with_window(shared.options.max_in_flight, shared.options.window);
+    let mut task = Task::claimed(pc, shared, pid).await;
+    task.read(&cancel, &stop_reading, fence).await;
+    task.release(fence).await
+}
+
+/// A partition task between its claim and its release: what it accepted and has not
+/// settled, its checkpoint, what it knows of the ledger, and the operator's pause and rewind
+/// as it last saw them.
+struct Task {
+    pid: String,
+    pc: Arc<PartitionClient>,
+    shared: Arc<Shared>,
+    dispatcher: Dispatcher,
     // Accepted, unsettled events: the SDK's copy (to checkpoint) and ours (to start later if
     // it waits behind its key).
-    let mut received_by_seq: BTreeMap<i64, ReceivedEventData> = BTreeMap::new();
-    let mut waiting: BTreeMap<i64, Event> = BTreeMap::new();
-    let mut running: FuturesUnordered<_> = FuturesUnordered::new();
-    let mut rewinding: Option<super::control::Rewind>;
-    let mut cp = Checkpointer {
-        last_settled: None,
-        written: None,
-        written_at: None,
-        since: 0,
-        uncovered: 0,
-        oldest_uncovered: None,
-    };
-    // Which of this partition's events the ledger may hold a retry of: listed before the
-    // first event is read (if the listing fails, every delivery asks the ledger until a
-    // later listing succeeds).
-    let recorded = Arc::new(super::recorded::Recorded::default());
-    list_recorded(&recorded, &pid, &shared).await;
-    // Ordered retries: which of this partition's keys have a line (see `pipeline::lines`).
-    let known = Arc::new(super::lines::Known::default());
-    let ordered = shared.options.retry_ordering.lines().is_some();
-    if ordered {
-        list_lines(&known, &pid, &shared).await;
-    }
-    let start = |event: Event, cp: &Checkpointer| {
-        let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
-        let (recorded, known) = (recorded.clone(), known.clone());
-        let lag = (cp.uncovered, cp.oldest_uncovered);
-        async move {
-            let seq = event.sequence_number;
-            (
-                seq,
-                process(event, &pid, &shared, &cancel, lag, &recorded, &known).await,
-            )
+    received_by_seq: BTreeMap<i64, ReceivedEventData>,
+    waiting: BTreeMap<i64, Event>,
+    cp: Checkpointer,
+    recorded: Arc<super::recorded::Recorded>,
+    known: Arc<super::lines::Known>,
+    /// Ordered retries are on.
+    ordered: bool,
+    reading: bool,
+    paused: Option<super::control::Pause>,
+    rewinding: Option<super::control::Rewind>,
+    /// The last sequence number read (see [`Task::received`]).
+    last_seq: Option<i64>,
+    ended: Ended,
+}
+
+/// A background listing of what a partition knows of the ledger (see [`Task::tick`]).
+type Relisting = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+impl Task {
+    /// A task for the partition just claimed, with the ledger's records and lines of it
+    /// listed.
+    async fn claimed(pc: Arc<PartitionClient>, shared: Arc<Shared>, pid: String) -> Self {
+        let dispatcher =
+            Dispatcher::with_window(shared.options.max_in_flight, shared.options.window);
+        let cp = Checkpointer {
+            last_settled: None,
+            written: None,
+            written_at: None,
+            since: 0,
+            uncovered: 0,
+            oldest_uncovered: None,
+        };
+        // Which of this partition's events the ledger may hold a retry of: listed before the
+        // first event is read (if the listing fails, every delivery asks the ledger until a
+        // later listing succeeds).
+        let recorded = Arc::new(super::recorded::Recorded::default());
+        list_recorded(&recorded, &pid, &shared).await;
+        // Ordered retries: which of this partition's keys have a line (see `pipeline::lines`).
+        let known = Arc::new(super::lines::Known::default());
+        let ordered = shared.options.retry_ordering.lines().is_some();
+        if ordered {
+            list_lines(&known, &pid, &shared).await;
         }
-    };
-    {
+        Self {
+            pid,
+            pc,
+            shared,
+            dispatcher,
+            received_by_seq: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            cp,
+            recorded,
+            known,
+            ordered,
+            reading: true,
+            paused: None,
+            rewinding: None,
+            last_seq: None,
+            ended: Ended {
+                failed: false,
+                received: 0,
+            },
+        }
+    }
+
+    /// Reads, dispatches and checkpoints until reading stops (a stop, a handover, the end of
+    /// the stream, a gap in it, or an operator's rewind) and everything started has settled.
+    async fn read(
+        &mut self,
+        cancel: &CancellationToken,
+        stop_reading: &CancellationToken,
+        fence: &super::checkpoint::FencedCheckpointStore,
+    ) {
+        let start = {
+            let (shared, cancel, pid) = (self.shared.clone(), cancel.clone(), self.pid.clone());
+            let (recorded, known) = (self.recorded.clone(), self.known.clone());
+            move |event: Event, cp: &Checkpointer| {
+                let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
+                let (recorded, known) = (recorded.clone(), known.clone());
+                let lag = (cp.uncovered, cp.oldest_uncovered);
+                async move {
+                    let seq = event.sequence_number;
+                    (
+                        seq,
+                        process(event, &pid, &shared, &cancel, lag, &recorded, &known).await,
+                    )
+                }
+            }
+        };
+        let mut running: FuturesUnordered<_> = FuturesUnordered::new();
+        let pc = self.pc.clone();
         let stream = pc.stream_events();
         futures::pin_mut!(stream);
-        let mut tick = tokio::time::interval(shared.options.checkpoint_every);
+        let mut tick = tokio::time::interval(self.shared.options.checkpoint_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut reading = true;
         // An operator's pause: no read while it holds (what was accepted still settles and
         // checkpoints), listed as held under its own key so other holds stay apart.
-        let mut pauses = shared.pauses.subscribe();
-        let mut paused = pauses.borrow_and_update().of(&pid).cloned();
-        mark_paused(&shared, &pid, paused.as_ref());
+        let mut pauses = self.shared.pauses.subscribe();
+        self.paused = pauses.borrow_and_update().of(&self.pid).cloned();
+        mark_paused(&self.shared, &self.pid, self.paused.as_ref());
         // An operator's rewind waiting for this partition: read nothing more, let what was
         // read settle, then write the rewind's checkpoint instead of a final one and give the
         // partition back, so the processor hands it out again from there.
-        rewinding = pauses
+        self.rewinding = pauses
             .borrow()
-            .waiting_rewind(&pid)
+            .waiting_rewind(&self.pid)
             .filter(|r| !fence.rewind_done(&r.id))
             .cloned();
-        if rewinding.is_some() {
-            reading = false;
+        if self.rewinding.is_some() {
+            self.reading = false;
         }
-        // Event Hubs numbers a partition's events contiguously: a stream that skips (after an
-        // internal reconnect, say) must not let the checkpoint pass what it skipped.
-        let mut last_seq: Option<i64> = None;
-        let mut relisting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>> = None;
+        let mut relisting: Option<Relisting> = None;
         loop {
-            if !reading && running.is_empty() {
+            if !self.reading && running.is_empty() {
                 break;
             }
             tokio::select! {
                 biased;
-                _ = cancel.cancelled(), if reading => reading = false,
-                _ = stop_reading.cancelled(), if reading => reading = false,
+                _ = cancel.cancelled(), if self.reading => self.reading = false,
+                _ = stop_reading.cancelled(), if self.reading => self.reading = false,
                 Some((seq, settled)) = running.next(), if !running.is_empty() => {
                     let (seq, settled): (i64, bool) = (seq, settled);
                     if !settled {
                         continue; // stopped while holding: the event stays unsettled
                     }
-                    let (next, moved) = dispatcher.settled(seq);
-                    if let Some(next) = next.and_then(|n| waiting.remove(&n)) {
-                        running.push(start(next, &cp));
+                    let (next, moved) = self.dispatcher.settled(seq);
+                    if let Some(next) = next.and_then(|n| self.waiting.remove(&n)) {
+                        running.push(start(next, &self.cp));
                     }
-                    if let Some(c) = moved {
-                        let rest = received_by_seq.split_off(&(c + 1));
-                        cp.last_settled = received_by_seq.remove(&c).or(cp.last_settled.take());
-                        received_by_seq = rest;
-                    }
-                    cp.since += 1;
-                    if cp.count_due(&shared) {
-                        cp.write(&pc, &shared).await;
-                    }
+                    self.settled(moved).await;
                 }
-                Ok(()) = pauses.changed() => {
-                    if rewinding.is_none() {
-                        rewinding = pauses
-                            .borrow()
-                            .waiting_rewind(&pid)
-                            .filter(|r| !fence.rewind_done(&r.id))
-                            .cloned();
-                        if let Some(r) = &rewinding {
-                            tracing::info!(partition = %pid, first = r.first, by = %r.by, "an operator's rewind: stop reading, settle what was read, then rewind the checkpoint");
-                            reading = false;
-                        }
-                    }
-                    let now = pauses.borrow_and_update().of(&pid).cloned();
-                    if now != paused {
-                        tracing::info!(partition = %pid, paused = now.is_some(), "the operator's pause changed");
-                        paused = now;
-                        mark_paused(&shared, &pid, paused.as_ref());
-                    }
-                }
-                _ = tick.tick() => {
-                    if cp.interval_passed(&shared) {
-                        cp.write(&pc, &shared).await;
-                    }
-                    // Ordered retries: tombstones of lines whose events the checkpoint passed
-                    // (no replay can meet them again) go.
-                    if let (true, Some(c)) = (ordered, cp.written) {
-                        for k in known.passed(c) {
-                            match super::lines::remove_tombstone(&shared.settler, &pid, &k, c).await {
-                                Ok(Some(state)) => known.set(&k, state),
-                                Ok(None) => {}
-                                Err(e) => tracing::debug!(partition = %pid, error = %e, "a line's tombstone stays until the next try"),
-                            }
-                        }
-                    }
-                    cp.publish_lag(&pid, &shared);
-                    // Listed again in the background, so a slow listing holds nothing up.
-                    let lines_unlisted = ordered && !known.is_listed();
-                    if (!recorded.is_listed() || lines_unlisted) && relisting.is_none() {
-                        let (recorded, pid, shared) = (recorded.clone(), pid.clone(), shared.clone());
-                        let known = known.clone();
-                        relisting = Some(Box::pin(async move {
-                            if !recorded.is_listed() {
-                                list_recorded(&recorded, &pid, &shared).await
-                            }
-                            if lines_unlisted {
-                                list_lines(&known, &pid, &shared).await
-                            }
-                        }));
-                    }
-                }
+                Ok(()) = pauses.changed() => self.control_changed(&mut pauses, fence),
+                _ = tick.tick() => self.tick(&mut relisting).await,
                 _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
                     relisting = None;
                 }
-                next = stream.next(), if reading && dispatcher.has_room() && paused.is_none() => match next {
+                next = stream.next(), if self.reading && self.dispatcher.has_room() && self.paused.is_none() => match next {
                     Some(Ok(received)) => {
-                        let seq = received.sequence_number().unwrap_or(-1);
-                        if let Some(last) = last_seq {
-                            if seq <= last {
-                                tracing::debug!(partition = %pid, seq, last, "event re-delivered by the stream; already dispatched");
-                                continue;
-                            }
-                            if seq != last + 1 {
-                                tracing::error!(partition = %pid, after = last, next = seq, "the partition stream skipped events; giving the partition back so it restarts from its checkpoint");
-                                reading = false;
-                                continue;
-                            }
-                        }
-                        last_seq = Some(seq);
-                        ended.received += 1;
-                        let event = shared.origin.identity.event(&shared.origin.hub, &pid, &received);
-                        cp.uncovered += 1;
-                        if cp.oldest_uncovered.is_none() {
-                            cp.oldest_uncovered = Some(received.enqueued_time().unwrap_or_else(|| shared.clock().now()));
-                        }
-                        let now = dispatcher.accept(seq, shared.options.ordering.of(&event));
-                        received_by_seq.insert(seq, received);
-                        if now {
-                            running.push(start(event, &cp));
-                        } else {
-                            waiting.insert(seq, event);
+                        if let Some(event) = self.received(received) {
+                            running.push(start(event, &self.cp));
                         }
                     }
                     Some(Err(e)) => {
-                        tracing::info!(partition = %pid, error = %e, "partition stream ended (revoked or disconnected)");
+                        tracing::info!(partition = %self.pid, error = %e, "partition stream ended (revoked or disconnected)");
                         // A revocation (another replica took the partition) is not a failure.
-                        ended.failed = !matches!(
+                        self.ended.failed = !matches!(
                             e.kind,
                             azure_messaging_eventhubs::error::ErrorKind::ConsumerDisconnected(_)
                         );
-                        reading = false;
+                        self.reading = false;
                     }
-                    None => reading = false,
+                    None => self.reading = false,
                 },
             }
         }
     }
-    // Events still waiting behind their key never started: they stay after the checkpoint.
-    debug_assert!(cp
-        .last_settled
-        .as_ref()
-        .and_then(|e| e.sequence_number())
-        .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
-    match &rewinding {
-        None => cp.write(&pc, &shared).await,
-        Some(r) => apply_rewind(&pid, r, &shared, fence).await,
+
+    /// An event settled: the checkpoint moves to `moved` (the new end of the contiguous
+    /// settled prefix), written when enough events settled.
+    async fn settled(&mut self, moved: Option<i64>) {
+        let cp = &mut self.cp;
+        if let Some(c) = moved {
+            let rest = self.received_by_seq.split_off(&(c + 1));
+            cp.last_settled = self.received_by_seq.remove(&c).or(cp.last_settled.take());
+            self.received_by_seq = rest;
+        }
+        cp.since += 1;
+        if cp.count_due(&self.shared) {
+            cp.write(&self.pc, &self.shared).await;
+        }
     }
-    mark_paused(&shared, &pid, None);
-    shared.health.unset_owned(&pid);
-    match Arc::try_unwrap(pc) {
-        Ok(pc) => {
-            if tokio::time::timeout(shared.options.deadline, pc.close())
-                .await
-                .is_err()
-            {
-                tracing::warn!(partition = %pid, "closing the partition client timed out");
+
+    /// The control record changed: an operator's rewind stops the reading, a pause holds it.
+    fn control_changed(
+        &mut self,
+        pauses: &mut tokio::sync::watch::Receiver<super::control::Pauses>,
+        fence: &super::checkpoint::FencedCheckpointStore,
+    ) {
+        let pid = &self.pid;
+        if self.rewinding.is_none() {
+            self.rewinding = pauses
+                .borrow()
+                .waiting_rewind(pid)
+                .filter(|r| !fence.rewind_done(&r.id))
+                .cloned();
+            if let Some(r) = &self.rewinding {
+                tracing::info!(partition = %pid, first = r.first, by = %r.by, "an operator's rewind: stop reading, settle what was read, then rewind the checkpoint");
+                self.reading = false;
             }
         }
-        Err(_) => {
-            tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly")
+        let now = pauses.borrow_and_update().of(pid).cloned();
+        if now != self.paused {
+            tracing::info!(partition = %pid, paused = now.is_some(), "the operator's pause changed");
+            self.paused = now;
+            mark_paused(&self.shared, pid, self.paused.as_ref());
         }
     }
-    tracing::info!(partition = %pid, "partition released");
-    ended
+
+    /// The checkpoint interval: a checkpoint if due, tombstones the checkpoint passed, the
+    /// lag, and a listing of what is unlisted (in the background, into `relisting`).
+    async fn tick(&mut self, relisting: &mut Option<Relisting>) {
+        let (pid, shared, cp, known) = (&self.pid, &self.shared, &mut self.cp, &self.known);
+        if cp.interval_passed(shared) {
+            cp.write(&self.pc, shared).await;
+        }
+        // Ordered retries: tombstones of lines whose events the checkpoint passed
+        // (no replay can meet them again) go.
+        if let (true, Some(c)) = (self.ordered, cp.written) {
+            for k in known.passed(c) {
+                match super::lines::remove_tombstone(&shared.settler, pid, &k, c).await {
+                    Ok(Some(state)) => known.set(&k, state),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(partition = %pid, error = %e, "a line's tombstone stays until the next try")
+                    }
+                }
+            }
+        }
+        cp.publish_lag(pid, shared);
+        // Listed again in the background, so a slow listing holds nothing up.
+        let lines_unlisted = self.ordered && !known.is_listed();
+        if (!self.recorded.is_listed() || lines_unlisted) && relisting.is_none() {
+            let (recorded, pid, shared) = (self.recorded.clone(), pid.clone(), shared.clone());
+            let known = known.clone();
+            *relisting = Some(Box::pin(async move {
+                if !recorded.is_listed() {
+                    list_recorded(&recorded, &pid, &shared).await
+                }
+                if lines_unlisted {
+                    list_lines(&known, &pid, &shared).await
+                }
+            }));
+        }
+    }
+
+    /// An event read: accepted into the window, and returned if it may start now (one that
+    /// waits behind its key starts when the event before it settles). Event Hubs numbers a
+    /// partition's events contiguously: a stream that skips (after an internal reconnect,
+    /// say) must not let the checkpoint pass what it skipped.
+    fn received(&mut self, received: ReceivedEventData) -> Option<Event> {
+        let (pid, shared) = (&self.pid, &self.shared);
+        let seq = received.sequence_number().unwrap_or(-1);
+        if let Some(last) = self.last_seq {
+            if seq <= last {
+                tracing::debug!(partition = %pid, seq, last, "event re-delivered by the stream; already dispatched");
+                return None;
+            }
+            if seq != last + 1 {
+                tracing::error!(partition = %pid, after = last, next = seq, "the partition stream skipped events; giving the partition back so it restarts from its checkpoint");
+                self.reading = false;
+                return None;
+            }
+        }
+        self.last_seq = Some(seq);
+        self.ended.received += 1;
+        let event = shared
+            .origin
+            .identity
+            .event(&shared.origin.hub, pid, &received);
+        let cp = &mut self.cp;
+        cp.uncovered += 1;
+        if cp.oldest_uncovered.is_none() {
+            cp.oldest_uncovered = Some(
+                received
+                    .enqueued_time()
+                    .unwrap_or_else(|| shared.clock().now()),
+            );
+        }
+        let now = self
+            .dispatcher
+            .accept(seq, shared.options.ordering.of(&event));
+        self.received_by_seq.insert(seq, received);
+        if now {
+            Some(event)
+        } else {
+            self.waiting.insert(seq, event);
+            None
+        }
+    }
+
+    /// Everything started has settled: writes the final checkpoint (or the operator's
+    /// rewind), and gives the partition back.
+    async fn release(self, fence: &super::checkpoint::FencedCheckpointStore) -> Ended {
+        let Task {
+            pid,
+            pc,
+            shared,
+            dispatcher,
+            mut cp,
+            rewinding,
+            ended,
+            ..
+        } = self;
+        // Events still waiting behind their key never started: they stay after the checkpoint.
+        debug_assert!(cp
+            .last_settled
+            .as_ref()
+            .and_then(|e| e.sequence_number())
+            .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
+        match &rewinding {
+            None => cp.write(&pc, &shared).await,
+            Some(r) => apply_rewind(&pid, r, &shared, fence).await,
+        }
+        mark_paused(&shared, &pid, None);
+        shared.health.unset_owned(&pid);
+        match Arc::try_unwrap(pc) {
+            Ok(pc) => {
+                if tokio::time::timeout(shared.options.deadline, pc.close())
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(partition = %pid, "closing the partition client timed out");
+                }
+            }
+            Err(_) => {
+                tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly")
+            }
+        }
+        tracing::info!(partition = %pid, "partition released");
+        ended
+    }
 }
 
 /// Writes an operator's rewind of `pid` (everything read has settled) and marks it applied in
