@@ -974,6 +974,12 @@ async fn hand_back(msg: &mut LockedMessage<'_>, body: &RetryMessage, theirs: &De
     }
 }
 
+/// One retry message from its arrival to its settlement, as steps: [`due`] (its copy
+/// registered, the record read early, the due time reached), [`validated`] (the record at
+/// the due time decides), [`slotted`] (claimed, with an attempt slot), [`admitted`] (the
+/// breaker and the rate limit), [`attempt_retry`] and [`settle_retry`]. Each step returns
+/// the next one's value; the guards a step no longer needs (its place among the due ones
+/// waiting, among the starting attempts, its slot) go when it returns.
 async fn process(
     msg: ReceivedMessage,
     shared: &Shared,
@@ -982,7 +988,6 @@ async fn process(
     waiting: DueWaiting,
 ) {
     let mut msg = LockedMessage::new(msg, shared, cancel);
-    let mut waiting = Some(waiting);
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
         Err(e) => {
@@ -992,8 +997,6 @@ async fn process(
             return;
         }
     };
-    let key = body.key().to_string();
-    let key = &key;
     // Another deployment's retry (a queue two deployments share): never run against this
     // one's ledger, never dropped. It goes back to the queue, unchanged, for its own
     // deployment's receivers.
@@ -1001,6 +1004,75 @@ async fn process(
         drop(waiting);
         return hand_back(&mut msg, &body, theirs).await;
     }
+    let Some(due) = due(&mut msg, limits, &body, waiting).await else {
+        return;
+    };
+    let Due {
+        copy,
+        early,
+        starting,
+        waiting,
+        due,
+    } = due;
+    let (rec, starting) = match validated(&mut msg, &body, early, starting).await {
+        Ok(run) => run,
+        Err(then) => return stand_down(&mut msg, &body, then).await,
+    };
+    let slotted = match slotted(&mut msg, limits, &copy, &body, rec, starting, waiting).await {
+        Ok(s) => s,
+        Err(Unclaimed::Gone) => return,
+        Err(Unclaimed::Release(claimed)) => return shared.settler.release_claim(claimed).await,
+        Err(Unclaimed::Superseded(claimed)) => {
+            shared.settler.release_claim(claimed).await;
+            tracing::info!(key = %body.key(), attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
+            return msg.dispose(Disposition::Complete).await;
+        }
+    };
+    let event = slotted.claimed.0.event.clone();
+    let event_type = event.identity.event_type.as_deref();
+    let ready = match admitted(&mut msg, slotted).await {
+        Ok(ready) => ready,
+        Err(NotAdmitted::Stopped) => return,
+        Err(NotAdmitted::BreakerOpen(until)) => {
+            shared.observe.count_deferred(event_type);
+            return defer(&mut msg, &body, &event, until).await;
+        }
+        Err(NotAdmitted::NoShare) => {
+            let until = shared.clock().now()
+                + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
+            return defer(&mut msg, &body, &event, until).await;
+        }
+    };
+    shared.observe.count_attempt();
+    // Lateness: how long after its due time the retry actually starts.
+    shared.observe.retry_lateness(msg.lateness(due), event_type);
+    let (attempted, claimed) = attempt_retry(&mut msg, &body, &event, ready).await;
+    // The breaker knows the outcome and the slot is let go: the next attempt may ask it.
+    limits.yield_to_starts(body.due_ms).await;
+    settle_retry(&mut msg, &body, &event, &attempted, claimed).await;
+}
+
+/// A copy of a retry message at its due time, still in hand: its registration among the
+/// copies in hand, the record read early, its place among the starting attempts and among
+/// the due ones waiting for a slot.
+struct Due<'l> {
+    copy: Copy,
+    early: Option<(crate::ledger::LedgerRecord, String)>,
+    starting: Starting<'l>,
+    waiting: DueWaiting,
+    due: SystemTime,
+}
+
+/// Waits, under the message's lock, until no earlier copy of the attempt may run it and the
+/// attempt is due. `None`: the lock was lost or the loop stopped.
+async fn due<'l>(
+    msg: &mut LockedMessage<'_>,
+    limits: &'l Arc<Limits>,
+    body: &RetryMessage,
+    waiting: DueWaiting,
+) -> Option<Due<'l>> {
+    let shared = msg.shared;
+    let key = body.key();
     let due = at(body.due_ms);
     // One attempt per (key, attempt) at a time among the copies in hand (see [`InHand`]).
     let copy = Copy::register(
@@ -1009,112 +1081,180 @@ async fn process(
         body.attempt,
         (msg.message_id.clone(), msg.sequence_number),
     );
-    if msg.under_lock(copy.earlier_gone()).await.is_none() {
-        return;
-    }
+    msg.under_lock(copy.earlier_gone()).await?;
     // Received early (`retry_lead`): read the ledger now, while there is time, and wait for
     // the due time under the lock. What decides the attempt is still the ledger at the due
     // time: the record is re-validated then (a conditional read, no body while unchanged).
     // A failed or unreadable early read only means the full read happens at the due time.
-    let early = if shared.clock().now() < due {
-        // Not due yet: it does not hold receivers back while it waits.
-        waiting = None;
-        shared.settler.ledger.get(key).await.ok().flatten()
-    } else {
-        None
+    // Not due yet: it does not hold receivers back while it waits (`waiting` is let go).
+    let waiting = (shared.clock().now() >= due).then_some(waiting);
+    let early = match waiting {
+        None => shared.settler.ledger.get(key).await.ok().flatten(),
+        Some(_) => None,
     };
-    if msg
-        .under_lock(shared.clock().sleep_until(due))
-        .await
-        .is_none()
-    {
-        return;
-    }
+    msg.under_lock(shared.clock().sleep_until(due)).await?;
     let starting = Starting::new(limits, body.due_ms);
     let waiting = waiting.unwrap_or_else(|| DueWaiting::new(limits.clone()));
     let lateness = msg.lateness(due);
     tracing::debug!(key = %key, attempt = body.attempt, lateness_ms = lateness.as_millis() as u64, early = early.is_some(), "retry due");
-    let (rec, starting) = match validated(&mut msg, &body, early, starting).await {
-        Ok(run) => run,
-        Err(then) => return stand_down(&mut msg, &body, then).await,
-    };
-    // The attempt is claimed in the ledger before the call, so a copy of the message in
-    // another replica stands down; a lapsed lock or a newer delivery of this message is
-    // noticed before the claim, and again before the call.
+    Some(Due {
+        copy,
+        early,
+        starting,
+        waiting,
+        due,
+    })
+}
+
+/// A claimed attempt with its attempt slot, held until the breaker knows the outcome (or no
+/// call is made); `starting` until the attempt starts or is deferred.
+struct Slotted<'l> {
+    claimed: (crate::ledger::LedgerRecord, String),
+    slot: tokio::sync::SemaphorePermit<'l>,
+    starting: Option<Starting<'l>>,
+}
+
+/// Why a copy that validated does not go on to its attempt.
+enum Unclaimed {
+    /// Done without a claim to give back: it stood down, was settled as the record says, or
+    /// the loop stopped.
+    Gone,
+    /// The lock was lost or the loop stopped after the claim: give the claim back.
+    Release((crate::ledger::LedgerRecord, String)),
+    /// An operator ran this attempt now: give the claim back and complete this copy.
+    Superseded((crate::ledger::LedgerRecord, String)),
+}
+
+/// Claims the attempt, then takes its slot. The attempt is claimed in the ledger before the
+/// call, so a copy of the message in another replica stands down; a lapsed lock or a newer
+/// delivery of this message is noticed before the claim, and again before the call. The
+/// copy stops counting among the due ones waiting for a slot (`waiting`) once it has one.
+async fn slotted<'l>(
+    msg: &mut LockedMessage<'_>,
+    limits: &'l Limits,
+    copy: &Copy,
+    body: &RetryMessage,
+    rec: (crate::ledger::LedgerRecord, String),
+    starting: Starting<'l>,
+    _waiting: DueWaiting,
+) -> Result<Slotted<'l>, Unclaimed> {
     let mut starting = Some(starting);
-    let Some(mut claimed) = claim(&mut msg, limits, &copy, &body, rec, &mut starting).await else {
-        return;
+    let Some(mut claimed) = claim(msg, limits, copy, body, rec, &mut starting).await else {
+        return Err(Unclaimed::Gone);
     };
     if !msg.lock_held() {
-        drop(starting);
-        shared.settler.release_claim(claimed).await;
-        return;
+        return Err(Unclaimed::Release(claimed));
     }
     if claimed.0.superseded_copy(body.attempt, body.run_now) {
-        drop(starting);
-        shared.settler.release_claim(claimed).await;
-        tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
-        msg.dispose(Disposition::Complete).await;
-        return;
+        return Err(Unclaimed::Superseded(claimed));
     }
     // The attempt's slot, taken once the attempt is claimed (the claim renewed while it
     // waits), and held until the breaker knows the outcome (or no call is made): it bounds
     // the downstream calls in flight, not the ledger's round trips before them.
-    let Some(slot) = slot_keeping_claim(&mut msg, limits, &mut claimed).await else {
-        drop(starting);
-        shared.settler.release_claim(claimed).await;
-        return;
+    let Some(slot) = slot_keeping_claim(msg, limits, &mut claimed).await else {
+        return Err(Unclaimed::Release(claimed));
     };
-    drop(waiting);
-    let (rec, etag) = claimed;
-    let event = rec.event.clone();
-    // An open breaker defers the attempt past its expiry, without counting it (the deferral
-    // gives the claim up in the same write).
-    let event_type = event.identity.event_type.as_deref();
+    // `_waiting` goes on return: the copy has its slot.
+    Ok(Slotted {
+        claimed,
+        slot,
+        starting,
+    })
+}
+
+/// A slotted attempt the breaker and the rate limit let run: what it waited for the rate.
+struct Ready<'l> {
+    claimed: (crate::ledger::LedgerRecord, String),
+    slot: tokio::sync::SemaphorePermit<'l>,
+    gate: Gate,
+    waited: Duration,
+}
+
+/// Why the breaker or the rate limit does not let a slotted attempt run. The slot and the
+/// copy's place among the starting attempts go before the deferral is written.
+enum NotAdmitted {
+    /// The breaker is open until then: deferred past it (the deferral gives the claim up in
+    /// the same write).
+    BreakerOpen(SystemTime),
+    /// This replica has lost its share of the rate: deferred a second or two.
+    NoShare,
+    /// The lock was lost or the loop stopped.
+    Stopped,
+}
+
+/// An open breaker defers the attempt past its expiry, without counting it. The rate limit:
+/// the retry waits under its lock, uncounted; a replica that has lost its share of the rate
+/// meanwhile defers it (a second or two) for the others, uncounted.
+async fn admitted<'l>(
+    msg: &mut LockedMessage<'_>,
+    slotted: Slotted<'l>,
+) -> Result<Ready<'l>, NotAdmitted> {
+    let shared = msg.shared;
+    let Slotted {
+        claimed,
+        slot,
+        starting: _starting,
+    } = slotted;
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
-        drop((slot, starting));
-        shared.observe.count_deferred(event_type);
-        let deferred = msg
-            .holding(key, "deferring the retry", || {
-                shared
-                    .settler
-                    .defer(&event, body.attempt, until, &body.traceparents)
-            })
-            .await;
-        if deferred.is_some() {
-            msg.dispose(Disposition::Complete).await;
-        }
-        return;
+        return Err(NotAdmitted::BreakerOpen(until));
     }
-    // The rate limit: the retry waits under its lock, uncounted. A replica that has lost
-    // its share of the rate meanwhile defers it (a second or two) for the others, uncounted.
+    let cancel = msg.cancel;
     let waited = match msg.under_lock(shared.pace(cancel, false)).await {
-        None | Some(None) => return,
+        None | Some(None) => return Err(NotAdmitted::Stopped),
         Some(Some(crate::ratelimit::limiter::Acquired::NoShare)) => {
-            drop((slot, starting));
-            let until = shared.clock().now()
-                + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
-            let deferred = msg
-                .holding(key, "deferring the retry", || {
-                    shared
-                        .settler
-                        .defer(&event, body.attempt, until, &body.traceparents)
-                })
-                .await;
-            if deferred.is_some() {
-                msg.dispose(Disposition::Complete).await;
-            }
-            return;
+            return Err(NotAdmitted::NoShare)
         }
         Some(Some(crate::ratelimit::limiter::Acquired::Go(w))) => w,
     };
-    drop(starting);
-    shared.observe.count_attempt();
-    // Lateness: how long after its due time the retry actually starts.
-    shared.observe.retry_lateness(msg.lateness(due), event_type);
+    // `_starting` goes on return: the attempt starts.
+    Ok(Ready {
+        claimed,
+        slot,
+        gate,
+        waited,
+    })
+}
+
+/// Defers the attempt of `event` until `until`, uncounted; the message is completed once
+/// the deferral is written.
+async fn defer(
+    msg: &mut LockedMessage<'_>,
+    body: &RetryMessage,
+    event: &crate::event::Event,
+    until: SystemTime,
+) {
+    let shared = msg.shared;
+    let deferred = msg
+        .holding(body.key(), "deferring the retry", || {
+            shared
+                .settler
+                .defer(event, body.attempt, until, &body.traceparents)
+        })
+        .await;
+    if deferred.is_some() {
+        msg.dispose(Disposition::Complete).await;
+    }
+}
+
+/// Runs the attempt under the message's lock, keeping the claim while the handler runs, and
+/// tells the breaker its outcome; the slot goes when this returns. Returns the attempt and
+/// the claimed record.
+async fn attempt_retry(
+    msg: &mut LockedMessage<'_>,
+    body: &RetryMessage,
+    event: &crate::event::Event,
+    ready: Ready<'_>,
+) -> (attempt::Attempted, (crate::ledger::LedgerRecord, String)) {
+    let shared = msg.shared;
+    let Ready {
+        mut claimed,
+        slot: _slot,
+        gate,
+        waited,
+    } = ready;
     // The policy in force is the one pinned in the ledger at the first failure.
-    let pinned = rec.policy.clone();
+    let pinned = claimed.0.policy.clone();
     let cx = attempt::Context {
         consumer_group: &shared.origin.consumer_group,
         source: Source::Retry,
@@ -1124,24 +1264,36 @@ async fn process(
         rate_limit_wait: shared.downstream.limiter.as_ref().map(|_| waited),
     };
     // Keep the lock, and the claim, while the handler runs.
-    let mut claimed = (rec, etag);
     let run = attempt::run(
         &shared.downstream.handler,
-        &event,
+        event,
         body.attempt,
         &body.traceparents,
         cx,
     );
     let attempted = msg.running(&mut claimed, run).await;
-    let (rec, etag) = claimed;
+    let event_type = event.identity.event_type.as_deref();
     shared.attempted(&attempted, gate, event_type).await;
-    // The breaker knows the outcome: the next attempt may ask it.
-    drop(slot);
-    limits.yield_to_starts(body.due_ms).await;
+    // The breaker knows the outcome: the next attempt may ask it (`slot` goes on return).
+    (attempted, claimed)
+}
+
+/// Settles the attempt, starting from the record read at the due time, holding the message
+/// while a settlement fails; completes the message once settled (a head of an ordered line
+/// settled for good moves its line on first).
+async fn settle_retry(
+    msg: &mut LockedMessage<'_>,
+    body: &RetryMessage,
+    event: &crate::event::Event,
+    attempted: &attempt::Attempted,
+    (rec, etag): (crate::ledger::LedgerRecord, String),
+) {
+    let shared = msg.shared;
+    let key = body.key();
     let mut trail = body.traceparents.clone();
     trail.push(attempted.traceparent.clone());
     let report = Report {
-        event: &event,
+        event,
         attempt: body.attempt,
         source: Source::Retry,
         started: attempted.started,
@@ -1175,7 +1327,7 @@ async fn process(
             }
         }
     };
-    attempt::finish(&attempted, settled.as_ref());
+    attempt::finish(attempted, settled.as_ref());
     if let Ok(s) = settled {
         shared
             .observe
@@ -1186,7 +1338,7 @@ async fn process(
             s,
             Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_)
         );
-        if settled_for_good && !advance_line(&mut msg, &event).await {
+        if settled_for_good && !advance_line(msg, event).await {
             return;
         }
         msg.dispose(Disposition::Complete).await;
