@@ -905,80 +905,11 @@ async fn run_processor(
     cancel: &CancellationToken,
 ) -> Result<(), ConsumerError> {
     let o = &shared.options;
-    let mut builder = ConsumerClient::builder()
-        .with_application_id(o.owner_id.clone())
-        .with_consumer_group(target.consumer_group.clone());
-    if let Some(e) = &target.custom_endpoint {
-        builder = builder.with_custom_endpoint(e.clone());
-    }
-    // Errors name the endpoint (never the credential).
-    let endpoint = match &target.custom_endpoint {
-        Some(e) => format!("{} (via {e}), hub {}", target.namespace, target.hub),
-        None => format!("{}, hub {}", target.namespace, target.hub),
-    };
-    let consumer = tokio::time::timeout(
-        o.deadline,
-        target
-            .auth
-            .open_consumer(builder, &target.namespace, &target.hub),
-    )
-    .await
-    .map_err(|_| ConsumerError::TimedOut {
-        step: "opening the Event Hubs consumer",
-        endpoint: endpoint.clone(),
-        deadline: o.deadline,
-    })?
-    .map_err(|error| ConsumerError::Failed {
-        step: "opening the Event Hubs consumer",
-        endpoint: endpoint.clone(),
-        error,
-    })?;
-    let properties = tokio::time::timeout(o.deadline, consumer.get_eventhub_properties())
-        .await
-        .map_err(|_| ConsumerError::TimedOut {
-            step: "reading the hub's properties",
-            endpoint: endpoint.clone(),
-            deadline: o.deadline,
-        })?
-        .map_err(|error| ConsumerError::Failed {
-            step: "reading the hub's properties",
-            endpoint: endpoint.clone(),
-            error,
-        })?;
-    checkpoints.set_partitions(properties.partition_ids);
+    let (consumer, partition_ids) = open_consumer(o, target).await?;
+    checkpoints.set_partitions(partition_ids);
     checkpoints.resume_claiming();
-    let location = if o.start_at_latest {
-        StartLocation::Latest
-    } else {
-        StartLocation::Earliest
-    };
     let store: Arc<dyn CheckpointStore + Send + Sync> = checkpoints.clone();
-    let processor = tokio::time::timeout(
-        o.deadline,
-        EventProcessor::builder()
-            .with_update_interval(
-                o.update_interval
-                    .try_into()
-                    .map_err(|_| ConsumerError::Interval("update interval"))?,
-            )
-            .with_partition_expiration_duration(
-                o.ownership_expiration
-                    .try_into()
-                    .map_err(|_| ConsumerError::Interval("ownership expiration"))?,
-            )
-            .with_prefetch(o.prefetch)
-            .with_start_positions(StartPositions {
-                default: StartPosition {
-                    location,
-                    inclusive: false,
-                },
-                ..Default::default()
-            })
-            .build(consumer, store),
-    )
-    .await
-    .map_err(|_| ConsumerError::BuildTimedOut)?
-    .map_err(ConsumerError::Build)?;
+    let processor = build_processor(o, consumer, store).await?;
     shared.health.consumer_running();
 
     let mut run = {
@@ -1053,4 +984,93 @@ async fn run_processor(
         Err(_) => tracing::warn!("event processor still shared at shutdown"),
     }
     result
+}
+
+/// Opens the Event Hubs consumer of `target` and reads the hub's partition ids, each step
+/// within the deadline; errors name the endpoint (never the credential).
+async fn open_consumer(
+    o: &PipelineOptions,
+    target: &EventHubsTarget,
+) -> Result<(ConsumerClient, Vec<String>), ConsumerError> {
+    let mut builder = ConsumerClient::builder()
+        .with_application_id(o.owner_id.clone())
+        .with_consumer_group(target.consumer_group.clone());
+    if let Some(e) = &target.custom_endpoint {
+        builder = builder.with_custom_endpoint(e.clone());
+    }
+    // Errors name the endpoint (never the credential).
+    let endpoint = match &target.custom_endpoint {
+        Some(e) => format!("{} (via {e}), hub {}", target.namespace, target.hub),
+        None => format!("{}, hub {}", target.namespace, target.hub),
+    };
+    let consumer = tokio::time::timeout(
+        o.deadline,
+        target
+            .auth
+            .open_consumer(builder, &target.namespace, &target.hub),
+    )
+    .await
+    .map_err(|_| ConsumerError::TimedOut {
+        step: "opening the Event Hubs consumer",
+        endpoint: endpoint.clone(),
+        deadline: o.deadline,
+    })?
+    .map_err(|error| ConsumerError::Failed {
+        step: "opening the Event Hubs consumer",
+        endpoint: endpoint.clone(),
+        error,
+    })?;
+    let properties = tokio::time::timeout(o.deadline, consumer.get_eventhub_properties())
+        .await
+        .map_err(|_| ConsumerError::TimedOut {
+            step: "reading the hub's properties",
+            endpoint: endpoint.clone(),
+            deadline: o.deadline,
+        })?
+        .map_err(|error| ConsumerError::Failed {
+            step: "reading the hub's properties",
+            endpoint: endpoint.clone(),
+            error,
+        })?;
+    Ok((consumer, properties.partition_ids))
+}
+
+/// Builds the SDK's event processor over `consumer`, checkpointing into `store`.
+async fn build_processor(
+    o: &PipelineOptions,
+    consumer: ConsumerClient,
+    store: Arc<dyn CheckpointStore + Send + Sync>,
+) -> Result<Arc<EventProcessor>, ConsumerError> {
+    let location = if o.start_at_latest {
+        StartLocation::Latest
+    } else {
+        StartLocation::Earliest
+    };
+    let processor = tokio::time::timeout(
+        o.deadline,
+        EventProcessor::builder()
+            .with_update_interval(
+                o.update_interval
+                    .try_into()
+                    .map_err(|_| ConsumerError::Interval("update interval"))?,
+            )
+            .with_partition_expiration_duration(
+                o.ownership_expiration
+                    .try_into()
+                    .map_err(|_| ConsumerError::Interval("ownership expiration"))?,
+            )
+            .with_prefetch(o.prefetch)
+            .with_start_positions(StartPositions {
+                default: StartPosition {
+                    location,
+                    inclusive: false,
+                },
+                ..Default::default()
+            })
+            .build(consumer, store),
+    )
+    .await
+    .map_err(|_| ConsumerError::BuildTimedOut)?
+    .map_err(ConsumerError::Build)?;
+    Ok(processor)
 }

@@ -243,24 +243,7 @@ async fn plan_and_apply(
         consumer.get_eventhub_properties(),
     )
     .await?;
-    for p in &job.partitions {
-        if !hub.partition_ids.contains(p) {
-            return Err(format!(
-                "the hub {} has no partition {p} (it has {})",
-                t.hub,
-                hub.partition_ids.join(", ")
-            ));
-        }
-    }
-    let partitions: Vec<String> = if job.partitions.is_empty() {
-        hub.partition_ids.clone()
-    } else {
-        hub.partition_ids
-            .iter()
-            .filter(|p| job.partitions.contains(p))
-            .cloned()
-            .collect()
-    };
+    let partitions = selected(job, &hub.partition_ids)?;
     let control_now = control::current(job.records.as_ref(), name)
         .await
         .map_err(|e| e.to_string())?;
@@ -277,7 +260,68 @@ async fn plan_and_apply(
     .collect();
     let now = SystemTime::now();
     // Refused as a whole while a live replica reads any of them.
-    let refusals: Vec<PartitionRewind> = partitions
+    let refusals = refusals(job, &partitions, &owners, &control_now, &checkpoints, now);
+    if !refusals.is_empty() {
+        return Ok(refusals);
+    }
+    let mut report = Vec::new();
+    let mut requests: BTreeMap<String, Rewind> = BTreeMap::new();
+    let since_ms = crate::clock::ms(now);
+    for p in &partitions {
+        let before = checkpoints.get(p).copied().flatten();
+        let (line, request) = plan_partition(job, consumer, p, before, since_ms).await?;
+        if let Some(request) = request {
+            requests.insert(p.clone(), request);
+        }
+        report.push(line);
+    }
+    if job.dry_run || requests.is_empty() {
+        return Ok(report);
+    }
+    control::change(job.records.as_ref(), name, |now: &Pauses| {
+        let mut next = now.clone();
+        next.rewinds.extend(requests.clone());
+        Some(next)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    wait_applied(job, namespace, name, &requests, report, progress).await
+}
+
+/// The partitions the job names (all of the hub's when it names none), in the hub's order;
+/// an error for one the hub does not have.
+fn selected(job: &RewindJob, partition_ids: &[String]) -> Result<Vec<String>, String> {
+    for p in &job.partitions {
+        if !partition_ids.contains(p) {
+            return Err(format!(
+                "the hub {} has no partition {p} (it has {})",
+                job.target.hub,
+                partition_ids.join(", ")
+            ));
+        }
+    }
+    Ok(if job.partitions.is_empty() {
+        partition_ids.to_vec()
+    } else {
+        partition_ids
+            .iter()
+            .filter(|p| job.partitions.contains(p))
+            .cloned()
+            .collect()
+    })
+}
+
+/// The partitions a live replica reads without the operator's pause: the rewind is refused
+/// for them.
+fn refusals(
+    job: &RewindJob,
+    partitions: &[String],
+    owners: &BTreeMap<String, Ownership>,
+    control_now: &Pauses,
+    checkpoints: &BTreeMap<String, Option<i64>>,
+    now: SystemTime,
+) -> Vec<PartitionRewind> {
+    partitions
         .iter()
         .filter_map(|p| {
             let o = owners.get(p).filter(|o| live(o, job.expiration, now))?;
@@ -295,109 +339,109 @@ async fn plan_and_apply(
                 },
             })
         })
-        .collect();
-    if !refusals.is_empty() {
-        return Ok(refusals);
-    }
-    let mut report = Vec::new();
-    let mut requests: BTreeMap<String, Rewind> = BTreeMap::new();
-    let since_ms = crate::clock::ms(now);
-    for p in &partitions {
-        let props = timed(
+        .collect()
+}
+
+/// Plans partition `p`'s rewind from its checkpoint `before`: its report line, and the
+/// request to write (`None` when there is nothing to rewind).
+async fn plan_partition(
+    job: &RewindJob,
+    consumer: &ConsumerClient,
+    p: &String,
+    before: Option<i64>,
+    since_ms: i64,
+) -> Result<(PartitionRewind, Option<Rewind>), String> {
+    let props = timed(
+        job.deadline,
+        &format!("reading partition {p}'s properties"),
+        consumer.get_partition_properties(p),
+    )
+    .await?;
+    let retained = Retained {
+        begin: props.beginning_sequence_number,
+        last: props.last_enqueued_sequence_number,
+        empty: props.is_empty,
+    };
+    let mut line = PartitionRewind {
+        partition: p.clone(),
+        checkpoint_before: before,
+        first: None,
+        clamped_from: None,
+        events_again: None,
+        outcome: Outcome::WouldRewind,
+    };
+    let asked_first = match job.to {
+        RewindTo::Sequence(n) if !retained.empty && n > retained.last + 1 => {
+            return Err(format!(
+                "partition {p}'s last event is {}; --sequence {n} is beyond it",
+                retained.last
+            ));
+        }
+        RewindTo::Sequence(n) => n,
+        RewindTo::Time(_) if retained.empty => retained.last + 1,
+        RewindTo::Time(when) => {
+            if props.last_enqueued_time_utc.is_some_and(|l| l < when) {
+                retained.last + 1
+            } else {
+                first_event(consumer, p, StartLocation::EnqueuedTime(when), job.deadline)
+                    .await?
+                    .0
+            }
+        }
+    };
+    let (first, clamped_from) = match plan(asked_first, retained, before) {
+        Ok(x) => x,
+        Err(why) => {
+            line.outcome = Outcome::Nothing { why };
+            return Ok((line, None));
+        }
+    };
+    let offset = if first == retained.begin {
+        "-1".to_string()
+    } else if first == retained.last + 1 {
+        props.last_enqueued_offset.clone()
+    } else {
+        let (seq, offset) = first_event(
+            consumer,
+            p,
+            StartLocation::SequenceNumber(first - 1),
             job.deadline,
-            &format!("reading partition {p}'s properties"),
-            consumer.get_partition_properties(p),
         )
         .await?;
-        let retained = Retained {
-            begin: props.beginning_sequence_number,
-            last: props.last_enqueued_sequence_number,
-            empty: props.is_empty,
-        };
-        let before = checkpoints.get(p).copied().flatten();
-        let mut line = PartitionRewind {
-            partition: p.clone(),
-            checkpoint_before: before,
-            first: None,
-            clamped_from: None,
-            events_again: None,
-            outcome: Outcome::WouldRewind,
-        };
-        let asked_first = match job.to {
-            RewindTo::Sequence(n) if !retained.empty && n > retained.last + 1 => {
-                return Err(format!(
-                    "partition {p}'s last event is {}; --sequence {n} is beyond it",
-                    retained.last
-                ));
-            }
-            RewindTo::Sequence(n) => n,
-            RewindTo::Time(_) if retained.empty => retained.last + 1,
-            RewindTo::Time(when) => {
-                if props.last_enqueued_time_utc.is_some_and(|l| l < when) {
-                    retained.last + 1
-                } else {
-                    first_event(consumer, p, StartLocation::EnqueuedTime(when), job.deadline)
-                        .await?
-                        .0
-                }
-            }
-        };
-        let (first, clamped_from) = match plan(asked_first, retained, before) {
-            Ok(x) => x,
-            Err(why) => {
-                line.outcome = Outcome::Nothing { why };
-                report.push(line);
-                continue;
-            }
-        };
-        let offset = if first == retained.begin {
-            "-1".to_string()
-        } else if first == retained.last + 1 {
-            props.last_enqueued_offset.clone()
-        } else {
-            let (seq, offset) = first_event(
-                consumer,
-                p,
-                StartLocation::SequenceNumber(first - 1),
-                job.deadline,
-            )
-            .await?;
-            if seq != first - 1 {
-                return Err(format!(
-                    "partition {p}: asked for event {} and Event Hubs gave {seq} (retention moved on meanwhile?); try again",
-                    first - 1
-                ));
-            }
-            offset
-        };
-        line.first = Some(first);
-        line.clamped_from = clamped_from;
-        line.events_again = before.map(|c| c - first + 1);
-        requests.insert(
-            p.clone(),
-            Rewind {
-                id: format!("{since_ms:x}-{}-{p}", std::process::id()),
-                sequence_number: first - 1,
-                offset,
-                first,
-                asked: job.to.to_string(),
-                by: job.by.clone(),
-                since_ms,
-                applied: None,
-            },
-        );
-        report.push(line);
-    }
-    if job.dry_run || requests.is_empty() {
-        return Ok(report);
-    }
-    control::change(job.records.as_ref(), name, |now: &Pauses| {
-        let mut next = now.clone();
-        next.rewinds.extend(requests.clone());
-        Some(next)
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+        if seq != first - 1 {
+            return Err(format!(
+                "partition {p}: asked for event {} and Event Hubs gave {seq} (retention moved on meanwhile?); try again",
+                first - 1
+            ));
+        }
+        offset
+    };
+    line.first = Some(first);
+    line.clamped_from = clamped_from;
+    line.events_again = before.map(|c| c - first + 1);
+    let request = Rewind {
+        id: format!("{since_ms:x}-{}-{p}", std::process::id()),
+        sequence_number: first - 1,
+        offset,
+        first,
+        asked: job.to.to_string(),
+        by: job.by.clone(),
+        since_ms,
+        applied: None,
+    };
+    Ok((line, Some(request)))
+}
+
+/// Follows the written `requests` until each is applied (by its partition's owner, or by the
+/// command for a partition nobody owns), replaced, or `job.wait` has passed.
+async fn wait_applied(
+    job: &RewindJob,
+    namespace: &str,
+    name: &str,
+    requests: &BTreeMap<String, Rewind>,
+    mut report: Vec<PartitionRewind>,
+    progress: &mut impl FnMut(&str),
+) -> Result<Vec<PartitionRewind>, String> {
     let until = tokio::time::Instant::now() + job.wait;
     let mut told: BTreeMap<String, String> = BTreeMap::new();
     loop {

@@ -24,7 +24,7 @@ use tokio::sync::{oneshot, Semaphore};
 use super::{OutgoingMessage, RetryQueueError};
 
 /// Requests in flight at once.
-pub(super) const SENDERS: usize = 8;
+pub(super) const SENDERS: usize = 32;
 /// Most messages in one batch.
 pub(super) const MAX_MESSAGES: usize = 100;
 /// Most bytes of JSON in one batch.
