@@ -24,9 +24,10 @@ use error::{entity_key, invalid};
 pub use sections::{
     Access, CheckpointSection, CredentialKind, DeadLettersSection, EventHubsSection,
     HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetrySection,
-    ServiceBusSection, StartPosition, StatusSection, StorageSection, DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW,
+    ServiceBusSection, StartPosition, StatusSection, StorageSection,
 };
+#[cfg(any(test, feature = "testbed"))]
+pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]

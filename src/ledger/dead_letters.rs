@@ -8,7 +8,9 @@ use crate::azure::StoreError;
 use crate::event::Event;
 use crate::policy::{DeadLetterReason, RetryPolicy};
 
-use super::{at, ms, Ledger, LedgerError, LedgerRecord, State};
+#[cfg(any(test, feature = "testbed"))]
+use super::at;
+use super::{ms, Ledger, LedgerError, LedgerRecord, State};
 
 impl Ledger {
     /// The blob name of `key`'s entry in the dead-letter index.

@@ -21,7 +21,10 @@ mod retention;
 use index::{redacted_errors, tags_of};
 pub use index::{state_index_value, STATE_INDEX_TAG};
 pub use index::{IndexMark, Pending, Repair};
-pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, RunNow, State, Verdict};
+pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, State, Verdict};
+#[cfg(any(test, feature = "testbed"))]
+pub use record::RunNow;
+#[cfg(any(test, feature = "testbed"))]
 pub use retention::Expired;
 
 /// Longest blob name Azure Storage accepts.
