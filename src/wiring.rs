@@ -486,7 +486,9 @@ impl Wiring {
         let queue = self
             .servicebus
             .queue(name, self.options.deadline)
-            .map_err(|e| WiringError::client("dead_letters.queue", format!("servicebus: {e}")))?;
+            .map_err(|e| WiringError::client("dead_letters.queue", format!("servicebus: {e}")))?
+            // Its readers are the user's consumers: each message keeps its content type.
+            .without_batching();
         Ok(Some(Arc::new(
             DeadLetterDestination::new(Arc::new(queue), name, *max_kb)
                 .with_deployment(self.deployment()),

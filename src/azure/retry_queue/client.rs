@@ -61,8 +61,9 @@ pub struct ServiceBusRetryQueue {
     sas: Option<SasKey>,
     options: ServiceBusOptions,
     clock: Arc<crate::clock::Clock>,
-    /// Concurrent sends coalesced into Send Message Batch ([`super::batch`]).
+    /// Concurrent sends coalesced into Send Message Batch ([`super::batch`]), unless off.
     batcher: super::batch::Batcher,
+    batching: bool,
 }
 
 impl fmt::Debug for ServiceBusRetryQueue {
@@ -167,6 +168,7 @@ impl ServiceBusRetryQueue {
             options,
             clock: Arc::default(),
             batcher: Default::default(),
+            batching: true,
         })
     }
 
@@ -220,6 +222,14 @@ impl ServiceBusRetryQueue {
         })
         .await
     }
+    /// Sends every message alone (Send Message), never in a batch: for a queue whose readers
+    /// need each message's content type (a batch carries one `Content-Type` for the
+    /// request, none per message), such as the dead letters published for other consumers.
+    pub fn without_batching(mut self) -> Self {
+        self.batching = false;
+        self
+    }
+
     /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
     /// emulator share) instead of the wall clock.
     pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
@@ -247,8 +257,10 @@ fn scheduled_at(due: SystemTime, now: SystemTime) -> Option<SystemTime> {
 
 impl ServiceBusRetryQueue {
     /// `message` as an element of Send Message Batch's JSON array: `Body`, its
-    /// `BrokerProperties` (what a single send carries in the `BrokerProperties` header, and
-    /// its content type) and its custom properties as `UserProperties`.
+    /// `BrokerProperties` (what a single send carries in the `BrokerProperties` header) and
+    /// its custom properties as `UserProperties`. A message's content type is its request's
+    /// `Content-Type` header, which a batch cannot give each message: a message whose
+    /// content type matters to its reader goes alone ([`ServiceBusRetryQueue::without_batching`]).
     fn batch_element(&self, message: &OutgoingMessage) -> Result<String, RetryQueueError> {
         let mut broker = serde_json::Map::new();
         let mut put = |k: &str, v: serde_json::Value| {
@@ -269,9 +281,6 @@ impl ServiceBusRetryQueue {
                 "ScheduledEnqueueTimeUtc",
                 crate::clock::http_date(at).into(),
             );
-        }
-        if let Some(c) = &message.content_type {
-            put("ContentType", c.clone().into());
         }
         let user: serde_json::Map<String, serde_json::Value> = message
             .properties
@@ -429,6 +438,9 @@ impl MessageLock for ServiceBusLock {
 #[async_trait]
 impl RetryQueue for ServiceBusRetryQueue {
     async fn schedule(&self, message: OutgoingMessage) -> Result<(), RetryQueueError> {
+        if !self.batching {
+            return super::batch::Send::send_one(self, message).await;
+        }
         let json = self.batch_element(&message)?;
         self.batcher.send(self, message, json).await
     }

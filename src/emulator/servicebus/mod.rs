@@ -244,8 +244,6 @@ struct SentBrokerProperties {
     label: Option<String>,
     time_to_live: Option<f64>,
     scheduled_enqueue_time_utc: Option<String>,
-    /// Send Message Batch only: a single message's content type is its request's.
-    content_type: Option<String>,
 }
 
 /// The content type of Send Message Batch's body (REST reference, "Send Message Batch").
@@ -721,7 +719,10 @@ fn send_batch(
         messages.push(NewMessage {
             message_id: props.message_id,
             body: m.body.into_bytes(),
-            content_type: props.content_type,
+            // A message's ContentType is its request's Content-Type header, not a broker
+            // property ("Message headers and properties": properties not listed are
+            // ignored): a batched message has none.
+            content_type: None,
             correlation_id: props.correlation_id,
             label: props.label,
             time_to_live: props.time_to_live,
