@@ -239,10 +239,42 @@ impl DeadLetterDestination {
     fn message(&self, rec: &LedgerRecord, shape: Shape) -> OutgoingMessage {
         let with_body = shape == Shape::Full;
         let event = &rec.event;
-        let mut properties: Vec<(String, String)> = Vec::new();
-        let push = |props: &mut Vec<(String, String)>, k: &str, v: &str| {
-            props.push((k.to_string(), ascii_value(v, PROPERTY_VALUE_LIMIT)));
+        let mut properties = self.record_properties(rec);
+        let body = body(rec, shape, &mut properties);
+        copy_event_properties(event, shape, &mut properties);
+        let bounded = |v: &str| {
+            if v.chars().count() <= 128 {
+                v.to_string()
+            } else {
+                crate::event::key_digest(v)
+            }
         };
+        OutgoingMessage {
+            message_id: MessageId::DeadLetter {
+                key: &rec.key,
+                attempts: rec.attempts,
+            }
+            .qualified(self.deployment.as_ref()),
+            correlation_id: Some(bounded(&rec.correlation_id)),
+            label: rec.event_type.as_deref().map(bounded),
+            body,
+            content_type: if with_body {
+                event.content_type.clone()
+            } else {
+                None
+            },
+            due: SystemTime::UNIX_EPOCH,
+            time_to_live: None,
+            properties,
+        }
+    }
+
+    /// The properties that say what the dead letter is: its reason, last error, attempts,
+    /// identity, deployment and place in the hub.
+    fn record_properties(&self, rec: &LedgerRecord) -> Vec<(String, String)> {
+        let event = &rec.event;
+        let mut properties: Vec<(String, String)> = Vec::new();
+        let push = push_property;
         // The reason as a code (`permanent`, `attempts_exhausted`, …) and in words.
         if let Some(r) = &rec.dead_letter_reason {
             let code = serde_json::to_value(r)
@@ -287,88 +319,85 @@ impl DeadLetterDestination {
         if let Some(t) = &rec.event_type {
             push(&mut properties, "hubguard-event-type", t);
         }
-        let (body, encoding) = match std::str::from_utf8(&event.body) {
-            Ok(text) => (text.to_string(), None),
-            Err(_) => (
-                base64::engine::general_purpose::STANDARD.encode(&event.body),
-                Some("base64"),
-            ),
-        };
-        let body = if with_body {
-            if let Some(enc) = encoding {
-                push(&mut properties, "hubguard-body-encoding", enc);
-            }
-            body
-        } else {
-            push(&mut properties, "hubguard-body", "omitted");
-            push(
-                &mut properties,
-                "hubguard-body-bytes",
-                &event.body.len().to_string(),
-            );
-            push(
-                &mut properties,
-                "hubguard-claim-check",
-                &format!(
-                    "the ledger record of this key holds the event: hubguard status {} --json",
-                    rec.key
-                ),
-            );
-            String::new()
-        };
-        // The event's own properties, as they are where Service Bus can carry them (a header
-        // name must be a token), within the headers budget and the number of properties a
-        // message may have; the rest are counted. A claim check carries none of them.
-        let mut used: usize = properties.iter().map(|(k, v)| k.len() + v.len()).sum();
-        // One left for `hubguard-properties-omitted`.
-        let room = PROPERTY_COUNT_LIMIT
-            .saturating_sub(properties.len() + 1)
-            .min(EVENT_PROPERTY_LIMIT);
-        let mut copied = 0usize;
-        let mut left_out = 0usize;
-        for (k, v) in &event.properties {
-            let v = ascii_value(v, PROPERTY_VALUE_LIMIT);
-            if shape == Shape::ClaimCheck
-                || !crate::handler::is_field_name(k)
-                || k.starts_with("hubguard-")
-                || copied >= room
-                || used + k.len() + v.len() > PROPERTIES_BUDGET
-            {
-                left_out += 1;
-                continue;
-            }
-            used += k.len() + v.len();
-            copied += 1;
-            properties.push((k.clone(), v));
+        properties
+    }
+}
+
+/// Adds property `k` with value `v`, made ASCII and bounded.
+fn push_property(props: &mut Vec<(String, String)>, k: &str, v: &str) {
+    props.push((k.to_string(), ascii_value(v, PROPERTY_VALUE_LIMIT)));
+}
+
+/// The message body: the event's body (base64 when it is not UTF-8, and said so), or none
+/// with a claim check.
+fn body(rec: &LedgerRecord, shape: Shape, properties: &mut Vec<(String, String)>) -> String {
+    let with_body = shape == Shape::Full;
+    let event = &rec.event;
+    let push = push_property;
+    let (body, encoding) = match std::str::from_utf8(&event.body) {
+        Ok(text) => (text.to_string(), None),
+        Err(_) => (
+            base64::engine::general_purpose::STANDARD.encode(&event.body),
+            Some("base64"),
+        ),
+    };
+    if with_body {
+        if let Some(enc) = encoding {
+            push(properties, "hubguard-body-encoding", enc);
         }
-        if left_out > 0 {
-            properties.push(("hubguard-properties-omitted".into(), left_out.to_string()));
-        }
-        let bounded = |v: &str| {
-            if v.chars().count() <= 128 {
-                v.to_string()
-            } else {
-                crate::event::key_digest(v)
-            }
-        };
-        OutgoingMessage {
-            message_id: MessageId::DeadLetter {
-                key: &rec.key,
-                attempts: rec.attempts,
-            }
-            .qualified(self.deployment.as_ref()),
-            correlation_id: Some(bounded(&rec.correlation_id)),
-            label: rec.event_type.as_deref().map(bounded),
-            body,
-            content_type: if with_body {
-                event.content_type.clone()
-            } else {
-                None
-            },
-            due: SystemTime::UNIX_EPOCH,
-            time_to_live: None,
+        body
+    } else {
+        push(properties, "hubguard-body", "omitted");
+        push(
             properties,
+            "hubguard-body-bytes",
+            &event.body.len().to_string(),
+        );
+        push(
+            properties,
+            "hubguard-claim-check",
+            &format!(
+                "the ledger record of this key holds the event: hubguard status {} --json",
+                rec.key
+            ),
+        );
+        String::new()
+    }
+}
+
+/// Copies the event's own properties into `properties`.
+fn copy_event_properties(
+    event: &crate::event::Event,
+    shape: Shape,
+    properties: &mut Vec<(String, String)>,
+) {
+    // The event's own properties, as they are where Service Bus can carry them (a header
+    // name must be a token), within the headers budget and the number of properties a
+    // message may have; the rest are counted. A claim check carries none of them.
+    let mut used: usize = properties.iter().map(|(k, v)| k.len() + v.len()).sum();
+    // One left for `hubguard-properties-omitted`.
+    let room = PROPERTY_COUNT_LIMIT
+        .saturating_sub(properties.len() + 1)
+        .min(EVENT_PROPERTY_LIMIT);
+    let mut copied = 0usize;
+    let mut left_out = 0usize;
+    for (k, v) in &event.properties {
+        let v = ascii_value(v, PROPERTY_VALUE_LIMIT);
+        if shape == Shape::ClaimCheck
+            || !crate::handler::is_field_name(k)
+            || k.starts_with("hubguard-")
+            || copied >= room
+            || used + k.len() + v.len() > PROPERTIES_BUDGET
+        {
+            left_out += 1;
+            continue;
         }
+        used += k.len() + v.len();
+        copied += 1;
+        properties.push((k.clone(), v));
+    }
+    if left_out > 0 {
+        properties.push(("hubguard-properties-omitted".into(), left_out.to_string()));
     }
 }
 
