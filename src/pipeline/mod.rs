@@ -143,17 +143,7 @@ impl std::fmt::Debug for Pipeline {
 impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
-        let breaker = parts.breaker.clone().filter(|b| b.enabled).map(|b| {
-            Arc::new(
-                crate::breaker::Shared::new(
-                    parts.records.clone(),
-                    &parts.handler.downstream(),
-                    &parts.options.owner_id,
-                    b,
-                )
-                .with_clock(parts.options.clock.clone()),
-            )
-        });
+        let breaker = breaker(&parts);
         let records = parts.records.clone();
         let limiter = rate_limiter(&parts);
         let ledger = Ledger::new(
@@ -440,6 +430,21 @@ enum ConsumerError {
     /// The processor could not hand out a partition client.
     #[error("next_partition_client: {0}")]
     NextPartition(azure_messaging_eventhubs::EventHubsError),
+}
+
+/// The downstream's shared circuit breaker, if configured and enabled.
+fn breaker(parts: &PipelineParts) -> Option<Arc<crate::breaker::Shared>> {
+    parts.breaker.clone().filter(|b| b.enabled).map(|b| {
+        Arc::new(
+            crate::breaker::Shared::new(
+                parts.records.clone(),
+                &parts.handler.downstream(),
+                &parts.options.owner_id,
+                b,
+            )
+            .with_clock(parts.options.clock.clone()),
+        )
+    })
 }
 
 /// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
