@@ -1,0 +1,495 @@
+//! The checkpoint store, fenced: the official
+//! checkpoint stores write checkpoints unconditionally (last writer wins) and have no timeouts,
+//! and a replica that lost its partition learns it only at its next load-balancing cycle (the
+//! owner level 0.16 sends stops it *reading*, not a checkpoint it already holds). This
+//! wrapper, behind the SDK's public `CheckpointStore` trait:
+//! - puts a deadline on every call;
+//! - never moves a partition's checkpoint backwards;
+//! - refuses checkpoints for partitions whose ownership this replica has not claimed within
+//!   the ownership expiration (stale or lost ownership);
+//! - claims nothing while another live process uses the same owner id (see
+//!   [`owner`](super::owner)): the SDK would take that process's partitions for its own;
+//! - asks a live owner to hand a partition over instead of stealing it, and hands its own
+//!   over when asked (see [`handover`](super::handover)); claims no more unowned partitions
+//!   at once than its share among the live replicas (so replicas starting together do not
+//!   each grab every partition and give most back mid-stream); at a graceful stop, releases
+//!   each partition as soon as its final checkpoint is written.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use azure_core::error::ErrorKind;
+use azure_messaging_eventhubs::models::{Checkpoint, Ownership};
+use azure_messaging_eventhubs::CheckpointStore;
+use tokio::time::Instant;
+
+use super::handover::Handovers;
+
+/// A fenced wrapper around another checkpoint store.
+pub(super) struct FencedCheckpointStore {
+    inner: Arc<dyn CheckpointStore + Send + Sync>,
+    owner_id: String,
+    deadline: Duration,
+    expiration: Duration,
+    state: Mutex<FenceState>,
+    health: Option<Arc<crate::pipeline::health::Health>>,
+    lease: Option<super::owner::OwnerLease>,
+    handovers: Option<Handovers>,
+    /// Held around claims of this replica's partitions and writes that hand one over, so a
+    /// renewal and a handover never race on one ownership's ETag.
+    claim_lock: tokio::sync::Mutex<()>,
+    rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    /// The control record as last read: rewinds applied since this store was made lower
+    /// the highest checkpoint it lets through (see [`Self::rewind`]).
+    control: Option<tokio::sync::watch::Receiver<super::control::Pauses>>,
+    /// When this store was made (ms since the epoch): rewinds applied before it are already
+    /// in the checkpoints it lists.
+    made_ms: i64,
+}
+
+#[derive(Default)]
+struct FenceState {
+    /// Rewinds (by id) this store has taken into `written`.
+    rewinds_seen: HashSet<String>,
+    /// partition → when this replica last claimed (or renewed) it.
+    claimed: HashMap<String, Instant>,
+    /// partition → highest sequence number checkpointed.
+    written: HashMap<String, i64>,
+    /// partition → the ownership as last claimed (with its ETag), for releasing it.
+    held: HashMap<String, Ownership>,
+    /// The hub's partitions, once known.
+    partitions: Vec<String>,
+    /// partition → since when no replica has held a live claim on it.
+    unowned_since: HashMap<String, Instant>,
+    /// partition → its checkpoint blob, when that holds no usable position.
+    poisoned: HashMap<String, String>,
+    /// partition → its ownership as the last cycle listed it.
+    listing: HashMap<String, Ownership>,
+    /// partition → this replica's pending handover request: the owner asked, and since when.
+    asking: HashMap<String, (String, Instant)>,
+    /// partition → another asker's request seen here: its ETag, unchanged since when.
+    theirs: HashMap<String, (String, Instant)>,
+    /// partition → the replica this one is handing it over to.
+    giving: HashMap<String, String>,
+    /// Partitions with a partition task reading them, and what tells that task to stop
+    /// reading (and finish what it holds).
+    reading: HashMap<String, tokio_util::sync::CancellationToken>,
+    /// A graceful stop is under way: claim nothing new.
+    stopping: bool,
+    /// The namespace the processor names checkpoints with, once it listed them.
+    namespace: Option<String>,
+}
+
+impl std::fmt::Debug for FencedCheckpointStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FencedCheckpointStore")
+            .field("owner_id", &self.owner_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn fence_error(msg: String) -> azure_core::Error {
+    azure_core::Error::with_message(ErrorKind::Other, msg)
+}
+
+impl FencedCheckpointStore {
+    /// Wraps `inner` for the replica `owner_id`.
+    pub(super) fn new(
+        inner: Arc<dyn CheckpointStore + Send + Sync>,
+        owner_id: String,
+        deadline: Duration,
+        expiration: Duration,
+    ) -> Self {
+        Self {
+            inner,
+            owner_id,
+            deadline,
+            expiration,
+            state: Mutex::default(),
+            health: None,
+            lease: None,
+            handovers: None,
+            claim_lock: tokio::sync::Mutex::new(()),
+            rate: None,
+            control: None,
+            made_ms: crate::clock::ms(std::time::SystemTime::now()),
+        }
+    }
+
+    /// Follows the operator's control record, so a rewind applied by any replica (or by
+    /// `hubguard checkpoints rewind`) lowers the checkpoint this store lets through.
+    pub(super) fn with_control(
+        mut self,
+        control: tokio::sync::watch::Receiver<super::control::Pauses>,
+    ) -> Self {
+        self.control = Some(control);
+        self
+    }
+
+    /// Takes rewinds applied since this store was made into `written`: a checkpoint is never
+    /// moved backwards except by an operator's rewind.
+    fn take_rewinds(&self, st: &mut FenceState) {
+        let Some(control) = &self.control else {
+            return;
+        };
+        let control = control.borrow();
+        for (pid, r) in &control.rewinds {
+            let applied_since = r.applied.as_ref().is_some_and(|a| a.at_ms >= self.made_ms);
+            if applied_since && st.rewinds_seen.insert(r.id.clone()) {
+                st.written.insert(pid.clone(), r.sequence_number);
+            }
+        }
+    }
+
+    /// Whether this replica has already applied (or taken in) the rewind `id`: the control
+    /// record it last read may not say so yet.
+    pub(super) fn rewind_done(&self, id: &str) -> bool {
+        self.state().rewinds_seen.contains(id)
+    }
+
+    /// Applies an operator's rewind of `partition`, which this replica owns: writes the
+    /// rewind's checkpoint (backwards, the one write that may) after the partition's task has
+    /// stopped reading and settled everything it read, so no checkpoint of its own follows.
+    pub(super) async fn rewind(
+        &self,
+        partition: &str,
+        rewind: &super::control::Rewind,
+    ) -> Result<(), String> {
+        let checkpoint = {
+            let st = self.state();
+            let fresh = st
+                .claimed
+                .get(partition)
+                .is_some_and(|t| t.elapsed() < self.expiration);
+            let held = st.held.get(partition).filter(|_| fresh).ok_or_else(|| {
+                format!("this replica's ownership of partition {partition} is stale or lost")
+            })?;
+            rewind.checkpoint(
+                &held.fully_qualified_namespace,
+                &held.event_hub_name,
+                &held.consumer_group,
+                partition,
+            )
+        };
+        self.deadline(
+            "update_checkpoint (rewind)",
+            self.inner.update_checkpoint(checkpoint),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let mut st = self.state();
+        st.written
+            .insert(partition.to_string(), rewind.sequence_number);
+        st.rewinds_seen.insert(rewind.id.clone());
+        Ok(())
+    }
+
+    /// Hands partitions over cooperatively (see [`handover`](super::handover)) through
+    /// `handovers`.
+    pub(super) fn with_handovers(mut self, handovers: Handovers) -> Self {
+        self.handovers = Some(handovers);
+        self
+    }
+
+    /// Claims partitions only while this process holds its owner id (`lease`, renewed at
+    /// every listing of ownerships, that is every load-balancing cycle).
+    pub(super) fn with_lease(mut self, lease: super::owner::OwnerLease) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Whether this process may claim partitions (it holds its owner id).
+    fn may_claim(&self) -> bool {
+        self.lease.as_ref().is_none_or(|l| l.holds())
+    }
+
+    /// Tells `rate` this replica's owned partitions at every listing and claim: its share of
+    /// the deployment's rate limit.
+    pub(super) fn with_rate_limiter(
+        mut self,
+        rate: Option<Arc<crate::ratelimit::limiter::Limiter>>,
+    ) -> Self {
+        self.rate = rate;
+        self
+    }
+
+    /// Reports partitions that no replica owns to `health` (see
+    /// [`set_partitions`](Self::set_partitions)).
+    pub(super) fn with_health(mut self, health: Arc<crate::pipeline::health::Health>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// The hub's partitions: each listing of ownerships (every processor cycle) then checks
+    /// that each has a live owner. One that has had none for longer than an ownership takes
+    /// to expire and be claimed again (twice the expiration) is reported: nothing reads it.
+    pub(super) fn set_partitions(&self, partitions: Vec<String>) {
+        if let Some(r) = &self.rate {
+            r.set_partitions(partitions.len());
+        }
+        self.state().partitions = partitions;
+    }
+
+    fn note_owners(&self, owners: &[Ownership]) {
+        let Some(health) = &self.health else {
+            return;
+        };
+        let now = time::OffsetDateTime::now_utc();
+        let live: std::collections::HashSet<&str> = owners
+            .iter()
+            .filter(|o| o.owner_id.as_deref().is_some_and(|id| !id.is_empty()))
+            .filter(|o| {
+                o.last_modified_time
+                    .is_some_and(|t| now - t < self.expiration)
+            })
+            .map(|o| o.partition_id.as_str())
+            .collect();
+        let unowned = {
+            let mut st = self.state();
+            let st = &mut *st;
+            let partitions = st.partitions.clone();
+            st.unowned_since.retain(|p, _| !live.contains(p.as_str()));
+            let mut unowned = Vec::new();
+            for p in partitions.iter().filter(|p| !live.contains(p.as_str())) {
+                let since = *st
+                    .unowned_since
+                    .entry(p.clone())
+                    .or_insert_with(Instant::now);
+                if since.elapsed() > self.expiration * 2 {
+                    unowned.push(p.clone());
+                }
+            }
+            unowned
+        };
+        health.set_unowned(unowned);
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, FenceState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn deadline<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = azure_core::Result<T>>,
+    ) -> azure_core::Result<T> {
+        tokio::time::timeout(self.deadline, f)
+            .await
+            .unwrap_or_else(|_| {
+                Err(fence_error(format!(
+                    "checkpoint store: {what} did not answer within {:?}",
+                    self.deadline
+                )))
+            })
+    }
+
+    /// Gives up every partition this replica holds (owner id cleared, with the claim's ETag),
+    /// so other replicas take them at their next cycle instead of waiting for expiry. Call
+    /// after the processor has stopped, at shutdown.
+    pub(super) async fn release_all(&self) {
+        let held: Vec<Ownership> = {
+            let mut st = self.state();
+            st.claimed.clear();
+            st.giving.clear();
+            st.reading.clear();
+            st.held.drain().map(|(_, o)| o).collect()
+        };
+        for o in held {
+            self.release(o).await;
+        }
+        if let Some(lease) = &self.lease {
+            lease.release().await;
+        }
+    }
+
+    async fn release(&self, mut o: Ownership) {
+        o.owner_id = None;
+        let pid = o.partition_id.clone();
+        match self
+            .deadline("release ownership", self.inner.claim_ownership(&[o]))
+            .await
+        {
+            Ok(_) => tracing::info!(partition = %pid, "ownership released"),
+            Err(e) => {
+                tracing::warn!(partition = %pid, error = %e, "could not release ownership; it will expire")
+            }
+        }
+    }
+
+    /// The processor is being torn down (a graceful stop, or a rebuild after a failure):
+    /// claim nothing new, keep renewing the partitions still being finished (hidden from the
+    /// processor), and release each once its task has ended.
+    pub(super) fn stop_claiming(&self) {
+        self.state().stopping = true;
+    }
+
+    /// A new processor starts (the first, or one rebuilt after a failure): claim again.
+    pub(super) fn resume_claiming(&self) {
+        self.state().stopping = false;
+    }
+
+    /// A partition task is about to read `partition`: `false` if it must not (the partition
+    /// is being handed over, was handed over meanwhile, or the replica is stopping).
+    /// `stop_reading` tells the task to stop reading and finish (a handover).
+    pub(super) fn partition_started(
+        &self,
+        partition: &str,
+        stop_reading: tokio_util::sync::CancellationToken,
+    ) -> bool {
+        let mut st = self.state();
+        if st.stopping || st.giving.contains_key(partition) || !st.claimed.contains_key(partition) {
+            return false;
+        }
+        st.reading.insert(partition.to_string(), stop_reading);
+        true
+    }
+
+    /// The task reading `partition` has ended (its final checkpoint written): hand the
+    /// partition over if asked to, release it if stopping.
+    pub(super) async fn partition_ended(&self, partition: &str) {
+        let (give, release) = {
+            let mut st = self.state();
+            st.reading.remove(partition);
+            let give = st.giving.contains_key(partition);
+            let release = (!give && st.stopping)
+                .then(|| {
+                    st.claimed.remove(partition);
+                    st.held.remove(partition)
+                })
+                .flatten();
+            (give, release)
+        };
+        if give {
+            self.hand_over(partition).await;
+        } else if let Some(o) = release {
+            let _guard = self.claim_lock.lock().await;
+            self.release(o).await;
+        }
+    }
+
+    /// Writes the ownership of `partition` over to the replica that asked for it, with this
+    /// replica's claim's ETag: it never passes through "unowned", so no third replica takes
+    /// it in between.
+    async fn hand_over(&self, partition: &str) {
+        let _guard = self.claim_lock.lock().await;
+        let (held, to) = {
+            let mut st = self.state();
+            st.claimed.remove(partition);
+            (st.held.remove(partition), st.giving.remove(partition))
+        };
+        let (Some(mut o), Some(to)) = (held, to) else {
+            return;
+        };
+        o.owner_id = Some(to.clone());
+        match self
+            .deadline("hand over ownership", self.inner.claim_ownership(&[o]))
+            .await
+        {
+            Ok(c) if !c.is_empty() => {
+                tracing::info!(partition, to = %to, "partition handed over")
+            }
+            Ok(_) => {
+                tracing::warn!(partition, to = %to, "handover not written: the ownership changed meanwhile")
+            }
+            Err(e) => {
+                tracing::warn!(partition, to = %to, error = %e, "could not write the ownership over; it will expire")
+            }
+        }
+    }
+}
+
+impl FencedCheckpointStore {
+    /// partition → the sequence number of its checkpoint, as stored now (every replica's,
+    /// not only this one's); `None` until the processor has listed checkpoints once (the
+    /// namespace they are named with is known then) or when they cannot be read. An event
+    /// at or before its partition's checkpoint is settled: no replica reads it again.
+    pub(super) async fn settled_positions(
+        &self,
+        hub: &str,
+        cg: &str,
+    ) -> Option<HashMap<String, i64>> {
+        let namespace = self.state().namespace.clone()?;
+        let cps = self
+            .deadline(
+                "list_checkpoints",
+                self.inner.list_checkpoints(&namespace, hub, cg),
+            )
+            .await
+            .ok()?;
+        Some(
+            cps.into_iter()
+                .filter_map(|c| c.sequence_number.map(|s| (c.partition_id, s)))
+                .collect(),
+        )
+    }
+
+    /// Reads the checkpoints and notes the partitions whose checkpoint holds no usable
+    /// position (the store returns one with neither a sequence number nor an offset for a
+    /// blob it cannot read): those are held — not claimed, not read from a guessed position —
+    /// with a reason naming the blob, until someone repairs or deletes it. Returns the
+    /// readable checkpoints.
+    async fn checked_checkpoints(
+        &self,
+        namespace: &str,
+        hub: &str,
+        cg: &str,
+    ) -> azure_core::Result<Vec<Checkpoint>> {
+        self.state().namespace = Some(namespace.to_string());
+        let mut cps = self
+            .deadline(
+                "list_checkpoints",
+                self.inner.list_checkpoints(namespace, hub, cg),
+            )
+            .await?;
+        let bad: HashMap<String, String> = cps
+            .iter()
+            .filter(|c| c.sequence_number.is_none() && c.offset.is_none())
+            .map(|c| {
+                let blob = format!(
+                    "{}{}",
+                    crate::azure::checkpoint_store::blob_prefix(namespace, hub, cg, "checkpoint"),
+                    c.partition_id.to_lowercase()
+                );
+                (c.partition_id.clone(), blob)
+            })
+            .collect();
+        cps.retain(|c| !bad.contains_key(&c.partition_id));
+        let (newly, healed) = {
+            let mut st = self.state();
+            let newly: Vec<(String, String)> = bad
+                .iter()
+                .filter(|(p, _)| !st.poisoned.contains_key(*p))
+                .map(|(p, b)| (p.clone(), b.clone()))
+                .collect();
+            let healed: Vec<String> = st
+                .poisoned
+                .keys()
+                .filter(|p| !bad.contains_key(*p))
+                .cloned()
+                .collect();
+            st.poisoned = bad;
+            (newly, healed)
+        };
+        if let Some(health) = &self.health {
+            for (p, blob) in newly {
+                health.hold(
+                    crate::pipeline::health::HoldSubject::Partition(p),
+                    None,
+                    crate::pipeline::health::HoldCause::CorruptCheckpoint,
+                    format!("checkpoint blob {blob} holds no readable position (sequencenumber/offset): the partition is not read until the blob is repaired or deleted"),
+                );
+            }
+            for p in healed {
+                health.release(&crate::pipeline::health::HoldSubject::Partition(p), None);
+            }
+        }
+        Ok(cps)
+    }
+}
+
+mod cooperate;
+mod ownership;
+
+#[cfg(test)]
+mod tests;
