@@ -36,7 +36,7 @@ pub(super) trait Send: Sync {
     /// One message, as Send Message.
     async fn send_one(&self, message: OutgoingMessage) -> Result<(), RetryQueueError>;
     /// A batch: `body` is the JSON array.
-    async fn send_batch(&self, body: String, messages: usize) -> Result<(), RetryQueueError>;
+    async fn send_batch(&self, body: String) -> Result<(), RetryQueueError>;
 }
 
 struct Pending {
@@ -134,7 +134,7 @@ async fn send_taken(to: &impl Send, mut taken: Vec<Pending>) {
         body.push_str(&p.json);
     }
     body.push(']');
-    match to.send_batch(body, taken.len()).await {
+    match to.send_batch(body).await {
         Ok(()) => {
             for p in taken {
                 let _ = p.answer.send(Ok(()));
@@ -189,9 +189,12 @@ mod tests {
             }
             Ok(())
         }
-        async fn send_batch(&self, body: String, n: usize) -> Result<(), RetryQueueError> {
+        async fn send_batch(&self, body: String) -> Result<(), RetryQueueError> {
             tokio::time::sleep(self.latency).await;
-            self.batches.lock().unwrap().push(n);
+            self.batches
+                .lock()
+                .unwrap()
+                .push(body.matches("\"Body\"").count());
             if self.down {
                 return Err(RetryQueueError::Throttled {
                     status: 503,

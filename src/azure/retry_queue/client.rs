@@ -180,22 +180,7 @@ impl ServiceBusRetryQueue {
     pub async fn describe(&self) -> Result<QueueDescription, RetryQueueError> {
         self.deadline(Duration::ZERO, async {
             let url = format!("{}?api-version={MANAGEMENT_API_VERSION}", self.entity_url);
-            let url = azure_core_legacy::Url::parse(&url)
-                .map_err(|e| RetryQueueError::Protocol(format!("bad queue URL: {e}")))?;
-            let mut request = Request::new(url, azure_core_legacy::Method::Get);
-            if let Some(key) = &self.sas {
-                let expiry = self
-                    .clock
-                    .now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs()
-                    + 3600;
-                request.insert_header(
-                    azure_core_legacy::headers::AUTHORIZATION,
-                    HeaderValue::from(key.token(&self.entity_url, expiry)),
-                );
-            }
+            let request = self.signed(&url, azure_core_legacy::Method::Get)?;
             let response = self
                 .http
                 .execute_request(&request)
@@ -228,6 +213,32 @@ impl ServiceBusRetryQueue {
     pub fn without_batching(mut self) -> Self {
         self.batching = false;
         self
+    }
+
+    /// A request to `url` the crate does not make itself, signed as its own are: with the SAS
+    /// key (an hour's token), or by the bearer token the HTTP stack adds.
+    fn signed(
+        &self,
+        url: &str,
+        method: azure_core_legacy::Method,
+    ) -> Result<Request, RetryQueueError> {
+        let url = azure_core_legacy::Url::parse(url)
+            .map_err(|e| RetryQueueError::Protocol(format!("bad queue URL: {e}")))?;
+        let mut request = Request::new(url, method);
+        if let Some(key) = &self.sas {
+            let expiry = self
+                .clock
+                .now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs()
+                + 3600;
+            request.insert_header(
+                azure_core_legacy::headers::AUTHORIZATION,
+                HeaderValue::from(key.token(&self.entity_url, expiry)),
+            );
+        }
+        Ok(request)
     }
 
     /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
@@ -329,25 +340,10 @@ impl super::batch::Send for ServiceBusRetryQueue {
     /// Send Message Batch: `POST {queue}/messages`, `Content-Type:
     /// application/vnd.microsoft.servicebus.json`, signed as every request (a SAS, or the
     /// bearer token the HTTP stack adds).
-    async fn send_batch(&self, body: String, _messages: usize) -> Result<(), RetryQueueError> {
+    async fn send_batch(&self, body: String) -> Result<(), RetryQueueError> {
         self.deadline(Duration::ZERO, async {
             let url = format!("{}/messages", self.entity_url);
-            let url = azure_core_legacy::Url::parse(&url)
-                .map_err(|e| RetryQueueError::Protocol(format!("bad queue URL: {e}")))?;
-            let mut request = Request::new(url, azure_core_legacy::Method::Post);
-            if let Some(key) = &self.sas {
-                let expiry = self
-                    .clock
-                    .now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs()
-                    + 3600;
-                request.insert_header(
-                    azure_core_legacy::headers::AUTHORIZATION,
-                    HeaderValue::from(key.token(&self.entity_url, expiry)),
-                );
-            }
+            let mut request = self.signed(&url, azure_core_legacy::Method::Post)?;
             request.insert_header(
                 azure_core_legacy::headers::CONTENT_TYPE,
                 HeaderValue::from_static("application/vnd.microsoft.servicebus.json"),

@@ -701,21 +701,7 @@ fn send_batch(
             own.append(n, hv);
             properties.push((k.to_ascii_lowercase(), value));
         }
-        check_limits(queue, name, &own, &props, m.body.len())?;
-        if let Some(id) = &props.message_id {
-            let refused = refused.lock().unwrap_or_else(|p| p.into_inner());
-            if refused.iter().any(|f| id.contains(f.as_str())) {
-                return Err(BrokerError::BadRequest(format!(
-                    "The message '{id}' was refused (injected refusal)."
-                )));
-            }
-        }
-        let scheduled = match props.scheduled_enqueue_time_utc.as_deref() {
-            Some(s) => Some(parse_http_date(s).ok_or(BrokerError::NotAllowed(
-                "ScheduledEnqueueTimeUtc is not an RFC 2822 date",
-            ))?),
-            None => None,
-        };
+        let scheduled = admit(queue, refused, name, &own, &props, m.body.len())?;
         messages.push(NewMessage {
             message_id: props.message_id,
             body: m.body.into_bytes(),
@@ -736,20 +722,17 @@ fn send_batch(
     Ok(StatusCode::CREATED)
 }
 
-fn send(
+/// One message's checks before it is enqueued (Azure's limits, a test's injected refusal),
+/// and its scheduled enqueue time, if any.
+fn admit(
     queue: &Queue,
     refused: &std::sync::Mutex<Vec<String>>,
     name: &str,
     headers: &HeaderMap,
-    body: Bytes,
-    now: SystemTime,
-) -> Result<StatusCode, BrokerError> {
-    let props: SentBrokerProperties = match headers.get("brokerproperties") {
-        Some(v) => serde_json::from_slice(v.as_bytes())
-            .map_err(|_| BrokerError::NotAllowed("BrokerProperties is not valid JSON"))?,
-        None => SentBrokerProperties::default(),
-    };
-    check_limits(queue, name, headers, &props, body.len())?;
+    props: &SentBrokerProperties,
+    body_len: usize,
+) -> Result<Option<SystemTime>, BrokerError> {
+    check_limits(queue, name, headers, props, body_len)?;
     if let Some(id) = &props.message_id {
         let refused = refused.lock().unwrap_or_else(|p| p.into_inner());
         if refused.iter().any(|f| id.contains(f.as_str())) {
@@ -764,6 +747,23 @@ fn send(
         ))?),
         None => None,
     };
+    Ok(scheduled)
+}
+
+fn send(
+    queue: &Queue,
+    refused: &std::sync::Mutex<Vec<String>>,
+    name: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    now: SystemTime,
+) -> Result<StatusCode, BrokerError> {
+    let props: SentBrokerProperties = match headers.get("brokerproperties") {
+        Some(v) => serde_json::from_slice(v.as_bytes())
+            .map_err(|_| BrokerError::NotAllowed("BrokerProperties is not valid JSON"))?,
+        None => SentBrokerProperties::default(),
+    };
+    let scheduled = admit(queue, refused, name, headers, &props, body.len())?;
     let properties = headers
         .iter()
         .filter(|(n, _)| !is_plumbing(n.as_str()))
