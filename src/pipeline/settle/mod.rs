@@ -428,9 +428,9 @@ mod replay;
 mod send;
 pub(crate) mod plan;
 #[cfg(any(test, feature = "testbed"))]
-pub use operate::{
-    reason_name, Action, ActionOutcome, ReplayFilter, ReplayReport, ReplayStep, OPERATOR_MARGIN,
-};
+pub use operate::{Action, ActionOutcome, OPERATOR_MARGIN};
+#[cfg(any(test, feature = "testbed"))]
+pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
 pub use plan::Report;
 use plan::{plan, Plan};
 

@@ -1,12 +1,16 @@
-//! The Settler's replay of a dead-lettered event (the test bed's operator action).
+//! `hubguard dead-letters replay`: a dead-lettered event scheduled again with a fresh attempt
+//! budget, and a run over the dead letters a filter takes, paced and resumable.
 
+use std::collections::BTreeMap;
+use std::time::Duration;
 
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::clock::{at, ms};
-use crate::ledger::{
-    Change, LedgerRecord, State,
-};
-
+use crate::ledger::{Change, LedgerRecord, State};
+use crate::pipeline::OrderingKey;
+use crate::policy::DeadLetterReason;
 
 use super::{MessageId, RetryCopy, SettleError, Settler};
 
@@ -101,5 +105,375 @@ impl Settler {
             return Err(e.into());
         }
         Ok(attempt)
+    }
+}
+
+/// Which dead letters `hubguard dead-letters replay` takes. `until_ms` is required: with
+/// it, a run is a fixed set (what was dead-lettered by then), so the same command run again
+/// after an interruption replays what is left and never an event a first run replayed that
+/// was dead-lettered again since (its dead-letter time is later).
+#[derive(Debug, Clone, Default)]
+pub struct ReplayFilter {
+    /// Only this event type.
+    pub event_type: Option<String>,
+    /// Only this dead-letter reason (its name: `permanent`, `attempts_exhausted`,
+    /// `cancelled`, …).
+    pub reason: Option<String>,
+    /// Only those whose last error contains this text.
+    pub error_contains: Option<String>,
+    /// Only those dead-lettered at or after this time (ms since the epoch).
+    pub since_ms: Option<i64>,
+    /// Only those dead-lettered at or before this time.
+    pub until_ms: i64,
+    /// Only keys starting with this.
+    pub key_prefix: Option<String>,
+}
+
+/// The name a dead-letter reason has in records, the API and `--reason`.
+pub fn reason_name(reason: &DeadLetterReason) -> String {
+    serde_json::to_value(reason)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+impl ReplayFilter {
+    /// Whether `key` can match (read no record for one that cannot).
+    pub fn matches_key(&self, key: &str) -> bool {
+        self.key_prefix
+            .as_deref()
+            .is_none_or(|p| key.starts_with(p))
+    }
+
+    /// Whether `rec` matches everything but the time window.
+    fn matches_what(&self, rec: &LedgerRecord) -> bool {
+        self.matches_key(&rec.key)
+            && self
+                .event_type
+                .as_deref()
+                .is_none_or(|t| rec.event_type.as_deref() == Some(t))
+            && self.reason.as_deref().is_none_or(|r| {
+                rec.dead_letter_reason
+                    .as_ref()
+                    .is_some_and(|d| reason_name(d) == r)
+            })
+            && self
+                .error_contains
+                .as_deref()
+                .is_none_or(|e| rec.last_error.as_deref().is_some_and(|l| l.contains(e)))
+    }
+
+    /// Whether the dead-lettered `rec` is one this run replays. Its dead-letter time is its
+    /// last update (a dead-lettered record is not written again until it is replayed).
+    pub fn matches(&self, rec: &LedgerRecord) -> bool {
+        rec.state == State::DeadLettered
+            && self.matches_what(rec)
+            && self.since_ms.is_none_or(|s| rec.updated_ms >= s)
+            && rec.updated_ms <= self.until_ms
+    }
+}
+
+/// What one dead letter came to in a replay run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReplayStep {
+    /// Scheduled again: attempt `attempt` runs now.
+    Replayed {
+        /// The key.
+        key: String,
+        /// The attempt scheduled.
+        attempt: u32,
+    },
+    /// `--dry-run`: would be replayed.
+    WouldReplay {
+        /// The key.
+        key: String,
+    },
+    /// Matched, but not replayed: `why`.
+    Skipped {
+        /// The key.
+        key: String,
+        /// Why.
+        why: String,
+    },
+    /// Ordered retries: parked behind `behind`, the first replayed event of its line, and
+    /// released after it in sequence order.
+    Parked {
+        /// The key.
+        key: String,
+        /// The line's head.
+        behind: String,
+    },
+    /// `--dry-run` with ordered retries: would be parked behind `behind`.
+    WouldPark {
+        /// The key.
+        key: String,
+        /// The line's head.
+        behind: String,
+    },
+    /// Could not be replayed: `error`.
+    Failed {
+        /// The key.
+        key: String,
+        /// The cause.
+        error: String,
+    },
+}
+
+/// The counts of a replay run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ReplayReport {
+    /// Dead letters listed (after `--key-prefix`).
+    pub listed: usize,
+    /// Of those, the ones the filters matched.
+    pub matched: usize,
+    /// Scheduled again (with `--dry-run`: would be).
+    pub replayed: usize,
+    /// Matched but not replayed (dead-lettered again after `until`, or no longer
+    /// dead-lettered).
+    pub skipped: usize,
+    /// Could not be replayed.
+    pub failed: usize,
+    /// Stopped before the end (the same command resumes).
+    pub interrupted: bool,
+}
+
+impl Settler {
+    /// `hubguard dead-letters replay` by filter: at most `per_second` replays a second,
+    /// until the end or `stop`. `step` hears about every matched dead letter (with the
+    /// position in the listing, and the listing's length).
+    pub async fn replay_matching(
+        &self,
+        filter: &ReplayFilter,
+        per_second: f64,
+        dry_run: bool,
+        stop: &tokio_util::sync::CancellationToken,
+        step: impl FnMut(&ReplayStep, usize, usize),
+    ) -> Result<ReplayReport, SettleError> {
+        self.replay_matching_ordered(filter, per_second, dry_run, None, stop, step)
+            .await
+    }
+
+    /// [`replay_matching`](Self::replay_matching); with `ordering` (ordered retries on), the
+    /// dead letters that have an ordering key are replayed line by line: those of one
+    /// partition and key in sequence order, the first as a retry due now and the others
+    /// parked behind it (see `pipeline::lines::replay_line`), after the rest.
+    pub async fn replay_matching_ordered(
+        &self,
+        filter: &ReplayFilter,
+        per_second: f64,
+        dry_run: bool,
+        ordering: Option<&OrderingKey>,
+        stop: &CancellationToken,
+        step: impl FnMut(&ReplayStep, usize, usize),
+    ) -> Result<ReplayReport, SettleError> {
+        let keys: Vec<String> = self
+            .ledger
+            .dead_letter_keys()
+            .await?
+            .into_iter()
+            .filter(|k| filter.matches_key(k))
+            .collect();
+        let mut run = ReplayRun::new(keys.len(), per_second, stop, step);
+        // Ordered: (partition, ordering key) → its dead letters, replayed after the loop.
+        let mut lines: BTreeMap<(String, String), Vec<(LedgerRecord, String)>> = BTreeMap::new();
+        for key in keys {
+            if stop.is_cancelled() {
+                run.report.interrupted = true;
+                break;
+            }
+            let outcome = match self.sort_dead_letter(&key, filter, ordering).await {
+                Sorted::Unmatched => continue,
+                Sorted::Done(outcome) => outcome,
+                Sorted::Line(line, rec, etag) => {
+                    lines.entry(line).or_default().push((*rec, etag));
+                    continue;
+                }
+                Sorted::Replay if dry_run => ReplayStep::WouldReplay { key },
+                Sorted::Replay => {
+                    if !run.paced(1).await {
+                        break;
+                    }
+                    self.replay_one(key, filter).await
+                }
+            };
+            run.count(&outcome);
+        }
+        for ((_, ordering_key), group) in lines {
+            if run.report.interrupted || stop.is_cancelled() {
+                run.report.interrupted = true;
+                break;
+            }
+            if !self
+                .replay_group(&mut run, filter, dry_run, &ordering_key, group)
+                .await
+            {
+                break;
+            }
+        }
+        Ok(run.report)
+    }
+
+    /// What a run does with the dead letter `key`, read now.
+    async fn sort_dead_letter(
+        &self,
+        key: &str,
+        filter: &ReplayFilter,
+        ordering: Option<&OrderingKey>,
+    ) -> Sorted {
+        let skipped = |why: &str| {
+            Sorted::Done(ReplayStep::Skipped {
+                key: key.to_string(),
+                why: why.into(),
+            })
+        };
+        match self.ledger.get(key).await {
+            Err(e) => Sorted::Done(ReplayStep::Failed {
+                key: key.to_string(),
+                error: crate::redact::redacted(&e.to_string()),
+            }),
+            Ok(None) => Sorted::Unmatched,
+            Ok(Some((rec, _))) if !filter.matches_what(&rec) => Sorted::Unmatched,
+            Ok(Some((rec, _))) if rec.state != State::DeadLettered => {
+                skipped("no longer dead-lettered")
+            }
+            Ok(Some((rec, _))) if rec.updated_ms > filter.until_ms => {
+                skipped("dead-lettered again after --until (a replay of this run, or later)")
+            }
+            Ok(Some((rec, _))) if !filter.matches(&rec) => Sorted::Unmatched,
+            Ok(Some((rec, etag))) => match ordering.and_then(|o| o.of(&rec.event)) {
+                Some(ordering_key) => {
+                    let line = (rec.event.partition_id.clone(), ordering_key.to_string());
+                    Sorted::Line(line, Box::new(rec), etag)
+                }
+                None => Sorted::Replay,
+            },
+        }
+    }
+
+    /// One dead letter replayed on its own, if it still matches.
+    async fn replay_one(&self, key: String, filter: &ReplayFilter) -> ReplayStep {
+        match self.replay_if(&key, |r| filter.matches(r)).await {
+            Ok(Some(attempt)) => ReplayStep::Replayed { key, attempt },
+            Ok(None) => ReplayStep::Skipped {
+                key,
+                why: "changed while it was being replayed".into(),
+            },
+            Err(e) => ReplayStep::Failed {
+                key,
+                error: crate::redact::redacted(&e.to_string()),
+            },
+        }
+    }
+
+    /// One partition's dead letters of `ordering_key`, replayed as a line (or, with
+    /// `dry_run`, what would be). `false` when the run was stopped before it.
+    async fn replay_group<S: FnMut(&ReplayStep, usize, usize)>(
+        &self,
+        run: &mut ReplayRun<'_, S>,
+        filter: &ReplayFilter,
+        dry_run: bool,
+        ordering_key: &str,
+        mut group: Vec<(LedgerRecord, String)>,
+    ) -> bool {
+        group.sort_by_key(|(r, _)| r.event.sequence_number);
+        if dry_run {
+            let head = group[0].0.key.clone();
+            for (i, (r, _)) in group.iter().enumerate() {
+                let outcome = if i == 0 {
+                    ReplayStep::WouldReplay { key: r.key.clone() }
+                } else {
+                    ReplayStep::WouldPark {
+                        key: r.key.clone(),
+                        behind: head.clone(),
+                    }
+                };
+                run.count(&outcome);
+            }
+            return true;
+        }
+        // One tick per event of the line: its operations are the rate's to pace.
+        if !run.paced(group.len()).await {
+            return false;
+        }
+        let matches = |r: &LedgerRecord| filter.matches(r);
+        for outcome in
+            crate::pipeline::lines::replay_line(self, ordering_key, group, &matches).await
+        {
+            run.count(&outcome);
+        }
+        true
+    }
+}
+
+/// What a replay run does with one dead letter it listed.
+enum Sorted {
+    /// Not one the filter takes: not counted.
+    Unmatched,
+    /// Counted as it is (skipped, or its record could not be read).
+    Done(ReplayStep),
+    /// Ordered retries: replayed with the others of its line (partition, ordering key) after
+    /// the rest.
+    Line((String, String), Box<LedgerRecord>, String),
+    /// Replayed on its own.
+    Replay,
+}
+
+/// One replay run's pace, stop and tally.
+struct ReplayRun<'a, S> {
+    pace: tokio::time::Interval,
+    stop: &'a CancellationToken,
+    report: ReplayReport,
+    total: usize,
+    done: usize,
+    step: S,
+}
+
+impl<'a, S: FnMut(&ReplayStep, usize, usize)> ReplayRun<'a, S> {
+    fn new(listed: usize, per_second: f64, stop: &'a CancellationToken, step: S) -> Self {
+        let mut pace = tokio::time::interval(Duration::from_secs_f64(1.0 / per_second.max(0.001)));
+        pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Self {
+            pace,
+            stop,
+            report: ReplayReport {
+                listed,
+                ..Default::default()
+            },
+            total: listed,
+            done: 0,
+            step,
+        }
+    }
+
+    /// Counts a matched dead letter's outcome, and tells the caller's `step`.
+    fn count(&mut self, outcome: &ReplayStep) {
+        let report = &mut self.report;
+        report.matched += 1;
+        match outcome {
+            ReplayStep::Replayed { .. }
+            | ReplayStep::WouldReplay { .. }
+            | ReplayStep::Parked { .. }
+            | ReplayStep::WouldPark { .. } => report.replayed += 1,
+            ReplayStep::Skipped { .. } => report.skipped += 1,
+            ReplayStep::Failed { .. } => report.failed += 1,
+        }
+        self.done += 1;
+        (self.step)(outcome, self.done, self.total);
+    }
+
+    /// Waits for `ticks` ticks of the pace: `false` (the run interrupted) when stopped first.
+    async fn paced(&mut self, ticks: usize) -> bool {
+        let stop = self.stop;
+        for _ in 0..ticks {
+            tokio::select! {
+                _ = self.pace.tick() => {}
+                _ = stop.cancelled() => {
+                    self.report.interrupted = true;
+                    return false;
+                }
+            }
+        }
+        true
     }
 }
