@@ -98,8 +98,8 @@ pub(super) async fn run(
     cx: Context<'_>,
 ) -> Attempted {
     // The fields named here are exported once, by the OpenTelemetry layer, under the
-    // conventions' names (and shown in text logs); the rest are set below. The span follows
-    // the messaging conventions for a `process` operation.
+    // conventions' names (and shown in text logs); the rest are set by `describe`. The span
+    // follows the messaging conventions for a `process` operation.
     let span = tracing::info_span!(
         target: "hubguard::attempt",
         "attempt",
@@ -114,74 +114,14 @@ pub(super) async fn run(
     let (traceparent, trace_id) = if span.is_disabled() {
         new_traceparent()
     } else {
-        if let Some(parent) = producer_trace(event) {
-            let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
-        }
-        for tp in earlier {
-            if let Some(sc) = parse_traceparent(tp) {
-                span.add_link(sc);
-            }
-        }
-        let otel = span.context();
-        let started = otel.span();
-        use crate::telemetry::names::messaging as m;
-        let mut attributes = Vec::with_capacity(11);
-        attributes.extend([
-            KeyValue::new(attr::MESSAGING_OPERATION_TYPE, m::PROCESS),
-            KeyValue::new(attr::MESSAGING_OPERATION_NAME, m::PROCESS),
-            KeyValue::new(
-                attr::MESSAGING_SYSTEM,
-                match cx.source {
-                    Source::EventHubs => m::EVENTHUBS,
-                    Source::Retry => m::SERVICEBUS,
-                },
-            ),
-            KeyValue::new(attr::MESSAGE_ID, event.identity.idempotency_key.clone()),
-        ]);
-        if let Some(t) = &event.identity.event_type {
-            attributes.push(KeyValue::new(attr::EVENT_TYPE, t.clone()));
-        }
-        attributes.extend([
-            KeyValue::new(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts)),
-            KeyValue::new(attr::POLICY, cx.policy.to_string()),
-            KeyValue::new(attr::MESSAGING_DESTINATION, event.hub.clone()),
-            KeyValue::new(
-                attr::MESSAGING_CONSUMER_GROUP,
-                cx.consumer_group.to_string(),
-            ),
-            KeyValue::new(attr::MESSAGING_PARTITION, event.partition_id.clone()),
-            KeyValue::new(attr::SEQUENCE_NUMBER, event.sequence_number),
-        ]);
-        if let Some(w) = cx.rate_limit_wait {
-            attributes.push(KeyValue::new(attr::RATE_LIMIT_WAIT, w.as_secs_f64()));
-        }
-        started.set_attributes(attributes);
-        let sc = started.span_context();
-        if sc.is_valid() {
-            (format_traceparent(sc), sc.trace_id().to_string())
-        } else {
-            new_traceparent()
-        }
+        describe(&span, event, earlier, cx)
     };
     let started = cx.clock.now();
     let attempt = Attempt {
         number,
         traceparent: traceparent.clone(),
     };
-    let handler_span = tracing::info_span!(target: "hubguard::attempt", parent: &span, "handler", otel.name = span_name::HANDLER);
-    let t0 = Instant::now();
-    let outcome = match AssertUnwindSafe(handler.handle(event, &attempt))
-        .catch_unwind()
-        .instrument(handler_span)
-        .await
-    {
-        Ok(o) => o,
-        Err(_) => Outcome::Failed(Failure::transient("the handler panicked")),
-    };
-    let duration = t0.elapsed();
-    if let Outcome::Failed(f) = &outcome {
-        tracing::info!(parent: &span, error = %crate::redact::redact(&f.error), class = ?f.class, "attempt failed");
-    }
+    let (outcome, duration) = call(handler, event, &attempt, &span).await;
     Attempted {
         outcome,
         started,
@@ -191,6 +131,89 @@ pub(super) async fn run(
         duration,
         source: cx.source,
     }
+}
+
+/// Gives the exported attempt span `span` its parent (the producer's trace), its links (the
+/// earlier attempts) and its attributes; the attempt's `traceparent` and trace id.
+fn describe(
+    span: &tracing::Span,
+    event: &Event,
+    earlier: &[String],
+    cx: Context<'_>,
+) -> (String, String) {
+    if let Some(parent) = producer_trace(event) {
+        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(parent));
+    }
+    for tp in earlier {
+        if let Some(sc) = parse_traceparent(tp) {
+            span.add_link(sc);
+        }
+    }
+    let otel = span.context();
+    let started = otel.span();
+    use crate::telemetry::names::messaging as m;
+    let mut attributes = Vec::with_capacity(11);
+    attributes.extend([
+        KeyValue::new(attr::MESSAGING_OPERATION_TYPE, m::PROCESS),
+        KeyValue::new(attr::MESSAGING_OPERATION_NAME, m::PROCESS),
+        KeyValue::new(
+            attr::MESSAGING_SYSTEM,
+            match cx.source {
+                Source::EventHubs => m::EVENTHUBS,
+                Source::Retry => m::SERVICEBUS,
+            },
+        ),
+        KeyValue::new(attr::MESSAGE_ID, event.identity.idempotency_key.clone()),
+    ]);
+    if let Some(t) = &event.identity.event_type {
+        attributes.push(KeyValue::new(attr::EVENT_TYPE, t.clone()));
+    }
+    attributes.extend([
+        KeyValue::new(attr::MAX_ATTEMPTS, i64::from(cx.max_attempts)),
+        KeyValue::new(attr::POLICY, cx.policy.to_string()),
+        KeyValue::new(attr::MESSAGING_DESTINATION, event.hub.clone()),
+        KeyValue::new(
+            attr::MESSAGING_CONSUMER_GROUP,
+            cx.consumer_group.to_string(),
+        ),
+        KeyValue::new(attr::MESSAGING_PARTITION, event.partition_id.clone()),
+        KeyValue::new(attr::SEQUENCE_NUMBER, event.sequence_number),
+    ]);
+    if let Some(w) = cx.rate_limit_wait {
+        attributes.push(KeyValue::new(attr::RATE_LIMIT_WAIT, w.as_secs_f64()));
+    }
+    started.set_attributes(attributes);
+    let sc = started.span_context();
+    if sc.is_valid() {
+        (format_traceparent(sc), sc.trace_id().to_string())
+    } else {
+        new_traceparent()
+    }
+}
+
+/// Calls the handler for `attempt` in a child span of `span`, a panic a transient failure;
+/// the outcome and how long the handler took.
+async fn call(
+    handler: &Arc<dyn Handler>,
+    event: &Event,
+    attempt: &Attempt,
+    span: &tracing::Span,
+) -> (Outcome, Duration) {
+    let handler_span = tracing::info_span!(target: "hubguard::attempt", parent: span, "handler", otel.name = span_name::HANDLER);
+    let t0 = Instant::now();
+    let outcome = match AssertUnwindSafe(handler.handle(event, attempt))
+        .catch_unwind()
+        .instrument(handler_span)
+        .await
+    {
+        Ok(o) => o,
+        Err(_) => Outcome::Failed(Failure::transient("the handler panicked")),
+    };
+    let duration = t0.elapsed();
+    if let Outcome::Failed(f) = &outcome {
+        tracing::info!(parent: span, error = %crate::redact::redact(&f.error), class = ?f.class, "attempt failed");
+    }
+    (outcome, duration)
 }
 
 /// Marks the attempt span `span` as a replay (`hubguard.replay = true`): the ledger already

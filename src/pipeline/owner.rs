@@ -146,26 +146,8 @@ impl OwnerLease {
     /// whether this instance holds it. Called at every load-balancing cycle. A storage
     /// failure changes nothing (the verdict stays what it was).
     pub(super) async fn check(&self) -> bool {
-        let held = match &*self.state() {
-            LeaseState::Held { etag } => Some(etag.clone()),
-            _ => None,
-        };
-        if let Some(etag) = held {
-            match self.records.update(&self.key, self.body(), &etag).await {
-                Ok(etag) => {
-                    *self.state() = LeaseState::Held { etag };
-                    return true;
-                }
-                Err(StoreError::Conflict | StoreError::NotFound) => {
-                    // Someone wrote it (took it over while we could not renew) or deleted
-                    // it: claim nothing until a read says who holds it now.
-                    *self.state() = LeaseState::Unknown;
-                }
-                Err(e) => {
-                    tracing::warn!(owner_id = %self.me.owner_id, error = %e, "could not renew this instance's owner record");
-                    return true;
-                }
-            }
+        if let Some(holds) = self.renew().await {
+            return holds;
         }
         let read = match self.records.read(&self.key).await {
             Ok(r) => r,
@@ -224,23 +206,58 @@ impl OwnerLease {
             self.report_unknown();
             return false;
         }
+        self.held_by_another(record.etag, holder.as_ref())
+    }
+
+    /// The renewal of a hold: `Some` verdict when it settles the check (renewed, or storage
+    /// failed and the verdict stays), `None` when this instance does not hold the id (any
+    /// more) as far as it knows and the record must be read.
+    async fn renew(&self) -> Option<bool> {
+        let held = match &*self.state() {
+            LeaseState::Held { etag } => Some(etag.clone()),
+            _ => None,
+        };
+        if let Some(etag) = held {
+            match self.records.update(&self.key, self.body(), &etag).await {
+                Ok(etag) => {
+                    *self.state() = LeaseState::Held { etag };
+                    return Some(true);
+                }
+                Err(StoreError::Conflict | StoreError::NotFound) => {
+                    // Someone wrote it (took it over while we could not renew) or deleted
+                    // it: claim nothing until a read says who holds it now.
+                    *self.state() = LeaseState::Unknown;
+                }
+                Err(e) => {
+                    tracing::warn!(owner_id = %self.me.owner_id, error = %e, "could not renew this instance's owner record");
+                    return Some(true);
+                }
+            }
+        }
+        None
+    }
+
+    /// Another instance, `holder`, holds the owner id and its record (ETag `etag`) is not
+    /// stale: remembers since when the record is unchanged, reports the conflict (logged at
+    /// first sight) and claims nothing.
+    fn held_by_another(&self, etag: String, holder: Option<&OwnerInstance>) -> bool {
         let mut st = self.state();
         let since = match &*st {
             LeaseState::Other {
-                etag,
+                etag: seen,
                 unchanged_since,
                 ..
-            } if *etag == record.etag => Some(*unchanged_since),
+            } if *seen == etag => Some(*unchanged_since),
             _ => None,
         };
         let first_sight = !matches!(&*st, LeaseState::Other { .. });
         *st = LeaseState::Other {
-            etag: record.etag,
+            etag,
             unchanged_since: since.unwrap_or_else(Instant::now),
         };
         drop(st);
         let silent_for = since.map_or(Duration::ZERO, |t| t.elapsed());
-        let reason = self.conflict(holder.as_ref(), silent_for);
+        let reason = self.conflict(holder, silent_for);
         if first_sight {
             tracing::error!(owner_id = %self.me.owner_id, instance = %self.me.instance, "{reason}");
         }
