@@ -146,22 +146,70 @@ macro_rules! testbed_pub {
     };
 }
 
-/// The product's modules: public with the test bed (the `hubguard` binary, the bench, the
-/// demo and the integration tests reach into them), private without it, where the crate's
-/// public API is exactly the re-exports below.
-macro_rules! internal_modules {
-    ($($name:ident),* $(,)?) => {$(
-        #[cfg(feature = "testbed")]
-        pub mod $name;
-        #[cfg(not(feature = "testbed"))]
-        mod $name;
-    )*};
-}
-
-internal_modules!(
-    azure, breaker, clock, config, event, guard, handler, ledger, pipeline, policy, ratelimit,
-    redact, status, telemetry, wiring,
-);
+// The product's modules: public with the test bed (the `hubguard` binary, the bench, the
+// demo and the integration tests reach into them), private without it, where the crate's
+// public API is exactly the re-exports below. Declared one by one, not by a macro, so that
+// `cargo fmt` (which follows `mod` items, not macro output) formats them.
+#[cfg(feature = "testbed")]
+pub mod azure;
+#[cfg(not(feature = "testbed"))]
+mod azure;
+#[cfg(feature = "testbed")]
+pub mod breaker;
+#[cfg(not(feature = "testbed"))]
+mod breaker;
+#[cfg(feature = "testbed")]
+pub mod clock;
+#[cfg(not(feature = "testbed"))]
+mod clock;
+#[cfg(feature = "testbed")]
+pub mod config;
+#[cfg(not(feature = "testbed"))]
+mod config;
+#[cfg(feature = "testbed")]
+pub mod event;
+#[cfg(not(feature = "testbed"))]
+mod event;
+#[cfg(feature = "testbed")]
+pub mod guard;
+#[cfg(not(feature = "testbed"))]
+mod guard;
+#[cfg(feature = "testbed")]
+pub mod handler;
+#[cfg(not(feature = "testbed"))]
+mod handler;
+#[cfg(feature = "testbed")]
+pub mod ledger;
+#[cfg(not(feature = "testbed"))]
+mod ledger;
+#[cfg(feature = "testbed")]
+pub mod pipeline;
+#[cfg(not(feature = "testbed"))]
+mod pipeline;
+#[cfg(feature = "testbed")]
+pub mod policy;
+#[cfg(not(feature = "testbed"))]
+mod policy;
+#[cfg(feature = "testbed")]
+pub mod ratelimit;
+#[cfg(not(feature = "testbed"))]
+mod ratelimit;
+#[cfg(feature = "testbed")]
+pub mod redact;
+#[cfg(not(feature = "testbed"))]
+mod redact;
+#[cfg(feature = "testbed")]
+pub mod status;
+#[cfg(not(feature = "testbed"))]
+mod status;
+#[cfg(feature = "testbed")]
+pub mod telemetry;
+#[cfg(not(feature = "testbed"))]
+mod telemetry;
+#[cfg(feature = "testbed")]
+pub mod wiring;
+#[cfg(not(feature = "testbed"))]
+mod wiring;
 
 #[cfg(feature = "testbed")]
 pub mod bench;

@@ -22,9 +22,9 @@ use serde_json::json;
 
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
-use crate::redact::{redact_json, redacted};
 #[cfg(any(test, feature = "testbed"))]
 use crate::redact::redact;
+use crate::redact::{redact_json, redacted};
 
 /// RFC 3339 with milliseconds.
 pub use crate::clock::rfc3339;

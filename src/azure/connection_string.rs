@@ -7,9 +7,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::sas::SasKey;
 #[cfg(any(test, feature = "testbed"))]
 use super::sas::SasCredential;
+use super::sas::SasKey;
 
 /// Why a connection string was refused. Never includes the secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -15,9 +15,9 @@ use async_trait::async_trait;
 use azure_core::credentials::{AccessToken, TokenCredential, TokenRequestOptions};
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
-use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 #[cfg(any(test, feature = "testbed"))]
 use percent_encoding::percent_decode_str;
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use sha2::Sha256;
 
 /// The characters `application/x-www-form-urlencoded` leaves alone are `*-._` and

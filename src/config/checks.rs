@@ -252,9 +252,7 @@ impl Config {
         if self.breaker.consecutive_failures == 0 || self.breaker.open_ms == 0 {
             return Err(invalid("breaker", "breaker.consecutive_failures and breaker.open_ms must be positive (or set breaker.enabled = false)"));
         }
-        self.breaker
-            .validate()
-            .map_err(|e| invalid(e.key(), e))?;
+        self.breaker.validate().map_err(|e| invalid(e.key(), e))?;
         if Duration::from_millis(self.breaker.open_ms + self.breaker.probe_timeout_ms)
             >= Duration::from_secs(self.eventhubs.retention_hours * 3600)
         {

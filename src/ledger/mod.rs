@@ -21,9 +21,9 @@ mod retention;
 use index::{redacted_errors, tags_of};
 pub use index::{state_index_value, STATE_INDEX_TAG};
 pub use index::{IndexMark, Pending, Repair};
-pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, State, Verdict};
 #[cfg(any(test, feature = "testbed"))]
 pub use record::RunNow;
+pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, State, Verdict};
 #[cfg(any(test, feature = "testbed"))]
 pub use retention::Expired;
 
@@ -36,9 +36,9 @@ pub const HISTORY_LIMIT: usize = 50;
 pub use crate::clock::{at, ms};
 
 pub mod lines;
-pub use lines::{Line, Opened, Parked};
 #[cfg(any(test, feature = "testbed"))]
 pub use lines::ParkedEntry;
+pub use lines::{Line, Opened, Parked};
 
 /// RFC 3339 (UTC, milliseconds) for serde.
 pub(crate) mod rfc3339 {

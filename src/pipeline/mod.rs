@@ -24,6 +24,7 @@ pub mod health;
 mod lines;
 mod message_id;
 mod observe;
+mod options;
 pub mod owner;
 mod partition;
 pub mod readback;
@@ -33,7 +34,6 @@ mod retry;
 #[cfg(any(test, feature = "testbed"))]
 pub mod rewind;
 pub mod settle;
-mod options;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +56,6 @@ pub use self::options::{
     replay_gap, BadLineOnDeadLetter, BadOrderingKey, EventHubsTarget, LineOnDeadLetter,
     OrderingKey, PipelineOptions, RetryOrdering, DEFAULT_RETENTION,
 };
-
 
 /// What the pipeline is built from (`wiring::Wiring` builds it).
 pub struct PipelineParts {

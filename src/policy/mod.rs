@@ -308,7 +308,11 @@ impl RetryPolicy {
 
     /// [`decide`](Self::decide), and the `Retry-After` it shortened to the policy's limit
     /// (see [`honour_retry_after`]), if it did.
-    pub(crate) fn decision(&self, f: &FailedAttempt, rng: &mut impl Rng) -> (Decision, Option<Duration>) {
+    pub(crate) fn decision(
+        &self,
+        f: &FailedAttempt,
+        rng: &mut impl Rng,
+    ) -> (Decision, Option<Duration>) {
         if f.permanent {
             return (Decision::DeadLetter(DeadLetterReason::Permanent), None);
         }

@@ -9,9 +9,9 @@
 
 use std::fmt;
 use std::io::IsTerminal as _;
-use std::path::PathBuf;
 #[cfg(any(test, feature = "testbed"))]
 use std::path::Path;
+use std::path::PathBuf;
 
 use opentelemetry::trace::TraceContextExt as _;
 use serde::Deserialize;

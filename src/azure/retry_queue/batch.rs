@@ -265,7 +265,10 @@ mod tests {
         let batches = fake.batches.lock().unwrap().clone();
         // Every message went exactly once, most of them in batches, none over the cap.
         assert_eq!(singles + batches.iter().sum::<usize>(), 500);
-        assert!(batches.iter().all(|&n| (2..=MAX_MESSAGES).contains(&n)), "{batches:?}");
+        assert!(
+            batches.iter().all(|&n| (2..=MAX_MESSAGES).contains(&n)),
+            "{batches:?}"
+        );
         assert!(singles + batches.len() < 500 / 4, "{singles} + {batches:?}");
     }
 
@@ -327,7 +330,11 @@ mod tests {
             push(format!("third-{i}"), MAX_BYTES / 3 - 10);
         }
         assert_eq!(b.take().len(), 1, "the giant alone");
-        assert_eq!(b.take().len(), 1, "two halves, commas and brackets do not fit");
+        assert_eq!(
+            b.take().len(),
+            1,
+            "two halves, commas and brackets do not fit"
+        );
         assert_eq!(b.take().len(), 2, "a half and a third do");
         assert_eq!(b.take().len(), 2);
         assert!(b.take().is_empty());

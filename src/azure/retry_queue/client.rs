@@ -312,8 +312,7 @@ impl ServiceBusRetryQueue {
 impl super::batch::Send for ServiceBusRetryQueue {
     async fn send_one(&self, message: OutgoingMessage) -> Result<(), RetryQueueError> {
         // A due time in the past means "now": send unscheduled rather than rounding it up.
-        let scheduled =
-            scheduled_at(message.due, self.clock.now()).map(time::OffsetDateTime::from);
+        let scheduled = scheduled_at(message.due, self.clock.now()).map(time::OffsetDateTime::from);
         let options = SendMessageOptions {
             content_type: message.content_type,
             broker_properties: Some(SettableBrokerProperties {
@@ -335,7 +334,6 @@ impl super::batch::Send for ServiceBusRetryQueue {
         })
         .await
     }
-
 
     /// Send Message Batch: `POST {queue}/messages`, `Content-Type:
     /// application/vnd.microsoft.servicebus.json`, signed as every request (a SAS, or the

@@ -33,21 +33,21 @@ pub use self::atom::QueueDescription;
 pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError};
 #[cfg(any(test, feature = "testbed"))]
 pub use self::classify::error_detail;
-pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue};
 #[cfg(any(test, feature = "testbed"))]
 pub use self::client::MANAGEMENT_API_VERSION;
-pub use self::endpoint::ServiceBusEndpoint;
+pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue};
 #[cfg(any(test, feature = "testbed"))]
 pub use self::endpoint::EndpointError;
+pub use self::endpoint::ServiceBusEndpoint;
 pub use self::error::RetryQueueError;
 #[cfg(any(test, feature = "testbed"))]
 pub use self::http::{
     BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
     SERVICE_BUS_SCOPE,
 };
-pub use self::proof::{prove_queue, QueueNeeds, QueueRefusal};
 #[cfg(any(test, feature = "testbed"))]
 pub use self::proof::QueueProof;
+pub use self::proof::{prove_queue, QueueNeeds, QueueRefusal};
 
 use std::collections::HashMap;
 use std::fmt;

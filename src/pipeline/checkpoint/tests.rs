@@ -171,8 +171,8 @@ async fn two_askers_for_one_partition_the_first_gets_it_handed_over_the_second_n
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_owner_that_never_answers_loses_the_partition_at_expiry_one_that_is_finishing_keeps_it(
-) {
+async fn an_owner_that_never_answers_loses_the_partition_at_expiry_one_that_is_finishing_keeps_it()
+{
     let inner = Arc::new(InMemoryCheckpointStore::new());
     let records = Arc::new(crate::azure::memory::MemoryRecordStore::new());
     let (a, b) = (

@@ -22,7 +22,6 @@ pub use report::{
     NotLive, RetryLoopState,
 };
 
-
 /// One hold as recorded: on one event of its subject, or on none.
 #[derive(Debug, Clone)]
 struct Hold {
@@ -30,7 +29,6 @@ struct Hold {
     since: SystemTime,
     reason: String,
 }
-
 
 /// How long a `record_missing` dead letter keeps readiness at 503: long enough for an alert
 /// on readiness to fire and an operator to see the key, short enough not to stall a rollout.
@@ -558,7 +556,6 @@ impl Health {
         serde_json::to_value(self.status()).unwrap_or_default()
     }
 }
-
 
 impl crate::telemetry::gauges::PipelineReadings for Health {
     fn held_by_reason(&self) -> BTreeMap<&'static str, u64> {

@@ -9,7 +9,6 @@ use serde::{Serialize, Serializer};
 
 use crate::clock::rfc3339;
 
-
 /// Serialises a time as RFC 3339 (the status API's form).
 fn as_rfc3339<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&rfc3339(*t))

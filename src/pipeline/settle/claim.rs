@@ -3,16 +3,15 @@
 
 use std::time::SystemTime;
 
-
 use crate::azure::StoreError;
 use crate::clock::{at, ms};
 use crate::event::Event;
-use crate::ledger::{
-    Change, Claim, LedgerError, LedgerRecord, State, Verdict,
+use crate::ledger::{Change, Claim, LedgerError, LedgerRecord, State, Verdict};
+
+use super::{
+    Claimed, MessageId, RetryCopy, RetryMessage, Sent, SettleError, Settler, CAS_ROUNDS,
+    CLAIM_LEASE,
 };
-
-
-use super::{Claimed, MessageId, RetryCopy, RetryMessage, Sent, SettleError, Settler, CAS_ROUNDS, CLAIM_LEASE};
 
 impl Settler {
     /// Defers attempt `attempt` of `event` to `until` (an open circuit breaker): the same

@@ -1,15 +1,10 @@
 //! The Settler's settlement: planning an attempt's outcome and executing the plan's effects
 //! in order, re-planning on a conflict.
 
-
-
 use crate::azure::StoreError;
 use crate::handler::Outcome;
-use crate::ledger::{
-    LedgerError, LedgerRecord,
-};
+use crate::ledger::{LedgerError, LedgerRecord};
 use crate::policy::DeadLetterReason;
-
 
 use super::{plan, Plan, Report, Sent, SettleError, Settled, Settler, CAS_ROUNDS};
 
@@ -126,7 +121,10 @@ impl Settler {
                 if !self.written(&record, etag).await? {
                     return Ok(None);
                 }
-                super::super::attempt::mark_retry_after_capped(&tracing::Span::current(), capped_from);
+                super::super::attempt::mark_retry_after_capped(
+                    &tracing::Span::current(),
+                    capped_from,
+                );
                 let sent = self
                     .schedule(report.event, attempt, due, report.traceparents)
                     .await;

@@ -1,16 +1,11 @@
 //! The Settler's answers to a retry message whose ledger record is missing: rebuilding the
 //! record, or dead-lettering the event.
 
-
-
 use crate::azure::StoreError;
 use crate::clock::ms;
 use crate::event::Event;
-use crate::ledger::{
-    AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, State,
-};
+use crate::ledger::{AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, State};
 use crate::policy::DeadLetterReason;
-
 
 use super::{plan, Position, RetryMessage, SettleError, Settler};
 

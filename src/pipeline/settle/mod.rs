@@ -26,9 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::azure::{RetryQueue, RetryQueueError};
 use crate::event::{Deployment, Event};
-use crate::ledger::{
-    Ledger, LedgerError, LedgerRecord, State, Verdict,
-};
+use crate::ledger::{Ledger, LedgerError, LedgerRecord, State, Verdict};
 use crate::policy::{DeadLetterReason, RetryPolicy};
 
 /// The history outcome of a delivery by a replay from Event Hubs (attempt 1 again) of an
@@ -414,25 +412,25 @@ impl Settler {
     }
 }
 
-pub use super::message_id::{MessageId, RetryCopy};
 #[cfg(any(test, feature = "testbed"))]
 pub use super::message_id::{qualified, unqualified};
+pub use super::message_id::{MessageId, RetryCopy};
 
 mod claim;
 mod execute;
 mod missing;
 #[cfg(any(test, feature = "testbed"))]
 mod operate;
+pub(crate) mod plan;
 #[cfg(any(test, feature = "testbed"))]
 mod replay;
 mod send;
-pub(crate) mod plan;
 #[cfg(any(test, feature = "testbed"))]
 pub use operate::{Action, ActionOutcome, OPERATOR_MARGIN};
-#[cfg(any(test, feature = "testbed"))]
-pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
 pub use plan::Report;
 use plan::{plan, Plan};
+#[cfg(any(test, feature = "testbed"))]
+pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
 
 #[cfg(test)]
 mod tests;

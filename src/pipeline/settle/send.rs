@@ -10,11 +10,10 @@ use crate::clock::{at, ms};
 use crate::event::{Deployment, Event};
 use crate::ledger::LedgerRecord;
 
-
 use super::{
-    ascii, bounded, deployment_properties, plan, MessageId, Position, RetryCopy, RetryMessage, Sent,
-    SettleError, Settler, CAS_ROUNDS, FORWARD_FAST_HOPS, FORWARD_WAIT_MAX, PROPERTY_KEY_LIMIT,
-    TRACE_LINKS_LIMIT,
+    ascii, bounded, deployment_properties, plan, MessageId, Position, RetryCopy, RetryMessage,
+    Sent, SettleError, Settler, CAS_ROUNDS, FORWARD_FAST_HOPS, FORWARD_WAIT_MAX,
+    PROPERTY_KEY_LIMIT, TRACE_LINKS_LIMIT,
 };
 
 impl Settler {
@@ -79,7 +78,11 @@ impl Settler {
 
     /// Marks `key`'s record dead-lettered because Service Bus refused its retry message
     /// (see [`plan::refusal`]), planning again on a conflict.
-    pub(super) async fn dead_letter_refused(&self, key: &str, e: &RetryQueueError) -> Result<(), SettleError> {
+    pub(super) async fn dead_letter_refused(
+        &self,
+        key: &str,
+        e: &RetryQueueError,
+    ) -> Result<(), SettleError> {
         let error = e.to_string();
         for _ in 0..CAS_ROUNDS {
             let Some((rec, etag)) = self.ledger.get(key).await? else {

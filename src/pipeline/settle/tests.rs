@@ -67,12 +67,7 @@ fn bed() -> Bed {
     bed_with(None)
 }
 
-async fn fail(
-    b: &Bed,
-    key: &str,
-    attempt: u32,
-    source: Source,
-) -> Result<Settled, SettleError> {
+async fn fail(b: &Bed, key: &str, attempt: u32, source: Source) -> Result<Settled, SettleError> {
     b.settler
         .settle(&Report {
             event: &event(key),
