@@ -205,9 +205,8 @@ async fn one(settled: usize, pending: usize) -> anyhow::Result<One> {
             .get(&key)
             .await?
             .ok_or_else(|| anyhow::anyhow!("record {key} vanished"))?;
-        rec.state = State::Delivered;
+        rec.deliver();
         rec.attempts = 2;
-        rec.next_attempt_ms = None;
         ledger.put(&rec, Some(&etag)).await?;
     }
     for i in 0..pending {

@@ -243,7 +243,35 @@ impl LedgerRecord {
     }
 }
 
+// Where a record stands is three fields, `state`, `next_attempt_ms` and
+// `dead_letter_reason` (the record's JSON in blob storage keeps them apart, so records of
+// earlier and later versions read alike); every change of state goes through one of the
+// three transitions below, which keep them in step: a scheduled retry has a due time and no
+// reason, a final record neither a due time nor (delivered) a reason.
 impl LedgerRecord {
+    /// A retry is scheduled, due at `due_ms` (ms since the epoch): a failure's next attempt,
+    /// an operator's `retry-now`, a replay, or a due time moved by a claim or the overdue
+    /// sweep. The wait before it (`last_delay_ms`) is the caller's to set when it draws one.
+    pub(crate) fn schedule_retry(&mut self, due_ms: i64) {
+        self.state = State::RetryScheduled;
+        self.next_attempt_ms = Some(due_ms);
+        self.dead_letter_reason = None;
+    }
+
+    /// Delivered: nothing more is due.
+    pub(crate) fn deliver(&mut self) {
+        self.state = State::Delivered;
+        self.next_attempt_ms = None;
+        self.dead_letter_reason = None;
+    }
+
+    /// Dead-lettered for `reason`: nothing more is due.
+    pub(crate) fn dead_letter(&mut self, reason: DeadLetterReason) {
+        self.state = State::DeadLettered;
+        self.next_attempt_ms = None;
+        self.dead_letter_reason = Some(reason);
+    }
+
     /// Appends to the history, keeping it bounded.
     pub fn push_history(&mut self, entry: AttemptEntry) {
         self.history.push(entry);

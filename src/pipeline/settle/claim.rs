@@ -56,7 +56,7 @@ impl Settler {
                 Some(mut rec)
                     if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
-                    rec.next_attempt_ms = Some(ms(until));
+                    rec.schedule_retry(ms(until));
                     rec.claim = None;
                     Change::Write(Box::new(rec), ())
                 }
@@ -114,7 +114,7 @@ impl Settler {
                         // Not while a retry loop runs it (a live claim).
                         && rec.claim.as_ref().is_none_or(|c| !c.live(now)) =>
                 {
-                    rec.next_attempt_ms = Some(ms(now));
+                    rec.schedule_retry(ms(now));
                     rec.updated_ms = ms(now);
                     Change::Write(Box::new(rec.clone()), Some(rec))
                 }

@@ -141,7 +141,7 @@ impl Settler {
                 by: by.to_string(),
                 previous_due_ms: rec.next_attempt_ms,
             });
-            rec.next_attempt_ms = Some(ms(now));
+            rec.schedule_retry(ms(now));
             rec.updated_ms = ms(now);
             match self.ledger.put(&rec, Some(&etag)).await {
                 Ok(_) => {}
@@ -200,10 +200,8 @@ impl Settler {
                 trace_id: None,
                 retry_after_capped_from_s: None,
             });
-            rec.state = State::DeadLettered;
-            rec.dead_letter_reason = Some(DeadLetterReason::Cancelled);
+            rec.dead_letter(DeadLetterReason::Cancelled);
             rec.last_error = Some(text);
-            rec.next_attempt_ms = None;
             rec.run_now = None;
             rec.updated_ms = ms(now);
             // As every dead letter: published, indexed, then recorded (a conflict means the

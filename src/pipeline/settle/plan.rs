@@ -104,10 +104,9 @@ fn delivery(rec: &LedgerRecord, report: &Report<'_>, now: SystemTime) -> Plan {
         return Plan::Done(Settled::Delivered);
     }
     let mut rec = rec.clone();
-    rec.state = State::Delivered;
+    rec.deliver();
     rec.claim = None;
     rec.attempts = rec.attempts.max(report.attempt);
-    rec.next_attempt_ms = None;
     rec.updated_ms = ms(now);
     // A replay from Event Hubs runs as attempt 1 although the record counted more (the
     // retry it had scheduled never ran, or has not yet): recorded as what it was, a replay,
@@ -180,8 +179,7 @@ fn failure(
             } else {
                 due
             };
-            rec.state = State::RetryScheduled;
-            rec.next_attempt_ms = Some(ms(due));
+            rec.schedule_retry(ms(due));
             rec.last_delay_ms =
                 Some(due.duration_since(now).unwrap_or_default().as_millis() as u64);
             entry.outcome = HistoryOutcome::RetryScheduled;
@@ -196,9 +194,7 @@ fn failure(
             }
         }
         Decision::DeadLetter(reason) => {
-            rec.state = State::DeadLettered;
-            rec.next_attempt_ms = None;
-            rec.dead_letter_reason = Some(reason.clone());
+            rec.dead_letter(reason.clone());
             rec.push_history(entry);
             Plan::DeadLetter {
                 record: Box::new(rec),
@@ -246,9 +242,7 @@ pub(crate) fn refusal(rec: &LedgerRecord, error: &str, now: SystemTime) -> Optio
     }
     let now = ms(now);
     let mut rec = rec.clone();
-    rec.state = State::DeadLettered;
-    rec.next_attempt_ms = None;
-    rec.dead_letter_reason = Some(DeadLetterReason::RetryRefused);
+    rec.dead_letter(DeadLetterReason::RetryRefused);
     rec.last_error = Some(error.to_string());
     rec.updated_ms = now;
     rec.push_history(AttemptEntry {

@@ -60,11 +60,9 @@ impl Settler {
                     }))
                 }
                 Some(mut rec) if rec.state == State::DeadLettered => {
-                    rec.state = State::RetryScheduled;
+                    rec.schedule_retry(ms(now));
                     rec.attempt_base = rec.attempts;
                     rec.first_failure_ms = ms(now);
-                    rec.next_attempt_ms = Some(ms(now));
-                    rec.dead_letter_reason = None;
                     rec.updated_ms = ms(now);
                     // The replayed attempt runs from the copy sent now only: a copy of it
                     // sent before (a cancelled retry's) stands down when it arrives.
