@@ -13,7 +13,7 @@ use super::Shared;
 use crate::emulator::clock::http_date;
 
 /// Parses `bytes=START-[END]` into an inclusive range clipped to `len`.
-pub(super) fn parse_range(spec: &str, len: u64) -> Option<Result<(u64, u64), ()>> {
+fn parse_range(spec: &str, len: u64) -> Option<Result<(u64, u64), ()>> {
     let r = spec.trim().strip_prefix("bytes=")?;
     let (start, end) = r.split_once('-')?;
     let start: u64 = start.trim().parse().ok()?;
@@ -32,7 +32,7 @@ pub(super) fn parse_range(spec: &str, len: u64) -> Option<Result<(u64, u64), ()>
 }
 /// The answer to a read's conditional headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ReadCondition {
+enum ReadCondition {
     /// Read on.
     Met,
     /// 304 Not Modified (`If-None-Match` matched, or not modified since `If-Modified-Since`).
@@ -50,7 +50,7 @@ pub(super) enum ReadCondition {
 /// met by any, `If-None-Match` by none matching: as documented; Azurite 3.37 reads a list
 /// as one ETag, and hubguard sends one). A date the service cannot parse is ignored,
 /// as Azure ignores it; dates compare at the second `Last-Modified` carries.
-pub(super) fn read_conditions(req: &HeaderMap, b: &Blob) -> ReadCondition {
+fn read_conditions(req: &HeaderMap, b: &Blob) -> ReadCondition {
     let get = |n: &str| req.get(n).and_then(|v| v.to_str().ok());
     let tags = |v: &str| -> Vec<String> {
         v.split(',')

@@ -32,11 +32,11 @@ pub(super) fn conditions(h: &HeaderMap) -> Conditions {
 /// Longest blob name, in characters.
 pub(super) const BLOB_NAME_CHARS: usize = 1024;
 /// Most metadata a blob may carry, names and values, in bytes.
-pub(super) const METADATA_BYTES: usize = 8 * 1024;
+const METADATA_BYTES: usize = 8 * 1024;
 
 /// A C# identifier, as Azure requires of metadata names (ASCII letters, digits and `_`, not
 /// starting with a digit; header names arrive lower-cased).
-pub(super) fn is_csharp_identifier(name: &str) -> bool {
+fn is_csharp_identifier(name: &str) -> bool {
     let mut chars = name.chars();
     chars
         .next()
@@ -67,7 +67,7 @@ pub(super) fn check_metadata(
 }
 
 /// Most index tags on a blob.
-pub(super) const TAGS_MAX: usize = 10;
+const TAGS_MAX: usize = 10;
 
 /// Parses and checks blob index tags as Azure does ("Manage and find Azure Blob data with
 /// blob index tags", learn.microsoft.com/azure/storage/blobs/storage-manage-find-blobs: at
@@ -76,7 +76,7 @@ pub(super) const TAGS_MAX: usize = 10;
 /// follows the Set Blob Tags reference): 400 `TagsTooLarge` for more than 10 tags or a key or
 /// value too long, 400 `EmptyTagName` for an empty key, 400 `InvalidTag` for a character
 /// outside the set (and a key given twice).
-pub(super) fn check_tags(
+fn check_tags(
     pairs: Vec<(String, String)>,
 ) -> Result<BTreeMap<String, String>, (StatusCode, &'static str, String)> {
     if pairs.len() > TAGS_MAX {

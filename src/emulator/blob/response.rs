@@ -10,7 +10,7 @@ use super::store::{Blob, BlobError};
 use super::VERSION;
 use crate::emulator::clock::http_date;
 
-pub(super) fn error_code(e: &BlobError) -> (StatusCode, &'static str) {
+fn error_code(e: &BlobError) -> (StatusCode, &'static str) {
     match e {
         BlobError::ContainerNotFound => (StatusCode::NOT_FOUND, "ContainerNotFound"),
         BlobError::BlobNotFound => (StatusCode::NOT_FOUND, "BlobNotFound"),

@@ -37,14 +37,14 @@ pub(super) fn describe(shared: &Shared, name: &str, host: &str) -> Response {
         .into_response()
 }
 
-pub(super) fn atom_time(t: SystemTime) -> String {
+fn atom_time(t: SystemTime) -> String {
     time::OffsetDateTime::from(t)
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
 }
 
 /// A duration as .NET writes a `TimeSpan` in XML (`PT1M`, `P7D`, `PT0.5S`).
-pub(super) fn xml_timespan(d: Duration) -> String {
+fn xml_timespan(d: Duration) -> String {
     let secs = d.as_secs();
     let (days, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
     let nanos = d.subsec_nanos();
@@ -72,11 +72,11 @@ pub(super) fn xml_timespan(d: Duration) -> String {
 }
 
 /// .NET's `TimeSpan.MaxValue`, the default time to live and auto-delete interval.
-pub(super) const TIMESPAN_MAX: &str = "P10675199DT2H48M5.4775807S";
+const TIMESPAN_MAX: &str = "P10675199DT2H48M5.4775807S";
 
 /// The Atom entry of a queue, in the shape of the Get Queue reference (the management REST
 /// API, api-version 2021-05), from its [`QueueSpec`].
-pub(super) fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
+fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
     let url = format!("https://{host}/{}?api-version=2021-05", spec.name);
     let window = spec
         .duplicate_detection_window

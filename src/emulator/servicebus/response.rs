@@ -32,7 +32,7 @@ pub(super) fn xml_escape(s: &str) -> String {
 
 /// JSON with every non-ASCII character escaped, because the legacy client drops response
 /// headers that are not ASCII.
-pub(super) fn ascii_json(value: &serde_json::Value) -> String {
+fn ascii_json(value: &serde_json::Value) -> String {
     let raw = value.to_string();
     let mut out = String::with_capacity(raw.len());
     for c in raw.chars() {

@@ -14,7 +14,7 @@ use crate::emulator::clock::parse_http_date;
 /// BrokerProperties a sender may set (PascalCase JSON).
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "PascalCase")]
-pub(super) struct SentBrokerProperties {
+struct SentBrokerProperties {
     message_id: Option<String>,
     correlation_id: Option<String>,
     label: Option<String>,
@@ -23,12 +23,12 @@ pub(super) struct SentBrokerProperties {
 }
 
 /// The content type of Send Message Batch's body (REST reference, "Send Message Batch").
-pub(super) const BATCH_CONTENT_TYPE: &str = "application/vnd.microsoft.servicebus.json";
+const BATCH_CONTENT_TYPE: &str = "application/vnd.microsoft.servicebus.json";
 
 /// One message of a Send Message Batch body.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
-pub(super) struct BatchedMessage {
+struct BatchedMessage {
     body: String,
     #[serde(default)]
     broker_properties: Option<SentBrokerProperties>,
@@ -36,7 +36,7 @@ pub(super) struct BatchedMessage {
     user_properties: Option<serde_json::Map<String, serde_json::Value>>,
 }
 /// Headers that are HTTP plumbing, not custom message properties.
-pub(super) fn is_plumbing(name: &str) -> bool {
+fn is_plumbing(name: &str) -> bool {
     matches!(
         name,
         "authorization"
@@ -56,7 +56,7 @@ pub(super) fn is_plumbing(name: &str) -> bool {
     )
 }
 /// Refuses a send that breaks one of Azure's limits on a message (see the module's table).
-pub(super) fn check_limits(
+fn check_limits(
     queue: &Queue,
     name: &str,
     headers: &HeaderMap,
@@ -211,7 +211,7 @@ pub(super) fn send_batch(
 
 /// One message's checks before it is enqueued (Azure's limits, a test's injected refusal),
 /// and its scheduled enqueue time, if any.
-pub(super) fn admit(
+fn admit(
     queue: &Queue,
     refused: &std::sync::Mutex<Vec<String>>,
     name: &str,

@@ -21,19 +21,19 @@ use super::{
 use crate::azure::sas::path_segments;
 
 /// A consumer link address: `…/{hub}/ConsumerGroups/{cg}/Partitions/{id}`.
-pub(super) struct ConsumerAddress {
+struct ConsumerAddress {
     hub: Arc<Hub>,
     consumer_group: String,
     partition: usize,
 }
 
 /// A producer link address: `…/{hub}` or `…/{hub}/Partitions/{id}`.
-pub(super) struct ProducerAddress {
+struct ProducerAddress {
     hub: Arc<Hub>,
     partition: Option<usize>,
 }
 
-pub(super) fn original_segments(address: &str) -> Vec<String> {
+fn original_segments(address: &str) -> Vec<String> {
     // Like `path_segments`, but keeps case (consumer group names are reported as given).
     let lower = path_segments(address);
     let without_scheme = address.split_once("://").map_or(address, |(_, r)| r);
@@ -61,7 +61,7 @@ pub(super) fn original_segments(address: &str) -> Vec<String> {
     }
 }
 
-pub(super) fn parse_consumer(shared: &Shared, address: &str) -> Result<ConsumerAddress, String> {
+fn parse_consumer(shared: &Shared, address: &str) -> Result<ConsumerAddress, String> {
     let segs = original_segments(address);
     let [hub, cgs, cg, parts, pid] = segs.as_slice() else {
         return Err(format!(
@@ -97,7 +97,7 @@ pub(super) fn parse_consumer(shared: &Shared, address: &str) -> Result<ConsumerA
     })
 }
 
-pub(super) fn parse_producer(shared: &Shared, address: &str) -> Result<ProducerAddress, String> {
+fn parse_producer(shared: &Shared, address: &str) -> Result<ProducerAddress, String> {
     let segs = original_segments(address);
     let (hub, pid) = match segs.as_slice() {
         [hub] => (hub, None),
@@ -124,10 +124,7 @@ pub(super) fn parse_producer(shared: &Shared, address: &str) -> Result<ProducerA
     Ok(ProducerAddress { hub, partition })
 }
 /// The events of one transfer: a single event, or the inner events of a batch.
-pub(super) fn events_of(
-    format: Option<u32>,
-    envelope: Msg,
-) -> Result<(Vec<Msg>, Option<String>), String> {
+fn events_of(format: Option<u32>, envelope: Msg) -> Result<(Vec<Msg>, Option<String>), String> {
     let envelope_key = store::partition_key_of(&envelope);
     if format != Some(BATCH_FORMAT) {
         return Ok((vec![envelope], envelope_key));

@@ -13,7 +13,7 @@ use super::super::store::Msg;
 use super::super::Shared;
 use super::{ConnectionAuth, ReplyLinks, CBS};
 
-pub(super) fn string_prop(msg: &Msg, key: &str) -> Option<String> {
+fn string_prop(msg: &Msg, key: &str) -> Option<String> {
     msg.application_properties
         .as_ref()
         .and_then(|a| match a.0.get(key) {
@@ -23,7 +23,7 @@ pub(super) fn string_prop(msg: &Msg, key: &str) -> Option<String> {
         })
 }
 
-pub(super) fn expiration_prop(msg: &Msg) -> Option<u64> {
+fn expiration_prop(msg: &Msg) -> Option<u64> {
     msg.application_properties
         .as_ref()
         .and_then(|a| match a.0.get("expiration") {
@@ -34,7 +34,7 @@ pub(super) fn expiration_prop(msg: &Msg) -> Option<u64> {
         })
 }
 
-pub(super) fn token_body(msg: &Msg) -> Option<String> {
+fn token_body(msg: &Msg) -> Option<String> {
     match &msg.body {
         Body::Value(AmqpValue(Value::String(s))) => Some(s.clone()),
         _ => None,
@@ -44,15 +44,15 @@ pub(super) fn token_body(msg: &Msg) -> Option<String> {
 /// The CBS token type of a SAS token. Azure's broker takes a SAS token under this type only
 /// (azure-sdk-for-rust pull request #4587; the Service Bus AMQP guide, "claims-based
 /// authorization").
-pub(super) const SAS_TOKEN_TYPE: &str = "servicebus.windows.net:sastoken";
+const SAS_TOKEN_TYPE: &str = "servicebus.windows.net:sastoken";
 /// The CBS token type of an Entra ID (JWT) token.
-pub(super) const JWT_TOKEN_TYPE: &str = "jwt";
+const JWT_TOKEN_TYPE: &str = "jwt";
 
 /// Checks a token presented as `token_type` for `audience`, as Azure does: a SAS token only
 /// under [`SAS_TOKEN_TYPE`] (signature, expiry and audience verified); a `jwt` only when the
 /// emulator accepts any token (it cannot verify Entra ID signatures), and never a SAS string
 /// posing as one; any other type is refused. `Ok(expiry)` or the refusal's description.
-pub(super) fn check_token(
+fn check_token(
     shared: &Shared,
     token_type: &str,
     token: &str,
@@ -142,7 +142,7 @@ pub(super) async fn serve_requests(
     let _ = receiver.close().await;
 }
 
-pub(super) fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Msg {
+fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Msg {
     if string_prop(request, "operation").as_deref() != Some("put-token") {
         return reply(request, 400, "unsupported CBS operation", Value::Null);
     }
@@ -174,7 +174,7 @@ pub(super) fn handle_put_token(shared: &Shared, auth: &ConnectionAuth, request: 
     }
 }
 
-pub(super) fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Msg {
+fn handle_management(shared: &Shared, auth: &ConnectionAuth, request: &Msg) -> Msg {
     let operation = string_prop(request, "operation").unwrap_or_default();
     if operation != "READ" {
         return reply(

@@ -208,7 +208,7 @@ pub(super) fn at(ms: i64) -> SystemTime {
 }
 
 /// When a message expires: its time to live (capped by the entity's) after it was enqueued.
-pub(super) fn expires_at(default_ttl: Option<Duration>, m: &StoredMessage) -> Option<SystemTime> {
+fn expires_at(default_ttl: Option<Duration>, m: &StoredMessage) -> Option<SystemTime> {
     let ttl = m
         .time_to_live
         .filter(|t| t.is_finite() && *t > 0.0 && *t < 1e11)
