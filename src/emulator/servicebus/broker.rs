@@ -1,147 +1,32 @@
 //! The Service Bus broker model: queues with scheduled messages, duplicate detection,
 //! peek-lock, delivery counts, time to live and a dead-letter sub-queue — the service's
 //! semantics, independent of HTTP. Every time comes from the emulator [`Clock`].
+//!
+//! This module holds the message types and the operations on a [`Queue`] and the
+//! [`Broker`]; `spec` a queue's configuration and Azure's limits, `store` one entity's
+//! indexed messages, `state` what time and duplicate detection do to a queue, and `journal`
+//! a durable queue's records, replay and compaction.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+mod journal;
+mod spec;
+mod state;
+mod store;
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
+use self::journal::{entity_code, JournalRecord};
+pub use self::spec::{limits, QueueSpec};
+use self::state::QueueState;
+use self::store::{ms, Lock};
 use crate::emulator::clock::Clock;
-
-/// Configuration of one queue.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QueueSpec {
-    /// The queue's name.
-    pub name: String,
-    /// How long a peek-lock holds a message.
-    pub lock_duration: Duration,
-    /// Deliveries after which a message is dead-lettered.
-    pub max_delivery_count: u32,
-    /// Duplicate detection window (`None` turns detection off).
-    pub duplicate_detection_window: Option<Duration>,
-    /// The entity's default (and maximum) message time to live.
-    pub default_ttl: Option<Duration>,
-    /// Dead-letter expired messages instead of discarding them.
-    pub dead_letter_on_expiration: bool,
-    /// Largest message the queue takes, in KB (`MaxMessageSizeInKilobytes`): 256 on the
-    /// Standard tier; 1,024 (Premium's default) to 102,400 on Premium.
-    pub max_message_size_kb: u32,
-}
-
-/// Azure's limits on a queue's settings ("Service Bus quotas" and the `QueueDescription`
-/// reference, learn.microsoft.com), checked when the emulator opens a queue.
-pub mod limits {
-    use std::time::Duration;
-
-    /// Lock duration: at least 5 seconds, at most 5 minutes.
-    pub const LOCK_DURATION: (Duration, Duration) =
-        (Duration::from_secs(5), Duration::from_secs(300));
-    /// Duplicate-detection window: 20 seconds to 7 days.
-    pub const DUPLICATE_DETECTION_WINDOW: (Duration, Duration) =
-        (Duration::from_secs(20), Duration::from_secs(7 * 24 * 3600));
-    /// Message size on the Standard tier, in KB (headers included).
-    pub const STANDARD_MESSAGE_KB: u32 = 256;
-    /// Message size a Premium queue may be configured for, in KB.
-    pub const PREMIUM_MESSAGE_KB: (u32, u32) = (1_024, 102_400);
-    /// MessageId, SessionId and PartitionKey: at most 128 characters.
-    pub const MESSAGE_ID_CHARS: usize = 128;
-    /// One custom property: at most 32 KB.
-    pub const PROPERTY_BYTES: usize = 32 * 1024;
-    /// All of a message's headers (system and custom properties): at most 64 KB.
-    pub const HEADER_BYTES: usize = 64 * 1024;
-    /// Custom properties of one message: "Maximum number of header properties in property
-    /// bag: byte/int.MaxValue" — the stricter reading, `byte.MaxValue` (255). Over REST each
-    /// custom property is one HTTP header (REST reference, "Send Message"). Source:
-    /// https://learn.microsoft.com/azure/service-bus-messaging/service-bus-quotas
-    pub const CUSTOM_PROPERTIES: usize = u8::MAX as usize;
-}
-
-impl QueueSpec {
-    /// Refuses settings Azure refuses, naming the setting and what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
-        let name = &self.name;
-        let (lo, hi) = limits::LOCK_DURATION;
-        if self.lock_duration < lo || self.lock_duration > hi {
-            return Err(format!(
-                "queue {name}: LockDuration {:?} is outside Azure's range of 5 s to 5 minutes",
-                self.lock_duration
-            ));
-        }
-        if let Some(w) = self.duplicate_detection_window {
-            let (lo, hi) = limits::DUPLICATE_DETECTION_WINDOW;
-            if w < lo || w > hi {
-                return Err(format!(
-                    "queue {name}: DuplicateDetectionHistoryTimeWindow {w:?} is outside Azure's range of 20 s to 7 days"
-                ));
-            }
-        }
-        if self.max_delivery_count == 0 {
-            return Err(format!("queue {name}: MaxDeliveryCount must be at least 1"));
-        }
-        let (lo, hi) = limits::PREMIUM_MESSAGE_KB;
-        if self.max_message_size_kb != limits::STANDARD_MESSAGE_KB
-            && !(lo..=hi).contains(&self.max_message_size_kb)
-        {
-            return Err(format!(
-                "queue {name}: MaxMessageSizeInKilobytes {} is neither Standard's 256 nor within Premium's 1,024 to 102,400",
-                self.max_message_size_kb
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl QueueSpec {
-    /// A queue with the service's defaults: 60 s locks, 10 deliveries, 10 minute duplicate
-    /// detection, unlimited TTL.
-    pub fn new(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            lock_duration: Duration::from_secs(60),
-            max_delivery_count: 10,
-            duplicate_detection_window: Some(Duration::from_secs(600)),
-            default_ttl: None,
-            dead_letter_on_expiration: false,
-            max_message_size_kb: limits::STANDARD_MESSAGE_KB,
-        }
-    }
-}
-
-impl std::str::FromStr for QueueSpec {
-    type Err = String;
-
-    /// `NAME[:DUPLICATE_DETECTION]`, as `hubguard emulator --queue` takes it: the service's
-    /// defaults, with the duplicate-detection window in seconds, or `off` (e.g. `retries:off`,
-    /// `retries:86400`).
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, dedup) = match s.split_once(':') {
-            Some((n, d)) => (n, Some(d)),
-            None => (s, None),
-        };
-        if name.trim().is_empty() {
-            return Err(format!("`{s}`: a queue needs a name"));
-        }
-        let mut spec = Self::new(name.trim());
-        match dedup.map(str::trim) {
-            None => {}
-            Some(d) if d.eq_ignore_ascii_case("off") => spec.duplicate_detection_window = None,
-            Some(d) => {
-                let secs: u64 = d.parse().map_err(|_| {
-                    format!("`{s}`: the duplicate-detection window is seconds or `off`")
-                })?;
-                spec.duplicate_detection_window = Some(Duration::from_secs(secs));
-            }
-        }
-        spec.validate()?;
-        Ok(spec)
-    }
-}
 
 /// A message as stored.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -181,12 +66,6 @@ impl StoredMessage {
     pub fn locked_until(&self) -> Option<SystemTime> {
         self.lock.as_ref().map(|l| l.until)
     }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-struct Lock {
-    token: String,
-    until: SystemTime,
 }
 
 /// What a sender provides.
@@ -283,234 +162,6 @@ pub enum BrokerError {
     MessageTooLarge(String),
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-enum JournalRecord {
-    Send {
-        entity: u8,
-        message: Box<StoredMessage>,
-    },
-    Remove {
-        entity: u8,
-        sequence_number: i64,
-    },
-    DeadLetter {
-        sequence_number: i64,
-        reason: String,
-        description: String,
-    },
-    Delivered {
-        entity: u8,
-        sequence_number: i64,
-        count: u32,
-    },
-}
-
-fn entity_code(e: Entity) -> u8 {
-    match e {
-        Entity::Main => 0,
-        Entity::DeadLetter => 1,
-    }
-}
-
-/// One entity's messages, indexed so every operation costs O(log n) in the number stored:
-/// the retry queue holds every pending retry, and a scan per receive would make a backlog of
-/// 100,000 quadratic.
-#[derive(Debug)]
-struct Store {
-    messages: BTreeMap<i64, StoredMessage>,
-    next_sequence: i64,
-    /// Unlocked messages that were not visible when last looked at: (visible from, seq).
-    waiting: BTreeSet<(i64, i64)>,
-    /// Unlocked visible messages, by sequence number (receives take the lowest).
-    visible: BTreeSet<i64>,
-    /// Locked messages by lock expiry.
-    locks: BTreeSet<(SystemTime, i64)>,
-    /// Messages with a time to live, by expiry (the main entity only).
-    expiries: Option<BTreeSet<(SystemTime, i64)>>,
-    /// Sequence numbers by MessageId (without duplicate detection, ids repeat).
-    by_id: HashMap<String, BTreeSet<i64>>,
-    default_ttl: Option<Duration>,
-}
-
-impl Store {
-    /// `expiring`: whether messages expire here (the dead-letter sub-queue keeps them).
-    fn new(expiring: bool, default_ttl: Option<Duration>) -> Self {
-        Self {
-            messages: BTreeMap::new(),
-            next_sequence: 1,
-            waiting: BTreeSet::new(),
-            visible: BTreeSet::new(),
-            locks: BTreeSet::new(),
-            expiries: expiring.then(BTreeSet::new),
-            by_id: HashMap::new(),
-            default_ttl,
-        }
-    }
-
-    /// Stores `m` under a new sequence number.
-    fn push(&mut self, mut m: StoredMessage) -> i64 {
-        m.sequence_number = self.next_sequence;
-        self.insert(m)
-    }
-
-    /// Stores `m` under its own sequence number (a journal replay).
-    fn insert(&mut self, mut m: StoredMessage) -> i64 {
-        let seq = m.sequence_number;
-        self.next_sequence = self.next_sequence.max(seq + 1);
-        m.lock = None;
-        self.waiting.insert((m.enqueued_at_ms, seq));
-        if let Some(exp) = self.expiries.as_mut() {
-            if let Some(t) = expires_at(self.default_ttl, &m) {
-                exp.insert((t, seq));
-            }
-        }
-        self.by_id
-            .entry(m.message_id.clone())
-            .or_default()
-            .insert(seq);
-        if let Some(old) = self.messages.insert(seq, m) {
-            self.unindex(&old);
-        }
-        seq
-    }
-
-    fn unindex(&mut self, m: &StoredMessage) {
-        let seq = m.sequence_number;
-        self.waiting.remove(&(m.enqueued_at_ms, seq));
-        self.visible.remove(&seq);
-        if let Some(l) = &m.lock {
-            self.locks.remove(&(l.until, seq));
-        }
-        if let (Some(exp), Some(t)) = (self.expiries.as_mut(), expires_at(self.default_ttl, m)) {
-            exp.remove(&(t, seq));
-        }
-        if let Some(ids) = self.by_id.get_mut(&m.message_id) {
-            ids.remove(&seq);
-            if ids.is_empty() {
-                self.by_id.remove(&m.message_id);
-            }
-        }
-    }
-
-    fn remove(&mut self, seq: i64) -> Option<StoredMessage> {
-        let m = self.messages.remove(&seq)?;
-        self.unindex(&m);
-        Some(m)
-    }
-
-    /// Moves what has come due by `now` from waiting to visible.
-    fn promote(&mut self, now: SystemTime) {
-        let now_ms = ms(now);
-        while let Some(&(from, seq)) = self.waiting.first() {
-            if from > now_ms {
-                break;
-            }
-            self.waiting.pop_first();
-            self.visible.insert(seq);
-        }
-    }
-
-    /// Locks the lowest visible message at `now`.
-    fn lock_first(&mut self, now: SystemTime, duration: Duration) -> Option<Locked> {
-        self.promote(now);
-        let seq = self.visible.pop_first()?;
-        let m = self.messages.get_mut(&seq).expect("indexed");
-        m.delivery_count += 1;
-        let token = uuid::Uuid::new_v4().to_string();
-        let until = now + duration;
-        m.lock = Some(Lock {
-            token: token.clone(),
-            until,
-        });
-        self.locks.insert((until, seq));
-        Some(Locked {
-            message: m.clone(),
-            lock_token: token,
-            locked_until: until,
-        })
-    }
-
-    /// Ends `seq`'s lock: it waits to be visible again (at once: it was visible before).
-    fn unlock(&mut self, seq: i64) -> Option<&StoredMessage> {
-        let m = self.messages.get_mut(&seq)?;
-        if let Some(l) = m.lock.take() {
-            self.locks.remove(&(l.until, seq));
-            self.waiting.insert((m.enqueued_at_ms, seq));
-        }
-        Some(m)
-    }
-
-    /// Moves `seq`'s lock to `until`.
-    fn relock(&mut self, seq: i64, until: SystemTime) {
-        if let Some(l) = self.messages.get_mut(&seq).and_then(|m| m.lock.as_mut()) {
-            self.locks.remove(&(l.until, seq));
-            l.until = until;
-            self.locks.insert((until, seq));
-        }
-    }
-
-    /// The message `id` (a MessageId, or a sequence number) locked under `token` at `now`.
-    fn locked(&self, id: &str, token: &str, now: SystemTime) -> Option<i64> {
-        let holds = |seq: &i64| {
-            self.messages.get(seq).is_some_and(|m| {
-                m.lock
-                    .as_ref()
-                    .is_some_and(|l| l.token.eq_ignore_ascii_case(token) && l.until > now)
-            })
-        };
-        let by_seq = id.parse::<i64>().ok().filter(holds);
-        let by_id = || self.by_id.get(id)?.iter().copied().find(holds);
-        match (by_seq, by_id()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-
-    /// Locks that have ended by `now`, oldest first (still in place).
-    fn ended_locks(&self, now: SystemTime) -> Vec<i64> {
-        self.locks
-            .iter()
-            .take_while(|(until, _)| *until <= now)
-            .map(|(_, seq)| *seq)
-            .collect()
-    }
-
-    /// Unlocked messages whose time to live has ended by `now`.
-    fn expired(&self, now: SystemTime) -> Vec<i64> {
-        let Some(exp) = &self.expiries else {
-            return Vec::new();
-        };
-        exp.iter()
-            .take_while(|(t, _)| *t <= now)
-            .map(|(_, seq)| *seq)
-            .filter(|seq| self.messages.get(seq).is_some_and(|m| m.lock.is_none()))
-            .collect()
-    }
-
-    /// When something next becomes visible: a message comes due or a lock ends.
-    fn next_change(&self) -> Option<SystemTime> {
-        let due = self.waiting.first().map(|(from, _)| at(*from));
-        let unlock = self.locks.first().map(|(until, _)| *until);
-        match (due, unlock) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct QueueState {
-    spec: QueueSpec,
-    main: Store,
-    dlq: Store,
-    /// MessageIds seen within the duplicate-detection window, and when, oldest first.
-    seen_ids: HashMap<String, i64>,
-    seen_order: VecDeque<(i64, String)>,
-    counters: Counters,
-    journal: Option<File>,
-    accepted: Option<Vec<(String, SystemTime)>>,
-}
-
 /// One queue; its state behind a mutex, its waiters behind a notify.
 #[derive(Debug)]
 pub struct Queue {
@@ -530,227 +181,7 @@ impl Drop for Receiving<'_> {
     }
 }
 
-fn ms(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-fn at(ms: i64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
-}
-
-/// When a message expires: its time to live (capped by the entity's) after it was enqueued.
-fn expires_at(default_ttl: Option<Duration>, m: &StoredMessage) -> Option<SystemTime> {
-    let ttl = m
-        .time_to_live
-        .filter(|t| t.is_finite() && *t > 0.0 && *t < 1e11)
-        .map(Duration::from_secs_f64);
-    let ttl = match (ttl, default_ttl) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }?;
-    Some(at(m.enqueued_at_ms) + ttl)
-}
-
-impl QueueState {
-    fn store(&mut self, e: Entity) -> &mut Store {
-        match e {
-            Entity::Main => &mut self.main,
-            Entity::DeadLetter => &mut self.dlq,
-        }
-    }
-
-    fn write(&mut self, record: &JournalRecord) -> Result<(), BrokerError> {
-        if let Some(f) = self.journal.as_mut() {
-            let mut line =
-                serde_json::to_vec(record).map_err(|e| BrokerError::Storage(e.to_string()))?;
-            line.push(b'\n');
-            f.write_all(&line)
-                .map_err(|e| BrokerError::Storage(e.to_string()))?;
-        }
-        Ok(())
-    }
-
-    fn move_to_dead_letter(
-        &mut self,
-        seq: i64,
-        reason: &str,
-        description: &str,
-    ) -> Result<(), BrokerError> {
-        self.write(&JournalRecord::DeadLetter {
-            sequence_number: seq,
-            reason: reason.into(),
-            description: description.into(),
-        })?;
-        if let Some(mut m) = self.main.remove(seq) {
-            m.dead_letter = Some((reason.into(), description.into()));
-            self.dlq.push(m);
-        }
-        Ok(())
-    }
-
-    /// Applies what time has done: ended locks (dead-lettering at the delivery limit),
-    /// expired messages, scheduled messages come due.
-    fn settle_time(&mut self, now: SystemTime) -> Result<(), BrokerError> {
-        let max = self.spec.max_delivery_count;
-        for entity in [Entity::Main, Entity::DeadLetter] {
-            for seq in self.store(entity).ended_locks(now) {
-                let spent = self
-                    .store(entity)
-                    .unlock(seq)
-                    .is_some_and(|m| m.delivery_count >= max);
-                if entity == Entity::Main && spent {
-                    self.move_to_dead_letter(
-                        seq,
-                        "MaxDeliveryCountExceeded",
-                        &format!("Message could not be consumed after {max} delivery attempts."),
-                    )?;
-                }
-            }
-        }
-        for seq in self.main.expired(now) {
-            if self.spec.dead_letter_on_expiration {
-                self.move_to_dead_letter(
-                    seq,
-                    "TTLExpiredException",
-                    "The message expired and was dead lettered.",
-                )?;
-            } else {
-                self.write(&JournalRecord::Remove {
-                    entity: 0,
-                    sequence_number: seq,
-                })?;
-                self.main.remove(seq);
-            }
-            self.counters.expired += 1;
-        }
-        self.main.promote(now);
-        self.dlq.promote(now);
-        Ok(())
-    }
-
-    /// Forgets MessageIds older than the duplicate-detection window; whether `id` was seen
-    /// within it.
-    fn seen_recently(&mut self, id: &str, now_ms: i64, window_ms: i64) -> bool {
-        while let Some((t, _)) = self.seen_order.front() {
-            if now_ms - *t < window_ms {
-                break;
-            }
-            let (t, old) = self.seen_order.pop_front().expect("front");
-            if self.seen_ids.get(&old) == Some(&t) {
-                self.seen_ids.remove(&old);
-            }
-        }
-        self.seen_ids
-            .get(id)
-            .is_some_and(|seen| now_ms - *seen < window_ms)
-    }
-
-    fn remember(&mut self, id: &str, now_ms: i64) {
-        self.seen_ids.insert(id.to_string(), now_ms);
-        self.seen_order.push_back((now_ms, id.to_string()));
-    }
-}
-
 impl Queue {
-    fn open(spec: QueueSpec, journal: Option<PathBuf>) -> io::Result<Self> {
-        let mut st = QueueState {
-            main: Store::new(true, spec.default_ttl),
-            dlq: Store::new(false, None),
-            spec,
-            seen_ids: HashMap::new(),
-            seen_order: VecDeque::new(),
-            accepted: None,
-            counters: Counters::default(),
-            journal: None,
-        };
-        if let Some(path) = journal {
-            if path.exists() {
-                let reader = BufReader::new(File::open(&path)?);
-                for line in reader.lines() {
-                    let line = line?;
-                    let Ok(record) = serde_json::from_str::<JournalRecord>(&line) else {
-                        tracing::warn!(path = %path.display(), "service bus emulator: ignoring a torn journal record");
-                        break;
-                    };
-                    match record {
-                        JournalRecord::Send { entity, message } => {
-                            let store = if entity == 0 {
-                                &mut st.main
-                            } else {
-                                &mut st.dlq
-                            };
-                            let (id, sent) = (message.message_id.clone(), message.sent_at_ms);
-                            store.insert(*message);
-                            if entity == 0 {
-                                st.remember(&id, sent);
-                            }
-                        }
-                        JournalRecord::Remove {
-                            entity,
-                            sequence_number,
-                        } => {
-                            let store = if entity == 0 {
-                                &mut st.main
-                            } else {
-                                &mut st.dlq
-                            };
-                            store.remove(sequence_number);
-                        }
-                        JournalRecord::DeadLetter {
-                            sequence_number,
-                            reason,
-                            description,
-                        } => {
-                            if let Some(mut m) = st.main.remove(sequence_number) {
-                                m.dead_letter = Some((reason, description));
-                                st.dlq.push(m);
-                            }
-                        }
-                        JournalRecord::Delivered {
-                            entity,
-                            sequence_number,
-                            count,
-                        } => {
-                            let store = if entity == 0 {
-                                &mut st.main
-                            } else {
-                                &mut st.dlq
-                            };
-                            if let Some(m) = store.messages.get_mut(&sequence_number) {
-                                m.delivery_count = count;
-                            }
-                        }
-                    }
-                }
-                // Rewrite the journal as the current state (compaction).
-                let tmp = path.with_extension("journal.tmp");
-                {
-                    let mut f = File::create(&tmp)?;
-                    for (entity, store) in [(0u8, &st.main), (1u8, &st.dlq)] {
-                        for m in store.messages.values() {
-                            let rec = JournalRecord::Send {
-                                entity,
-                                message: Box::new(m.clone()),
-                            };
-                            let mut line = serde_json::to_vec(&rec).map_err(io::Error::other)?;
-                            line.push(b'\n');
-                            f.write_all(&line)?;
-                        }
-                    }
-                    f.sync_all()?;
-                }
-                fs::rename(&tmp, &path)?;
-            }
-            st.journal = Some(OpenOptions::new().create(true).append(true).open(&path)?);
-        }
-        Ok(Self {
-            state: Mutex::new(st),
-            changed: Notify::new(),
-            receiving: std::sync::atomic::AtomicU64::new(0),
-        })
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -1044,6 +475,10 @@ impl Broker {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use super::store::at;
     use super::*;
 
     fn queue(spec: QueueSpec) -> Queue {
