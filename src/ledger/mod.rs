@@ -36,9 +36,7 @@ pub const HISTORY_LIMIT: usize = 50;
 pub use crate::clock::{at, ms};
 
 pub mod lines;
-#[cfg(any(test, feature = "testbed"))]
-pub use lines::ParkedEntry;
-pub use lines::{Line, Opened, Parked};
+pub use lines::{Line, Opened, Parked, ParkedEntry};
 
 /// RFC 3339 (UTC, milliseconds) for serde.
 pub(crate) mod rfc3339 {
