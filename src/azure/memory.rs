@@ -271,16 +271,10 @@ impl MemoryRetryQueue {
         let until = now + self.lock_duration;
         m.lock = Some((token.clone(), until));
         m.delivery_count += 1;
-        Some(ReceivedMessage::new(
+        let mut received = ReceivedMessage::new(
             m.message.message_id.clone(),
-            m.message.correlation_id.clone(),
-            m.message.label.clone(),
             m.message.body.clone(),
-            m.delivery_count,
-            m.sequence_number,
-            Some(m.visible_at),
             until,
-            m.message.properties.iter().cloned().collect(),
             Box::new(MemoryLock {
                 state: self.state.clone(),
                 clock: self.clock.clone(),
@@ -289,7 +283,14 @@ impl MemoryRetryQueue {
                 dead_letter,
                 lock_duration: self.lock_duration,
             }),
-        ))
+        );
+        received.correlation_id = m.message.correlation_id.clone();
+        received.label = m.message.label.clone();
+        received.delivery_count = m.delivery_count;
+        received.sequence_number = m.sequence_number;
+        received.enqueued_at = Some(m.visible_at);
+        received.properties = m.message.properties.iter().cloned().collect();
+        Some(received)
     }
 }
 

@@ -352,22 +352,31 @@ impl CountingQueue {
         };
         let key = key_of_message(&m.message_id);
         self.log.note(key.clone(), Kind::SbReceive, 1);
-        Some(ReceivedMessage::new(
-            m.message_id.clone(),
+        // What the counting copy shows of the message it wraps (which its lock settles).
+        let (correlation_id, label, properties) = (
             m.correlation_id.clone(),
             m.label.clone(),
-            m.body.clone(),
-            m.delivery_count,
-            m.sequence_number,
-            m.enqueued_at,
-            m.locked_until,
             m.properties.clone(),
+        );
+        let (delivery_count, sequence_number, enqueued_at) =
+            (m.delivery_count, m.sequence_number, m.enqueued_at);
+        let mut received = ReceivedMessage::new(
+            m.message_id.clone(),
+            m.body.clone(),
+            m.locked_until,
             Box::new(CountingLock {
                 message: tokio::sync::Mutex::new(m),
                 key,
                 log: self.log.clone(),
             }),
-        ))
+        );
+        received.correlation_id = correlation_id;
+        received.label = label;
+        received.delivery_count = delivery_count;
+        received.sequence_number = sequence_number;
+        received.enqueued_at = enqueued_at;
+        received.properties = properties;
+        Some(received)
     }
 }
 

@@ -122,30 +122,25 @@ pub trait MessageLock: Send + Sync {
 }
 
 impl ReceivedMessage {
-    /// Builds a received message (for [`RetryQueue`] implementations).
-    #[allow(clippy::too_many_arguments)]
+    /// Builds a received message (for [`RetryQueue`] implementations): its id, body and
+    /// lock; the other fields start empty (a first delivery, sequence number 0, no
+    /// correlation id, label, enqueued time or properties) and are set by name.
     pub fn new(
         message_id: String,
-        correlation_id: Option<String>,
-        label: Option<String>,
         body: String,
-        delivery_count: u32,
-        sequence_number: i64,
-        enqueued_at: Option<SystemTime>,
         locked_until: SystemTime,
-        properties: HashMap<String, String>,
         lock: Box<dyn MessageLock>,
     ) -> Self {
         Self {
             message_id,
-            correlation_id,
-            label,
+            correlation_id: None,
+            label: None,
             body,
-            delivery_count,
-            sequence_number,
-            enqueued_at,
+            delivery_count: 1,
+            sequence_number: 0,
+            enqueued_at: None,
             locked_until,
-            properties,
+            properties: HashMap::new(),
             lock,
         }
     }
