@@ -2,6 +2,9 @@
 
 use clap::Subcommand;
 
+use crate::config::Config;
+use crate::ledger::Ledger;
+use crate::pipeline::settle::{ReplayFilter, ReplayReport, ReplayStep, Settler};
 use crate::redact::{redact, redacted};
 use tokio_util::sync::CancellationToken;
 
@@ -177,59 +180,7 @@ pub(super) async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> 
             dry_run,
             json,
         } => purge_dead_letters(&config, &before, dry_run, json).await?,
-        DeadLettersCommand::List { config, json } => {
-            let config = load_config(&config)?;
-            let ledger = ledger_of(&config)?;
-            let keys = ledger.dead_letter_keys().await?;
-            if !json {
-                println!("{} dead-lettered event(s)", keys.len());
-            }
-            // One bad record is reported and the listing carries on; the exit status says
-            // whether every record could be read.
-            let mut unreadable = 0;
-            for key in keys {
-                // Keys and errors are printed escaped: a tab or newline in one cannot break
-                // the table.
-                let shown = key.escape_debug().to_string();
-                match ledger.get(&key).await {
-                    Ok(Some((rec, _))) if json => println!("{}", crate::status::record_view(&rec)),
-                    Ok(Some((rec, _))) => println!(
-                        "{shown}\t{}\tattempts {}\t{}\tpartition {} seq {}",
-                        rec.dead_letter_reason
-                            .map(|r| r.to_string())
-                            .unwrap_or_default(),
-                        rec.attempts,
-                        redact(&rec.last_error.unwrap_or_default()).escape_debug(),
-                        rec.event.partition_id,
-                        rec.event.sequence_number
-                    ),
-                    Ok(None) if json => println!(
-                        "{}",
-                        serde_json::json!({ "key": key, "error": "the ledger record is missing" })
-                    ),
-                    Ok(None) => println!("{shown}\t(ledger record missing)"),
-                    Err(e) => {
-                        unreadable += 1;
-                        if json {
-                            println!(
-                                "{}",
-                                serde_json::json!({ "key": key, "error": redacted(&e.to_string()) })
-                            );
-                        } else {
-                            println!(
-                                "{shown}\t(cannot be read: {})",
-                                redact(&e.to_string()).escape_debug()
-                            );
-                        }
-                    }
-                }
-            }
-            if unreadable > 0 {
-                anyhow::bail!(
-                    "{unreadable} dead-lettered record(s) could not be read (listed above)"
-                );
-            }
-        }
+        DeadLettersCommand::List { config, json } => list_dead_letters(&config, json).await?,
         DeadLettersCommand::Replay {
             config,
             key,
@@ -246,44 +197,16 @@ pub(super) async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> 
         } => {
             let now = std::time::SystemTime::now();
             let per_second = parse_rate(&rate).map_err(|e| anyhow::anyhow!(e))?;
-            let since = since
-                .map(|t| parse_ago(&t, now))
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-            let until = until
-                .map(|t| parse_ago(&t, now))
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("--until: {e}"))?
-                .unwrap_or(now);
+            let since = parse_bound("--since", since, now)?;
+            let until = parse_bound("--until", until, now)?.unwrap_or(now);
             let config = load_config(&config)?;
             // A replay Service Bus refuses is dead-lettered again: published like any other.
             let settler = settler_of(&config)?;
             if let Some(key) = key {
                 let _ = all;
-                let shown = key.escape_debug().to_string();
-                if dry_run {
-                    let state = settler.ledger.get(&key).await?.map(|(r, _)| r.state);
-                    println!(
-                        "{shown}: {}",
-                        match state {
-                            Some(crate::ledger::State::DeadLettered) => "would be replayed",
-                            Some(_) => "not dead-lettered; nothing to replay",
-                            None => "the ledger has no record of this key",
-                        }
-                    );
-                    return Ok(());
-                }
-                match settler.replay(&key).await {
-                    Ok(Some(attempt)) => println!("{shown}: attempt {attempt} scheduled now"),
-                    Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
-                    Err(e) => anyhow::bail!(
-                        "{shown}: not replayed: {}",
-                        redact(&e.to_string()).escape_debug()
-                    ),
-                }
-                return Ok(());
+                return replay_one(&settler, &key, dry_run).await;
             }
-            let filter = crate::pipeline::settle::ReplayFilter {
+            let filter = ReplayFilter {
                 event_type,
                 reason,
                 error_contains,
@@ -291,114 +214,265 @@ pub(super) async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> 
                 until_ms: crate::clock::ms(until),
                 key_prefix,
             };
-            // Ctrl-C stops between two replays: the same command resumes.
-            let stop = CancellationToken::new();
-            let s = stop.clone();
-            let signal = tokio::spawn(async move {
-                shutdown_signal().await;
-                s.cancel();
-            });
-            use std::io::IsTerminal as _;
-            let bar = !json && std::io::stderr().is_terminal();
-            // Ordered retries: a line's dead letters are replayed in order, as a line.
-            let options = config.pipeline_options()?;
-            let ordering = options
-                .retry_ordering
-                .lines()
-                .is_some()
-                .then_some(&options.ordering);
-            let report = settler
-                .replay_matching_ordered(
-                    &filter,
-                    per_second,
-                    dry_run,
-                    ordering,
-                    &stop,
-                    |step, done, total| {
-                        use crate::pipeline::settle::ReplayStep as S;
-                        if bar {
-                            eprint!("\r\x1b[2K");
-                        }
-                        if json {
-                            println!("{}", serde_json::to_string(step).unwrap_or_default());
-                        } else {
-                            match step {
-                                S::Replayed { key, attempt } => {
-                                    println!(
-                                        "{}: attempt {attempt} scheduled now",
-                                        key.escape_debug()
-                                    )
-                                }
-                                S::WouldReplay { key } => {
-                                    println!("{}: would be replayed", key.escape_debug())
-                                }
-                                S::Parked { key, behind } => println!(
-                                    "{}: parked behind {} (released after it, in order)",
-                                    key.escape_debug(),
-                                    behind.escape_debug()
-                                ),
-                                S::WouldPark { key, behind } => println!(
-                                    "{}: would be parked behind {}",
-                                    key.escape_debug(),
-                                    behind.escape_debug()
-                                ),
-                                S::Skipped { key, why } => {
-                                    println!("{}: skipped: {why}", key.escape_debug())
-                                }
-                                S::Failed { key, error } => println!(
-                                    "{}: not replayed: {}",
-                                    key.escape_debug(),
-                                    error.escape_debug()
-                                ),
-                            }
-                        }
-                        if bar {
-                            let width = 30;
-                            let filled = done * width / total.max(1);
-                            eprint!(
-                                "[{}{}] {done}/{total}",
-                                "=".repeat(filled),
-                                " ".repeat(width - filled)
-                            );
-                        }
-                    },
-                )
-                .await;
-            signal.abort();
-            if bar {
-                eprintln!();
-            }
-            let report = report?;
-            let until_text = crate::clock::rfc3339(until);
+            replay_filtered(&config, &settler, &filter, until, per_second, dry_run, json).await?;
+        }
+    }
+    Ok(())
+}
+
+/// `hubguard dead-letters list`: one line per dead letter, then an error if any could not
+/// be read.
+async fn list_dead_letters(config: &ConfigArg, json: bool) -> anyhow::Result<()> {
+    let config = load_config(config)?;
+    let ledger = ledger_of(&config)?;
+    let keys = ledger.dead_letter_keys().await?;
+    if !json {
+        println!("{} dead-lettered event(s)", keys.len());
+    }
+    // One bad record is reported and the listing carries on; the exit status says
+    // whether every record could be read.
+    let mut unreadable = 0;
+    for key in keys {
+        if !show_dead_letter(&ledger, key, json).await {
+            unreadable += 1;
+        }
+    }
+    if unreadable > 0 {
+        anyhow::bail!("{unreadable} dead-lettered record(s) could not be read (listed above)");
+    }
+    Ok(())
+}
+
+/// Prints the dead letter `key` as a table row or a JSON line; false if its record could
+/// not be read.
+async fn show_dead_letter(ledger: &Ledger, key: String, json: bool) -> bool {
+    // Keys and errors are printed escaped: a tab or newline in one cannot break
+    // the table.
+    let shown = key.escape_debug().to_string();
+    match ledger.get(&key).await {
+        Ok(Some((rec, _))) if json => println!("{}", crate::status::record_view(&rec)),
+        Ok(Some((rec, _))) => println!(
+            "{shown}\t{}\tattempts {}\t{}\tpartition {} seq {}",
+            rec.dead_letter_reason
+                .map(|r| r.to_string())
+                .unwrap_or_default(),
+            rec.attempts,
+            redact(&rec.last_error.unwrap_or_default()).escape_debug(),
+            rec.event.partition_id,
+            rec.event.sequence_number
+        ),
+        Ok(None) if json => println!(
+            "{}",
+            serde_json::json!({ "key": key, "error": "the ledger record is missing" })
+        ),
+        Ok(None) => println!("{shown}\t(ledger record missing)"),
+        Err(e) => {
             if json {
-                let mut v = serde_json::to_value(&report)?;
-                v["until"] = until_text.clone().into();
-                v["dry_run"] = dry_run.into();
-                println!("{v}");
+                println!(
+                    "{}",
+                    serde_json::json!({ "key": key, "error": redacted(&e.to_string()) })
+                );
             } else {
                 println!(
-                    "{} {}, {} skipped, {} failed (of {} matched, {} listed); --until {until_text}{}",
-                    report.replayed,
-                    if dry_run { "would be replayed" } else { "replayed" },
-                    report.skipped,
-                    report.failed,
-                    report.matched,
-                    report.listed,
-                    if report.interrupted { "; interrupted: run the same command with this --until to resume" } else { "" }
+                    "{shown}\t(cannot be read: {})",
+                    redact(&e.to_string()).escape_debug()
                 );
             }
-            if report.failed > 0 {
-                anyhow::bail!(
-                    "{} dead-lettered event(s) could not be replayed (listed above)",
-                    report.failed
-                );
-            }
-            if report.interrupted {
-                anyhow::bail!(
-                    "interrupted; run the same command with --until {until_text} to resume"
-                );
-            }
+            return false;
         }
+    }
+    true
+}
+
+/// `--since` / `--until` (named `flag` in the error): a time, or a duration ago, if given.
+fn parse_bound(
+    flag: &str,
+    text: Option<String>,
+    now: std::time::SystemTime,
+) -> anyhow::Result<Option<std::time::SystemTime>> {
+    text.map(|t| parse_ago(&t, now))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+}
+
+/// `hubguard dead-letters replay KEY`: replays one dead letter (with `--dry-run`, says
+/// whether it would be).
+async fn replay_one(settler: &Settler, key: &str, dry_run: bool) -> anyhow::Result<()> {
+    let shown = key.escape_debug().to_string();
+    if dry_run {
+        let state = settler.ledger.get(key).await?.map(|(r, _)| r.state);
+        println!(
+            "{shown}: {}",
+            match state {
+                Some(crate::ledger::State::DeadLettered) => "would be replayed",
+                Some(_) => "not dead-lettered; nothing to replay",
+                None => "the ledger has no record of this key",
+            }
+        );
+        return Ok(());
+    }
+    match settler.replay(key).await {
+        Ok(Some(attempt)) => println!("{shown}: attempt {attempt} scheduled now"),
+        Ok(None) => println!("{shown}: not dead-lettered; nothing to replay"),
+        Err(e) => anyhow::bail!(
+            "{shown}: not replayed: {}",
+            redact(&e.to_string()).escape_debug()
+        ),
+    }
+    Ok(())
+}
+
+/// `hubguard dead-letters replay` by filter: replays what `filter` takes, prints the counts
+/// (and the `--until` that resumes), then an error if any failed or the run was interrupted.
+async fn replay_filtered(
+    config: &Config,
+    settler: &Settler,
+    filter: &ReplayFilter,
+    until: std::time::SystemTime,
+    per_second: f64,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let report = replay_matching(config, settler, filter, per_second, dry_run, json).await?;
+    let until_text = crate::clock::rfc3339(until);
+    print_replay_report(&report, &until_text, dry_run, json)?;
+    if report.failed > 0 {
+        anyhow::bail!(
+            "{} dead-lettered event(s) could not be replayed (listed above)",
+            report.failed
+        );
+    }
+    if report.interrupted {
+        anyhow::bail!("interrupted; run the same command with --until {until_text} to resume");
+    }
+    Ok(())
+}
+
+/// Runs the paced replay, printing each step as it goes (with a progress bar on a
+/// terminal's stderr) until the end or Ctrl-C.
+async fn replay_matching(
+    config: &Config,
+    settler: &Settler,
+    filter: &ReplayFilter,
+    per_second: f64,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<ReplayReport> {
+    // Ctrl-C stops between two replays: the same command resumes.
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let signal = tokio::spawn(async move {
+        shutdown_signal().await;
+        s.cancel();
+    });
+    use std::io::IsTerminal as _;
+    let bar = !json && std::io::stderr().is_terminal();
+    // Ordered retries: a line's dead letters are replayed in order, as a line.
+    let options = config.pipeline_options()?;
+    let ordering = options
+        .retry_ordering
+        .lines()
+        .is_some()
+        .then_some(&options.ordering);
+    let report = settler
+        .replay_matching_ordered(
+            filter,
+            per_second,
+            dry_run,
+            ordering,
+            &stop,
+            |step, done, total| {
+                if bar {
+                    eprint!("\r\x1b[2K");
+                }
+                print_replay_step(step, json);
+                if bar {
+                    print_progress_bar(done, total);
+                }
+            },
+        )
+        .await;
+    signal.abort();
+    if bar {
+        eprintln!();
+    }
+    Ok(report?)
+}
+
+/// Prints what one dead letter came to: a JSON line, or a line of text.
+fn print_replay_step(step: &ReplayStep, json: bool) {
+    use ReplayStep as S;
+    if json {
+        println!("{}", serde_json::to_string(step).unwrap_or_default());
+        return;
+    }
+    match step {
+        S::Replayed { key, attempt } => {
+            println!("{}: attempt {attempt} scheduled now", key.escape_debug())
+        }
+        S::WouldReplay { key } => println!("{}: would be replayed", key.escape_debug()),
+        S::Parked { key, behind } => println!(
+            "{}: parked behind {} (released after it, in order)",
+            key.escape_debug(),
+            behind.escape_debug()
+        ),
+        S::WouldPark { key, behind } => println!(
+            "{}: would be parked behind {}",
+            key.escape_debug(),
+            behind.escape_debug()
+        ),
+        S::Skipped { key, why } => println!("{}: skipped: {why}", key.escape_debug()),
+        S::Failed { key, error } => println!(
+            "{}: not replayed: {}",
+            key.escape_debug(),
+            error.escape_debug()
+        ),
+    }
+}
+
+/// Draws the progress bar on stderr: `done` of `total` listed.
+fn print_progress_bar(done: usize, total: usize) {
+    let width = 30;
+    let filled = done * width / total.max(1);
+    eprint!(
+        "[{}{}] {done}/{total}",
+        "=".repeat(filled),
+        " ".repeat(width - filled)
+    );
+}
+
+/// Prints the counts of a replay run: a JSON line, or a sentence with the `--until` that
+/// resumes it.
+fn print_replay_report(
+    report: &ReplayReport,
+    until_text: &str,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    if json {
+        let mut v = serde_json::to_value(report)?;
+        v["until"] = until_text.into();
+        v["dry_run"] = dry_run.into();
+        println!("{v}");
+    } else {
+        println!(
+            "{} {}, {} skipped, {} failed (of {} matched, {} listed); --until {until_text}{}",
+            report.replayed,
+            if dry_run {
+                "would be replayed"
+            } else {
+                "replayed"
+            },
+            report.skipped,
+            report.failed,
+            report.matched,
+            report.listed,
+            if report.interrupted {
+                "; interrupted: run the same command with this --until to resume"
+            } else {
+                ""
+            }
+        );
     }
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! `HUBGUARD_POLICY__DEFAULT__MAX_ATTEMPTS`, `HUBGUARD_STATUS__LISTEN`. Values are read as
 //! TOML (numbers, booleans, arrays) and otherwise as strings.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -168,112 +169,149 @@ impl Config {
         let mut table: toml::Table = source
             .parse()
             .map_err(|e: toml::de::Error| ConfigError::Syntax(describe(&e, source)))?;
-        // Overrides of single policy fields apply on top of the default policy.
-        let policy = table
-            .entry("policy")
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        if let toml::Value::Table(p) = policy {
-            if !p.contains_key("default") {
-                let seed = toml::Value::try_from(RetryPolicy::seed_fibonacci())
-                    .map_err(|e| invalid("policy.default", e))?;
-                p.insert("default".into(), seed);
-            }
-        }
-        // Which environment variable set each key, so an error names what the user wrote.
-        let mut from_env: std::collections::HashMap<String, String> =
-            std::collections::HashMap::new();
-        for (k, v) in env {
-            let Some(rest) = k.strip_prefix("HUBGUARD_") else {
-                continue;
-            };
-            if rest.starts_with("EMULATOR_")
-                || rest == "CONFIG"
-                || rest.starts_with("REQUIRE_")
-                || rest.starts_with("AZURITE")
-            {
-                continue; // settings of other commands and of the test suite
-            }
-            if !rest.contains("__") {
-                // Every key lives in a section (`HUBGUARD_SECTION__KEY`). Kubernetes adds
-                // `HUBGUARD_SERVICE_HOST`, `HUBGUARD_PORT_8080_TCP`, … for a Service named
-                // `hubguard`: those are not ours. Anything else is a mistyped override.
-                if is_service_link(rest) {
-                    continue;
-                }
-                return Err(ConfigError::Environment {
-                    var: k,
-                    reason: "not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)".into(),
-                });
-            }
-            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
-            from_env.insert(path.join("."), k.clone());
-            set_path(&mut table, &path, env_value(&v)).map_err(|reason| {
-                ConfigError::Environment {
-                    var: k.clone(),
-                    reason,
-                }
-            })?;
-        }
-        if let Some(toml::Value::Table(policy)) = table.get("policy") {
-            let mut tables: Vec<(String, &toml::Table)> = Vec::new();
-            if let Some(toml::Value::Table(d)) = policy.get("default") {
-                tables.push(("policy.default".into(), d));
-            }
-            if let Some(toml::Value::Table(types)) = policy.get("types") {
-                for (name, t) in types {
-                    if let toml::Value::Table(t) = t {
-                        tables.push((format!("policy.types.\"{name}\""), t));
-                    }
-                }
-            }
-            for (where_, t) in tables {
-                if let Some(k) = t.keys().find(|k| !POLICY_KEYS.contains(&k.as_str())) {
-                    return Err(ConfigError::Value {
-                        message: format!("unknown key `{k}` (allowed: {})", POLICY_KEYS.join(", ")),
-                        key: where_,
-                        env_var: None,
-                    });
-                }
-            }
-        }
-        // `[handler]` is an internally tagged enum, whose errors serde reports at `handler`:
-        // deserialise its body alone to find the key inside.
-        let handler_body = table.get("handler").and_then(|h| h.as_table()).map(|h| {
-            let mut h = h.clone();
-            h.remove("kind");
-            h
-        });
-        let config: Config =
-            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
-                let mut path = e.path().to_string();
-                // A policy's curve is a flattened tagged enum: serde names its table only.
-                if path.starts_with("policy.")
-                    && !path.ends_with(".curve")
-                    && e.inner().message().starts_with("unknown variant")
-                {
-                    path.push_str(".curve");
-                }
-                if path == "handler" {
-                    if let Some(Err(inner)) = handler_body.clone().map(|b| {
-                        serde_path_to_error::deserialize::<_, WebhookConfig>(toml::Value::Table(b))
-                    }) {
-                        path = format!("handler.{}", inner.path());
-                    }
-                }
-                let message = if is_secret_path(&path) {
-                    // A misplaced value could be a secret: name the key, not the value.
-                    "invalid value (not shown: this key holds a secret)".to_string()
-                } else {
-                    e.inner().message().to_string()
-                };
-                ConfigError::Value {
-                    env_var: from_env.get(&path).cloned(),
-                    key: path,
-                    message,
-                }
-            })?;
+        seed_default_policy(&mut table)?;
+        let from_env = apply_env_overrides(&mut table, env)?;
+        check_policy_keys(&table)?;
+        let config = deserialize_config(table, &from_env)?;
         config.validate()?;
         Ok(config)
+    }
+}
+
+/// Gives the table a `[policy.default]` (the seed Fibonacci policy) when it has none.
+fn seed_default_policy(table: &mut toml::Table) -> Result<(), ConfigError> {
+    // Overrides of single policy fields apply on top of the default policy.
+    let policy = table
+        .entry("policy")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let toml::Value::Table(p) = policy {
+        if !p.contains_key("default") {
+            let seed = toml::Value::try_from(RetryPolicy::seed_fibonacci())
+                .map_err(|e| invalid("policy.default", e))?;
+            p.insert("default".into(), seed);
+        }
+    }
+    Ok(())
+}
+
+/// Applies the `HUBGUARD_SECTION__KEY` overrides in `env` to the table, and answers which
+/// variable set each key (dotted path → variable).
+fn apply_env_overrides(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<HashMap<String, String>, ConfigError> {
+    // Which environment variable set each key, so an error names what the user wrote.
+    let mut from_env: HashMap<String, String> = HashMap::new();
+    for (k, v) in env {
+        let Some(rest) = k.strip_prefix("HUBGUARD_") else {
+            continue;
+        };
+        if rest.starts_with("EMULATOR_")
+            || rest == "CONFIG"
+            || rest.starts_with("REQUIRE_")
+            || rest.starts_with("AZURITE")
+        {
+            continue; // settings of other commands and of the test suite
+        }
+        if !rest.contains("__") {
+            // Every key lives in a section (`HUBGUARD_SECTION__KEY`). Kubernetes adds
+            // `HUBGUARD_SERVICE_HOST`, `HUBGUARD_PORT_8080_TCP`, … for a Service named
+            // `hubguard`: those are not ours. Anything else is a mistyped override.
+            if is_service_link(rest) {
+                continue;
+            }
+            return Err(ConfigError::Environment {
+                var: k,
+                reason: "not a configuration key; overrides are HUBGUARD_SECTION__KEY, with two underscores between levels (HUBGUARD_RETRY__CONCURRENCY)".into(),
+            });
+        }
+        let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+        from_env.insert(path.join("."), k.clone());
+        set_path(table, &path, env_value(&v)).map_err(|reason| ConfigError::Environment {
+            var: k.clone(),
+            reason,
+        })?;
+    }
+    Ok(from_env)
+}
+
+/// Refuses a key no retry policy has, in `[policy.default]` or a `[policy.types."…"]`.
+fn check_policy_keys(table: &toml::Table) -> Result<(), ConfigError> {
+    let Some(toml::Value::Table(policy)) = table.get("policy") else {
+        return Ok(());
+    };
+    let mut tables: Vec<(String, &toml::Table)> = Vec::new();
+    if let Some(toml::Value::Table(d)) = policy.get("default") {
+        tables.push(("policy.default".into(), d));
+    }
+    if let Some(toml::Value::Table(types)) = policy.get("types") {
+        for (name, t) in types {
+            if let toml::Value::Table(t) = t {
+                tables.push((format!("policy.types.\"{name}\""), t));
+            }
+        }
+    }
+    for (where_, t) in tables {
+        if let Some(k) = t.keys().find(|k| !POLICY_KEYS.contains(&k.as_str())) {
+            return Err(ConfigError::Value {
+                message: format!("unknown key `{k}` (allowed: {})", POLICY_KEYS.join(", ")),
+                key: where_,
+                env_var: None,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Deserialises the table into a [`Config`]; an error names the key at fault (and the
+/// environment variable that set it, if one did).
+fn deserialize_config(
+    table: toml::Table,
+    from_env: &HashMap<String, String>,
+) -> Result<Config, ConfigError> {
+    // `[handler]` is an internally tagged enum, whose errors serde reports at `handler`:
+    // deserialise its body alone to find the key inside.
+    let handler_body = table.get("handler").and_then(|h| h.as_table()).map(|h| {
+        let mut h = h.clone();
+        h.remove("kind");
+        h
+    });
+    serde_path_to_error::deserialize(toml::Value::Table(table))
+        .map_err(|e| value_error(&e, handler_body, from_env))
+}
+
+/// The [`ConfigError::Value`] for a deserialisation error: the key's full path, and its
+/// message unless the key holds a secret.
+fn value_error(
+    e: &serde_path_to_error::Error<toml::de::Error>,
+    handler_body: Option<toml::Table>,
+    from_env: &HashMap<String, String>,
+) -> ConfigError {
+    let mut path = e.path().to_string();
+    // A policy's curve is a flattened tagged enum: serde names its table only.
+    if path.starts_with("policy.")
+        && !path.ends_with(".curve")
+        && e.inner().message().starts_with("unknown variant")
+    {
+        path.push_str(".curve");
+    }
+    if path == "handler" {
+        if let Some(Err(inner)) = handler_body
+            .map(|b| serde_path_to_error::deserialize::<_, WebhookConfig>(toml::Value::Table(b)))
+        {
+            path = format!("handler.{}", inner.path());
+        }
+    }
+    let message = if is_secret_path(&path) {
+        // A misplaced value could be a secret: name the key, not the value.
+        "invalid value (not shown: this key holds a secret)".to_string()
+    } else {
+        e.inner().message().to_string()
+    };
+    ConfigError::Value {
+        env_var: from_env.get(&path).cloned(),
+        key: path,
+        message,
     }
 }
 

@@ -418,19 +418,38 @@ impl Handler for WebhookHandler {
 
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let authorization = self.authorization.as_ref().map(|a| a.get());
-        if let Some(h) = &self.handshake {
-            if let Err(f) = h
-                .ensure(
-                    &self.client,
-                    &self.config.url,
-                    authorization.as_deref(),
-                    Duration::from_millis(self.config.timeout_ms),
-                )
-                .await
-            {
-                return Outcome::Failed(f);
-            }
+        if let Err(f) = self.ensure_handshake(authorization.as_deref()).await {
+            return Outcome::Failed(f);
         }
+        let req = self.request(event, attempt, authorization.as_deref());
+        self.outcome(req.send().await).await
+    }
+}
+
+impl WebhookHandler {
+    /// With the handshake on, waits until the webhook has agreed to take deliveries (or
+    /// fails the attempt).
+    async fn ensure_handshake(&self, authorization: Option<&HeaderValue>) -> Result<(), Failure> {
+        if let Some(h) = &self.handshake {
+            h.ensure(
+                &self.client,
+                &self.config.url,
+                authorization,
+                Duration::from_millis(self.config.timeout_ms),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The POST that delivers `event`: its CloudEvents encoding, hubguard's headers, the
+    /// keys, the signature and the authorization.
+    fn request(
+        &self,
+        event: &Event,
+        attempt: &Attempt,
+        authorization: Option<&HeaderValue>,
+    ) -> reqwest::RequestBuilder {
         let encoded = cloudevents::encode(event, self.config.content_mode);
         let mut req = self
             .client
@@ -460,53 +479,20 @@ impl Handler for WebhookHandler {
             }
         }
         if let Some(keys) = &self.signing {
-            // Standard Webhooks: the id is stable across retries (the idempotency key).
-            let timestamp = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map(|d| d.as_secs() as i64)
-                .unwrap_or_default();
-            let signature = keys.get().sign(&webhook_id, timestamp, &encoded.body);
-            req = req
-                .header("webhook-id", &webhook_id)
-                .header("webhook-timestamp", timestamp.to_string())
-                .header("webhook-signature", signature);
+            req = signed(req, keys, &webhook_id, &encoded.body);
         }
-        if let Some(a) = &authorization {
+        if let Some(a) = authorization {
             req = req.header(reqwest::header::AUTHORIZATION, HeaderValue::clone(a));
         }
-        match req.body(encoded.body).send().await {
+        req.body(encoded.body)
+    }
+
+    /// What the webhook's answer (or the failure to get one) comes to.
+    async fn outcome(&self, sent: Result<reqwest::Response, reqwest::Error>) -> Outcome {
+        match sent {
             Ok(resp) if resp.status().is_success() => Outcome::Delivered,
-            Ok(resp) if resp.status().is_redirection() => {
-                let status = resp.status().as_u16();
-                let location = resp
-                    .headers()
-                    .get("location")
-                    .map(|v| location_for_log(&String::from_utf8_lossy(v.as_bytes())))
-                    .unwrap_or_else(|| "none".into());
-                Outcome::Failed(Failure::transient(format!(
-                    "HTTP {status} redirect from the webhook (Location: {location}); hubguard does not follow redirects: point handler.url at the new location"
-                )).with_http_status(status))
-            }
-            Ok(mut resp) => {
-                let status = resp.status().as_u16();
-                let retry_after_raw = resp
-                    .headers()
-                    .get("retry-after")
-                    .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
-                let retry_after = retry_after_raw
-                    .as_deref()
-                    .and_then(|v| classify::retry_after(v, self.clock.now()));
-                let class = classify::http_status(status, self.config.conflict_is_permanent);
-                let error = failure_text(status, retry_after_raw.as_deref(), &mut resp).await;
-                Outcome::Failed(Failure {
-                    class,
-                    error,
-                    retry_after,
-                    http_status: Some(status),
-                    retry_after_max: self.config.retry_after_max_s.map(Duration::from_secs),
-                    timed_out: false,
-                })
-            }
+            Ok(resp) if resp.status().is_redirection() => Outcome::Failed(redirect_failure(&resp)),
+            Ok(resp) => Outcome::Failed(self.refusal(resp).await),
             Err(e) if e.is_timeout() => Outcome::Failed(Failure::timeout(format!(
                 "the webhook did not answer within {} ms",
                 self.config.timeout_ms
@@ -517,6 +503,61 @@ impl Handler for WebhookHandler {
             ))),
         }
     }
+
+    /// The failure for an error status: classified by status, with the webhook's
+    /// `Retry-After` and (the start of) its body.
+    async fn refusal(&self, mut resp: reqwest::Response) -> Failure {
+        let status = resp.status().as_u16();
+        let retry_after_raw = resp
+            .headers()
+            .get("retry-after")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).to_string());
+        let retry_after = retry_after_raw
+            .as_deref()
+            .and_then(|v| classify::retry_after(v, self.clock.now()));
+        let class = classify::http_status(status, self.config.conflict_is_permanent);
+        let error = failure_text(status, retry_after_raw.as_deref(), &mut resp).await;
+        Failure {
+            class,
+            error,
+            retry_after,
+            http_status: Some(status),
+            retry_after_max: self.config.retry_after_max_s.map(Duration::from_secs),
+            timed_out: false,
+        }
+    }
+}
+
+/// Adds the Standard Webhooks signature headers for `body` to `req`.
+fn signed(
+    req: reqwest::RequestBuilder,
+    keys: &Live<SigningKeys>,
+    webhook_id: &str,
+    body: &[u8],
+) -> reqwest::RequestBuilder {
+    // Standard Webhooks: the id is stable across retries (the idempotency key).
+    let timestamp = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or_default();
+    let signature = keys.get().sign(webhook_id, timestamp, body);
+    req.header("webhook-id", webhook_id)
+        .header("webhook-timestamp", timestamp.to_string())
+        .header("webhook-signature", signature)
+}
+
+/// A redirect is not followed: a transient failure that names where it points.
+fn redirect_failure(resp: &reqwest::Response) -> Failure {
+    let status = resp.status().as_u16();
+    let location = resp
+        .headers()
+        .get("location")
+        .map(|v| location_for_log(&String::from_utf8_lossy(v.as_bytes())))
+        .unwrap_or_else(|| "none".into());
+    Failure::transient(format!(
+        "HTTP {status} redirect from the webhook (Location: {location}); hubguard does not follow redirects: point handler.url at the new location"
+    ))
+    .with_http_status(status)
 }
 
 /// The error text without the URL, followed by its causes ("error sending request: …

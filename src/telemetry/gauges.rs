@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry::metrics::ObservableGauge;
+use opentelemetry::metrics::{Meter, ObservableGauge};
 use opentelemetry::KeyValue;
 
 use super::names::{metric, metric_attr};
@@ -74,143 +74,54 @@ impl PipelineGauges {
         breaker: Option<Arc<dyn BreakerReadings>>,
     ) -> Self {
         let meter = super::meter();
-        let p = pipeline.clone();
-        let held = meter
-            .u64_observable_gauge(metric::PARTITIONS_HELD)
-            .with_description("Partitions whose settlement is failing (held), by reason")
-            .with_callback(move |o| {
-                let by_reason = p.held_by_reason();
-                if by_reason.is_empty() {
-                    o.observe(0, &[]);
-                }
-                for (reason, n) in by_reason {
-                    o.observe(n, &[KeyValue::new(metric_attr::REASON, reason)]);
-                }
-            })
-            .build();
-        let p = pipeline.clone();
-        let retry_loop = meter
-            .u64_observable_gauge(metric::RETRY_LOOP_STATE)
-            .with_description("Retry loop: 1 running, 2 reconnecting, 3 watchdog, 0 stopped")
-            .with_callback(move |o| o.observe(p.retry_loop_code(), &[]))
-            .build();
-        let p = pipeline.clone();
-        let lag_events = meter
-            .u64_observable_gauge(metric::CHECKPOINT_LAG_EVENTS)
-            .with_description("Events received but not covered by the checkpoint")
-            .with_callback(move |o| {
-                for (partition, (events, _)) in p.checkpoint_lag() {
-                    o.observe(events, &[KeyValue::new(metric_attr::PARTITION, partition)]);
-                }
-            })
-            .build();
-        let p = pipeline.clone();
-        let held_for = meter
-            .f64_observable_gauge(metric::PARTITION_HELD_SECONDS)
-            .with_unit("s")
-            .with_description("How long each held partition has been held, by partition and reason")
-            .with_callback(move |o| {
-                let held = p.held_for();
-                if held.is_empty() {
-                    o.observe(0.0, &[]);
-                }
-                for (partition, (reason, secs)) in held {
-                    o.observe(
-                        secs,
-                        &[
-                            KeyValue::new(metric_attr::PARTITION, partition),
-                            KeyValue::new(metric_attr::REASON, reason),
-                        ],
-                    );
-                }
-            })
-            .build();
-        let p = pipeline.clone();
-        let owned = meter
-            .u64_observable_gauge(metric::PARTITIONS_OWNED)
-            .with_description("Partitions this replica owns")
-            .with_callback(move |o| o.observe(p.owned_count(), &[]))
-            .build();
-        let p = pipeline.clone();
-        let unowned = meter
-            .u64_observable_gauge(metric::PARTITIONS_UNOWNED)
-            .with_description("1 per partition of the hub no replica owns")
-            .with_callback(move |o| {
-                let unowned = p.unowned();
-                if unowned.is_empty() {
-                    o.observe(0, &[]);
-                }
-                for partition in unowned {
-                    o.observe(1, &[KeyValue::new(metric_attr::PARTITION, partition)]);
-                }
-            })
-            .build();
-        let p = pipeline.clone();
-        let ready = meter
-            .u64_observable_gauge(metric::READY)
-            .with_description("1 when the replica is ready (/readyz answers 200), else 0")
-            .with_callback(move |o| o.observe(u64::from(p.ready()), &[]))
-            .build();
-        let p = pipeline.clone();
-        let consumer = meter
-            .u64_observable_gauge(metric::CONSUMER_STATE)
-            .with_description("Event Hubs consumer: 1 running, 2 failing, 0 starting")
-            .with_callback(move |o| o.observe(p.consumer_code(), &[]))
-            .build();
-        let p = pipeline;
-        let lag_seconds = meter
-            .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
-            .with_unit("s")
-            .with_description("Age of the oldest event not covered by the checkpoint")
-            .with_callback(move |o| {
-                for (partition, (_, secs)) in p.checkpoint_lag() {
-                    o.observe(secs, &[KeyValue::new(metric_attr::PARTITION, partition)]);
-                }
-            })
-            .build();
-        let b = breaker.clone();
-        let breaker_age = meter
-            .f64_observable_gauge(metric::BREAKER_AGE)
-            .with_unit("s")
-            .with_description("How long the downstream's breaker has been open (0 when closed)")
-            .with_callback(move |o| {
-                if let Some(b) = &b {
-                    o.observe(
-                        b.open_for().as_secs_f64(),
-                        &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
-                    );
-                }
-            })
-            .build();
-        let b = breaker.clone();
-        let breaker_open_duration = meter
-            .f64_observable_gauge(metric::BREAKER_OPEN_DURATION)
-            .with_unit("s")
-            .with_description(
-                "How long the downstream's breaker stays open once opened (breaker.open_ms)",
-            )
-            .with_callback(move |o| {
-                if let Some(b) = &b {
-                    o.observe(
-                        b.open_duration().as_secs_f64(),
-                        &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
-                    );
-                }
-            })
-            .build();
-        let b = breaker;
-        let breaker_opens = meter
-            .u64_observable_gauge(metric::BREAKER_OPENS)
-            .with_description("How many times the downstream's breaker opened")
-            .with_callback(move |o| {
-                if let Some(b) = &b {
-                    o.observe(
-                        b.opens(),
-                        &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
-                    );
-                }
-            })
-            .build();
+        let held = held_gauge(&meter, pipeline.clone());
+        let retry_loop = pipeline_u64_gauge(
+            &meter,
+            metric::RETRY_LOOP_STATE,
+            "Retry loop: 1 running, 2 reconnecting, 3 watchdog, 0 stopped",
+            pipeline.clone(),
+            |p| p.retry_loop_code(),
+        );
+        let lag_events = lag_events_gauge(&meter, pipeline.clone());
+        let held_for = held_for_gauge(&meter, pipeline.clone());
+        let owned = pipeline_u64_gauge(
+            &meter,
+            metric::PARTITIONS_OWNED,
+            "Partitions this replica owns",
+            pipeline.clone(),
+            |p| p.owned_count(),
+        );
+        let unowned = unowned_gauge(&meter, pipeline.clone());
+        let ready = pipeline_u64_gauge(
+            &meter,
+            metric::READY,
+            "1 when the replica is ready (/readyz answers 200), else 0",
+            pipeline.clone(),
+            |p| u64::from(p.ready()),
+        );
+        let consumer = pipeline_u64_gauge(
+            &meter,
+            metric::CONSUMER_STATE,
+            "Event Hubs consumer: 1 running, 2 failing, 0 starting",
+            pipeline.clone(),
+            |p| p.consumer_code(),
+        );
+        let lag_seconds = lag_seconds_gauge(&meter, pipeline);
+        let breaker_age = breaker_seconds_gauge(
+            &meter,
+            metric::BREAKER_AGE,
+            "How long the downstream's breaker has been open (0 when closed)",
+            breaker.clone(),
+            |b| b.open_for(),
+        );
+        let breaker_open_duration = breaker_seconds_gauge(
+            &meter,
+            metric::BREAKER_OPEN_DURATION,
+            "How long the downstream's breaker stays open once opened (breaker.open_ms)",
+            breaker.clone(),
+            |b| b.open_duration(),
+        );
+        let breaker_opens = breaker_opens_gauge(&meter, breaker);
         Self {
             _held: held,
             _retry_loop: retry_loop,
@@ -226,6 +137,148 @@ impl PipelineGauges {
             _consumer: consumer,
         }
     }
+}
+
+/// A gauge of one unlabelled number the pipeline reports (`read`).
+fn pipeline_u64_gauge(
+    meter: &Meter,
+    name: &'static str,
+    description: &'static str,
+    p: Arc<dyn PipelineReadings>,
+    read: fn(&dyn PipelineReadings) -> u64,
+) -> ObservableGauge<u64> {
+    meter
+        .u64_observable_gauge(name)
+        .with_description(description)
+        .with_callback(move |o| o.observe(read(p.as_ref()), &[]))
+        .build()
+}
+
+/// [`metric::PARTITIONS_HELD`]: held partitions by reason (0, unlabelled, when none).
+fn held_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<u64> {
+    meter
+        .u64_observable_gauge(metric::PARTITIONS_HELD)
+        .with_description("Partitions whose settlement is failing (held), by reason")
+        .with_callback(move |o| {
+            let by_reason = p.held_by_reason();
+            if by_reason.is_empty() {
+                o.observe(0, &[]);
+            }
+            for (reason, n) in by_reason {
+                o.observe(n, &[KeyValue::new(metric_attr::REASON, reason)]);
+            }
+        })
+        .build()
+}
+
+/// [`metric::CHECKPOINT_LAG_EVENTS`]: per partition, the events the checkpoint does not cover.
+fn lag_events_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<u64> {
+    meter
+        .u64_observable_gauge(metric::CHECKPOINT_LAG_EVENTS)
+        .with_description("Events received but not covered by the checkpoint")
+        .with_callback(move |o| {
+            for (partition, (events, _)) in p.checkpoint_lag() {
+                o.observe(events, &[KeyValue::new(metric_attr::PARTITION, partition)]);
+            }
+        })
+        .build()
+}
+
+/// [`metric::PARTITION_HELD_SECONDS`]: per held partition and reason, how long it has been
+/// held (0, unlabelled, when none).
+fn held_for_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<f64> {
+    meter
+        .f64_observable_gauge(metric::PARTITION_HELD_SECONDS)
+        .with_unit("s")
+        .with_description("How long each held partition has been held, by partition and reason")
+        .with_callback(move |o| {
+            let held = p.held_for();
+            if held.is_empty() {
+                o.observe(0.0, &[]);
+            }
+            for (partition, (reason, secs)) in held {
+                o.observe(
+                    secs,
+                    &[
+                        KeyValue::new(metric_attr::PARTITION, partition),
+                        KeyValue::new(metric_attr::REASON, reason),
+                    ],
+                );
+            }
+        })
+        .build()
+}
+
+/// [`metric::PARTITIONS_UNOWNED`]: 1 per partition no replica owns (0, unlabelled, when none).
+fn unowned_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<u64> {
+    meter
+        .u64_observable_gauge(metric::PARTITIONS_UNOWNED)
+        .with_description("1 per partition of the hub no replica owns")
+        .with_callback(move |o| {
+            let unowned = p.unowned();
+            if unowned.is_empty() {
+                o.observe(0, &[]);
+            }
+            for partition in unowned {
+                o.observe(1, &[KeyValue::new(metric_attr::PARTITION, partition)]);
+            }
+        })
+        .build()
+}
+
+/// [`metric::CHECKPOINT_LAG_SECONDS`]: per partition, the age of the oldest event the
+/// checkpoint does not cover.
+fn lag_seconds_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<f64> {
+    meter
+        .f64_observable_gauge(metric::CHECKPOINT_LAG_SECONDS)
+        .with_unit("s")
+        .with_description("Age of the oldest event not covered by the checkpoint")
+        .with_callback(move |o| {
+            for (partition, (_, secs)) in p.checkpoint_lag() {
+                o.observe(secs, &[KeyValue::new(metric_attr::PARTITION, partition)]);
+            }
+        })
+        .build()
+}
+
+/// A breaker duration (`read`) in seconds, labelled with the downstream (nothing without a
+/// breaker).
+fn breaker_seconds_gauge(
+    meter: &Meter,
+    name: &'static str,
+    description: &'static str,
+    b: Option<Arc<dyn BreakerReadings>>,
+    read: fn(&dyn BreakerReadings) -> Duration,
+) -> ObservableGauge<f64> {
+    meter
+        .f64_observable_gauge(name)
+        .with_unit("s")
+        .with_description(description)
+        .with_callback(move |o| {
+            if let Some(b) = &b {
+                o.observe(
+                    read(b.as_ref()).as_secs_f64(),
+                    &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
+                );
+            }
+        })
+        .build()
+}
+
+/// [`metric::BREAKER_OPENS`]: how many times the breaker opened (nothing without a breaker).
+fn breaker_opens_gauge(meter: &Meter, b: Option<Arc<dyn BreakerReadings>>) -> ObservableGauge<u64> {
+    meter
+        .u64_observable_gauge(metric::BREAKER_OPENS)
+        .with_description("How many times the downstream's breaker opened")
+        .with_callback(move |o| {
+            if let Some(b) = &b {
+                o.observe(
+                    b.opens(),
+                    &[KeyValue::new(metric_attr::DOWNSTREAM, b.downstream_name())],
+                );
+            }
+        })
+        .build()
 }
 
 /// The configuration's own figures that alerts compare readings with, registered while this
