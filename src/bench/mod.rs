@@ -39,7 +39,7 @@ use anyhow::bail;
 use clap::Args;
 
 use self::json::json_line;
-use self::tables::print_tables;
+use self::tables::tables;
 pub(crate) use self::throughput::{bare_consume, produce, BareCheckpoints};
 pub use self::throughput::{eventhubs_throughput, guard_vs_bare, GuardFigures, Throughput};
 
@@ -212,7 +212,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         if args.json {
             println!("{}", json_line(&args, &f));
         } else {
-            print_tables(&args, &f);
+            print!("{}", tables(&args, &f));
         }
         return Ok(());
     }
@@ -294,7 +294,218 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.json {
         println!("{}", json_line(&args, &f));
     } else {
-        print_tables(&args, &f);
+        print!("{}", tables(&args, &f));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    /// Options and figures with every scenario's figures set to distinctive values, for
+    /// the tests that pin the JSON line and the tables.
+    pub(super) fn sample() -> (BenchArgs, Figures) {
+        let args = Cli::parse_from([
+            "bench",
+            "--events",
+            "12345",
+            "--size",
+            "777",
+            "--scale-events",
+            "321",
+            "--max-in-flight",
+            "17",
+            "--scale-delay-ms",
+            "9",
+        ])
+        .bench;
+        let ops = |base: f64| cost::Ops {
+            events: 7,
+            per_kind: cost::KINDS
+                .iter()
+                .enumerate()
+                .map(|(i, &k)| {
+                    (
+                        k,
+                        if i % 3 == 0 {
+                            base
+                        } else {
+                            base + i as f64 / 7.0
+                        },
+                    )
+                })
+                .collect(),
+        };
+        let phase = |limit: f64, cap: Option<u32>| ratelimit::Phase {
+            limit,
+            cap,
+            events: 1501,
+            seconds: 15.678,
+            max_per_s: 103,
+            max_per_s_after_30s: 52,
+            per_second: vec![98, 103, 101],
+            converged_at_s: cap.map(|_| 27),
+            seconds_above_cap_after_30s: 2,
+            throttled: 44,
+            dead_lettered: 0,
+            breaker_opens: 1,
+            decreases: 5,
+        };
+        let f = Figures {
+            eventhubs: vec![
+                Throughput {
+                    partitions: 1,
+                    events: 12345,
+                    produce_per_s: 45678.49,
+                    consume_per_s: 23456.51,
+                },
+                Throughput {
+                    partitions: 4,
+                    events: 12345,
+                    produce_per_s: 98765.4,
+                    consume_per_s: 87654.6,
+                },
+            ],
+            guard: vec![
+                GuardFigures {
+                    partitions: 1,
+                    bare_per_s: 20000.4,
+                    guard_per_s: 19000.6,
+                    checkpoint_writes: 42,
+                    checkpoint_writes_per_s: 3.14159,
+                    checkpoint_writes_bound_per_s: 4.271828,
+                    happy_path_ops_per_event: 0.012345,
+                },
+                GuardFigures {
+                    partitions: 4,
+                    bare_per_s: 60000.7,
+                    guard_per_s: 50000.2,
+                    checkpoint_writes: 99,
+                    checkpoint_writes_per_s: 9.8765,
+                    checkpoint_writes_bound_per_s: 11.1111,
+                    happy_path_ops_per_event: 0.00067,
+                },
+            ],
+            concurrency: Some(pipelines::Concurrency {
+                delay: Duration::from_millis(20),
+                wide: 32,
+                one_per_s: 49.123,
+                wide_per_s: 1500.987,
+            }),
+            retries: Some(pipelines::RetryTiming {
+                retries: 500,
+                schedule_ms: (3.456, 12.345),
+                lateness_ms: (7.891, 45.678),
+            }),
+            memory: Some(memory::Memory {
+                pending: 100_000,
+                warm_pending: 1_000,
+                rss_idle_mb: 21.234,
+                rss_warm_mb: 35.678,
+                rss_pending_mb: 88.912,
+                growth_readings_mb: vec![52.1, 51.37, 53.94],
+            }),
+            azure: Some(azure::AzureFigures {
+                partitions: 2,
+                events: 10_000,
+                handler: Duration::from_millis(50),
+                max_in_flight: 64,
+                retry_concurrency: 16,
+                events_per_s_per_partition: 1234.567,
+                failing_events_per_s_per_partition: 1111.111,
+                retries: 10_000,
+                retry_drain_per_s: 300.3,
+                retry_span_per_s: 250.75,
+                retry_lateness_ms: (123.4, 567.8),
+            }),
+            scale: vec![
+                scale::ScaleRun {
+                    scenario: "scale out",
+                    handover: false,
+                    events: 2400,
+                    duplicates: 37,
+                    moves: 3,
+                    max_unread_ms: 5123,
+                },
+                scale::ScaleRun {
+                    scenario: "scale out",
+                    handover: true,
+                    events: 2400,
+                    duplicates: 0,
+                    moves: 2,
+                    max_unread_ms: 612,
+                },
+                scale::ScaleRun {
+                    scenario: "crash",
+                    handover: true,
+                    events: 2400,
+                    duplicates: 11,
+                    moves: 1,
+                    max_unread_ms: 6001,
+                },
+            ],
+            rate_limit: Some(ratelimit::RateLimitFigures {
+                cap: phase(100.0, None),
+                adaptive: phase(100.0, Some(50)),
+            }),
+            ledger: Some(ledger::LedgerFigures {
+                settled: 200_000,
+                pending: 1_000,
+                sweep_calls_settled: 1041,
+                sweep_calls_empty: 1001,
+                sweep_listed_settled: 201_000,
+                retries_list_ms: 456.789,
+                retries_list_empty_ms: 12.345,
+                sweep_peak_mb: (Some(12.34), None),
+                retention_peak_mb: (None, Some(0.06)),
+            }),
+            cpu: Some(cpu::CpuFigures {
+                events: 12345,
+                partitions: 4,
+                latency: "none".into(),
+                guard_us: 45.678,
+                bare_us: 30.123,
+            }),
+            cost: Some(cost::CostFigures {
+                happy: ops(0.0),
+                first_failure: ops(1.0),
+                retry_rescheduled: ops(2.0),
+                retry_delivered: ops(1.5),
+                retry_long: ops(3.25),
+                retry_long_attempt_s: 2.75,
+                lock_s: 5.0,
+                dead_letter: ops(0.5),
+                dead_letter_exhausted: ops(4.0),
+                background: BTreeMap::from([
+                    (cost::Kind::BlobList, 12),
+                    (cost::Kind::SbReceive, 34),
+                ]),
+                seconds: 10.04,
+            }),
+            lines: Some(lines::LinesFigures {
+                partitions: 4,
+                handler: Duration::from_millis(50),
+                lines: 16,
+                line_length: 25,
+                free_events: 12345,
+                free_per_s_without_lines: 1234.56,
+                free_per_s_with_lines: 1200.04,
+                drain_per_s: 77.77,
+                drain_s: 5.144,
+            }),
+        };
+        (args, f)
+    }
 }
