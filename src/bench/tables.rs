@@ -2,7 +2,10 @@
 
 use std::fmt::{self, Write as _};
 
-use super::{cost, ratelimit, BenchArgs, Figures};
+use super::{
+    azure, cost, cpu, ledger, lines, memory, pipelines, ratelimit, scale, BenchArgs, Figures,
+    GuardFigures, Throughput,
+};
 
 /// The cost table: operations per event on each path, by service and kind.
 fn write_cost(out: &mut String, c: &cost::CostFigures) -> fmt::Result {
@@ -38,7 +41,8 @@ fn write_cost(out: &mut String, c: &cost::CostFigures) -> fmt::Result {
         }
         writeln!(out)?;
     }
-    writeln!(out,
+    writeln!(
+        out,
         "(blob: write = Put Blob, read = Get Blob, list = List Blobs page, delete is free; sb: each is one billed operation. The renewed retry's attempt took {:.2} s on a {:.0} s lock.)",
         c.retry_long_attempt_s, c.lock_s
     )?;
@@ -56,6 +60,7 @@ fn write_cost(out: &mut String, c: &cost::CostFigures) -> fmt::Result {
     writeln!(out)
 }
 
+/// The rate limit tables: a receiver that takes everything, then one that answers 429.
 fn write_rate_limit(out: &mut String, r: &ratelimit::RateLimitFigures) -> fmt::Result {
     for (title, p) in [
         ("a receiver that takes everything", &r.cap),
@@ -120,290 +125,357 @@ pub(super) fn tables(args: &BenchArgs, f: &Figures) -> String {
     out
 }
 
+/// Each scenario's table, for the scenarios that ran, in a fixed order.
 fn write_tables(out: &mut String, args: &BenchArgs, f: &Figures) -> fmt::Result {
     if let Some(a) = &f.azure {
-        writeln!(out,
-            "At Azure's latencies (blob 8ms:40ms, Service Bus 15ms:80ms, Event Hubs 5ms:20ms per round trip), a {} ms downstream, {} partitions, {} keyed events (997 keys), max_in_flight {}, retry.concurrency {}",
-            a.handler.as_millis(),
-            a.partitions,
-            a.events,
-            a.max_in_flight,
-            a.retry_concurrency
-        )?;
-        let mut row = |label: &str, v: String| writeln!(out, "{label:>52} {v:>12}");
-        row(
-            "azure_events_per_s_per_partition",
-            format!("{:.0}", a.events_per_s_per_partition),
-        )?;
-        row(
-            "limit (max_in_flight / handler latency)",
-            format!("{:.0}", a.limit_per_s()),
-        )?;
-        row("azure_limit_ratio", format!("{:.3}", a.limit_ratio()))?;
-        row(
-            "events/s per partition, 10 % failing once",
-            format!("{:.0}", a.failing_events_per_s_per_partition),
-        )?;
-        row("azure_failure_ratio", format!("{:.3}", a.failure_ratio()))?;
-        row(
-            &format!(
-                "retries drained per s while due and waiting ({} due in ~10 s)",
-                a.retries
-            ),
-            format!("{:.0}", a.retry_drain_per_s),
-        )?;
-        row(
-            "retries per s, first start to last return",
-            format!("{:.0}", a.retry_span_per_s),
-        )?;
-        row(
-            "limit (retry.concurrency / handler latency)",
-            format!("{:.0}", a.retry_limit_per_s()),
-        )?;
-        row(
-            "azure_retry_drain_ratio",
-            format!("{:.3}", a.retry_drain_ratio()),
-        )?;
-        row(
-            "azure_retry_lateness_p50_ms / p99_ms",
-            format!(
-                "{:.0} / {:.0}",
-                a.retry_lateness_ms.0, a.retry_lateness_ms.1
-            ),
-        )?;
-        writeln!(out)?;
+        write_azure(out, a)?;
     }
     if let Some(r) = &f.rate_limit {
         write_rate_limit(out, r)?;
     }
     if !f.eventhubs.is_empty() {
-        writeln!(out, "Event Hubs emulator through azure_messaging_eventhubs 0.16 ({} events of {} B, batched sends)", args.events, args.size)?;
-        writeln!(
-            out,
-            "{:>10} {:>16} {:>16}",
-            "partitions", "produce ev/s", "consume ev/s"
-        )?;
-        for r in &f.eventhubs {
-            writeln!(
-                out,
-                "{:>10} {:>16.0} {:>16.0}",
-                r.partitions, r.produce_per_s, r.consume_per_s
-            )?;
-        }
-        writeln!(out)?;
+        write_eventhubs(out, args, &f.eventhubs)?;
     }
     if !f.guard.is_empty() {
-        writeln!(out, "The guard's cost: bare SDK consumer vs hubguard with a no-op handler, same events, side by side")?;
-        writeln!(out, "(events/s from the first event to the last; checkpoint bound: per partition one write per checkpoint.min_interval, plus the first and the last)")?;
-        writeln!(
-            out,
-            "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14} {:>12} {:>18}",
-            "partitions",
-            "bare ev/s",
-            "hubguard ev/s",
-            "ratio",
-            "checkpoints",
-            "ckpt writes/s",
-            "ckpt bound/s",
-            "SB+ledger ops/ev"
-        )?;
-        for g in &f.guard {
-            writeln!(
-                out,
-                "{:>10} {:>14.0} {:>14.0} {:>8.3} {:>12} {:>14.2} {:>12.1} {:>18.4}",
-                g.partitions,
-                g.bare_per_s,
-                g.guard_per_s,
-                g.guard_per_s / g.bare_per_s,
-                g.checkpoint_writes,
-                g.checkpoint_writes_per_s,
-                g.checkpoint_writes_bound_per_s,
-                g.happy_path_ops_per_event
-            )?;
-        }
-        writeln!(out)?;
+        write_guard(out, &f.guard)?;
     }
     if let Some(c) = &f.concurrency {
-        writeln!(
-            out,
-            "A handler waiting {} ms per event, one partition",
-            c.delay.as_millis()
-        )?;
-        writeln!(out, "{:>14} {:>12}", "max_in_flight", "events/s")?;
-        writeln!(out, "{:>14} {:>12.1}", 1, c.one_per_s)?;
-        writeln!(out, "{:>14} {:>12.1}", c.wide, c.wide_per_s)?;
-        writeln!(out, "speed-up: {:.1}x", c.wide_per_s / c.one_per_s)?;
-        writeln!(out)?;
+        write_concurrency(out, c)?;
     }
     if let Some(r) = &f.retries {
-        writeln!(
-            out,
-            "The retry path ({} events failing once, retried 1 s later, on the emulator)",
-            r.retries
-        )?;
-        writeln!(out, "{:>44} {:>10} {:>10}", "", "p50 ms", "p99 ms")?;
-        writeln!(
-            out,
-            "{:>44} {:>10.1} {:>10.1}",
-            "failure -> Service Bus accepted the retry", r.schedule_ms.0, r.schedule_ms.1
-        )?;
-        writeln!(
-            out,
-            "{:>44} {:>10.1} {:>10.1}",
-            "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
-        )?;
-        writeln!(out)?;
+        write_retries(out, r)?;
     }
     if let Some(c) = &f.cpu {
-        writeln!(out,
-            "CPU of the consuming process per event ({} events, {} partitions; emulators in a child process, latency {}; no-op handler)",
-            c.events, c.partitions, c.latency
-        )?;
-        writeln!(
-            out,
-            "{:>24} {:>12} {:>12} {:>8}",
-            "", "hubguard", "bare SDK", "ratio"
-        )?;
-        writeln!(
-            out,
-            "{:>24} {:>12.1} {:>12.1} {:>8.2}",
-            "CPU µs per event",
-            c.guard_us,
-            c.bare_us,
-            c.ratio()
-        )?;
-        writeln!(out)?;
+        write_cpu(out, c)?;
     }
     if let Some(l) = &f.ledger {
-        writeln!(out,
-            "The overdue sweep's listing (= /v1/retries, retries list, the gauges): {} waiting retries, with {} settled records and with none",
-            l.pending, l.settled
-        )?;
-        writeln!(
-            out,
-            "(store calls billed as Azure does: one List Blobs call per 5,000 blobs, one per read)"
-        )?;
-        writeln!(out, "{:>24} {:>12} {:>12}", "", "settled", "empty")?;
-        writeln!(
-            out,
-            "{:>24} {:>12} {:>12}",
-            "store calls", l.sweep_calls_settled, l.sweep_calls_empty
-        )?;
-        writeln!(
-            out,
-            "{:>24} {:>12.1} {:>12.1}",
-            "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
-        )?;
-        writeln!(out, "{:>24} {:>12}", "blobs listed", l.sweep_listed_settled)?;
-        let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
-        writeln!(
-            out,
-            "{:>24} {:>12} {:>12}",
-            "sweep peak +MB",
-            mb(l.sweep_peak_mb.0),
-            mb(l.sweep_peak_mb.1)
-        )?;
-        writeln!(
-            out,
-            "{:>24} {:>12} {:>12}",
-            "retention peak +MB",
-            mb(l.retention_peak_mb.0),
-            mb(l.retention_peak_mb.1)
-        )?;
-        writeln!(
-            out,
-            "(peak resident memory gained during one pass, this process; Linux)"
-        )?;
-        writeln!(out)?;
+        write_ledger(out, l)?;
     }
     if let Some(c) = &f.cost {
         write_cost(out, c)?;
     }
     if let Some(l) = &f.lines {
-        writeln!(out,
-            "Ordered retries at the azure latency profile: {} partitions, handler {} ms, {} lines of {} parked events, {} events of free keys (max_in_flight {})",
-            l.partitions,
-            l.handler.as_millis(),
-            l.lines,
-            l.line_length,
-            l.free_events,
-            crate::config::DEFAULT_MAX_IN_FLIGHT
-        )?;
-        writeln!(
-            out,
-            "{:>44} {:>10.1}",
-            "free keys, events/s, no line open", l.free_per_s_without_lines
-        )?;
-        writeln!(
-            out,
-            "{:>44} {:>10.1}",
-            "free keys, events/s, lines open and filling", l.free_per_s_with_lines
-        )?;
-        writeln!(out, "{:>44} {:>10.3}", "ratio", l.free_ratio())?;
-        writeln!(
-            out,
-            "{:>44} {:>10.1} ({:.2} per line; {:.1} s for all)",
-            "released lines drain, parked events/s",
-            l.drain_per_s,
-            l.drain_per_s_per_line(),
-            l.drain_s
-        )?;
-        writeln!(out)?;
+        write_lines(out, l)?;
     }
     if let Some(m) = &f.memory {
-        writeln!(
-            out,
-            "Resident memory of `hubguard run` (a child process; emulators in this one)"
-        )?;
-        let mut row = |label: String, mb: f64| writeln!(out, "{label:>44} {mb:>10.1} MB");
-        row("0 retries pending".into(), m.rss_idle_mb)?;
-        row(
-            format!("{} retries pending (warm-up)", m.warm_pending),
-            m.rss_warm_mb,
-        )?;
-        row(format!("{} retries pending", m.pending), m.rss_pending_mb)?;
-        row(
-            "the failure path's fixed cost".into(),
-            m.rss_warm_mb - m.rss_idle_mb,
-        )?;
-        let (lo, hi) = m.growth_range_mb();
-        writeln!(
-            out,
-            "{:>44} {:>10.1} MB (median of {} readings a second apart; {lo:.1} to {hi:.1})",
-            format!("growth for {} pending retries", m.pending),
-            m.growth_per_pending_mb(),
-            m.growth_readings_mb.len()
-        )?;
+        write_memory(out, m)?;
     }
     if !f.scale.is_empty() {
-        writeln!(out,
-            "Replicas coming and going on a backlog of 4 x {} events (max_in_flight {}, handler {} ms; update interval 0.5 s, ownership expiration 5 s)",
-            args.scale_events, args.max_in_flight, args.scale_delay_ms
-        )?;
-        writeln!(
-            out,
-            "{:>16} {:>22} {:>11} {:>8} {:>6} {:>16}",
-            "scenario", "balancing", "duplicates", "%", "moves", "max unread ms"
-        )?;
-        for r in &f.scale {
-            writeln!(
-                out,
-                "{:>16} {:>22} {:>11} {:>8.2} {:>6} {:>16}",
-                r.scenario,
-                if r.handover {
-                    "hubguard handover"
-                } else {
-                    "SDK alone (stealing)"
-                },
-                r.duplicates,
-                r.duplicate_pct(),
-                r.moves,
-                r.max_unread_ms
-            )?;
-        }
-        writeln!(out)?;
+        write_scale(out, args, &f.scale)?;
     }
     Ok(())
+}
+
+/// The `--profile azure` table: first-pass and retry rates, each against its limit.
+fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
+    writeln!(
+        out,
+        "At Azure's latencies (blob 8ms:40ms, Service Bus 15ms:80ms, Event Hubs 5ms:20ms per round trip), a {} ms downstream, {} partitions, {} keyed events (997 keys), max_in_flight {}, retry.concurrency {}",
+        a.handler.as_millis(),
+        a.partitions,
+        a.events,
+        a.max_in_flight,
+        a.retry_concurrency
+    )?;
+    let mut row = |label: &str, v: String| writeln!(out, "{label:>52} {v:>12}");
+    row(
+        "azure_events_per_s_per_partition",
+        format!("{:.0}", a.events_per_s_per_partition),
+    )?;
+    row(
+        "limit (max_in_flight / handler latency)",
+        format!("{:.0}", a.limit_per_s()),
+    )?;
+    row("azure_limit_ratio", format!("{:.3}", a.limit_ratio()))?;
+    row(
+        "events/s per partition, 10 % failing once",
+        format!("{:.0}", a.failing_events_per_s_per_partition),
+    )?;
+    row("azure_failure_ratio", format!("{:.3}", a.failure_ratio()))?;
+    row(
+        &format!(
+            "retries drained per s while due and waiting ({} due in ~10 s)",
+            a.retries
+        ),
+        format!("{:.0}", a.retry_drain_per_s),
+    )?;
+    row(
+        "retries per s, first start to last return",
+        format!("{:.0}", a.retry_span_per_s),
+    )?;
+    row(
+        "limit (retry.concurrency / handler latency)",
+        format!("{:.0}", a.retry_limit_per_s()),
+    )?;
+    row(
+        "azure_retry_drain_ratio",
+        format!("{:.3}", a.retry_drain_ratio()),
+    )?;
+    row(
+        "azure_retry_lateness_p50_ms / p99_ms",
+        format!(
+            "{:.0} / {:.0}",
+            a.retry_lateness_ms.0, a.retry_lateness_ms.1
+        ),
+    )?;
+    writeln!(out)
+}
+
+/// The Event Hubs emulator's produce and consume rates, a row per partition count.
+fn write_eventhubs(out: &mut String, args: &BenchArgs, runs: &[Throughput]) -> fmt::Result {
+    writeln!(
+        out,
+        "Event Hubs emulator through azure_messaging_eventhubs 0.16 ({} events of {} B, batched sends)",
+        args.events, args.size
+    )?;
+    writeln!(
+        out,
+        "{:>10} {:>16} {:>16}",
+        "partitions", "produce ev/s", "consume ev/s"
+    )?;
+    for r in runs {
+        writeln!(
+            out,
+            "{:>10} {:>16.0} {:>16.0}",
+            r.partitions, r.produce_per_s, r.consume_per_s
+        )?;
+    }
+    writeln!(out)
+}
+
+/// The guard's cost: a bare SDK consumer against hubguard, a row per partition count.
+fn write_guard(out: &mut String, runs: &[GuardFigures]) -> fmt::Result {
+    writeln!(
+        out,
+        "The guard's cost: bare SDK consumer vs hubguard with a no-op handler, same events, side by side"
+    )?;
+    writeln!(
+        out,
+        "(events/s from the first event to the last; checkpoint bound: per partition one write per checkpoint.min_interval, plus the first and the last)"
+    )?;
+    writeln!(
+        out,
+        "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14} {:>12} {:>18}",
+        "partitions",
+        "bare ev/s",
+        "hubguard ev/s",
+        "ratio",
+        "checkpoints",
+        "ckpt writes/s",
+        "ckpt bound/s",
+        "SB+ledger ops/ev"
+    )?;
+    for g in runs {
+        writeln!(
+            out,
+            "{:>10} {:>14.0} {:>14.0} {:>8.3} {:>12} {:>14.2} {:>12.1} {:>18.4}",
+            g.partitions,
+            g.bare_per_s,
+            g.guard_per_s,
+            g.guard_per_s / g.bare_per_s,
+            g.checkpoint_writes,
+            g.checkpoint_writes_per_s,
+            g.checkpoint_writes_bound_per_s,
+            g.happy_path_ops_per_event
+        )?;
+    }
+    writeln!(out)
+}
+
+/// The slow handler's events/s with one event in flight and with many.
+fn write_concurrency(out: &mut String, c: &pipelines::Concurrency) -> fmt::Result {
+    writeln!(
+        out,
+        "A handler waiting {} ms per event, one partition",
+        c.delay.as_millis()
+    )?;
+    writeln!(out, "{:>14} {:>12}", "max_in_flight", "events/s")?;
+    writeln!(out, "{:>14} {:>12.1}", 1, c.one_per_s)?;
+    writeln!(out, "{:>14} {:>12.1}", c.wide, c.wide_per_s)?;
+    writeln!(out, "speed-up: {:.1}x", c.wide_per_s / c.one_per_s)?;
+    writeln!(out)
+}
+
+/// The retry path's latencies (to Service Bus, and lateness), p50 and p99.
+fn write_retries(out: &mut String, r: &pipelines::RetryTiming) -> fmt::Result {
+    writeln!(
+        out,
+        "The retry path ({} events failing once, retried 1 s later, on the emulator)",
+        r.retries
+    )?;
+    writeln!(out, "{:>44} {:>10} {:>10}", "", "p50 ms", "p99 ms")?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1} {:>10.1}",
+        "failure -> Service Bus accepted the retry", r.schedule_ms.0, r.schedule_ms.1
+    )?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1} {:>10.1}",
+        "due time -> retry started (lateness)", r.lateness_ms.0, r.lateness_ms.1
+    )?;
+    writeln!(out)
+}
+
+/// CPU per event of hubguard against a bare SDK consumer.
+fn write_cpu(out: &mut String, c: &cpu::CpuFigures) -> fmt::Result {
+    writeln!(
+        out,
+        "CPU of the consuming process per event ({} events, {} partitions; emulators in a child process, latency {}; no-op handler)",
+        c.events, c.partitions, c.latency
+    )?;
+    writeln!(
+        out,
+        "{:>24} {:>12} {:>12} {:>8}",
+        "", "hubguard", "bare SDK", "ratio"
+    )?;
+    writeln!(
+        out,
+        "{:>24} {:>12.1} {:>12.1} {:>8.2}",
+        "CPU µs per event",
+        c.guard_us,
+        c.bare_us,
+        c.ratio()
+    )?;
+    writeln!(out)
+}
+
+/// The overdue sweep's listing over a ledger with settled records and over one without.
+fn write_ledger(out: &mut String, l: &ledger::LedgerFigures) -> fmt::Result {
+    writeln!(
+        out,
+        "The overdue sweep's listing (= /v1/retries, retries list, the gauges): {} waiting retries, with {} settled records and with none",
+        l.pending, l.settled
+    )?;
+    writeln!(
+        out,
+        "(store calls billed as Azure does: one List Blobs call per 5,000 blobs, one per read)"
+    )?;
+    writeln!(out, "{:>24} {:>12} {:>12}", "", "settled", "empty")?;
+    writeln!(
+        out,
+        "{:>24} {:>12} {:>12}",
+        "store calls", l.sweep_calls_settled, l.sweep_calls_empty
+    )?;
+    writeln!(
+        out,
+        "{:>24} {:>12.1} {:>12.1}",
+        "retries list ms", l.retries_list_ms, l.retries_list_empty_ms
+    )?;
+    writeln!(out, "{:>24} {:>12}", "blobs listed", l.sweep_listed_settled)?;
+    let mb = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{v:.1}"));
+    writeln!(
+        out,
+        "{:>24} {:>12} {:>12}",
+        "sweep peak +MB",
+        mb(l.sweep_peak_mb.0),
+        mb(l.sweep_peak_mb.1)
+    )?;
+    writeln!(
+        out,
+        "{:>24} {:>12} {:>12}",
+        "retention peak +MB",
+        mb(l.retention_peak_mb.0),
+        mb(l.retention_peak_mb.1)
+    )?;
+    writeln!(
+        out,
+        "(peak resident memory gained during one pass, this process; Linux)"
+    )?;
+    writeln!(out)
+}
+
+/// Ordered retries: free keys' rate beside open lines, and released lines' drain.
+fn write_lines(out: &mut String, l: &lines::LinesFigures) -> fmt::Result {
+    writeln!(
+        out,
+        "Ordered retries at the azure latency profile: {} partitions, handler {} ms, {} lines of {} parked events, {} events of free keys (max_in_flight {})",
+        l.partitions,
+        l.handler.as_millis(),
+        l.lines,
+        l.line_length,
+        l.free_events,
+        crate::config::DEFAULT_MAX_IN_FLIGHT
+    )?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1}",
+        "free keys, events/s, no line open", l.free_per_s_without_lines
+    )?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1}",
+        "free keys, events/s, lines open and filling", l.free_per_s_with_lines
+    )?;
+    writeln!(out, "{:>44} {:>10.3}", "ratio", l.free_ratio())?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1} ({:.2} per line; {:.1} s for all)",
+        "released lines drain, parked events/s",
+        l.drain_per_s,
+        l.drain_per_s_per_line(),
+        l.drain_s
+    )?;
+    writeln!(out)
+}
+
+/// Resident memory of `hubguard run` with no retries pending, a few, and many.
+fn write_memory(out: &mut String, m: &memory::Memory) -> fmt::Result {
+    writeln!(
+        out,
+        "Resident memory of `hubguard run` (a child process; emulators in this one)"
+    )?;
+    let mut row = |label: String, mb: f64| writeln!(out, "{label:>44} {mb:>10.1} MB");
+    row("0 retries pending".into(), m.rss_idle_mb)?;
+    row(
+        format!("{} retries pending (warm-up)", m.warm_pending),
+        m.rss_warm_mb,
+    )?;
+    row(format!("{} retries pending", m.pending), m.rss_pending_mb)?;
+    row(
+        "the failure path's fixed cost".into(),
+        m.rss_warm_mb - m.rss_idle_mb,
+    )?;
+    let (lo, hi) = m.growth_range_mb();
+    writeln!(
+        out,
+        "{:>44} {:>10.1} MB (median of {} readings a second apart; {lo:.1} to {hi:.1})",
+        format!("growth for {} pending retries", m.pending),
+        m.growth_per_pending_mb(),
+        m.growth_readings_mb.len()
+    )?;
+    Ok(())
+}
+
+/// Replicas coming and going: duplicates, moves and longest unread time per scenario.
+fn write_scale(out: &mut String, args: &BenchArgs, runs: &[scale::ScaleRun]) -> fmt::Result {
+    writeln!(
+        out,
+        "Replicas coming and going on a backlog of 4 x {} events (max_in_flight {}, handler {} ms; update interval 0.5 s, ownership expiration 5 s)",
+        args.scale_events, args.max_in_flight, args.scale_delay_ms
+    )?;
+    writeln!(
+        out,
+        "{:>16} {:>22} {:>11} {:>8} {:>6} {:>16}",
+        "scenario", "balancing", "duplicates", "%", "moves", "max unread ms"
+    )?;
+    for r in runs {
+        writeln!(
+            out,
+            "{:>16} {:>22} {:>11} {:>8.2} {:>6} {:>16}",
+            r.scenario,
+            if r.handover {
+                "hubguard handover"
+            } else {
+                "SDK alone (stealing)"
+            },
+            r.duplicates,
+            r.duplicate_pct(),
+            r.moves,
+            r.max_unread_ms
+        )?;
+    }
+    writeln!(out)
 }
 
 #[cfg(test)]
