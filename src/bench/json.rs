@@ -1,13 +1,54 @@
 //! `hubguard bench --json`: everything one run measured, as one JSON line.
 
-use super::{BenchArgs, Figures};
+use super::{
+    azure, cost, cpu, ledger, memory, pipelines, ratelimit, scale, BenchArgs, Figures,
+    GuardFigures, Throughput,
+};
 
+/// Everything one run measured, as one JSON object: the options, then each scenario's
+/// figures, for the scenarios that ran, in a fixed order.
 pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
     let mut fields = vec![
         format!("\"events\":{}", args.events),
         format!("\"event_bytes\":{}", args.size),
     ];
-    for r in &f.eventhubs {
+    fields.extend(eventhubs_fields(&f.eventhubs));
+    fields.extend(guard_fields(&f.guard));
+    if let Some(c) = &f.concurrency {
+        fields.extend(concurrency_fields(c));
+    }
+    if let Some(r) = &f.retries {
+        fields.extend(retries_fields(r));
+    }
+    if let Some(m) = &f.memory {
+        fields.extend(memory_fields(m));
+    }
+    if let Some(a) = &f.azure {
+        fields.extend(azure_fields(a));
+    }
+    fields.extend(scale_fields(&f.scale));
+    if let Some(r) = &f.rate_limit {
+        fields.extend(rate_limit_fields(r));
+    }
+    if let Some(c) = &f.cpu {
+        fields.extend(cpu_fields(c));
+    }
+    if let Some(l) = &f.ledger {
+        fields.extend(ledger_fields(l));
+    }
+    if let Some(l) = &f.lines {
+        fields.push(l.json());
+    }
+    if let Some(c) = &f.cost {
+        fields.extend(cost_fields(c));
+    }
+    format!("{{{}}}", fields.join(","))
+}
+
+/// The Event Hubs emulator's produce and consume rates, per partition count.
+fn eventhubs_fields(runs: &[Throughput]) -> Vec<String> {
+    let mut fields = Vec::new();
+    for r in runs {
         fields.push(format!(
             "\"eventhubs_produce_per_s_p{}\":{:.0}",
             r.partitions, r.produce_per_s
@@ -17,7 +58,13 @@ pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
             r.partitions, r.consume_per_s
         ));
     }
-    for g in &f.guard {
+    fields
+}
+
+/// The guard against a bare consumer per partition count, then the last count's summary.
+fn guard_fields(runs: &[GuardFigures]) -> Vec<String> {
+    let mut fields = Vec::new();
+    for g in runs {
         fields.push(format!(
             "\"bare_per_s_p{}\":{:.0}",
             g.partitions, g.bare_per_s
@@ -32,7 +79,7 @@ pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
             g.guard_per_s / g.bare_per_s
         ));
     }
-    if let Some(g) = f.guard.last() {
+    if let Some(g) = runs.last() {
         fields.push(format!(
             "\"guard_vs_bare_ratio\":{:.3}",
             g.guard_per_s / g.bare_per_s
@@ -50,101 +97,93 @@ pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
             g.happy_path_ops_per_event
         ));
     }
-    if let Some(c) = &f.concurrency {
-        fields.push(format!("\"slow_handler_ms\":{}", c.delay.as_millis()));
-        fields.push(format!("\"slow_per_s_in_flight_1\":{:.1}", c.one_per_s));
-        fields.push(format!(
-            "\"slow_per_s_in_flight_{}\":{:.1}",
-            c.wide, c.wide_per_s
-        ));
-        fields.push(format!(
-            "\"concurrency_speedup\":{:.2}",
-            c.wide_per_s / c.one_per_s
-        ));
-    }
-    if let Some(r) = &f.retries {
-        fields.push(format!("\"retries_measured\":{}", r.retries));
-        fields.push(format!(
-            "\"schedule_latency_p50_ms\":{:.1}",
-            r.schedule_ms.0
-        ));
-        fields.push(format!(
-            "\"schedule_latency_p99_ms\":{:.1}",
-            r.schedule_ms.1
-        ));
-        fields.push(format!("\"lateness_p50_ms\":{:.1}", r.lateness_ms.0));
-        fields.push(format!("\"lateness_p99_ms\":{:.1}", r.lateness_ms.1));
-    }
-    if let Some(m) = &f.memory {
-        fields.push(format!("\"pending_retries\":{}", m.pending));
-        fields.push(format!("\"rss_mb_0_pending\":{:.1}", m.rss_idle_mb));
-        fields.push(format!("\"rss_mb_warm\":{:.1}", m.rss_warm_mb));
-        fields.push(format!("\"warm_pending_retries\":{}", m.warm_pending));
-        fields.push(format!("\"rss_mb_pending\":{:.1}", m.rss_pending_mb));
-        fields.push(format!(
+    fields
+}
+
+/// The slow handler with one event in flight and with many.
+fn concurrency_fields(c: &pipelines::Concurrency) -> Vec<String> {
+    vec![
+        format!("\"slow_handler_ms\":{}", c.delay.as_millis()),
+        format!("\"slow_per_s_in_flight_1\":{:.1}", c.one_per_s),
+        format!("\"slow_per_s_in_flight_{}\":{:.1}", c.wide, c.wide_per_s),
+        format!("\"concurrency_speedup\":{:.2}", c.wide_per_s / c.one_per_s),
+    ]
+}
+
+/// The retry path's scheduling latency and lateness.
+fn retries_fields(r: &pipelines::RetryTiming) -> Vec<String> {
+    vec![
+        format!("\"retries_measured\":{}", r.retries),
+        format!("\"schedule_latency_p50_ms\":{:.1}", r.schedule_ms.0),
+        format!("\"schedule_latency_p99_ms\":{:.1}", r.schedule_ms.1),
+        format!("\"lateness_p50_ms\":{:.1}", r.lateness_ms.0),
+        format!("\"lateness_p99_ms\":{:.1}", r.lateness_ms.1),
+    ]
+}
+
+/// Resident memory with no retries pending, a few and many, and the growth.
+fn memory_fields(m: &memory::Memory) -> Vec<String> {
+    let (lo, hi) = m.growth_range_mb();
+    vec![
+        format!("\"pending_retries\":{}", m.pending),
+        format!("\"rss_mb_0_pending\":{:.1}", m.rss_idle_mb),
+        format!("\"rss_mb_warm\":{:.1}", m.rss_warm_mb),
+        format!("\"warm_pending_retries\":{}", m.warm_pending),
+        format!("\"rss_mb_pending\":{:.1}", m.rss_pending_mb),
+        format!(
             "\"rss_failure_path_fixed_mb\":{:.1}",
             m.rss_warm_mb - m.rss_idle_mb
-        ));
+        ),
         // Named after the default size; `pending_retries` says what was measured.
-        fields.push(format!(
+        format!(
             "\"rss_growth_mb_100k_pending\":{:.1}",
             m.growth_per_pending_mb()
-        ));
-        let (lo, hi) = m.growth_range_mb();
-        fields.push(format!("\"rss_growth_min_mb\":{lo:.1}"));
-        fields.push(format!("\"rss_growth_max_mb\":{hi:.1}"));
-        fields.push(format!(
-            "\"rss_growth_readings\":{}",
-            m.growth_readings_mb.len()
-        ));
-    }
-    if let Some(a) = &f.azure {
-        fields.push("\"profile\":\"azure\"".into());
-        fields.push(format!("\"azure_partitions\":{}", a.partitions));
-        fields.push(format!("\"azure_events\":{}", a.events));
-        fields.push(format!("\"azure_handler_ms\":{}", a.handler.as_millis()));
-        fields.push(format!("\"azure_max_in_flight\":{}", a.max_in_flight));
-        fields.push(format!(
-            "\"azure_retry_concurrency\":{}",
-            a.retry_concurrency
-        ));
-        fields.push(format!(
+        ),
+        format!("\"rss_growth_min_mb\":{lo:.1}"),
+        format!("\"rss_growth_max_mb\":{hi:.1}"),
+        format!("\"rss_growth_readings\":{}", m.growth_readings_mb.len()),
+    ]
+}
+
+/// The `--profile azure` figures, after `"profile":"azure"`.
+fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
+    vec![
+        "\"profile\":\"azure\"".into(),
+        format!("\"azure_partitions\":{}", a.partitions),
+        format!("\"azure_events\":{}", a.events),
+        format!("\"azure_handler_ms\":{}", a.handler.as_millis()),
+        format!("\"azure_max_in_flight\":{}", a.max_in_flight),
+        format!("\"azure_retry_concurrency\":{}", a.retry_concurrency),
+        format!(
             "\"azure_events_per_s_per_partition\":{:.0}",
             a.events_per_s_per_partition
-        ));
-        fields.push(format!(
-            "\"azure_limit_per_s_per_partition\":{:.0}",
-            a.limit_per_s()
-        ));
-        fields.push(format!("\"azure_limit_ratio\":{:.3}", a.limit_ratio()));
-        fields.push(format!(
+        ),
+        format!("\"azure_limit_per_s_per_partition\":{:.0}", a.limit_per_s()),
+        format!("\"azure_limit_ratio\":{:.3}", a.limit_ratio()),
+        format!(
             "\"azure_failing_events_per_s_per_partition\":{:.0}",
             a.failing_events_per_s_per_partition
-        ));
-        fields.push(format!("\"azure_failure_ratio\":{:.3}", a.failure_ratio()));
-        fields.push(format!("\"azure_retries\":{}", a.retries));
-        fields.push(format!(
-            "\"azure_retry_drain_per_s\":{:.0}",
-            a.retry_drain_per_s
-        ));
-        fields.push(format!(
-            "\"azure_retry_span_per_s\":{:.0}",
-            a.retry_span_per_s
-        ));
-        fields.push(format!(
-            "\"azure_retry_drain_ratio\":{:.3}",
-            a.retry_drain_ratio()
-        ));
-        fields.push(format!(
+        ),
+        format!("\"azure_failure_ratio\":{:.3}", a.failure_ratio()),
+        format!("\"azure_retries\":{}", a.retries),
+        format!("\"azure_retry_drain_per_s\":{:.0}", a.retry_drain_per_s),
+        format!("\"azure_retry_span_per_s\":{:.0}", a.retry_span_per_s),
+        format!("\"azure_retry_drain_ratio\":{:.3}", a.retry_drain_ratio()),
+        format!(
             "\"azure_retry_lateness_p50_ms\":{:.0}",
             a.retry_lateness_ms.0
-        ));
-        fields.push(format!(
+        ),
+        format!(
             "\"azure_retry_lateness_p99_ms\":{:.0}",
             a.retry_lateness_ms.1
-        ));
-    }
-    for r in &f.scale {
+        ),
+    ]
+}
+
+/// Each scale run's duplicates, moves and longest unread time, by scenario and balancing.
+fn scale_fields(runs: &[scale::ScaleRun]) -> Vec<String> {
+    let mut fields = Vec::new();
+    for r in runs {
         let name = format!(
             "scale_{}_{}",
             r.scenario.replace(' ', "_"),
@@ -155,108 +194,100 @@ pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
         fields.push(format!("\"{name}_moves\":{}", r.moves));
         fields.push(format!("\"{name}_max_unread_ms\":{}", r.max_unread_ms));
     }
-    if let Some(r) = &f.rate_limit {
-        let (c, a) = (&r.cap, &r.adaptive);
-        fields.push(format!("\"rate_limit_per_s\":{:.1}", c.limit));
-        fields.push(format!("\"rate_limit_max_per_s\":{}", c.max_per_s));
-        fields.push(format!(
+    fields
+}
+
+/// The rate limit's cap phase, then its adaptive phase.
+fn rate_limit_fields(r: &ratelimit::RateLimitFigures) -> Vec<String> {
+    let (c, a) = (&r.cap, &r.adaptive);
+    vec![
+        format!("\"rate_limit_per_s\":{:.1}", c.limit),
+        format!("\"rate_limit_max_per_s\":{}", c.max_per_s),
+        format!(
             "\"rate_limit_max_ratio\":{:.3}",
             c.max_per_s as f64 / c.limit
-        ));
-        fields.push(format!(
+        ),
+        format!(
             "\"rate_limit_events_per_s\":{:.1}",
             c.events as f64 / c.seconds.max(1e-9)
-        ));
-        fields.push(format!("\"adaptive_receiver_cap\":{}", a.cap.unwrap_or(0)));
-        fields.push(format!("\"adaptive_max_per_s\":{}", a.max_per_s));
-        fields.push(format!(
-            "\"adaptive_max_per_s_after_30s\":{}",
-            a.max_per_s_after_30s
-        ));
-        fields.push(format!(
+        ),
+        format!("\"adaptive_receiver_cap\":{}", a.cap.unwrap_or(0)),
+        format!("\"adaptive_max_per_s\":{}", a.max_per_s),
+        format!("\"adaptive_max_per_s_after_30s\":{}", a.max_per_s_after_30s),
+        format!(
             "\"adaptive_converged_at_s\":{}",
             a.converged_at_s.map_or("null".into(), |s| s.to_string())
-        ));
-        fields.push(format!(
+        ),
+        format!(
             "\"adaptive_seconds_above_cap_after_30s\":{}",
             a.seconds_above_cap_after_30s
-        ));
-        fields.push(format!("\"adaptive_throttled\":{}", a.throttled));
-        fields.push(format!("\"adaptive_dead_lettered\":{}", a.dead_lettered));
-        fields.push(format!("\"adaptive_breaker_opens\":{}", a.breaker_opens));
-        fields.push(format!("\"adaptive_decreases\":{}", a.decreases));
-        fields.push(format!(
+        ),
+        format!("\"adaptive_throttled\":{}", a.throttled),
+        format!("\"adaptive_dead_lettered\":{}", a.dead_lettered),
+        format!("\"adaptive_breaker_opens\":{}", a.breaker_opens),
+        format!("\"adaptive_decreases\":{}", a.decreases),
+        format!(
             "\"adaptive_events_per_s\":{:.1}",
             a.events as f64 / a.seconds.max(1e-9)
-        ));
-    }
-    if let Some(c) = &f.cpu {
-        fields.push(format!("\"cpu_us_per_event_guard\":{:.1}", c.guard_us));
-        fields.push(format!("\"cpu_us_per_event_bare\":{:.1}", c.bare_us));
-        fields.push(format!("\"cpu_per_event_ratio\":{:.3}", c.ratio()));
-    }
-    if let Some(l) = &f.ledger {
-        fields.push(format!("\"ledger_settled\":{}", l.settled));
-        fields.push(format!("\"ledger_pending\":{}", l.pending));
-        fields.push(format!(
-            "\"ledger_sweep_calls_settled\":{}",
-            l.sweep_calls_settled
-        ));
-        fields.push(format!(
-            "\"ledger_sweep_calls_empty\":{}",
-            l.sweep_calls_empty
-        ));
-        fields.push(format!(
-            "\"ledger_sweep_listed_settled\":{}",
-            l.sweep_listed_settled
-        ));
-        fields.push(format!("\"retries_list_ms\":{:.1}", l.retries_list_ms));
-        fields.push(format!(
-            "\"retries_list_empty_ms\":{:.1}",
-            l.retries_list_empty_ms
-        ));
-        let mb = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
-        fields.push(format!(
-            "\"ledger_sweep_peak_mb_settled\":{}",
-            mb(l.sweep_peak_mb.0)
-        ));
-        fields.push(format!(
-            "\"ledger_sweep_peak_mb_empty\":{}",
-            mb(l.sweep_peak_mb.1)
-        ));
-        fields.push(format!(
+        ),
+    ]
+}
+
+/// CPU per event of hubguard and of a bare SDK consumer.
+fn cpu_fields(c: &cpu::CpuFigures) -> Vec<String> {
+    vec![
+        format!("\"cpu_us_per_event_guard\":{:.1}", c.guard_us),
+        format!("\"cpu_us_per_event_bare\":{:.1}", c.bare_us),
+        format!("\"cpu_per_event_ratio\":{:.3}", c.ratio()),
+    ]
+}
+
+/// The overdue sweep's listing: store calls, blobs listed, times and peak memory.
+fn ledger_fields(l: &ledger::LedgerFigures) -> Vec<String> {
+    let mb = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
+    vec![
+        format!("\"ledger_settled\":{}", l.settled),
+        format!("\"ledger_pending\":{}", l.pending),
+        format!("\"ledger_sweep_calls_settled\":{}", l.sweep_calls_settled),
+        format!("\"ledger_sweep_calls_empty\":{}", l.sweep_calls_empty),
+        format!("\"ledger_sweep_listed_settled\":{}", l.sweep_listed_settled),
+        format!("\"retries_list_ms\":{:.1}", l.retries_list_ms),
+        format!("\"retries_list_empty_ms\":{:.1}", l.retries_list_empty_ms),
+        format!("\"ledger_sweep_peak_mb_settled\":{}", mb(l.sweep_peak_mb.0)),
+        format!("\"ledger_sweep_peak_mb_empty\":{}", mb(l.sweep_peak_mb.1)),
+        format!(
             "\"ledger_retention_peak_mb_settled\":{}",
             mb(l.retention_peak_mb.0)
-        ));
-        fields.push(format!(
+        ),
+        format!(
             "\"ledger_retention_peak_mb_empty\":{}",
             mb(l.retention_peak_mb.1)
-        ));
+        ),
+    ]
+}
+
+/// Operations per event on each path, the lock's times, and the calls for no event.
+fn cost_fields(c: &cost::CostFigures) -> Vec<String> {
+    let mut fields = Vec::new();
+    for (name, _, ops) in c.paths() {
+        fields.push(format!("\"{name}\":{}", ops.json()));
     }
-    if let Some(l) = &f.lines {
-        fields.push(l.json());
-    }
-    if let Some(c) = &f.cost {
-        for (name, _, ops) in c.paths() {
-            fields.push(format!("\"{name}\":{}", ops.json()));
-        }
-        fields.push(format!("\"cost_lock_s\":{}", c.lock_s));
-        fields.push(format!(
-            "\"cost_renewed_attempt_s\":{}",
-            c.retry_long_attempt_s
-        ));
-        let background: Vec<String> = c
-            .background
-            .iter()
-            .map(|(k, n)| format!("\"{}\":{n}", k.name()))
-            .collect();
-        fields.push(format!(
-            "\"cost_background\":{{\"seconds\":{:.1},{}}}",
-            c.seconds,
-            background.join(",")
-        ));
-    }
-    format!("{{{}}}", fields.join(","))
+    fields.push(format!("\"cost_lock_s\":{}", c.lock_s));
+    fields.push(format!(
+        "\"cost_renewed_attempt_s\":{}",
+        c.retry_long_attempt_s
+    ));
+    let background: Vec<String> = c
+        .background
+        .iter()
+        .map(|(k, n)| format!("\"{}\":{n}", k.name()))
+        .collect();
+    fields.push(format!(
+        "\"cost_background\":{{\"seconds\":{:.1},{}}}",
+        c.seconds,
+        background.join(",")
+    ));
+    fields
 }
 
 #[cfg(test)]
