@@ -39,7 +39,7 @@ use crate::emulator::servicebus::QueueSpec;
 use crate::emulator::{Emulators, EmulatorsConfig};
 use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
-use crate::pipeline::{Pipeline, PipelineOptions};
+use crate::pipeline::{Pipeline, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
 
 /// Blobs per List Blobs page on Azure.
@@ -456,11 +456,72 @@ impl Handler for Scripted {
     }
 }
 
+/// Each event's calls, cut at each receive of its retry message (by idempotency key).
+type Segments = HashMap<String, Vec<BTreeMap<Kind, u64>>>;
+
 /// The scenario: `events` events (a fifth on each path) over 2 partitions.
 pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
     let events = events.max(5);
     let lock = Duration::from_secs(5); // Azure's shortest LockDuration
     let long = lock * 3 / 4; // outlasts half the lock: one renewal
+    let emulators = start_with_backlog(events, lock).await?;
+    let handler = Arc::new(Scripted {
+        long,
+        paths: Mutex::default(),
+        calls: AtomicU64::new(0),
+    });
+    let (parts, log) = counted_parts(&emulators, handler.clone(), events)?;
+    let seconds = run_until_settled(parts, &handler, &log, events).await?;
+    emulators.shutdown().await;
+    let calls = log.calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (runs, background) = segments(calls);
+    let paths = handler
+        .paths
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    Ok(CostFigures {
+        retry_long_attempt_s: long.as_secs_f64(),
+        lock_s: lock.as_secs_f64(),
+        background,
+        seconds,
+        ..path_means(&paths, &runs)
+    })
+}
+
+/// The means of each path's calls per event, from each event's segments.
+fn path_means(paths: &HashMap<String, Path>, runs: &Segments) -> CostFigures {
+    let segment = |path: Path, i: usize| -> Vec<BTreeMap<Kind, u64>> {
+        paths
+            .iter()
+            .filter(|(_, p)| **p == path)
+            .map(|(k, _)| {
+                runs.get(k)
+                    .and_then(|s| s.get(i).cloned())
+                    .unwrap_or_default()
+            })
+            .collect()
+    };
+    let mut first = segment(Path::TwiceThenDelivered, 0);
+    first.extend(segment(Path::Exhausted, 0));
+    first.extend(segment(Path::LongRetry, 0));
+    let mut rescheduled = segment(Path::TwiceThenDelivered, 1);
+    rescheduled.extend(segment(Path::Exhausted, 1));
+    CostFigures {
+        happy: Ops::mean(&happy_totals(paths, runs)),
+        first_failure: Ops::mean(&first),
+        retry_rescheduled: Ops::mean(&rescheduled),
+        retry_delivered: Ops::mean(&segment(Path::TwiceThenDelivered, 2)),
+        retry_long: Ops::mean(&segment(Path::LongRetry, 1)),
+        dead_letter: Ops::mean(&segment(Path::Permanent, 0)),
+        dead_letter_exhausted: Ops::mean(&segment(Path::Exhausted, 2)),
+        ..CostFigures::default()
+    }
+}
+
+/// The emulators (hub `bench` of 2 partitions, queue `retries` locking for `lock`), with
+/// `events` events waiting in the hub.
+async fn start_with_backlog(events: usize, lock: Duration) -> anyhow::Result<Emulators> {
     let emulators = Emulators::start(EmulatorsConfig {
         hubs: vec![HubSpec::new("bench", 2)],
         queues: vec![QueueSpec {
@@ -477,11 +538,16 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
         .connection_string()
         .parse()?;
     super::produce(&cs, 2, events, 64).await?;
-    let handler = Arc::new(Scripted {
-        long,
-        paths: Mutex::default(),
-        calls: AtomicU64::new(0),
-    });
+    Ok(emulators)
+}
+
+/// The pipeline's parts for the scripted handler, its record store and retry queue
+/// counting their calls into the returned log.
+fn counted_parts(
+    emulators: &Emulators,
+    handler: Arc<Scripted>,
+    events: usize,
+) -> anyhow::Result<(PipelineParts, Arc<Log>)> {
     let policy = RetryPolicy {
         name: "bench".into(),
         curve: crate::policy::Curve::Fixed,
@@ -501,7 +567,7 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
         max_in_flight: 16,
         ..super::pipelines::bench_options()
     };
-    let mut parts = super::pipelines::parts(&emulators, handler.clone(), policy, options)?;
+    let mut parts = super::pipelines::parts(emulators, handler, policy, options)?;
     let log = Arc::new(Log::default());
     parts.records = Arc::new(CountingStore {
         inner: parts.records.clone(),
@@ -511,6 +577,17 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
         inner: parts.queue.clone(),
         log: log.clone(),
     });
+    Ok((parts, log))
+}
+
+/// Runs the pipeline until the handler saw every event and every retry message completed;
+/// the seconds that took.
+async fn run_until_settled(
+    parts: PipelineParts,
+    handler: &Scripted,
+    log: &Log,
+    events: usize,
+) -> anyhow::Result<f64> {
     let started = Instant::now();
     let cancel = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(Pipeline::new(parts).run(cancel.clone()));
@@ -544,11 +621,13 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
     let seconds = started.elapsed().as_secs_f64();
     cancel.cancel();
     run.await??;
-    emulators.shutdown().await;
+    Ok(seconds)
+}
 
-    // Each event's calls, cut at each receive of its retry message.
-    let calls = log.calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let mut runs: HashMap<String, Vec<BTreeMap<Kind, u64>>> = HashMap::new();
+/// Each event's calls, cut at each receive of its retry message; the calls for no event
+/// apart, by kind.
+fn segments(calls: Vec<(Option<String>, Kind)>) -> (Segments, BTreeMap<Kind, u64>) {
+    let mut runs: Segments = HashMap::new();
     let mut background: BTreeMap<Kind, u64> = BTreeMap::new();
     for (key, kind) in calls {
         let Some(key) = key else {
@@ -563,28 +642,12 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
             *last.entry(kind).or_default() += 1;
         }
     }
-    let paths = handler
-        .paths
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    let segment = |path: Path, i: usize| -> Vec<BTreeMap<Kind, u64>> {
-        paths
-            .iter()
-            .filter(|(_, p)| **p == path)
-            .map(|(k, _)| {
-                runs.get(k)
-                    .and_then(|s| s.get(i).cloned())
-                    .unwrap_or_default()
-            })
-            .collect()
-    };
-    let mut first = segment(Path::TwiceThenDelivered, 0);
-    first.extend(segment(Path::Exhausted, 0));
-    first.extend(segment(Path::LongRetry, 0));
-    let mut rescheduled = segment(Path::TwiceThenDelivered, 1);
-    rescheduled.extend(segment(Path::Exhausted, 1));
-    let happy: Vec<_> = paths
+    (runs, background)
+}
+
+/// Each happy event's calls, its segments summed.
+fn happy_totals(paths: &HashMap<String, Path>, runs: &Segments) -> Vec<BTreeMap<Kind, u64>> {
+    paths
         .iter()
         .filter(|(_, p)| **p == Path::Happy)
         .map(|(k, _)| {
@@ -596,20 +659,7 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
             }
             all
         })
-        .collect();
-    Ok(CostFigures {
-        happy: Ops::mean(&happy),
-        first_failure: Ops::mean(&first),
-        retry_rescheduled: Ops::mean(&rescheduled),
-        retry_delivered: Ops::mean(&segment(Path::TwiceThenDelivered, 2)),
-        retry_long: Ops::mean(&segment(Path::LongRetry, 1)),
-        retry_long_attempt_s: long.as_secs_f64(),
-        lock_s: lock.as_secs_f64(),
-        dead_letter: Ops::mean(&segment(Path::Permanent, 0)),
-        dead_letter_exhausted: Ops::mean(&segment(Path::Exhausted, 2)),
-        background,
-        seconds,
-    })
+        .collect()
 }
 
 impl CostFigures {
