@@ -165,6 +165,22 @@ struct Figures {
 
 /// Runs the benchmark and prints it.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    check_options(&args)?;
+    let f = if args.profile == "azure" {
+        azure_profile(&args).await?
+    } else {
+        local_profile(&args).await?
+    };
+    if args.json {
+        println!("{}", json_line(&args, &f));
+    } else {
+        print!("{}", tables(&args, &f));
+    }
+    Ok(())
+}
+
+/// The options every profile needs, checked before anything runs.
+fn check_options(args: &BenchArgs) -> anyhow::Result<()> {
     if args.events == 0 || args.partitions.contains(&0) {
         bail!("--events and --partitions must be positive");
     }
@@ -190,33 +206,40 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.max_in_flight == 0 || args.slow_events == 0 || args.retries == 0 || args.pending == 0 {
         bail!("--max-in-flight, --slow-events, --retries and --pending must be positive");
     }
-    let mut f = Figures::default();
-    if args.profile == "azure" {
-        if args.handler_ms == 0
-            || args.azure_partitions == 0
-            || args.azure_events == 0
-            || args.azure_retries == 0
-        {
-            bail!("--handler-ms, --azure-partitions, --azure-events and --azure-retries must be positive");
-        }
-        f.azure = Some(
-            azure::azure(
-                args.azure_partitions,
-                args.azure_events,
-                Duration::from_millis(args.handler_ms),
-                args.azure_retries,
-            )
-            .await?,
+    Ok(())
+}
+
+/// `--profile azure`: hubguard at Azure's latencies, then its CPU per event there.
+async fn azure_profile(args: &BenchArgs) -> anyhow::Result<Figures> {
+    if args.handler_ms == 0
+        || args.azure_partitions == 0
+        || args.azure_events == 0
+        || args.azure_retries == 0
+    {
+        bail!(
+            "--handler-ms, --azure-partitions, --azure-events and --azure-retries must be positive"
         );
-        f.cpu = Some(cpu::cpu(args.azure_partitions, args.azure_events, 1024, "azure").await?);
-        if args.json {
-            println!("{}", json_line(&args, &f));
-        } else {
-            print!("{}", tables(&args, &f));
-        }
-        return Ok(());
     }
+    let azure = azure::azure(
+        args.azure_partitions,
+        args.azure_events,
+        Duration::from_millis(args.handler_ms),
+        args.azure_retries,
+    )
+    .await?;
+    let cpu = cpu::cpu(args.azure_partitions, args.azure_events, 1024, "azure").await?;
+    Ok(Figures {
+        azure: Some(azure),
+        cpu: Some(cpu),
+        ..Figures::default()
+    })
+}
+
+/// `--profile local`: the scenarios of `--only`, in a fixed order (each scenario's own
+/// options are checked when its turn comes).
+async fn local_profile(args: &BenchArgs) -> anyhow::Result<Figures> {
     let on = |s: &str| args.only.iter().any(|o| o == s);
+    let mut f = Figures::default();
     for &p in &args.partitions {
         if on("eventhubs") {
             f.eventhubs
@@ -228,14 +251,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     if on("concurrency") {
-        f.concurrency = Some(
-            pipelines::concurrency(
-                args.slow_events,
-                Duration::from_millis(args.delay_ms),
-                args.max_in_flight,
-            )
-            .await?,
-        );
+        f.concurrency = Some(run_concurrency(args).await?);
     }
     if on("retries") {
         f.retries = Some(pipelines::retry_timing(args.retries, 4).await?);
@@ -244,28 +260,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         f.memory = Some(memory::memory(args.pending, args.pending, 4).await?);
     }
     if on("scale") {
-        f.scale = scale::scale(
-            args.scale_events.max(1),
-            Duration::from_millis(args.scale_delay_ms),
-            args.max_in_flight,
-        )
-        .await?;
+        f.scale = run_scale(args).await?;
     }
     if on("rate_limit") {
-        crate::ratelimit::validate_limit(args.rate_limit)
-            .map_err(|e| anyhow::anyhow!("--rate-limit {e}"))?;
-        if args.receiver_cap == 0 || args.rate_events == 0 || args.adaptive_events == 0 {
-            bail!("--receiver-cap, --rate-events and --adaptive-events must be positive");
-        }
-        f.rate_limit = Some(
-            ratelimit::rate_limit(
-                args.rate_limit,
-                args.receiver_cap,
-                args.rate_events,
-                args.adaptive_events,
-            )
-            .await?,
-        );
+        f.rate_limit = Some(run_rate_limit(args).await?);
     }
     if on("cpu") {
         f.cpu = Some(cpu::cpu(4, args.events, args.size, &args.cpu_latency).await?);
@@ -274,29 +272,68 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         f.ledger = Some(ledger::ledger(args.ledger_settled, args.ledger_pending).await?);
     }
     if on("cost") {
-        if args.cost_events < 5 {
-            bail!("--cost-events must be at least 5 (one event on each path)");
-        }
-        f.cost = Some(cost::cost(args.cost_events).await?);
+        f.cost = Some(run_cost(args).await?);
     }
     if on("lines") {
-        f.lines = Some(
-            lines::lines(
-                4,
-                args.lines,
-                args.line_length,
-                args.events,
-                Duration::from_millis(args.handler_ms),
-            )
-            .await?,
-        );
+        f.lines = Some(run_lines(args).await?);
     }
-    if args.json {
-        println!("{}", json_line(&args, &f));
-    } else {
-        print!("{}", tables(&args, &f));
+    Ok(f)
+}
+
+/// The `concurrency` scenario: the slow handler with one event in flight and with many.
+async fn run_concurrency(args: &BenchArgs) -> anyhow::Result<pipelines::Concurrency> {
+    pipelines::concurrency(
+        args.slow_events,
+        Duration::from_millis(args.delay_ms),
+        args.max_in_flight,
+    )
+    .await
+}
+
+/// The `scale` scenario: replicas joining and leaving on a backlog.
+async fn run_scale(args: &BenchArgs) -> anyhow::Result<Vec<scale::ScaleRun>> {
+    scale::scale(
+        args.scale_events.max(1),
+        Duration::from_millis(args.scale_delay_ms),
+        args.max_in_flight,
+    )
+    .await
+}
+
+/// The `rate_limit` scenario, once its options are checked.
+async fn run_rate_limit(args: &BenchArgs) -> anyhow::Result<ratelimit::RateLimitFigures> {
+    crate::ratelimit::validate_limit(args.rate_limit)
+        .map_err(|e| anyhow::anyhow!("--rate-limit {e}"))?;
+    if args.receiver_cap == 0 || args.rate_events == 0 || args.adaptive_events == 0 {
+        bail!("--receiver-cap, --rate-events and --adaptive-events must be positive");
     }
-    Ok(())
+    ratelimit::rate_limit(
+        args.rate_limit,
+        args.receiver_cap,
+        args.rate_events,
+        args.adaptive_events,
+    )
+    .await
+}
+
+/// The `cost` scenario, once `--cost-events` is checked.
+async fn run_cost(args: &BenchArgs) -> anyhow::Result<cost::CostFigures> {
+    if args.cost_events < 5 {
+        bail!("--cost-events must be at least 5 (one event on each path)");
+    }
+    cost::cost(args.cost_events).await
+}
+
+/// The `lines` scenario: ordered retries at the azure latency profile, over 4 partitions.
+async fn run_lines(args: &BenchArgs) -> anyhow::Result<lines::LinesFigures> {
+    lines::lines(
+        4,
+        args.lines,
+        args.line_length,
+        args.events,
+        Duration::from_millis(args.handler_ms),
+    )
+    .await
 }
 
 #[cfg(test)]
