@@ -421,7 +421,7 @@ mod tests {
                     bare_per_s: 20000.4,
                     guard_per_s: 19000.6,
                     checkpoint_writes: 42,
-                    checkpoint_writes_per_s: 3.14159,
+                    checkpoint_writes_per_s: 3.14259,
                     checkpoint_writes_bound_per_s: 4.271828,
                     happy_path_ops_per_event: 0.012345,
                 },
