@@ -29,6 +29,7 @@ use crate::emulator::producer::{self, Outgoing, Plan};
 use crate::emulator::{Emulators, EmulatorsConfig};
 use crate::event::Event;
 use crate::handler::{Attempt, Failure, Handler, Outcome};
+use crate::pipeline::settle::Settler;
 use crate::pipeline::{LineOnDeadLetter, OrderingKey, Pipeline, PipelineOptions, RetryOrdering};
 use crate::policy::RetryPolicy;
 
@@ -216,6 +217,8 @@ struct Run {
     drain: Option<(f64, f64)>,
 }
 
+/// One run on fresh emulators: the free keys' events/s and, `with_lines`, the released
+/// lines' drain.
 async fn run_once(
     partitions: usize,
     handler_latency: Duration,
@@ -224,6 +227,43 @@ async fn run_once(
     free_per_partition: usize,
     with_lines: bool,
 ) -> anyhow::Result<Run> {
+    let stream = partition_events(lines_per_partition, line_length, free_per_partition);
+    let emulators = start_with_stream(partitions, &stream).await?;
+    let handler = Arc::new(LinesHandler::new(handler_latency, with_lines));
+    let pipeline = ordered_pipeline(&emulators, handler.clone())?;
+    let settler = pipeline.settler();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(pipeline.run(cancel.clone()));
+    let free_total = (free_per_partition * partitions) as u64;
+    let parked_total = (lines_per_partition * line_length * partitions) as u64;
+    let h = handler.clone();
+    pipelines::wait_progress("free keys", || h.free.load(Ordering::Relaxed), free_total).await?;
+    let free_per_s = handler.free_per_s();
+    let drain = if with_lines {
+        Some(measure_drain(&handler, &settler, partitions, &stream, parked_total).await?)
+    } else {
+        let h = handler.clone();
+        pipelines::wait_progress(
+            "the lines' events",
+            || h.parked.load(Ordering::Relaxed),
+            parked_total,
+        )
+        .await?;
+        None
+    };
+    handler.check_order()?;
+    cancel.cancel();
+    run.await??;
+    emulators.shutdown().await;
+    Ok(Run { free_per_s, drain })
+}
+
+/// The emulators at the azure latency profile, each of the hub's `partitions` holding
+/// `stream` (keyed by partition and position, ordered by partition and line).
+async fn start_with_stream(
+    partitions: usize,
+    stream: &[(Class, String)],
+) -> anyhow::Result<Emulators> {
     let emulators = Emulators::start(EmulatorsConfig {
         hubs: vec![HubSpec::new("bench", partitions)],
         latency: LatencyProfile::azure(),
@@ -236,7 +276,6 @@ async fn run_once(
         .context("event hubs")?
         .connection_string()
         .parse()?;
-    let stream = partition_events(lines_per_partition, line_length, free_per_partition);
     let share = stream.len();
     let plan = Plan::partition_by_partition("bench", share * partitions, partitions);
     producer::produce(&cs, &plan, |n| {
@@ -251,7 +290,12 @@ async fn run_once(
             .property("order", format!("{p}-{order}"))
     })
     .await?;
-    let handler = Arc::new(LinesHandler::new(handler_latency, with_lines));
+    Ok(emulators)
+}
+
+/// The pipeline on `emulators`: retries ordered by the `order` property, the default
+/// limits, every retry due in an hour.
+fn ordered_pipeline(emulators: &Emulators, handler: Arc<LinesHandler>) -> anyhow::Result<Pipeline> {
     // The heads' retries are due in an hour: the lines stay open until they are pulled.
     let policy = RetryPolicy {
         name: "bench".into(),
@@ -270,80 +314,79 @@ async fn run_once(
         retry_ordering: RetryOrdering::Key(LineOnDeadLetter::Release),
         ..pipelines::bench_options()
     };
-    let pipeline = Pipeline::new(pipelines::parts(
-        &emulators,
-        handler.clone(),
-        policy,
-        options,
-    )?);
-    let settler = pipeline.settler();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let run = tokio::spawn(pipeline.run(cancel.clone()));
-    let free_total = (free_per_partition * partitions) as u64;
-    let parked_total = (lines_per_partition * line_length * partitions) as u64;
+    Ok(Pipeline::new(pipelines::parts(
+        emulators, handler, policy, options,
+    )?))
+}
+
+/// Once every parked event is parked (none delivered), pulls the heads forward and waits
+/// for the released lines: parked events delivered per second, and the seconds.
+async fn measure_drain(
+    handler: &Arc<LinesHandler>,
+    settler: &Settler,
+    partitions: usize,
+    stream: &[(Class, String)],
+    parked_total: u64,
+) -> anyhow::Result<(f64, f64)> {
+    wait_all_parked(settler, parked_total).await?;
+    if handler.parked.load(Ordering::Relaxed) != 0 {
+        bail!("a parked event was delivered before its head");
+    }
+    let pulled = Instant::now();
+    pull_heads(settler, partitions, stream).await?;
     let h = handler.clone();
-    pipelines::wait_progress("free keys", || h.free.load(Ordering::Relaxed), free_total).await?;
-    let free_per_s = handler.free_per_s();
-    let drain = if with_lines {
-        // Every parked event parked (none delivered), then pull the heads forward.
-        let ledger = settler.ledger.clone();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let parked = ledger.all_parked().await?.len() as u64;
-            if parked == parked_total {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("{parked} of {parked_total} events parked after 120 s");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+    pipelines::wait_progress(
+        "released lines",
+        || h.parked.load(Ordering::Relaxed),
+        parked_total,
+    )
+    .await?;
+    let last = handler
+        .last_parked
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .context("no parked event delivered")?;
+    let secs = last
+        .saturating_duration_since(pulled)
+        .as_secs_f64()
+        .max(1e-3);
+    Ok((parked_total as f64 / secs, secs))
+}
+
+/// Waits (at most 120 s) until the ledger holds `parked_total` parked events.
+async fn wait_all_parked(settler: &Settler, parked_total: u64) -> anyhow::Result<()> {
+    let ledger = settler.ledger.clone();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let parked = ledger.all_parked().await?.len() as u64;
+        if parked == parked_total {
+            return Ok(());
         }
-        if handler.parked.load(Ordering::Relaxed) != 0 {
-            bail!("a parked event was delivered before its head");
+        if Instant::now() > deadline {
+            bail!("{parked} of {parked_total} events parked after 120 s");
         }
-        let pulled = Instant::now();
-        for p in 0..partitions {
-            for (j, (class, _)) in stream.iter().enumerate() {
-                if *class == Class::Head {
-                    settler
-                        .retry_now(&format!("lines-{p}-{j}"), "bench", false)
-                        .await
-                        .with_context(|| format!("pulling line head lines-{p}-{j} (of {share})"))?;
-                }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Pulls every line's head forward (as `retries run-now` would), partition by partition.
+async fn pull_heads(
+    settler: &Settler,
+    partitions: usize,
+    stream: &[(Class, String)],
+) -> anyhow::Result<()> {
+    let share = stream.len();
+    for p in 0..partitions {
+        for (j, (class, _)) in stream.iter().enumerate() {
+            if *class == Class::Head {
+                settler
+                    .retry_now(&format!("lines-{p}-{j}"), "bench", false)
+                    .await
+                    .with_context(|| format!("pulling line head lines-{p}-{j} (of {share})"))?;
             }
         }
-        let h = handler.clone();
-        pipelines::wait_progress(
-            "released lines",
-            || h.parked.load(Ordering::Relaxed),
-            parked_total,
-        )
-        .await?;
-        let last = handler
-            .last_parked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .context("no parked event delivered")?;
-        let secs = last
-            .saturating_duration_since(pulled)
-            .as_secs_f64()
-            .max(1e-3);
-        Some((parked_total as f64 / secs, secs))
-    } else {
-        let h = handler.clone();
-        pipelines::wait_progress(
-            "the lines' events",
-            || h.parked.load(Ordering::Relaxed),
-            parked_total,
-        )
-        .await?;
-        None
-    };
-    handler.check_order()?;
-    cancel.cancel();
-    run.await??;
-    emulators.shutdown().await;
-    Ok(Run { free_per_s, drain })
+    }
+    Ok(())
 }
 
 /// The scenario: `lines` lines of `line_length` parked events, spread over `partitions`,
