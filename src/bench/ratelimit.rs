@@ -16,9 +16,11 @@ use tokio_util::sync::CancellationToken;
 use super::pipelines::{bench_options, parts, start};
 use crate::breaker::BreakerConfig;
 use crate::emulator::capped::{max_in_any_second, per_second, CappedReceiver, Logged};
+use crate::emulator::Emulators;
 use crate::handler::webhook::{WebhookConfig, WebhookHandler};
 use crate::pipeline::Pipeline;
 use crate::policy::{Curve, RetryPolicy};
+use crate::ratelimit::limiter::Limiter;
 use crate::ratelimit::RateLimitConfig;
 
 /// What one phase measured.
@@ -66,97 +68,31 @@ async fn phase(events: usize, limit: f64, cap: Option<u32>) -> anyhow::Result<Ph
     let partitions = 6;
     let (emulators, cs) = start(partitions).await?;
     let receiver = CappedReceiver::start("127.0.0.1:0".parse()?, cap, None).await?;
-    let policy = RetryPolicy {
-        name: "bench".into(),
-        curve: Curve::Fixed,
-        base_s: 1,
-        floor_s: 1,
-        cap_s: 60,
-        max_attempts: 50,
-        max_age_s: None,
-    };
+    let policy = replica_policy();
     let cancel = CancellationToken::new();
     let mut runs = Vec::new();
     let mut limiters = Vec::new();
     let mut healths = Vec::new();
     let mut breakers = Vec::new();
     for r in 0..3 {
-        let mut options = bench_options();
-        options.owner_id = format!("bench-{r}");
-        options.max_in_flight = 8;
-        options.rate_limit = RateLimitConfig::per_second(limit);
-        let handler = Arc::new(
-            WebhookHandler::new(WebhookConfig {
-                timeout_ms: 5000,
-                ..WebhookConfig::new(receiver.url())
-            })
-            .map_err(|e| anyhow::anyhow!(e))?,
-        );
-        let mut p = parts(&emulators, handler, policy.clone(), options)?;
-        p.breaker = Some(BreakerConfig::default());
-        let pipeline = Pipeline::new(p);
+        let pipeline = replica(&emulators, &receiver, &policy, r, limit)?;
         limiters.push(pipeline.rate_limiter().context("a limit is configured")?);
         healths.push(pipeline.health());
         breakers.push(pipeline.breaker());
         runs.push(tokio::spawn(pipeline.run(cancel.clone())));
     }
     // The backlog arrives once the replicas have shared the partitions out.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let shares: Vec<f64> = limiters.iter().map(|l| l.snapshot().share).collect();
-        if shares.iter().all(|s| *s > 0.0) && (shares.iter().sum::<f64>() - 1.0).abs() < 1e-9 {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("the replicas did not share the partitions out: {shares:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_shared_out(&limiters).await?;
     super::produce(&cs, partitions, events, 256).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
-    let mut last = (0, tokio::time::Instant::now());
-    loop {
-        let delivered = receiver.delivered().len();
-        if delivered >= events {
-            break;
-        }
-        if delivered != last.0 {
-            last = (delivered, tokio::time::Instant::now());
-        } else if last.1.elapsed() > Duration::from_secs(60) {
-            bail!("rate-limited delivery stalled at {delivered} of {events}");
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("rate-limited delivery took too long: {delivered} of {events}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_delivered(&receiver, events).await?;
     cancel.cancel();
     for r in runs {
         r.await??;
     }
-    let log: Vec<Logged> = receiver.log();
-    let start_at = log.first().map(|l| l.at).unwrap_or_default();
-    let log: Vec<Logged> = log
-        .into_iter()
-        .map(|l| Logged {
-            at: l.at - start_at,
-            status: l.status,
-        })
-        .collect();
+    let log = since_first(receiver.log());
     let seconds = log.last().map_or(0.0, |l| l.at.as_secs_f64());
     let ps = per_second(&log);
-    // The last second is partial; a second is "above" when it holds more than the cap.
-    let full = &ps[..ps.len().saturating_sub(1)];
-    let converged_at_s = cap.and_then(|c| {
-        let last_above = full.iter().rposition(|n| *n > c);
-        match last_above {
-            None => Some(0),
-            Some(i) if i + 1 < full.len() => Some(i + 1),
-            Some(_) => None,
-        }
-    });
-    let seconds_above_cap_after_30s =
-        cap.map_or(0, |c| full.iter().skip(30).filter(|n| **n > c).count());
+    let (converged_at_s, seconds_above_cap_after_30s) = convergence(&ps, cap);
     let mut opens = 0;
     for b in breakers.iter().flatten() {
         opens = opens.max(b.cached().map_or(0, |r| r.opens));
@@ -183,6 +119,110 @@ async fn phase(events: usize, limit: f64, cap: Option<u32>) -> anyhow::Result<Ph
     receiver.shutdown().await;
     emulators.shutdown().await;
     Ok(figures)
+}
+
+/// Every replica's retry policy: a fixed 1 s (at most 60 s), 50 attempts.
+fn replica_policy() -> RetryPolicy {
+    RetryPolicy {
+        name: "bench".into(),
+        curve: Curve::Fixed,
+        base_s: 1,
+        floor_s: 1,
+        cap_s: 60,
+        max_attempts: 50,
+        max_age_s: None,
+    }
+}
+
+/// Replica `r`: 8 in flight, `limit`/s for the whole deployment, a breaker, and a webhook
+/// to `receiver`.
+fn replica(
+    emulators: &Emulators,
+    receiver: &CappedReceiver,
+    policy: &RetryPolicy,
+    r: usize,
+    limit: f64,
+) -> anyhow::Result<Pipeline> {
+    let mut options = bench_options();
+    options.owner_id = format!("bench-{r}");
+    options.max_in_flight = 8;
+    options.rate_limit = RateLimitConfig::per_second(limit);
+    let handler = Arc::new(
+        WebhookHandler::new(WebhookConfig {
+            timeout_ms: 5000,
+            ..WebhookConfig::new(receiver.url())
+        })
+        .map_err(|e| anyhow::anyhow!(e))?,
+    );
+    let mut p = parts(emulators, handler, policy.clone(), options)?;
+    p.breaker = Some(BreakerConfig::default());
+    Ok(Pipeline::new(p))
+}
+
+/// Waits (at most 60 s) until the replicas' limiters share the whole limit, each a part.
+async fn wait_shared_out(limiters: &[Arc<Limiter>]) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let shares: Vec<f64> = limiters.iter().map(|l| l.snapshot().share).collect();
+        if shares.iter().all(|s| *s > 0.0) && (shares.iter().sum::<f64>() - 1.0).abs() < 1e-9 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the replicas did not share the partitions out: {shares:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the receiver took `events` deliveries (failing after 60 s without progress
+/// or 600 s in all).
+async fn wait_delivered(receiver: &CappedReceiver, events: usize) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    let mut last = (0, tokio::time::Instant::now());
+    loop {
+        let delivered = receiver.delivered().len();
+        if delivered >= events {
+            return Ok(());
+        }
+        if delivered != last.0 {
+            last = (delivered, tokio::time::Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(60) {
+            bail!("rate-limited delivery stalled at {delivered} of {events}");
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("rate-limited delivery took too long: {delivered} of {events}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The receiver's log with times since its first request.
+fn since_first(log: Vec<Logged>) -> Vec<Logged> {
+    let start_at = log.first().map(|l| l.at).unwrap_or_default();
+    log.into_iter()
+        .map(|l| Logged {
+            at: l.at - start_at,
+            status: l.status,
+        })
+        .collect()
+}
+
+/// With a `cap`: the second from which no full second held more than it (`None`: never),
+/// and how many full seconds from 30 s on did; without, `(None, 0)`.
+fn convergence(ps: &[u32], cap: Option<u32>) -> (Option<usize>, usize) {
+    // The last second is partial; a second is "above" when it holds more than the cap.
+    let full = &ps[..ps.len().saturating_sub(1)];
+    let converged_at_s = cap.and_then(|c| {
+        let last_above = full.iter().rposition(|n| *n > c);
+        match last_above {
+            None => Some(0),
+            Some(i) if i + 1 < full.len() => Some(i + 1),
+            Some(_) => None,
+        }
+    });
+    let seconds_above_cap_after_30s =
+        cap.map_or(0, |c| full.iter().skip(30).filter(|n| **n > c).count());
+    (converged_at_s, seconds_above_cap_after_30s)
 }
 
 /// The scenario: the cap with `limit` and an unlimited receiver (`cap_events` events), then
