@@ -519,8 +519,7 @@ fn path_means(paths: &HashMap<String, Path>, runs: &Segments) -> CostFigures {
     }
 }
 
-/// The emulators (hub `bench` of 2 partitions, queue `retries` locking for `lock`), with
-/// `events` events waiting in the hub.
+/// The emulators (hub `bench`, 2 partitions; queue `retries`, `lock`) with `events` produced.
 async fn start_with_backlog(events: usize, lock: Duration) -> anyhow::Result<Emulators> {
     let emulators = Emulators::start(EmulatorsConfig {
         hubs: vec![HubSpec::new("bench", 2)],
@@ -541,8 +540,7 @@ async fn start_with_backlog(events: usize, lock: Duration) -> anyhow::Result<Emu
     Ok(emulators)
 }
 
-/// The pipeline's parts for the scripted handler, its record store and retry queue
-/// counting their calls into the returned log.
+/// The pipeline's parts, its record store and retry queue counting calls into the log.
 fn counted_parts(
     emulators: &Emulators,
     handler: Arc<Scripted>,
@@ -580,8 +578,7 @@ fn counted_parts(
     Ok((parts, log))
 }
 
-/// Runs the pipeline until the handler saw every event and every retry message completed;
-/// the seconds that took.
+/// Runs until the handler saw every event and every retry completed; the seconds taken.
 async fn run_until_settled(
     parts: PipelineParts,
     handler: &Scripted,
@@ -624,8 +621,7 @@ async fn run_until_settled(
     Ok(seconds)
 }
 
-/// Each event's calls, cut at each receive of its retry message; the calls for no event
-/// apart, by kind.
+/// Each event's calls cut at each retry receive, and the calls for no event, by kind.
 fn segments(calls: Vec<(Option<String>, Kind)>) -> (Segments, BTreeMap<Kind, u64>) {
     let mut runs: Segments = HashMap::new();
     let mut background: BTreeMap<Kind, u64> = BTreeMap::new();

@@ -5,8 +5,7 @@ use super::{
     GuardFigures, Throughput,
 };
 
-/// Everything one run measured, as one JSON object: the options, then each scenario's
-/// figures, for the scenarios that ran, in a fixed order.
+/// Everything one run measured as one JSON object: the options, then each scenario's figures.
 pub(super) fn json_line(args: &BenchArgs, f: &Figures) -> String {
     let mut fields = vec![
         format!("\"events\":{}", args.events),

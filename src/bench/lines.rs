@@ -217,8 +217,7 @@ struct Run {
     drain: Option<(f64, f64)>,
 }
 
-/// One run on fresh emulators: the free keys' events/s and, `with_lines`, the released
-/// lines' drain.
+/// One run: the free keys' events/s and, `with_lines`, the released lines' drain.
 async fn run_once(
     partitions: usize,
     handler_latency: Duration,
@@ -258,8 +257,7 @@ async fn run_once(
     Ok(Run { free_per_s, drain })
 }
 
-/// The emulators at the azure latency profile, each of the hub's `partitions` holding
-/// `stream` (keyed by partition and position, ordered by partition and line).
+/// The emulators at the azure latency profile, `stream` produced to each partition.
 async fn start_with_stream(
     partitions: usize,
     stream: &[(Class, String)],
@@ -293,8 +291,7 @@ async fn start_with_stream(
     Ok(emulators)
 }
 
-/// The pipeline on `emulators`: retries ordered by the `order` property, the default
-/// limits, every retry due in an hour.
+/// The pipeline with retries ordered by the `order` property, each due in an hour.
 fn ordered_pipeline(emulators: &Emulators, handler: Arc<LinesHandler>) -> anyhow::Result<Pipeline> {
     // The heads' retries are due in an hour: the lines stay open until they are pulled.
     let policy = RetryPolicy {
@@ -319,8 +316,7 @@ fn ordered_pipeline(emulators: &Emulators, handler: Arc<LinesHandler>) -> anyhow
     )?))
 }
 
-/// Once every parked event is parked (none delivered), pulls the heads forward and waits
-/// for the released lines: parked events delivered per second, and the seconds.
+/// Lines filled, heads pulled forward: parked events delivered per second, and the seconds.
 async fn measure_drain(
     handler: &Arc<LinesHandler>,
     settler: &Settler,

@@ -235,8 +235,7 @@ async fn azure_profile(args: &BenchArgs) -> anyhow::Result<Figures> {
     })
 }
 
-/// `--profile local`: the scenarios of `--only`, in a fixed order (each scenario's own
-/// options are checked when its turn comes).
+/// `--profile local`: the scenarios of `--only`, in a fixed order.
 async fn local_profile(args: &BenchArgs) -> anyhow::Result<Figures> {
     let on = |s: &str| args.only.iter().any(|o| o == s);
     let mut f = Figures::default();
@@ -351,8 +350,7 @@ mod tests {
         bench: BenchArgs,
     }
 
-    /// Options and figures with every scenario's figures set to distinctive values, for
-    /// the tests that pin the JSON line and the tables.
+    /// Options, and figures with every figure set to a distinctive value (the pinned tests).
     pub(super) fn sample() -> (BenchArgs, Figures) {
         let args = Cli::parse_from([
             "bench",

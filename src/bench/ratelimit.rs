@@ -134,8 +134,7 @@ fn replica_policy() -> RetryPolicy {
     }
 }
 
-/// Replica `r`: 8 in flight, `limit`/s for the whole deployment, a breaker, and a webhook
-/// to `receiver`.
+/// Replica `r`: 8 in flight, `limit`/s in all, a breaker, a webhook to `receiver`.
 fn replica(
     emulators: &Emulators,
     receiver: &CappedReceiver,
@@ -174,8 +173,7 @@ async fn wait_shared_out(limiters: &[Arc<Limiter>]) -> anyhow::Result<()> {
     }
 }
 
-/// Waits until the receiver took `events` deliveries (failing after 60 s without progress
-/// or 600 s in all).
+/// Waits until `receiver` took `events` (fails on 60 s without progress or 600 s in all).
 async fn wait_delivered(receiver: &CappedReceiver, events: usize) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     let mut last = (0, tokio::time::Instant::now());
@@ -207,8 +205,7 @@ fn since_first(log: Vec<Logged>) -> Vec<Logged> {
         .collect()
 }
 
-/// With a `cap`: the second from which no full second held more than it (`None`: never),
-/// and how many full seconds from 30 s on did; without, `(None, 0)`.
+/// With a `cap`: when the rate came under it to stay, and full seconds above it from 30 s on.
 fn convergence(ps: &[u32], cap: Option<u32>) -> (Option<usize>, usize) {
     // The last second is partial; a second is "above" when it holds more than the cap.
     let full = &ps[..ps.len().saturating_sub(1)];
