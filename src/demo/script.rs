@@ -9,11 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
+use tokio::task::JoinHandle;
 
 use super::bed::{Bed, Replica, HUB, QUEUE};
 use super::report::{Progress, Tick};
 use super::{DemoArgs, Outage, Window};
-use crate::emulator::producer::{self, Outgoing, Plan};
+use crate::emulator::producer::{self, Outgoing, Plan, Produced};
+use crate::emulator::Faults;
+use crate::ledger::Ledger;
 use crate::pipeline::health::Health;
 
 /// How the script ended.
@@ -72,6 +75,147 @@ impl Outages {
     }
 }
 
+/// One service's outages: when, whose faults, and what the progress line says.
+struct ServiceOutages<'b> {
+    windows: Outages,
+    faults: &'b Arc<Faults>,
+    what: &'static str,
+    then: &'static str,
+}
+
+impl ServiceOutages<'_> {
+    /// Starts the windows due at `t` (503 for each one's duration) and says so.
+    fn start_due(&mut self, t: Duration, progress: &mut impl FnMut(&str)) {
+        let (what, then) = (self.what, self.then);
+        for w in self.windows.due(t) {
+            self.faults.error_status_for(503, w.duration);
+            progress(&format!(
+                "t={:>3}s  {what} {:?}{then}",
+                t.as_secs(),
+                w.duration
+            ));
+        }
+    }
+
+    /// Whether every window has started and none is in force now.
+    fn over(&self) -> bool {
+        self.windows.all_started() && self.faults.error_status().is_none()
+    }
+}
+
+/// Each service's outages: the downstream's, Service Bus's and blob storage's.
+fn outages<'b>(bed: &'b Bed, args: &DemoArgs) -> [ServiceOutages<'b>; 3] {
+    [
+        ServiceOutages {
+            windows: Outages::new(std::slice::from_ref(&args.downstream_outage)),
+            faults: bed.hook.faults(),
+            what: "downstream outage: the webhook answers 503 for",
+            then: "",
+        },
+        ServiceOutages {
+            windows: Outages::new(&args.servicebus_outage),
+            faults: bed.sb.faults(),
+            what: "Service Bus outage: 503 for",
+            then: "; partitions with failures will hold",
+        },
+        ServiceOutages {
+            windows: Outages::new(&args.blob_outage),
+            faults: bed.blob.faults(),
+            what: "blob storage outage: 503 for",
+            then: "; checkpoints, ownership and the ledger fail",
+        },
+    ]
+}
+
+/// Starts the producer's task: the events spread over `--produce-over`.
+fn start_producer(
+    bed: &Bed,
+    args: &DemoArgs,
+) -> anyhow::Result<JoinHandle<anyhow::Result<Produced>>> {
+    let cs = bed.eventhubs()?;
+    let plan = Plan::spread(HUB, args.events, args.partitions, 10, args.produce_over)
+        .send_timeout(Duration::from_secs(10));
+    Ok(tokio::spawn(async move {
+        producer::produce(&cs, &plan, event).await
+    }))
+}
+
+/// Crashes replica `i` into `retired` (no final checkpoint, no ownership release), says so,
+/// and starts it again in its place.
+async fn crash_and_restart(
+    bed: &Bed,
+    replicas: &mut Vec<Replica>,
+    i: usize,
+    retired: &mut Vec<Arc<Health>>,
+    t: Duration,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
+    let victim = replicas.remove(i);
+    let owner = victim.owner.clone();
+    retired.push(victim.crash().await);
+    progress(&format!("t={:>3}s  crash: {owner} killed (no final checkpoint, no ownership release); restarting it", t.as_secs()));
+    replicas.insert(i, bed.start_replica(&owner)?);
+    Ok(())
+}
+
+/// What the services report at one tick.
+struct Observed {
+    /// The receiver's deliveries by key.
+    delivered: BTreeMap<String, u32>,
+    /// The keys the ledger records as dead-lettered.
+    dead: BTreeSet<String>,
+    /// The progress to draw.
+    tick: Tick,
+}
+
+/// Reads the deliveries, the ledger's dead letters, the retry queue and the running
+/// replicas' held partitions at `t`; `keys` are the events produced, once known.
+async fn observe(
+    bed: &Bed,
+    ledger: &Ledger,
+    replicas: &[Replica],
+    keys: Option<&Vec<String>>,
+    args: &DemoArgs,
+    t: Duration,
+) -> Observed {
+    let delivered = bed.hook.deliveries();
+    let dead: BTreeSet<String> = ledger
+        .dead_letter_keys()
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let sb = bed.sb.counters(QUEUE).unwrap_or_default();
+    let held: BTreeMap<String, _> = replicas
+        .iter()
+        .flat_map(|r| r.health().held().into_iter().map(|(p, h)| (p, h.cause)))
+        .collect();
+    let produced = keys.map_or(0, Vec::len);
+    let tick = Tick {
+        t,
+        delivered: delivered.len(),
+        events: if produced > 0 { produced } else { args.events },
+        retrying: sb.scheduled + sb.active + sb.locked,
+        dead_lettered: dead.len(),
+        held,
+    };
+    Observed {
+        delivered,
+        dead,
+        tick,
+    }
+}
+
+/// Whether the script is done: every event in `keys` delivered or dead-lettered, every outage
+/// over, no retry waiting and no partition held.
+fn done(keys: &[String], seen: &Observed, outages: &[ServiceOutages<'_>]) -> bool {
+    let settled = keys
+        .iter()
+        .all(|k| seen.delivered.contains_key(k) || seen.dead.contains(k));
+    let outages_over = outages.iter().all(ServiceOutages::over);
+    settled && outages_over && seen.tick.retrying == 0 && seen.tick.held.is_empty()
+}
+
 /// Plays the script on `bed`; `started` is when the demo started (the outages' and crashes'
 /// times count from it).
 pub(super) async fn play(
@@ -85,96 +229,35 @@ pub(super) async fn play(
         .collect::<anyhow::Result<_>>()?;
     let mut retired: Vec<Arc<Health>> = Vec::new();
 
-    let cs = bed.eventhubs()?;
-    let plan = Plan::spread(HUB, args.events, args.partitions, 10, args.produce_over)
-        .send_timeout(Duration::from_secs(10));
-    let mut producer = Some(tokio::spawn(async move {
-        producer::produce(&cs, &plan, event).await
-    }));
+    let mut producer = Some(start_producer(bed, args)?);
     let ledger = bed.ledger()?;
     let mut keys: Option<Vec<String>> = None;
-    // Each service's outages: when, whose faults, and what the progress line says.
-    let mut outages = [
-        (
-            Outages::new(std::slice::from_ref(&args.downstream_outage)),
-            bed.hook.faults(),
-            "downstream outage: the webhook answers 503 for",
-            "",
-        ),
-        (
-            Outages::new(&args.servicebus_outage),
-            bed.sb.faults(),
-            "Service Bus outage: 503 for",
-            "; partitions with failures will hold",
-        ),
-        (
-            Outages::new(&args.blob_outage),
-            bed.blob.faults(),
-            "blob storage outage: 503 for",
-            "; checkpoints, ownership and the ledger fail",
-        ),
-    ];
+    let mut outages = outages(bed, args);
     let mut next_crash = args.crash_every.0;
     let mut crashes = 0usize;
     let drawing = Progress::new(args);
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let t = started.elapsed();
-        for (windows, faults, what, then) in &mut outages {
-            for w in windows.due(t) {
-                faults.error_status_for(503, w.duration);
-                progress(&format!(
-                    "t={:>3}s  {what} {:?}{then}",
-                    t.as_secs(),
-                    w.duration
-                ));
-            }
+        for service in &mut outages {
+            service.start_due(t, progress);
         }
         if let Some(every) = next_crash.filter(|n| t >= *n) {
             let i = crashes % replicas.len();
-            let victim = replicas.remove(i);
-            let owner = victim.owner.clone();
-            retired.push(victim.crash().await);
-            progress(&format!("t={:>3}s  crash: {owner} killed (no final checkpoint, no ownership release); restarting it", t.as_secs()));
-            replicas.insert(i, bed.start_replica(&owner)?);
+            crash_and_restart(bed, &mut replicas, i, &mut retired, t, progress).await?;
             crashes += 1;
             next_crash = args.crash_every.0.map(|e| every + e);
         }
         if producer.as_ref().is_some_and(|p| p.is_finished()) {
             keys = Some(producer.take().context("producer")?.await??.keys);
         }
-        let delivered = bed.hook.deliveries();
-        let dead: BTreeSet<String> = ledger
-            .dead_letter_keys()
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        let sb = bed.sb.counters(QUEUE).unwrap_or_default();
-        let held: BTreeMap<String, _> = replicas
-            .iter()
-            .flat_map(|r| r.health().held().into_iter().map(|(p, h)| (p, h.cause)))
-            .collect();
-        let produced = keys.as_ref().map_or(0, Vec::len);
-        let tick = Tick {
-            t,
-            delivered: delivered.len(),
-            events: if produced > 0 { produced } else { args.events },
-            retrying: sb.scheduled + sb.active + sb.locked,
-            dead_lettered: dead.len(),
-            held,
-        };
-        drawing.tick(&tick, progress);
-        if let Some(keys) = &keys {
-            let settled = keys
-                .iter()
-                .all(|k| delivered.contains_key(k) || dead.contains(k));
-            let outages_over = outages.iter().all(|(windows, faults, _, _)| {
-                windows.all_started() && faults.error_status().is_none()
-            });
-            if settled && outages_over && tick.retrying == 0 && tick.held.is_empty() {
-                break;
-            }
+        let seen = observe(bed, &ledger, &replicas, keys.as_ref(), args, t).await;
+        drawing.tick(&seen.tick, progress);
+        if keys
+            .as_ref()
+            .is_some_and(|keys| done(keys, &seen, &outages))
+        {
+            break;
         }
         if t > args.timeout {
             break;

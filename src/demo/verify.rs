@@ -21,6 +21,7 @@ use std::time::SystemTime;
 use serde::Serialize;
 
 use crate::emulator::blob::store::BlobWrite;
+use crate::emulator::eventhubs::store::Hub;
 use crate::emulator::eventhubs::EventHubsEmulator;
 use crate::ledger::{Ledger, LedgerRecord, State};
 
@@ -91,7 +92,27 @@ pub struct Evidence<'a> {
 /// Runs the checks.
 pub fn verify(e: &Evidence<'_>) -> Verdict {
     let mut v = Verdict::default();
-    // Retry messages: first acceptance per key, doubles, attempt order.
+    let first_accept = check_retry_messages(e, &mut v);
+    check_downstream_attempts(e, &mut v);
+    check_ledger_histories(e, &mut v);
+    let settlements = Settlements {
+        e,
+        first_accept,
+        first_ledger_write: first_ledger_writes(e),
+    };
+    // Per partition: the latest settlement among events 0..=s (None: one never settled).
+    let Some(hub) = e.eventhubs.store().hub(e.hub) else {
+        v.problem(format!("hub {} not found", e.hub));
+        return v;
+    };
+    let partitions = settle_partitions(e, &hub, &settlements, &mut v);
+    check_checkpoints(e, &hub, &partitions, &mut v);
+    v
+}
+
+/// Retry messages: counts and reports each attempt Service Bus accepted twice; returns each
+/// key's first acceptance.
+fn check_retry_messages<'a>(e: &Evidence<'a>, v: &mut Verdict) -> HashMap<&'a str, SystemTime> {
     let mut first_accept: HashMap<&str, SystemTime> = HashMap::new();
     let mut seen: HashMap<(&str, u32), u32> = HashMap::new();
     for (id, at) in e.accepted {
@@ -108,6 +129,12 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             }
         }
     }
+    first_accept
+}
+
+/// Attempt order: counts and reports a key whose retries reached the downstream with a
+/// decreasing attempt number.
+fn check_downstream_attempts(e: &Evidence<'_>, v: &mut Verdict) {
     for (key, seen) in e.attempts_seen {
         let retries: Vec<u32> = seen.iter().copied().filter(|n| *n >= 2).collect();
         if let Some(w) = retries.windows(2).find(|w| w[1] < w[0]) {
@@ -118,7 +145,10 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             ));
         }
     }
-    // Ledger histories.
+}
+
+/// Ledger histories: counts and reports a record whose attempt numbers go backwards.
+fn check_ledger_histories(e: &Evidence<'_>, v: &mut Verdict) {
     for (key, rec) in e.records {
         // A replay from Event Hubs delivering the event again as attempt 1 is recorded as
         // such; the retries' numbers around it must still never go backwards.
@@ -133,48 +163,74 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             v.problem(format!("{key}: ledger history goes backwards"));
         }
     }
-    let first_ledger_write: HashMap<&str, SystemTime> = {
-        let mut m = HashMap::new();
-        let by_name: HashMap<String, &str> = e
-            .records
-            .keys()
-            .map(|k| (e.ledger.record_name(k), k.as_str()))
-            .collect();
-        for w in e.blob_writes {
-            if let Some(k) = by_name.get(&w.name) {
-                m.entry(*k).or_insert(w.at);
-            }
+}
+
+/// When the blob emulator first applied a write to each key's ledger record.
+fn first_ledger_writes<'a>(e: &Evidence<'a>) -> HashMap<&'a str, SystemTime> {
+    let mut m = HashMap::new();
+    let by_name: HashMap<String, &str> = e
+        .records
+        .keys()
+        .map(|k| (e.ledger.record_name(k), k.as_str()))
+        .collect();
+    for w in e.blob_writes {
+        if let Some(k) = by_name.get(&w.name) {
+            m.entry(*k).or_insert(w.at);
         }
-        m
-    };
-    let settled_at = |key: &str| -> Option<SystemTime> {
+    }
+    m
+}
+
+/// What tells when each event first settled.
+struct Settlements<'a, 'e> {
+    e: &'e Evidence<'a>,
+    first_accept: HashMap<&'a str, SystemTime>,
+    first_ledger_write: HashMap<&'a str, SystemTime>,
+}
+
+impl Settlements<'_, '_> {
+    /// When the event `key` first settled: the earliest of its first 2xx, its first accepted
+    /// retry message, and (dead-lettered on its first attempt) its ledger record's first
+    /// write; `None` if it never did.
+    fn at(&self, key: &str) -> Option<SystemTime> {
         let mut t: Option<SystemTime> = None;
         let mut take = |x: Option<SystemTime>| {
             if let Some(x) = x {
                 t = Some(t.map_or(x, |t| t.min(x)));
             }
         };
-        take(e.first_delivered.get(key).copied());
-        take(first_accept.get(key).copied());
-        if let Some(rec) = e.records.get(key) {
+        take(self.e.first_delivered.get(key).copied());
+        take(self.first_accept.get(key).copied());
+        if let Some(rec) = self.e.records.get(key) {
             let dead_at_first = rec.state == State::DeadLettered
                 && rec
                     .history
                     .iter()
                     .any(|h| h.attempt == 1 && h.outcome == "dead_lettered");
             if dead_at_first {
-                take(first_ledger_write.get(key).copied());
+                take(self.first_ledger_write.get(key).copied());
             }
         }
         t
-    };
-    // Per partition: the latest settlement among events 0..=s (None: one never settled).
-    let Some(hub) = e.eventhubs.store().hub(e.hub) else {
-        v.problem(format!("hub {} not found", e.hub));
-        return v;
-    };
-    let mut prefix_settled: Vec<Vec<Option<SystemTime>>> = Vec::new();
-    let mut detail: Vec<Vec<(String, Option<SystemTime>)>> = Vec::new();
+    }
+}
+
+/// One partition's events, in order: each one's key and settlement, and the latest settlement
+/// among the events up to it (`None` once one never settled).
+struct SettledPartition {
+    prefix_settled: Vec<Option<SystemTime>>,
+    detail: Vec<(String, Option<SystemTime>)>,
+}
+
+/// Each partition's [`SettledPartition`], in the hub's order; counts the events that never
+/// settled in `v.unsettled`.
+fn settle_partitions(
+    e: &Evidence<'_>,
+    hub: &Hub,
+    settlements: &Settlements<'_, '_>,
+    v: &mut Verdict,
+) -> Vec<SettledPartition> {
+    let mut partitions = Vec::new();
     for p in &hub.partitions {
         let mut d = Vec::new();
         let events = p.events_from(0, usize::MAX);
@@ -184,7 +240,7 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             let key = ev
                 .string_property("ce_id")
                 .unwrap_or_else(|| format!("{}/{}/{}", e.hub, p.id, ev.sequence_number));
-            let settled = settled_at(&key);
+            let settled = settlements.at(&key);
             d.push((key.clone(), settled));
             if settled.is_none() {
                 let u = v
@@ -199,9 +255,23 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             };
             col.push(acc);
         }
-        prefix_settled.push(col);
-        detail.push(d);
+        partitions.push(SettledPartition {
+            prefix_settled: col,
+            detail: d,
+        });
     }
+    partitions
+}
+
+/// Checkpoints: each checkpoint write to the hub is counted, noted as its partition's last
+/// checkpoint if that partition has unsettled events, and reported if it passed an event not
+/// yet settled.
+fn check_checkpoints(
+    e: &Evidence<'_>,
+    hub: &Hub,
+    partitions: &[SettledPartition],
+    v: &mut Verdict,
+) {
     let marker = format!("/{}/", e.hub.to_ascii_lowercase());
     for w in e.blob_writes {
         let Some((_, partition)) = w.name.rsplit_once("/checkpoint/") else {
@@ -220,7 +290,7 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
         let Some(pi) = hub.partition_index(partition) else {
             continue;
         };
-        let Some(col) = prefix_settled.get(pi) else {
+        let Some(col) = partitions.get(pi).map(|p| &p.prefix_settled) else {
             continue;
         };
         v.checkpoint_writes_checked += 1;
@@ -233,27 +303,32 @@ pub fn verify(e: &Evidence<'_>) -> Verdict {
             .is_some_and(|settled| settled <= w.at);
         if !ok {
             v.checkpoint_violations += 1;
-            let late = detail[pi]
-                .iter()
-                .take(usize::try_from(seq).unwrap_or(0) + 1)
-                .enumerate()
-                .find(|(_, (_, t))| t.is_none_or(|t| t > w.at));
-            let why = match late {
-                Some((i, (key, t))) => format!(
-                    "event {i} ({key}) settled {}",
-                    t.map_or("never".to_string(), |t| match t.duration_since(w.at) {
-                        Ok(d) => format!("{} ms after the write", d.as_millis()),
-                        Err(_) => "before".into(),
-                    })
-                ),
-                None => "unknown".into(),
-            };
+            let why = why_early(&partitions[pi].detail, seq, w.at);
             v.problem(format!(
                 "partition {partition}: checkpoint to {seq} written before every event up to it had settled: {why}"
             ));
         }
     }
-    v
+}
+
+/// Why a checkpoint to `seq` written at `at` was early: the first event up to it that had
+/// not settled by then, and when it did.
+fn why_early(detail: &[(String, Option<SystemTime>)], seq: i64, at: SystemTime) -> String {
+    let late = detail
+        .iter()
+        .take(usize::try_from(seq).unwrap_or(0) + 1)
+        .enumerate()
+        .find(|(_, (_, t))| t.is_none_or(|t| t > at));
+    match late {
+        Some((i, (key, t))) => format!(
+            "event {i} ({key}) settled {}",
+            t.map_or("never".to_string(), |t| match t.duration_since(at) {
+                Ok(d) => format!("{} ms after the write", d.as_millis()),
+                Err(_) => "before".into(),
+            })
+        ),
+        None => "unknown".into(),
+    }
 }
 
 #[cfg(test)]

@@ -46,6 +46,7 @@ mod request;
 mod response;
 pub mod store;
 
+use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -185,6 +186,9 @@ impl Drop for BlobEmulator {
         self.shutdown.cancel();
     }
 }
+
+/// Routes one request. The checks come in Azure's error precedence (the tests assert it): the
+/// bearer token, the account, the blob name and metadata, then the operation's own.
 async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -197,16 +201,63 @@ async fn handle(
     if let Some(refusal) = refuse_bearer(&shared, &headers, head, now) {
         return refusal;
     }
-    let raw = uri.path().trim_start_matches('/');
-    let (account, rest) = raw.split_once('/').unwrap_or((raw, ""));
-    if account != shared.account {
-        return error_response(
+    let (container, blob) = match resource(&shared.account, uri.path()) {
+        Ok(resource) => resource,
+        Err(account) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "InvalidUri",
+                &format!("unknown account '{account}'"),
+                head,
+                now,
+            )
+        }
+    };
+    let q = query_map(&uri);
+    let restype = q.get("restype").map(String::as_str);
+    let comp = q.get("comp").map(String::as_str);
+    if let Some(refusal) = refuse_input(&method, blob.as_deref(), comp, &headers, head, now) {
+        return refusal;
+    }
+    let mut h = HeaderMap::new();
+    common_headers(&mut h, now);
+    let op = Operation {
+        shared: &shared,
+        container: &container,
+        headers: &headers,
+        head,
+        now,
+    };
+    match (method.clone(), blob.as_deref(), restype, comp) {
+        // Containers.
+        (Method::PUT, None, Some("container"), None) => op.create_container(h),
+        (Method::GET | Method::HEAD, None, Some("container"), None) => op.container_properties(h),
+        (Method::DELETE, None, Some("container"), None) => op.delete_container(h),
+        (Method::GET, None, Some("container"), Some("list")) => op.list_blobs(&q, h),
+        // Blobs.
+        (Method::PUT, Some(name), None, None) => op.put_blob(name, body, h),
+        (Method::PUT, Some(name), None, Some("metadata")) => op.set_metadata(name, h),
+        (Method::PUT, Some(name), None, Some("tags")) => op.set_tags(name, &body, h),
+        (Method::GET, Some(name), None, Some("tags")) => op.get_tags(name, h),
+        (Method::GET | Method::HEAD, Some(name), None, None) => op.get_blob(name, h),
+        (Method::DELETE, Some(name), None, None) => op.delete_blob(name, h),
+        _ => error_response(
             StatusCode::BAD_REQUEST,
-            "InvalidUri",
-            &format!("unknown account '{account}'"),
+            "UnsupportedHttpVerb",
+            &format!("{method} {} is not supported by this emulator", uri.path()),
             head,
             now,
-        );
+        ),
+    }
+}
+
+/// The container and (percent-decoded) blob a `/{account}/{container}/{blob}` path names, or
+/// the account when it is not the one served.
+fn resource<'p>(served: &str, path: &'p str) -> Result<(String, Option<String>), &'p str> {
+    let raw = path.trim_start_matches('/');
+    let (account, rest) = raw.split_once('/').unwrap_or((raw, ""));
+    if account != served {
+        return Err(account);
     }
     let (container, blob) = match rest.split_once('/') {
         Some((c, b)) => (
@@ -222,40 +273,76 @@ async fn handle(
     let container = percent_encoding::percent_decode_str(container)
         .decode_utf8_lossy()
         .into_owned();
-    let q = query_map(&uri);
-    let restype = q.get("restype").map(String::as_str);
-    let comp = q.get("comp").map(String::as_str);
-    if blob
-        .as_deref()
-        .is_some_and(|b| b.chars().count() > BLOB_NAME_CHARS)
-    {
-        return error_response(
+    Ok((container, blob))
+}
+
+/// The 400 for a blob name over 1,024 characters, or for metadata Azure refuses on Put Blob or
+/// Set Metadata (checked in that order); `None` when neither.
+fn refuse_input(
+    method: &Method,
+    blob: Option<&str>,
+    comp: Option<&str>,
+    headers: &HeaderMap,
+    head: bool,
+    now: std::time::SystemTime,
+) -> Option<Response> {
+    if blob.is_some_and(|b| b.chars().count() > BLOB_NAME_CHARS) {
+        return Some(error_response(
             StatusCode::BAD_REQUEST,
             "OutOfRangeInput",
             "The specified resource name length is not within the permissible limits.",
             head,
             now,
-        );
+        ));
     }
     if method == Method::PUT && blob.is_some() && matches!(comp, None | Some("metadata")) {
-        if let Err((status, code, message)) = check_metadata(&metadata(&headers)) {
-            return error_response(status, code, &message, head, now);
+        if let Err((status, code, message)) = check_metadata(&metadata(headers)) {
+            return Some(error_response(status, code, &message, head, now));
         }
     }
-    let mut h = HeaderMap::new();
-    common_headers(&mut h, now);
-    let store = &shared.store;
-    let result: Result<Response, BlobError> = match (method.clone(), blob.as_deref(), restype, comp)
-    {
-        // Containers.
-        (Method::PUT, None, Some("container"), None) => {
-            store.create_container(&container, now).map(|c| {
+    None
+}
+
+/// One request's operation on a container or blob: what each operation needs to answer.
+struct Operation<'a> {
+    shared: &'a Shared,
+    container: &'a str,
+    headers: &'a HeaderMap,
+    head: bool,
+    now: std::time::SystemTime,
+}
+
+impl Operation<'_> {
+    /// The store's answer, or its error as Azure words it.
+    fn answer(&self, result: Result<Response, BlobError>) -> Response {
+        result.unwrap_or_else(|e| blob_error(e, self.head, self.now))
+    }
+
+    /// A request check's refusal (status, error code, message) as an error answer.
+    fn refuse(&self, (status, code, message): (StatusCode, &str, String)) -> Response {
+        error_response(status, code, &message, self.head, self.now)
+    }
+
+    /// Create Container: 201, or 409 if it exists.
+    fn create_container(&self, mut h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .create_container(self.container, self.now)
+            .map(|c| {
                 write_headers(&mut h, &c.etag, c.last_modified);
                 (StatusCode::CREATED, h).into_response()
-            })
-        }
-        (Method::GET | Method::HEAD, None, Some("container"), None) => {
-            store.container(&container).map(|(etag, lm)| {
+            });
+        self.answer(result)
+    }
+
+    /// Get Container Properties: 200 with the ETag, Last-Modified, lease and policy headers.
+    fn container_properties(&self, mut h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .container(self.container)
+            .map(|(etag, lm)| {
                 write_headers(&mut h, &etag, lm);
                 h.insert("x-ms-lease-state", HeaderValue::from_static("available"));
                 h.insert("x-ms-lease-status", HeaderValue::from_static("unlocked"));
@@ -265,55 +352,75 @@ async fn handle(
                 );
                 h.insert("x-ms-has-legal-hold", HeaderValue::from_static("false"));
                 (StatusCode::OK, h).into_response()
-            })
-        }
-        (Method::DELETE, None, Some("container"), None) => store
-            .delete_container(&container)
-            .map(|_| (StatusCode::ACCEPTED, h).into_response()),
-        (Method::GET, None, Some("container"), Some("list")) => list(&shared, &container, &q, h),
-        // Blobs.
-        (Method::PUT, Some(name), None, None) => {
-            let tags = match header_tags(&headers) {
-                Ok(t) => t,
-                Err((status, code, message)) => {
-                    return error_response(status, code, &message, head, now)
-                }
-            };
-            let content_type = headers
-                .get("x-ms-blob-content-type")
-                .or_else(|| headers.get("content-type"))
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("application/octet-stream")
-                .to_string();
-            store
-                .put(
-                    &container,
-                    name,
-                    store::NewBlob {
-                        content: body,
-                        content_type,
-                        metadata: metadata(&headers),
-                        tags,
-                    },
-                    &conditions(&headers),
-                    now,
-                )
-                .map(|b| {
-                    write_headers(&mut h, &b.etag, b.last_modified);
-                    h.insert(
-                        "x-ms-request-server-encrypted",
-                        HeaderValue::from_static("true"),
-                    );
-                    (StatusCode::CREATED, h).into_response()
-                })
-        }
-        (Method::PUT, Some(name), None, Some("metadata")) => store
-            .set_metadata(
-                &container,
+            });
+        self.answer(result)
+    }
+
+    /// Delete Container: 202.
+    fn delete_container(&self, h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .delete_container(self.container)
+            .map(|_| (StatusCode::ACCEPTED, h).into_response());
+        self.answer(result)
+    }
+
+    /// List Blobs (`prefix`, `marker`, `maxresults`, `include=metadata`).
+    fn list_blobs(&self, q: &BTreeMap<String, String>, h: HeaderMap) -> Response {
+        self.answer(list(self.shared, self.container, q, h))
+    }
+
+    /// Put Blob: 201, after checking `x-ms-tags`; the conditions are the store's to check.
+    fn put_blob(&self, name: &str, body: Bytes, mut h: HeaderMap) -> Response {
+        let tags = match header_tags(self.headers) {
+            Ok(t) => t,
+            Err(refusal) => return self.refuse(refusal),
+        };
+        let content_type = self
+            .headers
+            .get("x-ms-blob-content-type")
+            .or_else(|| self.headers.get("content-type"))
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/octet-stream")
+            .to_string();
+        let result = self
+            .shared
+            .store
+            .put(
+                self.container,
                 name,
-                metadata(&headers),
-                &conditions(&headers),
-                now,
+                store::NewBlob {
+                    content: body,
+                    content_type,
+                    metadata: metadata(self.headers),
+                    tags,
+                },
+                &conditions(self.headers),
+                self.now,
+            )
+            .map(|b| {
+                write_headers(&mut h, &b.etag, b.last_modified);
+                h.insert(
+                    "x-ms-request-server-encrypted",
+                    HeaderValue::from_static("true"),
+                );
+                (StatusCode::CREATED, h).into_response()
+            });
+        self.answer(result)
+    }
+
+    /// Set Blob Metadata (`comp=metadata`): 200.
+    fn set_metadata(&self, name: &str, mut h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .set_metadata(
+                self.container,
+                name,
+                metadata(self.headers),
+                &conditions(self.headers),
+                self.now,
             )
             .map(|b| {
                 write_headers(&mut h, &b.etag, b.last_modified);
@@ -322,37 +429,50 @@ async fn handle(
                     HeaderValue::from_static("true"),
                 );
                 (StatusCode::OK, h).into_response()
-            }),
-        (Method::PUT, Some(name), None, Some("tags")) => {
-            let tags = match body_tags(&body) {
-                Ok(t) => t,
-                Err((status, code, message)) => {
-                    return error_response(status, code, &message, head, now)
-                }
-            };
-            store
-                .set_tags(&container, name, tags)
-                .map(|_| (StatusCode::NO_CONTENT, h).into_response())
-        }
-        (Method::GET, Some(name), None, Some("tags")) => store.get(&container, name).map(|b| {
+            });
+        self.answer(result)
+    }
+
+    /// Set Blob Tags (`comp=tags`): 204, after checking the body's tags.
+    fn set_tags(&self, name: &str, body: &[u8], h: HeaderMap) -> Response {
+        let tags = match body_tags(body) {
+            Ok(t) => t,
+            Err(refusal) => return self.refuse(refusal),
+        };
+        let result = self
+            .shared
+            .store
+            .set_tags(self.container, name, tags)
+            .map(|_| (StatusCode::NO_CONTENT, h).into_response());
+        self.answer(result)
+    }
+
+    /// Get Blob Tags (`comp=tags`): 200 with the tag set's XML.
+    fn get_tags(&self, name: &str, mut h: HeaderMap) -> Response {
+        let result = self.shared.store.get(self.container, name).map(|b| {
             h.insert("content-type", HeaderValue::from_static("application/xml"));
             (StatusCode::OK, h, tag_set_xml(&b.tags)).into_response()
-        }),
-        (Method::GET | Method::HEAD, Some(name), None, None) => store
-            .get(&container, name)
-            .and_then(|b| get_blob(&b, &headers, head, h, now)),
-        (Method::DELETE, Some(name), None, None) => store
-            .delete(&container, name, &conditions(&headers))
-            .map(|_| (StatusCode::ACCEPTED, h).into_response()),
-        _ => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "UnsupportedHttpVerb",
-                &format!("{method} {} is not supported by this emulator", uri.path()),
-                head,
-                now,
-            )
-        }
-    };
-    result.unwrap_or_else(|e| blob_error(e, head, now))
+        });
+        self.answer(result)
+    }
+
+    /// Get Blob or Get Blob Properties (HEAD), with their conditions and ranges.
+    fn get_blob(&self, name: &str, h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .get(self.container, name)
+            .and_then(|b| get_blob(&b, self.headers, self.head, h, self.now));
+        self.answer(result)
+    }
+
+    /// Delete Blob: 202, if its conditions hold.
+    fn delete_blob(&self, name: &str, h: HeaderMap) -> Response {
+        let result = self
+            .shared
+            .store
+            .delete(self.container, name, &conditions(self.headers))
+            .map(|_| (StatusCode::ACCEPTED, h).into_response());
+        self.answer(result)
+    }
 }
