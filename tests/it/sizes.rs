@@ -1,13 +1,13 @@
-//! The code stays readable at a glance: no function of the pipeline or the Azure clients
-//! over 100 lines, and no module of the crate over 800 lines before its tests. Read from the
+//! The code stays readable at a glance: no function of the crate over 100 lines, and no
+//! module over 800 lines before its tests. Read from the
 //! sources (comments, strings and character literals masked first, so a brace in a message
 //! or a doc comment counts for nothing), so a function or module that grows past the line
 //! fails here, naming it — split it into steps, or by concern, rather than raise the limit.
 
 use std::path::{Path, PathBuf};
 
-/// The longest a function of `src/pipeline/` or `src/azure/` may be, its signature and
-/// closing brace included.
+/// The longest a function of `src/` may be (outside its tests), its signature and closing
+/// brace included.
 const FUNCTION_LINES: usize = 100;
 /// The longest a module (one file) may be, not counting its `#[cfg(test)] mod tests { … }`.
 const MODULE_LINES: usize = 800;
@@ -226,11 +226,10 @@ fn the_mask_leaves_code_and_blanks_comments_strings_and_characters() {
 }
 
 #[test]
-fn no_function_of_the_pipeline_or_the_azure_clients_is_over_100_lines() {
+fn no_function_is_over_100_lines() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
-    rust_files(&root.join("pipeline"), &mut files);
-    rust_files(&root.join("azure"), &mut files);
+    rust_files(&root, &mut files);
     let mut long = Vec::new();
     for path in &files {
         let code = masked(path);
@@ -242,7 +241,7 @@ fn no_function_of_the_pipeline_or_the_azure_clients_is_over_100_lines() {
             }
         }
     }
-    assert!(files.len() > 40, "found only {} files", files.len());
+    assert!(files.len() > 100, "found only {} files", files.len());
     assert!(
         long.is_empty(),
         "over {FUNCTION_LINES} lines (split into named steps):\n{}",
