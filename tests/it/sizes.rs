@@ -206,6 +206,15 @@ fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, usize, usiz
     out
 }
 
+/// `src/` and its Rust files (more than a hundred: a wrong path must not pass for a tidy one).
+fn sources() -> (PathBuf, Vec<PathBuf>) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    assert!(files.len() > 100, "found only {} files", files.len());
+    (root, files)
+}
+
 fn masked(path: &Path) -> Vec<char> {
     mask(&std::fs::read_to_string(path).unwrap())
         .chars()
@@ -227,9 +236,7 @@ fn the_mask_leaves_code_and_blanks_comments_strings_and_characters() {
 
 #[test]
 fn no_function_is_over_100_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    rust_files(&root, &mut files);
+    let (root, files) = sources();
     let mut long = Vec::new();
     for path in &files {
         let code = masked(path);
@@ -241,7 +248,6 @@ fn no_function_is_over_100_lines() {
             }
         }
     }
-    assert!(files.len() > 100, "found only {} files", files.len());
     assert!(
         long.is_empty(),
         "over {FUNCTION_LINES} lines (split into named steps):\n{}",
@@ -251,9 +257,7 @@ fn no_function_is_over_100_lines() {
 
 #[test]
 fn no_module_is_over_800_lines_before_its_tests() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    rust_files(&root, &mut files);
+    let (root, files) = sources();
     let mut long = Vec::new();
     for path in &files {
         let code = masked(path);
@@ -267,7 +271,6 @@ fn no_module_is_over_800_lines_before_its_tests() {
             long.push(format!("src/{file}: {lines} lines"));
         }
     }
-    assert!(files.len() > 100, "found only {} files", files.len());
     assert!(
         long.is_empty(),
         "over {MODULE_LINES} lines besides tests (split by concern):\n{}",

@@ -372,7 +372,7 @@ impl Operation<'_> {
     }
 
     /// Put Blob: 201, after checking `x-ms-tags`; the conditions are the store's to check.
-    fn put_blob(&self, name: &str, body: Bytes, mut h: HeaderMap) -> Response {
+    fn put_blob(&self, name: &str, body: Bytes, h: HeaderMap) -> Response {
         let tags = match header_tags(self.headers) {
             Ok(t) => t,
             Err(refusal) => return self.refuse(refusal),
@@ -399,19 +399,12 @@ impl Operation<'_> {
                 &conditions(self.headers),
                 self.now,
             )
-            .map(|b| {
-                write_headers(&mut h, &b.etag, b.last_modified);
-                h.insert(
-                    "x-ms-request-server-encrypted",
-                    HeaderValue::from_static("true"),
-                );
-                (StatusCode::CREATED, h).into_response()
-            });
+            .map(|b| written(h, &b, StatusCode::CREATED));
         self.answer(result)
     }
 
     /// Set Blob Metadata (`comp=metadata`): 200.
-    fn set_metadata(&self, name: &str, mut h: HeaderMap) -> Response {
+    fn set_metadata(&self, name: &str, h: HeaderMap) -> Response {
         let result = self
             .shared
             .store
@@ -422,14 +415,7 @@ impl Operation<'_> {
                 &conditions(self.headers),
                 self.now,
             )
-            .map(|b| {
-                write_headers(&mut h, &b.etag, b.last_modified);
-                h.insert(
-                    "x-ms-request-server-encrypted",
-                    HeaderValue::from_static("true"),
-                );
-                (StatusCode::OK, h).into_response()
-            });
+            .map(|b| written(h, &b, StatusCode::OK));
         self.answer(result)
     }
 
@@ -475,4 +461,14 @@ impl Operation<'_> {
             .map(|_| (StatusCode::ACCEPTED, h).into_response());
         self.answer(result)
     }
+}
+/// The answer to a write of a blob's content or metadata (`status`): its ETag and time, and
+/// the encryption flag Azure Storage always sets (data is encrypted at rest).
+fn written(mut h: HeaderMap, blob: &store::Blob, status: StatusCode) -> Response {
+    write_headers(&mut h, &blob.etag, blob.last_modified);
+    h.insert(
+        "x-ms-request-server-encrypted",
+        HeaderValue::from_static("true"),
+    );
+    (status, h).into_response()
 }
