@@ -249,8 +249,9 @@ pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
 // `hubguard run`'s configuration file.
 pub use config::{
     Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
-    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetrySection,
-    ServiceBusSection, StartPosition, StatusSection, StorageSection,
+    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection,
+    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
+    StorageSection,
 };
 pub use telemetry::logs::{LogFormat, LogSection};
 // Logs, traces and metrics as `hubguard run` sets them up.

@@ -24,8 +24,8 @@ pub use error::ConfigError;
 use error::{entity_key, invalid};
 pub use sections::{
     Access, CheckpointSection, CredentialKind, DeadLettersSection, EventHubsSection,
-    HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetrySection,
-    ServiceBusSection, StartPosition, StatusSection, StorageSection,
+    HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetryOrderingKind,
+    RetrySection, ServiceBusSection, StartPosition, StatusSection, StorageSection,
 };
 #[cfg(any(test, feature = "testbed"))]
 pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW};

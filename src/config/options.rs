@@ -2,38 +2,21 @@
 
 use std::time::Duration;
 
-use crate::pipeline::{OrderingKey, PipelineOptions};
+use crate::pipeline::{OrderingKey, PipelineOptions, RetryOrdering};
 
-use super::{invalid, Config, ConfigError, HandlerSection, StartPosition};
+use super::{invalid, Config, ConfigError, HandlerSection, RetryOrderingKind, StartPosition};
 
 impl Config {
-    /// `processor.retry_ordering` and `processor.line_on_dead_letter`, read.
-    pub(super) fn retry_ordering(&self) -> Result<crate::pipeline::RetryOrdering, ConfigError> {
-        let on_dead_letter = self
-            .processor
-            .line_on_dead_letter
-            .parse::<crate::pipeline::LineOnDeadLetter>()
-            .map_err(|e| {
-                invalid(
-                    "processor.line_on_dead_letter",
-                    format!("processor.line_on_dead_letter: {e}"),
-                )
-            })?;
-        match self.processor.retry_ordering.as_str() {
-            "off" => Ok(crate::pipeline::RetryOrdering::Off),
-            "key" => {
-                if self.processor.ordering_key == OrderingKey::None {
-                    return Err(invalid(
-                        "processor.retry_ordering",
-                        "processor.retry_ordering = \"key\" needs an ordering key: processor.ordering_key is `none`",
-                    ));
-                }
-                Ok(crate::pipeline::RetryOrdering::Key(on_dead_letter))
-            }
-            other => Err(invalid(
+    /// `processor.retry_ordering` with `processor.line_on_dead_letter`: refused when lines
+    /// are on without an ordering key to line events up by.
+    pub(super) fn retry_ordering(&self) -> Result<RetryOrdering, ConfigError> {
+        match self.processor.retry_ordering {
+            RetryOrderingKind::Off => Ok(RetryOrdering::Off),
+            RetryOrderingKind::Key if self.processor.ordering_key == OrderingKey::None => Err(invalid(
                 "processor.retry_ordering",
-                format!("processor.retry_ordering: expected `off` or `key`, got {other:?}"),
+                "processor.retry_ordering = \"key\" needs an ordering key: processor.ordering_key is `none`",
             )),
+            RetryOrderingKind::Key => Ok(RetryOrdering::Key(self.processor.line_on_dead_letter)),
         }
     }
 

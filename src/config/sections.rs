@@ -137,6 +137,18 @@ fn access(
     }
 }
 
+/// Ordered retries on or off (`processor.retry_ordering`); with `key`, the pipeline's
+/// [`RetryOrdering`](crate::pipeline::RetryOrdering) also takes `processor.line_on_dead_letter`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryOrderingKind {
+    /// A retry does not hold the later events of its key (the default).
+    #[default]
+    Off,
+    /// The later events of a key waiting for a retry are parked behind it.
+    Key,
+}
+
 /// Where partitions without a checkpoint start (`processor.start`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -332,11 +344,11 @@ pub struct ProcessorSection {
     pub ordering_key: OrderingKey,
     /// Ordered retries: `off` (default) or `key` — while an event of an ordering key waits
     /// for a retry, the later events of that key on its partition are parked behind it.
-    pub retry_ordering: String,
+    pub retry_ordering: RetryOrderingKind,
     /// With `retry_ordering = "key"`, what a line does when its head is dead-lettered:
     /// `release` (the next parked event runs) or `dead_letter_line` (the parked events
     /// follow it into the dead letters).
-    pub line_on_dead_letter: String,
+    pub line_on_dead_letter: crate::pipeline::LineOnDeadLetter,
     /// Most events read past the partition's oldest unsettled one (at least
     /// `max_in_flight`): settled events behind a slow one wait here, not in a slot.
     pub window: usize,
@@ -373,8 +385,8 @@ impl Default for ProcessorSection {
             },
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             ordering_key: o.ordering,
-            retry_ordering: "off".into(),
-            line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default().to_string(),
+            retry_ordering: RetryOrderingKind::Off,
+            line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default(),
             window: DEFAULT_WINDOW,
         }
     }

@@ -119,8 +119,10 @@ impl RetryOrdering {
     }
 }
 
-/// What a line does when its head is dead-lettered (`processor.line_on_dead_letter`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a line does when its head is dead-lettered (`processor.line_on_dead_letter`). Read
+/// from the configuration's spelling (`release`, `dead_letter_line`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(try_from = "String")]
 pub enum LineOnDeadLetter {
     /// The line moves on: the next parked event is delivered.
     #[default]
@@ -143,6 +145,13 @@ impl std::str::FromStr for LineOnDeadLetter {
             "dead_letter_line" => Ok(Self::DeadLetterLine),
             _ => Err(BadLineOnDeadLetter(s.to_string())),
         }
+    }
+}
+
+impl TryFrom<String> for LineOnDeadLetter {
+    type Error = BadLineOnDeadLetter;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
     }
 }
 
