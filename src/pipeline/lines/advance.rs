@@ -7,9 +7,10 @@ use crate::azure::StoreError;
 use crate::clock::{ms, rfc3339};
 use crate::event::Event;
 use crate::ledger::{
-    at, AttemptEntry, LedgerError, LedgerRecord, Line, Parked, ParkedEntry, State,
+    at, AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, Line, Parked, ParkedEntry, State,
 };
 use crate::pipeline::observe::Observer;
+use crate::pipeline::settle::plan::first_failure;
 use crate::pipeline::settle::{SettleError, Settler};
 use crate::pipeline::LineOnDeadLetter;
 use crate::policy::DeadLetterReason;
@@ -36,7 +37,7 @@ pub(super) fn released_record(
         attempt: parked.attempts,
         started_ms: parked.parked_ms,
         finished_ms: ms(now),
-        outcome: crate::ledger::HistoryOutcome::Parked,
+        outcome: HistoryOutcome::Parked,
         error: Some(note),
         next_attempt_ms: Some(ms(now)),
         trace_id: None,
@@ -47,59 +48,42 @@ pub(super) fn released_record(
         next_attempt_ms: Some(ms(now)),
         attempt_base: parked.attempts,
         history,
-        ..crate::pipeline::settle::plan::first_failure(e, settler.policies(), now)
+        ..first_failure(e, settler.policies(), now)
     }
 }
 
 /// The dead letter of an event parked behind a head that was dead-lettered
-/// (`line_on_dead_letter = "dead_letter_line"`).
+/// (`line_on_dead_letter = "dead_letter_line"`), under the policy in force for its type.
 pub(super) fn line_dead_letter(
+    settler: &Settler,
     parked: &Parked,
     line: &Line,
-    policy: crate::policy::RetryPolicy,
     now: SystemTime,
 ) -> LedgerRecord {
-    let e = &parked.event;
     let error = format!(
         "parked behind {} (sequence number {}), which was dead-lettered; the line followed it",
         line.head_key, line.head_seq
     );
-    LedgerRecord {
-        key: e.identity.idempotency_key.clone(),
-        correlation_id: e.identity.correlation_id.clone(),
-        event_type: e.identity.event_type.clone(),
-        state: State::DeadLettered,
-        attempts: parked.attempts,
+    let mut history = parked.history.clone();
+    history.push(AttemptEntry {
+        attempt: parked.attempts,
+        started_ms: parked.parked_ms,
+        finished_ms: ms(now),
+        outcome: HistoryOutcome::DeadLettered,
+        error: Some(error.clone()),
         next_attempt_ms: None,
-        first_failure_ms: ms(now),
-        updated_ms: ms(now),
-        last_error: Some(error.clone()),
-        dead_letter_reason: Some(DeadLetterReason::LineDeadLettered),
-        last_delay_ms: None,
-        policy,
+        trace_id: None,
+        retry_after_capped_from_s: None,
+    });
+    let mut rec = LedgerRecord {
+        attempts: parked.attempts,
         attempt_base: parked.attempts,
-        history: parked
-            .history
-            .iter()
-            .cloned()
-            .chain([AttemptEntry {
-                attempt: parked.attempts,
-                started_ms: parked.parked_ms,
-                finished_ms: ms(now),
-                outcome: crate::ledger::HistoryOutcome::DeadLettered,
-                error: Some(error),
-                next_attempt_ms: None,
-                trace_id: None,
-                retry_after_capped_from_s: None,
-            }])
-            .collect(),
-        event: e.clone(),
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        run_now: None,
-        indexed: None,
-    }
+        last_error: Some(error),
+        history,
+        ..first_failure(&parked.event, settler.policies(), now)
+    };
+    rec.dead_letter(DeadLetterReason::LineDeadLettered);
+    rec
 }
 
 /// Writes `rec` (a released or line-dead-lettered record) unless the ledger holds a record of
@@ -284,11 +268,7 @@ impl Advance<'_> {
         let follow = dead && self.on_dead_letter == LineOnDeadLetter::DeadLetterLine;
         let e = &parked_event.event;
         let new = if follow {
-            let policy = settler
-                .policies()
-                .for_type(e.identity.event_type.as_deref())
-                .clone();
-            line_dead_letter(&parked_event, &line, policy, now)
+            line_dead_letter(settler, &parked_event, &line, now)
         } else {
             released_record(settler, &parked_event, &line, now)
         };

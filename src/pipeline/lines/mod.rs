@@ -529,7 +529,7 @@ mod tests {
         assert_eq!((released.attempts, released.attempt_base), (3, 3));
         assert_eq!(released.history[0], before);
         assert_eq!(released.history[1].outcome, "parked");
-        let dead = line_dead_letter(&parked, &line, released.policy.clone(), now);
+        let dead = line_dead_letter(&s, &parked, &line, now);
         assert_eq!((dead.attempts, dead.attempt_base), (3, 3));
         assert_eq!(dead.history.len(), 2);
         assert_eq!(dead.history[0], before);

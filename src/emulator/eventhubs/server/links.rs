@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use fe2o3_amqp::link::delivery::DeliveryInfo;
-use fe2o3_amqp::types::definitions::{AmqpError, LinkError};
+use fe2o3_amqp::types::definitions::{AmqpError, Error as AmqpErrorBody, LinkError};
 use fe2o3_amqp::types::messaging::Body;
 use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Receiver, Sendable, Sender};
@@ -142,34 +142,41 @@ fn events_of(format: Option<u32>, envelope: Msg) -> Result<(Vec<Msg>, Option<Str
     Ok((events, key))
 }
 
+/// Whether a link to `address` is accepted, in Event Hubs' order: an address that names
+/// no entity (`amqp:not-found`), then a missing token (`amqp:unauthorized-access`), then the
+/// server-busy fault; the parsed address when it is.
+fn admit<T>(
+    shared: &Shared,
+    auth: &ConnectionAuth,
+    address: &str,
+    parse: impl FnOnce(&Shared, &str) -> Result<T, String>,
+) -> Result<T, AmqpErrorBody> {
+    let parsed = parse(shared, address).map_err(|why| error(AmqpError::NotFound, why))?;
+    if !auth.covers(address) {
+        return Err(error(
+            AmqpError::UnauthorizedAccess,
+            format!("Unauthorized access to '{address}': put a token first"),
+        ));
+    }
+    if shared.faults.server_busy() {
+        return Err(server_busy());
+    }
+    Ok(parsed)
+}
+
 pub(super) async fn serve_producer(
     mut receiver: Receiver,
     address: String,
     shared: Arc<Shared>,
     auth: Arc<ConnectionAuth>,
 ) {
-    let target = match parse_producer(&shared, &address) {
+    let target = match admit(&shared, &auth, &address, parse_producer) {
         Ok(t) => t,
-        Err(why) => {
-            let _ = receiver
-                .close_with_error(error(AmqpError::NotFound, why))
-                .await;
+        Err(refusal) => {
+            let _ = receiver.close_with_error(refusal).await;
             return;
         }
     };
-    if !auth.covers(&address) {
-        let _ = receiver
-            .close_with_error(error(
-                AmqpError::UnauthorizedAccess,
-                format!("Unauthorized access to '{address}': put a token first"),
-            ))
-            .await;
-        return;
-    }
-    if shared.faults.server_busy() {
-        let _ = receiver.close_with_error(server_busy()).await;
-        return;
-    }
     loop {
         let delivery = match receiver.recv::<Body<Value>>().await {
             Ok(d) => d,
@@ -231,28 +238,13 @@ pub(super) async fn serve_consumer(
     shared: Arc<Shared>,
     auth: Arc<ConnectionAuth>,
 ) {
-    let source = match parse_consumer(&shared, &address) {
+    let source = match admit(&shared, &auth, &address, parse_consumer) {
         Ok(s) => s,
-        Err(why) => {
-            let _ = sender
-                .close_with_error(error(AmqpError::NotFound, why))
-                .await;
+        Err(refusal) => {
+            let _ = sender.close_with_error(refusal).await;
             return;
         }
     };
-    if !auth.covers(&address) {
-        let _ = sender
-            .close_with_error(error(
-                AmqpError::UnauthorizedAccess,
-                format!("Unauthorized access to '{address}': put a token first"),
-            ))
-            .await;
-        return;
-    }
-    if shared.faults.server_busy() {
-        let _ = sender.close_with_error(server_busy()).await;
-        return;
-    }
     let start = match selector_expr.as_deref().map(selector::parse) {
         None => StartPosition::Latest,
         Some(Ok(p)) => p,
