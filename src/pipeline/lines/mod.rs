@@ -37,6 +37,11 @@
 //! partition during a rebalance, which may deliver an event of a key before the line the
 //! other opened is known.
 //!
+//! **Where it plugs in.** The partition's event path and the retry path call one hook,
+//! [`LineHook`] (hook.rs), around an attempt — before it (deliver, park, or settle a replay),
+//! after a failed first attempt (open the line), after the settlement (advance) — and a
+//! no-op with `retry_ordering = "off"`; neither path names a line step itself.
+//!
 //! **Replays.** A parked record is named by its event's sequence number, so a replay after a
 //! crash parks nothing twice. An event at or before its line's head was parked and released
 //! before (or settled before the line opened): it is delivered again, a duplicate of the kind
@@ -54,10 +59,12 @@ use super::settle::{SettleError, Settler};
 use super::LineOnDeadLetter;
 
 mod advance;
+mod hook;
 #[cfg(any(test, feature = "testbed"))]
 mod replay;
 
 pub(crate) use advance::advance;
+pub(crate) use hook::{Advanced, LineHook, LineStep, Place, StepFuture, UntilDone};
 #[cfg(any(test, feature = "testbed"))]
 pub(crate) use replay::replay_line;
 

@@ -1,5 +1,8 @@
-//! One event of a partition: ordered retries' line steps, the breaker's admission, the
-//! attempt, and the settlement that holds the partition while it fails.
+//! One event of a partition: admit → pace → attempt → settle, with the settlement holding the
+//! partition while it fails. Ordered retries wrap the attempt through one hook
+//! ([`LineHook`]): before it (deliver, or settled already: parked, or a replay), after it (a
+//! failure opens its key's line) and after the settlement (the line moves on); the line steps
+//! live in `pipeline::lines`.
 
 use std::time::{Duration, SystemTime};
 
@@ -9,231 +12,83 @@ use tracing::Instrument;
 use crate::event::Event;
 use crate::pipeline::admission::Gate;
 use crate::pipeline::backoff::{until_settled, Hold};
-use crate::pipeline::settle::{Report, Source};
+use crate::pipeline::lines::{Advanced, Known, LineHook, LineStep, Place, StepFuture, UntilDone};
+use crate::pipeline::recorded::Recorded;
+use crate::pipeline::settle::{Report, SettleError, Settled, Source};
 use crate::pipeline::{attempt, Shared};
 
 use super::lag;
 
+/// The partition's lag when an event started, which a hold of it reports.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Lag {
+    /// Events received and not yet covered by a checkpoint.
+    pub(super) uncovered: u64,
+    /// When the oldest of them was enqueued.
+    pub(super) oldest: Option<SystemTime>,
+}
+
 /// What one event's task works with: its partition, how to stop, the lag a hold reports, and
 /// what the partition knows of the ledger's records and lines.
 #[derive(Clone, Copy)]
-struct EventTask<'a> {
-    pid: &'a str,
-    shared: &'a Shared,
-    cancel: &'a CancellationToken,
-    lag: (u64, Option<SystemTime>),
-    recorded: &'a crate::pipeline::recorded::Recorded,
-    known: &'a crate::pipeline::lines::Known,
-}
-
-/// Where an ordered-retries step leaves an event.
-enum LineStep {
-    /// Stopped before the event settled.
-    Stopped,
-    /// The event is settled without (another) delivery: parked behind its line's head, or a
-    /// replay of an event its line already settled.
-    Settled,
-    /// Go on with the event; `heads`: it is its key's line's head.
-    Continue { heads: bool },
+pub(super) struct EventTask<'a> {
+    pub(super) pid: &'a str,
+    pub(super) shared: &'a Shared,
+    pub(super) cancel: &'a CancellationToken,
+    pub(super) lag: Lag,
+    pub(super) recorded: &'a Recorded,
+    pub(super) known: &'a Known,
 }
 
 /// Attempts and settles one event; `false` if stopped before it settled.
-pub(super) async fn process(
-    event: Event,
-    pid: &str,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    lag: (u64, Option<SystemTime>),
-    recorded: &crate::pipeline::recorded::Recorded,
-    known: &crate::pipeline::lines::Known,
-) -> bool {
-    let task = EventTask {
-        pid,
-        shared,
-        cancel,
-        lag,
-        recorded,
-        known,
+pub(super) async fn process(event: Event, task: EventTask<'_>) -> bool {
+    let lines = LineHook::for_partition(task.shared, task.known);
+    let hold = &mut task.hold(event.sequence_number);
+    let place = match lines.before_attempt(&event, hold).await {
+        LineStep::Go(place) => place,
+        LineStep::Settled(s) => return task.settled(&event, &s),
+        LineStep::Stopped => return false,
     };
-    // Ordered retries: an event whose key has a line is parked behind its head instead of
-    // delivered (see `pipeline::lines`). `heads`: this event is its key's line's head (a
-    // replay of it, or a failure that just opened the line), so it settles through the ledger
-    // and moves the line on once it settles for good.
-    let line_key = shared
-        .options
-        .retry_ordering
-        .lines()
-        .and(shared.options.ordering.of(&event));
-    let mut heads = false;
-    if let Some(k) = line_key {
-        match task.before_attempt(&event, k).await {
-            LineStep::Stopped => return false,
-            LineStep::Settled => return true,
-            LineStep::Continue { heads: h } => heads = h,
-        }
-    }
-    shared.observe.count_attempt();
-    let policy = shared
-        .settler
-        .policies()
-        .for_type(event.identity.event_type.as_deref());
-    let mut cx = attempt::Context {
-        consumer_group: &shared.origin.consumer_group,
-        source: Source::EventHubs,
-        policy: &policy.name,
-        max_attempts: policy.max_attempts,
-        clock: shared.clock(),
-        rate_limit_wait: None,
-    };
-    let event_type = event.identity.event_type.as_deref();
-    let Some(gate) = task.admit(event.sequence_number, event_type).await else {
+    task.shared.observe.count_attempt();
+    let Some(gate) = task.admit(&event).await else {
         return false;
     };
-    // The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
-    // behind it), uncounted; the checkpoint window cannot pass it meanwhile.
-    match shared.pace(cancel, true).await {
-        None => return false,
-        Some(acquired) => {
-            if shared.downstream.limiter.is_some() {
-                cx.rate_limit_wait = Some(match acquired {
-                    crate::ratelimit::limiter::Acquired::Go(w) => w,
-                    crate::ratelimit::limiter::Acquired::NoShare => Duration::ZERO,
-                });
-            }
+    let Some(paced) = task.pace().await else {
+        return false;
+    };
+    let attempted = task.attempt(&event, paced).await;
+    let event_type = event.identity.event_type.as_deref();
+    task.shared.attempted(&attempted, gate, event_type).await;
+    let place = match lines.after_attempt(&event, place, &attempted, hold).await {
+        LineStep::Go(place) => place,
+        LineStep::Settled(s) => {
+            task.settled(&event, &s);
+            attempt::finish(&attempted, Ok(&s));
+            return true;
         }
-    }
-    let attempted = attempt::run(&shared.downstream.handler, &event, 1, &[], cx).await;
-    shared.attempted(&attempted, gate, event_type).await;
-    // Ordered retries: a failure opens its key's line before it is settled, so the line
-    // exists before any retry message of it can run (and end the line).
-    if let (Some(k), crate::handler::Outcome::Failed(_)) = (line_key, &attempted.outcome) {
-        if !heads {
-            match task.open_line(&event, k, &attempted).await {
-                LineStep::Stopped => return false,
-                LineStep::Settled => return true,
-                LineStep::Continue { heads: h } => heads = h,
-            }
-        }
-    }
-    task.settle(&event, line_key.filter(|_| heads), &attempted)
-        .await
+        LineStep::Stopped => return false,
+    };
+    task.settle(&event, place, &attempted, &lines).await
+}
+
+/// What the rate limit made an event wait, if a limit is configured.
+#[derive(Debug, Clone, Copy)]
+struct Paced {
+    rate_limit_wait: Option<Duration>,
 }
 
 impl EventTask<'_> {
-    /// Ordered retries, before an attempt of `event` whose key `k` may have a line: parked
-    /// behind the line's head, recognised as a replay of an event the line already settled,
-    /// or delivered (as the line's head, or not).
-    async fn before_attempt(&self, event: &Event, k: &str) -> LineStep {
-        use crate::pipeline::lines::KeyState;
-        let seq = event.sequence_number;
-        let Some(state) = self.key_state(seq, k).await else {
-            return LineStep::Stopped;
-        };
-        let mut heads = false;
-        // Whether the event may be a replay of one a line already settled.
-        let verify = match state {
-            KeyState::Unknown | KeyState::Free => false,
-            KeyState::Ended(x) => seq <= x,
-            KeyState::Line(h) if seq > h => {
-                let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
-                match park_or_deliver(event, k, pid, shared, cancel, lag, self.known).await {
-                    None => return LineStep::Stopped,
-                    Some(Err(_parked)) => return LineStep::Settled,
-                    Some(Ok((h, verify))) => {
-                        heads = h;
-                        verify
-                    }
-                }
-            }
-            KeyState::Line(h) => {
-                heads = h == seq;
-                true
-            }
-        };
-        // The key has (or had) a line, and this event is its head, before it, or read before
-        // it ended: it may be a replay of an event the line already settled (released and
-        // delivered, or dead-lettered with its head). Such an event is not delivered again,
-        // which could bring it after later events of its key.
-        if verify {
-            match self.settled_replay(event, k, heads).await {
-                None => return LineStep::Stopped,
-                Some(true) => return LineStep::Settled,
-                Some(false) => {}
-            }
-        }
-        LineStep::Continue { heads }
+    /// Holds the partition at event `seq` while a step of it fails.
+    fn hold(&self, seq: i64) -> EventHold<'_> {
+        EventHold { task: self, seq }
     }
 
-    /// What the partition knows of key `k`'s line, read from the ledger when it does not
-    /// know; `None` if stopped first.
-    async fn key_state(&self, seq: i64, k: &str) -> Option<crate::pipeline::lines::KeyState> {
-        use crate::pipeline::lines::KeyState;
-        let (pid, shared) = (self.pid, self.shared);
-        match self.known.state(k) {
-            KeyState::Unknown => {
-                let read = until_done(pid, seq, shared, self.cancel, self.lag, || async {
-                    Ok::<_, crate::pipeline::settle::SettleError>(
-                        shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
-                            if l.ended {
-                                KeyState::Ended(l.last_seq())
-                            } else {
-                                KeyState::Line(l.head_seq)
-                            }
-                        }),
-                    )
-                })
-                .await;
-                read.map(|s| s.unwrap_or(KeyState::Free))
-            }
-            s => Some(s),
-        }
-    }
-
-    /// Whether `event` is a replay of an event its line already settled for good (then it is
-    /// settled as such, and its line moved on if it `heads` it); `None` if stopped first.
-    async fn settled_replay(&self, event: &Event, k: &str, heads: bool) -> Option<bool> {
-        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
-        let seq = event.sequence_number;
-        let final_record = until_done(pid, seq, shared, cancel, lag, || async {
-            Ok::<_, crate::pipeline::settle::SettleError>(
-                shared
-                    .settler
-                    .ledger
-                    .get(&event.identity.idempotency_key)
-                    .await?
-                    .map(|(r, _)| r)
-                    .filter(|r| {
-                        r.state != crate::ledger::State::RetryScheduled
-                            && r.event.partition_id == event.partition_id
-                            && r.event.sequence_number == seq
-                    }),
-            )
-        })
-        .await?;
-        let Some(rec) = final_record else {
-            return Some(false);
-        };
-        if heads {
-            match advance_line(event, k, pid, shared, cancel, lag).await {
-                None => return None,
-                Some(true) => self.known.ended(k, Some(seq)),
-                Some(false) => {}
-            }
-        }
-        tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
-        let s = crate::pipeline::settle::Settled::AlreadyFinal(rec.state);
-        shared
-            .observe
-            .count_settled(&s, event.identity.event_type.as_deref());
-        shared.health.release_event(pid, seq);
-        Some(true)
-    }
-
-    /// The breaker's admission of event `seq`. Outage mode: while the downstream's breaker
-    /// is open the partition waits — Event Hubs holds the backlog — instead of scheduling one
+    /// The breaker's admission of `event`. Outage mode: while the downstream's breaker is
+    /// open the partition waits — Event Hubs holds the backlog — instead of scheduling one
     /// retry per event. No attempt is counted. `None` if stopped first.
-    async fn admit(&self, seq: i64, event_type: Option<&str>) -> Option<Gate> {
+    async fn admit(&self, event: &Event) -> Option<Gate> {
         let (pid, shared, cancel) = (self.pid, self.shared, self.cancel);
+        let seq = event.sequence_number;
         let mut deferred = false;
         let gate = loop {
             let admitted = tokio::select! {
@@ -244,7 +99,9 @@ impl EventTask<'_> {
                 Gate::Defer(until) => {
                     if !deferred {
                         deferred = true;
-                        shared.observe.count_deferred(event_type);
+                        shared
+                            .observe
+                            .count_deferred(event.identity.event_type.as_deref());
                     }
                     shared.health.hold_event(
                         pid,
@@ -269,70 +126,60 @@ impl EventTask<'_> {
         Some(gate)
     }
 
-    /// Ordered retries: opens the line of `event`'s key `k` after its first attempt failed;
-    /// an event that finds a line it did not know of belongs behind it, whatever its attempt
-    /// said.
-    async fn open_line(&self, event: &Event, k: &str, attempted: &attempt::Attempted) -> LineStep {
-        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
-        let seq = event.sequence_number;
-        loop {
-            let opened = until_done(pid, seq, shared, cancel, lag, || async {
-                Ok::<_, crate::pipeline::settle::SettleError>(
-                    crate::pipeline::lines::open(&shared.settler, event, k, &attempted.traceparent)
-                        .await?,
-                )
-            })
-            .await;
-            match opened {
-                None => return LineStep::Stopped,
-                Some(crate::pipeline::lines::Open::Head) => {
-                    return LineStep::Continue { heads: true }
-                }
-                Some(crate::pipeline::lines::Open::Older) => {
-                    return LineStep::Continue { heads: false }
-                }
-                // A line this partition did not know of (a previous owner's, during a
-                // rebalance): the event belongs behind it, whatever this attempt said.
-                Some(crate::pipeline::lines::Open::Behind) => {
-                    match park_or_deliver(event, k, pid, shared, cancel, lag, self.known).await {
-                        None => return LineStep::Stopped,
-                        Some(Err(parked)) => {
-                            attempt::finish(attempted, Ok(&parked));
-                            return LineStep::Settled;
-                        }
-                        Some(Ok((true, _))) => return LineStep::Continue { heads: true },
-                        // The line ended meanwhile: open it again with this event.
-                        Some(Ok((false, _))) => {}
-                    }
-                }
-            }
-        }
+    /// The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
+    /// behind it), uncounted; the checkpoint window cannot pass it meanwhile. `None` if
+    /// stopped first.
+    async fn pace(&self) -> Option<Paced> {
+        let acquired = self.shared.pace(self.cancel, true).await?;
+        let rate_limit_wait = self
+            .shared
+            .downstream
+            .limiter
+            .as_ref()
+            .map(|_| match acquired {
+                crate::ratelimit::limiter::Acquired::Go(w) => w,
+                crate::ratelimit::limiter::Acquired::NoShare => Duration::ZERO,
+            });
+        Some(Paced { rate_limit_wait })
     }
 
-    /// Settles `event`'s first attempt; `head_of`: the key of the line it heads (it settles
-    /// through the ledger and moves the line on once settled for good). `false` if stopped
-    /// before it settled.
+    /// The first attempt of `event`, under the policy in force for its type.
+    async fn attempt(&self, event: &Event, paced: Paced) -> attempt::Attempted {
+        let shared = self.shared;
+        let policy = shared
+            .settler
+            .policies()
+            .for_type(event.identity.event_type.as_deref());
+        let cx = attempt::Context {
+            consumer_group: &shared.origin.consumer_group,
+            source: Source::EventHubs,
+            policy: &policy.name,
+            max_attempts: policy.max_attempts,
+            clock: shared.clock(),
+            rate_limit_wait: paced.rate_limit_wait,
+        };
+        attempt::run(&shared.downstream.handler, event, 1, &[], cx).await
+    }
+
+    /// Settles `event`'s first attempt, in its `place` in its key's line (a head settles
+    /// through the ledger and, settled for good, moves its line on: `lines`). `false` if
+    /// stopped before it settled.
     async fn settle(
         &self,
         event: &Event,
-        head_of: Option<&str>,
+        place: Place<'_>,
         attempted: &attempt::Attempted,
+        lines: &LineHook<'_>,
     ) -> bool {
-        let (pid, shared, cancel, lag) = (self.pid, self.shared, self.cancel, self.lag);
-        let seq = event.sequence_number;
         // The happy path: a delivery of an event the ledger provably has no record of is
         // settled as it is (see `pipeline::recorded` for why that is safe).
         if attempted.outcome == crate::handler::Outcome::Delivered
-            && head_of.is_none()
+            && !place.heads()
             && !self.recorded.may_have_record(event)
         {
-            let s = crate::pipeline::settle::Settled::Delivered;
+            let s = Settled::Delivered;
             attempt::finish(attempted, Ok(&s));
-            shared
-                .observe
-                .count_settled(&s, event.identity.event_type.as_deref());
-            shared.health.release_event(pid, seq);
-            return true;
+            return self.settled(event, &s);
         }
         let report = Report {
             event,
@@ -344,15 +191,13 @@ impl EventTask<'_> {
             traceparents: std::slice::from_ref(&attempted.traceparent),
         };
         let mut hold = PartitionHold {
-            pid,
-            seq,
-            shared,
-            cancel,
-            lag,
+            task: self,
+            seq: event.sequence_number,
             held: false,
         };
-        let settled = until_settled(&mut hold, shared.options.settle_backoff_max, || {
-            shared
+        let max = self.shared.options.settle_backoff_max;
+        let settled = until_settled(&mut hold, max, || {
+            self.shared
                 .settler
                 .settle(&report)
                 .instrument(attempted.span.clone())
@@ -366,179 +211,80 @@ impl EventTask<'_> {
             }
         };
         self.recorded.forget(event);
-        if let Some(k) = head_of {
-            if matches!(s, crate::pipeline::settle::Settled::RetryScheduled { .. }) {
-                self.known.line(k, seq);
-            } else {
-                // Settled for good: the line moves on (a stop before it leaves the event
-                // unsettled, and its replay moves the line on).
-                match advance_line(event, k, pid, shared, cancel, lag).await {
-                    None => {
-                        attempt::finish(attempted, Ok(&s));
-                        return false;
-                    }
-                    Some(true) => self.known.ended(k, Some(seq)),
-                    Some(false) => self.known.line(k, seq),
-                }
-            }
-        }
+        // Settled for good, a head moves its line on (a stop before it leaves the event
+        // unsettled, and its replay moves the line on).
+        let advanced = lines
+            .after_settled(event, place, &s, &mut self.hold(event.sequence_number))
+            .await;
         attempt::finish(attempted, Ok(&s));
-        shared
+        if advanced == Advanced::Stopped {
+            return false;
+        }
+        self.settled(event, &s)
+    }
+
+    /// `event` settled as `s`: counted, its hold released. `true`.
+    fn settled(&self, event: &Event, s: &Settled) -> bool {
+        self.shared
             .observe
-            .count_settled(&s, event.identity.event_type.as_deref());
-        shared.health.release_event(pid, seq);
+            .count_settled(s, event.identity.event_type.as_deref());
+        self.shared
+            .health
+            .release_event(self.pid, event.sequence_number);
         true
     }
 }
 
-/// Moves the line of `key` on after its head `event` settled for good, holding the
-/// partition at the event while a step fails: `Some(true)` when the line ended, `None` if
-/// stopped first.
-async fn advance_line(
-    event: &Event,
-    key: &str,
-    pid: &str,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    lag: (u64, Option<SystemTime>),
-) -> Option<bool> {
-    let on_dead_letter = shared.options.retry_ordering.lines().unwrap_or_default();
-    until_done(pid, event.sequence_number, shared, cancel, lag, || {
-        crate::pipeline::lines::advance(
-            &shared.settler,
-            event,
-            key,
-            on_dead_letter,
-            Some(&shared.observe),
-        )
-    })
-    .await
-}
-
-/// Parks `event` behind its key's line: `Some(Err(parked))` when it is parked (settled:
-/// counted, its hold released), `Some(Ok((heads, verify)))` when it is to be delivered (the
-/// line ended, or the event is at or before its head — `heads` when it is the head; `verify`
-/// when it may be a replay of an event the line settled), `None` if stopped first.
-async fn park_or_deliver(
-    event: &Event,
-    key: &str,
-    pid: &str,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    lag: (u64, Option<SystemTime>),
-    known: &crate::pipeline::lines::Known,
-) -> Option<Result<(bool, bool), crate::pipeline::settle::Settled>> {
-    let seq = event.sequence_number;
-    let parked = until_done(pid, seq, shared, cancel, lag, || async {
-        Ok::<_, crate::pipeline::settle::SettleError>(
-            crate::pipeline::lines::park(&shared.settler, event, key, None).await?,
-        )
-    })
-    .await?;
-    match parked {
-        crate::pipeline::lines::Park::Parked {
-            behind,
-            behind_seq,
-            behind_traceparent,
-        } => {
-            known.line(key, behind_seq);
-            // A span of its own, found by the same trace query as its attempts (the
-            // conversation id), saying what it waits behind and linked to the head's failing
-            // attempt when the line knows it.
-            let span = tracing::info_span!(
-                target: "hubguard::attempt",
-                "park",
-                otel.name = crate::telemetry::names::span::PARK,
-                otel.kind = "consumer",
-                messaging.message.id = %event.identity.idempotency_key,
-                messaging.message.conversation_id = %event.identity.correlation_id,
-                messaging.destination.partition.id = %pid,
-                messaging.eventhubs.message.sequence_number = seq,
-                hubguard.outcome = crate::telemetry::names::outcome::PARKED,
-                hubguard.parked_behind = %behind,
-                hubguard.parked_behind.sequence_number = behind_seq,
-            );
-            if !span.is_disabled() {
-                if let Some(sc) = behind_traceparent
-                    .as_deref()
-                    .and_then(crate::telemetry::parse_traceparent)
-                {
-                    use tracing_opentelemetry::OpenTelemetrySpanExt;
-                    span.add_link(sc);
-                }
-            }
-            span.in_scope(|| {});
-            tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, behind = %behind, behind_seq, "parked behind the head of its ordering key's line");
-            let s = crate::pipeline::settle::Settled::Parked { behind, behind_seq };
-            shared
-                .observe
-                .count_settled(&s, event.identity.event_type.as_deref());
-            shared.health.release_event(pid, seq);
-            Some(Err(s))
-        }
-        crate::pipeline::lines::Park::Deliver {
-            head: None,
-            ended_at,
-        } => {
-            known.ended(key, ended_at);
-            Some(Ok((false, ended_at.is_none_or(|x| seq <= x))))
-        }
-        crate::pipeline::lines::Park::Deliver { head: Some(h), .. } => {
-            known.line(key, h);
-            Some(Ok((h == seq, true)))
-        }
-    }
-}
-
-/// Runs `op` until it succeeds, holding the partition at `seq` on each failure (as a
-/// settlement does: nothing behind the event moves the checkpoint) with backoff; `None` if
-/// stopped first.
-async fn until_done<T, F, Fut>(
-    pid: &str,
+/// The partition holding its event at `seq` while a step of it (a line's) fails.
+struct EventHold<'a> {
+    task: &'a EventTask<'a>,
     seq: i64,
-    shared: &Shared,
-    cancel: &CancellationToken,
-    lag: (u64, Option<SystemTime>),
-    op: F,
-) -> Option<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, crate::pipeline::settle::SettleError>>,
-{
-    let mut hold = PartitionHold {
-        pid,
-        seq,
-        shared,
-        cancel,
-        lag,
-        held: false,
-    };
-    let done = until_settled(&mut hold, shared.options.settle_backoff_max, op).await;
-    if done.is_ok() && hold.held {
-        shared.health.release_event(pid, seq);
+}
+
+impl UntilDone for EventHold<'_> {
+    /// Runs `op` until it succeeds, holding the partition at `seq` on each failure (as a
+    /// settlement does: nothing behind the event moves the checkpoint) with backoff; `None`
+    /// if stopped first.
+    async fn until_done<'f, T: Send>(
+        &'f mut self,
+        _what: &'static str,
+        op: &'f mut (dyn FnMut() -> StepFuture<'f, T> + Send + 'f),
+    ) -> Option<T> {
+        let (task, seq) = (self.task, self.seq);
+        let mut hold = PartitionHold {
+            task,
+            seq,
+            held: false,
+        };
+        let done = until_settled(&mut hold, task.shared.options.settle_backoff_max, op).await;
+        if done.is_ok() && hold.held {
+            task.shared.health.release_event(task.pid, seq);
+        }
+        done.ok()
     }
-    done.ok()
 }
 
 /// A partition holding its event at `seq` while a settlement (or a step of one) fails:
 /// readiness and the lag show the hold, and the wait ends early when the partition stops.
 struct PartitionHold<'a> {
-    pid: &'a str,
+    task: &'a EventTask<'a>,
     seq: i64,
-    shared: &'a Shared,
-    cancel: &'a CancellationToken,
-    lag: (u64, Option<SystemTime>),
     /// Whether a failure held the partition.
     held: bool,
 }
 
-impl Hold<crate::pipeline::settle::SettleError> for PartitionHold<'_> {
-    fn failed(&mut self, e: &crate::pipeline::settle::SettleError) {
-        let (pid, shared) = (self.pid, self.shared);
+impl Hold<SettleError> for PartitionHold<'_> {
+    fn failed(&mut self, e: &SettleError) {
+        let EventTask {
+            pid,
+            shared,
+            lag: l,
+            ..
+        } = *self.task;
         shared.observe.settle_failed(e);
         shared
             .health
-            .set_lag(pid, lag(shared, self.lag.0, self.lag.1));
+            .set_lag(pid, lag(shared, l.uncovered, l.oldest));
         shared
             .health
             .hold_event(pid, self.seq, e.hold_cause(), e.held_reason());
@@ -547,8 +293,8 @@ impl Hold<crate::pipeline::settle::SettleError> for PartitionHold<'_> {
 
     async fn pause(&mut self, wait: Duration) -> bool {
         tokio::select! {
-            _ = self.cancel.cancelled() => false,
-            _ = self.shared.clock().sleep(wait) => true,
+            _ = self.task.cancel.cancelled() => false,
+            _ = self.task.shared.clock().sleep(wait) => true,
         }
     }
 }

@@ -141,13 +141,21 @@ impl Task {
             move |event: Event, cp: &Checkpointer| {
                 let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
                 let (recorded, known) = (recorded.clone(), known.clone());
-                let lag = (cp.uncovered, cp.oldest_uncovered);
+                let lag = event::Lag {
+                    uncovered: cp.uncovered,
+                    oldest: cp.oldest_uncovered,
+                };
                 async move {
                     let seq = event.sequence_number;
-                    (
-                        seq,
-                        process(event, &pid, &shared, &cancel, lag, &recorded, &known).await,
-                    )
+                    let task = event::EventTask {
+                        pid: &pid,
+                        shared: &shared,
+                        cancel: &cancel,
+                        lag,
+                        recorded: &recorded,
+                        known: &known,
+                    };
+                    (seq, process(event, task).await)
                 }
             }
         };

@@ -11,6 +11,7 @@ use crate::clock::at;
 use crate::event::Deployment;
 use crate::ledger::{LedgerError, Verdict};
 use crate::pipeline::admission::Gate;
+use crate::pipeline::lines::{Advanced, LineHook, StepFuture, UntilDone};
 use crate::pipeline::settle::{Report, RetryMessage, Settled, Source};
 use crate::pipeline::{attempt, Shared};
 
@@ -442,11 +443,7 @@ async fn settle_retry(
             .count_settled(&s, event.identity.event_type.as_deref());
         // Ordered retries: a head settled for good lets its line move on, before the message
         // is completed (a crash in between leaves a copy, whose `Final` verdict advances it).
-        let settled_for_good = matches!(
-            s,
-            Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_)
-        );
-        if settled_for_good && !advance_line(msg, event).await {
+        if advance_line(msg, event, &s).await == Advanced::Stopped {
             return;
         }
         msg.dispose(Disposition::Complete).await;
@@ -460,8 +457,11 @@ enum StandDown {
     Leave,
     /// Complete the message.
     Complete,
-    /// The event is final: advance its ordering key's line, then complete.
-    AdvanceLine(Box<crate::event::Event>),
+    /// The event is final (`state`): advance its ordering key's line, then complete.
+    AdvanceLine {
+        event: Box<crate::event::Event>,
+        state: crate::ledger::State,
+    },
     /// The attempt already ran: make sure the recorded next attempt exists, then complete.
     Resend(Box<crate::ledger::LedgerRecord>),
 }
@@ -513,7 +513,10 @@ async fn validated<'l>(
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
-            return Err(StandDown::AdvanceLine(Box::new(rec.event)));
+            return Err(StandDown::AdvanceLine {
+                event: Box::new(rec.event),
+                state: rec.state,
+            });
         }
         // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
         Some((rec, _)) if verdict == Verdict::Stale => {
@@ -574,7 +577,9 @@ async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: Stan
     let done = match then {
         StandDown::Leave => false,
         StandDown::Complete => true,
-        StandDown::AdvanceLine(event) => advance_line(msg, &event).await,
+        StandDown::AdvanceLine { event, state } => {
+            advance_line(msg, &event, &Settled::AlreadyFinal(state)).await == Advanced::Done
+        }
         StandDown::Resend(rec) => msg
             .holding(body.key(), "re-sending the recorded retry", || {
                 shared.settler.resend_recorded(&rec, &body.traceparents)
@@ -587,32 +592,38 @@ async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: Stan
     }
 }
 
-/// Ordered retries: advances the line of `event`'s ordering key after `event` settled for good
-/// (see `pipeline::lines`), holding the message while blob storage or Service Bus fails.
-/// `false` if the loop stopped first (the message is left to its next receiver).
-async fn advance_line(msg: &mut LockedMessage<'_>, event: &crate::event::Event) -> bool {
-    let shared = msg.shared;
-    let Some(on_dead_letter) = shared.options.retry_ordering.lines() else {
-        return true;
+/// Ordered retries' hook after a retry of `event` settled as `settled` (see
+/// `pipeline::lines`): settled for good, it moves its key's line on, holding the message
+/// while blob storage or Service Bus fails. `Stopped` if the loop stopped first (the message
+/// is left to its next receiver).
+async fn advance_line(
+    msg: &mut LockedMessage<'_>,
+    event: &crate::event::Event,
+    settled: &Settled,
+) -> Advanced {
+    let lines = LineHook::for_retries(msg.shared);
+    let place = lines.retry_place(event);
+    let mut hold = HoldMessage {
+        msg,
+        key: &event.identity.idempotency_key,
     };
-    let Some(ordering_key) = shared.options.ordering.of(event) else {
-        return true;
-    };
-    msg.holding(
-        &event.identity.idempotency_key,
-        "advancing the line of the event's ordering key",
-        || {
-            crate::pipeline::lines::advance(
-                &shared.settler,
-                event,
-                ordering_key,
-                on_dead_letter,
-                Some(&shared.observe),
-            )
-        },
-    )
-    .await
-    .is_some()
+    lines.after_settled(event, place, settled, &mut hold).await
+}
+
+/// The retry message held while a line step for `key` fails.
+struct HoldMessage<'m, 's> {
+    msg: &'m mut LockedMessage<'s>,
+    key: &'m str,
+}
+
+impl UntilDone for HoldMessage<'_, '_> {
+    async fn until_done<'f, T: Send>(
+        &'f mut self,
+        what: &'static str,
+        op: &'f mut (dyn FnMut() -> StepFuture<'f, T> + Send + 'f),
+    ) -> Option<T> {
+        self.msg.holding(self.key, what, op).await
+    }
 }
 
 /// Takes an attempt slot for a claimed attempt, under the message's lock, renewing the claim
