@@ -28,6 +28,16 @@ pub(super) struct Lag {
     pub(super) oldest: Option<SystemTime>,
 }
 
+impl Lag {
+    /// The partition's lag as `cp` has it now.
+    pub(super) fn of(cp: &super::Checkpointer) -> Self {
+        Self {
+            uncovered: cp.uncovered,
+            oldest: cp.oldest_uncovered,
+        }
+    }
+}
+
 /// What one event's task works with: its partition, how to stop, the lag a hold reports, and
 /// what the partition knows of the ledger's records and lines.
 #[derive(Clone, Copy)]

@@ -141,10 +141,7 @@ impl Task {
             move |event: Event, cp: &Checkpointer| {
                 let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
                 let (recorded, known) = (recorded.clone(), known.clone());
-                let lag = event::Lag {
-                    uncovered: cp.uncovered,
-                    oldest: cp.oldest_uncovered,
-                };
+                let lag = event::Lag::of(cp);
                 async move {
                     let seq = event.sequence_number;
                     let task = event::EventTask {

@@ -457,11 +457,8 @@ enum StandDown {
     Leave,
     /// Complete the message.
     Complete,
-    /// The event is final (`state`): advance its ordering key's line, then complete.
-    AdvanceLine {
-        event: Box<crate::event::Event>,
-        state: crate::ledger::State,
-    },
+    /// The event is final (its record): advance its ordering key's line, then complete.
+    AdvanceLine(Box<crate::ledger::LedgerRecord>),
     /// The attempt already ran: make sure the recorded next attempt exists, then complete.
     Resend(Box<crate::ledger::LedgerRecord>),
 }
@@ -513,10 +510,7 @@ async fn validated<'l>(
         Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
             tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
-            return Err(StandDown::AdvanceLine {
-                event: Box::new(rec.event),
-                state: rec.state,
-            });
+            return Err(StandDown::AdvanceLine(Box::new(rec)));
         }
         // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
         Some((rec, _)) if verdict == Verdict::Stale => {
@@ -577,8 +571,8 @@ async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: Stan
     let done = match then {
         StandDown::Leave => false,
         StandDown::Complete => true,
-        StandDown::AdvanceLine { event, state } => {
-            advance_line(msg, &event, &Settled::AlreadyFinal(state)).await == Advanced::Done
+        StandDown::AdvanceLine(rec) => {
+            advance_line(msg, &rec.event, &Settled::AlreadyFinal(rec.state)).await == Advanced::Done
         }
         StandDown::Resend(rec) => msg
             .holding(body.key(), "re-sending the recorded retry", || {
