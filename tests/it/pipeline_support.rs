@@ -341,28 +341,26 @@ impl Bed {
     }
 }
 
-/// Waits (bounded) until `cond` holds, re-checking on every health change and every 50 ms.
+/// Waits (bounded) until `cond` holds, re-checking on every health change and every
+/// [`POLL`]; on a timeout, the failure shows the health report last seen.
 pub(crate) async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let mut changes = health.subscribe();
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if cond().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}; health: {}",
-            health.report()
-        );
-        tokio::select! {
-            _ = changes.changed() => {}
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-        }
-    }
+    Wait::new(what, limit)
+        .woken_by(changes(health.subscribe()))
+        .until(|| {
+            let holds = cond();
+            async move {
+                if holds.await {
+                    Ok(())
+                } else {
+                    Err(Text(health.report().to_string()))
+                }
+            }
+        })
+        .await
 }
 
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
