@@ -351,9 +351,9 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
     )
     .await;
     assert!(!run.health.ready(), "not ready while events are held");
-    // Hold for a while: nothing overtakes a held event with its key, and nothing beyond the
-    // window is read.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Hold for several checkpoint ticks: nothing overtakes a held event with its key, and
+    // nothing beyond the window is read.
+    checkpoint_ticks(&run.health, "0", 3).await;
     let calls = handler.calls.lock().unwrap().clone();
     for k in ["held-06", "held-09"] {
         assert!(

@@ -363,6 +363,44 @@ where
         .await
 }
 
+/// Waits until partition `pid`'s checkpoint interval has run at least `n` times since the
+/// call: the evidence a "the checkpoint did not move" check needs that the checkpoint writer
+/// had its chances (a fixed sleep proves nothing on a slow machine).
+///
+/// Each tick publishes the partition's lag, whose age moves on while an event is uncovered,
+/// so each publication is a new value; a failed settlement of the partition's events
+/// publishes it too, and counts a settle failure. So the publications seen, less the settle
+/// failures counted meanwhile, is a lower bound on the ticks. Only while the partition has
+/// uncovered events (a caught-up partition publishes the same zero lag on every tick).
+pub(crate) async fn checkpoint_ticks(health: &Health, pid: &str, n: u64) {
+    let failures = || health.snapshot().settle_failures;
+    let lag = || health.lag().get(pid).copied();
+    let (mut last, from) = (lag(), failures());
+    let mut published = 0u64;
+    eventually(
+        &format!("{n} checkpoint ticks of partition {pid}"),
+        LIMIT_TICKS,
+        || {
+            let now = lag();
+            if now != last {
+                published += 1;
+                last = now;
+            }
+            let ticks = published.saturating_sub(failures() - from);
+            std::future::ready(seen(ticks, |t| *t >= n).map_err(|ticks| {
+                Text(format!(
+                    "{ticks} ticks at least; lag {now:?}; health {}",
+                    health.report()
+                ))
+            }))
+        },
+    )
+    .await;
+}
+
+/// How long [`checkpoint_ticks`] waits at most (the bed ticks every 300 ms).
+const LIMIT_TICKS: Duration = Duration::from_secs(60);
+
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
 /// claimed, or checkpoints that never get written (a process that "crashes" before its first).
 pub(crate) struct ShapedStore {
