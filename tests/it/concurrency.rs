@@ -77,7 +77,7 @@ impl Handler for Slow {
         let now = self.now.fetch_add(1, SeqCst) + 1;
         self.max_at_once.fetch_max(now, SeqCst);
         let started = SystemTime::now();
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay).await; // simulated work: the handler call takes `delay`
         let key = event.identity.idempotency_key.clone();
         let before = self
             .calls

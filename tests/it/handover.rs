@@ -26,7 +26,7 @@ struct Slow {
 #[async_trait]
 impl Handler for Slow {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay).await; // simulated work: a downstream that takes a moment
         self.inner.handle(event, attempt).await
     }
 }
