@@ -136,7 +136,6 @@ impl<'a> Wait<'a> {
         C: Check,
         Fut: Future<Output = C>,
     {
-        use futures::StreamExt;
         let deadline = tokio::time::Instant::now() + self.limit;
         loop {
             let last = match check().await.verdict() {
