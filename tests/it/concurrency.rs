@@ -351,9 +351,10 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
     )
     .await;
     assert!(!run.health.ready(), "not ready while events are held");
-    // Hold for several checkpoint ticks: nothing overtakes a held event with its key, and
-    // nothing beyond the window is read.
-    checkpoint_ticks(&run.health, "0", 3).await;
+    // Held through several checkpoint intervals (6 more settlement failures of the two held
+    // events: one of them failed 3 times, in the partition's task): nothing overtakes a held
+    // event with its key, and nothing beyond the window is read.
+    settle_failures(&run.health, 6).await;
     let calls = handler.calls.lock().unwrap().clone();
     for k in ["held-06", "held-09"] {
         assert!(

@@ -363,43 +363,28 @@ where
         .await
 }
 
-/// Waits until partition `pid`'s checkpoint interval has run at least `n` times since the
-/// call: the evidence a "the checkpoint did not move" check needs that the checkpoint writer
-/// had its chances (a fixed sleep proves nothing on a slow machine).
-///
-/// Each tick publishes the partition's lag, whose age moves on while an event is uncovered,
-/// so each publication is a new value; a failed settlement of the partition's events
-/// publishes it too, and counts a settle failure. So the publications seen, less the settle
-/// failures counted meanwhile, is a lower bound on the ticks. Only while the partition has
-/// uncovered events (a caught-up partition publishes the same zero lag on every tick).
-pub(crate) async fn checkpoint_ticks(health: &Health, pid: &str, n: u64) {
+/// Waits until `n` more settlements have failed: the evidence a "nothing happened while
+/// held" check needs that the code under test had its chances (a fixed sleep proves nothing
+/// on a slow machine). A held event's settlement is tried again inside its partition's task
+/// (after 200 ms, doubling up to `settle_backoff_max`: 500 ms on the bed), beside that task's
+/// checkpoint interval (300 ms) and its reading; so `n` more failures of one held event mean
+/// the task ran through `n - 1` backoffs, several checkpoint intervals for `n` of 4. Every
+/// settlement failure of the pipeline counts: use it while the held events are the only
+/// ones failing (with Service Bus down, the retry loop receives nothing to fail on).
+pub(crate) async fn settle_failures(health: &Health, n: u64) {
     let failures = || health.snapshot().settle_failures;
-    let lag = || health.lag().get(pid).copied();
-    let (mut last, from) = (lag(), failures());
-    let mut published = 0u64;
-    eventually(
-        &format!("{n} checkpoint ticks of partition {pid}"),
-        LIMIT_TICKS,
-        || {
-            let now = lag();
-            if now != last {
-                published += 1;
-                last = now;
-            }
-            let ticks = published.saturating_sub(failures() - from);
-            std::future::ready(seen(ticks, |t| *t >= n).map_err(|ticks| {
-                Text(format!(
-                    "{ticks} ticks at least; lag {now:?}; health {}",
-                    health.report()
-                ))
-            }))
-        },
-    )
+    let from = failures();
+    eventually(&format!("{n} more settlement failures"), LIMIT_HELD, || {
+        std::future::ready(
+            seen(failures() - from, |f| *f >= n)
+                .map_err(|f| Text(format!("{f} failures; health {}", health.report()))),
+        )
+    })
     .await;
 }
 
-/// How long [`checkpoint_ticks`] waits at most (the bed ticks every 300 ms).
-const LIMIT_TICKS: Duration = Duration::from_secs(60);
+/// How long [`settle_failures`] waits at most.
+const LIMIT_HELD: Duration = Duration::from_secs(60);
 
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
 /// claimed, or checkpoints that never get written (a process that "crashes" before its first).
