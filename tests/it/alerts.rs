@@ -21,7 +21,7 @@ use axum::Router;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::common::within;
+use crate::common::{within, Wait};
 use crate::pipeline_support::Bed;
 use crate::test_log::TestLog;
 
@@ -178,20 +178,17 @@ async fn alerts(prom: &str, state: &str) -> Vec<Value> {
         .collect()
 }
 
-/// Polls `cond` every 200 ms until it holds; panics naming `what` after [`PHASE`].
-async fn until<F, Fut>(what: &str, mut cond: F)
+/// Polls `cond` every 200 ms (Prometheus evaluates every second) until it holds; panics
+/// naming `what` after [`PHASE`].
+async fn until<F, Fut>(what: &str, cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + PHASE;
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: not within {PHASE:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    Wait::new(what, PHASE)
+        .every(Duration::from_millis(200))
+        .until(cond)
+        .await
 }
 
 /// The rule file with every `for:` shortened to 2 s (evaluated every second).

@@ -1,7 +1,10 @@
-//! Shared helpers: start an emulator on port 0, open real SDK clients against it, and put a
-//! deadline on every await so a hang fails the test instead of stalling the run.
+//! Shared helpers: start an emulator on port 0, open real SDK clients against it, put a
+//! deadline on every await so a hang fails the test instead of stalling the run, and wait on
+//! a condition with [`eventually`] (the one place a test waits by polling).
 
+use std::fmt::Debug;
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use azure_messaging_eventhubs::models::ReceivedEventData;
@@ -22,6 +25,145 @@ pub(crate) async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
         Ok(v) => v,
         Err(_) => panic!("{what}: no answer within {STEP:?}"),
     }
+}
+
+/// How often [`eventually`] checks again when nothing wakes it sooner.
+pub(crate) const POLL: Duration = Duration::from_millis(20);
+
+/// What a check of [`eventually`] answers: done, with what it found, or not yet, with what
+/// it saw (the failure message shows the last of these).
+pub(crate) trait Check {
+    /// What the wait returns once the check holds.
+    type Found;
+    /// `Ok(found)` when done, `Err(what was seen)` when not yet.
+    fn verdict(self) -> Result<Self::Found, String>;
+}
+
+impl Check for bool {
+    type Found = ();
+    fn verdict(self) -> Result<(), String> {
+        if self {
+            Ok(())
+        } else {
+            Err("false".into())
+        }
+    }
+}
+
+impl<T> Check for Option<T> {
+    type Found = T;
+    fn verdict(self) -> Result<T, String> {
+        self.ok_or_else(|| "None".into())
+    }
+}
+
+impl<T, E: Debug> Check for Result<T, E> {
+    type Found = T;
+    fn verdict(self) -> Result<T, String> {
+        self.map_err(|seen| format!("{seen:#?}"))
+    }
+}
+
+/// Text shown as it is in a failure message (a report, a log), not quoted and escaped.
+pub(crate) struct Text(pub String);
+
+impl Debug for Text {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// `Ok(value)` if `done(&value)`, else `Err(value)`: a check that reports what it saw.
+pub(crate) fn seen<V>(value: V, done: impl FnOnce(&V) -> bool) -> Result<V, V> {
+    if done(&value) {
+        Ok(value)
+    } else {
+        Err(value)
+    }
+}
+
+/// Waits until `check` holds, checking again every [`POLL`], and returns what it found;
+/// panics after `limit` naming `what` and the last thing the check saw. For a wait that
+/// also wakes on a signal, or polls at another pace, see [`Wait`].
+pub(crate) async fn eventually<C, Fut>(
+    what: &str,
+    limit: Duration,
+    check: impl FnMut() -> Fut,
+) -> C::Found
+where
+    C: Check,
+    Fut: Future<Output = C>,
+{
+    Wait::new(what, limit).until(check).await
+}
+
+/// A bounded wait on a condition: what it waits for, how long at most, how often it checks
+/// again, and what wakes it sooner (a change the code under test publishes).
+pub(crate) struct Wait<'a> {
+    what: &'a str,
+    limit: Duration,
+    every: Duration,
+    wakes: Pin<Box<dyn futures::Stream<Item = ()> + Send + 'a>>,
+}
+
+impl<'a> Wait<'a> {
+    /// Waits for `what` for at most `limit`, checking every [`POLL`].
+    pub(crate) fn new(what: &'a str, limit: Duration) -> Self {
+        Self {
+            what,
+            limit,
+            every: POLL,
+            wakes: Box::pin(futures::stream::pending()),
+        }
+    }
+
+    /// Checks every `every` instead.
+    pub(crate) fn every(mut self, every: Duration) -> Self {
+        self.every = every;
+        self
+    }
+
+    /// Also checks whenever `wakes` yields (and stops listening when it ends).
+    pub(crate) fn woken_by(mut self, wakes: impl futures::Stream<Item = ()> + Send + 'a) -> Self {
+        self.wakes = Box::pin(wakes.chain(futures::stream::pending()));
+        self
+    }
+
+    /// Waits until `check` holds and returns what it found, or panics naming what it
+    /// waited for and the last thing the check saw.
+    pub(crate) async fn until<C, Fut>(mut self, mut check: impl FnMut() -> Fut) -> C::Found
+    where
+        C: Check,
+        Fut: Future<Output = C>,
+    {
+        let deadline = tokio::time::Instant::now() + self.limit;
+        loop {
+            let last = match check().await.verdict() {
+                Ok(found) => return found,
+                Err(last) => last,
+            };
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {:?} waiting for: {}; last seen: {last}",
+                self.limit,
+                self.what
+            );
+            tokio::select! {
+                _ = self.wakes.next() => {}
+                _ = tokio::time::sleep(self.every) => {}
+            }
+        }
+    }
+}
+
+/// Yields whenever the value `rx` watches changes (for [`Wait::woken_by`]).
+pub(crate) fn changes<T: Send + Sync + 'static>(
+    rx: tokio::sync::watch::Receiver<T>,
+) -> impl futures::Stream<Item = ()> + Send + 'static {
+    futures::stream::unfold(rx, |mut rx| async move {
+        rx.changed().await.ok()?;
+        Some(((), rx))
+    })
 }
 
 /// Starts an emulator with the given hubs on a free port (memory only).

@@ -77,7 +77,7 @@ impl Handler for Slow {
         let now = self.now.fetch_add(1, SeqCst) + 1;
         self.max_at_once.fetch_max(now, SeqCst);
         let started = SystemTime::now();
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay).await; // simulated work: the handler call takes `delay`
         let key = event.identity.idempotency_key.clone();
         let before = self
             .calls
@@ -351,9 +351,10 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
     )
     .await;
     assert!(!run.health.ready(), "not ready while events are held");
-    // Hold for a while: nothing overtakes a held event with its key, and nothing beyond the
-    // window is read.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Held through several checkpoint intervals (6 more settlement failures of the two held
+    // events: one of them failed 3 times, in the partition's task): nothing overtakes a held
+    // event with its key, and nothing beyond the window is read.
+    settle_failures(&run.health, 6).await;
     let calls = handler.calls.lock().unwrap().clone();
     for k in ["held-06", "held-09"] {
         assert!(

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use azure_messaging_eventhubs::models::{EventData, StartPositions};
 use azure_messaging_eventhubs::processor::PartitionClient;
@@ -248,8 +248,7 @@ async fn two_processors_split_the_partitions() {
             }
 
             // Wait (bounded) until the ownerships settle at two partitions per replica.
-            let deadline = Instant::now() + STEP;
-            loop {
+            eventually("the ownership split two and two", STEP, || async {
                 let owners = store
                     .list_ownerships(&cs.host, "hub", "$Default")
                     .await
@@ -260,42 +259,33 @@ async fn two_processors_split_the_partitions() {
                         .entry(o.owner_id.clone().unwrap_or_default())
                         .or_default() += 1;
                 }
-                if per_owner.len() == 2 && per_owner.values().all(|n| *n == 2) {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "ownership never split: {per_owner:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+                seen(per_owner, |p| p.len() == 2 && p.values().all(|n| *n == 2))
+            })
+            .await;
 
             // Every event sent now is read by whoever owns its partition.
             fill(&prod, 4, 5, "split").await;
-            let deadline = Instant::now() + STEP;
-            loop {
+            eventually("all 20 events read", STEP, || async {
                 let all: BTreeSet<(String, i64)> =
                     received.borrow().values().flatten().cloned().collect();
-                if all.len() == 20 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "only {} of 20 events read",
-                    all.len()
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+                seen(all.len(), |n| *n == 20)
+            })
+            .await;
             // Until the old owner's next cycle revokes it, its receiver and the new owner's
             // can evict each other (same owner level): keep sending (bounded) until the new
             // owner, handed the partition again, has read too.
-            let deadline = Instant::now() + STEP;
-            let mut round = 0;
-            while received.borrow().len() < 2 && Instant::now() < deadline {
-                round += 1;
-                fill(&prod, 4, 1, &format!("more-{round}")).await;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            let round = std::cell::Cell::new(0);
+            Wait::new("both replicas read events", STEP)
+                .every(Duration::from_millis(200))
+                .until(|| async {
+                    if received.borrow().len() >= 2 {
+                        return Ok(());
+                    }
+                    round.set(round.get() + 1);
+                    fill(&prod, 4, 1, &format!("more-{}", round.get())).await;
+                    Err(received.borrow().keys().cloned().collect::<Vec<_>>())
+                })
+                .await;
             let readers = received.borrow().len();
             assert_eq!(readers, 2, "both replicas read events");
             for ((p, dispatcher), run) in processors.into_iter().zip(runs) {
@@ -310,11 +300,7 @@ async fn two_processors_split_the_partitions() {
 
 /// Waits (within [`STEP`]) until `cond` holds.
 async fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + STEP;
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(what, STEP, || std::future::ready(cond())).await
 }
 
 /// A checkpoint store one replica loses (its blob storage is unreachable) while the other
@@ -396,9 +382,12 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
     LocalSet::new()
         .run_until(async {
             let received: Received = Default::default();
+            // Partition clients each replica still reads.
+            let reading: Rc<std::cell::RefCell<BTreeMap<&'static str, usize>>> = Default::default();
             let start = |owner: &'static str, store: Arc<dyn CheckpointStore + Send + Sync>| {
                 let cs = cs.clone();
                 let received = received.clone();
+                let reading = reading.clone();
                 async move {
                     let p = processor(&cs, owner, store).await;
                     let run = {
@@ -412,6 +401,8 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
                         tokio::task::spawn_local(async move {
                             while let Ok(pc) = p.next_partition_client().await {
                                 let received = received.clone();
+                                let reading = reading.clone();
+                                *reading.borrow_mut().entry(owner).or_default() += 1;
                                 tokio::task::spawn_local(async move {
                                     let stream = pc.stream_events();
                                     futures::pin_mut!(stream);
@@ -421,6 +412,7 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
                                             ev.sequence_number().unwrap(),
                                         ));
                                     }
+                                    *reading.borrow_mut().entry(owner).or_default() -= 1;
                                 });
                             }
                         })
@@ -479,7 +471,12 @@ async fn after_a_blob_outage_the_new_owner_evicts_the_old_by_owner_level_and_not
                     .is_some_and(|s| s.iter().filter(|(_, seq)| *seq >= 3).count() == 10)
             })
             .await;
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // What A read is final: its processor stopped when its store refused it, and
+            // every partition client it was handed has ended (its receivers were detached).
+            wait_until("A stopped reading", || {
+                a.1.is_finished() && reading.borrow().get("replica-a") == Some(&0)
+            })
+            .await;
             let got = received.borrow().clone();
             let a_after: Vec<_> = got
                 .get("replica-a")

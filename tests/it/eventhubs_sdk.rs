@@ -193,7 +193,19 @@ async fn every_start_position_inclusive_and_exclusive() {
     let prod = producer(&cs, "hub").await;
     let bodies: Vec<String> = (0..10).map(|i| format!("ev-{i}")).collect();
     send_batch(&prod, &bodies[..5], Some("0"), None).await;
-    tokio::time::sleep(Duration::from_millis(5)).await; // distinct enqueued times for the time filter
+    // Distinct enqueued times for the time filter: the second batch after the first's.
+    let partition = &emu.store().hub("hub").unwrap().partitions[0];
+    let first = partition.info().last_enqueued_ms;
+    eventually(
+        "the clock passes the first batch's enqueued time",
+        STEP,
+        || async {
+            seen(hubguard::clock::ms(std::time::SystemTime::now()), |now| {
+                *now > first
+            })
+        },
+    )
+    .await;
     send_batch(&prod, &bodies[5..], Some("0"), None).await;
     let stored = emu.store().hub("hub").unwrap().partitions[0].events_from(0, 10);
     let c = consumer(&cs, "hub").await;
@@ -240,11 +252,10 @@ async fn every_start_position_inclusive_and_exclusive() {
     let writer = async {
         // Wait until the receiver is attached before sending.
         let hub = emu.store().hub("hub").unwrap();
-        let deadline = Instant::now() + STEP;
-        while hub.receiver_count("$Default", 0) == 0 {
-            assert!(Instant::now() < deadline, "receiver never attached");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        eventually("the receiver attached", STEP, || async {
+            hub.receiver_count("$Default", 0) > 0
+        })
+        .await;
         send_batch(&prod, &["live-1".into(), "live-2".into()], Some("0"), None).await;
     };
     let (got, ()) = tokio::join!(reader, writer);
@@ -515,19 +526,16 @@ async fn refused_connections_recover_when_the_period_ends() {
     emu.faults()
         .refuse_connections_for(Duration::from_millis(300));
     let started = Instant::now();
-    let prod = cs.open_producer(ProducerClient::builder(), "hub");
-    let prod = within("open while refused", async {
-        match prod.await {
-            Ok(p) => p,
-            Err(_) => loop {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                if let Ok(p) = cs.open_producer(ProducerClient::builder(), "hub").await {
-                    break p;
-                }
-            },
-        }
-    })
-    .await;
+    let prod = Wait::new("a producer opens once the refusals end", STEP)
+        .every(Duration::from_millis(100))
+        .until(|| async {
+            within(
+                "open while refused",
+                cs.open_producer(ProducerClient::builder(), "hub"),
+            )
+            .await
+        })
+        .await;
     within("send after refusal", prod.send_event(event("late"), None))
         .await
         .unwrap();

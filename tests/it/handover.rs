@@ -26,7 +26,7 @@ struct Slow {
 #[async_trait]
 impl Handler for Slow {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay).await; // simulated work: a downstream that takes a moment
         self.inner.handle(event, attempt).await
     }
 }
@@ -165,9 +165,21 @@ async fn a_handover_during_a_service_bus_outage_waits_for_the_held_event_and_ski
     })
     .await;
     let asked = asked.into_inner().unwrap().unwrap();
-    // Longer than an ownership expiration (3 s) and several cycles: the handover waits, the
-    // checkpoint stays before the held event, b reads nothing of that partition.
-    let watch_until = tokio::time::Instant::now() + Duration::from_secs(5);
+    // Longer than an ownership expiration (3 s) in the store's time, and several cycles: a
+    // keeps renewing the partition it finishes (Last-Modified, in whole seconds, moves on by
+    // more than an expiration), the checkpoint stays before the held event, b reads nothing
+    // of that partition.
+    let store = bed.checkpoint_store();
+    let ownership = || async {
+        store
+            .list_ownerships(&bed.cs.host, "hub", "$Default")
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|o| o.partition_id == asked)
+            .expect("the partition is owned")
+    };
+    let acknowledged = ownership().await.last_modified_time.unwrap();
     wait_for(
         "an ownership expiration of waiting",
         &a.health,
@@ -182,7 +194,10 @@ async fn a_handover_during_a_service_bus_outage_waits_for_the_held_event_and_ski
                 !b.health.owned().contains_key(&asked),
                 "b does not read the partition while a finishes it"
             );
-            tokio::time::Instant::now() >= watch_until
+            let o = ownership().await;
+            o.owner_id.as_deref() == Some("replica-a")
+                && o.last_modified_time
+                    .is_some_and(|t| t >= acknowledged + Duration::from_secs(4))
         },
     )
     .await;

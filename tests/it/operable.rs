@@ -14,7 +14,7 @@ use axum::Router;
 use hubguard::telemetry::names::{attr, span};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 
-use crate::common::{http_get, within};
+use crate::common::{eventually, http_get, seen, within, Text, STEP};
 use crate::otlp::telemetry;
 use crate::pipeline_support::*;
 
@@ -89,47 +89,38 @@ async fn a_replay_says_so_and_what_waits_is_listed_and_scraped() {
     .await;
 
     // /metrics: the Prometheus text format, with the pending gauge.
-    within("pending gauge", async {
-        loop {
-            let (code, text) = http_get(&addr, "/metrics").await;
-            assert_eq!(code, 200);
-            let names = crate::dashboards::served_names(&text);
-            if names.contains("hubguard_events_delivered_total")
+    eventually("pending gauge", STEP, || async {
+        let (code, text) = http_get(&addr, "/metrics").await;
+        assert_eq!(code, 200);
+        let names = crate::dashboards::served_names(&text);
+        seen(Text(text), |Text(text)| {
+            names.contains("hubguard_events_delivered_total")
                 && names.contains("hubguard_retries_scheduled_total")
                 && text
                     .lines()
                     .any(|l| l.starts_with("hubguard_retries_pending") && !l.ends_with(" 0"))
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
     })
     .await;
     run.stop().await;
 
     // Two attempt-1 spans from Event Hubs; the second says it is a replay.
-    let spans = within("spans", async {
-        loop {
-            t.flush().await;
-            let spans: Vec<_> = t
-                .collected
-                .lock()
-                .unwrap()
-                .spans
-                .iter()
-                .filter(|s| {
-                    s.name == span::ATTEMPT
-                        && s.attributes.get(attr::CONVERSATION_ID).map(String::as_str)
-                            == Some("op-wait")
-                })
-                .cloned()
-                .collect();
-            if spans.len() >= 2 {
-                break spans;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    let spans = eventually("spans", STEP, || async {
+        t.flush().await;
+        let spans: Vec<_> = t
+            .collected
+            .lock()
+            .unwrap()
+            .spans
+            .iter()
+            .filter(|s| {
+                s.name == span::ATTEMPT
+                    && s.attributes.get(attr::CONVERSATION_ID).map(String::as_str)
+                        == Some("op-wait")
+            })
+            .cloned()
+            .collect();
+        seen(spans, |s| s.len() >= 2)
     })
     .await;
     let mut spans = spans;
@@ -287,16 +278,17 @@ listen = "127.0.0.1:0"
         .trim()
         .to_string();
 
-    within("json-wait waiting and json-flaky delivered", async {
-        loop {
+    eventually(
+        "json-wait waiting and json-flaky delivered",
+        STEP,
+        || async {
             let (_, r) = json_get(&addr, "/v1/retries").await;
             let (_, flaky) = json_get(&addr, "/v1/events/json-flaky").await;
-            if keys_of(&r).contains(&"json-wait".to_string()) && flaky["state"] == "DELIVERED" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
+            seen((keys_of(&r), flaky["state"].clone()), |(waiting, flaky)| {
+                waiting.contains(&"json-wait".to_string()) && flaky == "DELIVERED"
+            })
+        },
+    )
     .await;
 
     // Every metric the dashboards and READMEs query is served (the retry lateness histogram

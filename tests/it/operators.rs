@@ -651,6 +651,16 @@ async fn a_pause_during_a_service_bus_outage_keeps_the_held_event_and_reads_noth
                 .is_some_and(|r| r.state == State::Delivered)
     })
     .await;
+    // Evidence the partition went on after the settlement (what was accepted still
+    // checkpoints while paused): its checkpoint names the settled event, written at a later
+    // tick, so a read of `after` would have started by now.
+    wait_for(
+        "the settled event checkpointed",
+        &a.health,
+        LIMIT,
+        || async { bed.checkpoint_of("0").await >= Some(1) },
+    )
+    .await;
     assert!(handler.calls_of("after").is_empty(), "paused: not read");
     assert!(bed.checkpoint_of("0").await >= checkpoint);
     control::change(store.as_ref(), &name, |_| Some(Pauses::default()))

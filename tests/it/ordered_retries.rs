@@ -1030,24 +1030,25 @@ async fn a_parked_event_links_to_its_heads_attempt_and_status_finds_any_key() {
             .cloned()
             .collect()
     };
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    let spans = loop {
-        let spans = t.collected.lock().unwrap().spans.clone();
-        let have = |name, key| !of(&spans, name, key).is_empty();
-        if have(span::ATTEMPT, head)
-            && [parked, accented]
-                .iter()
-                .all(|k| have(span::PARK, k) && have(span::ATTEMPT, k))
-        {
-            break spans;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "spans never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        t.flush().await;
-    };
+    let spans = eventually(
+        "the head's, the parked and the accented spans",
+        LIMIT,
+        || async {
+            t.flush().await;
+            let spans = t.collected.lock().unwrap().spans.clone();
+            let have = |name, key| !of(&spans, name, key).is_empty();
+            let all = have(span::ATTEMPT, head)
+                && [parked, accented]
+                    .iter()
+                    .all(|k| have(span::PARK, k) && have(span::ATTEMPT, k));
+            if all {
+                Ok(spans)
+            } else {
+                Err(spans.len())
+            }
+        },
+    )
+    .await;
     let head_first = of(&spans, span::ATTEMPT, head)
         .into_iter()
         .find(|s| s.attributes.get(attr::ATTEMPT).map(String::as_str) == Some("1"))

@@ -20,6 +20,7 @@ use hubguard::event::Event;
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::State;
 
+use crate::common::Wait;
 use crate::pipeline_support::*;
 
 /// Retries pending on Service Bus when the breaker first sees the outage.
@@ -86,34 +87,33 @@ async fn breaker(bed: &Bed) -> BreakerRecord {
 /// received and settled (deferred, attempted, completed). A message the retry loop took
 /// early (`retry_lead`) and holds until its due time, still ahead, waits on the clock.
 pub(crate) async fn idle(bed: &Bed, what: &str) {
-    let deadline = tokio::time::Instant::now() + LIMIT;
     let queue = bed.sb.queue("retries").unwrap();
     let clock = bed.clock();
-    loop {
-        let c = bed.sb.counters("retries").unwrap();
-        let waiting_early = |m: &hubguard::emulator::servicebus::broker::StoredMessage| {
-            m.locked_until().is_some()
-                && serde_json::from_slice::<serde_json::Value>(&m.body)
-                    .ok()
-                    .and_then(|b| b["due_ms"].as_i64())
-                    .is_some_and(|due| due > ms(clock.now()))
-        };
-        if c.active == 0
-            && (c.locked == 0
-                || queue
-                    .messages(hubguard::emulator::servicebus::broker::Entity::Main)
-                    .iter()
-                    .filter(|m| m.locked_until().is_some())
-                    .all(waiting_early))
-        {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: Service Bus never went idle: {c:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    let waiting_early = |m: &hubguard::emulator::servicebus::broker::StoredMessage| {
+        m.locked_until().is_some()
+            && serde_json::from_slice::<serde_json::Value>(&m.body)
+                .ok()
+                .and_then(|b| b["due_ms"].as_i64())
+                .is_some_and(|due| due > ms(clock.now()))
+    };
+    Wait::new(&format!("{what}: Service Bus idle"), LIMIT)
+        .every(Duration::from_millis(2))
+        .until(|| async {
+            let c = bed.sb.counters("retries").unwrap();
+            let idle = c.active == 0
+                && (c.locked == 0
+                    || queue
+                        .messages(hubguard::emulator::servicebus::broker::Entity::Main)
+                        .iter()
+                        .filter(|m| m.locked_until().is_some())
+                        .all(waiting_early));
+            if idle {
+                Ok(())
+            } else {
+                Err(c)
+            }
+        })
+        .await
 }
 
 /// Sends `n` events spread evenly over the partitions, keyed `{prefix}-{partition}-{i}`.

@@ -192,8 +192,9 @@ async fn service_bus_down_holds_the_partition_and_everything_settles_after_recov
     )
     .await;
     assert!(!run.health.ready(), "not ready while a partition is held");
-    // Hold long enough for several checkpoint ticks: the checkpoint must not pass the event.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Held through several checkpoint intervals (its settlement failing 4 more times, in
+    // the partition's task): the checkpoint must not pass the event.
+    settle_failures(&run.health, 4).await;
     assert_eq!(
         bed.checkpoint_of("0").await,
         Some(0),
@@ -948,11 +949,11 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     // The dead process's receives in flight end at their timeout (`retry_receive_wait`);
     // until then a message whose lock lapses would be locked again for them, and wait out a
     // second lock that nobody renews or settles.
-    crate::common::within("the crashed replica's receives end", async {
-        while bed.sb.counters("retries").unwrap().receiving > 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    crate::common::eventually(
+        "the crashed replica's receives end",
+        crate::common::STEP,
+        || async { crate::common::seen(bed.sb.counters("retries").unwrap(), |c| c.receiving == 0) },
+    )
     .await;
     clock.advance(Duration::from_secs(61));
 

@@ -341,29 +341,50 @@ impl Bed {
     }
 }
 
-/// Waits (bounded) until `cond` holds, re-checking on every health change and every 50 ms.
+/// Waits (bounded) until `cond` holds, re-checking on every health change and every
+/// [`POLL`]; on a timeout, the failure shows the health report last seen.
 pub(crate) async fn wait_for<F, Fut>(what: &str, health: &Health, limit: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let mut changes = health.subscribe();
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if cond().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}; health: {}",
-            health.report()
-        );
-        tokio::select! {
-            _ = changes.changed() => {}
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-        }
-    }
+    Wait::new(what, limit)
+        .woken_by(changes(health.subscribe()))
+        .until(|| {
+            let holds = cond();
+            async move {
+                if holds.await {
+                    Ok(())
+                } else {
+                    Err(Text(health.report().to_string()))
+                }
+            }
+        })
+        .await
 }
+
+/// Waits until `n` more settlements have failed: the evidence a "nothing happened while
+/// held" check needs that the code under test had its chances (a fixed sleep proves nothing
+/// on a slow machine). A held event's settlement is tried again inside its partition's task
+/// (after 200 ms, doubling up to `settle_backoff_max`: 500 ms on the bed), beside that task's
+/// checkpoint interval (300 ms) and its reading; so `n` more failures of one held event mean
+/// the task ran through `n - 1` backoffs, several checkpoint intervals for `n` of 4. Every
+/// settlement failure of the pipeline counts: use it while the held events are the only
+/// ones failing (with Service Bus down, the retry loop receives nothing to fail on).
+pub(crate) async fn settle_failures(health: &Health, n: u64) {
+    let failures = || health.snapshot().settle_failures;
+    let from = failures();
+    eventually(&format!("{n} more settlement failures"), LIMIT_HELD, || {
+        std::future::ready(
+            seen(failures() - from, |f| *f >= n)
+                .map_err(|f| Text(format!("{f} failures; health {}", health.report()))),
+        )
+    })
+    .await;
+}
+
+/// How long [`settle_failures`] waits at most.
+const LIMIT_HELD: Duration = Duration::from_secs(60);
 
 /// The bed's checkpoint store, with a fault a test chooses: a partition that can never be
 /// claimed, or checkpoints that never get written (a process that "crashes" before its first).

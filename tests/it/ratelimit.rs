@@ -87,24 +87,16 @@ async fn watch_until(
     invariant: &mut dyn FnMut(&[hubguard::ratelimit::limiter::RateSnapshot]),
     cond: &dyn Fn(&[hubguard::ratelimit::limiter::RateSnapshot]) -> bool,
 ) {
-    let mut subs: Vec<_> = limiters.iter().map(|l| l.subscribe()).collect();
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        let snaps: Vec<_> = limiters.iter().map(|l| l.snapshot()).collect();
-        invariant(&snaps);
-        if cond(&snaps) {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}; {snaps:#?}"
-        );
-        let changed = futures::future::select_all(subs.iter_mut().map(|s| Box::pin(s.changed())));
-        tokio::select! {
-            _ = changed => {}
-            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-        }
-    }
+    let changed =
+        futures::stream::select_all(limiters.iter().map(|l| Box::pin(changes(l.subscribe()))));
+    Wait::new(what, limit)
+        .woken_by(changed)
+        .until(|| {
+            let snaps: Vec<_> = limiters.iter().map(|l| l.snapshot()).collect();
+            invariant(&snaps);
+            std::future::ready(seen(snaps, |s| cond(s)))
+        })
+        .await;
 }
 
 fn total_share(snaps: &[hubguard::ratelimit::limiter::RateSnapshot]) -> f64 {
@@ -222,20 +214,15 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
     .await;
     assert!(receiver.throttled() > 0);
     // Everything arrives (the throttled ones retried), nothing dead-lettered.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-    loop {
+    eventually("every key delivered", Duration::from_secs(90), || async {
         let delivered = receiver.delivered();
         if keys.iter().all(|k| delivered.contains_key(k)) {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{} of {} delivered", delivered.len(), keys.len()))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} of {} delivered",
-            delivered.len(),
-            keys.len()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
     for r in [&a, &b] {
         let opens = r.breaker.as_ref().unwrap().cached().map_or(0, |r| r.opens);
         assert_eq!(
@@ -289,15 +276,10 @@ async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
     // the first 429 (the clock is shared, so the pause is the same for both).
     let log = receiver.log();
     let first_429 = log.iter().find(|l| l.status == 429).unwrap().at;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while receiver.delivered().len() < 6 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{:?}",
-            receiver.delivered()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("all six delivered", Duration::from_secs(60), || async {
+        seen(receiver.delivered(), |d| d.len() >= 6)
+    })
+    .await;
     let log = receiver.log();
     let calls_in_pause = log
         .iter()
@@ -323,9 +305,8 @@ async fn the_limiter_never_lets_the_checkpoint_pass_an_event_waiting_for_it() {
     let keys: Vec<String> = (0..12).map(|i| format!("slow-{i}")).collect();
     let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "ok")).collect();
     bed.send(0, &events).await;
-    let mut seen_partial = false;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let seen_partial = std::sync::atomic::AtomicBool::new(false);
+    eventually("everything delivered and checkpointed", Duration::from_secs(60), || async {
         // The checkpoint first, then what was delivered: a checkpoint read before a
         // delivery can only be behind it.
         let cp = bed.checkpoint_of("0").await;
@@ -336,17 +317,18 @@ async fn the_limiter_never_lets_the_checkpoint_pass_an_event_waiting_for_it() {
                 (cp as usize) < w,
                 "checkpoint {cp} passed event {w}, which has not been delivered (waiting for the limiter)"
             );
-            seen_partial |= cp >= 0;
+            if cp >= 0 {
+                seen_partial.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
         }
         if first_waiting.is_none() && cp == Some(11) {
-            break;
+            Ok(())
+        } else {
+            Err(format!("checkpoint {cp:?}, delivered {delivered:?}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "checkpoint {cp:?}, delivered {delivered:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    })
+    .await;
+    let seen_partial = seen_partial.into_inner();
     assert!(
         seen_partial,
         "the checkpoint moved while later events waited for the limiter"
@@ -429,32 +411,31 @@ async fn the_attempt_span_says_how_long_it_waited_for_the_limiter() {
     let r = start(&bed, "a", scripted.clone(), 2.0, false);
     let keys = ["span-wait-0", "span-wait-1", "span-wait-2", "span-wait-3"];
     bed.send(0, &keys.map(|k| (k, "ok"))).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while scripted.delivered_keys().len() < keys.len() {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the burst delivered", Duration::from_secs(60), || async {
+        seen(scripted.delivered_keys(), |d| d.len() >= keys.len())
+    })
+    .await;
     r.stop().await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let waits: Vec<f64> = loop {
-        t.flush().await;
-        let spans = t.collected.lock().unwrap().spans.clone();
-        let waits: Vec<f64> = spans
-            .iter()
-            .filter(|s| {
-                s.name == span::ATTEMPT
-                    && s.attributes
-                        .get(attr::MESSAGE_ID)
-                        .is_some_and(|k| keys.contains(&k.as_str()))
-            })
-            .filter_map(|s| s.attributes.get(attr::RATE_LIMIT_WAIT)?.parse().ok())
-            .collect();
-        if waits.len() >= keys.len() {
-            break waits;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "spans: {waits:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let waits: Vec<f64> = eventually(
+        "an attempt span for each",
+        Duration::from_secs(60),
+        || async {
+            t.flush().await;
+            let spans = t.collected.lock().unwrap().spans.clone();
+            let waits: Vec<f64> = spans
+                .iter()
+                .filter(|s| {
+                    s.name == span::ATTEMPT
+                        && s.attributes
+                            .get(attr::MESSAGE_ID)
+                            .is_some_and(|k| keys.contains(&k.as_str()))
+                })
+                .filter_map(|s| s.attributes.get(attr::RATE_LIMIT_WAIT)?.parse().ok())
+                .collect();
+            seen(waits, |w| w.len() >= keys.len())
+        },
+    )
+    .await;
     // Paced 2/s (at the headroom): the last of the four waited about 1.5 s for its slot.
     let longest = waits.iter().cloned().fold(0.0, f64::max);
     assert!(longest > 1.0, "{waits:?}");

@@ -16,6 +16,7 @@ use hubguard::handler::{Attempt, Failure, Handler, Outcome};
 use hubguard::ledger::State;
 use hubguard::pipeline::health::HoldCause;
 
+use crate::common::{Text, Wait};
 use crate::pipeline_support::*;
 
 const PARTITIONS: usize = 4;
@@ -113,29 +114,28 @@ fn config(half_open_calls: u32, ratio: f64, brink_hold_ms: u64) -> BreakerConfig
 /// either paused by the breaker or through its keys.
 async fn settle_step(bed: &Bed, run: &Running, handler: &FailsOnce, keys: &[String], what: &str) {
     crate::outage::idle(bed, what).await;
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
-        let called = handler.called();
-        let held = run.health.held();
-        let quiet = (0..PARTITIONS).all(|p| {
-            let prefix = format!("burst-{p}-");
-            keys.iter()
-                .filter(|k| k.starts_with(&prefix))
-                .all(|k| called.contains(k))
-                || held
-                    .get(&p.to_string())
-                    .is_some_and(|h| h.cause == HoldCause::BreakerOpen)
-        });
-        if quiet {
-            return crate::outage::idle(bed, what).await;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}: the partitions never settled: {:?}",
-            run.health.report()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    Wait::new(&format!("{what}: the partitions settled"), LIMIT)
+        .every(Duration::from_millis(2))
+        .until(|| async {
+            let called = handler.called();
+            let held = run.health.held();
+            let quiet = (0..PARTITIONS).all(|p| {
+                let prefix = format!("burst-{p}-");
+                keys.iter()
+                    .filter(|k| k.starts_with(&prefix))
+                    .all(|k| called.contains(k))
+                    || held
+                        .get(&p.to_string())
+                        .is_some_and(|h| h.cause == HoldCause::BreakerOpen)
+            });
+            if quiet {
+                Ok(())
+            } else {
+                Err(Text(run.health.report().to_string()))
+            }
+        })
+        .await;
+    crate::outage::idle(bed, what).await
 }
 
 /// Produces a burst of `KEYS` new keys and steps the clock until each is delivered (or

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::{eventually, seen};
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -260,10 +261,21 @@ async fn with_no_replica_running_the_command_rewinds_to_a_time_and_the_next_repl
         bed.checkpoint_of("0").await == Some(0) && bed.checkpoint_of("1").await == Some(0)
     })
     .await;
-    // The emulator stamps enqueued times with its clock: a second apart is unambiguous.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let since = hubguard::clock::rfc3339(std::time::SystemTime::now());
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // The emulator stamps enqueued times with the wall clock, in milliseconds: `since` is a
+    // millisecond after the old events, and the new ones go once the clock is past it.
+    let hub = bed.eh.store().hub("hub").unwrap();
+    let old = (0..2)
+        .map(|p| hub.partitions[p].info().last_enqueued_ms)
+        .max()
+        .unwrap();
+    let since_ms = old + 1;
+    eventually("the clock passes `since`", LIMIT, || async {
+        seen(hubguard::clock::ms(std::time::SystemTime::now()), |now| {
+            *now > since_ms
+        })
+    })
+    .await;
+    let since = hubguard::clock::rfc3339(hubguard::clock::at(since_ms));
     bed.send(0, &[("new-0", "ok")]).await;
     bed.send(1, &[("new-1", "ok")]).await;
     wait_for("the new events checkpointed", &a.health, LIMIT, || async {

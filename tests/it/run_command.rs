@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -13,7 +12,7 @@ use axum::routing::post;
 use axum::Router;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::common::{http_get, within};
+use crate::common::{eventually, http_get, seen, within, STEP};
 use crate::pipeline_support::Bed;
 use crate::test_log::TestLog;
 
@@ -154,10 +153,8 @@ async fn a_replica_killed_mid_stream_loses_nothing() {
         keys.extend(ks);
     }
     let delivered = |r: &Receiver| r.calls.lock().unwrap().len();
-    within("some delivered", async {
-        while delivered(&receiver) < 40 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    eventually("some delivered", STEP, || async {
+        seen(delivered(&receiver), |n| *n >= 40)
     })
     .await;
     // SIGKILL: no final checkpoint, no ownership release, in-flight work lost with the process.
@@ -170,28 +167,23 @@ async fn a_replica_killed_mid_stream_loses_nothing() {
             .and_then(|i| i.parse::<usize>().ok())
             .is_some_and(|i| i % 7 == 0)
     };
-    within("every event delivered after the kill", async {
-        loop {
-            let calls = receiver.calls.lock().unwrap().clone();
-            let lost: Vec<&String> = keys
-                .iter()
-                .filter(|k| calls.get(*k).map_or(0, Vec::len) < if fails_once(k) { 2 } else { 1 })
-                .collect();
-            if lost.is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    eventually("every event delivered after the kill", STEP, || async {
+        let calls = receiver.calls.lock().unwrap().clone();
+        let lost: Vec<&String> = keys
+            .iter()
+            .filter(|k| calls.get(*k).map_or(0, Vec::len) < if fails_once(k) { 2 } else { 1 })
+            .collect();
+        if lost.is_empty() {
+            Ok(())
+        } else {
+            Err(lost)
         }
     })
     .await;
-    within("retry queue drained", async {
-        loop {
-            let c = bed.sb.counters("retries").unwrap();
-            if c.active + c.scheduled + c.locked == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    eventually("retry queue drained", STEP, || async {
+        seen(bed.sb.counters("retries").unwrap(), |c| {
+            c.active + c.scheduled + c.locked == 0
+        })
     })
     .await;
     r2.start_kill().unwrap();
@@ -251,22 +243,19 @@ async fn run_status_and_dead_letters_from_the_command_line() {
     let status_addr = format!("127.0.0.1:{status_port}");
 
     // Wait (bounded) for the flaky event to be delivered on its second attempt.
-    within("flaky delivered", async {
-        loop {
-            let (code, body) = http_get(&status_addr, "/v1/events/cli-flaky").await;
-            if code == 200 && body.contains("\"DELIVERED\"") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    eventually("flaky delivered", STEP, || async {
+        seen(
+            http_get(&status_addr, "/v1/events/cli-flaky").await,
+            |(code, body)| *code == 200 && body.contains("\"DELIVERED\""),
+        )
     })
     .await;
     let (code, _) = http_get(&status_addr, "/healthz").await;
     assert_eq!(code, 200);
-    within("ready", async {
-        while http_get(&status_addr, "/readyz").await.0 != 200 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    eventually("ready", STEP, || async {
+        seen(http_get(&status_addr, "/readyz").await, |(code, _)| {
+            *code == 200
+        })
     })
     .await;
     let (_, report) = http_get(&status_addr, "/v1/status").await;
@@ -329,19 +318,14 @@ async fn run_status_and_dead_letters_from_the_command_line() {
     let replay = hubguard(&["dead-letters", "replay", "cli-perm"], &config);
     let text = String::from_utf8_lossy(&replay.stdout);
     assert!(text.contains("cli-perm: attempt 2 scheduled now"), "{text}");
-    within("replayed attempt runs", async {
-        loop {
-            let n = receiver
-                .calls
-                .lock()
-                .unwrap()
-                .get("cli-perm")
-                .map_or(0, |v| v.len());
-            if n >= 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    eventually("replayed attempt runs", STEP, || async {
+        let n = receiver
+            .calls
+            .lock()
+            .unwrap()
+            .get("cli-perm")
+            .map_or(0, |v| v.len());
+        seen(n, |n| *n >= 2)
     })
     .await;
 

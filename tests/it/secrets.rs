@@ -30,7 +30,7 @@ use hubguard::emulator::servicebus::broker::Entity;
 use hubguard::emulator::servicebus::{QueueSpec, ServiceBusConfig, ServiceBusEmulator};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 
-use crate::common::{conn, http_get, within};
+use crate::common::{conn, eventually, http_get, seen, within, Wait, STEP};
 use crate::pipeline_support::Bed;
 
 const EH_KEY: &str = "EhSasKeyZq9x1";
@@ -412,10 +412,8 @@ async fn no_credential_reaches_any_output() {
 
     // Both replicas start (the status listener is up once this line is printed).
     for r in [&ra, &rb] {
-        within("replica starts", async {
-            while !r.stdout.lock().unwrap().contains("consuming hub") {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+        eventually("replica starts", STEP, || async {
+            r.stdout.lock().unwrap().contains("consuming hub")
         })
         .await;
     }
@@ -426,14 +424,10 @@ async fn no_credential_reaches_any_output() {
     // The handshake is refused: both replicas hold and say why (the reason names the URL).
     for r in [&ra, &rb] {
         let s = r.status.clone();
-        let body = within("readiness names the refused handshake", async {
-            loop {
-                let (code, body) = http_get(&s, "/readyz").await;
-                if code == 503 && body.contains("has not agreed") {
-                    break body;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        let (_, body) = eventually("readiness names the refused handshake", STEP, || async {
+            seen(http_get(&s, "/readyz").await, |(code, body)| {
+                *code == 503 && body.contains("has not agreed")
+            })
         })
         .await;
         assert!(body.contains(&hook_addr.to_string()), "{body}");
@@ -444,15 +438,16 @@ async fn no_credential_reaches_any_output() {
         ));
     }
     // A failed attempt is recorded with the handshake's reason.
-    within("a retry recorded with the handshake's reason", async {
-        loop {
-            let (code, body) = http_get(&ra.status, "/v1/events/sec-ok").await;
-            if code == 200 && body.contains("has not agreed") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
+    eventually(
+        "a retry recorded with the handshake's reason",
+        STEP,
+        || async {
+            seen(
+                http_get(&ra.status, "/v1/events/sec-ok").await,
+                |(code, body)| *code == 200 && body.contains("has not agreed"),
+            )
+        },
+    )
     .await;
     outputs.push((
         "/v1/retries (handshake refused)".into(),
@@ -462,14 +457,10 @@ async fn no_credential_reaches_any_output() {
     bed.blob
         .faults()
         .error_status_for(503, Duration::from_secs(60));
-    let body = within("readiness names the storage outage", async {
-        loop {
-            let (code, body) = http_get(&ra.status, "/readyz").await;
-            if code == 503 && body.contains("blob storage is unavailable") {
-                break body;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    let (_, body) = eventually("readiness names the storage outage", STEP, || async {
+        seen(http_get(&ra.status, "/readyz").await, |(code, body)| {
+            *code == 503 && body.contains("blob storage is unavailable")
+        })
     })
     .await;
     assert!(body.contains("devstoreaccount1/hubguard"), "{body}");
@@ -483,9 +474,10 @@ async fn no_credential_reaches_any_output() {
 
     // Delivered, dead-lettered for good (400) and after its attempts (a redirect each time).
     let settled = |body: &str, state: &str| body.contains(&format!("\"state\":\"{state}\""));
-    within("every event settles", async {
-        loop {
-            let mut done = true;
+    Wait::new("every event settles", STEP)
+        .every(Duration::from_millis(200))
+        .until(|| async {
+            let mut unsettled = Vec::new();
             for (k, state) in [
                 ("sec-ok", "DELIVERED"),
                 ("sec-flaky", "DELIVERED"),
@@ -495,15 +487,17 @@ async fn no_credential_reaches_any_output() {
                 ("sec-moved", "DEAD_LETTERED"),
             ] {
                 let (_, body) = http_get(&ra.status, &format!("/v1/events/{k}")).await;
-                done &= settled(&body, state);
+                if !settled(&body, state) {
+                    unsettled.push(k);
+                }
             }
-            if done {
-                break;
+            if unsettled.is_empty() {
+                Ok(())
+            } else {
+                Err(unsettled)
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await;
+        })
+        .await;
 
     for r in [&ra, &rb] {
         let s = &r.status;
@@ -541,12 +535,9 @@ async fn no_credential_reaches_any_output() {
         within("replica exits", r.child.wait()).await.unwrap();
     }
     // The pipes close with the process; give the drains a moment to read the last lines.
-    within("logs drained", async {
-        while !ra.stdout.lock().unwrap().contains("stopped")
-            || !rb.stdout.lock().unwrap().contains("stopped")
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    eventually("logs drained", STEP, || async {
+        ra.stdout.lock().unwrap().contains("stopped")
+            && rb.stdout.lock().unwrap().contains("stopped")
     })
     .await;
     let logs_a = ra.stderr.lock().unwrap().clone();

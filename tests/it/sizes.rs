@@ -176,7 +176,7 @@ fn test_modules(code: &[char]) -> Vec<(usize, usize)> {
 }
 
 /// The functions with a body in masked `code` outside `skip`: (name, first line, lines).
-fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, usize, usize)> {
+pub(crate) fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, usize, usize)> {
     let mut out = Vec::new();
     for i in 0..code.len().saturating_sub(3) {
         if code[i..i + 3] != ['f', 'n', ' ']

@@ -8,6 +8,7 @@ use std::time::Duration;
 use hubguard::ledger::at;
 use hubguard::telemetry::names::{attr, metric, outcome, span};
 
+use crate::common::{eventually, seen};
 use crate::otlp::{telemetry, Span};
 use crate::pipeline_support::*;
 
@@ -93,22 +94,18 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     run.stop().await;
     t.flush().await;
 
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    let spans = loop {
-        let spans = t.collected.lock().unwrap().spans.clone();
-        if attempts_of(&spans, "otel-flaky").len() >= 3
-            && !attempts_of(&spans, "otel-dead").is_empty()
-            && !attempts_of(&spans, "otel-parented").is_empty()
-        {
-            break spans;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "spans never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let spans = eventually("the attempts' spans", LIMIT, || async {
         t.flush().await;
-    };
+        let spans = t.collected.lock().unwrap().spans.clone();
+        let counts =
+            ["otel-flaky", "otel-dead", "otel-parented"].map(|k| (k, attempts_of(&spans, k).len()));
+        if counts[0].1 >= 3 && counts[1].1 > 0 && counts[2].1 > 0 {
+            Ok(spans)
+        } else {
+            Err(counts)
+        }
+    })
+    .await;
 
     // Three attempt spans with one correlation id and the right outcomes.
     let flaky = attempts_of(&spans, "otel-flaky");
@@ -203,26 +200,20 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     assert_eq!(parented[0].parent_span_id, "00f067aa0ba902b7");
 
     // Metrics with the expected names.
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
+    eventually("the metrics, with the expected names", LIMIT, || async {
         t.flush().await;
         let m = t.collected.lock().unwrap().metrics.clone();
-        let ok = m.get(metric::DELIVERED).is_some_and(|v| *v >= 2.0)
-            && m.get(metric::RETRIES_SCHEDULED).is_some_and(|v| *v >= 2.0)
-            && m.get(metric::DEAD_LETTERED).is_some_and(|v| *v >= 1.0)
-            && m.get(metric::HANDLER_DURATION).is_some_and(|v| *v >= 5.0)
-            && m.get(metric::RETRY_LATENESS).is_some_and(|v| *v >= 2.0)
-            && m.contains_key(metric::PARTITIONS_HELD)
-            && m.contains_key(metric::RETRY_LOOP_STATE)
-            && m.contains_key(metric::CHECKPOINT_LAG_EVENTS)
-            && m.contains_key(metric::CHECKPOINT_LAG_SECONDS);
-        if ok {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "metrics never arrived: {m:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        seen(m, |m| {
+            m.get(metric::DELIVERED).is_some_and(|v| *v >= 2.0)
+                && m.get(metric::RETRIES_SCHEDULED).is_some_and(|v| *v >= 2.0)
+                && m.get(metric::DEAD_LETTERED).is_some_and(|v| *v >= 1.0)
+                && m.get(metric::HANDLER_DURATION).is_some_and(|v| *v >= 5.0)
+                && m.get(metric::RETRY_LATENESS).is_some_and(|v| *v >= 2.0)
+                && m.contains_key(metric::PARTITIONS_HELD)
+                && m.contains_key(metric::RETRY_LOOP_STATE)
+                && m.contains_key(metric::CHECKPOINT_LAG_EVENTS)
+                && m.contains_key(metric::CHECKPOINT_LAG_SECONDS)
+        })
+    })
+    .await;
 }

@@ -31,7 +31,7 @@ use hubguard::pipeline::dead_letter::DeadLetterDestination;
 use hubguard::pipeline::settle::{Policies, Settler};
 use hubguard::policy::classify::ErrorClass;
 
-use crate::common::within;
+use crate::common::{eventually, within};
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -554,27 +554,19 @@ async fn a_failed_attempts_details_show_in_status_and_on_the_span() {
     let text = hubguard::status::record_text(&rec);
     assert!(text.contains(expected), "{text}");
 
-    t.flush().await;
-    let deadline = tokio::time::Instant::now() + LIMIT;
-    loop {
+    use hubguard::telemetry::names::attr;
+    let s = eventually("the attempt span", LIMIT, || async {
+        t.flush().await;
         let spans = t.collected.lock().unwrap().spans.clone();
-        use hubguard::telemetry::names::attr;
         let found = spans.iter().find(|s| {
             s.name == hubguard::telemetry::names::span::ATTEMPT
                 && s.attributes.get(attr::ERROR_MESSAGE).map(String::as_str) == Some(expected)
         });
-        if let Some(s) = found {
-            assert_eq!(s.attributes[attr::HTTP_STATUS], "400");
-            assert_eq!(s.attributes[attr::RETRY_AFTER], "3");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the attempt span never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        t.flush().await;
-    }
+        found.cloned().ok_or(spans.len())
+    })
+    .await;
+    assert_eq!(s.attributes[attr::HTTP_STATUS], "400");
+    assert_eq!(s.attributes[attr::RETRY_AFTER], "3");
 }
 
 /// A queue that refuses while `down` is set (Service Bus unavailable), else passes through.
