@@ -369,9 +369,7 @@ impl FencedCheckpointStore {
             let p = st.at(partition);
             p.reader = None;
             let give = p.hold.giving();
-            let release = (!give && stopping)
-                .then(|| p.hold.take_release())
-                .flatten();
+            let release = (!give && stopping).then(|| p.hold.take_release()).flatten();
             (give, release)
         };
         if give {

@@ -21,7 +21,11 @@ pub(in crate::pipeline) async fn ask(
         Ok(Ok(asked)) => {
             match &asked {
                 Asked::Mine => {
-                    tracing::info!(partition, owner, "asked the owner to hand the partition over")
+                    tracing::info!(
+                        partition,
+                        owner,
+                        "asked the owner to hand the partition over"
+                    )
                 }
                 Asked::Theirs(_) => {
                     tracing::debug!(partition, "another replica asked for this partition first")
@@ -53,7 +57,9 @@ pub(in crate::pipeline) async fn owner_finishing(
     deadline: Duration,
 ) -> bool {
     match tokio::time::timeout(deadline, h.read(partition)).await {
-        Ok(Ok(read)) => super::plan::owner_is_finishing(read.map(|(r, _)| r).as_ref(), h.me(), owner),
+        Ok(Ok(read)) => {
+            super::plan::owner_is_finishing(read.map(|(r, _)| r).as_ref(), h.me(), owner)
+        }
         _ => false,
     }
 }

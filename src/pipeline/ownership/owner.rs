@@ -300,7 +300,10 @@ impl OwnerLease {
     /// How many processes hold owner records of this hub and consumer group renewed within
     /// `within` (as blob storage's last-modified times say, against this host's clock: an
     /// estimate, used only to share unowned partitions at start-up).
-    pub(in crate::pipeline) async fn live_instances(&self, within: Duration) -> Result<usize, StoreError> {
+    pub(in crate::pipeline) async fn live_instances(
+        &self,
+        within: Duration,
+    ) -> Result<usize, StoreError> {
         let prefix = self
             .key
             .rsplit_once('/')

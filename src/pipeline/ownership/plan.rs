@@ -220,7 +220,11 @@ impl Sorted {
 /// listed and this one, or `live` if more), rounded up.
 fn share(view: &View, partitions: usize, live: Option<usize>) -> usize {
     let mut owners: HashSet<String> = HashSet::from([view.me.clone()]);
-    owners.extend(view.by_partition().values().filter_map(|o| view.live_other(o)));
+    owners.extend(
+        view.by_partition()
+            .values()
+            .filter_map(|o| view.live_other(o)),
+    );
     let n = owners.len().max(live.unwrap_or(0));
     partitions.div_ceil(n.max(1))
 }
