@@ -216,3 +216,92 @@ impl Partition {
         self.written = Some(self.written.map_or(seq, |w| w.max(seq)));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(etag: &str) -> Claim {
+        Claim {
+            at: Instant::now(),
+            ownership: Ownership {
+                partition_id: "0".into(),
+                etag: Some(etag.into()),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn etag(o: Option<Ownership>) -> Option<String> {
+        o.and_then(|o| o.etag.map(|e| e.to_string()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn asked_then_claimed_then_promised_then_written_over() {
+        let mut h = Hold::default();
+        assert!(h.claim().is_none() && h.asking().is_none());
+        h.ask("o".into());
+        assert_eq!(h.asking().map(|(o, _)| o), Some("o"));
+        assert!(h.claimed(claim("1")), "the request is answered");
+        assert!(h.asking().is_none() && !h.giving());
+        assert!(!h.claimed(claim("2")), "a renewal answers nothing");
+        // A replica holding it asks nothing.
+        h.ask("x".into());
+        assert!(h.asking().is_none());
+        h.promise("b".into());
+        assert!(h.giving() && h.claim().is_some());
+        // Renewed while it finishes, still promised.
+        h.claimed(claim("3"));
+        assert!(h.giving());
+        assert_eq!(
+            h.take_handover().map(|(o, to)| (etag(Some(o)), to)),
+            Some((Some("3".into()), "b".into()))
+        );
+        assert!(matches!(h, Hold::Free));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_promise_outlives_the_owner_id_but_not_another_owner() {
+        let mut h = Hold::Claimed(claim("1"));
+        h.promise("b".into());
+        h.drop_claim();
+        assert!(h.giving() && h.claim().is_none(), "the promise stands");
+        h.renewed(claim("2"));
+        assert!(h.claim().is_none(), "only a held partition is renewed");
+        h.claimed(claim("3"));
+        assert_eq!(etag(h.take_all()), Some("3".into()));
+        let mut h = Hold::Giving {
+            to: "b".into(),
+            claim: Some(claim("1")),
+        };
+        h.lost();
+        assert!(matches!(h, Hold::Free));
+        let mut h = Hold::Asking {
+            owner: "o".into(),
+            since: Instant::now(),
+        };
+        h.lost();
+        h.drop_claim();
+        assert!(h.asking().is_some(), "a request stands");
+        assert!(h.take_all().is_none() && h.asking().is_some());
+        h.stop_asking();
+        assert!(matches!(h, Hold::Free));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_is_fresh_within_the_expiration_and_only_a_claimed_one_is_read() {
+        let expiration = std::time::Duration::from_secs(30);
+        let mut p = Partition::default();
+        assert!(!p.may_read());
+        p.hold.claimed(claim("1"));
+        assert!(p.may_read() && p.hold.fresh(expiration).is_some());
+        tokio::time::advance(expiration).await;
+        assert!(p.hold.fresh(expiration).is_none());
+        assert_eq!(etag(p.hold.take_release()), Some("1".into()));
+        p.hold.promise("b".into());
+        assert!(!p.may_read() && p.hold.take_release().is_none() && p.hold.giving());
+        p.wrote(5);
+        p.wrote(3);
+        assert_eq!(p.written, Some(5));
+    }
+}
