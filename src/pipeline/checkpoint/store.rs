@@ -172,7 +172,7 @@ impl FencedCheckpointStore {
             return Ok(ownerships.to_vec());
         };
         let stopping = self.state().stopping;
-        match plan::Gate::of(stopping, !stopping && self.may_claim()) {
+        match plan::Gate::of(stopping, self.may_claim()) {
             plan::Gate::RenewFinishing => {
                 self.renew_while_stopping(ownerships, asked_at).await?;
                 return Ok(Vec::new());
