@@ -2,11 +2,12 @@
 //! structs, not a struct of maps), whose [`Hold`] says in one place whether this replica
 //! holds it, asks for it, or is giving it away.
 //!
-//! ```text
-//!   Free ──ask──► Asking { owner, since } ──claimed──► Claimed(claim) ──asked for──► Giving { to, claim }
-//!    ▲               │ taken back (overdue)               │                               │
-//!    └───────────────┴─────── lost to another owner ◄─────┴── written over to `to` ◄─────┘
-//! ```
+//! - `Free` → `Asking { owner, since }`: this replica asked the live owner for it;
+//! - `Free` or `Asking` → `Claimed(claim)`: claimed — unowned, expired, handed over, or
+//!   taken from an owner that left the request unanswered for the expiration;
+//! - `Claimed` → `Giving { to, claim }`: the replica `to` asked for it;
+//! - `Giving` → `Free`: written over to `to` once no task reads it;
+//! - `Claimed` or `Giving` → `Free`: another owner is listed, or it is released at a stop.
 //!
 //! The task reading a partition is beside the hold, not in it: the processor starts and
 //! ends it, and it may outlive this replica's claim (another owner listed, or the owner id
