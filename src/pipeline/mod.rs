@@ -19,13 +19,12 @@ mod backoff;
 mod checkpoint;
 pub mod control;
 pub mod dead_letter;
-mod handover;
 pub mod health;
 mod lines;
 mod message_id;
 mod observe;
 mod options;
-pub mod owner;
+pub mod ownership;
 mod partition;
 pub mod readback;
 mod recorded;
@@ -184,7 +183,7 @@ impl Pipeline {
         .with_health(health.clone())
         .with_control(pauses.subscribe())
         .with_rate_limiter(limiter.clone())
-        .with_lease(owner::OwnerLease::new(
+        .with_lease(ownership::owner::OwnerLease::new(
             records.clone(),
             &parts.eventhubs.hub,
             &parts.eventhubs.consumer_group,
@@ -193,7 +192,7 @@ impl Pipeline {
             health.clone(),
         ));
         if parts.options.handover {
-            fenced = fenced.with_handovers(handover::Handovers::new(
+            fenced = fenced.with_handovers(ownership::handover::Handovers::new(
                 records,
                 &parts.eventhubs.hub,
                 &parts.eventhubs.consumer_group,

@@ -40,6 +40,7 @@ mod secrets;
 mod servicebus;
 mod servicebus_auth;
 mod shape_hook;
+mod shape_partitions;
 mod shape_waits;
 mod sizes;
 mod telemetry;

@@ -8,12 +8,18 @@
 //! - refuses checkpoints for partitions whose ownership this replica has not claimed within
 //!   the ownership expiration (stale or lost ownership);
 //! - claims nothing while another live process uses the same owner id (see
-//!   [`owner`](super::owner)): the SDK would take that process's partitions for its own;
+//!   [`owner`](super::ownership::owner)): the SDK would take that process's partitions
+//!   for its own;
 //! - asks a live owner to hand a partition over instead of stealing it, and hands its own
-//!   over when asked (see [`handover`](super::handover)); claims no more unowned partitions
-//!   at once than its share among the live replicas (so replicas starting together do not
-//!   each grab every partition and give most back mid-stream); at a graceful stop, releases
-//!   each partition as soon as its final checkpoint is written.
+//!   over when asked (see [`handover`](super::ownership::handover)); claims no more unowned
+//!   partitions at once than its share among the live replicas (so replicas starting
+//!   together do not each grab every partition and give most back mid-stream); at a
+//!   graceful stop, releases each partition as soon as its final checkpoint is written.
+//!
+//! What to claim, ask for or take is decided by the pure planner beside it
+//! ([`plan`](super::ownership::plan)); this store does what the plan says, and fences.
+//! Each partition's state is one [`Partition`](lifecycle::Partition) value, whose hold is
+//! one [`Hold`](lifecycle::Hold) (free, asking, claimed, giving): see [`lifecycle`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -24,7 +30,8 @@ use azure_messaging_eventhubs::models::{Checkpoint, Ownership};
 use azure_messaging_eventhubs::CheckpointStore;
 use tokio::time::Instant;
 
-use super::handover::Handovers;
+use self::lifecycle::Partition;
+use super::ownership::handover::Handovers;
 
 /// A fenced wrapper around another checkpoint store.
 pub(super) struct FencedCheckpointStore {
@@ -34,7 +41,7 @@ pub(super) struct FencedCheckpointStore {
     expiration: Duration,
     state: Mutex<FenceState>,
     health: Option<Arc<crate::pipeline::health::Health>>,
-    lease: Option<super::owner::OwnerLease>,
+    lease: Option<super::ownership::owner::OwnerLease>,
     handovers: Option<Handovers>,
     /// Held around claims of this replica's partitions and writes that hand one over, so a
     /// renewal and a handover never race on one ownership's ETag.
@@ -50,35 +57,37 @@ pub(super) struct FencedCheckpointStore {
 
 #[derive(Default)]
 struct FenceState {
-    /// Rewinds (by id) this store has taken into `written`.
+    /// partition → what this replica knows of it (its hold, its task, its checkpoint).
+    partitions: HashMap<String, Partition>,
+    /// Rewinds (by id) this store has taken into the checkpoints it lets through.
     rewinds_seen: HashSet<String>,
-    /// partition → when this replica last claimed (or renewed) it.
-    claimed: HashMap<String, Instant>,
-    /// partition → highest sequence number checkpointed.
-    written: HashMap<String, i64>,
-    /// partition → the ownership as last claimed (with its ETag), for releasing it.
-    held: HashMap<String, Ownership>,
-    /// The hub's partitions, once known.
-    partitions: Vec<String>,
-    /// partition → since when no replica has held a live claim on it.
-    unowned_since: HashMap<String, Instant>,
-    /// partition → its checkpoint blob, when that holds no usable position.
-    poisoned: HashMap<String, String>,
-    /// partition → its ownership as the last cycle listed it.
-    listing: HashMap<String, Ownership>,
-    /// partition → this replica's pending handover request: the owner asked, and since when.
-    asking: HashMap<String, (String, Instant)>,
-    /// partition → another asker's request seen here: its ETag, unchanged since when.
-    theirs: HashMap<String, (String, Instant)>,
-    /// partition → the replica this one is handing it over to.
-    giving: HashMap<String, String>,
-    /// Partitions with a partition task reading them, and what tells that task to stop
-    /// reading (and finish what it holds).
-    reading: HashMap<String, tokio_util::sync::CancellationToken>,
+    /// The hub's partition ids, once known.
+    ids: Vec<String>,
+    /// The ownerships as the last cycle listed them.
+    listing: Vec<Ownership>,
     /// A graceful stop is under way: claim nothing new.
     stopping: bool,
     /// The namespace the processor names checkpoints with, once it listed them.
     namespace: Option<String>,
+}
+
+impl FenceState {
+    /// `partition`'s state (a fresh one if nothing is known of it yet).
+    fn at(&mut self, partition: &str) -> &mut Partition {
+        self.partitions.entry(partition.to_string()).or_default()
+    }
+
+    /// This replica's claim on `partition`, if renewed within `expiration`.
+    fn fresh(&self, partition: &str, expiration: Duration) -> Option<&lifecycle::Claim> {
+        self.partitions.get(partition)?.hold.fresh(expiration)
+    }
+
+    /// Drops every claim: this process does not hold its owner id.
+    fn drop_claims(&mut self) {
+        for p in self.partitions.values_mut() {
+            p.hold.drop_claim();
+        }
+    }
 }
 
 impl std::fmt::Debug for FencedCheckpointStore {
@@ -137,7 +146,7 @@ impl FencedCheckpointStore {
         for (pid, r) in &control.rewinds {
             let applied_since = r.applied.as_ref().is_some_and(|a| a.at_ms >= self.made_ms);
             if applied_since && st.rewinds_seen.insert(r.id.clone()) {
-                st.written.insert(pid.clone(), r.sequence_number);
+                st.at(pid).written = Some(r.sequence_number);
             }
         }
     }
@@ -158,13 +167,12 @@ impl FencedCheckpointStore {
     ) -> Result<(), String> {
         let checkpoint = {
             let st = self.state();
-            let fresh = st
-                .claimed
-                .get(partition)
-                .is_some_and(|t| t.elapsed() < self.expiration);
-            let held = st.held.get(partition).filter(|_| fresh).ok_or_else(|| {
-                format!("this replica's ownership of partition {partition} is stale or lost")
-            })?;
+            let held = st
+                .fresh(partition, self.expiration)
+                .map(|c| &c.ownership)
+                .ok_or_else(|| {
+                    format!("this replica's ownership of partition {partition} is stale or lost")
+                })?;
             rewind.checkpoint(
                 &held.fully_qualified_namespace,
                 &held.event_hub_name,
@@ -179,13 +187,12 @@ impl FencedCheckpointStore {
         .await
         .map_err(|e| e.to_string())?;
         let mut st = self.state();
-        st.written
-            .insert(partition.to_string(), rewind.sequence_number);
+        st.at(partition).written = Some(rewind.sequence_number);
         st.rewinds_seen.insert(rewind.id.clone());
         Ok(())
     }
 
-    /// Hands partitions over cooperatively (see [`handover`](super::handover)) through
+    /// Hands partitions over cooperatively (see [`handover`](super::ownership::handover)) through
     /// `handovers`.
     pub(super) fn with_handovers(mut self, handovers: Handovers) -> Self {
         self.handovers = Some(handovers);
@@ -194,7 +201,7 @@ impl FencedCheckpointStore {
 
     /// Claims partitions only while this process holds its owner id (`lease`, renewed at
     /// every listing of ownerships, that is every load-balancing cycle).
-    pub(super) fn with_lease(mut self, lease: super::owner::OwnerLease) -> Self {
+    pub(super) fn with_lease(mut self, lease: super::ownership::owner::OwnerLease) -> Self {
         self.lease = Some(lease);
         self
     }
@@ -228,7 +235,7 @@ impl FencedCheckpointStore {
         if let Some(r) = &self.rate {
             r.set_partitions(partitions.len());
         }
-        self.state().partitions = partitions;
+        self.state().ids = partitions;
     }
 
     fn note_owners(&self, owners: &[Ownership]) {
@@ -247,15 +254,17 @@ impl FencedCheckpointStore {
             .collect();
         let unowned = {
             let mut st = self.state();
-            let st = &mut *st;
-            let partitions = st.partitions.clone();
-            st.unowned_since.retain(|p, _| !live.contains(p.as_str()));
+            let ids = st.ids.clone();
+            for (_, p) in st
+                .partitions
+                .iter_mut()
+                .filter(|(p, _)| live.contains(p.as_str()))
+            {
+                p.unowned_since = None;
+            }
             let mut unowned = Vec::new();
-            for p in partitions.iter().filter(|p| !live.contains(p.as_str())) {
-                let since = *st
-                    .unowned_since
-                    .entry(p.clone())
-                    .or_insert_with(Instant::now);
+            for p in ids.iter().filter(|p| !live.contains(p.as_str())) {
+                let since = *st.at(p).unowned_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > self.expiration * 2 {
                     unowned.push(p.clone());
                 }
@@ -290,10 +299,13 @@ impl FencedCheckpointStore {
     pub(super) async fn release_all(&self) {
         let held: Vec<Ownership> = {
             let mut st = self.state();
-            st.claimed.clear();
-            st.giving.clear();
-            st.reading.clear();
-            st.held.drain().map(|(_, o)| o).collect()
+            st.partitions
+                .values_mut()
+                .filter_map(|p| {
+                    p.reader = None;
+                    p.hold.take_all()
+                })
+                .collect()
         };
         for o in held {
             self.release(o).await;
@@ -338,11 +350,14 @@ impl FencedCheckpointStore {
         stop_reading: tokio_util::sync::CancellationToken,
     ) -> bool {
         let mut st = self.state();
-        if st.stopping || st.giving.contains_key(partition) || !st.claimed.contains_key(partition) {
-            return false;
+        let stopping = st.stopping;
+        match st.partitions.get_mut(partition) {
+            Some(p) if !stopping && p.may_read() => {
+                p.reader = Some(stop_reading);
+                true
+            }
+            _ => false,
         }
-        st.reading.insert(partition.to_string(), stop_reading);
-        true
     }
 
     /// The task reading `partition` has ended (its final checkpoint written): hand the
@@ -350,14 +365,11 @@ impl FencedCheckpointStore {
     pub(super) async fn partition_ended(&self, partition: &str) {
         let (give, release) = {
             let mut st = self.state();
-            st.reading.remove(partition);
-            let give = st.giving.contains_key(partition);
-            let release = (!give && st.stopping)
-                .then(|| {
-                    st.claimed.remove(partition);
-                    st.held.remove(partition)
-                })
-                .flatten();
+            let stopping = st.stopping;
+            let p = st.at(partition);
+            p.reader = None;
+            let give = p.hold.giving();
+            let release = (!give && stopping).then(|| p.hold.take_release()).flatten();
             (give, release)
         };
         if give {
@@ -373,12 +385,8 @@ impl FencedCheckpointStore {
     /// it in between.
     async fn hand_over(&self, partition: &str) {
         let _guard = self.claim_lock.lock().await;
-        let (held, to) = {
-            let mut st = self.state();
-            st.claimed.remove(partition);
-            (st.held.remove(partition), st.giving.remove(partition))
-        };
-        let (Some(mut o), Some(to)) = (held, to) else {
+        let taken = self.state().at(partition).hold.take_handover();
+        let Some((mut o, to)) = taken else {
             return;
         };
         o.owner_id = Some(to.clone());
@@ -459,16 +467,18 @@ impl FencedCheckpointStore {
             let mut st = self.state();
             let newly: Vec<(String, String)> = bad
                 .iter()
-                .filter(|(p, _)| !st.poisoned.contains_key(*p))
+                .filter(|(p, _)| st.partitions.get(*p).is_none_or(|p| p.poisoned.is_none()))
                 .map(|(p, b)| (p.clone(), b.clone()))
                 .collect();
-            let healed: Vec<String> = st
-                .poisoned
-                .keys()
-                .filter(|p| !bad.contains_key(*p))
-                .cloned()
-                .collect();
-            st.poisoned = bad;
+            let mut healed = Vec::new();
+            for (id, p) in &mut st.partitions {
+                if p.poisoned.take().is_some() && !bad.contains_key(id) {
+                    healed.push(id.clone());
+                }
+            }
+            for (id, blob) in bad {
+                st.at(&id).poisoned = Some(blob);
+            }
             (newly, healed)
         };
         if let Some(health) = &self.health {
@@ -488,8 +498,8 @@ impl FencedCheckpointStore {
     }
 }
 
-mod cooperate;
-mod ownership;
+mod lifecycle;
+mod store;
 
 #[cfg(test)]
 mod tests;

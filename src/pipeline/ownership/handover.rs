@@ -43,7 +43,7 @@ use crate::azure::{RecordStore, StoreError};
 /// Where a request stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub(super) enum Stage {
+pub(in crate::pipeline) enum Stage {
     /// Written by the asker; the owner has not answered.
     Asked,
     /// The owner stopped reading and is finishing: it writes the ownership over when done.
@@ -52,22 +52,22 @@ pub(super) enum Stage {
 
 /// One handover request, as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct Request {
+pub(in crate::pipeline) struct Request {
     /// The partition.
-    pub(super) partition: String,
+    pub(in crate::pipeline) partition: String,
     /// The replica (owner id) that asks for it.
-    pub(super) asker: String,
+    pub(in crate::pipeline) asker: String,
     /// The replica (owner id) that owned it when asked.
-    pub(super) owner: String,
+    pub(in crate::pipeline) owner: String,
     /// Where the request stands.
-    pub(super) stage: Stage,
+    pub(in crate::pipeline) stage: Stage,
     /// When it was asked (RFC 3339, for people).
-    pub(super) asked: String,
+    pub(in crate::pipeline) asked: String,
 }
 
 /// What asking gave.
 #[derive(Debug)]
-pub(super) enum Asked {
+pub(in crate::pipeline) enum Asked {
     /// This replica's request is in place.
     Mine,
     /// Another replica's request is in place (with its ETag): leave it.
@@ -75,7 +75,7 @@ pub(super) enum Asked {
 }
 
 /// The handover requests of one hub and consumer group.
-pub(super) struct Handovers {
+pub(in crate::pipeline) struct Handovers {
     records: Arc<dyn RecordStore>,
     prefix: String,
     me: String,
@@ -95,7 +95,7 @@ fn body(r: &Request) -> Bytes {
 
 impl Handovers {
     /// The requests of `hub` and `consumer_group` in `records`, for the replica `me`.
-    pub(super) fn new(
+    pub(in crate::pipeline) fn new(
         records: Arc<dyn RecordStore>,
         hub: &str,
         consumer_group: &str,
@@ -113,12 +113,12 @@ impl Handovers {
     }
 
     /// This replica's owner id.
-    pub(super) fn me(&self) -> &str {
+    pub(in crate::pipeline) fn me(&self) -> &str {
         &self.me
     }
 
     /// The request for `partition`, with its ETag.
-    pub(super) async fn read(
+    pub(in crate::pipeline) async fn read(
         &self,
         partition: &str,
     ) -> Result<Option<(Request, String)>, StoreError> {
@@ -132,7 +132,7 @@ impl Handovers {
     /// Asks `owner` for `partition`; `stale` is the ETag of another asker's request this
     /// replica has seen unchanged for an ownership expiration (its asker is gone): it is
     /// replaced.
-    pub(super) async fn ask(
+    pub(in crate::pipeline) async fn ask(
         &self,
         partition: &str,
         owner: &str,
@@ -171,7 +171,7 @@ impl Handovers {
 
     /// The requests addressed to this replica for any of `held`, with their ETags (one
     /// listing, then one read per request present).
-    pub(super) async fn addressed_to_me(
+    pub(in crate::pipeline) async fn addressed_to_me(
         &self,
         held: &[String],
     ) -> Result<Vec<(Request, String)>, StoreError> {
@@ -192,7 +192,7 @@ impl Handovers {
     }
 
     /// Tells the asker the owner is finishing (so it waits instead of stealing).
-    pub(super) async fn acknowledge(
+    pub(in crate::pipeline) async fn acknowledge(
         &self,
         request: &Request,
         etag: &str,
@@ -208,7 +208,7 @@ impl Handovers {
     }
 
     /// Removes this replica's request for `partition` (it owns it now, or gave up asking).
-    pub(super) async fn withdraw(&self, partition: &str) {
+    pub(in crate::pipeline) async fn withdraw(&self, partition: &str) {
         if let Ok(Some((r, etag))) = self.read(partition).await {
             if r.asker == self.me {
                 if let Err(e) = self.records.delete(&self.key(partition), &etag).await {

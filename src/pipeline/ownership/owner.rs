@@ -66,7 +66,7 @@ enum LeaseState {
 }
 
 /// This process's hold on its owner id (see the module's documentation).
-pub(super) struct OwnerLease {
+pub(in crate::pipeline) struct OwnerLease {
     records: Arc<dyn RecordStore>,
     key: String,
     me: OwnerInstance,
@@ -104,7 +104,7 @@ pub fn record_name(hub: &str, consumer_group: &str, owner_id: &str) -> String {
 impl OwnerLease {
     /// The hold of this process (a fresh instance id) on `owner_id` for `hub` and
     /// `consumer_group`, in `records`; a holder silent for `expiration` is gone.
-    pub(super) fn new(
+    pub(in crate::pipeline) fn new(
         records: Arc<dyn RecordStore>,
         hub: &str,
         consumer_group: &str,
@@ -138,14 +138,14 @@ impl OwnerLease {
 
     /// Whether this instance holds its owner id (as last checked): only then may it claim
     /// partitions.
-    pub(super) fn holds(&self) -> bool {
+    pub(in crate::pipeline) fn holds(&self) -> bool {
         matches!(*self.state(), LeaseState::Held { .. })
     }
 
     /// Renews the hold, or takes the id if nobody holds it (or its holder is gone); returns
     /// whether this instance holds it. Called at every load-balancing cycle. A storage
     /// failure changes nothing (the verdict stays what it was).
-    pub(super) async fn check(&self) -> bool {
+    pub(in crate::pipeline) async fn check(&self) -> bool {
         if let Some(holds) = self.renew().await {
             return holds;
         }
@@ -300,7 +300,10 @@ impl OwnerLease {
     /// How many processes hold owner records of this hub and consumer group renewed within
     /// `within` (as blob storage's last-modified times say, against this host's clock: an
     /// estimate, used only to share unowned partitions at start-up).
-    pub(super) async fn live_instances(&self, within: Duration) -> Result<usize, StoreError> {
+    pub(in crate::pipeline) async fn live_instances(
+        &self,
+        within: Duration,
+    ) -> Result<usize, StoreError> {
         let prefix = self
             .key
             .rsplit_once('/')
@@ -319,7 +322,7 @@ impl OwnerLease {
     }
 
     /// Gives the owner id up (graceful stop), so a restart need not wait for the expiration.
-    pub(super) async fn release(&self) {
+    pub(in crate::pipeline) async fn release(&self) {
         let etag = match std::mem::replace(&mut *self.state(), LeaseState::Unknown) {
             LeaseState::Held { etag } => etag,
             _ => return,
@@ -331,7 +334,7 @@ impl OwnerLease {
 
     /// This instance, as its record names it.
     #[cfg(test)]
-    pub(super) fn me(&self) -> &OwnerInstance {
+    pub(in crate::pipeline) fn me(&self) -> &OwnerInstance {
         &self.me
     }
 }
