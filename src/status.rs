@@ -674,7 +674,8 @@ async fn control(State(s): State<AppState>) -> Response {
     let name = s.ledger.control_record_name();
     match crate::pipeline::control::read(s.ledger.store().as_ref(), &name).await {
         Ok(record) => {
-            let (record, etag) = record.map_or((Default::default(), None), |(p, e)| (p, Some(e)));
+            let (record, etag) =
+                record.map_or((Default::default(), None), |p| (p.value, Some(p.etag)));
             let mut v = serde_json::to_value::<crate::pipeline::control::Pauses>(record)
                 .unwrap_or_default();
             v["record"] = name.into();
