@@ -265,7 +265,7 @@ pub async fn parked_view(
                 == entry.name.rsplit('/').nth(1)
         });
     let head = match &line {
-        Some(l) => ledger.get(&l.head_key).await?.map(|(r, _)| r),
+        Some(l) => ledger.record(&l.head_key).await?,
         None => None,
     };
     Ok(Some(json!({
@@ -645,8 +645,8 @@ async fn report(State(s): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
-    match s.ledger.get(&key).await {
-        Ok(Some((rec, _))) => Json(record_view(&rec)).into_response(),
+    match s.ledger.record(&key).await {
+        Ok(Some(rec)) => Json(record_view(&rec)).into_response(),
         Ok(None) => match parked_view(&s.ledger, &key).await {
             // Ordered retries: a parked event has no ledger record yet, only its parked one.
             Ok(Some(mut v)) => {

@@ -201,7 +201,10 @@ async fn one(settled: usize, pending: usize) -> anyhow::Result<One> {
     for i in 0..settled {
         let key = format!("settled-{i}");
         ledger.put(&record(&key, i as i64, Some(now)), None).await?;
-        let (mut rec, etag) = ledger
+        let crate::ledger::Versioned {
+            value: mut rec,
+            etag,
+        } = ledger
             .get(&key)
             .await?
             .ok_or_else(|| anyhow::anyhow!("record {key} vanished"))?;

@@ -302,7 +302,7 @@ pub async fn retry_timing(events: usize, partitions: usize) -> anyhow::Result<Re
         if let Some(acc) = accepted.get(&crate::pipeline::settle::message_id(key, 2)) {
             schedule.push(ms_between(*failed_at, *acc));
         }
-        if let Some((rec, _)) = ledger.get(key).await? {
+        if let Some(rec) = ledger.record(key).await? {
             if let Some(due) = rec
                 .history
                 .iter()

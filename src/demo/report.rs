@@ -160,7 +160,7 @@ pub(super) async fn gather(
         .count();
     let mut ledger_records: HashMap<String, LedgerRecord> = Default::default();
     for key in ledger.keys().await? {
-        if let Some((rec, _)) = ledger.get(&key).await? {
+        if let Some(rec) = ledger.record(&key).await? {
             ledger_records.insert(key, rec);
         }
     }

@@ -249,6 +249,33 @@ impl LedgerRecord {
 // three transitions below, which keep them in step: a scheduled retry has a due time and no
 // reason, a final record neither a due time nor (delivered) a reason.
 impl LedgerRecord {
+    /// The record an event's first failure starts from: nothing counted yet, no attempt
+    /// due, `policy` pinned, the age budget counting from `now`.
+    pub(crate) fn first_failure(event: &Event, policy: RetryPolicy, now: SystemTime) -> Self {
+        LedgerRecord {
+            key: event.identity.idempotency_key.clone(),
+            correlation_id: event.identity.correlation_id.clone(),
+            event_type: event.identity.event_type.clone(),
+            state: State::RetryScheduled,
+            attempts: 0,
+            next_attempt_ms: None,
+            first_failure_ms: ms(now),
+            updated_ms: ms(now),
+            last_error: None,
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy,
+            attempt_base: 0,
+            history: Vec::new(),
+            event: event.clone(),
+            quarantined: None,
+            event_unknown: false,
+            claim: None,
+            run_now: None,
+            indexed: None,
+        }
+    }
+
     /// A retry is scheduled, due at `due_ms` (ms since the epoch): a failure's next attempt,
     /// an operator's `retry-now`, a replay, or a due time moved by a claim or the overdue
     /// sweep. The wait before it (`last_delay_ms`) is the caller's to set when it draws one.

@@ -145,7 +145,10 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
                 let key = format!("settled-{i}");
                 let waiting = record(&key, i as i64, State::RetryScheduled, Some(now));
                 ledger.put(&waiting, None).await.unwrap();
-                let (mut rec, etag) = ledger.get(&key).await.unwrap().unwrap();
+                let hubguard::ledger::Versioned {
+                    value: mut rec,
+                    etag,
+                } = ledger.get(&key).await.unwrap().unwrap();
                 rec.state = State::Delivered;
                 rec.attempts = 2;
                 rec.next_attempt_ms = None;
@@ -174,7 +177,10 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         Some(now - Duration::from_secs(3_600)),
     );
     ledger.put(&stale, None).await.unwrap();
-    let (mut delivered, etag) = ledger.get("crashed").await.unwrap().unwrap();
+    let hubguard::ledger::Versioned {
+        value: mut delivered,
+        etag,
+    } = ledger.get("crashed").await.unwrap().unwrap();
     delivered.state = State::Delivered;
     delivered.attempts = 2;
     delivered.next_attempt_ms = None;
@@ -209,7 +215,7 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::Delivered)
+            matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state == State::Delivered)
                 && run.health.snapshot().recovered >= 1
         },
     )
@@ -224,7 +230,7 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         handler.calls_of("crashed").is_empty(),
         "a stale entry is not trusted"
     );
-    let (rec, _) = ledger.get("crashed").await.unwrap().unwrap();
+    let rec = ledger.record("crashed").await.unwrap().unwrap();
     assert_eq!(rec.state, State::Delivered);
     // Every listing the pipeline made (the sweep, the partition's listing at claim) read the
     // pending index, or the ordered retries' line pointers (the sweep releases a line whose

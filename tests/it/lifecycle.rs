@@ -116,7 +116,10 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         )
         .await
         .unwrap();
-    let (mut rec, etag) = ledger.get("delivered").await.unwrap().unwrap();
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("delivered").await.unwrap().unwrap();
     rec.state = State::Delivered;
     rec.attempts = 2;
     rec.next_attempt_ms = None;
@@ -139,7 +142,10 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         .put(&record("replayed", 4, State::DeadLettered, None), None)
         .await
         .unwrap();
-    let (mut rec, etag) = ledger.get("replayed").await.unwrap().unwrap();
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("replayed").await.unwrap().unwrap();
     rec.state = State::RetryScheduled;
     rec.next_attempt_ms = Some(hubguard::ledger::ms(due));
     ledger.put(&rec, Some(&etag)).await.unwrap();
@@ -234,7 +240,10 @@ async fn the_state_tag_adds_no_call() {
             .put(&record("k", 1, State::RetryScheduled, Some(due)), None)
             .await
             .unwrap();
-        let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+        let hubguard::ledger::Versioned {
+            value: mut rec,
+            etag,
+        } = ledger.get("k").await.unwrap().unwrap();
         rec.attempts = 2;
         rec.state = State::Delivered;
         rec.next_attempt_ms = None;

@@ -35,7 +35,7 @@ fn operator(bed: &Bed, policy: RetryPolicy) -> Settler {
 }
 
 async fn record(bed: &Bed, key: &str) -> Option<hubguard::ledger::LedgerRecord> {
-    bed.ledger().get(key).await.unwrap().map(|(r, _)| r)
+    bed.ledger().record(key).await.unwrap()
 }
 
 async fn drained(bed: &Bed) -> bool {

@@ -92,16 +92,16 @@ pub(super) fn line_dead_letter(
 async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
     let ledger = &settler.ledger;
     for _ in 0..ROUNDS {
-        if rec.state == State::DeadLettered {
-            settler.publish_dead_letter(&rec).await?;
-            ledger.index_dead_letter(&rec.key).await?;
-        }
-        match ledger.put(&rec, None).await {
+        match settler.write_settled(&rec, None).await {
             Ok(_) => return Ok(rec),
-            Err(LedgerError::Store(StoreError::Conflict)) => {}
-            Err(e) => return Err(e.into()),
+            Err(SettleError::Ledger(LedgerError::Store(StoreError::Conflict))) => {}
+            Err(e) => return Err(e),
         }
-        let Some((existing, etag)) = ledger.get(&rec.key).await? else {
+        let Some(crate::ledger::Versioned {
+            value: existing,
+            etag,
+        }) = ledger.get(&rec.key).await?
+        else {
             continue;
         };
         let same = existing.event.partition_id == rec.event.partition_id
@@ -213,8 +213,8 @@ impl Advance<'_> {
     /// `None` still waiting for a retry. No record of it: it was delivered on a replay of its
     /// first attempt before its failure was ever recorded.
     async fn head_came_to(&self, line: &Line) -> Result<Option<bool>, SettleError> {
-        Ok(match self.settler.ledger.get(&line.head_key).await? {
-            Some((r, _))
+        Ok(match self.settler.ledger.record(&line.head_key).await? {
+            Some(r)
                 if r.event.partition_id == self.partition
                     && r.event.sequence_number == line.head_seq =>
             {
@@ -321,7 +321,7 @@ impl Advance<'_> {
 /// Makes sure the line's head, released but not yet attempted, has its first attempt on
 /// Service Bus (duplicate detection drops a repeat).
 async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
-    if let Some((rec, _)) = settler.ledger.get(&line.head_key).await? {
+    if let Some(rec) = settler.ledger.record(&line.head_key).await? {
         if rec.state == State::RetryScheduled
             && rec.attempts == rec.attempt_base
             && rec.event.sequence_number == line.head_seq

@@ -352,7 +352,7 @@ pub(crate) async fn sweep(
             continue;
         }
         // No record yet: the partition opened the line and is settling its head's failure.
-        let Some((rec, _)) = settler.ledger.get(&line.head_key).await? else {
+        let Some(rec) = settler.ledger.record(&line.head_key).await? else {
             continue;
         };
         if rec.state == State::RetryScheduled
@@ -593,7 +593,7 @@ mod tests {
             .unwrap());
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!((line.head_key.as_str(), line.head_seq), ("e1", 4));
-        let (rec, _) = s.ledger.get("e1").await.unwrap().unwrap();
+        let rec = s.ledger.record("e1").await.unwrap().unwrap();
         assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
         assert!(queue.accepted().contains(&"e1-attempt-1".to_string()));
         assert_eq!(
@@ -691,8 +691,8 @@ mod tests {
             let states: Vec<Option<(State, Option<DeadLetterReason>)>> = {
                 let mut v = Vec::new();
                 for e in &parked {
-                    let r = s.ledger.get(&e.identity.idempotency_key).await.unwrap();
-                    v.push(r.map(|(r, _)| (r.state, r.dead_letter_reason)));
+                    let r = s.ledger.record(&e.identity.idempotency_key).await.unwrap();
+                    v.push(r.map(|r| (r.state, r.dead_letter_reason)));
                 }
                 v
             };
@@ -870,7 +870,7 @@ mod tests {
             .unwrap());
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!(line.head_key, "e", "released, not lost");
-        let (rec, _) = s.ledger.get("e").await.unwrap().unwrap();
+        let rec = s.ledger.record("e").await.unwrap().unwrap();
         assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
     }
 }

@@ -199,9 +199,8 @@ impl EventTask<'_> {
                 shared
                     .settler
                     .ledger
-                    .get(&event.identity.idempotency_key)
+                    .record(&event.identity.idempotency_key)
                     .await?
-                    .map(|(r, _)| r)
                     .filter(|r| {
                         r.state != crate::ledger::State::RetryScheduled
                             && r.event.partition_id == event.partition_id

@@ -120,7 +120,7 @@ pub(super) async fn recover_overdue(shared: &Shared) {
 pub(super) async fn recover_missing(
     shared: &Shared,
     body: &RetryMessage,
-) -> Result<Option<(crate::ledger::LedgerRecord, String)>, String> {
+) -> Result<Option<crate::ledger::Versioned<crate::ledger::LedgerRecord>>, String> {
     let key = body.key();
     let gone = match &body.origin {
         None => "the retry message predates hubguard recording where events sit in Event Hubs, so the event cannot be read back".to_string(),
@@ -182,7 +182,8 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                 shared.observe.count_record_missing(key);
                 Ok(())
             }
-            Ok(Some((rec, _))) => {
+            Ok(Some(rebuilt)) => {
+                let rec = rebuilt.value;
                 shared.observe.count_record_rebuilt();
                 shared.observe.count_rescued();
                 shared
@@ -191,23 +192,25 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                     .await
             }
         },
-        Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
-            Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
-            // Superseded: only the recorded next attempt matters (dropped if it exists).
-            Verdict::Stale => shared
-                .settler
-                .resend_recorded(&rec, &body.traceparents)
-                .await
-                .map(drop),
-            Verdict::Current => {
-                tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
-                shared.observe.count_rescued();
-                shared
+        Ok(Some(crate::ledger::Versioned { value: rec, .. })) => {
+            match Verdict::of(Some(&rec), body.attempt) {
+                Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
+                // Superseded: only the recorded next attempt matters (dropped if it exists).
+                Verdict::Stale => shared
                     .settler
-                    .rescue(&rec, &body, msg.sequence_number)
+                    .resend_recorded(&rec, &body.traceparents)
                     .await
+                    .map(drop),
+                Verdict::Current => {
+                    tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
+                    shared.observe.count_rescued();
+                    shared
+                        .settler
+                        .rescue(&rec, &body, msg.sequence_number)
+                        .await
+                }
             }
-        },
+        }
     };
     match put_back {
         Ok(()) => dispose(&msg, Disposition::Complete).await,

@@ -207,30 +207,8 @@ fn failure(
 /// The record an event's first failure starts from: nothing counted yet, the policy for its
 /// type pinned, the age budget counting from `now`.
 pub(crate) fn first_failure(event: &Event, policies: &Policies, now: SystemTime) -> LedgerRecord {
-    LedgerRecord {
-        key: event.identity.idempotency_key.clone(),
-        correlation_id: event.identity.correlation_id.clone(),
-        event_type: event.identity.event_type.clone(),
-        state: State::RetryScheduled,
-        attempts: 0,
-        next_attempt_ms: None,
-        first_failure_ms: ms(now),
-        updated_ms: ms(now),
-        last_error: None,
-        dead_letter_reason: None,
-        last_delay_ms: None,
-        policy: policies
-            .for_type(event.identity.event_type.as_deref())
-            .clone(),
-        attempt_base: 0,
-        history: Vec::new(),
-        event: event.clone(),
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        run_now: None,
-        indexed: None,
-    }
+    let policy = policies.for_type(event.identity.event_type.as_deref());
+    LedgerRecord::first_failure(event, policy.clone(), now)
 }
 
 /// The dead letter of a record whose retry message Service Bus refused for what it is
