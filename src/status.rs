@@ -10,6 +10,7 @@
 //! | `GET /v1/retries[?due_before=T]` | retries waiting (key, attempt, due time, last error), soonest first, from the ledger's listing |
 //! | `GET /metrics` | every instrument in the Prometheus text format |
 
+use crate::sync::LockExt;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -442,7 +443,7 @@ impl PendingGauges {
                 .f64_observable_gauge(metric::LINES_PARKED)
                 .with_description("Events parked behind an earlier event of their ordering key (from the ledger's listing)")
                 .with_callback(move |o| {
-                    if let Some((n, _)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                    if let Some((n, _)) = &*r.locked() {
                         o.observe(*n as f64, &[]);
                     }
                 })
@@ -454,7 +455,7 @@ impl PendingGauges {
                 .with_description("Seconds the oldest parked event has waited")
                 .with_unit("s")
                 .with_callback(move |o| {
-                    if let Some((_, oldest)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                    if let Some((_, oldest)) = &*r.locked() {
                         let age = oldest
                             .and_then(|t| clock.now().duration_since(t).ok())
                             .map_or(0.0, |d| d.as_secs_f64());
@@ -471,7 +472,7 @@ impl PendingGauges {
             .u64_observable_gauge(metric::RETRIES_PENDING)
             .with_description("Retries the ledger says are waiting (from its listing)")
             .with_callback(move |o| {
-                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                if let Some(dues) = &*d.locked() {
                     o.observe(dues.len() as u64, &[]);
                 }
             })
@@ -482,7 +483,7 @@ impl PendingGauges {
             .u64_observable_gauge(metric::RETRIES_OVERDUE)
             .with_description("Retries waiting past their due time")
             .with_callback(move |o| {
-                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                if let Some(dues) = &*d.locked() {
                     let now = overdue_clock.now();
                     o.observe(dues.partition_point(|due| *due < now) as u64, &[]);
                 }
@@ -502,8 +503,7 @@ impl PendingGauges {
                     match ledger.all_parked().await {
                         Ok(p) => {
                             let oldest = p.iter().filter_map(|e| e.parked_ms).min().map(at);
-                            *pr.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some((p.len() as u64, oldest));
+                            *pr.locked() = Some((p.len() as u64, oldest));
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "cannot list parked events for the gauges")
@@ -526,7 +526,7 @@ impl PendingGauges {
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
-        *dues.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+        *dues.locked() = Some(v);
     }
 
     /// Updates the gauges from a complete listing just read.

@@ -43,13 +43,12 @@ pub(super) fn released_record(
         trace_id: None,
         retry_after_capped_from_s: None,
     });
-    LedgerRecord {
-        attempts: parked.attempts,
-        next_attempt_ms: Some(ms(now)),
-        attempt_base: parked.attempts,
-        history,
-        ..first_failure(e, settler.policies(), now)
-    }
+    let mut rec = first_failure(e, settler.policies(), now);
+    rec.attempts = parked.attempts;
+    rec.attempt_base = parked.attempts;
+    rec.history = history;
+    rec.schedule_retry(ms(now));
+    rec
 }
 
 /// The dead letter of an event parked behind a head that was dead-lettered
