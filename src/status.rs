@@ -36,14 +36,14 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
         "key": rec.key,
         "correlation_id": rec.correlation_id,
         "event_type": rec.event_type,
-        "state": rec.state,
+        "state": rec.state(),
         "attempts": rec.attempts,
         "max_attempts": rec.policy.max_attempts + rec.attempt_base,
-        "next_attempt_at": rec.next_attempt_ms.map(|m| rfc3339(at(m))),
+        "next_attempt_at": rec.next_attempt_ms().map(|m| rfc3339(at(m))),
         "last_error": rec.last_error.as_deref().map(redacted),
-        "dead_letter_reason": rec.dead_letter_reason,
+        "dead_letter_reason": rec.dead_letter_reason(),
         // An operator's `retries retry-now` (or a replay) of the attempt waiting.
-        "run_now": rec.run_now.as_ref().filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1).map(|p| json!({
+        "run_now": rec.run_now.as_ref().filter(|p| rec.state() == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1).map(|p| json!({
             "attempt": p.attempt,
             "at": rfc3339(at(p.at_ms)),
             "by": p.by,
@@ -72,7 +72,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 #[cfg(any(test, feature = "testbed"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
-    let state = match rec.state {
+    let state = match rec.state() {
         LedgerState::RetryScheduled => "RETRY_SCHEDULED",
         LedgerState::Delivered => "DELIVERED",
         LedgerState::DeadLettered => "DEAD_LETTERED",
@@ -85,13 +85,13 @@ pub fn record_text(rec: &LedgerRecord) -> String {
         rec.policy.max_attempts + rec.attempt_base,
         rec.policy.name
     ));
-    if let Some(n) = rec.next_attempt_ms {
+    if let Some(n) = rec.next_attempt_ms() {
         out.push_str(&format!("next attempt at: {}\n", rfc3339(at(n))));
     }
     if let Some(p) = rec
         .run_now
         .as_ref()
-        .filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1)
+        .filter(|p| rec.state() == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1)
     {
         out.push_str(&format!(
             "run now:         attempt {} by {} at {}\n",
@@ -100,7 +100,7 @@ pub fn record_text(rec: &LedgerRecord) -> String {
             rfc3339(at(p.at_ms))
         ));
     }
-    if let Some(r) = &rec.dead_letter_reason {
+    if let Some(r) = &rec.dead_letter_reason() {
         out.push_str(&format!("dead-lettered:   {r}\n"));
     }
     if let Some(e) = &rec.last_error {
@@ -281,9 +281,9 @@ pub async fn parked_view(
         "waits_behind": line.as_ref().map(|l| json!({
             "key": l.head_key,
             "sequence_number": l.head_seq,
-            "state": head.as_ref().map(|h| h.state),
-            "next_attempt": head.as_ref().filter(|h| h.state == LedgerState::RetryScheduled).map(|h| h.attempts + 1),
-            "next_attempt_at": head.as_ref().and_then(|h| h.next_attempt_ms).map(|m| rfc3339(at(m))),
+            "state": head.as_ref().map(|h| h.state()),
+            "next_attempt": head.as_ref().filter(|h| h.state() == LedgerState::RetryScheduled).map(|h| h.attempts + 1),
+            "next_attempt_at": head.as_ref().and_then(|h| h.next_attempt_ms()).map(|m| rfc3339(at(m))),
             "last_error": head.as_ref().and_then(|h| h.last_error.as_deref()).map(redacted),
         })),
     })))

@@ -225,7 +225,7 @@ pub(super) fn tell_one_retry(
     keys.sort();
     for key in keys {
         let rec = &records[key];
-        if rec.state == State::Delivered && best.is_none_or(|b| rec.attempts > b.attempts) {
+        if rec.state() == State::Delivered && best.is_none_or(|b| rec.attempts > b.attempts) {
             best = Some(rec);
         }
     }

@@ -247,8 +247,8 @@ async fn events_run_at_once_same_keys_stay_in_order_and_checkpoints_never_pass_u
     for (key, _, body) in &events {
         let rec = ledger.record(key).await.unwrap();
         match body.as_str() {
-            "perm" => assert_eq!(rec.unwrap().state, State::DeadLettered, "{key}"),
-            "fail:1" => assert_eq!(rec.unwrap().state, State::Delivered, "{key}"),
+            "perm" => assert_eq!(rec.unwrap().state(), State::DeadLettered, "{key}"),
+            "fail:1" => assert_eq!(rec.unwrap().state(), State::Delivered, "{key}"),
             _ => assert!(
                 rec.is_none(),
                 "{key}: the happy path writes no ledger record"
@@ -385,7 +385,7 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
                 .record(k)
                 .await
                 .unwrap()
-                .is_some_and(|r| r.state == State::Delivered && r.attempts == 2)
+                .is_some_and(|r| r.state() == State::Delivered && r.attempts == 2)
         })
         .await;
     }

@@ -120,9 +120,8 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         value: mut rec,
         etag,
     } = ledger.get("delivered").await.unwrap().unwrap();
-    rec.state = State::Delivered;
+    rec.deliver();
     rec.attempts = 2;
-    rec.next_attempt_ms = None;
     ledger.put(&rec, Some(&etag)).await.unwrap();
     ledger
         .put(
@@ -146,8 +145,7 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         value: mut rec,
         etag,
     } = ledger.get("replayed").await.unwrap().unwrap();
-    rec.state = State::RetryScheduled;
-    rec.next_attempt_ms = Some(hubguard::ledger::ms(due));
+    rec.schedule_retry(hubguard::ledger::ms(due));
     ledger.put(&rec, Some(&etag)).await.unwrap();
     ledger.pending().await.unwrap(); // writes the index marker
 
@@ -245,8 +243,7 @@ async fn the_state_tag_adds_no_call() {
             etag,
         } = ledger.get("k").await.unwrap().unwrap();
         rec.attempts = 2;
-        rec.state = State::Delivered;
-        rec.next_attempt_ms = None;
+        rec.deliver();
         ledger.put(&rec, Some(&etag)).await.unwrap();
         let tags = client
             .get_tags(&ledger.record_name("k"))

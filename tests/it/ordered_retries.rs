@@ -307,7 +307,7 @@ async fn a_key_waits_behind_its_retry_while_other_keys_flow_and_its_line_drains_
     assert!(ledger.all_parked().await.unwrap().is_empty());
     assert_in_order(&receiver);
     let k1 = ledger.record("k-1").await.unwrap().unwrap();
-    assert_eq!(k1.state, State::Delivered);
+    assert_eq!(k1.state(), State::Delivered);
     assert_eq!(k1.history[0].outcome, "parked", "{:?}", k1.history);
     assert!(k1.history[0].error.as_deref().unwrap().contains("k-0"));
     assert_eq!(r.health.snapshot().released, 3);
@@ -378,7 +378,7 @@ async fn a_released_event_that_fails_heads_the_line_and_later_events_join_its_en
         receiver.delivered().contains("k-0")
             && head.len() == 1
             && head[0].head_key == "k-1"
-            && rec.is_some_and(|r| r.state == State::RetryScheduled && r.attempts == 1)
+            && rec.is_some_and(|r| r.state() == State::RetryScheduled && r.attempts == 1)
     })
     .await;
     assert_eq!(ledger.all_parked().await.unwrap().len(), 2);
@@ -450,7 +450,7 @@ async fn head_dead_lettered_with(
     })
     .await;
     let k0 = ledger.record("k-0").await.unwrap().unwrap();
-    assert_eq!(k0.state, State::DeadLettered);
+    assert_eq!(k0.state(), State::DeadLettered);
     r.stop().await;
     (receiver, bed)
 }
@@ -473,9 +473,9 @@ async fn with_dead_letter_line_the_parked_events_follow_their_head_into_the_dead
     assert_eq!(dead, vec!["k-0", "k-1", "k-2"]);
     for k in ["k-1", "k-2"] {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::DeadLettered);
+        assert_eq!(rec.state(), State::DeadLettered);
         assert_eq!(
-            rec.dead_letter_reason,
+            rec.dead_letter_reason(),
             Some(hubguard::policy::DeadLetterReason::LineDeadLettered)
         );
         assert_eq!(rec.attempts, 0, "never attempted");
@@ -630,7 +630,7 @@ async fn a_replay_of_a_dead_lettered_line_re_drives_it_in_order() {
     }
     for k in ["k-0", "k-1", "k-2"] {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::Delivered, "{k}");
+        assert_eq!(rec.state(), State::Delivered, "{k}");
     }
     // A re-driven event keeps its history: dead-lettered with the line, parked, delivered.
     let k1 = ledger.record("k-1").await.unwrap().unwrap();
@@ -703,7 +703,7 @@ async fn a_replay_after_a_crash_parks_nothing_twice() {
     let lines = ledger.lines(None).await.unwrap();
     assert_eq!(lines[0].parked, 3, "counted once: {lines:?}");
     let k0 = ledger.record("k-0").await.unwrap().unwrap();
-    assert_eq!((k0.state, k0.attempts), (State::RetryScheduled, 1));
+    assert_eq!((k0.state(), k0.attempts), (State::RetryScheduled, 1));
     clock.advance(Duration::from_secs(61));
     wait_for("the line drained", &b.health, LIMIT, || async {
         (0..4).all(|i| receiver.delivered().contains(&format!("k-{i}")))
@@ -742,7 +742,7 @@ async fn blob_storage_down_while_parking_holds_the_partition_and_nothing_overtak
                 .record("k-0")
                 .await
                 .unwrap()
-                .is_some_and(|r| r.state == State::RetryScheduled)
+                .is_some_and(|r| r.state() == State::RetryScheduled)
     })
     .await;
     bed.blob
@@ -942,7 +942,7 @@ async fn randomized(on_dead_letter: LineOnDeadLetter, keys: u64, per_key: u64) {
             for k in dead.difference(&expect_dead) {
                 let rec = ledger.record(k).await.unwrap().unwrap();
                 assert_eq!(
-                    rec.dead_letter_reason,
+                    rec.dead_letter_reason(),
                     Some(hubguard::policy::DeadLetterReason::LineDeadLettered),
                     "{k}: dead-lettered only with its line"
                 );

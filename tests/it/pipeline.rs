@@ -61,7 +61,7 @@ async fn transient_failures_are_retried_to_delivery_with_the_ledger_history_righ
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
     let ledger = bed.ledger();
     wait_for("flaky delivered", &run.health, LIMIT, || async {
-        matches!(ledger.record("flaky").await, Ok(Some(r)) if r.state == State::Delivered)
+        matches!(ledger.record("flaky").await, Ok(Some(r)) if r.state() == State::Delivered)
     })
     .await;
     let rec = ledger.record("flaky").await.unwrap().unwrap();
@@ -117,20 +117,20 @@ async fn permanent_failures_are_dead_lettered_at_once_and_exhaustion_by_attempts
     let ledger = bed.ledger();
     wait_for("both dead-lettered", &run.health, LIMIT, || async {
         let a =
-            matches!(ledger.record("perm").await, Ok(Some(r)) if r.state == State::DeadLettered);
+            matches!(ledger.record("perm").await, Ok(Some(r)) if r.state() == State::DeadLettered);
         let b =
-            matches!(ledger.record("never").await, Ok(Some(r)) if r.state == State::DeadLettered);
+            matches!(ledger.record("never").await, Ok(Some(r)) if r.state() == State::DeadLettered);
         a && b
     })
     .await;
     let perm = ledger.record("perm").await.unwrap().unwrap();
     assert_eq!(
-        (perm.attempts, perm.dead_letter_reason.clone()),
+        (perm.attempts, perm.dead_letter_reason().clone()),
         (1, Some(DeadLetterReason::Permanent))
     );
     let never = ledger.record("never").await.unwrap().unwrap();
     assert_eq!(
-        (never.attempts, never.dead_letter_reason.clone()),
+        (never.attempts, never.dead_letter_reason().clone()),
         (3, Some(DeadLetterReason::AttemptsExhausted))
     );
     assert_eq!(handler.calls_of("never"), vec![1, 2, 3]);
@@ -154,7 +154,7 @@ async fn permanent_failures_are_dead_lettered_at_once_and_exhaustion_by_attempts
     let run = Bed::run(bed.parts(handler.clone(), policy, "replica-a"));
     let ledger = bed.ledger();
     wait_for("old dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.record("old").await, Ok(Some(r)) if r.dead_letter_reason == Some(DeadLetterReason::AgeExceeded))
+        matches!(ledger.record("old").await, Ok(Some(r)) if r.dead_letter_reason() == Some(DeadLetterReason::AgeExceeded))
     })
     .await;
     run.stop().await;
@@ -223,7 +223,7 @@ async fn service_bus_down_holds_the_partition_and_everything_settles_after_recov
     .await;
     assert!(run.health.held().is_empty());
     let rec = bed.ledger().record("stuck").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     run.stop().await;
 }
 
@@ -329,7 +329,7 @@ async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the
     );
     let rec = ledger.record("crashy").await.unwrap().unwrap();
     assert_eq!(
-        (rec.attempts, rec.state),
+        (rec.attempts, rec.state()),
         (1, State::RetryScheduled),
         "a replay does not count a new attempt"
     );
@@ -391,7 +391,8 @@ async fn a_retry_for_an_event_already_delivered_completes_without_calling_the_ha
         value: mut rec,
         etag,
     } = ledger.get("twice").await.unwrap().unwrap();
-    rec.state = State::Delivered;
+    // Delivered, its due time left as it was.
+    rec.force_state(State::Delivered, rec.next_attempt_ms(), None);
     ledger.put(&rec, Some(&etag)).await.unwrap();
     wait_for("retry message completed", &run.health, LIMIT, || async {
         let c = bed.sb.counters("retries").unwrap();
@@ -543,7 +544,7 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
     for k in failed {
         assert_eq!(handler.calls_of(k), vec![1, 2], "{k}");
         let rec = bed.ledger().record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     }
 }
 
@@ -602,7 +603,7 @@ async fn a_retry_due_while_blob_storage_is_down_is_held_not_burnt_into_the_dead_
     .await;
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
     let rec = bed.ledger().record("flaky").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     run.stop().await;
 }
 
@@ -654,8 +655,7 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
         value: mut rec,
         etag,
     } = ledger.get("ran-before-the-crash").await.unwrap().unwrap();
-    rec.state = State::Delivered;
-    rec.next_attempt_ms = None;
+    rec.deliver();
     ledger.put(&rec, Some(&etag)).await.unwrap();
 
     let run = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
@@ -681,7 +681,7 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
         "the same attempt 2"
     );
     let rec = ledger.record("stranded").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     assert_eq!(
         handler.calls_of("ran-before-the-crash"),
         vec![1],
@@ -714,7 +714,7 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state == State::RetryScheduled)
+            matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state() == State::RetryScheduled)
                 && bed.checkpoint_of("0").await == Some(0)
         },
     )
@@ -735,7 +735,7 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
     // The sweep counts the recovery after Service Bus took the new message, so on a busy
     // machine the retry can be delivered before the count moves: wait for both.
     wait_for("recovered and delivered", &run.health, LIMIT, || async {
-        matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state == State::Delivered)
+        matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state() == State::Delivered)
             && run.health.snapshot().recovered >= 1
     })
     .await;
@@ -906,7 +906,7 @@ async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_a
     }
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     run.stop().await;
 }
@@ -985,7 +985,7 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     assert_eq!(ran, keys, "each retry ran exactly once");
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
     run.stop().await;
@@ -1037,7 +1037,7 @@ async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
     assert_eq!(ran, keys, "each retry ran exactly once");
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     run.stop().await;
 }
@@ -1086,7 +1086,7 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
     let ledger = bed.ledger();
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     a.stop().await;
     b.stop().await;
@@ -1115,7 +1115,7 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     })
     .await;
     let rec = ledger.record("replayed").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
     run.stop().await;
     assert_eq!(
         bed.checkpoint_of("0").await,
@@ -1134,11 +1134,11 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     .await;
     // The ledger says what happened: delivered (and so does `status`).
     wait_for("the record says delivered", &run.health, LIMIT, || async {
-        matches!(ledger.record("replayed").await, Ok(Some(r)) if r.state == State::Delivered)
+        matches!(ledger.record("replayed").await, Ok(Some(r)) if r.state() == State::Delivered)
     })
     .await;
     let rec = ledger.record("replayed").await.unwrap().unwrap();
-    assert_eq!(rec.next_attempt_ms, None);
+    assert_eq!(rec.next_attempt_ms(), None);
     assert!(
         hubguard::status::record_text(&rec).contains("state:           DELIVERED"),
         "{}",
@@ -1159,9 +1159,8 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     canary.event.identity.idempotency_key = "canary".into();
     canary.event.sequence_number = 99;
     canary.event.body = b"ok".to_vec();
-    canary.state = State::RetryScheduled;
     canary.history.clear();
-    canary.next_attempt_ms = Some(rec.updated_ms + 1_000);
+    canary.schedule_retry(rec.updated_ms + 1_000);
     ledger.put(&canary, None).await.unwrap();
     bed.clock().advance(Duration::from_secs(30));
     wait_for(
@@ -1192,7 +1191,7 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
         "no retry of the delivered event was ever sent: {accepted:?}"
     );
     let rec = ledger.record("replayed").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::Delivered);
+    assert_eq!(rec.state(), State::Delivered);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1266,7 +1265,7 @@ async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
     assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
@@ -1345,7 +1344,7 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
             }
             for k in &keys {
                 match ledger.record(k).await {
-                    Ok(Some(r)) if r.state == State::Delivered => {}
+                    Ok(Some(r)) if r.state() == State::Delivered => {}
                     _ => return false,
                 }
             }
@@ -1372,7 +1371,7 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
     assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
     for k in &keys {
         let rec = ledger.record(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
@@ -1460,7 +1459,7 @@ async fn a_partition_that_cannot_list_the_ledger_asks_it_on_every_delivery() {
     run.stop().await;
     let rec = ledger.record("unlisted").await.unwrap().unwrap();
     assert_eq!(
-        rec.state,
+        rec.state(),
         State::Delivered,
         "the replay's delivery is recorded"
     );

@@ -187,8 +187,8 @@ async fn events_with_100_properties_or_huge_ones_refused_for_good_are_dead_lette
     .await;
     for key in ["many-props", "huge-props"] {
         let rec = ledger.record(key).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::DeadLettered, "{key}");
-        assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::Permanent));
+        assert_eq!(rec.state(), State::DeadLettered, "{key}");
+        assert_eq!(rec.dead_letter_reason(), Some(DeadLetterReason::Permanent));
     }
     wait_for("ready (/readyz 200) after", &run.health, LIMIT, || async {
         run.health.ready()
@@ -259,14 +259,17 @@ async fn a_retry_message_refused_with_431_dead_letters_its_event_instead_of_hold
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.record("refused-431").await, Ok(Some(r)) if r.state == State::DeadLettered)
+            matches!(ledger.record("refused-431").await, Ok(Some(r)) if r.state() == State::DeadLettered)
                 && handler.delivered_keys().contains("behind")
                 && bed.checkpoint_of("0").await == Some(2)
         },
     )
     .await;
     let rec = ledger.record("refused-431").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RetryRefused));
+    assert_eq!(
+        rec.dead_letter_reason(),
+        Some(DeadLetterReason::RetryRefused)
+    );
     assert!(
         rec.last_error.unwrap_or_default().contains("431"),
         "the reason names the status"

@@ -542,7 +542,7 @@ async fn a_failed_attempts_details_show_in_status_and_on_the_span() {
     bed.send(0, &[("err-1", "x")]).await;
     let ledger = bed.ledger();
     wait_for("dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.record("err-1").await, Ok(Some(r)) if r.state == State::DeadLettered)
+        matches!(ledger.record("err-1").await, Ok(Some(r)) if r.state() == State::DeadLettered)
     })
     .await;
     run.stop().await;
@@ -668,7 +668,8 @@ async fn dead_letters_go_to_the_destination_before_the_ledger_and_large_bodies_a
     .await;
     let rec = ledger.record("dl-perm").await.unwrap();
     assert!(
-        rec.as_ref().is_none_or(|r| r.state != State::DeadLettered),
+        rec.as_ref()
+            .is_none_or(|r| r.state() != State::DeadLettered),
         "the ledger must not mark it dead-lettered before it is published"
     );
     destination.down.store(false, Ordering::SeqCst);

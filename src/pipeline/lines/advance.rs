@@ -74,13 +74,11 @@ pub(super) fn line_dead_letter(
         trace_id: None,
         retry_after_capped_from_s: None,
     });
-    let mut rec = LedgerRecord {
-        attempts: parked.attempts,
-        attempt_base: parked.attempts,
-        last_error: Some(error),
-        history,
-        ..first_failure(&parked.event, settler.policies(), now)
-    };
+    let mut rec = first_failure(&parked.event, settler.policies(), now);
+    rec.attempts = parked.attempts;
+    rec.attempt_base = parked.attempts;
+    rec.last_error = Some(error);
+    rec.history = history;
     rec.dead_letter(DeadLetterReason::LineDeadLettered);
     rec
 }
@@ -105,7 +103,7 @@ async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord,
         };
         let same = existing.event.partition_id == rec.event.partition_id
             && existing.event.sequence_number == rec.event.sequence_number;
-        if same || existing.state == State::RetryScheduled {
+        if same || existing.state() == State::RetryScheduled {
             // This event's own record, or another event's retry under the same idempotency
             // key (left as it is: that one is owed its delivery too).
             return Ok(existing);
@@ -217,7 +215,7 @@ impl Advance<'_> {
                 if r.event.partition_id == self.partition
                     && r.event.sequence_number == line.head_seq =>
             {
-                match r.state {
+                match r.state() {
                     State::RetryScheduled => None,
                     State::Delivered => Some(false),
                     State::DeadLettered => Some(true),
@@ -286,7 +284,7 @@ impl Advance<'_> {
             Err(e) => return Err(e.into()),
         }
         let head = (line.head_key.clone(), line.head_seq);
-        if rec.state == State::RetryScheduled && rec.attempts == rec.attempt_base {
+        if rec.state() == State::RetryScheduled && rec.attempts == rec.attempt_base {
             if let Some(o) = self.observe {
                 o.count_released();
             }
@@ -306,7 +304,7 @@ impl Advance<'_> {
             o.count_dead_lettered(rec.event.identity.event_type.as_deref());
         }
         ledger.remove_parked(&next.name).await?;
-        if rec.state == State::RetryScheduled {
+        if rec.state() == State::RetryScheduled {
             // Another event's retry under the same key holds the record (see `write_new`):
             // this event is owed a delivery the record cannot give. Left to that retry; the
             // line waits on it as on any head.
@@ -321,7 +319,7 @@ impl Advance<'_> {
 /// Service Bus (duplicate detection drops a repeat).
 async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
     if let Some(rec) = settler.ledger.record(&line.head_key).await? {
-        if rec.state == State::RetryScheduled
+        if rec.state() == State::RetryScheduled
             && rec.attempts == rec.attempt_base
             && rec.event.sequence_number == line.head_seq
         {

@@ -355,7 +355,7 @@ pub(crate) async fn sweep(
         let Some(rec) = settler.ledger.record(&line.head_key).await? else {
             continue;
         };
-        if rec.state == State::RetryScheduled
+        if rec.state() == State::RetryScheduled
             || rec.event.partition_id != line.partition
             || rec.event.sequence_number != line.head_seq
         {
@@ -594,7 +594,7 @@ mod tests {
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!((line.head_key.as_str(), line.head_seq), ("e1", 4));
         let rec = s.ledger.record("e1").await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+        assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));
         assert!(queue.accepted().contains(&"e1-attempt-1".to_string()));
         assert_eq!(
             parked_seqs(&s.ledger.parked_in("0", "K").await.unwrap()),
@@ -692,7 +692,7 @@ mod tests {
                 let mut v = Vec::new();
                 for e in &parked {
                     let r = s.ledger.record(&e.identity.idempotency_key).await.unwrap();
-                    v.push(r.map(|r| (r.state, r.dead_letter_reason)));
+                    v.push(r.map(|r| (r.state(), r.dead_letter_reason())));
                 }
                 v
             };
@@ -871,6 +871,6 @@ mod tests {
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!(line.head_key, "e", "released, not lost");
         let rec = s.ledger.record("e").await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+        assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));
     }
 }

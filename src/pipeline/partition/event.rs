@@ -202,7 +202,7 @@ impl EventTask<'_> {
                     .record(&event.identity.idempotency_key)
                     .await?
                     .filter(|r| {
-                        r.state != crate::ledger::State::RetryScheduled
+                        r.state() != crate::ledger::State::RetryScheduled
                             && r.event.partition_id == event.partition_id
                             && r.event.sequence_number == seq
                     }),
@@ -219,8 +219,8 @@ impl EventTask<'_> {
                 Some(false) => {}
             }
         }
-        tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
-        let s = crate::pipeline::settle::Settled::AlreadyFinal(rec.state);
+        tracing::debug!(partition = %pid, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state(), "a replay of an event its line already settled: not delivered again");
+        let s = crate::pipeline::settle::Settled::AlreadyFinal(rec.state());
         shared
             .observe
             .count_settled(&s, event.identity.event_type.as_deref());

@@ -522,7 +522,7 @@ async fn validated<'l>(
         Some(crate::ledger::Versioned { value: rec, .. })
             if matches!(verdict, Verdict::Final(_)) =>
         {
-            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
+            tracing::info!(key = %key, state = ?rec.state(), "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
             return Err(StandDown::AdvanceLine(Box::new(rec.event)));
         }

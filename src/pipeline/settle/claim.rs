@@ -52,7 +52,7 @@ impl Settler {
         self.ledger
             .update(key, |rec| match rec {
                 Some(mut rec)
-                    if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
+                    if rec.state() == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
                     rec.schedule_retry(ms(until));
                     rec.claim = None;
@@ -105,7 +105,7 @@ impl Settler {
             .ledger
             .update(key, |rec| match rec {
                 Some(mut rec)
-                    if rec.state == State::RetryScheduled
+                    if rec.state() == State::RetryScheduled
                         && rec
                             .next_attempt_at()
                             .is_some_and(|due| due < overdue_before)

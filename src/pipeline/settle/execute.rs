@@ -151,7 +151,7 @@ impl Settler {
         record: &LedgerRecord,
         etag: Option<&str>,
     ) -> Result<String, SettleError> {
-        if record.state == State::DeadLettered {
+        if record.state() == State::DeadLettered {
             self.publish_dead_letter(record).await?;
             self.ledger.index_dead_letter(&record.key).await?;
         }

@@ -82,29 +82,29 @@ pub(crate) fn plan(action: Action, rec: Option<&LedgerRecord>, now: SystemTime) 
     };
     let attempt = rec.attempts + 1;
     if action == Action::Cancel
-        && rec.state == State::DeadLettered
-        && rec.dead_letter_reason == Some(DeadLetterReason::Cancelled)
+        && rec.state() == State::DeadLettered
+        && rec.dead_letter_reason() == Some(DeadLetterReason::Cancelled)
     {
         return ActionOutcome::AlreadyDone { attempt };
     }
-    if rec.state != State::RetryScheduled {
-        return ActionOutcome::NotPending { state: rec.state };
+    if rec.state() != State::RetryScheduled {
+        return ActionOutcome::NotPending { state: rec.state() };
     }
     if action == Action::RetryNow && rec.run_now_mark(attempt).is_some() {
         return ActionOutcome::AlreadyDone { attempt };
     }
     let busy = rec
-        .next_attempt_ms
+        .next_attempt_ms()
         .is_none_or(|due| due <= ms(now + OPERATOR_MARGIN));
     if busy {
         return ActionOutcome::Due {
             attempt,
-            due_ms: rec.next_attempt_ms,
+            due_ms: rec.next_attempt_ms(),
         };
     }
     ActionOutcome::Done {
         attempt,
-        previous_due_ms: rec.next_attempt_ms,
+        previous_due_ms: rec.next_attempt_ms(),
     }
 }
 
@@ -127,7 +127,7 @@ impl Settler {
                         attempt: rec.attempts + 1,
                         at_ms: ms(now),
                         by: by.to_string(),
-                        previous_due_ms: rec.next_attempt_ms,
+                        previous_due_ms: rec.next_attempt_ms(),
                     });
                     rec.schedule_retry(ms(now));
                     rec.updated_ms = ms(now);
@@ -147,7 +147,7 @@ impl Settler {
                         .run_now
                         .as_ref()
                         .filter(|p| {
-                            rec.next_attempt_ms == Some(p.at_ms) && p.attempt == rec.attempts + 1
+                            rec.next_attempt_ms() == Some(p.at_ms) && p.attempt == rec.attempts + 1
                         })
                         .map(|p| p.at_ms);
                     let resend = resend.map(|at_ms| (Box::new(rec), at_ms));
@@ -240,43 +240,27 @@ mod tests {
     use crate::policy::RetryPolicy;
 
     fn pending(attempts: u32, due_ms: i64) -> LedgerRecord {
-        LedgerRecord {
-            key: "k".into(),
-            correlation_id: "k".into(),
-            event_type: None,
-            state: State::RetryScheduled,
-            attempts,
-            next_attempt_ms: Some(due_ms),
-            first_failure_ms: 0,
-            updated_ms: 0,
-            last_error: None,
-            dead_letter_reason: None,
-            last_delay_ms: None,
-            policy: RetryPolicy::seed_fibonacci(),
-            attempt_base: 0,
-            history: Vec::new(),
-            event: Event {
-                body: Vec::new(),
-                content_type: None,
-                properties: Default::default(),
-                hub: "hub".into(),
-                partition_id: "0".into(),
-                sequence_number: 1,
-                offset: None,
-                enqueued_ms: None,
-                partition_key: None,
-                identity: Identity {
-                    idempotency_key: "k".into(),
-                    correlation_id: "k".into(),
-                    event_type: None,
-                },
+        let event = Event {
+            body: Vec::new(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "hub".into(),
+            partition_id: "0".into(),
+            sequence_number: 1,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: Identity {
+                idempotency_key: "k".into(),
+                correlation_id: "k".into(),
+                event_type: None,
             },
-            quarantined: None,
-            event_unknown: false,
-            run_now: None,
-            indexed: None,
-            claim: None,
-        }
+        };
+        let mut rec =
+            LedgerRecord::first_failure(&event, RetryPolicy::seed_fibonacci(), crate::clock::at(0));
+        rec.attempts = attempts;
+        rec.schedule_retry(due_ms);
+        rec
     }
 
     #[test]
@@ -300,7 +284,7 @@ mod tests {
             );
             assert_eq!(plan(action, None, now), ActionOutcome::Unknown);
             let mut delivered = pending(2, 0);
-            delivered.state = State::Delivered;
+            delivered.deliver();
             assert_eq!(
                 plan(action, Some(&delivered), now),
                 ActionOutcome::NotPending {

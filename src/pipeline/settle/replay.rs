@@ -50,16 +50,16 @@ impl Settler {
         let now = self.clock.now();
         self.ledger
             .update(key, |rec| match rec {
-                Some(rec) if rec.state == State::DeadLettered && !matches(&rec) => {
+                Some(rec) if rec.state() == State::DeadLettered && !matches(&rec) => {
                     Change::Keep(Ok(None))
                 }
-                Some(rec) if rec.state == State::DeadLettered && rec.event_unknown => {
+                Some(rec) if rec.state() == State::DeadLettered && rec.event_unknown => {
                     Change::Keep(Err(SettleError::EventUnknown {
                         key: key.to_string(),
                         quarantined: rec.quarantined.clone().unwrap_or_default(),
                     }))
                 }
-                Some(mut rec) if rec.state == State::DeadLettered => {
+                Some(mut rec) if rec.state() == State::DeadLettered => {
                     rec.schedule_retry(ms(now));
                     rec.attempt_base = rec.attempts;
                     rec.first_failure_ms = ms(now);
@@ -151,7 +151,7 @@ impl ReplayFilter {
                 .as_deref()
                 .is_none_or(|t| rec.event_type.as_deref() == Some(t))
             && self.reason.as_deref().is_none_or(|r| {
-                rec.dead_letter_reason
+                rec.dead_letter_reason()
                     .as_ref()
                     .is_some_and(|d| reason_name(d) == r)
             })
@@ -164,7 +164,7 @@ impl ReplayFilter {
     /// Whether the dead-lettered `rec` is one this run replays. Its dead-letter time is its
     /// last update (a dead-lettered record is not written again until it is replayed).
     pub fn matches(&self, rec: &LedgerRecord) -> bool {
-        rec.state == State::DeadLettered
+        rec.state() == State::DeadLettered
             && self.matches_what(rec)
             && self.since_ms.is_none_or(|s| rec.updated_ms >= s)
             && rec.updated_ms <= self.until_ms
@@ -333,7 +333,7 @@ impl Settler {
             Ok(None) => Sorted::Unmatched,
             Ok(Some(read)) => match &read.value {
                 rec if !filter.matches_what(rec) => Sorted::Unmatched,
-                rec if rec.state != State::DeadLettered => skipped("no longer dead-lettered"),
+                rec if rec.state() != State::DeadLettered => skipped("no longer dead-lettered"),
                 rec if rec.updated_ms > filter.until_ms => {
                     skipped("dead-lettered again after --until (a replay of this run, or later)")
                 }

@@ -90,7 +90,7 @@ async fn a_failure_records_the_attempt_then_schedules_a_claim_check() {
         "{s:?}"
     );
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
     assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
     let body: RetryMessage = serde_json::from_str(&b.queue.bodies()[0]).unwrap();
     assert_eq!((body.v, body.key.as_str(), body.attempt), (2, "k", 2));
@@ -119,7 +119,7 @@ async fn settling_from_the_record_in_hand_reads_nothing_unless_someone_wrote_sin
     assert_eq!(delivered(Some(read)).await.unwrap(), Settled::Delivered);
     assert_eq!(b.records.reads(), before, "one read per retry");
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
 
     // Somebody wrote after the read (attempt 2 failed elsewhere): the conflict reads the
     // record again and decides on what it says now.
@@ -245,7 +245,7 @@ async fn a_retry_message_service_bus_refuses_dead_letters_the_event() {
     let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
     assert_eq!(s, Settled::DeadLettered(DeadLetterReason::RetryRefused));
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::DeadLettered);
+    assert_eq!(rec.state(), State::DeadLettered);
     assert!(rec.last_error.unwrap().contains("refused"));
     assert_eq!(
         b.settler.ledger.dead_letter_keys().await.unwrap(),
@@ -337,7 +337,7 @@ async fn one_copy_claims_an_attempt_and_a_claim_left_behind_expires() {
         .unwrap();
     assert_eq!(delivered, Settled::Delivered);
     let rec = ledger.record("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.claim), (State::Delivered, None));
+    assert_eq!((rec.state(), rec.claim), (State::Delivered, None));
     assert!(matches!(
         b.settler
             .claim("k", 2, None, "replica-a", "instance-a")
@@ -387,12 +387,12 @@ async fn a_replay_from_event_hubs_settles_only_the_record_of_its_own_event() {
     other.sequence_number += 1;
     assert_eq!(delivered(other).await, Settled::Delivered);
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::RetryScheduled);
+    assert_eq!(rec.state(), State::RetryScheduled);
     // The recorded event itself, replayed and delivered: the record says so.
     assert_eq!(delivered(event("k")).await, Settled::Delivered);
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
     assert_eq!(
-        (rec.state, rec.attempts, rec.next_attempt_ms),
+        (rec.state(), rec.attempts, rec.next_attempt_ms()),
         (State::Delivered, 1, None)
     );
 }
@@ -417,7 +417,7 @@ async fn a_replay_after_later_attempts_is_recorded_as_a_replay_and_ends_the_retr
         .unwrap();
     assert_eq!(settled, Settled::Delivered);
     let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     let last = rec.history.last().unwrap();
     assert_eq!(
         (last.attempt, last.outcome.as_str()),
