@@ -12,7 +12,7 @@ const FUNCTION_LINES: usize = 100;
 /// The longest a module (one file) may be, not counting its `#[cfg(test)] mod tests { … }`.
 const MODULE_LINES: usize = 800;
 
-fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
+pub(crate) fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
     if path.is_dir() {
         for entry in std::fs::read_dir(path).unwrap() {
             rust_files(&entry.unwrap().path(), out);
@@ -31,7 +31,7 @@ fn ident_char(c: char) -> bool {
 
 /// `src` with every character of its comments, string literals and character literals (but
 /// newlines) replaced by a space: what is left is the code's structure.
-fn mask(src: &str) -> String {
+pub(crate) fn mask(src: &str) -> String {
     let s: Vec<char> = src.chars().collect();
     let mut out: Vec<char> = Vec::with_capacity(s.len());
     let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
@@ -130,7 +130,7 @@ fn mask(src: &str) -> String {
 }
 
 /// The index of the `}` closing the `{` at `open`.
-fn closing(code: &[char], open: usize) -> usize {
+pub(crate) fn closing(code: &[char], open: usize) -> usize {
     let mut depth = 0;
     for (i, &c) in code.iter().enumerate().skip(open) {
         match c {
@@ -147,12 +147,12 @@ fn closing(code: &[char], open: usize) -> usize {
     code.len() - 1
 }
 
-fn line_of(code: &[char], at: usize) -> usize {
+pub(crate) fn line_of(code: &[char], at: usize) -> usize {
     code[..at].iter().filter(|&&c| c == '\n').count() + 1
 }
 
 /// `#[cfg(test)] mod … { … }` blocks in masked `code`, as character ranges.
-fn test_modules(code: &[char]) -> Vec<(usize, usize)> {
+pub(crate) fn test_modules(code: &[char]) -> Vec<(usize, usize)> {
     let text: String = code.iter().collect();
     let mut out = Vec::new();
     let mut from = 0;
@@ -207,7 +207,7 @@ fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, usize, usiz
 }
 
 /// `src/` and its Rust files (more than a hundred: a wrong path must not pass for a tidy one).
-fn sources() -> (PathBuf, Vec<PathBuf>) {
+pub(crate) fn sources() -> (PathBuf, Vec<PathBuf>) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&root, &mut files);
@@ -215,7 +215,7 @@ fn sources() -> (PathBuf, Vec<PathBuf>) {
     (root, files)
 }
 
-fn masked(path: &Path) -> Vec<char> {
+pub(crate) fn masked(path: &Path) -> Vec<char> {
     mask(&std::fs::read_to_string(path).unwrap())
         .chars()
         .collect()
