@@ -2,7 +2,8 @@
 //! the shared circuit breaker. Writes are conditional — `If-None-Match: *` to create,
 //! `If-Match: <etag>` to update — and the errors tell "someone else won"
 //! ([`StoreError::Conflict`]) from "storage is down" ([`StoreError::Unavailable`]), because
-//! callers do different things about them. Every call has a deadline.
+//! callers do different things about them. Every call has a deadline. A read-modify-write
+//! of a record goes through the one compare-and-swap, [`super::versioned::compare_and_swap`].
 
 use std::fmt;
 use std::sync::Arc;
