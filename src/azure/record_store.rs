@@ -14,7 +14,9 @@ use azure_core::credentials::TokenCredential;
 use bytes::Bytes;
 
 use super::blob::{BlobContainer, BlobError, Condition, Revalidated};
-use super::versioned::{compare_and_swap, Change, Conflicts, RecordKind, Start, Versioned};
+use super::versioned::{
+    compare_and_swap, Change, Conflicts, Contended, RecordKind, Start, Versioned,
+};
 
 /// Why a record-store call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -210,6 +212,10 @@ impl<S: RecordStore + ?Sized> RecordKind for Overwrite<'_, S> {
 
     fn lost(&self, e: &StoreError) -> bool {
         e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
     }
 }
 

@@ -96,20 +96,13 @@ impl Conflicts for StoreError {
     }
 }
 
-impl From<Contended> for StoreError {
-    /// A store call reports contention as the conflict it is.
-    fn from(_: Contended) -> Self {
-        StoreError::Conflict
-    }
-}
-
 /// How one kind of record is read and conditionally written.
 #[async_trait]
 pub trait RecordKind: Send + Sync {
     /// The record's value.
     type Value: Send + Sync;
     /// Why a read or write failed.
-    type Error: From<Contended> + Send;
+    type Error: Send;
     /// The record, as [`Contended`] names it.
     fn name(&self) -> String;
     /// The record as it is now, with its ETag (`None`: there is none).
@@ -119,6 +112,9 @@ pub trait RecordKind: Send + Sync {
     async fn write(&self, value: &Self::Value, etag: Option<&str>) -> Result<String, Self::Error>;
     /// Whether a failed write lost to someone else's (412/409): read and decide again.
     fn lost(&self, e: &Self::Error) -> bool;
+    /// The error of an update whose every round lost (a kind whose error is a
+    /// [`StoreError`] says [`StoreError::Conflict`]).
+    fn contended(&self, lost: Contended) -> Self::Error;
 }
 
 /// The one compare-and-swap update: from `start`, shows `decide` the record as it is (`None`:
@@ -162,10 +158,9 @@ pub async fn compare_and_swap<K: RecordKind, R>(
             Err(e) => return Err(e),
         }
     }
-    Err(Contended {
+    Err(kind.contended(Contended {
         record: kind.name(),
-    }
-    .into())
+    }))
 }
 
 /// A serde value kept as JSON in one blob of a [`RecordStore`]. A body that does not parse
@@ -201,6 +196,34 @@ impl<'a, T, E> Json<'a, T, E> {
     }
 }
 
+impl<T, E> Json<'_, T, E>
+where
+    T: Serialize + DeserializeOwned + Send + Sync,
+    E: From<StoreError> + Send,
+{
+    /// The record as it is now, with its ETag (`None`: there is none).
+    pub async fn read(&self) -> Result<Option<Versioned<T>>, E> {
+        let Some(r) = self.store.read(self.name).await? else {
+            return Ok(None);
+        };
+        let value = match serde_json::from_slice(&r.body) {
+            Ok(v) => v,
+            Err(e) => (self.corrupt)(self.name, e)?,
+        };
+        Ok(Some(Versioned::new(value, r.etag)))
+    }
+
+    /// Writes `value`: creates the record when `etag` is `None`, else replaces it if it
+    /// still has `etag`. Returns the new ETag.
+    pub async fn write(&self, value: &T, etag: Option<&str>) -> Result<String, E> {
+        let body = Bytes::from(serde_json::to_vec(value).unwrap_or_default());
+        Ok(match etag {
+            Some(e) => self.store.update(self.name, body, e).await?,
+            None => self.store.create(self.name, body).await?,
+        })
+    }
+}
+
 #[async_trait]
 impl<T, E> RecordKind for Json<'_, T, E>
 where
@@ -215,25 +238,18 @@ where
     }
 
     async fn read(&self) -> Result<Option<Versioned<T>>, E> {
-        let Some(r) = self.store.read(self.name).await? else {
-            return Ok(None);
-        };
-        let value = match serde_json::from_slice(&r.body) {
-            Ok(v) => v,
-            Err(e) => (self.corrupt)(self.name, e)?,
-        };
-        Ok(Some(Versioned::new(value, r.etag)))
+        Json::read(self).await
     }
 
     async fn write(&self, value: &T, etag: Option<&str>) -> Result<String, E> {
-        let body = Bytes::from(serde_json::to_vec(value).unwrap_or_default());
-        Ok(match etag {
-            Some(e) => self.store.update(self.name, body, e).await?,
-            None => self.store.create(self.name, body).await?,
-        })
+        Json::write(self, value, etag).await
     }
 
     fn lost(&self, e: &E) -> bool {
         e.is_conflict()
+    }
+
+    fn contended(&self, lost: Contended) -> E {
+        lost.into()
     }
 }

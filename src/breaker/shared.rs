@@ -10,7 +10,8 @@ use super::{
     Change,
 };
 use crate::azure::versioned::{
-    compare_and_swap, Change as Versioning, Conflicts, Json, RecordKind, Start, Versioned,
+    compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start,
+    Versioned,
 };
 use crate::azure::{RecordStore, StoreError};
 use crate::clock::at;
@@ -77,6 +78,10 @@ impl RecordKind for Kept<'_> {
 
     fn lost(&self, e: &StoreError) -> bool {
         e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
     }
 }
 

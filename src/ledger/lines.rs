@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{encode_key, Ledger, LedgerError, BLOB_NAME_LIMIT};
 use crate::azure::record_store::Tags;
-use crate::azure::versioned::{compare_and_swap, Change, RecordKind, Start, Versioned};
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start, Versioned};
 use crate::azure::StoreError;
 use crate::event::Event;
 
@@ -218,6 +218,10 @@ impl RecordKind for Pointer<'_> {
             e,
             LedgerError::Store(StoreError::Conflict | StoreError::NotFound)
         )
+    }
+
+    fn contended(&self, lost: Contended) -> LedgerError {
+        lost.into()
     }
 }
 

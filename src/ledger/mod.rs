@@ -136,6 +136,10 @@ impl RecordKind for Entry<'_> {
     fn lost(&self, e: &LedgerError) -> bool {
         e.is_conflict()
     }
+
+    fn contended(&self, lost: Contended) -> LedgerError {
+        lost.into()
+    }
 }
 
 /// `key`'s record decoded from `body`.

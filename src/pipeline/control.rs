@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::azure::versioned::{
-    compare_and_swap, Change, Conflicts, Contended, Json, RecordKind, Start, Versioned,
+    compare_and_swap, Change, Conflicts, Contended, Json, Start, Versioned,
 };
 use crate::azure::{RecordStore, StoreError};
 

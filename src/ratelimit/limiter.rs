@@ -18,7 +18,8 @@ use super::{
     RateLimitConfig, Shares, Signal,
 };
 use crate::azure::versioned::{
-    compare_and_swap, Change as Versioning, Conflicts, Json, RecordKind, Start, Swapped, Versioned,
+    compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start, Swapped,
+    Versioned,
 };
 use crate::azure::{IfChanged, RecordStore, StoreError};
 use crate::clock::{at, rfc3339, Clock};
@@ -547,6 +548,10 @@ impl RecordKind for Kept<'_> {
 
     fn lost(&self, e: &StoreError) -> bool {
         e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
     }
 }
 

@@ -210,6 +210,10 @@ impl RecordKind for Settling<'_> {
             SettleError::Ledger(LedgerError::Store(StoreError::Conflict))
         )
     }
+
+    fn contended(&self, lost: Contended) -> SettleError {
+        lost.into()
+    }
 }
 
 impl From<Contended> for SettleError {

@@ -103,7 +103,7 @@ impl Settler {
             // A record appeared meanwhile (a replay from Event Hubs wrote it): it holds the
             // event, and the ledger's sweep runs what it says is waiting.
             Ok(_) | Err(SettleError::Ledger(LedgerError::Store(StoreError::Conflict))) => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         }
     }
 }
