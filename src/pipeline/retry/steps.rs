@@ -9,7 +9,7 @@ use tracing::Instrument;
 use crate::azure::ReceivedMessage;
 use crate::clock::at;
 use crate::event::Deployment;
-use crate::ledger::{LedgerError, Verdict};
+use crate::ledger::{LedgerError, LedgerRecord, Verdict, Versioned};
 use crate::pipeline::admission::Gate;
 use crate::pipeline::settle::{Report, RetryMessage, Settled, Source};
 use crate::pipeline::{attempt, Shared};
@@ -165,7 +165,7 @@ pub(super) async fn process(
 /// the due ones waiting for a slot.
 struct Due<'l> {
     copy: Copy,
-    early: Option<crate::ledger::Versioned<crate::ledger::LedgerRecord>>,
+    early: Option<Versioned<LedgerRecord>>,
     starting: Starting<'l>,
     waiting: DueWaiting,
     due: SystemTime,
@@ -217,7 +217,7 @@ async fn due<'l>(
 /// A claimed attempt with its attempt slot, held until the breaker knows the outcome (or no
 /// call is made); `starting` until the attempt starts or is deferred.
 struct Slotted<'l> {
-    claimed: crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    claimed: Versioned<LedgerRecord>,
     slot: tokio::sync::SemaphorePermit<'l>,
     starting: Option<Starting<'l>>,
 }
@@ -228,9 +228,9 @@ enum Unclaimed {
     /// the loop stopped.
     Gone,
     /// The lock was lost or the loop stopped after the claim: give the claim back.
-    Release(crate::ledger::Versioned<crate::ledger::LedgerRecord>),
+    Release(Versioned<LedgerRecord>),
     /// An operator ran this attempt now: give the claim back and complete this copy.
-    Superseded(crate::ledger::Versioned<crate::ledger::LedgerRecord>),
+    Superseded(Versioned<LedgerRecord>),
 }
 
 /// Claims the attempt, then takes its slot. The attempt is claimed in the ledger before the
@@ -242,7 +242,7 @@ async fn slotted<'l>(
     limits: &'l Limits,
     copy: &Copy,
     body: &RetryMessage,
-    rec: crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    rec: Versioned<LedgerRecord>,
     starting: Starting<'l>,
     _waiting: DueWaiting,
 ) -> Result<Slotted<'l>, Unclaimed> {
@@ -272,7 +272,7 @@ async fn slotted<'l>(
 
 /// A slotted attempt the breaker and the rate limit let run: what it waited for the rate.
 struct Ready<'l> {
-    claimed: crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    claimed: Versioned<LedgerRecord>,
     slot: tokio::sync::SemaphorePermit<'l>,
     gate: Gate,
     waited: Duration,
@@ -353,10 +353,7 @@ async fn attempt_retry(
     body: &RetryMessage,
     event: &crate::event::Event,
     ready: Ready<'_>,
-) -> (
-    attempt::Attempted,
-    crate::ledger::Versioned<crate::ledger::LedgerRecord>,
-) {
+) -> (attempt::Attempted, Versioned<LedgerRecord>) {
     let shared = msg.shared;
     let Ready {
         mut claimed,
@@ -397,7 +394,7 @@ async fn settle_retry(
     body: &RetryMessage,
     event: &crate::event::Event,
     attempted: &attempt::Attempted,
-    read: crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    read: Versioned<LedgerRecord>,
 ) {
     let shared = msg.shared;
     let key = body.key();
@@ -475,15 +472,9 @@ enum StandDown {
 async fn validated<'l>(
     msg: &mut LockedMessage<'_>,
     body: &RetryMessage,
-    early: Option<crate::ledger::Versioned<crate::ledger::LedgerRecord>>,
+    early: Option<Versioned<LedgerRecord>>,
     starting: Starting<'l>,
-) -> Result<
-    (
-        crate::ledger::Versioned<crate::ledger::LedgerRecord>,
-        Starting<'l>,
-    ),
-    StandDown,
-> {
+) -> Result<(Versioned<LedgerRecord>, Starting<'l>), StandDown> {
     let shared = msg.shared;
     let key = body.key();
     // The record at the due time. Read early, it is not read again: the claim below writes
@@ -519,15 +510,13 @@ async fn validated<'l>(
     };
     let verdict = Verdict::of(current.as_ref().map(|r| &r.value), body.attempt);
     let rec = match current {
-        Some(crate::ledger::Versioned { value: rec, .. })
-            if matches!(verdict, Verdict::Final(_)) =>
-        {
+        Some(Versioned { value: rec, .. }) if matches!(verdict, Verdict::Final(_)) => {
             tracing::info!(key = %key, state = ?rec.state(), "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
             return Err(StandDown::AdvanceLine(Box::new(rec.event)));
         }
         // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-        Some(crate::ledger::Versioned { value: rec, .. }) if verdict == Verdict::Stale => {
+        Some(Versioned { value: rec, .. }) if verdict == Verdict::Stale => {
             return Err(StandDown::Resend(Box::new(rec)))
         }
         Some(read) => read,
@@ -556,7 +545,7 @@ async fn validated<'l>(
                 // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
                 // is not the one waiting: final, or superseded (its recorded next attempt is
                 // made sure of, as for any stale copy).
-                Some(crate::ledger::Versioned { value: rec, .. }) => {
+                Some(Versioned { value: rec, .. }) => {
                     return Err(match Verdict::of(Some(&rec), body.attempt) {
                         Verdict::Stale => StandDown::Resend(Box::new(rec)),
                         _ => StandDown::Complete,
@@ -633,7 +622,7 @@ async fn advance_line(msg: &mut LockedMessage<'_>, event: &crate::event::Event) 
 async fn slot_keeping_claim<'l>(
     msg: &mut LockedMessage<'_>,
     limits: &'l Limits,
-    claimed: &mut crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    claimed: &mut Versioned<LedgerRecord>,
 ) -> Option<tokio::sync::SemaphorePermit<'l>> {
     let shared = msg.shared;
     loop {
@@ -669,9 +658,9 @@ async fn claim<'l>(
     limits: &'l Limits,
     copy: &Copy,
     body: &RetryMessage,
-    read: crate::ledger::Versioned<crate::ledger::LedgerRecord>,
+    read: Versioned<LedgerRecord>,
     starting: &mut Option<Starting<'l>>,
-) -> Option<crate::ledger::Versioned<crate::ledger::LedgerRecord>> {
+) -> Option<Versioned<LedgerRecord>> {
     use crate::pipeline::settle::Claimed;
     let shared = msg.shared;
     let key = body.key();
