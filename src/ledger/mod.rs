@@ -150,6 +150,23 @@ fn decode(key: &str, body: &[u8]) -> Result<LedgerRecord, LedgerError> {
     })
 }
 
+/// `{hub}/{consumer group, lower-cased}/`: where one deployment's records are kept in each
+/// area of the container.
+fn deployment_prefix(hub: &str, consumer_group: &str) -> String {
+    format!("{hub}/{}/", consumer_group.to_ascii_lowercase())
+}
+
+/// The operator's control record of the deployment of `hub` and `consumer_group` (pauses,
+/// rewinds; `pipeline::control`), beside its ledger: `control/{hub}/{consumer group}/pause`.
+pub fn control_record_name(hub: &str, consumer_group: &str) -> String {
+    control_record(&deployment_prefix(hub, consumer_group))
+}
+
+/// The control record's name under a deployment's `prefix`: the one place it is spelled.
+fn control_record(prefix: &str) -> String {
+    format!("control/{prefix}pause")
+}
+
 fn encode_key(key: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key.as_bytes())
 }
@@ -166,7 +183,7 @@ impl Ledger {
     pub fn new(store: Arc<dyn RecordStore>, hub: &str, consumer_group: &str) -> Self {
         Self {
             store,
-            prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
+            prefix: deployment_prefix(hub, consumer_group),
             indexed: Arc::default(),
             retention: None,
         }
@@ -217,9 +234,9 @@ impl Ledger {
     }
 
     /// The operator's control record of this ledger's deployment (pauses, rewinds), beside
-    /// the ledger: `control/{hub}/{consumer group}/pause`.
+    /// the ledger (see [`control_record_name`]).
     pub fn control_record_name(&self) -> String {
-        format!("control/{}pause", self.prefix)
+        control_record(&self.prefix)
     }
 
     /// The store the records live in (the container the replicas share).

@@ -155,10 +155,7 @@ pub fn held_name(pid: &str) -> String {
 
 /// The control record's name for a deployment (consumer group lower-cased, as the ledger's).
 pub fn record_name(hub: &str, consumer_group: &str) -> String {
-    format!(
-        "control/{hub}/{}/pause",
-        consumer_group.to_ascii_lowercase()
-    )
+    crate::ledger::control_record_name(hub, consumer_group)
 }
 
 /// An unreadable control record: named, never taken as "nothing paused" silently.
