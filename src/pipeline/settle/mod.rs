@@ -378,8 +378,9 @@ impl Settler {
         self.dead_letters.as_ref()
     }
 
-    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any.
-    pub(crate) async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
+    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any: only
+    /// as the first step of the dead-letter sequence, [`Settler::write_settled`].
+    async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
         if let Some(d) = &self.dead_letters {
             d.publish(rec).await?;
         }
