@@ -164,7 +164,7 @@ pub async fn compare_and_swap<K: RecordKind, R>(
 }
 
 /// A serde value kept as JSON in one blob of a [`RecordStore`]. A body that does not parse
-/// is [`Json::corrupt`]'s to judge: an error, or a default value.
+/// is judged by the function [`Json::new`] was given: an error, or a default value.
 pub struct Json<'a, T, E = StoreError> {
     store: &'a dyn RecordStore,
     name: &'a str,
