@@ -192,25 +192,23 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                     .await
             }
         },
-        Ok(Some(crate::ledger::Versioned { value: rec, .. })) => {
-            match Verdict::of(Some(&rec), body.attempt) {
-                Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
-                // Superseded: only the recorded next attempt matters (dropped if it exists).
-                Verdict::Stale => shared
+        Ok(Some(read)) => match Verdict::of(Some(&read.value), body.attempt) {
+            Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
+            // Superseded: only the recorded next attempt matters (dropped if it exists).
+            Verdict::Stale => shared
+                .settler
+                .resend_recorded(&read.value, &body.traceparents)
+                .await
+                .map(drop),
+            Verdict::Current => {
+                tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
+                shared.observe.count_rescued();
+                shared
                     .settler
-                    .resend_recorded(&rec, &body.traceparents)
+                    .rescue(&read.value, &body, msg.sequence_number)
                     .await
-                    .map(drop),
-                Verdict::Current => {
-                    tracing::warn!(key = %key, attempt = body.attempt, deliveries = msg.delivery_count, "Service Bus dead-lettered a retry; putting it back");
-                    shared.observe.count_rescued();
-                    shared
-                        .settler
-                        .rescue(&rec, &body, msg.sequence_number)
-                        .await
-                }
             }
-        }
+        },
     };
     match put_back {
         Ok(()) => dispose(&msg, Disposition::Complete).await,
