@@ -13,6 +13,7 @@
 //! ([`http_date`], [`parse_http_date`]) for the REST APIs, and [`ceil_to_second`] for Service
 //! Bus's scheduled times.
 
+use crate::sync::LockExt;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -85,17 +86,17 @@ pub struct Clock {
 impl Clock {
     /// The current time.
     pub fn now(&self) -> SystemTime {
-        SystemTime::now() + *self.offset.lock().unwrap_or_else(|p| p.into_inner())
+        SystemTime::now() + *self.offset.locked()
     }
 
     /// How far this clock runs ahead of the wall clock.
     pub fn offset(&self) -> Duration {
-        *self.offset.lock().unwrap_or_else(|p| p.into_inner())
+        *self.offset.locked()
     }
 
     /// Moves time forward by `by` and wakes everything waiting on it.
     pub fn advance(&self, by: Duration) {
-        *self.offset.lock().unwrap_or_else(|p| p.into_inner()) += by;
+        *self.offset.locked() += by;
         self.advanced.notify_waiters();
     }
 

@@ -103,6 +103,7 @@
 //!   name in `telemetry::names`, the gauges beside them (`telemetry::gauges`).
 //! - `clock`: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
+//! - `sync`: locks taken whatever became of their last holder (`LockExt::locked`).
 //! - `redact`: the one rule masking credentials (URL userinfo, SAS signatures, keys,
 //!   tokens) in every text that leaves the process.
 //! - `status`: `/healthz`, `/readyz`, `/v1/events/{key}` and `hubguard status`.
@@ -202,6 +203,8 @@ mod redact;
 pub mod status;
 #[cfg(not(feature = "testbed"))]
 mod status;
+// One small helper every module takes its locks with (crate-internal in every build).
+mod sync;
 #[cfg(feature = "testbed")]
 pub mod telemetry;
 #[cfg(not(feature = "testbed"))]

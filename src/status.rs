@@ -10,6 +10,8 @@
 //! | `GET /v1/retries[?due_before=T]` | retries waiting (key, attempt, due time, last error), soonest first, from the ledger's listing |
 //! | `GET /metrics` | every instrument in the Prometheus text format |
 
+#[cfg(any(test, feature = "testbed"))]
+use crate::sync::LockExt;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -35,14 +37,14 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
         "key": rec.key,
         "correlation_id": rec.correlation_id,
         "event_type": rec.event_type,
-        "state": rec.state,
+        "state": rec.state(),
         "attempts": rec.attempts,
         "max_attempts": rec.policy.max_attempts + rec.attempt_base,
-        "next_attempt_at": rec.next_attempt_ms.map(|m| rfc3339(at(m))),
+        "next_attempt_at": rec.next_attempt_ms().map(|m| rfc3339(at(m))),
         "last_error": rec.last_error.as_deref().map(redacted),
-        "dead_letter_reason": rec.dead_letter_reason,
+        "dead_letter_reason": rec.dead_letter_reason(),
         // An operator's `retries retry-now` (or a replay) of the attempt waiting.
-        "run_now": rec.run_now.as_ref().filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1).map(|p| json!({
+        "run_now": rec.run_now.as_ref().filter(|p| rec.state() == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1).map(|p| json!({
             "attempt": p.attempt,
             "at": rfc3339(at(p.at_ms)),
             "by": p.by,
@@ -71,7 +73,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 #[cfg(any(test, feature = "testbed"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
-    let state = match rec.state {
+    let state = match rec.state() {
         LedgerState::RetryScheduled => "RETRY_SCHEDULED",
         LedgerState::Delivered => "DELIVERED",
         LedgerState::DeadLettered => "DEAD_LETTERED",
@@ -84,13 +86,13 @@ pub fn record_text(rec: &LedgerRecord) -> String {
         rec.policy.max_attempts + rec.attempt_base,
         rec.policy.name
     ));
-    if let Some(n) = rec.next_attempt_ms {
+    if let Some(n) = rec.next_attempt_ms() {
         out.push_str(&format!("next attempt at: {}\n", rfc3339(at(n))));
     }
     if let Some(p) = rec
         .run_now
         .as_ref()
-        .filter(|p| rec.state == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1)
+        .filter(|p| rec.state() == LedgerState::RetryScheduled && p.attempt == rec.attempts + 1)
     {
         out.push_str(&format!(
             "run now:         attempt {} by {} at {}\n",
@@ -99,7 +101,7 @@ pub fn record_text(rec: &LedgerRecord) -> String {
             rfc3339(at(p.at_ms))
         ));
     }
-    if let Some(r) = &rec.dead_letter_reason {
+    if let Some(r) = &rec.dead_letter_reason() {
         out.push_str(&format!("dead-lettered:   {r}\n"));
     }
     if let Some(e) = &rec.last_error {
@@ -265,7 +267,7 @@ pub async fn parked_view(
                 == entry.name.rsplit('/').nth(1)
         });
     let head = match &line {
-        Some(l) => ledger.get(&l.head_key).await?.map(|(r, _)| r),
+        Some(l) => ledger.record(&l.head_key).await?,
         None => None,
     };
     Ok(Some(json!({
@@ -280,9 +282,9 @@ pub async fn parked_view(
         "waits_behind": line.as_ref().map(|l| json!({
             "key": l.head_key,
             "sequence_number": l.head_seq,
-            "state": head.as_ref().map(|h| h.state),
-            "next_attempt": head.as_ref().filter(|h| h.state == LedgerState::RetryScheduled).map(|h| h.attempts + 1),
-            "next_attempt_at": head.as_ref().and_then(|h| h.next_attempt_ms).map(|m| rfc3339(at(m))),
+            "state": head.as_ref().map(|h| h.state()),
+            "next_attempt": head.as_ref().filter(|h| h.state() == LedgerState::RetryScheduled).map(|h| h.attempts + 1),
+            "next_attempt_at": head.as_ref().and_then(|h| h.next_attempt_ms()).map(|m| rfc3339(at(m))),
             "last_error": head.as_ref().and_then(|h| h.last_error.as_deref()).map(redacted),
         })),
     })))
@@ -442,7 +444,7 @@ impl PendingGauges {
                 .f64_observable_gauge(metric::LINES_PARKED)
                 .with_description("Events parked behind an earlier event of their ordering key (from the ledger's listing)")
                 .with_callback(move |o| {
-                    if let Some((n, _)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                    if let Some((n, _)) = &*r.locked() {
                         o.observe(*n as f64, &[]);
                     }
                 })
@@ -454,7 +456,7 @@ impl PendingGauges {
                 .with_description("Seconds the oldest parked event has waited")
                 .with_unit("s")
                 .with_callback(move |o| {
-                    if let Some((_, oldest)) = &*r.lock().unwrap_or_else(|e| e.into_inner()) {
+                    if let Some((_, oldest)) = &*r.locked() {
                         let age = oldest
                             .and_then(|t| clock.now().duration_since(t).ok())
                             .map_or(0.0, |d| d.as_secs_f64());
@@ -471,7 +473,7 @@ impl PendingGauges {
             .u64_observable_gauge(metric::RETRIES_PENDING)
             .with_description("Retries the ledger says are waiting (from its listing)")
             .with_callback(move |o| {
-                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                if let Some(dues) = &*d.locked() {
                     o.observe(dues.len() as u64, &[]);
                 }
             })
@@ -482,7 +484,7 @@ impl PendingGauges {
             .u64_observable_gauge(metric::RETRIES_OVERDUE)
             .with_description("Retries waiting past their due time")
             .with_callback(move |o| {
-                if let Some(dues) = &*d.lock().unwrap_or_else(|e| e.into_inner()) {
+                if let Some(dues) = &*d.locked() {
                     let now = overdue_clock.now();
                     o.observe(dues.partition_point(|due| *due < now) as u64, &[]);
                 }
@@ -502,8 +504,7 @@ impl PendingGauges {
                     match ledger.all_parked().await {
                         Ok(p) => {
                             let oldest = p.iter().filter_map(|e| e.parked_ms).min().map(at);
-                            *pr.lock().unwrap_or_else(|e| e.into_inner()) =
-                                Some((p.len() as u64, oldest));
+                            *pr.locked() = Some((p.len() as u64, oldest));
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "cannot list parked events for the gauges")
@@ -526,7 +527,7 @@ impl PendingGauges {
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
-        *dues.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
+        *dues.locked() = Some(v);
     }
 
     /// Updates the gauges from a complete listing just read.
@@ -645,8 +646,8 @@ async fn report(State(s): State<AppState>) -> Json<serde_json::Value> {
 }
 
 async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
-    match s.ledger.get(&key).await {
-        Ok(Some((rec, _))) => Json(record_view(&rec)).into_response(),
+    match s.ledger.record(&key).await {
+        Ok(Some(rec)) => Json(record_view(&rec)).into_response(),
         Ok(None) => match parked_view(&s.ledger, &key).await {
             // Ordered retries: a parked event has no ledger record yet, only its parked one.
             Ok(Some(mut v)) => {
@@ -674,7 +675,8 @@ async fn control(State(s): State<AppState>) -> Response {
     let name = s.ledger.control_record_name();
     match crate::pipeline::control::read(s.ledger.store().as_ref(), &name).await {
         Ok(record) => {
-            let (record, etag) = record.map_or((Default::default(), None), |(p, e)| (p, Some(e)));
+            let (record, etag) =
+                record.map_or((Default::default(), None), |p| (p.value, Some(p.etag)));
             let mut v = serde_json::to_value::<crate::pipeline::control::Pauses>(record)
                 .unwrap_or_default();
             v["record"] = name.into();

@@ -7,6 +7,7 @@
 //!
 //! Policy time is a [`Clock`]: tests advance it to make messages due or locks lapse.
 
+use crate::sync::LockExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -55,7 +56,7 @@ impl MemoryRecordStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Bytes, u64, Tags)>> {
-        self.records.lock().unwrap_or_else(|p| p.into_inner())
+        self.records.locked()
     }
 }
 
@@ -233,7 +234,7 @@ impl MemoryRetryQueue {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     fn take(&self, dead_letter: bool) -> Option<ReceivedMessage> {
@@ -361,7 +362,7 @@ struct MemoryLock {
 impl MemoryLock {
     fn with<T>(&self, f: impl FnOnce(&mut Vec<Stored>, usize) -> T) -> Result<T, RetryQueueError> {
         let now = self.clock.now();
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.state.locked();
         let entity = if self.dead_letter {
             &mut st.dead_letters
         } else {

@@ -12,6 +12,7 @@
 //!   SDK's `CheckpointStore` trait.
 //! - [`memory`]: in-memory twins of the record store and the retry queue, for tests.
 //! - [`record_store`]: records with compare-and-swap in blob storage (ledger, breaker).
+//! - [`versioned`]: a value and its ETag, and the one compare-and-swap update of every record.
 //! - [`retry_queue`]: the [`RetryQueue`] trait and its Service Bus implementation, with typed
 //!   errors and a deadline on every call.
 
@@ -22,6 +23,7 @@ pub mod memory;
 pub mod record_store;
 pub mod retry_queue;
 pub mod sas;
+pub mod versioned;
 
 #[cfg(any(test, feature = "testbed"))]
 pub use blob::BlobContainer;

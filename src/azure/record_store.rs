@@ -2,7 +2,8 @@
 //! the shared circuit breaker. Writes are conditional — `If-None-Match: *` to create,
 //! `If-Match: <etag>` to update — and the errors tell "someone else won"
 //! ([`StoreError::Conflict`]) from "storage is down" ([`StoreError::Unavailable`]), because
-//! callers do different things about them. Every call has a deadline.
+//! callers do different things about them. Every call has a deadline. A read-modify-write
+//! of a record goes through the one compare-and-swap, [`super::versioned::compare_and_swap`].
 
 use std::fmt;
 use std::sync::Arc;
@@ -13,6 +14,9 @@ use azure_core::credentials::TokenCredential;
 use bytes::Bytes;
 
 use super::blob::{BlobContainer, BlobError, Condition, Revalidated};
+use super::versioned::{
+    compare_and_swap, Change, Conflicts, Contended, RecordKind, Start, Versioned,
+};
 
 /// Why a record-store call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,24 +170,52 @@ pub trait RecordStore: Send + Sync {
     /// conflict replaces what it reads; blob storage writes it with one unconditional Put
     /// Blob.
     async fn put_tagged(&self, key: &str, body: Bytes, tags: &Tags) -> Result<String, StoreError> {
-        let mut last = StoreError::Conflict;
-        for _ in 0..4 {
-            match self.write_tagged(key, body.clone(), None, tags).await {
-                Err(StoreError::Conflict) => {}
-                other => return other,
-            }
-            let Some(current) = self.read(key).await? else {
-                continue;
-            };
-            match self
-                .write_tagged(key, body.clone(), Some(&current.etag), tags)
-                .await
-            {
-                Err(e @ StoreError::Conflict) => last = e,
-                other => return other,
-            }
-        }
-        Err(last)
+        let overwrite = Overwrite {
+            store: self,
+            key,
+            tags,
+        };
+        let put = compare_and_swap(&overwrite, Start::From(None), |_| {
+            Change::Write(Box::new(body.clone()), ())
+        });
+        Ok(put.await?.written.map(|w| w.etag).unwrap_or_default())
+    }
+}
+
+/// A record written whatever it holds ([`RecordStore::put_tagged`]): over the ETag it was
+/// last read with, so a store without unconditional writes still writes it once.
+struct Overwrite<'a, S: ?Sized> {
+    store: &'a S,
+    key: &'a str,
+    tags: &'a Tags,
+}
+
+#[async_trait]
+impl<S: RecordStore + ?Sized> RecordKind for Overwrite<'_, S> {
+    type Value = Bytes;
+    type Error = StoreError;
+
+    fn name(&self) -> String {
+        self.key.to_string()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<Bytes>>, StoreError> {
+        let read = self.store.read(self.key).await?;
+        Ok(read.map(|r| Versioned::new(r.body, r.etag)))
+    }
+
+    async fn write(&self, body: &Bytes, etag: Option<&str>) -> Result<String, StoreError> {
+        self.store
+            .write_tagged(self.key, body.clone(), etag, self.tags)
+            .await
+    }
+
+    fn lost(&self, e: &StoreError) -> bool {
+        e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
     }
 }
 

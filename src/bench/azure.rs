@@ -241,7 +241,7 @@ async fn retry_drain(
         .map(|(key, (start, end))| {
             let ledger = ledger.clone();
             async move {
-                let (rec, _) = ledger.get(&key).await.ok()??;
+                let rec = ledger.record(&key).await.ok()??;
                 let due = rec
                     .history
                     .iter()

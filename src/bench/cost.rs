@@ -19,6 +19,7 @@
 //! receives of the retry loop's long polls, the control record) are per replica and per
 //! interval, not per event: reported apart, as `background`.
 
+use crate::sync::LockExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -212,7 +213,7 @@ impl Log {
         if kind == Kind::SbComplete {
             self.completes.fetch_add(n, Ordering::Relaxed);
         }
-        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let mut calls = self.calls.locked();
         for _ in 0..n {
             calls.push((key.clone(), kind));
         }
@@ -436,8 +437,7 @@ impl Handler for Scripted {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let path = Path::of(event.sequence_number);
         self.paths
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .insert(event.identity.idempotency_key.clone(), path);
         self.calls.fetch_add(1, Ordering::Relaxed);
         let fail = || Outcome::Failed(Failure::transient("bench: scripted 503"));
@@ -473,13 +473,9 @@ pub async fn cost(events: usize) -> anyhow::Result<CostFigures> {
     let (parts, log) = counted_parts(&emulators, handler.clone(), events)?;
     let seconds = run_until_settled(parts, &handler, &log, events).await?;
     emulators.shutdown().await;
-    let calls = log.calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let calls = log.calls.locked().clone();
     let (runs, background) = segments(calls);
-    let paths = handler
-        .paths
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
+    let paths = handler.paths.locked().clone();
     Ok(CostFigures {
         retry_long_attempt_s: long.as_secs_f64(),
         lock_s: lock.as_secs_f64(),
@@ -592,7 +588,7 @@ async fn run_until_settled(
     // the long retry.
     // (Sequence numbers restart in each partition: count the paths the handler saw.)
     let expected = || {
-        let paths = handler.paths.lock().unwrap_or_else(|p| p.into_inner());
+        let paths = handler.paths.locked();
         paths
             .values()
             .map(|p| match p {

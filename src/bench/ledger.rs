@@ -15,7 +15,7 @@ use bytes::Bytes;
 use crate::azure::memory::MemoryRecordStore;
 use crate::azure::record_store::{Listed, Record, RecordStore, StoreError, Tags};
 use crate::event::{Event, Identity};
-use crate::ledger::{ms, Ledger, LedgerRecord, State};
+use crate::ledger::{at, ms, Ledger, LedgerRecord};
 use crate::policy::RetryPolicy;
 
 /// Blobs per List Blobs page on Azure.
@@ -144,47 +144,31 @@ impl RecordStore for Billed {
 }
 
 fn record(key: &str, seq: i64, due: Option<SystemTime>) -> LedgerRecord {
-    LedgerRecord {
-        key: key.into(),
-        correlation_id: key.into(),
-        event_type: None,
-        state: if due.is_some() {
-            State::RetryScheduled
-        } else {
-            State::Delivered
+    let event = Event {
+        body: Vec::new(),
+        content_type: None,
+        properties: Default::default(),
+        hub: "hub".into(),
+        partition_id: (seq % 4).to_string(),
+        sequence_number: seq,
+        offset: None,
+        enqueued_ms: None,
+        partition_key: None,
+        identity: Identity {
+            idempotency_key: key.into(),
+            correlation_id: key.into(),
+            event_type: None,
         },
-        attempts: 1,
-        next_attempt_ms: due.map(ms),
-        first_failure_ms: 0,
-        updated_ms: 0,
-        last_error: Some("status 503".into()),
-        dead_letter_reason: None,
-        last_delay_ms: Some(1_000),
-        policy: RetryPolicy::seed_fibonacci(),
-        attempt_base: 0,
-        history: Vec::new(),
-        event: Event {
-            body: Vec::new(),
-            content_type: None,
-            properties: Default::default(),
-            hub: "hub".into(),
-            partition_id: (seq % 4).to_string(),
-            sequence_number: seq,
-            offset: None,
-            enqueued_ms: None,
-            partition_key: None,
-            identity: Identity {
-                idempotency_key: key.into(),
-                correlation_id: key.into(),
-                event_type: None,
-            },
-        },
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        indexed: None,
-        run_now: None,
+    };
+    let mut rec = LedgerRecord::first_failure(&event, RetryPolicy::seed_fibonacci(), at(0));
+    rec.attempts = 1;
+    rec.last_error = Some("status 503".into());
+    rec.last_delay_ms = Some(1_000);
+    match due {
+        Some(due) => rec.schedule_retry(ms(due)),
+        None => rec.deliver(),
     }
+    rec
 }
 
 /// A ledger holding `settled` delivered records (each went through the index: waiting,
@@ -201,7 +185,10 @@ async fn one(settled: usize, pending: usize) -> anyhow::Result<One> {
     for i in 0..settled {
         let key = format!("settled-{i}");
         ledger.put(&record(&key, i as i64, Some(now)), None).await?;
-        let (mut rec, etag) = ledger
+        let crate::ledger::Versioned {
+            value: mut rec,
+            etag,
+        } = ledger
             .get(&key)
             .await?
             .ok_or_else(|| anyhow::anyhow!("record {key} vanished"))?;

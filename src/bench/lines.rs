@@ -15,6 +15,7 @@
 //! The run fails if any key's first deliveries come out of sequence order, or an event is
 //! missing at the end.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -132,7 +133,7 @@ impl LinesHandler {
     }
 
     fn free_per_s(&self) -> f64 {
-        let span = *self.free_span.lock().unwrap_or_else(|p| p.into_inner());
+        let span = *self.free_span.locked();
         let n = self.free.load(Ordering::Relaxed);
         match span {
             Some((a, b)) if n > 1 => (n - 1) as f64 / b.duration_since(a).as_secs_f64().max(1e-3),
@@ -142,7 +143,7 @@ impl LinesHandler {
 
     /// Every key's first deliveries in sequence order, or the first key whose are not.
     fn check_order(&self) -> anyhow::Result<()> {
-        for ((p, k), seqs) in self.firsts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for ((p, k), seqs) in self.firsts.locked().iter() {
             if seqs.windows(2).any(|w| w[0] > w[1]) {
                 bail!("partition {p}, key {k}: first deliveries out of order: {seqs:?}");
             }
@@ -162,14 +163,12 @@ impl Handler for LinesHandler {
         let now = Instant::now();
         let first = self
             .delivered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .insert((event.partition_id.clone(), event.sequence_number));
         if first {
             if let Some(k) = event.properties.get("order") {
                 self.firsts
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
+                    .locked()
                     .entry((event.partition_id.clone(), k.clone()))
                     .or_default()
                     .push(event.sequence_number);
@@ -177,12 +176,12 @@ impl Handler for LinesHandler {
             match class {
                 Class::Free => {
                     self.free.fetch_add(1, Ordering::Relaxed);
-                    let mut s = self.free_span.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut s = self.free_span.locked();
                     *s = Some(s.map_or((now, now), |(a, _)| (a, now)));
                 }
                 Class::Parked => {
                     self.parked.fetch_add(1, Ordering::Relaxed);
-                    *self.last_parked.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
+                    *self.last_parked.locked() = Some(now);
                 }
                 Class::Head => {}
             }
@@ -339,8 +338,7 @@ async fn measure_drain(
     .await?;
     let last = handler
         .last_parked
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+        .locked()
         .context("no parked event delivered")?;
     let secs = last
         .saturating_duration_since(pulled)

@@ -2,6 +2,7 @@
 //! concurrency within a partition, and the retry path's timing (failure to Service Bus
 //! acceptance, due time to actual start).
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -48,8 +49,8 @@ impl BenchHandler {
 
     /// From the first call to the last delivery.
     pub(crate) fn busy(&self) -> Duration {
-        let first = *self.first.lock().unwrap_or_else(|p| p.into_inner());
-        let last = *self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let first = *self.first.locked();
+        let last = *self.last.locked();
         match (first, last) {
             (Some(a), Some(b)) => b.saturating_duration_since(a),
             _ => Duration::ZERO,
@@ -64,7 +65,7 @@ impl BenchHandler {
     fn calls(&self) -> Calls {
         self.calls
             .as_ref()
-            .map(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .map(|c| c.locked().clone())
             .unwrap_or_default()
     }
 }
@@ -73,16 +74,12 @@ impl BenchHandler {
 impl Handler for BenchHandler {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let started = SystemTime::now();
-        self.first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert_with(Instant::now);
+        self.first.locked().get_or_insert_with(Instant::now);
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
         if let Some(c) = &self.calls {
-            c.lock()
-                .unwrap_or_else(|p| p.into_inner())
+            c.locked()
                 .entry(event.identity.idempotency_key.clone())
                 .or_default()
                 .push((attempt.number, started, SystemTime::now()));
@@ -91,7 +88,7 @@ impl Handler for BenchHandler {
             return Outcome::Failed(Failure::transient("bench: scripted failure"));
         }
         self.delivered.fetch_add(1, Ordering::Relaxed);
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        *self.last.locked() = Some(Instant::now());
         Outcome::Delivered
     }
 }
@@ -302,7 +299,7 @@ pub async fn retry_timing(events: usize, partitions: usize) -> anyhow::Result<Re
         if let Some(acc) = accepted.get(&crate::pipeline::settle::message_id(key, 2)) {
             schedule.push(ms_between(*failed_at, *acc));
         }
-        if let Some((rec, _)) = ledger.get(key).await? {
+        if let Some(rec) = ledger.record(key).await? {
             if let Some(due) = rec
                 .history
                 .iter()

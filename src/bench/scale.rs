@@ -13,6 +13,7 @@
 //! longest time a partition that had been read was read by no replica (sampled every 10 ms
 //! from each replica's readiness; the first claim at start is not counted).
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -67,8 +68,7 @@ impl Handler for Counting {
         }
         *self
             .seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .entry((event.partition_id.clone(), event.sequence_number))
             .or_default() += 1;
         Outcome::Delivered
@@ -77,12 +77,11 @@ impl Handler for Counting {
 
 impl Counting {
     fn distinct(&self) -> usize {
-        self.seen.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.seen.locked().len()
     }
     fn duplicates(&self) -> usize {
         self.seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .values()
             .map(|n| (*n as usize).saturating_sub(1))
             .sum()

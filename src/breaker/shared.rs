@@ -5,14 +5,17 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-
 use super::{
     apply, decide, on_result, waiting, Admission, BreakerConfig, BreakerRecord, BreakerState,
     Change,
 };
+use crate::azure::versioned::{
+    compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start,
+    Versioned,
+};
 use crate::azure::{RecordStore, StoreError};
 use crate::clock::at;
+use crate::sync::LockExt;
 
 /// One downstream's breaker as one replica sees it.
 pub struct Shared {
@@ -47,6 +50,39 @@ impl std::fmt::Debug for Shared {
 /// Where the breaker of `downstream` is kept in the record store.
 pub fn record_name(downstream: &str) -> String {
     format!("breakers/{downstream}")
+}
+
+/// A replica's breaker record as the one compare-and-swap reads and writes it: every read
+/// refreshes what the replica last saw.
+struct Kept<'a>(&'a Shared);
+
+#[async_trait::async_trait]
+impl RecordKind for Kept<'_> {
+    type Value = BreakerRecord;
+    type Error = StoreError;
+
+    fn name(&self) -> String {
+        self.0.key.clone()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<BreakerRecord>>, StoreError> {
+        let (record, etag) = self.0.load(true).await?;
+        Ok(etag.map(|etag| Versioned::new(record, etag)))
+    }
+
+    async fn write(&self, value: &BreakerRecord, etag: Option<&str>) -> Result<String, StoreError> {
+        Json::<BreakerRecord>::lenient(self.0.store.as_ref(), &self.0.key)
+            .write(value, etag)
+            .await
+    }
+
+    fn lost(&self, e: &StoreError) -> bool {
+        e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
+    }
 }
 
 /// The breaker record of `downstream` as kept in `store` (`None`: it never opened). A body
@@ -94,12 +130,7 @@ impl Shared {
 
     async fn load(&self, fresh: bool) -> Result<(BreakerRecord, Option<String>), StoreError> {
         if !fresh {
-            if let Some((r, e, t)) = self
-                .cached
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-            {
+            if let Some((r, e, t)) = self.cached.locked().clone() {
                 if self.clock.now().duration_since(t).unwrap_or_default() < self.refresh {
                     return Ok((r, e));
                 }
@@ -108,14 +139,12 @@ impl Shared {
         match self.store.read(&self.key).await? {
             Some(rec) => {
                 let r: BreakerRecord = serde_json::from_slice(&rec.body).unwrap_or_default();
-                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((r.clone(), Some(rec.etag.clone()), self.clock.now()));
+                *self.cached.locked() = Some((r.clone(), Some(rec.etag.clone()), self.clock.now()));
                 Ok((r, Some(rec.etag)))
             }
             None => {
                 // Never opened: remember that too, or every call would read storage.
-                *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((BreakerRecord::default(), None, self.clock.now()));
+                *self.cached.locked() = Some((BreakerRecord::default(), None, self.clock.now()));
                 Ok((BreakerRecord::default(), None))
             }
         }
@@ -124,30 +153,23 @@ impl Shared {
     /// Applies `change` with compare-and-swap: the record after it, and whether this call's
     /// change was written (`false`: it no longer applied to the record as it now is).
     async fn change(&self, change: Change, who: &str) -> Result<(BreakerRecord, bool), StoreError> {
-        for _ in 0..8 {
-            let (current, etag) = self.load(true).await?;
-            let now = self.clock.now();
-            let Some(next) = apply(&current, &change, who, now, &self.config) else {
-                return Ok((current, false));
-            };
-            let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
-            let written = match &etag {
-                None => self.store.create(&self.key, body).await,
-                Some(e) => self.store.update(&self.key, body, e).await,
-            };
-            match written {
-                Ok(e) => {
-                    *self.cached.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some((next.clone(), Some(e), now));
-                    // New events held at the brink look again (an open breaker decides).
-                    self.succeeded.notify_waiters();
-                    return Ok((next, true));
-                }
-                Err(StoreError::Conflict) => continue,
-                Err(err) => return Err(err),
+        let mut decided_at = self.clock.now();
+        let swapped = compare_and_swap(&Kept(self), Start::Read, |current| {
+            let current = current.unwrap_or_default();
+            decided_at = self.clock.now();
+            match apply(&current, &change, who, decided_at, &self.config) {
+                Some(next) => Versioning::Write(Box::new(next.clone()), next),
+                None => Versioning::Keep(current),
             }
-        }
-        Err(StoreError::Conflict)
+        })
+        .await?;
+        let Some(written) = swapped.written else {
+            return Ok((swapped.value, false));
+        };
+        *self.cached.locked() = Some((written.value, Some(written.etag), decided_at));
+        // New events held at the brink look again (an open breaker decides).
+        self.succeeded.notify_waiters();
+        Ok((swapped.value, true))
     }
 
     /// Whether work may call the downstream now. Storage trouble admits the call (the
@@ -197,8 +219,8 @@ impl Shared {
             .cached()
             .and_then(|r| r.open_until_ms)
             .is_some_and(|u| self.clock.now() < at(u));
-        let mut in_flight = self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        let consecutive = *self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
+        let mut in_flight = self.new_in_flight.locked();
+        let consecutive = *self.consecutive.locked();
         // Behind a run of failures, or pacing since one (a success of a retry resets the run,
         // while new events, released together, may each fail once more).
         let run = consecutive > 0 || self.pacing.load(std::sync::atomic::Ordering::SeqCst);
@@ -225,7 +247,7 @@ impl Shared {
             tokio::pin!(notified);
             notified.as_mut().enable();
             if hold.is_zero() {
-                *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+                *self.new_in_flight.locked() += 1;
                 break;
             }
             if self.enter_unless_at_brink() {
@@ -235,7 +257,7 @@ impl Shared {
             tokio::select! {
                 _ = notified => {}
                 _ = &mut held => {
-                    *self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+                    *self.new_in_flight.locked() += 1;
                     break;
                 }
             }
@@ -248,7 +270,7 @@ impl Shared {
     }
 
     fn new_call_done(&self) {
-        let mut n = self.new_in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        let mut n = self.new_in_flight.locked();
         *n = n.saturating_sub(1);
     }
 
@@ -271,7 +293,7 @@ impl Shared {
     /// trial the call was admitted to ([`Admission::Probe`]).
     pub async fn report(&self, success: bool, trial: Option<i64>) -> Option<BreakerRecord> {
         let consecutive = {
-            let mut c = self.consecutive.lock().unwrap_or_else(|p| p.into_inner());
+            let mut c = self.consecutive.locked();
             *c = if success { 0 } else { *c + 1 };
             *c
         };
@@ -281,7 +303,7 @@ impl Shared {
         }
         let (record, _) = self.load(false).await.ok()?;
         let window = {
-            let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+            let mut recent = self.recent.locked();
             recent.push_back(!success);
             while recent.len() > self.config.ratio_window.max(1) as usize {
                 recent.pop_front();
@@ -303,7 +325,7 @@ impl Shared {
         let who = self.who.clone();
         let (r, _) = self.change(change, &who).await.ok()?;
         if success {
-            *self.consecutive.lock().unwrap_or_else(|p| p.into_inner()) = 0;
+            *self.consecutive.locked() = 0;
         }
         Some(r)
     }
@@ -336,11 +358,7 @@ impl Shared {
 
     /// The record as last seen.
     pub fn cached(&self) -> Option<BreakerRecord> {
-        self.cached
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|(r, _, _)| r.clone())
+        self.cached.locked().as_ref().map(|(r, _, _)| r.clone())
     }
 }
 

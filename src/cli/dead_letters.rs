@@ -249,11 +249,11 @@ async fn show_dead_letter(ledger: &Ledger, key: String, json: bool) -> bool {
     // Keys and errors are printed escaped: a tab or newline in one cannot break
     // the table.
     let shown = key.escape_debug().to_string();
-    match ledger.get(&key).await {
-        Ok(Some((rec, _))) if json => println!("{}", crate::status::record_view(&rec)),
-        Ok(Some((rec, _))) => println!(
+    match ledger.record(&key).await {
+        Ok(Some(rec)) if json => println!("{}", crate::status::record_view(&rec)),
+        Ok(Some(rec)) => println!(
             "{shown}\t{}\tattempts {}\t{}\tpartition {} seq {}",
-            rec.dead_letter_reason
+            rec.dead_letter_reason()
                 .map(|r| r.to_string())
                 .unwrap_or_default(),
             rec.attempts,
@@ -300,7 +300,7 @@ fn parse_bound(
 async fn replay_one(settler: &Settler, key: &str, dry_run: bool) -> anyhow::Result<()> {
     let shown = key.escape_debug().to_string();
     if dry_run {
-        let state = settler.ledger.get(key).await?.map(|(r, _)| r.state);
+        let state = settler.ledger.record(key).await?.map(|r| r.state());
         println!(
             "{shown}: {}",
             match state {

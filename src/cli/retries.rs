@@ -90,9 +90,9 @@ pub(super) async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         }
         return Ok(EXIT_OK);
     }
-    match ledger.get(&args.key).await? {
-        Some((rec, _)) if args.json => println!("{}", crate::status::record_view(&rec)),
-        Some((rec, _)) => print!("{}", crate::status::record_text(&rec)),
+    match ledger.record(&args.key).await? {
+        Some(rec) if args.json => println!("{}", crate::status::record_view(&rec)),
+        Some(rec) => print!("{}", crate::status::record_text(&rec)),
         None if args.json => {
             // The status API's answer: why, how long delivered records are kept, since when.
             let keep = (config.ledger.retention_days > 0).then(|| {

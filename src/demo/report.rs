@@ -160,7 +160,7 @@ pub(super) async fn gather(
         .count();
     let mut ledger_records: HashMap<String, LedgerRecord> = Default::default();
     for key in ledger.keys().await? {
-        if let Some((rec, _)) = ledger.get(&key).await? {
+        if let Some(rec) = ledger.record(&key).await? {
             ledger_records.insert(key, rec);
         }
     }
@@ -225,7 +225,7 @@ pub(super) fn tell_one_retry(
     keys.sort();
     for key in keys {
         let rec = &records[key];
-        if rec.state == State::Delivered && best.is_none_or(|b| rec.attempts > b.attempts) {
+        if rec.state() == State::Delivered && best.is_none_or(|b| rec.attempts > b.attempts) {
             best = Some(rec);
         }
     }

@@ -202,7 +202,7 @@ impl Settlements<'_, '_> {
         take(self.e.first_delivered.get(key).copied());
         take(self.first_accept.get(key).copied());
         if let Some(rec) = self.e.records.get(key) {
-            let dead_at_first = rec.state == State::DeadLettered
+            let dead_at_first = rec.state() == State::DeadLettered
                 && rec
                     .history
                     .iter()

@@ -4,6 +4,7 @@
 //! (its own log, independent of hubguard's counters), so a test or the bench can count
 //! requests per second and deliveries per key.
 
+use crate::sync::LockExt;
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::net::SocketAddr;
@@ -57,9 +58,9 @@ impl std::fmt::Debug for CappedReceiver {
 
 async fn receive(State(d): State<Arc<Inner>>, headers: HeaderMap) -> axum::response::Response {
     let now = Instant::now();
-    let cap = *d.cap.lock().unwrap_or_else(|p| p.into_inner());
+    let cap = *d.cap.locked();
     let ok = {
-        let mut accepted = d.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        let mut accepted = d.accepted.locked();
         while accepted
             .front()
             .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1))
@@ -73,24 +74,17 @@ async fn receive(State(d): State<Arc<Inner>>, headers: HeaderMap) -> axum::respo
         ok
     };
     let status = if ok { 200 } else { 429 };
-    d.log
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(Logged {
-            at: now.duration_since(d.started),
-            status,
-        });
+    d.log.locked().push(Logged {
+        at: now.duration_since(d.started),
+        status,
+    });
     if ok {
         let key = headers
             .get("idempotency-key")
             .and_then(|v| v.to_str().ok())
             .unwrap_or("(no key)")
             .to_string();
-        *d.delivered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default() += 1;
+        *d.delivered.locked().entry(key).or_default() += 1;
         return StatusCode::OK.into_response();
     }
     match d.retry_after_s {
@@ -141,16 +135,12 @@ impl CappedReceiver {
 
     /// Changes the capacity (`None`: unlimited).
     pub fn set_cap(&self, cap: Option<u32>) {
-        *self.inner.cap.lock().unwrap_or_else(|p| p.into_inner()) = cap;
+        *self.inner.cap.locked() = cap;
     }
 
     /// Every request so far, in arrival order.
     pub fn log(&self) -> Vec<Logged> {
-        self.inner
-            .log
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.inner.log.locked().clone()
     }
 
     /// Requests answered 429 so far.
@@ -160,11 +150,7 @@ impl CappedReceiver {
 
     /// Deliveries (200s) per idempotency key.
     pub fn delivered(&self) -> BTreeMap<String, u32> {
-        self.inner
-            .delivered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.inner.delivered.locked().clone()
     }
 
     /// Requests per whole second since the start (index = second).

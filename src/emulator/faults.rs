@@ -7,6 +7,7 @@
 //! will expose the same through its admin endpoint. Time is `tokio::time`, so tests that pause
 //! the clock control faults too.
 
+use crate::sync::LockExt;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -58,7 +59,7 @@ impl Faults {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, FaultState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     /// Close every new connection at once for `period`.

@@ -10,6 +10,7 @@
 //! ([`WebhookReceiver::set_handshake`]). Tests can also have it keep every request
 //! ([`WebhookReceiver::record_requests`]).
 
+use crate::sync::LockExt;
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
@@ -218,11 +219,8 @@ async fn handshake(
         // Not a handshake: what an endpoint without CORS or handshake support answers.
         return (StatusCode::OK, [("allow", "POST, OPTIONS")]).into_response();
     };
-    d.handshakes
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(origin.clone());
-    let answer = *d.handshake.lock().unwrap_or_else(|p| p.into_inner());
+    d.handshakes.locked().push(origin.clone());
+    let answer = *d.handshake.locked();
     match answer {
         HandshakeAnswer::Allow { rate } => {
             let mut h = HeaderMap::new();
@@ -252,12 +250,7 @@ async fn receive(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> StatusCode {
-    if let Some(r) = d
-        .requests
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_mut()
-    {
+    if let Some(r) = d.requests.locked().as_mut() {
         r.push(Recorded {
             headers: headers
                 .iter()
@@ -281,15 +274,10 @@ async fn receive(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u32>().ok())
     {
-        d.attempts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key.clone())
-            .or_default()
-            .push(n);
+        d.attempts.locked().entry(key.clone()).or_default().push(n);
     }
     let before = {
-        let mut calls = d.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let mut calls = d.calls.locked();
         let c = calls.entry(key.clone()).or_default();
         *c += 1;
         *c - 1
@@ -297,21 +285,16 @@ async fn receive(
     let status = StatusCode::from_u16((d.behaviour)(&key, before)).unwrap_or(StatusCode::OK);
     if status.is_success() {
         d.first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .entry(key.clone())
             .or_insert_with(std::time::SystemTime::now);
-        *d.by_key
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default() += 1;
+        *d.by_key.locked().entry(key).or_default() += 1;
     }
     status
 }
 
 async fn list(State(d): State<Arc<Deliveries>>) -> Json<BTreeMap<String, u32>> {
-    Json(d.by_key.lock().unwrap_or_else(|p| p.into_inner()).clone())
+    Json(d.by_key.locked().clone())
 }
 
 impl WebhookReceiver {
@@ -361,65 +344,37 @@ impl WebhookReceiver {
 
     /// Deliveries so far: idempotency key → count.
     pub fn deliveries(&self) -> BTreeMap<String, u32> {
-        self.deliveries
-            .by_key
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deliveries.by_key.locked().clone()
     }
 
     /// The attempt number (`x-hubguard-attempt`) of every call per key, in arrival order.
     pub fn attempts_seen(&self) -> BTreeMap<String, Vec<u32>> {
-        self.deliveries
-            .attempts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deliveries.attempts.locked().clone()
     }
 
     /// When each key was first answered with a 2xx.
     pub fn first_deliveries(&self) -> BTreeMap<String, std::time::SystemTime> {
-        self.deliveries
-            .first
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deliveries.first.locked().clone()
     }
 
     /// Calls so far (any answer): idempotency key → count.
     pub fn calls(&self) -> BTreeMap<String, u32> {
-        self.deliveries
-            .calls
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deliveries.calls.locked().clone()
     }
 
     /// Answers the abuse-protection handshake as `answer` says from now on.
     pub fn set_handshake(&self, answer: HandshakeAnswer) {
-        *self
-            .deliveries
-            .handshake
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = answer;
+        *self.deliveries.handshake.locked() = answer;
     }
 
     /// The `WebHook-Request-Origin` of every handshake so far.
     pub fn handshakes(&self) -> Vec<String> {
-        self.deliveries
-            .handshakes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deliveries.handshakes.locked().clone()
     }
 
     /// Keeps every `POST /events` request from now on (headers and body), for tests.
     pub fn record_requests(&self) {
-        let mut r = self
-            .deliveries
-            .requests
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut r = self.deliveries.requests.locked();
         if r.is_none() {
             *r = Some(Vec::new());
         }
@@ -429,8 +384,7 @@ impl WebhookReceiver {
     pub fn requests(&self) -> Vec<Recorded> {
         self.deliveries
             .requests
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .clone()
             .unwrap_or_default()
     }

@@ -3,6 +3,7 @@
 //! them. A file is read again when it changes (a Kubernetes secret volume is updated in
 //! place), so a rotation needs no restart. No error, log line or `Debug` output quotes one.
 
+use crate::sync::LockExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -125,7 +126,7 @@ impl<T> Live<T> {
 
     /// The current value (a file that changed since the last call is read again).
     pub fn get(&self) -> Arc<T> {
-        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.current.locked();
         if self.source.file.is_some() {
             let modified = self.source.modified();
             if modified.is_some() && modified != cur.0 {

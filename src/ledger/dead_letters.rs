@@ -150,7 +150,10 @@ impl Ledger {
         before: SystemTime,
         dry_run: bool,
     ) -> Result<Option<Option<String>>, LedgerError> {
-        let (record, etag) = match self.get(key).await? {
+        let super::Versioned {
+            value: record,
+            etag,
+        } = match self.get(key).await? {
             Some(found) => found,
             None => {
                 if !dry_run {

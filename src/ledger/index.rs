@@ -243,7 +243,7 @@ impl Ledger {
     /// read per sweep until repaired, and is never trusted.
     pub async fn repair_pending(&self, listed: &Pending) -> Result<Repair, LedgerError> {
         let record = match self.get(&listed.key).await {
-            Ok(r) => r.map(|(r, _)| r),
+            Ok(r) => r.map(|r| r.value),
             // A corrupt record is quarantined by whoever runs it next; leave its entry.
             Err(LedgerError::Corrupt { .. }) => return Ok(Repair::Accurate),
             Err(e) => return Err(e),

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{encode_key, Ledger, LedgerError, BLOB_NAME_LIMIT};
 use crate::azure::record_store::Tags;
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start, Versioned};
 use crate::azure::StoreError;
 use crate::event::Event;
 
@@ -179,6 +180,51 @@ pub enum Opened {
     Other(Box<Line>),
 }
 
+/// A line's head pointer, as the one compare-and-swap reads and writes it (its tags in the
+/// same write). A pointer removed meanwhile lost the race as a changed one does.
+struct Pointer<'a> {
+    ledger: &'a Ledger,
+    name: String,
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Pointer<'_> {
+    type Value = Line;
+    type Error = LedgerError;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<Line>>, LedgerError> {
+        let Some(r) = self.ledger.store.read(&self.name).await? else {
+            return Ok(None);
+        };
+        let line = serde_json::from_slice(&r.body).map_err(|e| corrupt(&self.name, e))?;
+        Ok(Some(Versioned::new(line, r.etag)))
+    }
+
+    async fn write(&self, line: &Line, etag: Option<&str>) -> Result<String, LedgerError> {
+        let body = serde_json::to_vec(line).map_err(|e| corrupt(&self.name, e))?;
+        Ok(self
+            .ledger
+            .store
+            .write_tagged(&self.name, Bytes::from(body), etag, &line_tags(line))
+            .await?)
+    }
+
+    fn lost(&self, e: &LedgerError) -> bool {
+        matches!(
+            e,
+            LedgerError::Store(StoreError::Conflict | StoreError::NotFound)
+        )
+    }
+
+    fn contended(&self, lost: Contended) -> LedgerError {
+        lost.into()
+    }
+}
+
 impl Ledger {
     fn line_segment(&self, area: &str, partition: &str, ordering_key: &str) -> String {
         let readable = format!(
@@ -217,56 +263,33 @@ impl Ledger {
         partition: &str,
         ordering_key: &str,
     ) -> Result<Option<(Line, String)>, LedgerError> {
-        let name = self.line_name(partition, ordering_key);
-        let Some(r) = self.store.read(&name).await? else {
-            return Ok(None);
+        let pointer = Pointer {
+            ledger: self,
+            name: self.line_name(partition, ordering_key),
         };
-        let line = serde_json::from_slice(&r.body).map_err(|e| corrupt(&name, e))?;
-        Ok(Some((line, r.etag)))
+        Ok(pointer.read().await?.map(|l| (l.value, l.etag)))
     }
 
     /// Opens a line with `line` as its pointer (`If-None-Match: *`). A line already open for
     /// the same head is [`Opened::Head`]; one for another head is returned as it is.
     pub async fn open_line(&self, line: &Line) -> Result<Opened, LedgerError> {
-        let name = self.line_name(&line.partition, &line.ordering_key);
-        let body = serde_json::to_vec(line).map_err(|e| corrupt(&name, e))?;
-        for _ in 0..super::CAS_ROUNDS {
-            match self
-                .store
-                .write_tagged(&name, Bytes::from(body.clone()), None, &line_tags(line))
-                .await
-            {
-                Ok(_) => return Ok(Opened::Head),
-                Err(StoreError::Conflict) => {}
-                Err(e) => return Err(e.into()),
+        let pointer = Pointer {
+            ledger: self,
+            name: self.line_name(&line.partition, &line.ordering_key),
+        };
+        let opened = compare_and_swap(&pointer, Start::From(None), |current| match current {
+            None => Change::Write(Box::new(line.clone()), Opened::Head),
+            Some(l) if l.head_key == line.head_key && l.head_seq == line.head_seq => {
+                Change::Keep(Opened::Head)
             }
-            match self.line(&line.partition, &line.ordering_key).await? {
-                None => continue, // removed meanwhile: open it again
-                Some((l, _)) if l.head_key == line.head_key && l.head_seq == line.head_seq => {
-                    return Ok(Opened::Head)
-                }
-                // A line that ended: the new one replaces its tombstone (the new head is
-                // later than anything it settled, so replays of those still meet a line).
-                Some((l, etag)) if l.ended && l.last_seq() < line.head_seq => {
-                    match self
-                        .store
-                        .write_tagged(
-                            &name,
-                            Bytes::from(body.clone()),
-                            Some(&etag),
-                            &line_tags(line),
-                        )
-                        .await
-                    {
-                        Ok(_) => return Ok(Opened::Head),
-                        Err(StoreError::Conflict | StoreError::NotFound) => continue,
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                Some((l, _)) => return Ok(Opened::Other(Box::new(l))),
+            // A line that ended: the new one replaces its tombstone (the new head is later
+            // than anything it settled, so replays of those still meet a line).
+            Some(l) if l.ended && l.last_seq() < line.head_seq => {
+                Change::Write(Box::new(line.clone()), Opened::Head)
             }
-        }
-        Err(LedgerError::Contended { key: name })
+            Some(l) => Change::Keep(Opened::Other(Box::new(l))),
+        });
+        Ok(opened.await?.value)
     }
 
     /// Replaces the pointer if it still has `etag`: [`StoreError::Conflict`] (or `NotFound`)

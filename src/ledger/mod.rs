@@ -11,6 +11,7 @@ use std::time::SystemTime;
 use base64::Engine as _;
 use bytes::Bytes;
 
+use crate::azure::versioned::{compare_and_swap, Conflicts, Contended, RecordKind};
 use crate::azure::{RecordStore, StoreError};
 
 mod dead_letters;
@@ -33,6 +34,7 @@ pub const BLOB_NAME_LIMIT: usize = 1024;
 /// History entries kept per record (older ones are dropped, the count stays right).
 pub const HISTORY_LIMIT: usize = 50;
 
+pub use crate::azure::versioned::Versioned;
 pub use crate::clock::{at, ms};
 
 pub mod lines;
@@ -91,16 +93,78 @@ pub enum LedgerError {
     },
 }
 
-/// Compare-and-swap rounds of an [`update`](Ledger::update) before it gives up.
-const CAS_ROUNDS: usize = 16;
+/// What an [`update`](Ledger::update) does with the record it was shown: write a record
+/// (create it if there was none) and return the value, or keep it and return the value.
+pub type Change<T> = crate::azure::versioned::Change<LedgerRecord, T>;
 
-/// What an [`update`](Ledger::update) does with the record it was shown.
-#[derive(Debug)]
-pub enum Change<T> {
-    /// Write this record (create it if there was none), then return the value.
-    Write(Box<LedgerRecord>, T),
-    /// Write nothing; return the value.
-    Keep(T),
+impl From<Contended> for LedgerError {
+    fn from(c: Contended) -> Self {
+        LedgerError::Contended { key: c.record }
+    }
+}
+
+impl Conflicts for LedgerError {
+    fn is_conflict(&self) -> bool {
+        matches!(self, LedgerError::Store(StoreError::Conflict))
+    }
+}
+
+/// `key`'s record, as the one compare-and-swap reads and writes it ([`Ledger::get`],
+/// [`Ledger::put`]).
+struct Entry<'a> {
+    ledger: &'a Ledger,
+    key: &'a str,
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Entry<'_> {
+    type Value = LedgerRecord;
+    type Error = LedgerError;
+
+    fn name(&self) -> String {
+        self.key.to_string()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<LedgerRecord>>, LedgerError> {
+        self.ledger.get(self.key).await
+    }
+
+    async fn write(&self, value: &LedgerRecord, etag: Option<&str>) -> Result<String, LedgerError> {
+        self.ledger.put(value, etag).await
+    }
+
+    fn lost(&self, e: &LedgerError) -> bool {
+        e.is_conflict()
+    }
+
+    fn contended(&self, lost: Contended) -> LedgerError {
+        lost.into()
+    }
+}
+
+/// `key`'s record decoded from `body`.
+fn decode(key: &str, body: &[u8]) -> Result<LedgerRecord, LedgerError> {
+    serde_json::from_slice(body).map_err(|e| LedgerError::Corrupt {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// `{hub}/{consumer group, lower-cased}/`: where one deployment's records are kept in each
+/// area of the container.
+fn deployment_prefix(hub: &str, consumer_group: &str) -> String {
+    format!("{hub}/{}/", consumer_group.to_ascii_lowercase())
+}
+
+/// The operator's control record of the deployment of `hub` and `consumer_group` (pauses,
+/// rewinds; `pipeline::control`), beside its ledger: `control/{hub}/{consumer group}/pause`.
+pub fn control_record_name(hub: &str, consumer_group: &str) -> String {
+    control_record(&deployment_prefix(hub, consumer_group))
+}
+
+/// The control record's name under a deployment's `prefix`: the one place it is spelled.
+fn control_record(prefix: &str) -> String {
+    format!("control/{prefix}pause")
 }
 
 fn encode_key(key: &str) -> String {
@@ -119,7 +183,7 @@ impl Ledger {
     pub fn new(store: Arc<dyn RecordStore>, hub: &str, consumer_group: &str) -> Self {
         Self {
             store,
-            prefix: format!("{hub}/{}/", consumer_group.to_ascii_lowercase()),
+            prefix: deployment_prefix(hub, consumer_group),
             indexed: Arc::default(),
             retention: None,
         }
@@ -170,9 +234,9 @@ impl Ledger {
     }
 
     /// The operator's control record of this ledger's deployment (pauses, rewinds), beside
-    /// the ledger: `control/{hub}/{consumer group}/pause`.
+    /// the ledger (see [`control_record_name`]).
     pub fn control_record_name(&self) -> String {
-        format!("control/{}pause", self.prefix)
+        control_record(&self.prefix)
     }
 
     /// The store the records live in (the container the replicas share).
@@ -225,27 +289,27 @@ impl Ledger {
     }
 
     /// The record of `key` and its ETag.
-    pub async fn get(&self, key: &str) -> Result<Option<(LedgerRecord, String)>, LedgerError> {
+    pub async fn get(&self, key: &str) -> Result<Option<Versioned<LedgerRecord>>, LedgerError> {
         let Some(r) = self.store.read(&self.record_name(key)).await? else {
             return Ok(None);
         };
-        let record = serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
-            key: key.to_string(),
-            reason: e.to_string(),
-        })?;
-        Ok(Some((record, r.etag)))
+        Ok(Some(Versioned::new(decode(key, &r.body)?, r.etag)))
+    }
+
+    /// The record of `key`, without its ETag (a reader that will not write it).
+    pub async fn record(&self, key: &str) -> Result<Option<LedgerRecord>, LedgerError> {
+        Ok(self.get(key).await?.map(|r| r.value))
     }
 
     /// Re-validates `key`'s record read earlier with `etag`: `Ok(None)` when it is unchanged
     /// (blob storage answers 304 without the body), else the record as it is now (`Some(None)`
     /// when it no longer exists).
-    #[allow(clippy::type_complexity)]
     #[cfg(any(test, feature = "testbed"))]
     pub async fn get_if_changed(
         &self,
         key: &str,
         etag: &str,
-    ) -> Result<Option<Option<(LedgerRecord, String)>>, LedgerError> {
+    ) -> Result<Option<Option<Versioned<LedgerRecord>>>, LedgerError> {
         let r = match self
             .store
             .read_if_changed(&self.record_name(key), etag)
@@ -255,11 +319,7 @@ impl Ledger {
             crate::azure::IfChanged::Missing => return Ok(Some(None)),
             crate::azure::IfChanged::Changed(r) => r,
         };
-        let record = serde_json::from_slice(&r.body).map_err(|e| LedgerError::Corrupt {
-            key: key.to_string(),
-            reason: e.to_string(),
-        })?;
-        Ok(Some(Some((record, r.etag))))
+        Ok(Some(Some(Versioned::new(decode(key, &r.body)?, r.etag))))
     }
 
     /// Writes `record`: creates it when `etag` is `None`, else replaces it if unchanged.
@@ -348,30 +408,11 @@ impl Ledger {
     pub async fn update_from<T>(
         &self,
         key: &str,
-        mut read: Option<(LedgerRecord, String)>,
-        mut decide: impl FnMut(Option<LedgerRecord>) -> Change<T>,
+        read: Option<Versioned<LedgerRecord>>,
+        decide: impl FnMut(Option<LedgerRecord>) -> Change<T>,
     ) -> Result<T, LedgerError> {
-        for _ in 0..CAS_ROUNDS {
-            let current = match read.take() {
-                Some(known) => Some(known),
-                None => self.get(key).await?,
-            };
-            let (record, etag) = match current {
-                Some((r, e)) => (Some(r), Some(e)),
-                None => (None, None),
-            };
-            match decide(record) {
-                Change::Keep(value) => return Ok(value),
-                Change::Write(record, value) => match self.put(&record, etag.as_deref()).await {
-                    Ok(_) => return Ok(value),
-                    Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                    Err(e) => return Err(e),
-                },
-            }
-        }
-        Err(LedgerError::Contended {
-            key: key.to_string(),
-        })
+        let entry = Entry { ledger: self, key };
+        Ok(compare_and_swap(&entry, read.into(), decide).await?.value)
     }
 
     /// Keys of every record (for tests and the demo's verification).

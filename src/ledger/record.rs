@@ -129,12 +129,15 @@ pub struct LedgerRecord {
     pub correlation_id: String,
     /// The event type.
     pub event_type: Option<String>,
-    /// Where it stands.
-    pub state: State,
+    /// Where it stands. This and the two fields below change only through the record's
+    /// transitions ([`schedule_retry`](Self::schedule_retry), [`deliver`](Self::deliver),
+    /// [`dead_letter`](Self::dead_letter)), which keep them in step; read them with the
+    /// accessors of the same names.
+    pub(super) state: State,
     /// Attempts finished so far.
     pub attempts: u32,
     /// When the next attempt is due (ms since the epoch).
-    pub next_attempt_ms: Option<i64>,
+    pub(super) next_attempt_ms: Option<i64>,
     /// The first failure (ms since the epoch): the age budget counts from here.
     pub first_failure_ms: i64,
     /// Last update.
@@ -142,7 +145,7 @@ pub struct LedgerRecord {
     /// The last error.
     pub last_error: Option<String>,
     /// Why it was dead-lettered.
-    pub dead_letter_reason: Option<DeadLetterReason>,
+    pub(super) dead_letter_reason: Option<DeadLetterReason>,
     /// The wait before the scheduled attempt (decorrelated jitter needs it).
     pub last_delay_ms: Option<u64>,
     /// The policy pinned at the first failure.
@@ -249,24 +252,80 @@ impl LedgerRecord {
 // three transitions below, which keep them in step: a scheduled retry has a due time and no
 // reason, a final record neither a due time nor (delivered) a reason.
 impl LedgerRecord {
+    /// Where it stands.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// When the next attempt is due (ms since the epoch; `None` when none is).
+    pub fn next_attempt_ms(&self) -> Option<i64> {
+        self.next_attempt_ms
+    }
+
+    /// Why it was dead-lettered (`None` unless it was).
+    pub fn dead_letter_reason(&self) -> Option<DeadLetterReason> {
+        self.dead_letter_reason.clone()
+    }
+
+    /// A test's door to a record in any state, in step or not (a record written by hand, an
+    /// older version's): sets the three fields as given, bypassing the transitions.
+    #[cfg(any(test, feature = "testbed"))]
+    pub fn force_state(
+        &mut self,
+        state: State,
+        next_attempt_ms: Option<i64>,
+        dead_letter_reason: Option<DeadLetterReason>,
+    ) {
+        self.state = state;
+        self.next_attempt_ms = next_attempt_ms;
+        self.dead_letter_reason = dead_letter_reason;
+    }
+
+    /// The record an event's first failure starts from: nothing counted yet, no attempt
+    /// due, `policy` pinned, the age budget counting from `now`.
+    pub fn first_failure(event: &Event, policy: RetryPolicy, now: SystemTime) -> Self {
+        LedgerRecord {
+            key: event.identity.idempotency_key.clone(),
+            correlation_id: event.identity.correlation_id.clone(),
+            event_type: event.identity.event_type.clone(),
+            state: State::RetryScheduled,
+            attempts: 0,
+            next_attempt_ms: None,
+            first_failure_ms: ms(now),
+            updated_ms: ms(now),
+            last_error: None,
+            dead_letter_reason: None,
+            last_delay_ms: None,
+            policy,
+            attempt_base: 0,
+            history: Vec::new(),
+            event: event.clone(),
+            quarantined: None,
+            event_unknown: false,
+            claim: None,
+            run_now: None,
+            indexed: None,
+        }
+    }
+
     /// A retry is scheduled, due at `due_ms` (ms since the epoch): a failure's next attempt,
     /// an operator's `retry-now`, a replay, or a due time moved by a claim or the overdue
     /// sweep. The wait before it (`last_delay_ms`) is the caller's to set when it draws one.
-    pub(crate) fn schedule_retry(&mut self, due_ms: i64) {
+    pub fn schedule_retry(&mut self, due_ms: i64) {
         self.state = State::RetryScheduled;
         self.next_attempt_ms = Some(due_ms);
         self.dead_letter_reason = None;
     }
 
     /// Delivered: nothing more is due.
-    pub(crate) fn deliver(&mut self) {
+    pub fn deliver(&mut self) {
         self.state = State::Delivered;
         self.next_attempt_ms = None;
         self.dead_letter_reason = None;
     }
 
     /// Dead-lettered for `reason`: nothing more is due.
-    pub(crate) fn dead_letter(&mut self, reason: DeadLetterReason) {
+    pub fn dead_letter(&mut self, reason: DeadLetterReason) {
         self.state = State::DeadLettered;
         self.next_attempt_ms = None;
         self.dead_letter_reason = Some(reason);

@@ -232,7 +232,10 @@ async fn the_index_follows_the_record_and_claims_write_no_entry() {
     );
     assert_eq!(p[0].sequence_number, Some(9));
     // A claim changes neither due time nor attempt: no entry write (the mark says so).
-    let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+    let crate::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("k").await.unwrap().unwrap();
     assert_eq!(
         rec.indexed,
         Some(IndexMark {
@@ -258,7 +261,7 @@ async fn the_index_follows_the_record_and_claims_write_no_entry() {
     let p = ledger.pending().await.unwrap();
     assert_eq!((p[0].attempt, p[0].due), (3, at(9_000)));
     // Delivered: the entry is gone.
-    let (mut rec, _) = ledger.get("k").await.unwrap().unwrap();
+    let mut rec = ledger.record("k").await.unwrap().unwrap();
     rec.state = State::Delivered;
     rec.attempts = 3;
     rec.next_attempt_ms = None;
@@ -276,11 +279,11 @@ async fn a_stale_entry_is_repaired_against_its_record_not_trusted() {
     }
     // Crashes between a record's write and its entry's: a due time that moved later,
     // a record delivered, a record removed.
-    let (mut moved, _) = ledger.get("moved").await.unwrap().unwrap();
+    let mut moved = ledger.record("moved").await.unwrap().unwrap();
     moved.attempts = 2;
     moved.next_attempt_ms = Some(60_000);
     write_raw(store.as_ref(), &ledger, &moved).await;
-    let (mut settled, _) = ledger.get("settled").await.unwrap().unwrap();
+    let mut settled = ledger.record("settled").await.unwrap().unwrap();
     settled.state = State::Delivered;
     settled.next_attempt_ms = None;
     write_raw(store.as_ref(), &ledger, &settled).await;

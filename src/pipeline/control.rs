@@ -13,10 +13,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+use crate::azure::versioned::{
+    compare_and_swap, Change, Conflicts, Contended, Json, Start, Versioned,
+};
 use crate::azure::{RecordStore, StoreError};
 
 /// How often every replica reads the control record.
@@ -153,10 +155,7 @@ pub fn held_name(pid: &str) -> String {
 
 /// The control record's name for a deployment (consumer group lower-cased, as the ledger's).
 pub fn record_name(hub: &str, consumer_group: &str) -> String {
-    format!(
-        "control/{hub}/{}/pause",
-        consumer_group.to_ascii_lowercase()
-    )
+    crate::ledger::control_record_name(hub, consumer_group)
 }
 
 /// An unreadable control record: named, never taken as "nothing paused" silently.
@@ -178,26 +177,43 @@ pub enum ControlError {
     Contended(String),
 }
 
+impl From<Contended> for ControlError {
+    fn from(c: Contended) -> Self {
+        ControlError::Contended(c.record)
+    }
+}
+
+impl Conflicts for ControlError {
+    fn is_conflict(&self) -> bool {
+        matches!(self, ControlError::Store(StoreError::Conflict))
+    }
+}
+
+/// The control record `name` in `store`, as the one compare-and-swap reads and writes it.
+fn record<'a>(store: &'a dyn RecordStore, name: &'a str) -> Json<'a, Pauses, ControlError> {
+    Json::new(store, name, |name, e| {
+        Err(ControlError::Corrupt {
+            name: name.into(),
+            reason: e.to_string(),
+        })
+    })
+}
+
 /// Reads the control record (with its ETag).
 pub async fn read(
     store: &dyn RecordStore,
     name: &str,
-) -> Result<Option<(Pauses, String)>, ControlError> {
-    match store.read(name).await? {
-        None => Ok(None),
-        Some(r) => serde_json::from_slice(&r.body)
-            .map(|p| Some((p, r.etag)))
-            .map_err(|e| ControlError::Corrupt {
-                name: name.into(),
-                reason: e.to_string(),
-            }),
-    }
+) -> Result<Option<Versioned<Pauses>>, ControlError> {
+    record(store, name).read().await
 }
 
 /// The control record as it stands (empty when none was ever written).
 #[cfg(any(test, feature = "testbed"))]
 pub async fn current(store: &dyn RecordStore, name: &str) -> Result<Pauses, ControlError> {
-    Ok(read(store, name).await?.map(|(p, _)| p).unwrap_or_default())
+    Ok(read(store, name)
+        .await?
+        .map(|p| p.value)
+        .unwrap_or_default())
 }
 
 /// Changes the control record with compare-and-swap: `change` gets what is there and says
@@ -208,27 +224,15 @@ pub async fn change(
     name: &str,
     change: impl Fn(&Pauses) -> Option<Pauses>,
 ) -> Result<(Pauses, bool), ControlError> {
-    for _ in 0..16 {
-        let current = read(store, name).await?;
-        let (now, etag) = match &current {
-            Some((p, e)) => (p.clone(), Some(e.clone())),
-            None => (Pauses::default(), None),
-        };
-        let Some(next) = change(&now) else {
-            return Ok((now, false));
-        };
-        let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
-        let written = match etag {
-            Some(e) => store.update(name, body, &e).await,
-            None => store.create(name, body).await,
-        };
-        match written {
-            Ok(_) => return Ok((next, true)),
-            Err(StoreError::Conflict) => continue,
-            Err(e) => return Err(e.into()),
+    let swapped = compare_and_swap(&record(store, name), Start::Read, |now| {
+        let now = now.unwrap_or_default();
+        match change(&now) {
+            Some(next) => Change::Write(Box::new(next.clone()), next),
+            None => Change::Keep(now),
         }
-    }
-    Err(ControlError::Contended(name.into()))
+    })
+    .await?;
+    Ok((swapped.value, swapped.written.is_some()))
 }
 
 /// Marks `pid`'s rewind `id` applied by `by` (compare-and-swap; a newer request for the
@@ -271,7 +275,7 @@ pub(crate) async fn watch(
     loop {
         match read(store.as_ref(), &name).await {
             Ok(read) => {
-                let now = read.map(|(p, _)| p).unwrap_or_default();
+                let now = read.map(|p| p.value).unwrap_or_default();
                 tx.send_if_modified(|p| {
                     let changed = *p != now;
                     if changed {

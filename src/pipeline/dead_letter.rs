@@ -276,7 +276,7 @@ impl DeadLetterDestination {
         let mut properties: Vec<(String, String)> = Vec::new();
         let push = push_property;
         // The reason as a code (`permanent`, `attempts_exhausted`, …) and in words.
-        if let Some(r) = &rec.dead_letter_reason {
+        if let Some(r) = &rec.dead_letter_reason() {
             let code = serde_json::to_value(r)
                 .ok()
                 .and_then(|v| v.as_str().map(String::from))
@@ -446,36 +446,20 @@ mod tests {
                 event_type: None,
             },
         };
-        LedgerRecord {
-            key: "k".into(),
-            correlation_id: "k".into(),
-            event_type: None,
-            state: crate::ledger::State::DeadLettered,
-            attempts: 1,
-            next_attempt_ms: None,
-            first_failure_ms: 0,
-            updated_ms: 0,
-            last_error: Some("refused".into()),
-            dead_letter_reason: Some(crate::policy::DeadLetterReason::Permanent),
-            last_delay_ms: None,
-            policy: crate::policy::RetryPolicy {
-                name: "t".into(),
-                curve: crate::policy::Curve::Fixed,
-                base_s: 1,
-                floor_s: 1,
-                cap_s: 1,
-                max_attempts: 1,
-                max_age_s: None,
-            },
-            attempt_base: 0,
-            history: Vec::new(),
-            event,
-            quarantined: None,
-            event_unknown: false,
-            claim: None,
-            run_now: None,
-            indexed: None,
-        }
+        let policy = crate::policy::RetryPolicy {
+            name: "t".into(),
+            curve: crate::policy::Curve::Fixed,
+            base_s: 1,
+            floor_s: 1,
+            cap_s: 1,
+            max_attempts: 1,
+            max_age_s: None,
+        };
+        let mut rec = LedgerRecord::first_failure(&event, policy, crate::clock::at(0));
+        rec.attempts = 1;
+        rec.last_error = Some("refused".into());
+        rec.dead_letter(crate::policy::DeadLetterReason::Permanent);
+        rec
     }
 
     fn destination(

@@ -48,6 +48,7 @@
 //! RETRY_SCHEDULED, and stop at a final one, so none of them can resurrect a delivery recorded
 //! here.
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -73,21 +74,18 @@ impl Recorded {
                 (p.key, seq)
             })
             .collect();
-        *self.listed.lock().unwrap_or_else(|p| p.into_inner()) = Some(mine);
+        *self.listed.locked() = Some(mine);
     }
 
     /// Whether a listing has succeeded.
     pub(crate) fn is_listed(&self) -> bool {
-        self.listed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
+        self.listed.locked().is_some()
     }
 
     /// Whether the ledger may hold a pending retry of `event` (see the module's argument):
     /// `false` only when a listing says it does not.
     pub(crate) fn may_have_record(&self, event: &Event) -> bool {
-        match &*self.listed.lock().unwrap_or_else(|p| p.into_inner()) {
+        match &*self.listed.locked() {
             None => true,
             Some(keys) => keys
                 .get(&event.identity.idempotency_key)
@@ -98,7 +96,7 @@ impl Recorded {
     /// The event settled through the ledger: its entry is no longer needed (this task never
     /// reads it again).
     pub(crate) fn forget(&self, event: &Event) {
-        if let Some(keys) = &mut *self.listed.lock().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(keys) = &mut *self.listed.locked() {
             keys.remove(&event.identity.idempotency_key);
         }
     }

@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use azure_messaging_eventhubs::models::Ownership;
-use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
@@ -18,8 +17,13 @@ use super::{
     decrease, pause, rate_at, Adaptation, AdaptedRecord, DecreaseReason, Gcra, Owned,
     RateLimitConfig, Shares, Signal,
 };
+use crate::azure::versioned::{
+    compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start, Swapped,
+    Versioned,
+};
 use crate::azure::{IfChanged, RecordStore, StoreError};
 use crate::clock::{at, rfc3339, Clock};
+use crate::sync::LockExt;
 
 /// Where the adapted rate of `downstream` is kept in the record store.
 pub fn record_name(downstream: &str) -> String {
@@ -141,19 +145,18 @@ impl Limiter {
 
     /// Caps the limit by the rate the webhook granted (`WebHook-Allowed-Rate`, per second).
     pub fn with_allowed_rate(self, allowed: watch::Receiver<Option<f64>>) -> Self {
-        *self.allowed.lock().unwrap_or_else(|p| p.into_inner()) = Some(allowed);
+        *self.allowed.locked() = Some(allowed);
         self.publish();
         self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     fn allowed_per_s(&self) -> Option<f64> {
         self.allowed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .as_ref()
             .and_then(|a| *a.borrow())
             .filter(|r| r.is_finite() && *r > 0.0)
@@ -447,7 +450,7 @@ impl Limiter {
             paused.or(decreased)
         };
         // Here first, so this replica slows down whatever storage does.
-        let (mut record, mut etag) = {
+        let (record, etag) = {
             let mut st = self.state();
             let Some(next) = change(&st.record, self.clock.now()) else {
                 return;
@@ -463,56 +466,92 @@ impl Limiter {
         if let Some(ra) = retry_after {
             tracing::info!(downstream = %self.downstream, retry_after_s = ra.as_secs_f64(), "downstream paused for every replica (429 with Retry-After)");
         }
-        for _ in 0..4 {
-            let body = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-            let written = match &etag {
-                None => self.store.create(&self.key, body).await,
-                Some(e) => self.store.update(&self.key, body, e).await,
-            };
-            match written {
-                Ok(e) => {
-                    let mut st = self.state();
-                    st.etag = Some(e);
-                    st.read_at = Some(Instant::now());
-                    return;
+        // Then the shared record: written over the version this replica last read; when
+        // another replica changed it meanwhile, from theirs.
+        let mut decided = Some(record);
+        let swapped = compare_and_swap(
+            &Kept(self),
+            Start::From(etag.map(|e| Versioned::new(AdaptedRecord::default(), e))),
+            |current| {
+                if let Some(record) = decided.take() {
+                    return Versioning::Write(Box::new(record), None);
                 }
-                Err(StoreError::Conflict) => {
-                    // Another replica changed it: start from theirs.
-                    let current = match self.store.read(&self.key).await {
-                        Ok(Some(r)) => (
-                            serde_json::from_slice::<AdaptedRecord>(&r.body).unwrap_or_default(),
-                            Some(r.etag),
-                        ),
-                        Ok(None) => (AdaptedRecord::default(), None),
-                        Err(_) => return,
-                    };
-                    let mut st = self.state();
-                    st.read_at = Some(Instant::now());
-                    st.etag = current.1.clone();
-                    match change(&current.0, self.clock.now()) {
-                        None => {
-                            // Theirs already says as much: take it.
-                            if st.record != current.0 {
-                                st.record = current.0;
-                                self.bump(&mut st);
-                            }
-                            drop(st);
-                            self.publish();
-                            return;
-                        }
-                        Some(next) => {
-                            st.record = next.clone();
-                            record = next;
-                            etag = current.1;
-                        }
+                let current = current.unwrap_or_default();
+                match change(&current, self.clock.now()) {
+                    // Theirs already says as much: take it.
+                    None => Versioning::Keep(Some(current)),
+                    Some(next) => {
+                        self.state().record = next.clone();
+                        Versioning::Write(Box::new(next), None)
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(downstream = %self.downstream, error = %e, "the lowered rate could not be shared; this replica keeps it");
-                    return;
+            },
+        )
+        .await;
+        match swapped {
+            Ok(Swapped {
+                written: Some(written),
+                ..
+            }) => {
+                let mut st = self.state();
+                st.etag = Some(written.etag);
+                st.read_at = Some(Instant::now());
+            }
+            Ok(Swapped {
+                value: Some(theirs),
+                ..
+            }) => {
+                let mut st = self.state();
+                if st.record != theirs {
+                    st.record = theirs;
+                    self.bump(&mut st);
                 }
+                drop(st);
+                self.publish();
+            }
+            Ok(_) | Err(StoreError::Conflict) => {}
+            Err(e) => {
+                tracing::warn!(downstream = %self.downstream, error = %e, "the lowered rate could not be shared; this replica keeps it");
             }
         }
+    }
+}
+
+/// A downstream's shared rate record as the one compare-and-swap reads and writes it:
+/// every read is what this replica last saw of it.
+struct Kept<'a>(&'a Limiter);
+
+#[async_trait::async_trait]
+impl RecordKind for Kept<'_> {
+    type Value = AdaptedRecord;
+    type Error = StoreError;
+
+    fn name(&self) -> String {
+        self.0.key.clone()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<AdaptedRecord>>, StoreError> {
+        let read = Json::<AdaptedRecord>::lenient(self.0.store.as_ref(), &self.0.key)
+            .read()
+            .await?;
+        let mut st = self.0.state();
+        st.read_at = Some(Instant::now());
+        st.etag = read.as_ref().map(|r| r.etag.clone());
+        Ok(read)
+    }
+
+    async fn write(&self, value: &AdaptedRecord, etag: Option<&str>) -> Result<String, StoreError> {
+        Json::<AdaptedRecord>::lenient(self.0.store.as_ref(), &self.0.key)
+            .write(value, etag)
+            .await
+    }
+
+    fn lost(&self, e: &StoreError) -> bool {
+        e.is_conflict()
+    }
+
+    fn contended(&self, _: Contended) -> StoreError {
+        StoreError::Conflict
     }
 }
 

@@ -50,14 +50,14 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), slow, "replica-a"));
     wait_for("partition path settled", &run.health, LIMIT, || async {
-        matches!(ledger.get("corrupt-later").await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
+        matches!(ledger.record("corrupt-later").await, Ok(Some(r)) if r.state() == State::RetryScheduled)
             && bed.checkpoint_of("0").await == Some(2)
     })
     .await;
-    let (rec, _) = ledger.get("corrupt-on-read").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::DeadLettered);
+    let rec = ledger.record("corrupt-on-read").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::DeadLettered);
     assert_eq!(
-        rec.dead_letter_reason,
+        rec.dead_letter_reason(),
         Some(DeadLetterReason::CorruptRecord)
     );
     assert!(!rec.event_unknown, "the event was in hand");
@@ -72,12 +72,12 @@ async fn a_corrupt_ledger_record_is_set_aside_and_its_event_dead_lettered_never_
     corrupt(&bed, "corrupt-later").await;
     bed.clock().advance(Duration::from_secs(31));
     wait_for("retry path dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.get("corrupt-later").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+        matches!(ledger.record("corrupt-later").await, Ok(Some(r)) if r.state() == State::DeadLettered)
     })
     .await;
-    let (rec, _) = ledger.get("corrupt-later").await.unwrap().unwrap();
+    let rec = ledger.record("corrupt-later").await.unwrap().unwrap();
     assert_eq!(
-        rec.dead_letter_reason,
+        rec.dead_letter_reason(),
         Some(DeadLetterReason::CorruptRecord)
     );
     assert!(rec.event_unknown, "the retry message carries only the key");

@@ -245,10 +245,10 @@ async fn events_run_at_once_same_keys_stay_in_order_and_checkpoints_never_pass_u
     }
     // Nothing lost: every event delivered, or dead-lettered when refused.
     for (key, _, body) in &events {
-        let rec = ledger.get(key).await.unwrap().map(|(r, _)| r);
+        let rec = ledger.record(key).await.unwrap();
         match body.as_str() {
-            "perm" => assert_eq!(rec.unwrap().state, State::DeadLettered, "{key}"),
-            "fail:1" => assert_eq!(rec.unwrap().state, State::Delivered, "{key}"),
+            "perm" => assert_eq!(rec.unwrap().state(), State::DeadLettered, "{key}"),
+            "fail:1" => assert_eq!(rec.unwrap().state(), State::Delivered, "{key}"),
             _ => assert!(
                 rec.is_none(),
                 "{key}: the happy path writes no ledger record"
@@ -383,10 +383,10 @@ async fn with_service_bus_down_concurrent_failures_hold_the_partition_until_the_
     for k in ["held-02", "held-05", "held-09"] {
         wait_for("the retry delivered", &run.health, LIMIT, || async {
             ledger
-                .get(k)
+                .record(k)
                 .await
                 .unwrap()
-                .is_some_and(|(r, _)| r.state == State::Delivered && r.attempts == 2)
+                .is_some_and(|r| r.state() == State::Delivered && r.attempts == 2)
         })
         .await;
     }

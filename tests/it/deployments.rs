@@ -81,7 +81,7 @@ async fn two_consumer_groups_sharing_a_queue_and_a_container_each_retry_every_ev
             || async {
                 let mut all = true;
                 for k in &keys {
-                    all &= matches!(ledger.get(k).await, Ok(Some((r, _))) if r.state == State::Delivered);
+                    all &= matches!(ledger.record(k).await, Ok(Some(r)) if r.state() == State::Delivered);
                 }
                 all
             },
@@ -99,7 +99,7 @@ async fn two_consumer_groups_sharing_a_queue_and_a_container_each_retry_every_ev
     }
     for (ledger, name) in ledgers.iter().zip(["$Default", "cg2"]) {
         for k in &keys {
-            let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+            let rec = ledger.record(k).await.unwrap().unwrap();
             assert_eq!(
                 rec.history.iter().map(|h| h.attempt).collect::<Vec<_>>(),
                 vec![1, 2],
@@ -211,7 +211,7 @@ async fn a_replica_hands_another_deployments_retries_back_and_never_runs_them() 
     wait_for("cg2 delivered every event", &run.health, LIMIT, || async {
         let mut all = true;
         for k in &keys {
-            all &= matches!(cg2.get(k).await, Ok(Some((r, _))) if r.state == State::Delivered);
+            all &= matches!(cg2.record(k).await, Ok(Some(r)) if r.state() == State::Delivered);
         }
         all
     })
@@ -269,7 +269,7 @@ async fn retry_pending_without_its_record(bed: &Bed, key: &str, handler: Arc<Scr
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.get(key).await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
+            matches!(ledger.record(key).await, Ok(Some(r)) if r.state() == State::RetryScheduled)
                 && bed.checkpoint_of("0").await == Some(0)
         },
     )
@@ -290,7 +290,7 @@ async fn a_retry_whose_record_was_removed_by_hand_is_rebuilt_from_event_hubs_and
     bed.clock().advance(Duration::from_secs(61));
     let ledger = bed.ledger();
     wait_for("delivered after all", &run.health, LIMIT, || async {
-        matches!(ledger.get("removed").await, Ok(Some((r, _))) if r.state == State::Delivered)
+        matches!(ledger.record("removed").await, Ok(Some(r)) if r.state() == State::Delivered)
     })
     .await;
     // Reading the event back may have taken the partition from the processor for a moment
@@ -308,7 +308,7 @@ async fn a_retry_whose_record_was_removed_by_hand_is_rebuilt_from_event_hubs_and
         "attempt 2 ran once, from the event read back: {attempts:?}"
     );
     assert!(attempts.iter().all(|a| *a <= 2), "{attempts:?}");
-    let (rec, _) = ledger.get("removed").await.unwrap().unwrap();
+    let rec = ledger.record("removed").await.unwrap().unwrap();
     assert_eq!(
         rec.event.body, b"fail:1",
         "the event itself, read back from Event Hubs"
@@ -328,13 +328,18 @@ async fn a_retry_whose_record_and_event_are_gone_is_dead_lettered_record_missing
     bed.eh.store().hub("hub").unwrap().partitions[0].expire_through(0);
     bed.clock().advance(Duration::from_secs(61));
     let ledger = bed.ledger();
-    wait_for("dead-lettered as record_missing", &run.health, LIMIT, || async {
-        matches!(ledger.get("vanished").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
-    })
+    wait_for(
+        "dead-lettered as record_missing",
+        &run.health,
+        LIMIT,
+        || async {
+            matches!(ledger.record("vanished").await, Ok(Some(r)) if r.state() == State::DeadLettered)
+        },
+    )
     .await;
-    let (rec, _) = ledger.get("vanished").await.unwrap().unwrap();
+    let rec = ledger.record("vanished").await.unwrap().unwrap();
     assert_eq!(
-        rec.dead_letter_reason,
+        rec.dead_letter_reason(),
         Some(DeadLetterReason::RecordMissing)
     );
     assert!(rec.event_unknown);
@@ -394,13 +399,13 @@ async fn an_older_retry_service_bus_dead_lettered_without_its_record_is_reported
     let run = Bed::run(bed.parts(Arc::new(Scripted::default()), fast_policy(5), "a"));
     let ledger = bed.ledger();
     wait_for("reported as record_missing", &run.health, LIMIT, || async {
-        matches!(ledger.get("stranded").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+        matches!(ledger.record("stranded").await, Ok(Some(r)) if r.state() == State::DeadLettered)
             && bed.sb.counters("retries").unwrap().dead_lettered == 0
     })
     .await;
-    let (rec, _) = ledger.get("stranded").await.unwrap().unwrap();
+    let rec = ledger.record("stranded").await.unwrap().unwrap();
     assert_eq!(
-        rec.dead_letter_reason,
+        rec.dead_letter_reason(),
         Some(DeadLetterReason::RecordMissing)
     );
     let error = rec.last_error.unwrap_or_default();

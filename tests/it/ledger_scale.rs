@@ -88,43 +88,29 @@ impl RecordStore for Counting {
 /// A record of `key` (an event of partition 0 at `seq`) in `state`, due at `due` when it
 /// waits.
 pub(crate) fn record(key: &str, seq: i64, state: State, due: Option<SystemTime>) -> LedgerRecord {
-    LedgerRecord {
-        key: key.into(),
-        correlation_id: key.into(),
-        event_type: None,
-        state,
-        attempts: 1,
-        next_attempt_ms: due.map(ms),
-        first_failure_ms: 0,
-        updated_ms: 0,
-        last_error: Some("scripted failure 1".into()),
-        dead_letter_reason: None,
-        last_delay_ms: Some(1_000),
-        policy: fast_policy(5),
-        attempt_base: 0,
-        history: Vec::new(),
-        event: Event {
-            body: b"ok".to_vec(),
-            content_type: None,
-            properties: Default::default(),
-            hub: "hub".into(),
-            partition_id: "0".into(),
-            sequence_number: seq,
-            offset: None,
-            enqueued_ms: None,
-            partition_key: None,
-            identity: Identity {
-                idempotency_key: key.into(),
-                correlation_id: key.into(),
-                event_type: None,
-            },
+    let event = Event {
+        body: b"ok".to_vec(),
+        content_type: None,
+        properties: Default::default(),
+        hub: "hub".into(),
+        partition_id: "0".into(),
+        sequence_number: seq,
+        offset: None,
+        enqueued_ms: None,
+        partition_key: None,
+        identity: Identity {
+            idempotency_key: key.into(),
+            correlation_id: key.into(),
+            event_type: None,
         },
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        indexed: None,
-        run_now: None,
-    }
+    };
+    let mut rec = LedgerRecord::first_failure(&event, fast_policy(5), SystemTime::UNIX_EPOCH);
+    rec.attempts = 1;
+    rec.last_error = Some("scripted failure 1".into());
+    rec.last_delay_ms = Some(1_000);
+    // Any state, as a record written by hand may be (a dead letter without its reason).
+    rec.force_state(state, due.map(ms), None);
+    rec
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,10 +131,12 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
                 let key = format!("settled-{i}");
                 let waiting = record(&key, i as i64, State::RetryScheduled, Some(now));
                 ledger.put(&waiting, None).await.unwrap();
-                let (mut rec, etag) = ledger.get(&key).await.unwrap().unwrap();
-                rec.state = State::Delivered;
+                let hubguard::ledger::Versioned {
+                    value: mut rec,
+                    etag,
+                } = ledger.get(&key).await.unwrap().unwrap();
+                rec.deliver();
                 rec.attempts = 2;
-                rec.next_attempt_ms = None;
                 ledger.put(&rec, Some(&etag)).await.unwrap();
             }
         })
@@ -174,10 +162,12 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         Some(now - Duration::from_secs(3_600)),
     );
     ledger.put(&stale, None).await.unwrap();
-    let (mut delivered, etag) = ledger.get("crashed").await.unwrap().unwrap();
-    delivered.state = State::Delivered;
+    let hubguard::ledger::Versioned {
+        value: mut delivered,
+        etag,
+    } = ledger.get("crashed").await.unwrap().unwrap();
+    delivered.deliver();
     delivered.attempts = 2;
-    delivered.next_attempt_ms = None;
     bed.records()
         .update(
             &ledger.record_name("crashed"),
@@ -209,7 +199,7 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::Delivered)
+            matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state() == State::Delivered)
                 && run.health.snapshot().recovered >= 1
         },
     )
@@ -224,8 +214,8 @@ async fn the_sweep_finds_an_overdue_retry_among_many_settled_records_without_lis
         handler.calls_of("crashed").is_empty(),
         "a stale entry is not trusted"
     );
-    let (rec, _) = ledger.get("crashed").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::Delivered);
+    let rec = ledger.record("crashed").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::Delivered);
     // Every listing the pipeline made (the sweep, the partition's listing at claim) read the
     // pending index, or the ordered retries' line pointers (the sweep releases a line whose
     // head settled, whatever the setting): a handful of blobs, never the settled records.
@@ -269,7 +259,7 @@ async fn retention_deletes_settled_deliveries_and_nothing_that_waits_or_is_unset
     );
     ledger.put(&waiting, None).await.unwrap();
     let mut dead = record("dead", 2, State::DeadLettered, None);
-    dead.dead_letter_reason = Some(hubguard::policy::DeadLetterReason::Permanent);
+    dead.dead_letter(hubguard::policy::DeadLetterReason::Permanent);
     ledger.put(&dead, None).await.unwrap();
 
     bed.send(0, &[("first", "ok")]).await;
@@ -373,7 +363,7 @@ async fn dead_letters_are_kept_until_purged_and_a_dry_run_deletes_nothing() {
     let now = SystemTime::now();
     for (key, age_days) in [("old-dead", 40u64), ("new-dead", 1)] {
         let mut dead = record(key, 0, State::DeadLettered, None);
-        dead.dead_letter_reason = Some(hubguard::policy::DeadLetterReason::Permanent);
+        dead.dead_letter(hubguard::policy::DeadLetterReason::Permanent);
         dead.updated_ms = ms(now - Duration::from_secs(age_days * 86_400));
         ledger.index_dead_letter(key).await.unwrap();
         ledger.put(&dead, None).await.unwrap();

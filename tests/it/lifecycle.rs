@@ -116,10 +116,12 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         )
         .await
         .unwrap();
-    let (mut rec, etag) = ledger.get("delivered").await.unwrap().unwrap();
-    rec.state = State::Delivered;
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("delivered").await.unwrap().unwrap();
+    rec.deliver();
     rec.attempts = 2;
-    rec.next_attempt_ms = None;
     ledger.put(&rec, Some(&etag)).await.unwrap();
     ledger
         .put(
@@ -139,9 +141,11 @@ async fn the_lifecycle_policy_deletes_only_delivered_records() {
         .put(&record("replayed", 4, State::DeadLettered, None), None)
         .await
         .unwrap();
-    let (mut rec, etag) = ledger.get("replayed").await.unwrap().unwrap();
-    rec.state = State::RetryScheduled;
-    rec.next_attempt_ms = Some(hubguard::ledger::ms(due));
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("replayed").await.unwrap().unwrap();
+    rec.schedule_retry(hubguard::ledger::ms(due));
     ledger.put(&rec, Some(&etag)).await.unwrap();
     ledger.pending().await.unwrap(); // writes the index marker
 
@@ -234,10 +238,12 @@ async fn the_state_tag_adds_no_call() {
             .put(&record("k", 1, State::RetryScheduled, Some(due)), None)
             .await
             .unwrap();
-        let (mut rec, etag) = ledger.get("k").await.unwrap().unwrap();
+        let hubguard::ledger::Versioned {
+            value: mut rec,
+            etag,
+        } = ledger.get("k").await.unwrap().unwrap();
         rec.attempts = 2;
-        rec.state = State::Delivered;
-        rec.next_attempt_ms = None;
+        rec.deliver();
         ledger.put(&rec, Some(&etag)).await.unwrap();
         let tags = client
             .get_tags(&ledger.record_name("k"))

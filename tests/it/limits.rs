@@ -45,8 +45,8 @@ async fn a_million_byte_event_is_delivered_first_time_and_after_a_failure() {
     };
     assert_eq!(attempts("big-ok"), vec![1]);
     assert_eq!(attempts("big-flaky"), vec![1, 2]);
-    let (rec, _) = bed.ledger().get("big-flaky").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = bed.ledger().record("big-flaky").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     assert_eq!(
         rec.event.body.len(),
         1_000_000,
@@ -80,9 +80,9 @@ async fn a_300_character_key_that_fails_once_is_retried_under_a_bounded_message_
     })
     .await;
     assert_eq!(handler.calls_of(&long), vec![1, 2]);
-    let (rec, _) = bed.ledger().get(&long).await.unwrap().unwrap();
+    let rec = bed.ledger().record(&long).await.unwrap().unwrap();
     assert_eq!(rec.key, long, "the readable key stays in the ledger");
-    assert_eq!(rec.state, State::Delivered);
+    assert_eq!(rec.state(), State::Delivered);
     run.stop().await;
     let accepted = bed.sb.queue("retries").unwrap().accepted();
     assert_eq!(accepted.len(), 1, "{accepted:?}");
@@ -105,11 +105,14 @@ async fn a_retry_message_service_bus_refuses_dead_letters_its_event_and_the_part
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
     let ledger = bed.ledger();
     wait_for("refused event dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.get("refused-one").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+        matches!(ledger.record("refused-one").await, Ok(Some(r)) if r.state() == State::DeadLettered)
     })
     .await;
-    let (rec, _) = ledger.get("refused-one").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RetryRefused));
+    let rec = ledger.record("refused-one").await.unwrap().unwrap();
+    assert_eq!(
+        rec.dead_letter_reason(),
+        Some(DeadLetterReason::RetryRefused)
+    );
     let error = rec.last_error.unwrap_or_default();
     assert!(
         error.contains("400") && error.contains("refused"),
@@ -180,8 +183,8 @@ async fn throttling_from_service_bus_or_blob_storage_holds_and_backs_off_and_dea
     .await;
     let ledger = bed.ledger();
     for key in ["sb-throttled", "blob-throttled"] {
-        let (rec, _) = ledger.get(key).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::Delivered, "{key}");
+        let rec = ledger.record(key).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::Delivered, "{key}");
     }
     assert!(ledger.dead_letter_keys().await.unwrap().is_empty());
     run.stop().await;
@@ -221,8 +224,8 @@ async fn a_missing_retry_queue_holds_the_partition_and_readiness_names_it() {
         "nothing passes the held event"
     );
     assert_eq!(bed.checkpoint_of("0").await, None);
-    let (rec, _) = bed.ledger().get("needs-a-retry").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::RetryScheduled, "not dead-lettered");
+    let rec = bed.ledger().record("needs-a-retry").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::RetryScheduled, "not dead-lettered");
     run.stop().await;
 }
 
@@ -261,8 +264,8 @@ async fn the_same_cloudevents_id_from_two_sources_is_two_events_each_retried_on_
     assert_eq!(handler.calls_of("/b|dup-2"), vec![1, 2]);
     let ledger = bed.ledger();
     for (key, partition) in [("/a|dup-2", "0"), ("/b|dup-2", "1")] {
-        let (rec, _) = ledger.get(key).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::Delivered, "{key}");
+        let rec = ledger.record(key).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::Delivered, "{key}");
         assert_eq!(rec.event.partition_id, partition, "{key}");
     }
     run.stop().await;

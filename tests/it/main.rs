@@ -41,6 +41,7 @@ mod servicebus;
 mod servicebus_auth;
 mod shape_hook;
 mod shape_partitions;
+mod shape_records;
 mod shape_waits;
 mod sizes;
 mod telemetry;

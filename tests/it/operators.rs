@@ -35,7 +35,7 @@ fn operator(bed: &Bed, policy: RetryPolicy) -> Settler {
 }
 
 async fn record(bed: &Bed, key: &str) -> Option<hubguard::ledger::LedgerRecord> {
-    bed.ledger().get(key).await.unwrap().map(|(r, _)| r)
+    bed.ledger().record(key).await.unwrap()
 }
 
 async fn drained(bed: &Bed) -> bool {
@@ -59,7 +59,7 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
     wait_for("attempt 2 scheduled", &a.health, LIMIT, || async {
         record(&bed, "rn-1")
             .await
-            .is_some_and(|r| r.state == State::RetryScheduled && r.attempts == 1)
+            .is_some_and(|r| r.state() == State::RetryScheduled && r.attempts == 1)
     })
     .await;
     a.stop().await;
@@ -70,7 +70,7 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
         ops.retry_now("rn-1", "alice", true).await.unwrap(),
         ActionOutcome::Done {
             attempt: 2,
-            previous_due_ms: before.next_attempt_ms
+            previous_due_ms: before.next_attempt_ms()
         }
     );
     assert_eq!(record(&bed, "rn-1").await.unwrap(), before);
@@ -78,7 +78,7 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
         ops.retry_now("rn-1", "alice", false).await.unwrap(),
         ActionOutcome::Done {
             attempt: 2,
-            previous_due_ms: before.next_attempt_ms
+            previous_due_ms: before.next_attempt_ms()
         }
     );
     // Idempotent: a repeat changes nothing; it re-sends the pulled copy, which duplicate
@@ -135,7 +135,7 @@ async fn retry_now_runs_a_distant_retry_once_and_the_copy_scheduled_before_stand
         "attempt 2 ran once: {calls:?}"
     );
     let done = record(&bed, "rn-1").await.unwrap();
-    assert_eq!((done.state, done.attempts), (State::Delivered, 2));
+    assert_eq!((done.state(), done.attempts), (State::Delivered, 2));
     // Nothing waits any more: both actions say so.
     let ops = operator(&bed, fast_policy(5));
     assert_eq!(
@@ -183,7 +183,7 @@ async fn an_action_racing_a_running_attempt_is_left_to_the_attempt() {
     let b = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-b"));
     within("attempt 2 runs", handler.running.notified()).await;
     let ops = operator(&bed, fast_policy(5));
-    let due = record(&bed, "busy").await.unwrap().next_attempt_ms;
+    let due = record(&bed, "busy").await.unwrap().next_attempt_ms();
     for outcome in [
         ops.retry_now("busy", "alice", false).await.unwrap(),
         ops.cancel("busy", "stop it", "alice", false).await.unwrap(),
@@ -197,7 +197,7 @@ async fn an_action_racing_a_running_attempt_is_left_to_the_attempt() {
         );
     }
     let rec = record(&bed, "busy").await.unwrap();
-    assert_eq!((rec.state, rec.run_now), (State::RetryScheduled, None));
+    assert_eq!((rec.state(), rec.run_now), (State::RetryScheduled, None));
     handler.release.notify_one();
     wait_for("delivered", &a.health, LIMIT, || async {
         handler.inner.delivered_keys().contains("busy") && drained(&bed).await
@@ -207,7 +207,7 @@ async fn an_action_racing_a_running_attempt_is_left_to_the_attempt() {
     b.stop().await;
     assert_eq!(handler.inner.calls_of("busy"), vec![1, 2]);
     let rec = record(&bed, "busy").await.unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,7 +238,7 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
     // Attempt 2 of c-0 met the open breaker: deferred past its expiry, no attempt counted.
     wait_for("c-0's retry deferred", &a.health, LIMIT, || async {
         record(&bed, "c-0").await.is_some_and(|r| {
-            r.attempts == 1 && r.next_attempt_ms.is_some_and(|d| d > now() + 30_000)
+            r.attempts == 1 && r.next_attempt_ms().is_some_and(|d| d > now() + 30_000)
         })
     })
     .await;
@@ -250,7 +250,7 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
         ActionOutcome::Done { attempt: 2, .. }
     ));
     assert_eq!(
-        record(&bed, "c-0").await.unwrap().state,
+        record(&bed, "c-0").await.unwrap().state(),
         State::RetryScheduled
     );
     assert!(matches!(
@@ -264,8 +264,8 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
         ActionOutcome::AlreadyDone { attempt: 2 }
     );
     let rec = record(&bed, "c-0").await.unwrap();
-    assert_eq!(rec.state, State::DeadLettered);
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::Cancelled));
+    assert_eq!(rec.state(), State::DeadLettered);
+    assert_eq!(rec.dead_letter_reason(), Some(DeadLetterReason::Cancelled));
     assert_eq!(
         rec.last_error.as_deref(),
         Some("cancelled by alice: the order was withdrawn")
@@ -299,7 +299,7 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
         "no attempt after the cancel"
     );
     assert_eq!(
-        record(&bed, "c-0").await.unwrap().state,
+        record(&bed, "c-0").await.unwrap().state(),
         State::DeadLettered
     );
     // Replayable later: it runs again, under a MessageId its cancelled copy never used.
@@ -314,7 +314,7 @@ async fn cancel_during_a_breaker_deferral_dead_letters_once_and_a_replay_brings_
     a.stop().await;
     assert_eq!(handler.calls_of("c-0"), vec![1, 2]);
     let rec = record(&bed, "c-0").await.unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -332,7 +332,7 @@ async fn replay_by_filter_is_paced_and_resumes_without_replaying_twice() {
         async move {
             for k in keys {
                 match record(bed, k).await {
-                    Some(r) if r.state == State::DeadLettered && r.updated_ms > after => {}
+                    Some(r) if r.state() == State::DeadLettered && r.updated_ms > after => {}
                     _ => return false,
                 }
             }
@@ -434,10 +434,10 @@ async fn the_commands_say_what_happened_in_their_exit_status() {
     wait_for("both recorded", &a.health, LIMIT, || async {
         record(&bed, "cli-wait")
             .await
-            .is_some_and(|r| r.state == State::RetryScheduled)
+            .is_some_and(|r| r.state() == State::RetryScheduled)
             && record(&bed, "cli-perm")
                 .await
-                .is_some_and(|r| r.state == State::DeadLettered)
+                .is_some_and(|r| r.state() == State::DeadLettered)
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
@@ -493,7 +493,7 @@ async fn the_commands_say_what_happened_in_their_exit_status() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("would be cancelled"), "{out}");
     assert_eq!(
-        record(&bed, "cli-wait").await.unwrap().state,
+        record(&bed, "cli-wait").await.unwrap().state(),
         State::RetryScheduled
     );
     let (code, out) = run(vec!["retries", "cancel", "cli-wait"]).await;
@@ -648,7 +648,7 @@ async fn a_pause_during_a_service_bus_outage_keeps_the_held_event_and_reads_noth
         !a.health.held().contains_key("0")
             && record(&bed, "stuck")
                 .await
-                .is_some_and(|r| r.state == State::Delivered)
+                .is_some_and(|r| r.state() == State::Delivered)
     })
     .await;
     // Evidence the partition went on after the settlement (what was accepted still

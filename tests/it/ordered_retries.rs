@@ -306,8 +306,8 @@ async fn a_key_waits_behind_its_retry_while_other_keys_flow_and_its_line_drains_
     .await;
     assert!(ledger.all_parked().await.unwrap().is_empty());
     assert_in_order(&receiver);
-    let k1 = ledger.get("k-1").await.unwrap().unwrap().0;
-    assert_eq!(k1.state, State::Delivered);
+    let k1 = ledger.record("k-1").await.unwrap().unwrap();
+    assert_eq!(k1.state(), State::Delivered);
     assert_eq!(k1.history[0].outcome, "parked", "{:?}", k1.history);
     assert!(k1.history[0].error.as_deref().unwrap().contains("k-0"));
     assert_eq!(r.health.snapshot().released, 3);
@@ -374,11 +374,11 @@ async fn a_released_event_that_fails_heads_the_line_and_later_events_join_its_en
     // k-0 is delivered; k-1 is released, fails, and heads the line with its own schedule.
     wait_for("k-1 heads the line", &r.health, LIMIT, || async {
         let head = ledger.lines(None).await.unwrap();
-        let rec = ledger.get("k-1").await.unwrap().map(|(r, _)| r);
+        let rec = ledger.record("k-1").await.unwrap();
         receiver.delivered().contains("k-0")
             && head.len() == 1
             && head[0].head_key == "k-1"
-            && rec.is_some_and(|r| r.state == State::RetryScheduled && r.attempts == 1)
+            && rec.is_some_and(|r| r.state() == State::RetryScheduled && r.attempts == 1)
     })
     .await;
     assert_eq!(ledger.all_parked().await.unwrap().len(), 2);
@@ -449,8 +449,8 @@ async fn head_dead_lettered_with(
             && ledger.all_parked().await.unwrap().is_empty()
     })
     .await;
-    let k0 = ledger.get("k-0").await.unwrap().unwrap().0;
-    assert_eq!(k0.state, State::DeadLettered);
+    let k0 = ledger.record("k-0").await.unwrap().unwrap();
+    assert_eq!(k0.state(), State::DeadLettered);
     r.stop().await;
     (receiver, bed)
 }
@@ -472,10 +472,10 @@ async fn with_dead_letter_line_the_parked_events_follow_their_head_into_the_dead
     dead.sort();
     assert_eq!(dead, vec!["k-0", "k-1", "k-2"]);
     for k in ["k-1", "k-2"] {
-        let rec = ledger.get(k).await.unwrap().unwrap().0;
-        assert_eq!(rec.state, State::DeadLettered);
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::DeadLettered);
         assert_eq!(
-            rec.dead_letter_reason,
+            rec.dead_letter_reason(),
             Some(hubguard::policy::DeadLetterReason::LineDeadLettered)
         );
         assert_eq!(rec.attempts, 0, "never attempted");
@@ -629,11 +629,11 @@ async fn a_replay_of_a_dead_lettered_line_re_drives_it_in_order() {
         assert_eq!(receiver.deliveries_of(&format!("k-{i}")), 1, "k-{i}");
     }
     for k in ["k-0", "k-1", "k-2"] {
-        let rec = ledger.get(k).await.unwrap().unwrap().0;
-        assert_eq!(rec.state, State::Delivered, "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::Delivered, "{k}");
     }
     // A re-driven event keeps its history: dead-lettered with the line, parked, delivered.
-    let k1 = ledger.get("k-1").await.unwrap().unwrap().0;
+    let k1 = ledger.record("k-1").await.unwrap().unwrap();
     let outcomes: Vec<&str> = k1.history.iter().map(|h| h.outcome.as_str()).collect();
     assert_eq!(
         outcomes,
@@ -702,8 +702,8 @@ async fn a_replay_after_a_crash_parks_nothing_twice() {
     assert_eq!(parked.len(), 3, "{parked:?}");
     let lines = ledger.lines(None).await.unwrap();
     assert_eq!(lines[0].parked, 3, "counted once: {lines:?}");
-    let k0 = ledger.get("k-0").await.unwrap().unwrap().0;
-    assert_eq!((k0.state, k0.attempts), (State::RetryScheduled, 1));
+    let k0 = ledger.record("k-0").await.unwrap().unwrap();
+    assert_eq!((k0.state(), k0.attempts), (State::RetryScheduled, 1));
     clock.advance(Duration::from_secs(61));
     wait_for("the line drained", &b.health, LIMIT, || async {
         (0..4).all(|i| receiver.delivered().contains(&format!("k-{i}")))
@@ -739,10 +739,10 @@ async fn blob_storage_down_while_parking_holds_the_partition_and_nothing_overtak
     wait_for("k-0 heads its line", &r.health, LIMIT, || async {
         ledger.lines(None).await.unwrap().len() == 1
             && ledger
-                .get("k-0")
+                .record("k-0")
                 .await
                 .unwrap()
-                .is_some_and(|(r, _)| r.state == State::RetryScheduled)
+                .is_some_and(|r| r.state() == State::RetryScheduled)
     })
     .await;
     bed.blob
@@ -940,9 +940,9 @@ async fn randomized(on_dead_letter: LineOnDeadLetter, keys: u64, per_key: u64) {
                 "delivered or dead-lettered, not both"
             );
             for k in dead.difference(&expect_dead) {
-                let rec = ledger.get(k).await.unwrap().unwrap().0;
+                let rec = ledger.record(k).await.unwrap().unwrap();
                 assert_eq!(
-                    rec.dead_letter_reason,
+                    rec.dead_letter_reason(),
                     Some(hubguard::policy::DeadLetterReason::LineDeadLettered),
                     "{k}: dead-lettered only with its line"
                 );

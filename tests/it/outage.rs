@@ -356,8 +356,8 @@ async fn a_fifteen_minute_outage_with_thousands_pending_opens_once_probes_once_p
     }
     let mut unspent = 0;
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::Delivered, "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::Delivered, "{k}");
         assert_eq!(
             rec.attempts,
             by_key[k.as_str()],

@@ -61,10 +61,10 @@ async fn transient_failures_are_retried_to_delivery_with_the_ledger_history_righ
     let run = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
     let ledger = bed.ledger();
     wait_for("flaky delivered", &run.health, LIMIT, || async {
-        matches!(ledger.get("flaky").await, Ok(Some((r, _))) if r.state == State::Delivered)
+        matches!(ledger.record("flaky").await, Ok(Some(r)) if r.state() == State::Delivered)
     })
     .await;
-    let (rec, _) = ledger.get("flaky").await.unwrap().unwrap();
+    let rec = ledger.record("flaky").await.unwrap().unwrap();
     assert_eq!(rec.attempts, 3);
     assert_eq!(rec.correlation_id, "flaky");
     assert_eq!(rec.event_type.as_deref(), Some("test.event"));
@@ -117,20 +117,20 @@ async fn permanent_failures_are_dead_lettered_at_once_and_exhaustion_by_attempts
     let ledger = bed.ledger();
     wait_for("both dead-lettered", &run.health, LIMIT, || async {
         let a =
-            matches!(ledger.get("perm").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
+            matches!(ledger.record("perm").await, Ok(Some(r)) if r.state() == State::DeadLettered);
         let b =
-            matches!(ledger.get("never").await, Ok(Some((r, _))) if r.state == State::DeadLettered);
+            matches!(ledger.record("never").await, Ok(Some(r)) if r.state() == State::DeadLettered);
         a && b
     })
     .await;
-    let (perm, _) = ledger.get("perm").await.unwrap().unwrap();
+    let perm = ledger.record("perm").await.unwrap().unwrap();
     assert_eq!(
-        (perm.attempts, perm.dead_letter_reason.clone()),
+        (perm.attempts, perm.dead_letter_reason().clone()),
         (1, Some(DeadLetterReason::Permanent))
     );
-    let (never, _) = ledger.get("never").await.unwrap().unwrap();
+    let never = ledger.record("never").await.unwrap().unwrap();
     assert_eq!(
-        (never.attempts, never.dead_letter_reason.clone()),
+        (never.attempts, never.dead_letter_reason().clone()),
         (3, Some(DeadLetterReason::AttemptsExhausted))
     );
     assert_eq!(handler.calls_of("never"), vec![1, 2, 3]);
@@ -154,7 +154,7 @@ async fn permanent_failures_are_dead_lettered_at_once_and_exhaustion_by_attempts
     let run = Bed::run(bed.parts(handler.clone(), policy, "replica-a"));
     let ledger = bed.ledger();
     wait_for("old dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.get("old").await, Ok(Some((r, _))) if r.dead_letter_reason == Some(DeadLetterReason::AgeExceeded))
+        matches!(ledger.record("old").await, Ok(Some(r)) if r.dead_letter_reason() == Some(DeadLetterReason::AgeExceeded))
     })
     .await;
     run.stop().await;
@@ -223,8 +223,8 @@ async fn service_bus_down_holds_the_partition_and_everything_settles_after_recov
     })
     .await;
     assert!(run.health.held().is_empty());
-    let (rec, _) = bed.ledger().get("stuck").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = bed.ledger().record("stuck").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     run.stop().await;
 }
 
@@ -328,9 +328,9 @@ async fn a_replay_after_a_crash_never_schedules_a_second_retry_and_continues_the
         (2, 1, 1),
         "still exactly one retry message"
     );
-    let (rec, _) = ledger.get("crashy").await.unwrap().unwrap();
+    let rec = ledger.record("crashy").await.unwrap().unwrap();
     assert_eq!(
-        (rec.attempts, rec.state),
+        (rec.attempts, rec.state()),
         (1, State::RetryScheduled),
         "a replay does not count a new attempt"
     );
@@ -388,8 +388,12 @@ async fn a_retry_for_an_event_already_delivered_completes_without_calling_the_ha
     })
     .await;
     // Meanwhile the event got delivered (say, by a replay elsewhere): the ledger says so.
-    let (mut rec, etag) = ledger.get("twice").await.unwrap().unwrap();
-    rec.state = State::Delivered;
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("twice").await.unwrap().unwrap();
+    // Delivered, its due time left as it was.
+    rec.force_state(State::Delivered, rec.next_attempt_ms(), None);
     ledger.put(&rec, Some(&etag)).await.unwrap();
     wait_for("retry message completed", &run.health, LIMIT, || async {
         let c = bed.sb.counters("retries").unwrap();
@@ -540,8 +544,8 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
     assert_eq!(failed.len(), 3, "{failed:?}");
     for k in failed {
         assert_eq!(handler.calls_of(k), vec![1, 2], "{k}");
-        let (rec, _) = bed.ledger().get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+        let rec = bed.ledger().record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     }
 }
 
@@ -599,8 +603,8 @@ async fn a_retry_due_while_blob_storage_is_down_is_held_not_burnt_into_the_dead_
     })
     .await;
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
-    let (rec, _) = bed.ledger().get("flaky").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = bed.ledger().record("flaky").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     run.stop().await;
 }
 
@@ -648,9 +652,11 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
     // One of the two had run and settled before its process died (only the completion of
     // the message was lost).
     let ledger = bed.ledger();
-    let (mut rec, etag) = ledger.get("ran-before-the-crash").await.unwrap().unwrap();
-    rec.state = State::Delivered;
-    rec.next_attempt_ms = None;
+    let hubguard::ledger::Versioned {
+        value: mut rec,
+        etag,
+    } = ledger.get("ran-before-the-crash").await.unwrap().unwrap();
+    rec.deliver();
     ledger.put(&rec, Some(&etag)).await.unwrap();
 
     let run = Bed::run(bed.parts(handler.clone(), policy, "replica-b"));
@@ -675,8 +681,8 @@ async fn retries_service_bus_dead_lettered_are_put_back_and_nothing_else_is_touc
         vec![1, 2],
         "the same attempt 2"
     );
-    let (rec, _) = ledger.get("stranded").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = ledger.record("stranded").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     assert_eq!(
         handler.calls_of("ran-before-the-crash"),
         vec![1],
@@ -704,10 +710,15 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
     let handler = Arc::new(Scripted::default());
     let run = Bed::run(bed.parts(handler.clone(), slow.clone(), "replica-a"));
     let ledger = bed.ledger();
-    wait_for("retry recorded and checkpointed", &run.health, LIMIT, || async {
-        matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::RetryScheduled)
-            && bed.checkpoint_of("0").await == Some(0)
-    })
+    wait_for(
+        "retry recorded and checkpointed",
+        &run.health,
+        LIMIT,
+        || async {
+            matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state() == State::RetryScheduled)
+                && bed.checkpoint_of("0").await == Some(0)
+        },
+    )
     .await;
     run.stop().await;
     // The retry message vanishes (as when Service Bus drops a repeat MessageId after a ledger
@@ -725,7 +736,7 @@ async fn a_retry_the_ledger_records_but_no_message_will_run_is_recovered_by_the_
     // The sweep counts the recovery after Service Bus took the new message, so on a busy
     // machine the retry can be delivered before the count moves: wait for both.
     wait_for("recovered and delivered", &run.health, LIMIT, || async {
-        matches!(ledger.get("orphan").await, Ok(Some((r, _))) if r.state == State::Delivered)
+        matches!(ledger.record("orphan").await, Ok(Some(r)) if r.state() == State::Delivered)
             && run.health.snapshot().recovered >= 1
     })
     .await;
@@ -773,7 +784,7 @@ async fn the_ledger_lists_what_is_waiting_without_reading_records() {
         .last_error
         .as_deref()
         .is_some_and(|e| e.contains("scripted failure 1")));
-    let (rec, _) = ledger.get("w-1").await.unwrap().unwrap();
+    let rec = ledger.record("w-1").await.unwrap().unwrap();
     assert_eq!(Some(pending[0].due), rec.next_attempt_at());
 }
 
@@ -861,7 +872,7 @@ async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_a
     let ledger = bed.ledger();
     let mut due = std::collections::BTreeMap::new();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        let rec = ledger.record(k).await.unwrap().unwrap();
         due.insert(k.clone(), rec.next_attempt_at().unwrap());
     }
     let last = *due.values().max().unwrap();
@@ -895,8 +906,8 @@ async fn retries_taken_early_start_at_their_due_time_at_most_retry_concurrency_a
         assert!(*started >= due[k], "{k} started before its due time");
     }
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     run.stop().await;
 }
@@ -928,7 +939,7 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     let ledger = bed.ledger();
     let mut last = clock.now();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        let rec = ledger.record(k).await.unwrap().unwrap();
         last = last.max(rec.next_attempt_at().unwrap());
     }
     clock.advance(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
@@ -974,8 +985,8 @@ async fn a_crash_while_holding_retries_early_leaves_them_to_their_lock_expiry() 
     ran.sort();
     assert_eq!(ran, keys, "each retry ran exactly once");
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
     run.stop().await;
@@ -1000,7 +1011,7 @@ async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
     let ledger = bed.ledger();
     let mut last = clock.now();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        let rec = ledger.record(k).await.unwrap().unwrap();
         last = last.max(rec.next_attempt_at().unwrap());
     }
     clock.advance(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
@@ -1026,8 +1037,8 @@ async fn a_retry_whose_lock_lapsed_while_held_runs_once_by_its_new_receiver() {
     ran.sort();
     assert_eq!(ran, keys, "each retry ran exactly once");
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     run.stop().await;
 }
@@ -1075,8 +1086,8 @@ async fn a_replica_with_busy_slots_leaves_due_retries_to_the_others() {
     .await;
     let ledger = bed.ledger();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     a.stop().await;
     b.stop().await;
@@ -1104,8 +1115,8 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
             .is_some_and(|h| h.reason.contains("Service Bus"))
     })
     .await;
-    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    let rec = ledger.record("replayed").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
     run.stop().await;
     assert_eq!(
         bed.checkpoint_of("0").await,
@@ -1124,11 +1135,11 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     .await;
     // The ledger says what happened: delivered (and so does `status`).
     wait_for("the record says delivered", &run.health, LIMIT, || async {
-        matches!(ledger.get("replayed").await, Ok(Some((r, _))) if r.state == State::Delivered)
+        matches!(ledger.record("replayed").await, Ok(Some(r)) if r.state() == State::Delivered)
     })
     .await;
-    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
-    assert_eq!(rec.next_attempt_ms, None);
+    let rec = ledger.record("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.next_attempt_ms(), None);
     assert!(
         hubguard::status::record_text(&rec).contains("state:           DELIVERED"),
         "{}",
@@ -1149,9 +1160,8 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
     canary.event.identity.idempotency_key = "canary".into();
     canary.event.sequence_number = 99;
     canary.event.body = b"ok".to_vec();
-    canary.state = State::RetryScheduled;
     canary.history.clear();
-    canary.next_attempt_ms = Some(rec.updated_ms + 1_000);
+    canary.schedule_retry(rec.updated_ms + 1_000);
     ledger.put(&canary, None).await.unwrap();
     bed.clock().advance(Duration::from_secs(30));
     wait_for(
@@ -1181,8 +1191,8 @@ async fn a_replay_delivered_after_service_bus_refused_its_retry_settles_the_reco
         !accepted.iter().any(|id| id.starts_with("replayed-")),
         "no retry of the delivered event was ever sent: {accepted:?}"
     );
-    let (rec, _) = ledger.get("replayed").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::Delivered);
+    let rec = ledger.record("replayed").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::Delivered);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1217,7 +1227,7 @@ async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
     let ledger = bed.ledger();
     let mut last = clock.now();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        let rec = ledger.record(k).await.unwrap().unwrap();
         last = last.max(rec.next_attempt_at().unwrap());
     }
     step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
@@ -1255,8 +1265,8 @@ async fn held_retries_whose_lock_lapses_at_service_bus_run_each_attempt_once() {
         keys.iter().map(|k| (k.clone(), 1)).collect();
     assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
@@ -1300,7 +1310,7 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
     let ledger = bed.ledger();
     let mut last = clock.now();
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
+        let rec = ledger.record(k).await.unwrap().unwrap();
         last = last.max(rec.next_attempt_at().unwrap());
     }
     step(last.duration_since(clock.now()).unwrap() - Duration::from_secs(10));
@@ -1334,8 +1344,8 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
                 return false;
             }
             for k in &keys {
-                match ledger.get(k).await {
-                    Ok(Some((r, _))) if r.state == State::Delivered => {}
+                match ledger.record(k).await {
+                    Ok(Some(r)) if r.state() == State::Delivered => {}
                     _ => return false,
                 }
             }
@@ -1361,8 +1371,8 @@ async fn a_copy_handed_to_another_replica_stands_down_on_the_ledger_claim() {
         keys.iter().map(|k| (k.clone(), 1)).collect();
     assert_eq!(calls, once, "attempt 2 of each key ran exactly once");
     for k in &keys {
-        let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+        let rec = ledger.record(k).await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
     }
     assert_eq!(bed.sb.counters("retries").unwrap().dead_lettered, 0);
 }
@@ -1448,9 +1458,9 @@ async fn a_partition_that_cannot_list_the_ledger_asks_it_on_every_delivery() {
     )
     .await;
     run.stop().await;
-    let (rec, _) = ledger.get("unlisted").await.unwrap().unwrap();
+    let rec = ledger.record("unlisted").await.unwrap().unwrap();
     assert_eq!(
-        rec.state,
+        rec.state(),
         State::Delivered,
         "the replay's delivery is recorded"
     );

@@ -232,9 +232,9 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
     }
     let ledger = bed.ledger();
     for k in &keys {
-        if let Some((rec, _)) = ledger.get(k).await.unwrap() {
+        if let Some(rec) = ledger.record(k).await.unwrap() {
             assert_ne!(
-                rec.state,
+                rec.state(),
                 hubguard::ledger::State::DeadLettered,
                 "{k} dead-lettered"
             );

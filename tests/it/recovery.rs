@@ -171,8 +171,8 @@ async fn burst(config: BreakerConfig, max_steps: u32) -> (u64, u32, usize, Break
         // Nothing lost, nothing run twice: every key failed once and was delivered once.
         let ledger = bed.ledger();
         for k in &keys {
-            let (rec, _) = ledger.get(k).await.unwrap().unwrap();
-            assert_eq!((rec.state, rec.attempts), (State::Delivered, 2), "{k}");
+            let rec = ledger.record(k).await.unwrap().unwrap();
+            assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2), "{k}");
         }
         let mut per_key: BTreeMap<String, Vec<u32>> = BTreeMap::new();
         for (k, n, _) in handler.calls.lock().unwrap().iter() {

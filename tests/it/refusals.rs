@@ -186,9 +186,9 @@ async fn events_with_100_properties_or_huge_ones_refused_for_good_are_dead_lette
     )
     .await;
     for key in ["many-props", "huge-props"] {
-        let (rec, _) = ledger.get(key).await.unwrap().unwrap();
-        assert_eq!(rec.state, State::DeadLettered, "{key}");
-        assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::Permanent));
+        let rec = ledger.record(key).await.unwrap().unwrap();
+        assert_eq!(rec.state(), State::DeadLettered, "{key}");
+        assert_eq!(rec.dead_letter_reason(), Some(DeadLetterReason::Permanent));
     }
     wait_for("ready (/readyz 200) after", &run.health, LIMIT, || async {
         run.health.ready()
@@ -202,7 +202,7 @@ async fn events_with_100_properties_or_huge_ones_refused_for_good_are_dead_lette
     let many = &got["many-props-deadletter-1"];
     assert_eq!(many.body, "perm", "the body fits: the full message");
     assert_eq!(many.properties["hubguard-dead-letter-reason"], "permanent");
-    let (rec, _) = ledger.get("many-props").await.unwrap().unwrap();
+    let rec = ledger.record("many-props").await.unwrap().unwrap();
     assert_eq!(rec.event.properties.len(), 102, "the ledger keeps them all");
     let copied: Vec<&String> = many
         .properties
@@ -259,14 +259,17 @@ async fn a_retry_message_refused_with_431_dead_letters_its_event_instead_of_hold
         &run.health,
         LIMIT,
         || async {
-            matches!(ledger.get("refused-431").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+            matches!(ledger.record("refused-431").await, Ok(Some(r)) if r.state() == State::DeadLettered)
                 && handler.delivered_keys().contains("behind")
                 && bed.checkpoint_of("0").await == Some(2)
         },
     )
     .await;
-    let (rec, _) = ledger.get("refused-431").await.unwrap().unwrap();
-    assert_eq!(rec.dead_letter_reason, Some(DeadLetterReason::RetryRefused));
+    let rec = ledger.record("refused-431").await.unwrap().unwrap();
+    assert_eq!(
+        rec.dead_letter_reason(),
+        Some(DeadLetterReason::RetryRefused)
+    );
     assert!(
         rec.last_error.unwrap_or_default().contains("431"),
         "the reason names the status"

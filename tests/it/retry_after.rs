@@ -63,10 +63,11 @@ async fn a_hostile_retry_after_waits_the_policy_cap_or_the_handler_limit_and_say
     .await;
     run.stop().await;
     for (key, _, capped_from) in asked {
-        let (rec, _) = ledger.get(key).await.unwrap().expect(key);
-        assert_eq!(rec.state, State::RetryScheduled, "{key}");
+        let rec = ledger.record(key).await.unwrap().expect(key);
+        assert_eq!(rec.state(), State::RetryScheduled, "{key}");
         let entry = rec.history.last().unwrap();
-        let wait = Duration::from_millis((rec.next_attempt_ms.unwrap() - entry.finished_ms) as u64);
+        let wait =
+            Duration::from_millis((rec.next_attempt_ms().unwrap() - entry.finished_ms) as u64);
         if key == "fair" {
             // Within the cap: honoured as asked, nothing said.
             assert!(
@@ -166,14 +167,14 @@ async fn a_hostile_retry_after_waits_the_policy_cap_or_the_handler_limit_and_say
     .await;
     run.stop().await;
     let ledger = bed.ledger();
-    let (rec, _) = ledger.get("limited").await.unwrap().unwrap();
+    let rec = ledger.record("limited").await.unwrap().unwrap();
     let entry = rec.history.last().unwrap();
-    let wait = rec.next_attempt_ms.unwrap() - entry.finished_ms;
+    let wait = rec.next_attempt_ms().unwrap() - entry.finished_ms;
     assert!((89_000..=91_000).contains(&wait), "{wait} ms");
     assert_eq!(entry.retry_after_capped_from_s, Some(999_999_999));
-    let (rec, _) = ledger.get("under").await.unwrap().unwrap();
+    let rec = ledger.record("under").await.unwrap().unwrap();
     let entry = rec.history.last().unwrap();
-    let wait = rec.next_attempt_ms.unwrap() - entry.finished_ms;
+    let wait = rec.next_attempt_ms().unwrap() - entry.finished_ms;
     assert!((29_000..=31_000).contains(&wait), "{wait} ms");
     assert_eq!(entry.retry_after_capped_from_s, None);
 }

@@ -456,7 +456,7 @@ async fn a_rewind_waits_for_an_event_held_during_a_service_bus_outage_and_never_
                 .await
                 .ok()
                 .flatten()
-                .is_some_and(|(c, _)| c.rewinds["0"].applied.is_some())
+                .is_some_and(|c| c.value.rewinds["0"].applied.is_some())
         },
     )
     .await;

@@ -126,7 +126,7 @@ async fn the_pipeline_schedules_and_runs_retries_through_an_entra_id_token() {
         &run.health,
         Duration::from_secs(60),
         || async {
-            matches!(ledger.get("tok-flaky").await, Ok(Some((r, _))) if r.state == State::Delivered)
+            matches!(ledger.record("tok-flaky").await, Ok(Some(r)) if r.state() == State::Delivered)
         },
     )
     .await;

@@ -130,7 +130,7 @@ pub(crate) fn mask(src: &str) -> String {
 }
 
 /// The index of the `}` closing the `{` at `open`.
-fn closing(code: &[char], open: usize) -> usize {
+pub(crate) fn closing(code: &[char], open: usize) -> usize {
     let mut depth = 0;
     for (i, &c) in code.iter().enumerate().skip(open) {
         match c {
@@ -147,12 +147,12 @@ fn closing(code: &[char], open: usize) -> usize {
     code.len() - 1
 }
 
-fn line_of(code: &[char], at: usize) -> usize {
+pub(crate) fn line_of(code: &[char], at: usize) -> usize {
     code[..at].iter().filter(|&&c| c == '\n').count() + 1
 }
 
 /// `#[cfg(test)] mod … { … }` blocks in masked `code`, as character ranges.
-fn test_modules(code: &[char]) -> Vec<(usize, usize)> {
+pub(crate) fn test_modules(code: &[char]) -> Vec<(usize, usize)> {
     let text: String = code.iter().collect();
     let mut out = Vec::new();
     let mut from = 0;
@@ -207,7 +207,7 @@ pub(crate) fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, 
 }
 
 /// `src/` and its Rust files (more than a hundred: a wrong path must not pass for a tidy one).
-fn sources() -> (PathBuf, Vec<PathBuf>) {
+pub(crate) fn sources() -> (PathBuf, Vec<PathBuf>) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&root, &mut files);
@@ -215,7 +215,7 @@ fn sources() -> (PathBuf, Vec<PathBuf>) {
     (root, files)
 }
 
-fn masked(path: &Path) -> Vec<char> {
+pub(crate) fn masked(path: &Path) -> Vec<char> {
     mask(&std::fs::read_to_string(path).unwrap())
         .chars()
         .collect()

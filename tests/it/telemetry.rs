@@ -151,7 +151,7 @@ async fn every_attempt_is_a_linked_span_and_metrics_arrive() {
     assert_eq!(flaky[1].links, vec![id(&flaky[0])]);
     assert_eq!(flaky[2].links, vec![id(&flaky[0]), id(&flaky[1])]);
     // next_attempt_at equals what the ledger says, and the retry ran at or after it.
-    let (rec, _) = ledger.get("otel-flaky").await.unwrap().unwrap();
+    let rec = ledger.record("otel-flaky").await.unwrap().unwrap();
     for i in 0..2 {
         let due_ms = rec.history[i].next_attempt_ms.unwrap();
         assert_eq!(flaky[i].attributes[attr::NEXT_ATTEMPT_AT], rfc3339(due_ms));

@@ -542,11 +542,11 @@ async fn a_failed_attempts_details_show_in_status_and_on_the_span() {
     bed.send(0, &[("err-1", "x")]).await;
     let ledger = bed.ledger();
     wait_for("dead-lettered", &run.health, LIMIT, || async {
-        matches!(ledger.get("err-1").await, Ok(Some((r, _))) if r.state == State::DeadLettered)
+        matches!(ledger.record("err-1").await, Ok(Some(r)) if r.state() == State::DeadLettered)
     })
     .await;
     run.stop().await;
-    let (rec, _) = ledger.get("err-1").await.unwrap().unwrap();
+    let rec = ledger.record("err-1").await.unwrap().unwrap();
     let expected =
         "HTTP 400 from the webhook; Retry-After: 3; body: {\"error\":\"order 42 has no customer\"}";
     assert_eq!(rec.last_error.as_deref(), Some(expected));
@@ -658,10 +658,10 @@ async fn dead_letters_go_to_the_destination_before_the_ledger_and_large_bodies_a
             .is_some_and(|r| r.contains("dead-letter destination") && r.contains("dead-letters"))
     })
     .await;
-    let rec = ledger.get("dl-perm").await.unwrap();
+    let rec = ledger.record("dl-perm").await.unwrap();
     assert!(
         rec.as_ref()
-            .is_none_or(|(r, _)| r.state != State::DeadLettered),
+            .is_none_or(|r| r.state() != State::DeadLettered),
         "the ledger must not mark it dead-lettered before it is published"
     );
     destination.down.store(false, Ordering::SeqCst);
@@ -706,12 +706,12 @@ async fn dead_letters_go_to_the_destination_before_the_ledger_and_large_bodies_a
     );
     assert!(big_msg.properties["hubguard-claim-check"].contains("hubguard status dl-big"));
     // The claim check's pointer: the ledger keeps the whole event.
-    let (rec, _) = ledger.get("dl-big").await.unwrap().unwrap();
+    let rec = ledger.record("dl-big").await.unwrap().unwrap();
     assert_eq!(rec.event.body.len(), big.len());
 
     // Publishing again (a crash before the ledger write, then a replay) is harmless: same
     // MessageId, dropped by duplicate detection.
-    let (rec, _) = ledger.get("dl-perm").await.unwrap().unwrap();
+    let rec = ledger.record("dl-perm").await.unwrap().unwrap();
     dl.publish(&rec).await.unwrap();
     assert!(q
         .receive(Duration::from_millis(300))

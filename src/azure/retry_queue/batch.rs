@@ -15,6 +15,7 @@
 //! back the others; any other failure (the service, the network, a deadline) is every
 //! message's answer, and each caller settles as it would after a single send's failure.
 
+use crate::sync::LockExt;
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
@@ -63,7 +64,7 @@ impl Default for Batcher {
 
 impl Batcher {
     fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.locked()
     }
 
     /// Sends `message` (its batch element `json`) through `to`, alone or with others.

@@ -2,6 +2,7 @@
 //! an ETag and a Last-Modified time, optionally durable on disk
 //! (`<dir>/blob/<container>/<hex of the blob name>.blob`: a JSON header line, then the bytes).
 
+use crate::sync::LockExt;
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
@@ -285,7 +286,7 @@ impl BlobStore {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Container>> {
-        self.containers.lock().unwrap_or_else(|p| p.into_inner())
+        self.containers.locked()
     }
 
     fn next_etag(&self) -> String {
@@ -376,21 +377,17 @@ impl BlobStore {
     /// From now on, keep a history of every successful write (for tests and the chaos soak,
     /// which check checkpoint writes against what was settled at the time).
     pub fn record_writes(&self) {
-        let mut w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writes.locked();
         w.get_or_insert_with(Vec::new);
     }
 
     /// The writes recorded since [`record_writes`](Self::record_writes), oldest first.
     pub fn writes(&self) -> Vec<BlobWrite> {
-        self.writes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .unwrap_or_default()
+        self.writes.locked().clone().unwrap_or_default()
     }
 
     fn log_write(&self, container: &str, name: &str, blob: &Blob) {
-        let mut w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writes.locked();
         if let Some(w) = w.as_mut() {
             w.push(BlobWrite {
                 container: container.to_string(),

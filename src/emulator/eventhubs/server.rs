@@ -8,6 +8,7 @@
 mod links;
 mod requests;
 
+use crate::sync::LockExt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -97,7 +98,7 @@ struct ConnectionAuth {
 
 impl ConnectionAuth {
     fn grant(&self, audience: String, expiry: u64) {
-        let mut g = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.grants.locked();
         g.retain(|(a, _)| *a != audience);
         g.push((audience, expiry));
     }
@@ -106,7 +107,7 @@ impl ConnectionAuth {
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let g = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let g = self.grants.locked();
         g.iter()
             .any(|(aud, exp)| *exp > now && audience_covers(aud, address))
     }

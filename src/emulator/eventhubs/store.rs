@@ -7,6 +7,7 @@
 //! file (`<dir>/<hub>/<partition>.log`, records `u32 length (LE) ‖ encoded message`) that is
 //! replayed on start; without one the log lives in memory.
 
+use crate::sync::LockExt;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -441,7 +442,7 @@ impl std::fmt::Debug for ReceiverLease {
 
 impl Drop for ReceiverLease {
     fn drop(&mut self) {
-        let mut slots = self.hub.receivers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slots = self.hub.receivers.locked();
         if let Some(v) = slots.get_mut(&self.key) {
             v.retain(|s| s.id != self.id);
         }
@@ -523,7 +524,7 @@ impl Hub {
         epoch: Option<i64>,
     ) -> Result<(ReceiverLease, oneshot::Receiver<Stolen>), Stolen> {
         let key = (cg.to_ascii_lowercase(), partition);
-        let mut all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = self.receivers.locked();
         let slots = all.entry(key.clone()).or_default();
         let current = slots.iter().filter_map(|s| s.epoch).max();
         match (epoch, current) {
@@ -569,14 +570,14 @@ impl Hub {
     /// The owner levels (epochs) of the receivers attached to (`cg`, `partition`), as their
     /// attach carried them (`com.microsoft:epoch`; `None`: no owner level).
     pub fn receiver_epochs(&self, cg: &str, partition: usize) -> Vec<Option<i64>> {
-        let all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
+        let all = self.receivers.locked();
         all.get(&(cg.to_ascii_lowercase(), partition))
             .map_or_else(Vec::new, |v| v.iter().map(|s| s.epoch).collect())
     }
 
     /// Number of receivers currently attached to (`cg`, `partition`).
     pub fn receiver_count(&self, cg: &str, partition: usize) -> usize {
-        let all = self.receivers.lock().unwrap_or_else(|p| p.into_inner());
+        let all = self.receivers.locked();
         all.get(&(cg.to_ascii_lowercase(), partition))
             .map_or(0, Vec::len)
     }

@@ -12,6 +12,7 @@ mod spec;
 mod state;
 mod store;
 
+use crate::sync::LockExt;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
@@ -183,7 +184,7 @@ impl Drop for Receiving<'_> {
 
 impl Queue {
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     /// From now on, keep the MessageId and time of every accepted send (not the duplicates

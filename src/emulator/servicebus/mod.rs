@@ -52,6 +52,7 @@ mod describe;
 mod response;
 mod send;
 
+use crate::sync::LockExt;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -190,11 +191,7 @@ impl ServiceBusEmulator {
     /// Refuses, with 400 Bad Request, every send whose MessageId contains `fragment`: a
     /// refusal of one message, as Azure answers a message it refuses for what it is.
     pub fn refuse_messages_containing(&self, fragment: impl Into<String>) {
-        self.shared
-            .refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(fragment.into());
+        self.shared.refused.locked().push(fragment.into());
     }
 
     /// The emulator's clock (tests advance it instead of sleeping).

@@ -2,6 +2,7 @@
 //! Batch (a JSON array), each message checked against Azure's limits (the module table of
 //! `emulator::servicebus`) before anything is enqueued.
 
+use crate::sync::LockExt;
 use std::time::SystemTime;
 
 use axum::body::Bytes;
@@ -221,7 +222,7 @@ fn admit(
 ) -> Result<Option<SystemTime>, BrokerError> {
     check_limits(queue, name, headers, props, body_len)?;
     if let Some(id) = &props.message_id {
-        let refused = refused.lock().unwrap_or_else(|p| p.into_inner());
+        let refused = refused.locked();
         if refused.iter().any(|f| id.contains(f.as_str())) {
             return Err(BrokerError::BadRequest(format!(
                 "The message '{id}' was refused (injected refusal)."

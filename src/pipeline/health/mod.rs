@@ -7,6 +7,7 @@
 //! the `Observer` that records the matching metric, so an embedder reads health and cannot
 //! falsify it.
 
+use crate::sync::LockExt;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -137,7 +138,7 @@ impl Health {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
     }
 
     fn bump(&self) {

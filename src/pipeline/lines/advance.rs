@@ -43,13 +43,12 @@ pub(super) fn released_record(
         trace_id: None,
         retry_after_capped_from_s: None,
     });
-    LedgerRecord {
-        attempts: parked.attempts,
-        next_attempt_ms: Some(ms(now)),
-        attempt_base: parked.attempts,
-        history,
-        ..first_failure(e, settler.policies(), now)
-    }
+    let mut rec = first_failure(e, settler.policies(), now);
+    rec.attempts = parked.attempts;
+    rec.attempt_base = parked.attempts;
+    rec.history = history;
+    rec.schedule_retry(ms(now));
+    rec
 }
 
 /// The dead letter of an event parked behind a head that was dead-lettered
@@ -75,13 +74,11 @@ pub(super) fn line_dead_letter(
         trace_id: None,
         retry_after_capped_from_s: None,
     });
-    let mut rec = LedgerRecord {
-        attempts: parked.attempts,
-        attempt_base: parked.attempts,
-        last_error: Some(error),
-        history,
-        ..first_failure(&parked.event, settler.policies(), now)
-    };
+    let mut rec = first_failure(&parked.event, settler.policies(), now);
+    rec.attempts = parked.attempts;
+    rec.attempt_base = parked.attempts;
+    rec.last_error = Some(error);
+    rec.history = history;
     rec.dead_letter(DeadLetterReason::LineDeadLettered);
     rec
 }
@@ -92,21 +89,21 @@ pub(super) fn line_dead_letter(
 async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
     let ledger = &settler.ledger;
     for _ in 0..ROUNDS {
-        if rec.state == State::DeadLettered {
-            settler.publish_dead_letter(&rec).await?;
-            ledger.index_dead_letter(&rec.key).await?;
-        }
-        match ledger.put(&rec, None).await {
+        match settler.write_settled(&rec, None).await {
             Ok(_) => return Ok(rec),
-            Err(LedgerError::Store(StoreError::Conflict)) => {}
-            Err(e) => return Err(e.into()),
+            Err(SettleError::Ledger(LedgerError::Store(StoreError::Conflict))) => {}
+            Err(e) => return Err(e),
         }
-        let Some((existing, etag)) = ledger.get(&rec.key).await? else {
+        let Some(crate::ledger::Versioned {
+            value: existing,
+            etag,
+        }) = ledger.get(&rec.key).await?
+        else {
             continue;
         };
         let same = existing.event.partition_id == rec.event.partition_id
             && existing.event.sequence_number == rec.event.sequence_number;
-        if same || existing.state == State::RetryScheduled {
+        if same || existing.state() == State::RetryScheduled {
             // This event's own record, or another event's retry under the same idempotency
             // key (left as it is: that one is owed its delivery too).
             return Ok(existing);
@@ -213,12 +210,12 @@ impl Advance<'_> {
     /// `None` still waiting for a retry. No record of it: it was delivered on a replay of its
     /// first attempt before its failure was ever recorded.
     async fn head_came_to(&self, line: &Line) -> Result<Option<bool>, SettleError> {
-        Ok(match self.settler.ledger.get(&line.head_key).await? {
-            Some((r, _))
+        Ok(match self.settler.ledger.record(&line.head_key).await? {
+            Some(r)
                 if r.event.partition_id == self.partition
                     && r.event.sequence_number == line.head_seq =>
             {
-                match r.state {
+                match r.state() {
                     State::RetryScheduled => None,
                     State::Delivered => Some(false),
                     State::DeadLettered => Some(true),
@@ -287,7 +284,7 @@ impl Advance<'_> {
             Err(e) => return Err(e.into()),
         }
         let head = (line.head_key.clone(), line.head_seq);
-        if rec.state == State::RetryScheduled && rec.attempts == rec.attempt_base {
+        if rec.state() == State::RetryScheduled && rec.attempts == rec.attempt_base {
             if let Some(o) = self.observe {
                 o.count_released();
             }
@@ -307,7 +304,7 @@ impl Advance<'_> {
             o.count_dead_lettered(rec.event.identity.event_type.as_deref());
         }
         ledger.remove_parked(&next.name).await?;
-        if rec.state == State::RetryScheduled {
+        if rec.state() == State::RetryScheduled {
             // Another event's retry under the same key holds the record (see `write_new`):
             // this event is owed a delivery the record cannot give. Left to that retry; the
             // line waits on it as on any head.
@@ -321,8 +318,8 @@ impl Advance<'_> {
 /// Makes sure the line's head, released but not yet attempted, has its first attempt on
 /// Service Bus (duplicate detection drops a repeat).
 async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
-    if let Some((rec, _)) = settler.ledger.get(&line.head_key).await? {
-        if rec.state == State::RetryScheduled
+    if let Some(rec) = settler.ledger.record(&line.head_key).await? {
+        if rec.state() == State::RetryScheduled
             && rec.attempts == rec.attempt_base
             && rec.event.sequence_number == line.head_seq
         {

@@ -345,11 +345,10 @@ impl KeyLines<'_> {
                 Ok(shared
                     .settler
                     .ledger
-                    .get(&event.identity.idempotency_key)
+                    .record(&event.identity.idempotency_key)
                     .await?
-                    .map(|(r, _)| r)
                     .filter(|r| {
-                        r.state != crate::ledger::State::RetryScheduled
+                        r.state() != crate::ledger::State::RetryScheduled
                             && r.event.partition_id == event.partition_id
                             && r.event.sequence_number == seq
                     }))
@@ -370,8 +369,8 @@ impl KeyLines<'_> {
                 Some(false) => {}
             }
         }
-        tracing::debug!(partition = %event.partition_id, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state, "a replay of an event its line already settled: not delivered again");
-        LineStep::Settled(Settled::AlreadyFinal(rec.state))
+        tracing::debug!(partition = %event.partition_id, sequence_number = seq, key = %event.identity.idempotency_key, state = ?rec.state(), "a replay of an event its line already settled: not delivered again");
+        LineStep::Settled(Settled::AlreadyFinal(rec.state()))
     }
 
     /// Opens the line of `event`'s key `k` after its first attempt (`traceparent`) failed;

@@ -359,10 +359,10 @@ pub(crate) async fn sweep(
             continue;
         }
         // No record yet: the partition opened the line and is settling its head's failure.
-        let Some((rec, _)) = settler.ledger.get(&line.head_key).await? else {
+        let Some(rec) = settler.ledger.record(&line.head_key).await? else {
             continue;
         };
-        if rec.state == State::RetryScheduled
+        if rec.state() == State::RetryScheduled
             || rec.event.partition_id != line.partition
             || rec.event.sequence_number != line.head_seq
         {
@@ -600,8 +600,8 @@ mod tests {
             .unwrap());
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!((line.head_key.as_str(), line.head_seq), ("e1", 4));
-        let (rec, _) = s.ledger.get("e1").await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+        let rec = s.ledger.record("e1").await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));
         assert!(queue.accepted().contains(&"e1-attempt-1".to_string()));
         assert_eq!(
             parked_seqs(&s.ledger.parked_in("0", "K").await.unwrap()),
@@ -698,8 +698,8 @@ mod tests {
             let states: Vec<Option<(State, Option<DeadLetterReason>)>> = {
                 let mut v = Vec::new();
                 for e in &parked {
-                    let r = s.ledger.get(&e.identity.idempotency_key).await.unwrap();
-                    v.push(r.map(|(r, _)| (r.state, r.dead_letter_reason)));
+                    let r = s.ledger.record(&e.identity.idempotency_key).await.unwrap();
+                    v.push(r.map(|r| (r.state(), r.dead_letter_reason())));
                 }
                 v
             };
@@ -877,7 +877,7 @@ mod tests {
             .unwrap());
         let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
         assert_eq!(line.head_key, "e", "released, not lost");
-        let (rec, _) = s.ledger.get("e").await.unwrap().unwrap();
-        assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 0));
+        let rec = s.ledger.record("e").await.unwrap().unwrap();
+        assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));
     }
 }

@@ -29,11 +29,11 @@ use super::{park, Park, ROUNDS};
 pub(crate) async fn replay_line(
     settler: &Settler,
     key: &str,
-    mut group: Vec<(LedgerRecord, String)>,
+    mut group: Vec<crate::ledger::Versioned<LedgerRecord>>,
     matches: &(dyn Fn(&LedgerRecord) -> bool + Sync),
 ) -> Vec<ReplayStep> {
-    group.sort_by_key(|(r, _)| r.event.sequence_number);
-    let Some((head, _)) = group.first() else {
+    group.sort_by_key(|r| r.value.event.sequence_number);
+    let Some(head) = group.first().map(|r| &r.value) else {
         return Vec::new();
     };
     let head = head.clone();
@@ -101,8 +101,8 @@ pub(crate) async fn replay_line(
 type Step = Box<dyn Fn(String) -> ReplayStep + Send>;
 
 /// Every record of `group` skipped or failed alike.
-fn all(group: &[(LedgerRecord, String)], step: &Step) -> Vec<ReplayStep> {
-    group.iter().map(|(r, _)| step(r.key.clone())).collect()
+fn all(group: &[crate::ledger::Versioned<LedgerRecord>], step: &Step) -> Vec<ReplayStep> {
+    group.iter().map(|r| step(r.value.key.clone())).collect()
 }
 
 /// Skipped, for `why`.
@@ -144,14 +144,18 @@ async fn replay_alone(
 
 /// Why the group (sorted, its head first) is not replayed as a line, if it is not: an event
 /// of it is not in the ledger, or a line of its key is open.
-async fn refusal(settler: &Settler, key: &str, group: &[(LedgerRecord, String)]) -> Option<Step> {
-    if let Some((r, _)) = group.iter().find(|(r, _)| r.event_unknown) {
+async fn refusal(
+    settler: &Settler,
+    key: &str,
+    group: &[crate::ledger::Versioned<LedgerRecord>],
+) -> Option<Step> {
+    if let Some(r) = group.iter().map(|r| &r.value).find(|r| r.event_unknown) {
         return Some(skipped(format!(
             "{} of its line has no event in the ledger: replay the line's events one by one",
             r.key.escape_debug()
         )));
     }
-    let partition = &group.first()?.0.event.partition_id;
+    let partition = &group.first()?.value.event.partition_id;
     match settler.ledger.line(partition, key).await {
         Ok(Some((l, _))) if !l.ended => Some(skipped(format!(
             "a line of its ordering key is open (head {}): replay once it has drained",
@@ -169,11 +173,11 @@ async fn park_behind(
     settler: &Settler,
     key: &str,
     head_key: &str,
-    others: &[(LedgerRecord, String)],
+    others: &[crate::ledger::Versioned<LedgerRecord>],
     mut stopped: Option<Step>,
 ) -> Vec<ReplayStep> {
     let mut rest = Vec::with_capacity(others.len());
-    for (rec, etag) in others {
+    for crate::ledger::Versioned { value: rec, etag } in others {
         if let Some(step) = &stopped {
             rest.push(step(rec.key.clone()));
             continue;

@@ -128,7 +128,7 @@ impl<'s> LockedMessage<'s> {
     /// half [`CLAIM_LEASE`](crate::pipeline::settle::CLAIM_LEASE), the attempt's `claimed` ledger claim.
     pub(super) async fn running<T>(
         &mut self,
-        claimed: &mut (crate::ledger::LedgerRecord, String),
+        claimed: &mut crate::ledger::Versioned<crate::ledger::LedgerRecord>,
         fut: impl std::future::Future<Output = T>,
     ) -> T {
         futures::pin_mut!(fut);
@@ -143,7 +143,7 @@ impl<'s> LockedMessage<'s> {
                 }
                 _ = self.shared.clock().sleep_until(claim_renewal) => {
                     if let Err(e) = self.shared.settler.renew_claim(claimed).await {
-                        tracing::warn!(key = %claimed.0.key, error = %e, "renewing the claim on a running attempt failed");
+                        tracing::warn!(key = %claimed.value.key, error = %e, "renewing the claim on a running attempt failed");
                     }
                     claim_renewal = self.shared.clock().now() + crate::pipeline::settle::CLAIM_LEASE / 2;
                 }

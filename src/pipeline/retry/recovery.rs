@@ -120,7 +120,7 @@ pub(super) async fn recover_overdue(shared: &Shared) {
 pub(super) async fn recover_missing(
     shared: &Shared,
     body: &RetryMessage,
-) -> Result<Option<(crate::ledger::LedgerRecord, String)>, String> {
+) -> Result<Option<crate::ledger::Versioned<crate::ledger::LedgerRecord>>, String> {
     let key = body.key();
     let gone = match &body.origin {
         None => "the retry message predates hubguard recording where events sit in Event Hubs, so the event cannot be read back".to_string(),
@@ -182,7 +182,8 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                 shared.observe.count_record_missing(key);
                 Ok(())
             }
-            Ok(Some((rec, _))) => {
+            Ok(Some(rebuilt)) => {
+                let rec = rebuilt.value;
                 shared.observe.count_record_rebuilt();
                 shared.observe.count_rescued();
                 shared
@@ -191,12 +192,12 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                     .await
             }
         },
-        Ok(Some((rec, _))) => match Verdict::of(Some(&rec), body.attempt) {
+        Ok(Some(read)) => match Verdict::of(Some(&read.value), body.attempt) {
             Verdict::Final(_) | Verdict::Unrecorded => Ok(()),
             // Superseded: only the recorded next attempt matters (dropped if it exists).
             Verdict::Stale => shared
                 .settler
-                .resend_recorded(&rec, &body.traceparents)
+                .resend_recorded(&read.value, &body.traceparents)
                 .await
                 .map(drop),
             Verdict::Current => {
@@ -204,7 +205,7 @@ async fn rescue(msg: ReceivedMessage, shared: &Shared) {
                 shared.observe.count_rescued();
                 shared
                     .settler
-                    .rescue(&rec, &body, msg.sequence_number)
+                    .rescue(&read.value, &body, msg.sequence_number)
                     .await
             }
         },

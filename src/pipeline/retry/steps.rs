@@ -9,7 +9,7 @@ use tracing::Instrument;
 use crate::azure::ReceivedMessage;
 use crate::clock::at;
 use crate::event::Deployment;
-use crate::ledger::{LedgerError, Verdict};
+use crate::ledger::{LedgerError, LedgerRecord, Verdict, Versioned};
 use crate::pipeline::admission::Gate;
 use crate::pipeline::lines::{Advanced, LineHook, StepFuture, UntilDone};
 use crate::pipeline::settle::{Report, RetryMessage, Settled, Source};
@@ -137,7 +137,7 @@ pub(super) async fn process(
             return msg.dispose(Disposition::Complete).await;
         }
     };
-    let event = slotted.claimed.0.event.clone();
+    let event = slotted.claimed.value.event.clone();
     let event_type = event.identity.event_type.as_deref();
     let ready = match admitted(&mut msg, slotted).await {
         Ok(ready) => ready,
@@ -166,7 +166,7 @@ pub(super) async fn process(
 /// the due ones waiting for a slot.
 struct Due<'l> {
     copy: Copy,
-    early: Option<(crate::ledger::LedgerRecord, String)>,
+    early: Option<Versioned<LedgerRecord>>,
     starting: Starting<'l>,
     waiting: DueWaiting,
     due: SystemTime,
@@ -218,7 +218,7 @@ async fn due<'l>(
 /// A claimed attempt with its attempt slot, held until the breaker knows the outcome (or no
 /// call is made); `starting` until the attempt starts or is deferred.
 struct Slotted<'l> {
-    claimed: (crate::ledger::LedgerRecord, String),
+    claimed: Versioned<LedgerRecord>,
     slot: tokio::sync::SemaphorePermit<'l>,
     starting: Option<Starting<'l>>,
 }
@@ -229,9 +229,9 @@ enum Unclaimed {
     /// the loop stopped.
     Gone,
     /// The lock was lost or the loop stopped after the claim: give the claim back.
-    Release((crate::ledger::LedgerRecord, String)),
+    Release(Versioned<LedgerRecord>),
     /// An operator ran this attempt now: give the claim back and complete this copy.
-    Superseded((crate::ledger::LedgerRecord, String)),
+    Superseded(Versioned<LedgerRecord>),
 }
 
 /// Claims the attempt, then takes its slot. The attempt is claimed in the ledger before the
@@ -243,7 +243,7 @@ async fn slotted<'l>(
     limits: &'l Limits,
     copy: &Copy,
     body: &RetryMessage,
-    rec: (crate::ledger::LedgerRecord, String),
+    rec: Versioned<LedgerRecord>,
     starting: Starting<'l>,
     _waiting: DueWaiting,
 ) -> Result<Slotted<'l>, Unclaimed> {
@@ -254,7 +254,7 @@ async fn slotted<'l>(
     if !msg.lock_held() {
         return Err(Unclaimed::Release(claimed));
     }
-    if claimed.0.superseded_copy(body.attempt, body.run_now) {
+    if claimed.value.superseded_copy(body.attempt, body.run_now) {
         return Err(Unclaimed::Superseded(claimed));
     }
     // The attempt's slot, taken once the attempt is claimed (the claim renewed while it
@@ -273,7 +273,7 @@ async fn slotted<'l>(
 
 /// A slotted attempt the breaker and the rate limit let run: what it waited for the rate.
 struct Ready<'l> {
-    claimed: (crate::ledger::LedgerRecord, String),
+    claimed: Versioned<LedgerRecord>,
     slot: tokio::sync::SemaphorePermit<'l>,
     gate: Gate,
     waited: Duration,
@@ -354,7 +354,7 @@ async fn attempt_retry(
     body: &RetryMessage,
     event: &crate::event::Event,
     ready: Ready<'_>,
-) -> (attempt::Attempted, (crate::ledger::LedgerRecord, String)) {
+) -> (attempt::Attempted, Versioned<LedgerRecord>) {
     let shared = msg.shared;
     let Ready {
         mut claimed,
@@ -363,7 +363,7 @@ async fn attempt_retry(
         waited,
     } = ready;
     // The policy in force is the one pinned in the ledger at the first failure.
-    let pinned = claimed.0.policy.clone();
+    let pinned = claimed.value.policy.clone();
     let cx = attempt::Context {
         consumer_group: &shared.origin.consumer_group,
         source: Source::Retry,
@@ -395,7 +395,7 @@ async fn settle_retry(
     body: &RetryMessage,
     event: &crate::event::Event,
     attempted: &attempt::Attempted,
-    (rec, etag): (crate::ledger::LedgerRecord, String),
+    read: Versioned<LedgerRecord>,
 ) {
     let shared = msg.shared;
     let key = body.key();
@@ -418,7 +418,7 @@ async fn settle_retry(
     };
     // The first settlement starts from the record read at the due time (one read per
     // retry); one tried again after a failure reads afresh.
-    let settled = match settle(Some((rec, etag))).await {
+    let settled = match settle(Some(read)).await {
         Ok(s) => Ok(s),
         Err(e) => {
             shared.observe.settle_failed(&e);
@@ -469,9 +469,9 @@ enum StandDown {
 async fn validated<'l>(
     msg: &mut LockedMessage<'_>,
     body: &RetryMessage,
-    early: Option<(crate::ledger::LedgerRecord, String)>,
+    early: Option<Versioned<LedgerRecord>>,
     starting: Starting<'l>,
-) -> Result<((crate::ledger::LedgerRecord, String), Starting<'l>), StandDown> {
+) -> Result<(Versioned<LedgerRecord>, Starting<'l>), StandDown> {
     let shared = msg.shared;
     let key = body.key();
     // The record at the due time. Read early, it is not read again: the claim below writes
@@ -505,15 +505,15 @@ async fn validated<'l>(
             read
         }
     };
-    let verdict = Verdict::of(current.as_ref().map(|(r, _)| r), body.attempt);
+    let verdict = Verdict::of(current.as_ref().map(|r| &r.value), body.attempt);
     let rec = match current {
-        Some((rec, _)) if matches!(verdict, Verdict::Final(_)) => {
-            tracing::info!(key = %key, state = ?rec.state, "event already final; completing the retry without calling the handler");
+        Some(Versioned { value: rec, .. }) if matches!(verdict, Verdict::Final(_)) => {
+            tracing::info!(key = %key, state = ?rec.state(), "event already final; completing the retry without calling the handler");
             // A copy after a crash between the settlement and the line's advance.
             return Err(StandDown::AdvanceLine(Box::new(rec)));
         }
         // Stale: attempt `body.attempt` already ran. Make sure the recorded next one exists.
-        Some((rec, _)) if verdict == Verdict::Stale => {
+        Some(Versioned { value: rec, .. }) if verdict == Verdict::Stale => {
             return Err(StandDown::Resend(Box::new(rec)))
         }
         Some(read) => read,
@@ -534,7 +534,7 @@ async fn validated<'l>(
                 return Err(StandDown::Leave);
             };
             match recovered {
-                Some(read) if Verdict::of(Some(&read.0), body.attempt) == Verdict::Current => {
+                Some(read) if Verdict::of(Some(&read.value), body.attempt) == Verdict::Current => {
                     tracing::warn!(key = %key, attempt = body.attempt, "a retry's ledger record was missing; rebuilt it from the event read back from Event Hubs");
                     shared.observe.count_record_rebuilt();
                     read
@@ -542,7 +542,7 @@ async fn validated<'l>(
                 // A record appeared meanwhile (a replay from Event Hubs) and says this attempt
                 // is not the one waiting: final, or superseded (its recorded next attempt is
                 // made sure of, as for any stale copy).
-                Some((rec, _)) => {
+                Some(Versioned { value: rec, .. }) => {
                     return Err(match Verdict::of(Some(&rec), body.attempt) {
                         Verdict::Stale => StandDown::Resend(Box::new(rec)),
                         _ => StandDown::Complete,
@@ -558,7 +558,7 @@ async fn validated<'l>(
     };
     // An operator ran this attempt now (`retries retry-now`, or a replay): this is a copy
     // scheduled before, and the copy sent for the pull is the one that runs.
-    if rec.0.superseded_copy(body.attempt, body.run_now) {
+    if rec.value.superseded_copy(body.attempt, body.run_now) {
         tracing::info!(key = %key, attempt = body.attempt, "an operator ran this attempt now; the copy scheduled before stands down");
         return Err(StandDown::Complete);
     }
@@ -572,7 +572,7 @@ async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: Stan
         StandDown::Leave => false,
         StandDown::Complete => true,
         StandDown::AdvanceLine(rec) => {
-            advance_line(msg, &rec.event, &Settled::AlreadyFinal(rec.state)).await == Advanced::Done
+            advance_line(msg, &rec.event, &Settled::AlreadyFinal(rec.state())).await == Advanced::Done
         }
         StandDown::Resend(rec) => msg
             .holding(body.key(), "re-sending the recorded retry", || {
@@ -627,7 +627,7 @@ impl UntilDone for HoldMessage<'_, '_> {
 async fn slot_keeping_claim<'l>(
     msg: &mut LockedMessage<'_>,
     limits: &'l Limits,
-    claimed: &mut (crate::ledger::LedgerRecord, String),
+    claimed: &mut Versioned<LedgerRecord>,
 ) -> Option<tokio::sync::SemaphorePermit<'l>> {
     let shared = msg.shared;
     loop {
@@ -644,7 +644,7 @@ async fn slot_keeping_claim<'l>(
             Some(s) => return s.ok(),
             None => {
                 if let Err(e) = shared.settler.renew_claim(claimed).await {
-                    tracing::warn!(key = %claimed.0.key, error = %e, "renewing the claim of a retry waiting for an attempt slot failed");
+                    tracing::warn!(key = %claimed.value.key, error = %e, "renewing the claim of a retry waiting for an attempt slot failed");
                 }
             }
         }
@@ -663,9 +663,9 @@ async fn claim<'l>(
     limits: &'l Limits,
     copy: &Copy,
     body: &RetryMessage,
-    read: (crate::ledger::LedgerRecord, String),
+    read: Versioned<LedgerRecord>,
     starting: &mut Option<Starting<'l>>,
-) -> Option<(crate::ledger::LedgerRecord, String)> {
+) -> Option<Versioned<LedgerRecord>> {
     use crate::pipeline::settle::Claimed;
     let shared = msg.shared;
     let key = body.key();

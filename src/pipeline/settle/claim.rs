@@ -3,15 +3,13 @@
 
 use std::time::SystemTime;
 
-use crate::azure::StoreError;
+use crate::azure::versioned::{compare_and_swap, Change, Swapped};
 use crate::clock::{at, ms};
 use crate::event::Event;
-use crate::ledger::{Change, Claim, LedgerError, LedgerRecord, State, Verdict};
+use crate::ledger::{Claim, LedgerError, LedgerRecord, State, Verdict, Versioned};
 
-use super::{
-    Claimed, MessageId, RetryCopy, RetryMessage, Sent, SettleError, Settler, CAS_ROUNDS,
-    CLAIM_LEASE,
-};
+use super::execute::Settling;
+use super::{Claimed, MessageId, RetryCopy, RetryMessage, Sent, SettleError, Settler, CLAIM_LEASE};
 
 impl Settler {
     /// Defers attempt `attempt` of `event` to `until` (an open circuit breaker): the same
@@ -29,7 +27,7 @@ impl Settler {
         // A copy of a superseded attempt (its lock lapsed while another receiver ran it) is
         // not deferred: make sure the recorded next attempt exists instead.
         let mut mark = None;
-        if let Some((rec, _)) = self.ledger.get(key).await? {
+        if let Some(rec) = self.ledger.record(key).await? {
             match Verdict::of(Some(&rec), attempt) {
                 Verdict::Final(_) => return Ok(()),
                 Verdict::Stale => {
@@ -54,7 +52,7 @@ impl Settler {
         self.ledger
             .update(key, |rec| match rec {
                 Some(mut rec)
-                    if rec.state == State::RetryScheduled && rec.attempts + 1 == attempt =>
+                    if rec.state() == State::RetryScheduled && rec.attempts + 1 == attempt =>
                 {
                     rec.schedule_retry(ms(until));
                     rec.claim = None;
@@ -107,7 +105,7 @@ impl Settler {
             .ledger
             .update(key, |rec| match rec {
                 Some(mut rec)
-                    if rec.state == State::RetryScheduled
+                    if rec.state() == State::RetryScheduled
                         && rec
                             .next_attempt_at()
                             .is_some_and(|due| due < overdue_before)
@@ -143,34 +141,23 @@ impl Settler {
         &self,
         key: &str,
         attempt: u32,
-        mut read: Option<(LedgerRecord, String)>,
+        read: Option<Versioned<LedgerRecord>>,
         owner: &str,
         instance: &str,
     ) -> Result<Claimed, SettleError> {
-        for _ in 0..CAS_ROUNDS {
-            let current = match read.take() {
-                Some(known) => Some(known),
-                None => match self.ledger.get(key).await {
-                    Err(LedgerError::Corrupt { reason, .. }) => {
-                        self.ledger
-                            .quarantine(key, None, &reason, self.clock.now())
-                            .await?;
-                        return Ok(Claimed::Changed(Verdict::Final(State::DeadLettered), None));
-                    }
-                    other => other?,
-                },
-            };
-            let Some((mut rec, etag)) = current else {
-                return Ok(Claimed::Changed(Verdict::Unrecorded, None));
+        let record = Settling::new(self, key);
+        let claiming = compare_and_swap(&record, read.into(), |current| {
+            let Some(mut rec) = current else {
+                return Change::Keep(Some(Claimed::Changed(Verdict::Unrecorded, None)));
             };
             let verdict = Verdict::of(Some(&rec), attempt);
             if verdict != Verdict::Current {
-                return Ok(Claimed::Changed(verdict, Some(Box::new(rec))));
+                return Change::Keep(Some(Claimed::Changed(verdict, Some(Box::new(rec)))));
             }
             let now = self.clock.now();
             if let Some(c) = &rec.claim {
                 if c.attempt == attempt && c.instance != instance && c.live(now) {
-                    return Ok(Claimed::Busy(at(c.until_ms)));
+                    return Change::Keep(Some(Claimed::Busy(at(c.until_ms))));
                 }
             }
             rec.claim = Some(Claim {
@@ -179,13 +166,23 @@ impl Settler {
                 instance: instance.to_string(),
                 until_ms: ms(now + CLAIM_LEASE),
             });
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(etag) => return Ok(Claimed::Mine(Box::new((rec, etag)))),
-                Err(LedgerError::Store(StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
+            // Mine: the record as written, with its new ETag.
+            Change::Write(Box::new(rec), None)
+        });
+        let Swapped { value, written } = match claiming.await {
+            Err(SettleError::Ledger(LedgerError::Corrupt { reason, .. })) => {
+                self.ledger
+                    .quarantine(key, None, &reason, self.clock.now())
+                    .await?;
+                return Ok(Claimed::Changed(Verdict::Final(State::DeadLettered), None));
             }
-        }
-        Err(SettleError::Contended(key.to_string()))
+            other => other?,
+        };
+        Ok(match (written, value) {
+            (Some(mine), _) => Claimed::Mine(Box::new(mine)),
+            (None, Some(found)) => found,
+            (None, None) => unreachable!("a decision that keeps the record says what it found"),
+        })
     }
 
     /// Extends the claim `claimed` holds by another [`CLAIM_LEASE`] (while a call runs long),
@@ -193,23 +190,25 @@ impl Settler {
     /// lapsed): the settlement then decides on what the record says.
     pub async fn renew_claim(
         &self,
-        claimed: &mut (LedgerRecord, String),
+        claimed: &mut Versioned<LedgerRecord>,
     ) -> Result<(), SettleError> {
-        let (rec, etag) = claimed;
-        let mut renewed = rec.clone();
+        let mut renewed = claimed.value.clone();
         match &mut renewed.claim {
             Some(c) => c.until_ms = ms(self.clock.now() + CLAIM_LEASE),
             None => return Ok(()),
         }
-        let new_etag = self.ledger.put(&renewed, Some(etag)).await?;
-        *claimed = (renewed, new_etag);
+        let etag = self.ledger.put(&renewed, Some(&claimed.etag)).await?;
+        *claimed = Versioned::new(renewed, etag);
         Ok(())
     }
 
     /// Gives up the claim `claimed` holds without running the attempt (its lock lapsed
     /// before the call): best effort, as an expired claim is taken over anyway.
-    pub async fn release_claim(&self, claimed: (LedgerRecord, String)) {
-        let (mut rec, etag) = claimed;
+    pub async fn release_claim(&self, claimed: Versioned<LedgerRecord>) {
+        let Versioned {
+            value: mut rec,
+            etag,
+        } = claimed;
         rec.claim = None;
         if let Err(e) = self.ledger.put(&rec, Some(&etag)).await {
             tracing::debug!(key = %rec.key, error = %e, "could not release a claim; it expires by itself");

@@ -1,12 +1,13 @@
 //! The Settler's settlement: planning an attempt's outcome and executing the plan's effects
 //! in order, re-planning on a conflict.
 
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Versioned};
 use crate::azure::StoreError;
 use crate::handler::Outcome;
-use crate::ledger::{LedgerError, LedgerRecord};
+use crate::ledger::{LedgerError, LedgerRecord, State};
 use crate::policy::DeadLetterReason;
 
-use super::{plan, Plan, Report, Sent, SettleError, Settled, Settler, CAS_ROUNDS};
+use super::{plan, Plan, Report, Sent, SettleError, Settled, Settler};
 
 impl Settler {
     /// Settles the outcome `report` carries.
@@ -20,7 +21,7 @@ impl Settler {
     /// read again and the decision made again.
     pub async fn settle_from(
         &self,
-        read: Option<(LedgerRecord, String)>,
+        read: Option<Versioned<LedgerRecord>>,
         report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
         // Also a first attempt from Event Hubs that was delivered: whether its event may have
@@ -46,23 +47,16 @@ impl Settler {
     }
 
     /// Plans the settlement of `report` on the record (the caller's `read` first, then a
-    /// fresh read after each conflict) and executes the plan; a write that finds the record
-    /// changed (412) plans again on what it now says.
+    /// fresh read after each conflict) and executes the plan: its write, in the one
+    /// compare-and-swap, then what follows the write. A write that finds the record changed
+    /// (412) plans again on what it now says.
     async fn execute_plans(
         &self,
-        mut read: Option<(LedgerRecord, String)>,
+        read: Option<Versioned<LedgerRecord>>,
         report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
         let key = &report.event.identity.idempotency_key;
-        for _ in 0..CAS_ROUNDS {
-            let current = match read.take() {
-                Some(known) => Some(known),
-                None => self.ledger.get(key).await?,
-            };
-            let (record, etag) = match current {
-                Some((r, e)) => (Some(r), Some(e)),
-                None => (None, None),
-            };
+        let planned = compare_and_swap(&Settling::new(self, key), read.into(), |record| {
             let plan = plan(
                 record.as_ref(),
                 report,
@@ -70,37 +64,52 @@ impl Settler {
                 self.clock.now(),
                 &mut rand::thread_rng(),
             );
-            if let Some(settled) = self.execute(plan, etag.as_deref(), report).await? {
-                return Ok(settled);
+            match plan {
+                Plan::Done(settled) => Change::Keep(Then::Done(settled)),
+                Plan::RecordDelivery(record) => {
+                    Change::Write(record, Then::Done(Settled::Delivered))
+                }
+                Plan::ResendRecorded(record) => Change::Keep(Then::Resend(record)),
+                Plan::Schedule {
+                    record,
+                    attempt,
+                    due,
+                    capped_from,
+                } => Change::Write(
+                    record,
+                    Then::Schedule {
+                        attempt,
+                        due,
+                        capped_from,
+                    },
+                ),
+                // Published and indexed before the record is written (see `Settling`).
+                Plan::DeadLetter { record, reason } => {
+                    Change::Write(record, Then::Done(Settled::DeadLettered(reason)))
+                }
             }
-        }
-        Err(match report.outcome {
-            Outcome::Delivered => SettleError::Ledger(LedgerError::Contended { key: key.clone() }),
-            Outcome::Failed(_) => SettleError::Contended(key.clone()),
         })
+        .await;
+        let then = match planned {
+            Ok(swapped) => swapped.value,
+            Err(SettleError::Contended(key)) if matches!(report.outcome, Outcome::Delivered) => {
+                return Err(SettleError::Ledger(LedgerError::Contended { key }))
+            }
+            Err(e) => return Err(e),
+        };
+        self.then(then, report).await
     }
 
-    /// Performs `plan`'s effects in the order the invariant needs, writing the record with
-    /// `If-Match: etag` (`If-None-Match: *` without one). `None` when that write found the
-    /// record changed: nothing after it was done, and the caller plans again.
-    async fn execute(
-        &self,
-        plan: Plan,
-        etag: Option<&str>,
-        report: &Report<'_>,
-    ) -> Result<Option<Settled>, SettleError> {
+    /// What follows a settlement's write (or its plan, when nothing was written).
+    async fn then(&self, then: Then, report: &Report<'_>) -> Result<Settled, SettleError> {
         let key = &report.event.identity.idempotency_key;
-        match plan {
-            Plan::Done(settled) => Ok(Some(settled)),
-            Plan::RecordDelivery(record) => Ok(self
-                .written(&record, etag)
-                .await?
-                .then_some(Settled::Delivered)),
-            Plan::ResendRecorded(record) => {
+        match then {
+            Then::Done(settled) => Ok(settled),
+            Then::Resend(record) => {
                 // This attempt is already recorded (a replay): make sure the recorded next
                 // attempt exists on Service Bus (a repeat is dropped by duplicate detection).
                 super::super::attempt::mark_replay(&tracing::Span::current());
-                Ok(Some(
+                Ok(
                     match self.resend_recorded(&record, report.traceparents).await? {
                         Some(due) => Settled::RetryScheduled {
                             attempt: record.attempts + 1,
@@ -108,19 +117,16 @@ impl Settler {
                         },
                         None => Settled::DeadLettered(DeadLetterReason::RetryRefused),
                     },
-                ))
+                )
             }
-            Plan::Schedule {
-                record,
+            Then::Schedule {
                 attempt,
                 due,
                 capped_from,
             } => {
-                // Ledger first: if Service Bus then fails, the replay (or the redelivered
-                // retry message) finds the attempt recorded and re-sends the same message.
-                if !self.written(&record, etag).await? {
-                    return Ok(None);
-                }
+                // Ledger first (written): if Service Bus now fails, the replay (or the
+                // redelivered retry message) finds the attempt recorded and re-sends the same
+                // message.
                 super::super::attempt::mark_retry_after_capped(
                     &tracing::Span::current(),
                     capped_from,
@@ -128,41 +134,90 @@ impl Settler {
                 let sent = self
                     .schedule(report.event, attempt, due, report.traceparents)
                     .await;
-                Ok(Some(match self.sent_or_dead_lettered(key, sent).await? {
+                Ok(match self.sent_or_dead_lettered(key, sent).await? {
                     Sent::Scheduled => Settled::RetryScheduled { attempt, due },
                     Sent::DeadLettered => Settled::DeadLettered(DeadLetterReason::RetryRefused),
-                }))
+                })
             }
-            Plan::DeadLetter { record, reason } => Ok(self
-                .dead_letter_written(&record, etag)
-                .await?
-                .then_some(Settled::DeadLettered(reason))),
         }
     }
 
-    /// Writes `record` over the version `etag` names; `false` when it changed since (412).
-    async fn written(
+    /// Writes `record` over the version `etag` names (`None`: creates it), returning its new
+    /// ETag; [`StoreError::Conflict`] when it changed since (412). A record written
+    /// dead-lettered is first published to the destination (if any) and indexed: a dead
+    /// letter's effects, in their order, in this one place.
+    pub(crate) async fn write_settled(
         &self,
         record: &LedgerRecord,
         etag: Option<&str>,
-    ) -> Result<bool, SettleError> {
-        match self.ledger.put(record, etag).await {
-            Ok(_) => Ok(true),
-            Err(LedgerError::Store(StoreError::Conflict)) => Ok(false),
-            Err(e) => Err(e.into()),
+    ) -> Result<String, SettleError> {
+        if record.state() == State::DeadLettered {
+            self.publish_dead_letter(record).await?;
+            self.ledger.index_dead_letter(&record.key).await?;
         }
+        Ok(self.ledger.put(record, etag).await?)
+    }
+}
+
+/// What follows a settlement's write.
+enum Then {
+    /// Nothing: settled so.
+    Done(Settled),
+    /// The attempt was recorded before (a replay): re-send the recorded next attempt.
+    Resend(Box<LedgerRecord>),
+    /// The next attempt is recorded: schedule its retry message.
+    Schedule {
+        attempt: u32,
+        due: std::time::SystemTime,
+        capped_from: Option<std::time::Duration>,
+    },
+}
+
+/// `key`'s ledger record as settlements read and write it, in the one compare-and-swap:
+/// every write through [`Settler::write_settled`].
+pub(super) struct Settling<'a> {
+    settler: &'a Settler,
+    key: &'a str,
+}
+
+impl<'a> Settling<'a> {
+    /// `key`'s record, settled by `settler`.
+    pub(super) fn new(settler: &'a Settler, key: &'a str) -> Self {
+        Self { settler, key }
+    }
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Settling<'_> {
+    type Value = LedgerRecord;
+    type Error = SettleError;
+
+    fn name(&self) -> String {
+        self.key.to_string()
     }
 
-    /// A dead letter's effects, in their order: published to the destination (if any),
-    /// indexed, then `record` (dead-lettered) written over the version `etag` names; `false`
-    /// when it changed since (412).
-    pub(super) async fn dead_letter_written(
-        &self,
-        record: &LedgerRecord,
-        etag: Option<&str>,
-    ) -> Result<bool, SettleError> {
-        self.publish_dead_letter(record).await?;
-        self.ledger.index_dead_letter(&record.key).await?;
-        self.written(record, etag).await
+    async fn read(&self) -> Result<Option<Versioned<LedgerRecord>>, SettleError> {
+        Ok(self.settler.ledger.get(self.key).await?)
+    }
+
+    async fn write(&self, value: &LedgerRecord, etag: Option<&str>) -> Result<String, SettleError> {
+        self.settler.write_settled(value, etag).await
+    }
+
+    fn lost(&self, e: &SettleError) -> bool {
+        matches!(
+            e,
+            SettleError::Ledger(LedgerError::Store(StoreError::Conflict))
+        )
+    }
+
+    fn contended(&self, lost: Contended) -> SettleError {
+        lost.into()
+    }
+}
+
+impl From<Contended> for SettleError {
+    fn from(c: Contended) -> Self {
+        SettleError::Contended(c.record)
     }
 }

@@ -34,9 +34,6 @@ use crate::policy::{DeadLetterReason, RetryPolicy};
 #[cfg(any(test, feature = "testbed"))]
 pub const DELIVERED_ON_REPLAY: &str = "delivered_on_replay";
 
-/// Compare-and-swap rounds before giving up on a contended record.
-const CAS_ROUNDS: usize = 16;
-
 /// Retry policies by event type, with a default.
 #[derive(Debug, Clone)]
 pub struct Policies {
@@ -107,7 +104,7 @@ pub const CLAIM_LEASE: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claimed {
     /// This copy holds the claim: run the attempt, and settle from this record and ETag.
-    Mine(Box<(LedgerRecord, String)>),
+    Mine(Box<crate::ledger::Versioned<LedgerRecord>>),
     /// Another process holds a live claim on the attempt until then: wait, then claim again.
     Busy(SystemTime),
     /// The record changed since it was read and this attempt is no longer the one it waits
@@ -381,8 +378,9 @@ impl Settler {
         self.dead_letters.as_ref()
     }
 
-    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any.
-    pub(crate) async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
+    /// Publishes `rec` (about to be written dead-lettered) to the destination, if any: only
+    /// as the first step of the dead-letter sequence, [`Settler::write_settled`].
+    async fn publish_dead_letter(&self, rec: &LedgerRecord) -> Result<(), SettleError> {
         if let Some(d) = &self.dead_letters {
             d.publish(rec).await?;
         }

@@ -19,9 +19,11 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
+use super::execute::Settling;
 use super::{MessageId, RetryCopy, SettleError, Settler};
+use crate::azure::versioned::{compare_and_swap, Change, Start, Swapped};
 use crate::clock::ms;
-use crate::ledger::{AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, RunNow, State};
+use crate::ledger::{AttemptEntry, HistoryOutcome, LedgerRecord, RunNow, State};
 use crate::policy::DeadLetterReason;
 
 /// How close to its due time a retry is taken as running: an operator's action on it is
@@ -80,29 +82,29 @@ pub(crate) fn plan(action: Action, rec: Option<&LedgerRecord>, now: SystemTime) 
     };
     let attempt = rec.attempts + 1;
     if action == Action::Cancel
-        && rec.state == State::DeadLettered
-        && rec.dead_letter_reason == Some(DeadLetterReason::Cancelled)
+        && rec.state() == State::DeadLettered
+        && rec.dead_letter_reason() == Some(DeadLetterReason::Cancelled)
     {
         return ActionOutcome::AlreadyDone { attempt };
     }
-    if rec.state != State::RetryScheduled {
-        return ActionOutcome::NotPending { state: rec.state };
+    if rec.state() != State::RetryScheduled {
+        return ActionOutcome::NotPending { state: rec.state() };
     }
     if action == Action::RetryNow && rec.run_now_mark(attempt).is_some() {
         return ActionOutcome::AlreadyDone { attempt };
     }
     let busy = rec
-        .next_attempt_ms
+        .next_attempt_ms()
         .is_none_or(|due| due <= ms(now + OPERATOR_MARGIN));
     if busy {
         return ActionOutcome::Due {
             attempt,
-            due_ms: rec.next_attempt_ms,
+            due_ms: rec.next_attempt_ms(),
         };
     }
     ActionOutcome::Done {
         attempt,
-        previous_due_ms: rec.next_attempt_ms,
+        previous_due_ms: rec.next_attempt_ms(),
     }
 }
 
@@ -116,44 +118,56 @@ impl Settler {
         dry_run: bool,
     ) -> Result<ActionOutcome, SettleError> {
         let now = self.clock.now();
-        for _ in 0..super::CAS_ROUNDS {
-            let current = self.ledger.get(key).await?;
-            let outcome = plan(Action::RetryNow, current.as_ref().map(|(r, _)| r), now);
-            let (mut rec, etag) = match (&outcome, current) {
-                (ActionOutcome::Done { .. }, Some(read)) if !dry_run => read,
-                (ActionOutcome::AlreadyDone { .. }, Some((rec, _))) if !dry_run => {
-                    // Not deferred since: the copy sent for the pull is re-sent (duplicate
-                    // detection drops it if it is there), so a repeat repairs a pull whose
-                    // message was never sent.
-                    if let Some(p) = rec.run_now.as_ref().filter(|p| {
-                        rec.next_attempt_ms == Some(p.at_ms) && p.attempt == rec.attempts + 1
-                    }) {
-                        self.send_pulled(&rec, p.at_ms, now).await?;
-                    }
-                    return Ok(outcome);
+        let record = Settling::new(self, key);
+        let pulling = compare_and_swap(&record, Start::Read, |current| {
+            let outcome = plan(Action::RetryNow, current.as_ref(), now);
+            match (&outcome, current) {
+                (ActionOutcome::Done { .. }, Some(mut rec)) if !dry_run => {
+                    rec.run_now = Some(RunNow {
+                        attempt: rec.attempts + 1,
+                        at_ms: ms(now),
+                        by: by.to_string(),
+                        previous_due_ms: rec.next_attempt_ms(),
+                    });
+                    rec.schedule_retry(ms(now));
+                    rec.updated_ms = ms(now);
+                    Change::Write(
+                        Box::new(rec),
+                        Pulled {
+                            outcome,
+                            resend: None,
+                        },
+                    )
                 }
-                _ => return Ok(outcome),
-            };
-            let attempt = rec.attempts + 1;
-            rec.run_now = Some(RunNow {
-                attempt,
-                at_ms: ms(now),
-                by: by.to_string(),
-                previous_due_ms: rec.next_attempt_ms,
-            });
-            rec.schedule_retry(ms(now));
-            rec.updated_ms = ms(now);
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => {}
-                Err(LedgerError::Store(crate::azure::StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
+                // Not deferred since: the copy sent for the pull is re-sent (duplicate
+                // detection drops it if it is there), so a repeat repairs a pull whose
+                // message was never sent.
+                (ActionOutcome::AlreadyDone { .. }, Some(rec)) if !dry_run => {
+                    let resend = rec
+                        .run_now
+                        .as_ref()
+                        .filter(|p| {
+                            rec.next_attempt_ms() == Some(p.at_ms) && p.attempt == rec.attempts + 1
+                        })
+                        .map(|p| p.at_ms);
+                    let resend = resend.map(|at_ms| (Box::new(rec), at_ms));
+                    Change::Keep(Pulled { outcome, resend })
+                }
+                _ => Change::Keep(Pulled {
+                    outcome,
+                    resend: None,
+                }),
             }
-            // Recorded first: if this send fails, a repeat of the command (or the retry
-            // loop's sweep of overdue retries) sends the pulled copy.
-            self.send_pulled(&rec, ms(now), now).await?;
-            return Ok(outcome);
+        });
+        let Swapped { value, written } = pulling.await?;
+        // Recorded first: if this send fails, a repeat of the command (or the retry loop's
+        // sweep of overdue retries) sends the pulled copy.
+        if let Some(rec) = written {
+            self.send_pulled(&rec.value, ms(now), now).await?;
+        } else if let Some((rec, at_ms)) = value.resend {
+            self.send_pulled(&rec, at_ms, now).await?;
         }
-        Err(SettleError::Contended(key.to_string()))
+        Ok(value.outcome)
     }
 
     /// Schedules the copy of `rec`'s pending attempt an operator pulled forward at `at_ms`.
@@ -182,14 +196,16 @@ impl Settler {
         dry_run: bool,
     ) -> Result<ActionOutcome, SettleError> {
         let now = self.clock.now();
-        for _ in 0..super::CAS_ROUNDS {
-            let current = self.ledger.get(key).await?;
-            let outcome = plan(Action::Cancel, current.as_ref().map(|(r, _)| r), now);
-            let (mut rec, etag) = match (&outcome, current) {
-                (ActionOutcome::Done { .. }, Some(read)) if !dry_run => read,
-                _ => return Ok(outcome),
+        let text = format!("cancelled by {by}: {reason}");
+        // As every dead letter: published, indexed, then recorded (a conflict means the
+        // retry loop wrote first: decide again on what it wrote).
+        let record = Settling::new(self, key);
+        let cancelling = compare_and_swap(&record, Start::Read, |current| {
+            let outcome = plan(Action::Cancel, current.as_ref(), now);
+            let mut rec = match (&outcome, current) {
+                (ActionOutcome::Done { .. }, Some(rec)) if !dry_run => rec,
+                _ => return Change::Keep(outcome),
             };
-            let text = format!("cancelled by {by}: {reason}");
             rec.push_history(AttemptEntry {
                 attempt: rec.attempts + 1,
                 started_ms: ms(now),
@@ -201,21 +217,20 @@ impl Settler {
                 retry_after_capped_from_s: None,
             });
             rec.dead_letter(DeadLetterReason::Cancelled);
-            rec.last_error = Some(text);
+            rec.last_error = Some(text.clone());
             rec.run_now = None;
             rec.updated_ms = ms(now);
-            // As every dead letter: published, indexed, then recorded (a conflict means the
-            // retry loop wrote first: decide again on what it wrote).
-            self.publish_dead_letter(&rec).await?;
-            self.ledger.index_dead_letter(key).await?;
-            match self.ledger.put(&rec, Some(&etag)).await {
-                Ok(_) => return Ok(outcome),
-                Err(LedgerError::Store(crate::azure::StoreError::Conflict)) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(SettleError::Contended(key.to_string()))
+            Change::Write(Box::new(rec), outcome)
+        });
+        Ok(cancelling.await?.value)
     }
+}
+
+/// What `retry-now` decided: its outcome, and a pull recorded before whose copy is sent
+/// again (the record, and the pull's time).
+struct Pulled {
+    outcome: ActionOutcome,
+    resend: Option<(Box<LedgerRecord>, i64)>,
 }
 
 #[cfg(test)]
@@ -225,43 +240,27 @@ mod tests {
     use crate::policy::RetryPolicy;
 
     fn pending(attempts: u32, due_ms: i64) -> LedgerRecord {
-        LedgerRecord {
-            key: "k".into(),
-            correlation_id: "k".into(),
-            event_type: None,
-            state: State::RetryScheduled,
-            attempts,
-            next_attempt_ms: Some(due_ms),
-            first_failure_ms: 0,
-            updated_ms: 0,
-            last_error: None,
-            dead_letter_reason: None,
-            last_delay_ms: None,
-            policy: RetryPolicy::seed_fibonacci(),
-            attempt_base: 0,
-            history: Vec::new(),
-            event: Event {
-                body: Vec::new(),
-                content_type: None,
-                properties: Default::default(),
-                hub: "hub".into(),
-                partition_id: "0".into(),
-                sequence_number: 1,
-                offset: None,
-                enqueued_ms: None,
-                partition_key: None,
-                identity: Identity {
-                    idempotency_key: "k".into(),
-                    correlation_id: "k".into(),
-                    event_type: None,
-                },
+        let event = Event {
+            body: Vec::new(),
+            content_type: None,
+            properties: Default::default(),
+            hub: "hub".into(),
+            partition_id: "0".into(),
+            sequence_number: 1,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: Identity {
+                idempotency_key: "k".into(),
+                correlation_id: "k".into(),
+                event_type: None,
             },
-            quarantined: None,
-            event_unknown: false,
-            run_now: None,
-            indexed: None,
-            claim: None,
-        }
+        };
+        let mut rec =
+            LedgerRecord::first_failure(&event, RetryPolicy::seed_fibonacci(), crate::clock::at(0));
+        rec.attempts = attempts;
+        rec.schedule_retry(due_ms);
+        rec
     }
 
     #[test]
@@ -285,7 +284,7 @@ mod tests {
             );
             assert_eq!(plan(action, None, now), ActionOutcome::Unknown);
             let mut delivered = pending(2, 0);
-            delivered.state = State::Delivered;
+            delivered.deliver();
             assert_eq!(
                 plan(action, Some(&delivered), now),
                 ActionOutcome::NotPending {

@@ -207,37 +207,15 @@ fn failure(
 /// The record an event's first failure starts from: nothing counted yet, the policy for its
 /// type pinned, the age budget counting from `now`.
 pub(crate) fn first_failure(event: &Event, policies: &Policies, now: SystemTime) -> LedgerRecord {
-    LedgerRecord {
-        key: event.identity.idempotency_key.clone(),
-        correlation_id: event.identity.correlation_id.clone(),
-        event_type: event.identity.event_type.clone(),
-        state: State::RetryScheduled,
-        attempts: 0,
-        next_attempt_ms: None,
-        first_failure_ms: ms(now),
-        updated_ms: ms(now),
-        last_error: None,
-        dead_letter_reason: None,
-        last_delay_ms: None,
-        policy: policies
-            .for_type(event.identity.event_type.as_deref())
-            .clone(),
-        attempt_base: 0,
-        history: Vec::new(),
-        event: event.clone(),
-        quarantined: None,
-        event_unknown: false,
-        claim: None,
-        run_now: None,
-        indexed: None,
-    }
+    let policy = policies.for_type(event.identity.event_type.as_deref());
+    LedgerRecord::first_failure(event, policy.clone(), now)
 }
 
 /// The dead letter of a record whose retry message Service Bus refused for what it is
 /// (reason [`DeadLetterReason::RetryRefused`], Service Bus's words `error` as its last
 /// error); `None` when the record no longer waits for a retry.
 pub(crate) fn refusal(rec: &LedgerRecord, error: &str, now: SystemTime) -> Option<LedgerRecord> {
-    if rec.state != State::RetryScheduled {
+    if rec.state() != State::RetryScheduled {
         return None;
     }
     let now = ms(now);
@@ -318,7 +296,7 @@ mod tests {
     fn waiting(attempts: u32) -> LedgerRecord {
         let mut rec = first_failure(&event(7), &policies(), now());
         rec.attempts = attempts;
-        rec.next_attempt_ms = Some(ms(now()) + 10_000);
+        rec.schedule_retry(ms(now()) + 10_000);
         rec.last_delay_ms = Some(10_000);
         rec.claim = Some(Claim {
             attempt: attempts + 1,
@@ -376,7 +354,7 @@ mod tests {
             (State::Delivered, Outcome::Delivered),
         ] {
             let mut rec = waiting(1);
-            rec.state = state;
+            rec.force_state(state, rec.next_attempt_ms(), rec.dead_letter_reason());
             let r = report(&e, 2, Source::Retry, &outcome);
             assert_eq!(
                 plan_of(Some(&rec), &r),
@@ -402,8 +380,8 @@ mod tests {
         let Plan::RecordDelivery(rec) = plan_of(Some(&waiting(1)), &r) else {
             panic!("a delivery to record");
         };
-        assert_eq!(rec.state, State::Delivered);
-        assert_eq!((rec.attempts, rec.next_attempt_ms), (2, None));
+        assert_eq!(rec.state(), State::Delivered);
+        assert_eq!((rec.attempts, rec.next_attempt_ms()), (2, None));
         assert_eq!((rec.claim.as_ref(), rec.updated_ms), (None, ms(now())));
         let last = rec.history.last().unwrap();
         assert_eq!(last.outcome, HistoryOutcome::Delivered);
@@ -418,7 +396,7 @@ mod tests {
         let Plan::RecordDelivery(rec) = plan_of(Some(&waiting(2)), &r) else {
             panic!("a delivery to record");
         };
-        assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
         let last = rec.history.last().unwrap();
         assert_eq!(
             (last.attempt, &last.outcome),
@@ -455,9 +433,9 @@ mod tests {
         // 10 s after now, rounded up to Service Bus's whole second.
         let expected = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_011);
         assert_eq!((attempt, due, capped_from), (2, expected, None));
-        assert_eq!(record.state, State::RetryScheduled);
+        assert_eq!(record.state(), State::RetryScheduled);
         assert_eq!(record.attempts, 1);
-        assert_eq!(record.next_attempt_ms, Some(ms(expected)));
+        assert_eq!(record.next_attempt_ms(), Some(ms(expected)));
         assert_eq!(record.last_delay_ms, Some(10_750));
         assert_eq!(record.first_failure_ms, ms(now()));
         assert_eq!(record.policy.name, "default");
@@ -478,10 +456,10 @@ mod tests {
             panic!("a dead letter: the pinned policy allows two attempts");
         };
         assert_eq!(reason, DeadLetterReason::AttemptsExhausted);
-        assert_eq!((record.state, record.attempts), (State::DeadLettered, 2));
-        assert_eq!(record.next_attempt_ms, None);
+        assert_eq!((record.state(), record.attempts), (State::DeadLettered, 2));
+        assert_eq!(record.next_attempt_ms(), None);
         assert_eq!(record.claim, None);
-        assert_eq!(record.dead_letter_reason, Some(reason));
+        assert_eq!(record.dead_letter_reason(), Some(reason));
         let last = record.history.last().unwrap();
         assert_eq!(
             (last.attempt, &last.outcome),
@@ -528,12 +506,12 @@ mod tests {
     fn a_refused_retry_message_dead_letters_only_a_waiting_record() {
         let rec = waiting(1);
         let dead = refusal(&rec, "403 from Service Bus", now()).unwrap();
-        assert_eq!(dead.state, State::DeadLettered);
+        assert_eq!(dead.state(), State::DeadLettered);
         assert_eq!(
-            dead.dead_letter_reason,
+            dead.dead_letter_reason(),
             Some(DeadLetterReason::RetryRefused)
         );
-        assert_eq!(dead.next_attempt_ms, None);
+        assert_eq!(dead.next_attempt_ms(), None);
         assert_eq!(dead.last_error.as_deref(), Some("403 from Service Bus"));
         let last = dead.history.last().unwrap();
         assert_eq!(

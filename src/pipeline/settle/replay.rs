@@ -8,7 +8,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::{at, ms};
-use crate::ledger::{Change, LedgerRecord, State};
+use crate::ledger::{Change, LedgerRecord, State, Versioned};
 use crate::pipeline::OrderingKey;
 use crate::policy::DeadLetterReason;
 
@@ -50,16 +50,16 @@ impl Settler {
         let now = self.clock.now();
         self.ledger
             .update(key, |rec| match rec {
-                Some(rec) if rec.state == State::DeadLettered && !matches(&rec) => {
+                Some(rec) if rec.state() == State::DeadLettered && !matches(&rec) => {
                     Change::Keep(Ok(None))
                 }
-                Some(rec) if rec.state == State::DeadLettered && rec.event_unknown => {
+                Some(rec) if rec.state() == State::DeadLettered && rec.event_unknown => {
                     Change::Keep(Err(SettleError::EventUnknown {
                         key: key.to_string(),
                         quarantined: rec.quarantined.clone().unwrap_or_default(),
                     }))
                 }
-                Some(mut rec) if rec.state == State::DeadLettered => {
+                Some(mut rec) if rec.state() == State::DeadLettered => {
                     rec.schedule_retry(ms(now));
                     rec.attempt_base = rec.attempts;
                     rec.first_failure_ms = ms(now);
@@ -151,7 +151,7 @@ impl ReplayFilter {
                 .as_deref()
                 .is_none_or(|t| rec.event_type.as_deref() == Some(t))
             && self.reason.as_deref().is_none_or(|r| {
-                rec.dead_letter_reason
+                rec.dead_letter_reason()
                     .as_ref()
                     .is_some_and(|d| reason_name(d) == r)
             })
@@ -164,7 +164,7 @@ impl ReplayFilter {
     /// Whether the dead-lettered `rec` is one this run replays. Its dead-letter time is its
     /// last update (a dead-lettered record is not written again until it is replayed).
     pub fn matches(&self, rec: &LedgerRecord) -> bool {
-        rec.state == State::DeadLettered
+        rec.state() == State::DeadLettered
             && self.matches_what(rec)
             && self.since_ms.is_none_or(|s| rec.updated_ms >= s)
             && rec.updated_ms <= self.until_ms
@@ -274,7 +274,7 @@ impl Settler {
             .collect();
         let mut run = ReplayRun::new(keys.len(), per_second, stop, step);
         // Ordered: (partition, ordering key) → its dead letters, replayed after the loop.
-        let mut lines: BTreeMap<(String, String), Vec<(LedgerRecord, String)>> = BTreeMap::new();
+        let mut lines: BTreeMap<(String, String), Vec<Versioned<LedgerRecord>>> = BTreeMap::new();
         for key in keys {
             if stop.is_cancelled() {
                 run.report.interrupted = true;
@@ -283,8 +283,8 @@ impl Settler {
             let outcome = match self.sort_dead_letter(&key, filter, ordering).await {
                 Sorted::Unmatched => continue,
                 Sorted::Done(outcome) => outcome,
-                Sorted::Line(line, rec, etag) => {
-                    lines.entry(line).or_default().push((*rec, etag));
+                Sorted::Line(line, rec) => {
+                    lines.entry(line).or_default().push(*rec);
                     continue;
                 }
                 Sorted::Replay if dry_run => ReplayStep::WouldReplay { key },
@@ -331,20 +331,20 @@ impl Settler {
                 error: crate::redact::redacted(&e.to_string()),
             }),
             Ok(None) => Sorted::Unmatched,
-            Ok(Some((rec, _))) if !filter.matches_what(&rec) => Sorted::Unmatched,
-            Ok(Some((rec, _))) if rec.state != State::DeadLettered => {
-                skipped("no longer dead-lettered")
-            }
-            Ok(Some((rec, _))) if rec.updated_ms > filter.until_ms => {
-                skipped("dead-lettered again after --until (a replay of this run, or later)")
-            }
-            Ok(Some((rec, _))) if !filter.matches(&rec) => Sorted::Unmatched,
-            Ok(Some((rec, etag))) => match ordering.and_then(|o| o.of(&rec.event)) {
-                Some(ordering_key) => {
-                    let line = (rec.event.partition_id.clone(), ordering_key.to_string());
-                    Sorted::Line(line, Box::new(rec), etag)
+            Ok(Some(read)) => match &read.value {
+                rec if !filter.matches_what(rec) => Sorted::Unmatched,
+                rec if rec.state() != State::DeadLettered => skipped("no longer dead-lettered"),
+                rec if rec.updated_ms > filter.until_ms => {
+                    skipped("dead-lettered again after --until (a replay of this run, or later)")
                 }
-                None => Sorted::Replay,
+                rec if !filter.matches(rec) => Sorted::Unmatched,
+                rec => match ordering.and_then(|o| o.of(&rec.event)) {
+                    Some(ordering_key) => {
+                        let line = (rec.event.partition_id.clone(), ordering_key.to_string());
+                        Sorted::Line(line, Box::new(read))
+                    }
+                    None => Sorted::Replay,
+                },
             },
         }
     }
@@ -372,12 +372,12 @@ impl Settler {
         filter: &ReplayFilter,
         dry_run: bool,
         ordering_key: &str,
-        mut group: Vec<(LedgerRecord, String)>,
+        mut group: Vec<Versioned<LedgerRecord>>,
     ) -> bool {
-        group.sort_by_key(|(r, _)| r.event.sequence_number);
+        group.sort_by_key(|r| r.value.event.sequence_number);
         if dry_run {
-            let head = group[0].0.key.clone();
-            for (i, (r, _)) in group.iter().enumerate() {
+            let head = group[0].value.key.clone();
+            for (i, r) in group.iter().map(|r| &r.value).enumerate() {
                 let outcome = if i == 0 {
                     ReplayStep::WouldReplay { key: r.key.clone() }
                 } else {
@@ -412,7 +412,7 @@ enum Sorted {
     Done(ReplayStep),
     /// Ordered retries: replayed with the others of its line (partition, ordering key) after
     /// the rest.
-    Line((String, String), Box<LedgerRecord>, String),
+    Line((String, String), Box<Versioned<LedgerRecord>>),
     /// Replayed on its own.
     Replay,
 }

@@ -5,15 +5,17 @@ use std::time::{Duration, SystemTime};
 
 use tracing::Instrument;
 
+use crate::azure::versioned::{compare_and_swap, Change, Start};
 use crate::azure::{OutgoingMessage, RetryQueueError};
 use crate::clock::{at, ms};
 use crate::event::{Deployment, Event};
 use crate::ledger::LedgerRecord;
 
+use super::execute::Settling;
 use super::{
     ascii, bounded, deployment_properties, plan, MessageId, Position, RetryCopy, RetryMessage,
-    Sent, SettleError, Settler, CAS_ROUNDS, FORWARD_FAST_HOPS, FORWARD_WAIT_MAX,
-    PROPERTY_KEY_LIMIT, TRACE_LINKS_LIMIT,
+    Sent, SettleError, Settler, FORWARD_FAST_HOPS, FORWARD_WAIT_MAX, PROPERTY_KEY_LIMIT,
+    TRACE_LINKS_LIMIT,
 };
 
 impl Settler {
@@ -84,18 +86,14 @@ impl Settler {
         e: &RetryQueueError,
     ) -> Result<(), SettleError> {
         let error = e.to_string();
-        for _ in 0..CAS_ROUNDS {
-            let Some((rec, etag)) = self.ledger.get(key).await? else {
-                return Ok(());
-            };
-            let Some(dead) = plan::refusal(&rec, &error, self.clock.now()) else {
-                return Ok(());
-            };
-            if self.dead_letter_written(&dead, Some(&etag)).await? {
-                return Ok(());
+        let record = Settling::new(self, key);
+        let refused = compare_and_swap(&record, Start::Read, |rec| {
+            match rec.and_then(|rec| plan::refusal(&rec, &error, self.clock.now())) {
+                Some(dead) => Change::Write(Box::new(dead), ()),
+                None => Change::Keep(()),
             }
-        }
-        Err(SettleError::Contended(key.to_string()))
+        });
+        refused.await.map(drop)
     }
 
     async fn schedule_as(

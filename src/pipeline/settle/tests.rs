@@ -89,8 +89,8 @@ async fn a_failure_records_the_attempt_then_schedules_a_claim_check() {
         matches!(s, Settled::RetryScheduled { attempt: 2, .. }),
         "{s:?}"
     );
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::RetryScheduled, 1));
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
     assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
     let body: RetryMessage = serde_json::from_str(&b.queue.bodies()[0]).unwrap();
     assert_eq!((body.v, body.key.as_str(), body.attempt), (2, "k", 2));
@@ -118,8 +118,8 @@ async fn settling_from_the_record_in_hand_reads_nothing_unless_someone_wrote_sin
     let before = b.records.reads();
     assert_eq!(delivered(Some(read)).await.unwrap(), Settled::Delivered);
     assert_eq!(b.records.reads(), before, "one read per retry");
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
 
     // Somebody wrote after the read (attempt 2 failed elsewhere): the conflict reads the
     // record again and decides on what it says now.
@@ -147,7 +147,7 @@ async fn settling_from_the_record_in_hand_reads_nothing_unless_someone_wrote_sin
         matches!(failed, Settled::RetryScheduled { attempt: 3, .. }),
         "{failed:?}"
     );
-    let (rec, _) = b.settler.ledger.get("j").await.unwrap().unwrap();
+    let rec = b.settler.ledger.record("j").await.unwrap().unwrap();
     assert_eq!(rec.attempts, 2, "attempt 2 recorded once");
     assert_eq!(
         b.queue.len(),
@@ -161,10 +161,13 @@ async fn a_record_read_early_is_revalidated_by_its_etag() {
     let b = bed();
     fail(&b, "k", 1, Source::EventHubs).await.unwrap();
     let ledger = &b.settler.ledger;
-    let (_, etag) = ledger.get("k").await.unwrap().unwrap();
+    let etag = ledger.get("k").await.unwrap().unwrap().etag;
     assert!(ledger.get_if_changed("k", &etag).await.unwrap().is_none());
     fail(&b, "k", 2, Source::Retry).await.unwrap();
-    let (rec, now) = ledger
+    let crate::ledger::Versioned {
+        value: rec,
+        etag: now,
+    } = ledger
         .get_if_changed("k", &etag)
         .await
         .unwrap()
@@ -191,7 +194,7 @@ async fn a_replayed_attempt_resends_the_recorded_retry_and_counts_nothing() {
         vec!["k-attempt-2"],
         "the repeat was dropped"
     );
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
     assert_eq!(rec.attempts, 1);
     assert_eq!(rec.history.len(), 1);
 }
@@ -241,8 +244,8 @@ async fn a_retry_message_service_bus_refuses_dead_letters_the_event() {
     let b = bed_with(Some(Arc::new(Refusing)));
     let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
     assert_eq!(s, Settled::DeadLettered(DeadLetterReason::RetryRefused));
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::DeadLettered);
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::DeadLettered);
     assert!(rec.last_error.unwrap().contains("refused"));
     assert_eq!(
         b.settler.ledger.dead_letter_keys().await.unwrap(),
@@ -258,7 +261,7 @@ async fn a_corrupt_record_is_set_aside_and_the_event_dead_lettered() {
         .overwrite(&name, bytes::Bytes::from_static(b"{oops"));
     let s = fail(&b, "k", 1, Source::EventHubs).await.unwrap();
     assert_eq!(s, Settled::DeadLettered(DeadLetterReason::CorruptRecord));
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
     let aside = rec.quarantined.unwrap();
     assert_eq!(
         b.records.read(&aside).await.unwrap().unwrap().body,
@@ -286,7 +289,7 @@ async fn one_copy_claims_an_attempt_and_a_claim_left_behind_expires() {
     let Claimed::Mine(claimed) = mine else {
         panic!("{mine:?}")
     };
-    assert_eq!(claimed.0.claim.as_ref().map(|c| c.attempt), Some(2));
+    assert_eq!(claimed.value.claim.as_ref().map(|c| c.attempt), Some(2));
     // The second one's compare-and-swap fails; it reads again and finds the live claim.
     let busy = b
         .settler
@@ -333,8 +336,8 @@ async fn one_copy_claims_an_attempt_and_a_claim_left_behind_expires() {
         .await
         .unwrap();
     assert_eq!(delivered, Settled::Delivered);
-    let (rec, _) = ledger.get("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.claim), (State::Delivered, None));
+    let rec = ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.claim), (State::Delivered, None));
     assert!(matches!(
         b.settler
             .claim("k", 2, None, "replica-a", "instance-a")
@@ -383,13 +386,13 @@ async fn a_replay_from_event_hubs_settles_only_the_record_of_its_own_event() {
     let mut other = event("k");
     other.sequence_number += 1;
     assert_eq!(delivered(other).await, Settled::Delivered);
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
-    assert_eq!(rec.state, State::RetryScheduled);
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::RetryScheduled);
     // The recorded event itself, replayed and delivered: the record says so.
     assert_eq!(delivered(event("k")).await, Settled::Delivered);
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
     assert_eq!(
-        (rec.state, rec.attempts, rec.next_attempt_ms),
+        (rec.state(), rec.attempts, rec.next_attempt_ms()),
         (State::Delivered, 1, None)
     );
 }
@@ -413,8 +416,8 @@ async fn a_replay_after_later_attempts_is_recorded_as_a_replay_and_ends_the_retr
         .await
         .unwrap();
     assert_eq!(settled, Settled::Delivered);
-    let (rec, _) = b.settler.ledger.get("k").await.unwrap().unwrap();
-    assert_eq!((rec.state, rec.attempts), (State::Delivered, 2));
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
     let last = rec.history.last().unwrap();
     assert_eq!(
         (last.attempt, last.outcome.as_str()),
