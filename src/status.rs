@@ -22,7 +22,7 @@ use serde_json::json;
 
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use crate::redact::redact;
 use crate::redact::{redact_json, redacted};
 
@@ -68,7 +68,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 }
 
 /// The record as text, for `hubguard status`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
     let state = match rec.state {
@@ -185,7 +185,7 @@ pub fn pending_view(p: &Pending) -> serde_json::Value {
 }
 
 /// Pending retries as a text table, for `hubguard retries list`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn pending_text(pending: &[Pending]) -> String {
     let mut out = format!(
         "{} retr{} waiting\n",
@@ -289,7 +289,7 @@ pub async fn parked_view(
 }
 
 /// [`parked_view`] as text, for `hubguard status`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn parked_text(v: &serde_json::Value) -> String {
     let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
     let mut out = String::new();
@@ -353,7 +353,7 @@ pub fn line_view(l: &crate::ledger::Line) -> serde_json::Value {
 }
 
 /// Open lines as a text table, for `hubguard retries list`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
     if lines.is_empty() {
         return String::new();
@@ -386,7 +386,7 @@ pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
 /// listing refreshed every `every` — the answer to "what
 /// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
 /// with `max`, not `sum`. Stops when dropped.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub struct PendingGauges {
     dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
     task: tokio::task::JoinHandle<()>,
@@ -396,24 +396,24 @@ pub struct PendingGauges {
 }
 
 /// Parked events and when the oldest was parked (ordered retries), as last listed.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 type ParkedReading = Arc<std::sync::Mutex<Option<(u64, Option<SystemTime>)>>>;
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl std::fmt::Debug for PendingGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("PendingGauges")
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl Drop for PendingGauges {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl PendingGauges {
     /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
     /// current Tokio runtime). Overdue is against the wall clock.
@@ -426,7 +426,7 @@ impl PendingGauges {
     /// `lines` (ordered retries on) the `hubguard.lines.parked` and
     /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
     /// refresh.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub fn start_with_lines(
         ledger: Ledger,
         every: std::time::Duration,
@@ -522,7 +522,7 @@ impl PendingGauges {
         }
     }
 
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();

@@ -314,21 +314,6 @@ impl BlobContainer {
         req
     }
 
-    /// Create Container; `Ok(false)` when it already exists. (hubguard never creates its
-    /// container in production: the operator does, with its access policy. Tests and tools.)
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn create_container(&self) -> Result<bool, BlobError> {
-        let req = self
-            .http
-            .put(self.url_for(None, &[("restype", "container")]))
-            .header("content-length", 0);
-        match self.send(req).await {
-            Ok(_) => Ok(true),
-            Err(e) if e.status() == Some(409) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
     /// Put Blob (a block blob), replacing content and metadata.
     pub async fn put_blob(
         &self,
@@ -367,48 +352,6 @@ impl BlobContainer {
         }
         let req = Self::with_metadata(Self::conditioned(req, condition), metadata);
         written(&self.send(req).await?)
-    }
-
-    /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
-    /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
-    /// storageservices/set-blob-tags).
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
-        let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
-        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
-        for (k, v) in tags {
-            xml.push_str(&format!(
-                "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
-                esc(k),
-                esc(v)
-            ));
-        }
-        xml.push_str("</TagSet></Tags>");
-        let req = self
-            .http
-            .put(self.url_for(Some(name), &[("comp", "tags")]))
-            .header("content-type", "application/xml; charset=UTF-8")
-            .header("content-length", xml.len())
-            .body(xml);
-        self.send(req).await.map(|_| ())
-    }
-
-    /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
-    /// exist.
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn get_tags(&self, name: &str) -> Result<Option<Vec<(String, String)>>, BlobError> {
-        let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
-        match self.send(req).await {
-            Ok(resp) => {
-                let text = resp
-                    .text()
-                    .await
-                    .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
-                Ok(Some(parse_tag_set(&text)))
-            }
-            Err(e) if e.status() == Some(404) && e.code() == Some("BlobNotFound") => Ok(None),
-            Err(e) => Err(e),
-        }
     }
 
     /// Set Blob Metadata (replaces all of the blob's metadata).
@@ -694,29 +637,110 @@ pub fn encode_tags(tags: &[(&str, &str)]) -> String {
         .join("&")
 }
 
-/// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+/// What the tests and the emulators use, and the pipeline does not: creating the container
+/// (hubguard never creates its container in production: the operator does, with its access
+/// policy), and reading or replacing a blob's index tags (the ledger writes them with the
+/// blob, [`BlobContainer::put_blob_tagged`]). The test bed's door into this client.
 #[cfg(any(test, feature = "testbed"))]
-pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
-    let text = |t: &str, name: &str| -> String {
-        let (open, close) = (format!("<{name}>"), format!("</{name}>"));
-        t.split_once(&open)
-            .and_then(|(_, rest)| rest.split_once(&close))
-            .map(|(v, _)| {
-                quick_xml::escape::unescape(v)
-                    .map(|c| c.into_owned())
-                    .unwrap_or_else(|_| v.to_string())
-            })
-            .unwrap_or_default()
-    };
-    xml.split("<Tag>")
-        .skip(1)
-        .map(|t| (text(t, "Key"), text(t, "Value")))
-        .collect()
+pub mod bed {
+    use super::{BlobContainer, BlobError};
+
+    impl BlobContainer {
+        /// Create Container; `Ok(false)` when it already exists.
+        pub async fn create_container(&self) -> Result<bool, BlobError> {
+            let req = self
+                .http
+                .put(self.url_for(None, &[("restype", "container")]))
+                .header("content-length", 0);
+            match self.send(req).await {
+                Ok(_) => Ok(true),
+                Err(e) if e.status() == Some(409) => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+
+        /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
+        /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
+        /// storageservices/set-blob-tags).
+        pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
+            let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
+            let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
+            for (k, v) in tags {
+                xml.push_str(&format!(
+                    "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
+                    esc(k),
+                    esc(v)
+                ));
+            }
+            xml.push_str("</TagSet></Tags>");
+            let req = self
+                .http
+                .put(self.url_for(Some(name), &[("comp", "tags")]))
+                .header("content-type", "application/xml; charset=UTF-8")
+                .header("content-length", xml.len())
+                .body(xml);
+            self.send(req).await.map(|_| ())
+        }
+
+        /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
+        /// exist.
+        pub async fn get_tags(
+            &self,
+            name: &str,
+        ) -> Result<Option<Vec<(String, String)>>, BlobError> {
+            let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
+            match self.send(req).await {
+                Ok(resp) => {
+                    let text = resp
+                        .text()
+                        .await
+                        .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+                    Ok(Some(parse_tag_set(&text)))
+                }
+                Err(e) if e.status() == Some(404) && e.code() == Some("BlobNotFound") => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+    }
+
+    /// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+    pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
+        let text = |t: &str, name: &str| -> String {
+            let (open, close) = (format!("<{name}>"), format!("</{name}>"));
+            t.split_once(&open)
+                .and_then(|(_, rest)| rest.split_once(&close))
+                .map(|(v, _)| {
+                    quick_xml::escape::unescape(v)
+                        .map(|c| c.into_owned())
+                        .unwrap_or_else(|_| v.to_string())
+                })
+                .unwrap_or_default()
+        };
+        xml.split("<Tag>")
+            .skip(1)
+            .map(|t| (text(t, "Key"), text(t, "Value")))
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A credential that is never asked for a token (the container refuses it first).
+    #[derive(Debug)]
+    struct NoToken;
+
+    #[async_trait::async_trait]
+    impl TokenCredential for NoToken {
+        async fn get_token(
+            &self,
+            _scopes: &[&str],
+            _options: Option<azure_core::credentials::TokenRequestOptions<'_>>,
+        ) -> azure_core::Result<AccessToken> {
+            unreachable!("an http:// container never asks for a token")
+        }
+    }
 
     #[test]
     fn parses_a_listing_with_metadata_entities_and_marker() {
@@ -766,10 +790,7 @@ mod tests {
         assert!(!format!("{c:?}").contains("sig"));
         assert!(BlobContainer::new(
             "http://blobs.example:10000/devstoreaccount1/c",
-            Some(Arc::new(crate::azure::SasCredential::new(
-                crate::azure::SasKey::new("k", "v"),
-                "sb://x/"
-            ))),
+            Some(Arc::new(NoToken)),
             Duration::from_secs(1)
         )
         .is_err());

@@ -260,7 +260,7 @@ impl Default for Options {
 
 /// Installs logging (to stderr, `default_filter` under `RUST_LOG`), traces and metrics
 /// (`GET /metrics`; OTLP too when `export` is given). See [`init_with`].
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
     init_with(Options {
         default_filter: default_filter.into(),

@@ -4,7 +4,7 @@
 
 // The catalogue is whole without the test bed too: some names are used only by the command
 // line's gauges and by the tests.
-#![cfg_attr(not(feature = "testbed"), allow(dead_code))]
+#![cfg_attr(not(feature = "cli"), allow(dead_code))]
 
 /// Span names.
 pub mod span {

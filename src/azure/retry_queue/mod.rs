@@ -188,7 +188,7 @@ pub trait RetryQueue: Send + Sync {
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(test)]
 pub use crate::clock::ceil_to_second;
 
 #[cfg(test)]

@@ -54,11 +54,11 @@ use super::settle::{SettleError, Settler};
 use super::LineOnDeadLetter;
 
 mod advance;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 mod replay;
 
 pub(crate) use advance::advance;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub(crate) use replay::replay_line;
 
 /// Compare-and-swap rounds (and line steps) before an operation reports contention.
