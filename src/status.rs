@@ -388,7 +388,6 @@ pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
 /// with `max`, not `sum`. Stops when dropped.
 #[cfg(any(test, feature = "cli"))]
 pub struct PendingGauges {
-    dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
     task: tokio::task::JoinHandle<()>,
     _pending: opentelemetry::metrics::ObservableGauge<u64>,
     _overdue: opentelemetry::metrics::ObservableGauge<u64>,
@@ -415,18 +414,10 @@ impl Drop for PendingGauges {
 
 #[cfg(any(test, feature = "cli"))]
 impl PendingGauges {
-    /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
-    /// current Tokio runtime). Overdue is against the wall clock.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
-        Self::start_with_lines(ledger, every, false, Arc::default())
-    }
-
-    /// [`start`](Self::start), overdue and ages against `clock` (the pipeline's), and with
+    /// As `start` (the test bed's), but overdue and ages against `clock` (the pipeline's), and with
     /// `lines` (ordered retries on) the `hubguard.lines.parked` and
     /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
     /// refresh.
-    #[cfg(any(test, feature = "cli"))]
     pub fn start_with_lines(
         ledger: Ledger,
         every: std::time::Duration,
@@ -514,7 +505,6 @@ impl PendingGauges {
             }
         });
         PendingGauges {
-            dues,
             task,
             _pending: pending,
             _overdue: overdue,
@@ -522,17 +512,20 @@ impl PendingGauges {
         }
     }
 
-    #[cfg(any(test, feature = "cli"))]
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
         *dues.lock().unwrap_or_else(|e| e.into_inner()) = Some(v);
     }
+}
 
-    /// Updates the gauges from a complete listing just read.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn update(&self, pending: &[Pending]) {
-        Self::store(&self.dues, pending);
+/// The gauges without ordered retries, on the wall clock: what the tests start.
+#[cfg(any(test, feature = "testbed"))]
+impl PendingGauges {
+    /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
+    /// current Tokio runtime). Overdue is against the wall clock.
+    pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
+        Self::start_with_lines(ledger, every, false, Arc::default())
     }
 }
 

@@ -298,7 +298,6 @@ impl std::fmt::Debug for ConfigGauges {
 #[cfg(any(test, feature = "cli"))]
 impl ConfigGauges {
     /// Registers [`metric::RETENTION`] (the hub's retention) on the global meter.
-    #[cfg(any(test, feature = "cli"))]
     pub fn register(retention: Duration) -> Self {
         let secs = retention.as_secs_f64();
         let retention = super::meter()

@@ -426,10 +426,12 @@ pub(crate) mod plan;
 mod replay;
 mod send;
 #[cfg(any(test, feature = "cli"))]
+#[allow(unused_imports)]
 pub use operate::{Action, ActionOutcome, OPERATOR_MARGIN};
 pub use plan::Report;
 use plan::{plan, Plan};
 #[cfg(any(test, feature = "cli"))]
+#[allow(unused_imports)]
 pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
 
 #[cfg(test)]

@@ -240,6 +240,7 @@ impl Settler {
     /// `hubguard dead-letters replay` by filter: at most `per_second` replays a second,
     /// until the end or `stop`. `step` hears about every matched dead letter (with the
     /// position in the listing, and the listing's length).
+    #[cfg(feature = "testbed")]
     pub async fn replay_matching(
         &self,
         filter: &ReplayFilter,
