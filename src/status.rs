@@ -133,9 +133,14 @@ pub fn record_text(rec: &LedgerRecord) -> String {
     out
 }
 
+/// A `--due-before` / `?due_before=` that is not a time (the text as given, trimmed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)")]
+pub struct NotATime(pub String);
+
 /// Parses `--due-before` / `?due_before=`: an RFC 3339 time, `now`, or a duration from
 /// `now` (`90s`, `10m`, `2h`, `1d`).
-pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, NotATime> {
     let t = text.trim();
     if t == "now" {
         return Ok(now);
@@ -155,9 +160,7 @@ pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, Strin
     };
     match n.parse::<u64>() {
         Ok(n) if unit_s > 0 => Ok(now + std::time::Duration::from_secs(n * unit_s)),
-        _ => Err(format!(
-            "`{t}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)"
-        )),
+        _ => Err(NotATime(t.to_string())),
     }
 }
 
@@ -711,7 +714,11 @@ async fn retries(
         None => None,
         Some(Ok(t)) => Some(t),
         Some(Err(e)) => {
-            return (StatusCode::BAD_REQUEST, Json(json!({ "error": e }))).into_response()
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({ "error": e.to_string() })),
+            )
+                .into_response()
         }
     };
     let listed = async {

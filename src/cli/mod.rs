@@ -140,7 +140,7 @@ pub struct ConfigArg {
 /// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
 fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
     let t = text.trim();
-    let when = crate::status::parse_due_before(t, now)?;
+    let when = crate::status::parse_due_before(t, now).map_err(|e| e.to_string())?;
     let duration = t.starts_with(|c: char| c.is_ascii_digit())
         && t.ends_with(['s', 'm', 'h', 'd'])
         && t[..t.len() - 1].bytes().all(|b| b.is_ascii_digit());
