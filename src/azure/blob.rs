@@ -154,6 +154,29 @@ pub enum Revalidated {
     Missing,
 }
 
+/// Why a container URL (or the client for it) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ContainerUrlError {
+    /// Not a URL.
+    #[error("invalid URL: {0}")]
+    Invalid(String),
+    /// Neither http nor https.
+    #[error("the container URL must be http or https")]
+    Scheme,
+    /// A user name or password in the URL.
+    #[error("the container URL must not carry a user name or password (use a SAS in the query, or a credential)")]
+    UserInfo,
+    /// A token credential over plain http to a host that is not a loopback emulator.
+    #[error("a token credential needs an https container URL")]
+    TokenOverHttp,
+    /// No container in the path.
+    #[error("the container URL names no container")]
+    NoContainer,
+    /// The HTTP client could not be built.
+    #[error("HTTP client: {0}")]
+    HttpClient(String),
+}
+
 /// One container, reached by its URL.
 pub struct BlobContainer {
     http: reqwest::Client,
@@ -184,35 +207,36 @@ impl BlobContainer {
         url: &str,
         credential: Option<Arc<dyn TokenCredential>>,
         timeout: Duration,
-    ) -> Result<Self, String> {
-        let mut parsed = url::Url::parse(url.trim()).map_err(|e| format!("invalid URL: {e}"))?;
+    ) -> Result<Self, ContainerUrlError> {
+        let mut parsed =
+            url::Url::parse(url.trim()).map_err(|e| ContainerUrlError::Invalid(e.to_string()))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err("the container URL must be http or https".into());
+            return Err(ContainerUrlError::Scheme);
         }
         // Azure Storage never authorizes by userinfo (Shared Key, SAS, Entra ID or anonymous:
         // https://learn.microsoft.com/en-us/rest/api/storageservices/authorize-requests-to-azure-storage),
         // and a password kept in `base` would be shown wherever the container is named.
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err("the container URL must not carry a user name or password (use a SAS in the query, or a credential)".into());
+            return Err(ContainerUrlError::UserInfo);
         }
         // Azure takes bearer tokens over TLS only; a loopback emulator is the one exception.
         let loopback = matches!(parsed.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if credential.is_some() && parsed.scheme() != "https" && !loopback {
-            return Err("a token credential needs an https container URL".into());
+            return Err(ContainerUrlError::TokenOverHttp);
         }
         let sas = parsed.query().filter(|q| !q.is_empty()).map(str::to_string);
         parsed.set_query(None);
         parsed.set_fragment(None);
         let base = parsed.as_str().trim_end_matches('/').to_string();
         if parsed.path().trim_matches('/').is_empty() {
-            return Err("the container URL names no container".into());
+            return Err(ContainerUrlError::NoContainer);
         }
         // A backstop: callers put their own deadline on every call (and report it as theirs).
         let http = reqwest::Client::builder()
             .timeout(timeout + Duration::from_secs(1))
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("HTTP client: {e}"))?;
+            .map_err(|e| ContainerUrlError::HttpClient(e.to_string()))?;
         Ok(Self {
             http,
             base,

@@ -39,6 +39,7 @@ mod run_command;
 mod secrets;
 mod servicebus;
 mod servicebus_auth;
+mod shape_features;
 mod sizes;
 mod telemetry;
 mod test_log;

@@ -12,7 +12,7 @@ const FUNCTION_LINES: usize = 100;
 /// The longest a module (one file) may be, not counting its `#[cfg(test)] mod tests { … }`.
 const MODULE_LINES: usize = 800;
 
-fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
+pub(crate) fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
     if path.is_dir() {
         for entry in std::fs::read_dir(path).unwrap() {
             rust_files(&entry.unwrap().path(), out);
@@ -31,7 +31,7 @@ fn ident_char(c: char) -> bool {
 
 /// `src` with every character of its comments, string literals and character literals (but
 /// newlines) replaced by a space: what is left is the code's structure.
-fn mask(src: &str) -> String {
+pub(crate) fn mask(src: &str) -> String {
     let s: Vec<char> = src.chars().collect();
     let mut out: Vec<char> = Vec::with_capacity(s.len());
     let blank = |c: char| if c == '\n' { '\n' } else { ' ' };
@@ -207,7 +207,7 @@ fn functions(code: &[char], skip: &[(usize, usize)]) -> Vec<(String, usize, usiz
 }
 
 /// `src/` and its Rust files (more than a hundred: a wrong path must not pass for a tidy one).
-fn sources() -> (PathBuf, Vec<PathBuf>) {
+pub(crate) fn sources() -> (PathBuf, Vec<PathBuf>) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&root, &mut files);
