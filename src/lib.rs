@@ -121,10 +121,10 @@
 //! Two default features, both off for a program embedding the pipeline
 //! (`default-features = false`), which compiles none of what they add:
 //!
-//! - `cli`, the operator's command line — `cli`: the `hubguard` binary's commands (`run`,
-//!   `status`, `retries`, `dead-letters`, `partitions`, `checkpoints`, …) and the operator
-//!   operations they call (replay, retry-now, cancel, rewind, pause and resume, the status
-//!   texts). The binary requires it.
+//! - `cli`, the operator's command line: the module `cli` (the `hubguard` binary's commands:
+//!   `run`, `status`, `retries`, `dead-letters`, `partitions`, `checkpoints`, …) and the
+//!   operator operations they call (replay, retry-now, cancel, rewind, pause and resume, the
+//!   status texts). The binary requires it.
 //! - `testbed` (includes `cli`: its parts are the command line's subcommands), what the tests
 //!   need:
 //!   - `emulator`: in-process emulators that speak the services' wire protocols, so every
