@@ -71,9 +71,9 @@
 //!
 //! ## Module map
 //!
-//! The modules are public only with the test bed (the `hubguard` binary, the bench, the demo
-//! and the integration tests use them); to a program embedding the library they are the
-//! implementation.
+//! The modules are public only with the test bed (the bench, the demo and the integration
+//! tests use them); to a program embedding the library, and to the command line, they are
+//! the implementation.
 //!
 //! ```text
 //!  Event Hubs ─► pipeline::partition ─► handler (Handler trait · webhook)
@@ -119,109 +119,94 @@
 //!        ─► clock, event, guard, telemetry
 //! ```
 //!
-//! Behind the default feature `testbed` (what the `hubguard` binary and the tests need; a
-//! program embedding the pipeline turns it off and compiles none of it):
+//! Two default features, both off for a program embedding the pipeline
+//! (`default-features = false`), which compiles none of what they add:
 //!
-//! - `emulator`: in-process emulators that speak the services' wire protocols, so every test
-//!   and the demo drive the real SDK crates with no Azure and no Docker.
-//! - `demo`: `hubguard demo`, the whole story in one process on the emulators.
-//! - `bench`: performance figures measured through the real SDK.
-//! - `cli`: the `hubguard` command line.
+//! - `cli`, the operator's command line: the module `cli` (the `hubguard` binary's commands:
+//!   `run`, `status`, `retries`, `dead-letters`, `partitions`, `checkpoints`, …) and the
+//!   operator operations they call (replay, retry-now, cancel, rewind, pause and resume, the
+//!   status texts). The binary requires it.
+//! - `testbed` (includes `cli`: its parts are the command line's subcommands), what the tests
+//!   need:
+//!   - `emulator`: in-process emulators that speak the services' wire protocols, so every
+//!     test and the demo drive the real SDK crates with no Azure and no Docker.
+//!   - `demo`: `hubguard demo`, the whole story in one process on the emulators.
+//!   - `bench`: performance figures measured through the real SDK.
+//!   - the modules above made public, and the few items only the tests use (their doors).
 
 // The crate's lints for the library without the test bed: every `pub` item of the internal
 // modules is public with the test bed (where `unreachable_pub` checks them) and unreachable
 // without it, by design; and every type the embedder's API names must be nameable, i.e.
 // re-exported below (a type that is reachable but not exported would be an accident).
-#![cfg_attr(not(feature = "testbed"), allow(unreachable_pub))]
-#![cfg_attr(not(feature = "testbed"), warn(unnameable_types))]
+#![cfg_attr(
+    not(feature = "testbed"),
+    allow(unreachable_pub),
+    warn(unnameable_types)
+)]
 
-/// An item public with the test bed and crate-visible without it: what the `hubguard`
-/// binary, the bench, the demo or the integration tests reach for, that the library uses
-/// itself, and that an embedder is not given. (Written `testbed_pub! { … }` around the item.)
-macro_rules! testbed_pub {
-    ($(#[$meta:meta])* pub $($item:tt)*) => {
-        #[cfg(feature = "testbed")]
-        $(#[$meta])* pub $($item)*
-        #[cfg(not(feature = "testbed"))]
-        $(#[$meta])* pub(crate) $($item)*
-    };
+// The product's modules: public with the test bed (the bench, the demo and the integration
+// tests reach into them: the test bed's one door in this file), private without it, where
+// the crate's public API is exactly the re-exports below; and `testbed_pub!`, the same
+// switch for single items. One switch for all of them, in `cfg_if!`'s form, which `cargo
+// fmt` follows into the modules' files (it does not follow `mod` items out of other macros).
+cfg_if::cfg_if! {
+    if #[cfg(feature = "testbed")] {
+        /// An item public with the test bed and crate-visible without it: what the bench,
+        /// the demo or the integration tests reach for, that the library uses itself, and
+        /// that an embedder is not given. (Written `testbed_pub! { … }` around the item.)
+        macro_rules! testbed_pub {
+            ($(#[$meta:meta])* pub $($item:tt)*) => { $(#[$meta])* pub $($item)* };
+        }
+
+        pub mod azure;
+        pub mod breaker;
+        pub mod clock;
+        pub mod config;
+        pub mod event;
+        pub mod guard;
+        pub mod handler;
+        pub mod ledger;
+        pub mod pipeline;
+        pub mod policy;
+        pub mod ratelimit;
+        pub mod redact;
+        pub mod status;
+        pub mod telemetry;
+        pub mod wiring;
+
+        // The test bed itself.
+        pub mod bench;
+        pub mod demo;
+        pub mod emulator;
+    } else {
+        macro_rules! testbed_pub {
+            ($(#[$meta:meta])* pub $($item:tt)*) => { $(#[$meta])* pub(crate) $($item)* };
+        }
+
+        mod azure;
+        mod breaker;
+        mod clock;
+        mod config;
+        mod event;
+        mod guard;
+        mod handler;
+        mod ledger;
+        mod pipeline;
+        mod policy;
+        mod ratelimit;
+        mod redact;
+        mod status;
+        mod telemetry;
+        mod wiring;
+    }
 }
 
-// The product's modules: public with the test bed (the `hubguard` binary, the bench, the
-// demo and the integration tests reach into them), private without it, where the crate's
-// public API is exactly the re-exports below. Declared one by one, not by a macro, so that
-// `cargo fmt` (which follows `mod` items, not macro output) formats them.
-#[cfg(feature = "testbed")]
-pub mod azure;
-#[cfg(not(feature = "testbed"))]
-mod azure;
-#[cfg(feature = "testbed")]
-pub mod breaker;
-#[cfg(not(feature = "testbed"))]
-mod breaker;
-#[cfg(feature = "testbed")]
-pub mod clock;
-#[cfg(not(feature = "testbed"))]
-mod clock;
-#[cfg(feature = "testbed")]
-pub mod config;
-#[cfg(not(feature = "testbed"))]
-mod config;
-#[cfg(feature = "testbed")]
-pub mod event;
-#[cfg(not(feature = "testbed"))]
-mod event;
-#[cfg(feature = "testbed")]
-pub mod guard;
-#[cfg(not(feature = "testbed"))]
-mod guard;
-#[cfg(feature = "testbed")]
-pub mod handler;
-#[cfg(not(feature = "testbed"))]
-mod handler;
-#[cfg(feature = "testbed")]
-pub mod ledger;
-#[cfg(not(feature = "testbed"))]
-mod ledger;
-#[cfg(feature = "testbed")]
-pub mod pipeline;
-#[cfg(not(feature = "testbed"))]
-mod pipeline;
-#[cfg(feature = "testbed")]
-pub mod policy;
-#[cfg(not(feature = "testbed"))]
-mod policy;
-#[cfg(feature = "testbed")]
-pub mod ratelimit;
-#[cfg(not(feature = "testbed"))]
-mod ratelimit;
-#[cfg(feature = "testbed")]
-pub mod redact;
-#[cfg(not(feature = "testbed"))]
-mod redact;
-#[cfg(feature = "testbed")]
-pub mod status;
-#[cfg(not(feature = "testbed"))]
-mod status;
 // One small helper every module takes its locks with (crate-internal in every build).
 mod sync;
-#[cfg(feature = "testbed")]
-pub mod telemetry;
-#[cfg(not(feature = "testbed"))]
-mod telemetry;
-#[cfg(feature = "testbed")]
-pub mod wiring;
-#[cfg(not(feature = "testbed"))]
-mod wiring;
 
-#[cfg(feature = "testbed")]
-pub mod bench;
-#[cfg(feature = "testbed")]
+// The operator's command line: the `hubguard` binary's commands.
+#[cfg(feature = "cli")]
 pub mod cli;
-#[cfg(feature = "testbed")]
-pub mod demo;
-#[cfg(feature = "testbed")]
-pub mod emulator;
 
 // The embedder's API. Without `testbed` this is the crate's whole public surface (the
 // integration test `public_api` holds it to `tests/it/public_api.txt`).

@@ -24,7 +24,7 @@ use serde_json::json;
 
 use crate::ledger::{at, Ledger, LedgerRecord, Pending, State as LedgerState};
 use crate::pipeline::health::Health;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use crate::redact::redact;
 use crate::redact::{redact_json, redacted};
 
@@ -70,7 +70,7 @@ pub fn record_view(rec: &LedgerRecord) -> serde_json::Value {
 }
 
 /// The record as text, for `hubguard status`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn record_text(rec: &LedgerRecord) -> String {
     let mut out = String::new();
     let state = match rec.state() {
@@ -135,9 +135,14 @@ pub fn record_text(rec: &LedgerRecord) -> String {
     out
 }
 
+/// A `--due-before` / `?due_before=` that is not a time (the text as given, trimmed).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)")]
+pub struct NotATime(pub String);
+
 /// Parses `--due-before` / `?due_before=`: an RFC 3339 time, `now`, or a duration from
 /// `now` (`90s`, `10m`, `2h`, `1d`).
-pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, NotATime> {
     let t = text.trim();
     if t == "now" {
         return Ok(now);
@@ -157,9 +162,7 @@ pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, Strin
     };
     match n.parse::<u64>() {
         Ok(n) if unit_s > 0 => Ok(now + std::time::Duration::from_secs(n * unit_s)),
-        _ => Err(format!(
-            "`{t}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)"
-        )),
+        _ => Err(NotATime(t.to_string())),
     }
 }
 
@@ -187,7 +190,7 @@ pub fn pending_view(p: &Pending) -> serde_json::Value {
 }
 
 /// Pending retries as a text table, for `hubguard retries list`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn pending_text(pending: &[Pending]) -> String {
     let mut out = format!(
         "{} retr{} waiting\n",
@@ -291,7 +294,7 @@ pub async fn parked_view(
 }
 
 /// [`parked_view`] as text, for `hubguard status`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn parked_text(v: &serde_json::Value) -> String {
     let s = |k: &str| v[k].as_str().unwrap_or("").to_string();
     let mut out = String::new();
@@ -355,7 +358,7 @@ pub fn line_view(l: &crate::ledger::Line) -> serde_json::Value {
 }
 
 /// Open lines as a text table, for `hubguard retries list`.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
     if lines.is_empty() {
         return String::new();
@@ -388,9 +391,8 @@ pub fn lines_text(lines: &[crate::ledger::Line]) -> String {
 /// listing refreshed every `every` — the answer to "what
 /// is waiting?" for dashboards and alerts. Every replica lists the same ledger: aggregate
 /// with `max`, not `sum`. Stops when dropped.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub struct PendingGauges {
-    dues: Arc<std::sync::Mutex<Option<Vec<SystemTime>>>>,
     task: tokio::task::JoinHandle<()>,
     _pending: opentelemetry::metrics::ObservableGauge<u64>,
     _overdue: opentelemetry::metrics::ObservableGauge<u64>,
@@ -398,37 +400,29 @@ pub struct PendingGauges {
 }
 
 /// Parked events and when the oldest was parked (ordered retries), as last listed.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 type ParkedReading = Arc<std::sync::Mutex<Option<(u64, Option<SystemTime>)>>>;
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl std::fmt::Debug for PendingGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("PendingGauges")
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl Drop for PendingGauges {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl PendingGauges {
-    /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
-    /// current Tokio runtime). Overdue is against the wall clock.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
-        Self::start_with_lines(ledger, every, false, Arc::default())
-    }
-
-    /// [`start`](Self::start), overdue and ages against `clock` (the pipeline's), and with
+    /// As `start` (the test bed's), but overdue and ages against `clock` (the pipeline's), and with
     /// `lines` (ordered retries on) the `hubguard.lines.parked` and
     /// `hubguard.lines.oldest_parked_age` gauges from a listing of the parked records at each
     /// refresh.
-    #[cfg(any(test, feature = "testbed"))]
     pub fn start_with_lines(
         ledger: Ledger,
         every: std::time::Duration,
@@ -515,7 +509,6 @@ impl PendingGauges {
             }
         });
         PendingGauges {
-            dues,
             task,
             _pending: pending,
             _overdue: overdue,
@@ -523,17 +516,20 @@ impl PendingGauges {
         }
     }
 
-    #[cfg(any(test, feature = "testbed"))]
     fn store(dues: &std::sync::Mutex<Option<Vec<SystemTime>>>, pending: &[Pending]) {
         let mut v: Vec<SystemTime> = pending.iter().map(|p| p.due).collect();
         v.sort();
         *dues.locked() = Some(v);
     }
+}
 
-    /// Updates the gauges from a complete listing just read.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn update(&self, pending: &[Pending]) {
-        Self::store(&self.dues, pending);
+/// The gauges without ordered retries, on the wall clock: what the tests start.
+#[cfg(any(test, feature = "testbed"))]
+impl PendingGauges {
+    /// Registers the gauges and starts refreshing them from `ledger` every `every` (on the
+    /// current Tokio runtime). Overdue is against the wall clock.
+    pub fn start(ledger: Ledger, every: std::time::Duration) -> Self {
+        Self::start_with_lines(ledger, every, false, Arc::default())
     }
 }
 
@@ -720,7 +716,11 @@ async fn retries(
         None => None,
         Some(Ok(t)) => Some(t),
         Some(Err(e)) => {
-            return (StatusCode::BAD_REQUEST, Json(json!({ "error": e }))).into_response()
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({ "error": e.to_string() })),
+            )
+                .into_response()
         }
     };
     let listed = async {

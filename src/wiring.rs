@@ -21,11 +21,11 @@ use crate::breaker::BreakerConfig;
 use crate::config::{Access, Config, CredentialKind};
 use crate::event::IdentityConfig;
 use crate::handler::Handler;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use crate::ledger::Ledger;
 use crate::pipeline::dead_letter::DeadLetterDestination;
 use crate::pipeline::settle::Policies;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use crate::pipeline::settle::Settler;
 use crate::pipeline::{EventHubsTarget, PipelineOptions, PipelineParts};
 use crate::policy::RetryPolicy;
@@ -267,8 +267,8 @@ impl StorageAccess {
 
     /// The attempt ledger of `hub` and `consumer_group` in this container, every call with
     /// `deadline` (no retention: the operator commands' ledger, which expires nothing).
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn ledger(
+    #[cfg(any(test, feature = "cli"))]
+    pub(crate) fn ledger(
         &self,
         hub: &str,
         consumer_group: &str,
@@ -516,8 +516,8 @@ impl Wiring {
 
     /// A settler as the replicas run it, for the operator commands: this wiring's ledger
     /// (without retention), retry queue, policies, dead-letter destination and deployment.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn settler(&self) -> Result<Settler, WiringError> {
+    #[cfg(any(test, feature = "cli"))]
+    pub(crate) fn settler(&self) -> Result<Settler, WiringError> {
         let records: Arc<dyn RecordStore> = match &self.records {
             Some(r) => r.clone(),
             None => Arc::new(self.storage.record_store(self.options.deadline)?),

@@ -154,6 +154,29 @@ pub enum Revalidated {
     Missing,
 }
 
+/// Why a container URL (or the client for it) was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ContainerUrlError {
+    /// Not a URL.
+    #[error("invalid URL: {0}")]
+    Invalid(String),
+    /// Neither http nor https.
+    #[error("the container URL must be http or https")]
+    Scheme,
+    /// A user name or password in the URL.
+    #[error("the container URL must not carry a user name or password (use a SAS in the query, or a credential)")]
+    UserInfo,
+    /// A token credential over plain http to a host that is not a loopback emulator.
+    #[error("a token credential needs an https container URL")]
+    TokenOverHttp,
+    /// No container in the path.
+    #[error("the container URL names no container")]
+    NoContainer,
+    /// The HTTP client could not be built.
+    #[error("HTTP client: {0}")]
+    HttpClient(String),
+}
+
 /// One container, reached by its URL.
 pub struct BlobContainer {
     http: reqwest::Client,
@@ -184,35 +207,36 @@ impl BlobContainer {
         url: &str,
         credential: Option<Arc<dyn TokenCredential>>,
         timeout: Duration,
-    ) -> Result<Self, String> {
-        let mut parsed = url::Url::parse(url.trim()).map_err(|e| format!("invalid URL: {e}"))?;
+    ) -> Result<Self, ContainerUrlError> {
+        let mut parsed =
+            url::Url::parse(url.trim()).map_err(|e| ContainerUrlError::Invalid(e.to_string()))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err("the container URL must be http or https".into());
+            return Err(ContainerUrlError::Scheme);
         }
         // Azure Storage never authorizes by userinfo (Shared Key, SAS, Entra ID or anonymous:
         // https://learn.microsoft.com/en-us/rest/api/storageservices/authorize-requests-to-azure-storage),
         // and a password kept in `base` would be shown wherever the container is named.
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err("the container URL must not carry a user name or password (use a SAS in the query, or a credential)".into());
+            return Err(ContainerUrlError::UserInfo);
         }
         // Azure takes bearer tokens over TLS only; a loopback emulator is the one exception.
         let loopback = matches!(parsed.host_str(), Some("127.0.0.1" | "localhost" | "[::1]"));
         if credential.is_some() && parsed.scheme() != "https" && !loopback {
-            return Err("a token credential needs an https container URL".into());
+            return Err(ContainerUrlError::TokenOverHttp);
         }
         let sas = parsed.query().filter(|q| !q.is_empty()).map(str::to_string);
         parsed.set_query(None);
         parsed.set_fragment(None);
         let base = parsed.as_str().trim_end_matches('/').to_string();
         if parsed.path().trim_matches('/').is_empty() {
-            return Err("the container URL names no container".into());
+            return Err(ContainerUrlError::NoContainer);
         }
         // A backstop: callers put their own deadline on every call (and report it as theirs).
         let http = reqwest::Client::builder()
             .timeout(timeout + Duration::from_secs(1))
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| format!("HTTP client: {e}"))?;
+            .map_err(|e| ContainerUrlError::HttpClient(e.to_string()))?;
         Ok(Self {
             http,
             base,
@@ -314,21 +338,6 @@ impl BlobContainer {
         req
     }
 
-    /// Create Container; `Ok(false)` when it already exists. (hubguard never creates its
-    /// container in production: the operator does, with its access policy. Tests and tools.)
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn create_container(&self) -> Result<bool, BlobError> {
-        let req = self
-            .http
-            .put(self.url_for(None, &[("restype", "container")]))
-            .header("content-length", 0);
-        match self.send(req).await {
-            Ok(_) => Ok(true),
-            Err(e) if e.status() == Some(409) => Ok(false),
-            Err(e) => Err(e),
-        }
-    }
-
     /// Put Blob (a block blob), replacing content and metadata.
     pub async fn put_blob(
         &self,
@@ -367,48 +376,6 @@ impl BlobContainer {
         }
         let req = Self::with_metadata(Self::conditioned(req, condition), metadata);
         written(&self.send(req).await?)
-    }
-
-    /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
-    /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
-    /// storageservices/set-blob-tags).
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
-        let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
-        let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
-        for (k, v) in tags {
-            xml.push_str(&format!(
-                "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
-                esc(k),
-                esc(v)
-            ));
-        }
-        xml.push_str("</TagSet></Tags>");
-        let req = self
-            .http
-            .put(self.url_for(Some(name), &[("comp", "tags")]))
-            .header("content-type", "application/xml; charset=UTF-8")
-            .header("content-length", xml.len())
-            .body(xml);
-        self.send(req).await.map(|_| ())
-    }
-
-    /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
-    /// exist.
-    #[cfg(any(test, feature = "testbed"))]
-    pub async fn get_tags(&self, name: &str) -> Result<Option<Vec<(String, String)>>, BlobError> {
-        let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
-        match self.send(req).await {
-            Ok(resp) => {
-                let text = resp
-                    .text()
-                    .await
-                    .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
-                Ok(Some(parse_tag_set(&text)))
-            }
-            Err(e) if e.status() == Some(404) && e.code() == Some("BlobNotFound") => Ok(None),
-            Err(e) => Err(e),
-        }
     }
 
     /// Set Blob Metadata (replaces all of the blob's metadata).
@@ -694,29 +661,110 @@ pub fn encode_tags(tags: &[(&str, &str)]) -> String {
         .join("&")
 }
 
-/// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+/// What the tests and the emulators use, and the pipeline does not: creating the container
+/// (hubguard never creates its container in production: the operator does, with its access
+/// policy), and reading or replacing a blob's index tags (the ledger writes them with the
+/// blob, [`BlobContainer::put_blob_tagged`]). The test bed's door into this client.
 #[cfg(any(test, feature = "testbed"))]
-pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
-    let text = |t: &str, name: &str| -> String {
-        let (open, close) = (format!("<{name}>"), format!("</{name}>"));
-        t.split_once(&open)
-            .and_then(|(_, rest)| rest.split_once(&close))
-            .map(|(v, _)| {
-                quick_xml::escape::unescape(v)
-                    .map(|c| c.into_owned())
-                    .unwrap_or_else(|_| v.to_string())
-            })
-            .unwrap_or_default()
-    };
-    xml.split("<Tag>")
-        .skip(1)
-        .map(|t| (text(t, "Key"), text(t, "Value")))
-        .collect()
+pub mod bed {
+    use super::{BlobContainer, BlobError};
+
+    impl BlobContainer {
+        /// Create Container; `Ok(false)` when it already exists.
+        pub async fn create_container(&self) -> Result<bool, BlobError> {
+            let req = self
+                .http
+                .put(self.url_for(None, &[("restype", "container")]))
+                .header("content-length", 0);
+            match self.send(req).await {
+                Ok(_) => Ok(true),
+                Err(e) if e.status() == Some(409) => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+
+        /// Set Blob Tags (`comp=tags`): replaces all of the blob's index tags; the blob's ETag
+        /// and Last-Modified stay ("Set Blob Tags", learn.microsoft.com/rest/api/
+        /// storageservices/set-blob-tags).
+        pub async fn set_tags(&self, name: &str, tags: &[(&str, &str)]) -> Result<(), BlobError> {
+            let esc = |t: &str| quick_xml::escape::escape(t).into_owned();
+            let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?><Tags><TagSet>");
+            for (k, v) in tags {
+                xml.push_str(&format!(
+                    "<Tag><Key>{}</Key><Value>{}</Value></Tag>",
+                    esc(k),
+                    esc(v)
+                ));
+            }
+            xml.push_str("</TagSet></Tags>");
+            let req = self
+                .http
+                .put(self.url_for(Some(name), &[("comp", "tags")]))
+                .header("content-type", "application/xml; charset=UTF-8")
+                .header("content-length", xml.len())
+                .body(xml);
+            self.send(req).await.map(|_| ())
+        }
+
+        /// Get Blob Tags (`comp=tags`): the blob's index tags; `None` when the blob does not
+        /// exist.
+        pub async fn get_tags(
+            &self,
+            name: &str,
+        ) -> Result<Option<Vec<(String, String)>>, BlobError> {
+            let req = self.http.get(self.url_for(Some(name), &[("comp", "tags")]));
+            match self.send(req).await {
+                Ok(resp) => {
+                    let text = resp
+                        .text()
+                        .await
+                        .map_err(|e| BlobError::Transport(e.without_url().to_string()))?;
+                    Ok(Some(parse_tag_set(&text)))
+                }
+                Err(e) if e.status() == Some(404) && e.code() == Some("BlobNotFound") => Ok(None),
+                Err(e) => Err(e),
+            }
+        }
+    }
+
+    /// The `Key`/`Value` pairs of a Get Blob Tags answer (`<Tags><TagSet><Tag>…`).
+    pub fn parse_tag_set(xml: &str) -> Vec<(String, String)> {
+        let text = |t: &str, name: &str| -> String {
+            let (open, close) = (format!("<{name}>"), format!("</{name}>"));
+            t.split_once(&open)
+                .and_then(|(_, rest)| rest.split_once(&close))
+                .map(|(v, _)| {
+                    quick_xml::escape::unescape(v)
+                        .map(|c| c.into_owned())
+                        .unwrap_or_else(|_| v.to_string())
+                })
+                .unwrap_or_default()
+        };
+        xml.split("<Tag>")
+            .skip(1)
+            .map(|t| (text(t, "Key"), text(t, "Value")))
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A credential that is never asked for a token (the container refuses it first).
+    #[derive(Debug)]
+    struct NoToken;
+
+    #[async_trait::async_trait]
+    impl TokenCredential for NoToken {
+        async fn get_token(
+            &self,
+            _scopes: &[&str],
+            _options: Option<azure_core::credentials::TokenRequestOptions<'_>>,
+        ) -> azure_core::Result<AccessToken> {
+            unreachable!("an http:// container never asks for a token")
+        }
+    }
 
     #[test]
     fn parses_a_listing_with_metadata_entities_and_marker() {
@@ -766,10 +814,7 @@ mod tests {
         assert!(!format!("{c:?}").contains("sig"));
         assert!(BlobContainer::new(
             "http://blobs.example:10000/devstoreaccount1/c",
-            Some(Arc::new(crate::azure::SasCredential::new(
-                crate::azure::SasKey::new("k", "v"),
-                "sb://x/"
-            ))),
+            Some(Arc::new(NoToken)),
             Duration::from_secs(1)
         )
         .is_err());

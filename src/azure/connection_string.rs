@@ -7,8 +7,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-#[cfg(any(test, feature = "testbed"))]
-use super::sas::SasCredential;
 use super::sas::SasKey;
 
 /// Why a connection string was refused. Never includes the secret.
@@ -166,20 +164,6 @@ impl ConnectionString {
         builder
             .open_with_connection_string(&self.sdk_connection_string(), Some(hub))
             .await
-    }
-
-    /// A `TokenCredential` that signs SAS tokens covering `entity` (or the whole namespace
-    /// when `None`). The Event Hubs clients' `open` presents every credential's tokens as
-    /// `jwt`, which Azure refuses for a SAS token: use [`open_consumer`](Self::open_consumer)
-    /// and [`open_producer`](Self::open_producer) for Event Hubs. This one is for checks and
-    /// raw protocol tests.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn credential(&self, entity: Option<&str>) -> SasCredential {
-        let resource = match entity.or(self.entity_path.as_deref()) {
-            Some(e) => format!("sb://{}/{e}", self.namespace()),
-            None => format!("sb://{}/", self.namespace()),
-        };
-        SasCredential::new(self.key.clone(), resource)
     }
 }
 

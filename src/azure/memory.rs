@@ -42,13 +42,13 @@ impl MemoryRecordStore {
     }
 
     /// How many reads it has answered (a test counts what a step costs).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn reads(&self) -> u64 {
         self.reads.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Replaces a record's bytes unconditionally (for tests that corrupt a record).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn overwrite(&self, key: &str, body: Bytes) {
         let etag = self.etag();
         self.lock()

@@ -2,10 +2,9 @@
 //!
 //! - [`connection_string`]: the `Endpoint=…;SharedAccessKeyName=…;SharedAccessKey=…` form,
 //!   parsed with errors that name the missing key and never echo the secret.
-//! - [`sas`]: Shared Access Signature tokens (HMAC-SHA256 over the audience) — the
-//!   [`SasCredential`] (a `TokenCredential`; Event Hubs clients use the SDK's
-//!   own connection-string credential instead, see [`ConnectionString::open_consumer`]), and
-//!   the verifier the emulators use.
+//! - [`sas`]: Shared Access Signature tokens (HMAC-SHA256 over the audience), as the clients
+//!   sign them (Event Hubs clients use the SDK's own connection-string credential, see
+//!   [`ConnectionString::open_consumer`]); the emulators verify them (`emulator::sas`).
 //! - [`blob`]: hubguard's small Blob Storage REST client (SAS, Entra ID or anonymous), under
 //!   both stores below, until `azure_storage_blob` accepts `azure_core` 1.2.
 //! - [`checkpoint_store`]: checkpoints and ownerships in the official blob layout, behind the
@@ -35,8 +34,6 @@ pub use retry_queue::{
     ServiceBusRetryQueue,
 };
 pub use sas::SasKey;
-#[cfg(any(test, feature = "testbed"))]
-pub use sas::{SasCredential, SasError};
 
 /// Installs rustls's aws-lc-rs provider as the process-wide default, once. The Event Hubs
 /// SDK's AMQP transport asks rustls for the default provider, and with both of rustls's

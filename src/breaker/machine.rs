@@ -85,7 +85,7 @@ pub enum Change {
     /// Close.
     // No decision of the product's makes it (a trial closes the breaker through `Judge`);
     // `apply` keeps its meaning for callers of the test bed's public `breaker` module.
-    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
+    #[cfg_attr(not(test), allow(dead_code))]
     Close,
     /// Take one of the half-open trial's permits (beginning a trial if none runs).
     TakeProbe,

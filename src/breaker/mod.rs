@@ -39,13 +39,13 @@ mod shared;
 // Every item at the path it had before the split; without the test bed, which reaches them
 // all, the product itself uses only some of them.
 pub use config::{BreakerConfig, BreakerConfigError};
-#[cfg_attr(not(feature = "testbed"), allow(unused_imports))]
+#[allow(unused_imports)]
 pub use machine::{
     apply, decide, on_result, waiting, Admission, BreakerRecord, BreakerState, Change, Trial,
 };
 #[cfg(any(test, feature = "testbed"))]
 pub use shared::read;
-#[cfg_attr(not(feature = "testbed"), allow(unused_imports))]
+#[allow(unused_imports)]
 pub use shared::{record_name, Shared};
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
-//! The `hubguard` command line: `run` (the service), `status`, `retries` and `dead-letters`
-//! (the ledger's answers and the operator's actions on them), `partitions` and `checkpoints`
-//! (pause, resume, rewind), `emulator` (the emulators standalone), `bench` (performance
-//! figures through the real SDK), and `completions` and `man` (generated from this
-//! definition).
+//! The `hubguard` command line (the feature `cli`): `run` (the service), `status`, `retries`
+//! and `dead-letters` (the ledger's answers and the operator's actions on them), `partitions`
+//! and `checkpoints` (pause, resume, rewind), and `completions` and `man` (generated from this
+//! definition); with the test bed (the feature `testbed`) also `demo`, `emulator` (the
+//! emulators standalone) and `bench` (performance figures through the real SDK).
 //!
 //! Exit codes: [`EXIT_OK`], [`EXIT_FAILURE`], [`EXIT_USAGE`], [`EXIT_UNKNOWN_KEY`].
 
@@ -19,19 +19,24 @@ use crate::pipeline::settle::Settler;
 use crate::redact::{redact, redacted};
 use crate::wiring::{StorageAccess, Wiring};
 
+#[cfg(feature = "testbed")]
+mod bed;
 mod dead_letters;
 mod partitions;
 mod retries;
 mod run;
 
+#[cfg(feature = "testbed")]
+pub use bed::EmulatorArgs;
+#[cfg(feature = "testbed")]
+use bed::{demo, run_emulator};
 use dead_letters::dead_letters;
 pub use dead_letters::DeadLettersCommand;
 use partitions::{partitions, rewind};
 pub use partitions::{CheckpointsCommand, PartitionsCommand, PauseArgs, RewindArgs};
 use retries::{retries, status};
 pub use retries::{ActionArgs, RetriesCommand, StatusArgs};
-pub use run::EmulatorArgs;
-use run::{demo, run_emulator, run_pipeline};
+use run::run_pipeline;
 
 /// Success.
 pub const EXIT_OK: u8 = 0;
@@ -100,10 +105,13 @@ enum Command {
     Checkpoints(CheckpointsCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
+    #[cfg(feature = "testbed")]
     Demo(crate::demo::DemoArgs),
     /// Run the local emulators in the foreground until Ctrl-C or SIGTERM.
+    #[cfg(feature = "testbed")]
     Emulator(EmulatorArgs),
     /// Measure throughput through the real Azure SDK against the in-process emulator.
+    #[cfg(feature = "testbed")]
     Bench(crate::bench::BenchArgs),
     /// Print a shell completion script (e.g. `hubguard completions bash >
     /// /etc/bash_completion.d/hubguard`).
@@ -132,7 +140,7 @@ pub struct ConfigArg {
 /// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
 fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
     let t = text.trim();
-    let when = crate::status::parse_due_before(t, now)?;
+    let when = crate::status::parse_due_before(t, now).map_err(|e| e.to_string())?;
     let duration = t.starts_with(|c: char| c.is_ascii_digit())
         && t.ends_with(['s', 'm', 'h', 'd'])
         && t[..t.len() - 1].bytes().all(|b| b.is_ascii_digit());
@@ -168,6 +176,7 @@ impl Command {
 }
 
 /// The demo's log file: its logs stay out of the story it tells on screen.
+#[cfg(feature = "testbed")]
 fn demo_log_path() -> PathBuf {
     std::env::temp_dir().join(format!("hubguard-demo-{}.log", std::process::id()))
 }
@@ -179,6 +188,7 @@ fn telemetry_options(cli: &Cli) -> crate::telemetry::Options {
         .or_else(|| format_from_config(cli.command.config_path(), std::env::vars()))
         .unwrap_or_default();
     let writer = match &cli.command {
+        #[cfg(feature = "testbed")]
         Command::Demo(_) => LogWriter::File(demo_log_path()),
         _ => LogWriter::Stderr,
     };
@@ -271,14 +281,17 @@ pub fn main() -> ExitCode {
         let _telemetry = crate::telemetry::init_with(options);
         let ok = |r: anyhow::Result<()>| r.map(|()| EXIT_OK);
         match cli.command {
+            #[cfg(feature = "testbed")]
             Command::Emulator(args) => ok(run_emulator(args).await),
             Command::Run(args) => ok(run_pipeline(args).await),
+            #[cfg(feature = "testbed")]
             Command::Demo(args) => ok(demo(args).await),
             Command::Status(args) => status(args).await,
             Command::DeadLetters(cmd) => ok(dead_letters(cmd).await),
             Command::Retries(cmd) => retries(cmd).await,
             Command::Partitions(cmd) => partitions(cmd).await,
             Command::Checkpoints(CheckpointsCommand::Rewind(args)) => rewind(args).await,
+            #[cfg(feature = "testbed")]
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),
         }

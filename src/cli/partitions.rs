@@ -205,7 +205,7 @@ pub(super) async fn rewind(args: RewindArgs) -> anyhow::Result<u8> {
         }
     })
     .await
-    .map_err(|e| anyhow::anyhow!(redact(&e).to_string()))?;
+    .map_err(|e| anyhow::anyhow!(redact(&e.to_string()).to_string()))?;
     let count = |f: fn(&Outcome) -> bool| report.iter().filter(|l| f(&l.outcome)).count();
     let refused = count(|o| matches!(o, Outcome::Refused { .. }));
     let waiting = count(|o| matches!(o, Outcome::Waiting { .. }));

@@ -16,8 +16,22 @@ pub struct Window {
     pub duration: Duration,
 }
 
+/// A duration, window or period of the demo's options that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Not a number followed by a unit.
+    #[error("not a duration: {0:?} (use e.g. 500ms, 10s, 2m)")]
+    NotADuration(String),
+    /// A unit other than ms, s and m.
+    #[error("unknown unit in {0:?} (use ms, s or m)")]
+    UnknownUnit(String),
+    /// A window that is not `START:DURATION`.
+    #[error("expected START:DURATION, e.g. 8s:10s, got {0:?}")]
+    NotAWindow(String),
+}
+
 /// Parses `500ms`, `10s`, `2m`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let s = s.trim();
     let (num, unit) = s.split_at(
         s.find(|c: char| !c.is_ascii_digit() && c != '.')
@@ -25,22 +39,22 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     );
     let n: f64 = num
         .parse()
-        .map_err(|_| format!("not a duration: {s:?} (use e.g. 500ms, 10s, 2m)"))?;
+        .map_err(|_| DurationError::NotADuration(s.to_string()))?;
     let secs = match unit {
         "ms" => n / 1000.0,
         "s" | "" => n,
         "m" => n * 60.0,
-        _ => return Err(format!("unknown unit in {s:?} (use ms, s or m)")),
+        _ => return Err(DurationError::UnknownUnit(s.to_string())),
     };
     Ok(Duration::from_secs_f64(secs))
 }
 
 impl std::str::FromStr for Window {
-    type Err = String;
+    type Err = DurationError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (a, b) = s
             .split_once(':')
-            .ok_or_else(|| format!("expected START:DURATION, e.g. 8s:10s, got {s:?}"))?;
+            .ok_or_else(|| DurationError::NotAWindow(s.to_string()))?;
         Ok(Self {
             start: parse_duration(a)?,
             duration: parse_duration(b)?,
@@ -143,7 +157,7 @@ impl std::fmt::Display for Every {
 }
 
 impl std::str::FromStr for Outage {
-    type Err = String;
+    type Err = DurationError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if s == "none" {
             Ok(Self(None))
@@ -158,7 +172,7 @@ impl std::str::FromStr for Outage {
 pub struct Every(pub Option<Duration>);
 
 impl std::str::FromStr for Every {
-    type Err = String;
+    type Err = DurationError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if s == "none" {
             Ok(Self(None))

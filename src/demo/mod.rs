@@ -20,7 +20,7 @@ mod report;
 mod script;
 pub mod verify;
 
-pub use args::{parse_duration, windows_text, DemoArgs, Every, Outage, Window};
+pub use args::{parse_duration, windows_text, DemoArgs, DurationError, Every, Outage, Window};
 pub use report::{print_table, Report};
 
 /// Runs the demo and returns its report; `progress` receives one line per second.

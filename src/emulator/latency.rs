@@ -85,7 +85,7 @@ impl Latency {
     }
 
     /// Reads `8ms:40ms` (median:p99), `15ms` (fixed), `0` or `none`. Units: `us`, `ms`, `s`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, LatencyError> {
         let s = s.trim();
         if s == "0" || s.eq_ignore_ascii_case("none") {
             return Ok(Self::ZERO);
@@ -98,9 +98,11 @@ impl Latency {
             }
         };
         if p < m {
-            return Err(format!(
-                "latency '{s}': the p99 ({p:?}) is below the median ({m:?})"
-            ));
+            return Err(LatencyError::P99BelowMedian {
+                latency: s.to_string(),
+                p99: p,
+                median: m,
+            });
         }
         Ok(Self::new(m, p))
     }
@@ -117,7 +119,38 @@ impl fmt::Display for Latency {
     }
 }
 
-fn duration(s: &str) -> Result<Duration, String> {
+/// A latency or latency profile that does not parse (`--latency`); the message quotes the
+/// part that does not, and says what is expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LatencyError {
+    /// The p99 is below the median.
+    #[error("latency '{latency}': the p99 ({p99:?}) is below the median ({median:?})")]
+    P99BelowMedian {
+        /// The latency as given.
+        latency: String,
+        /// Its p99.
+        p99: Duration,
+        /// Its median.
+        median: Duration,
+    },
+    /// A duration without a unit.
+    #[error("latency '{0}': give a unit (us, ms or s), e.g. 8ms:40ms")]
+    NoUnit(String),
+    /// A duration that is not a number.
+    #[error("latency '{0}': not a number")]
+    NotANumber(String),
+    /// A duration over 60 s (or negative).
+    #[error("latency '{0}': must be between 0 and 60 s")]
+    OutOfRange(String),
+    /// A part of a profile that is neither a preset nor `service=…`.
+    #[error("latency '{0}': expected azure, none or service=median:p99 (e.g. blob=8ms:40ms)")]
+    NotAService(String),
+    /// A service the emulators do not have.
+    #[error("latency: unknown service '{0}' (blob, servicebus, eventhubs, webhook)")]
+    UnknownService(String),
+}
+
+fn duration(s: &str) -> Result<Duration, LatencyError> {
     let s = s.trim();
     let (num, scale) = if let Some(n) = s.strip_suffix("us") {
         (n, 1e-6)
@@ -128,16 +161,14 @@ fn duration(s: &str) -> Result<Duration, String> {
     } else if s == "0" {
         (s, 0.0)
     } else {
-        return Err(format!(
-            "latency '{s}': give a unit (us, ms or s), e.g. 8ms:40ms"
-        ));
+        return Err(LatencyError::NoUnit(s.to_string()));
     };
     let v: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("latency '{s}': not a number"))?;
+        .map_err(|_| LatencyError::NotANumber(s.to_string()))?;
     if !(0.0..=60.0).contains(&(v * scale)) {
-        return Err(format!("latency '{s}': must be between 0 and 60 s"));
+        return Err(LatencyError::OutOfRange(s.to_string()));
     }
     Ok(Duration::from_secs_f64(v * scale))
 }
@@ -189,7 +220,7 @@ impl LatencyProfile {
 
     /// Reads `azure`, `none`, or `service=median:p99,…` (services: blob, servicebus,
     /// eventhubs, webhook; `azure,webhook=50ms:150ms` starts from the preset).
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, LatencyError> {
         let mut p = Self::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             if part.eq_ignore_ascii_case("azure") {
@@ -200,20 +231,16 @@ impl LatencyProfile {
                 p = Self::default();
                 continue;
             }
-            let (svc, lat) = part.split_once('=').ok_or_else(|| {
-                format!("latency '{part}': expected azure, none or service=median:p99 (e.g. blob=8ms:40ms)")
-            })?;
+            let (svc, lat) = part
+                .split_once('=')
+                .ok_or_else(|| LatencyError::NotAService(part.to_string()))?;
             let lat = Latency::parse(lat)?;
             match svc.trim() {
                 "blob" => p.blob = lat,
                 "servicebus" => p.servicebus = lat,
                 "eventhubs" => p.eventhubs = lat,
                 "webhook" => p.webhook = lat,
-                other => {
-                    return Err(format!(
-                        "latency: unknown service '{other}' (blob, servicebus, eventhubs, webhook)"
-                    ))
-                }
+                other => return Err(LatencyError::UnknownService(other.to_string())),
             }
         }
         Ok(p)
@@ -221,8 +248,8 @@ impl LatencyProfile {
 }
 
 impl std::str::FromStr for LatencyProfile {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = LatencyError;
+    fn from_str(s: &str) -> Result<Self, LatencyError> {
         Self::parse(s)
     }
 }

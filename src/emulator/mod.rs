@@ -14,6 +14,8 @@
 //! - [`webhook`]: a local webhook receiver, the downstream that misbehaves as told.
 //! - [`producer`]: the upstream: sends events through the SDK's producer, batched, round the
 //!   partitions, optionally spread over time (the demo and the bench use it).
+//! - [`sas`]: checking the SAS tokens clients present (the key, the expiry, the audience),
+//!   and a SAS `TokenCredential` for raw protocol tests.
 //! - [`admin`]: the HTTP admin endpoint (faults, counters) of `hubguard emulator`.
 //!
 //! [`Emulators`] starts any subset of the three together, as `hubguard emulator` and the demo do.
@@ -27,6 +29,7 @@ pub mod faults;
 pub mod http;
 pub mod latency;
 pub mod producer;
+pub mod sas;
 pub mod servicebus;
 pub mod webhook;
 

@@ -78,21 +78,21 @@ impl FailureMix {
     }
 
     /// Reads `transient=0.1:2,refused=0.01[,seed=7]` (share[:times]).
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, FailureMixError> {
         let mut m = Self::default();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part
                 .split_once('=')
-                .ok_or_else(|| format!("failure mix '{part}': expected transient=SHARE[:TIMES], refused=SHARE or seed=N"))?;
-            let share = |v: &str| -> Result<f64, String> {
+                .ok_or_else(|| FailureMixError::NotAPair(part.to_string()))?;
+            let share = |v: &str| -> Result<f64, FailureMixError> {
                 let x: f64 = v
                     .trim()
                     .parse()
-                    .map_err(|_| format!("failure mix '{part}': not a number"))?;
+                    .map_err(|_| FailureMixError::NotANumber(part.to_string()))?;
                 if (0.0..=1.0).contains(&x) {
                     Ok(x)
                 } else {
-                    Err(format!("failure mix '{part}': a share is between 0 and 1"))
+                    Err(FailureMixError::ShareOutOfRange(part.to_string()))
                 }
             };
             match k.trim() {
@@ -102,20 +102,16 @@ impl FailureMix {
                     m.times = times
                         .trim()
                         .parse()
-                        .map_err(|_| format!("failure mix '{part}': times is a whole number"))?;
+                        .map_err(|_| FailureMixError::Times(part.to_string()))?;
                 }
                 "refused" => m.refused = share(v)?,
                 "seed" => {
                     m.seed = v
                         .trim()
                         .parse()
-                        .map_err(|_| format!("failure mix '{part}': seed is a whole number"))?
+                        .map_err(|_| FailureMixError::Seed(part.to_string()))?
                 }
-                other => {
-                    return Err(format!(
-                        "failure mix: unknown '{other}' (transient, refused, seed)"
-                    ))
-                }
+                other => return Err(FailureMixError::Unknown(other.to_string())),
             }
         }
         Ok(m)
@@ -123,10 +119,34 @@ impl FailureMix {
 }
 
 impl std::str::FromStr for FailureMix {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = FailureMixError;
+    fn from_str(s: &str) -> Result<Self, FailureMixError> {
         Self::parse(s)
     }
+}
+
+/// A failure mix that does not parse (`--webhook-failures`); the message quotes the part that
+/// does not, and says what is expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FailureMixError {
+    /// A part that is not `key=value`.
+    #[error("failure mix '{0}': expected transient=SHARE[:TIMES], refused=SHARE or seed=N")]
+    NotAPair(String),
+    /// A share that is not a number.
+    #[error("failure mix '{0}': not a number")]
+    NotANumber(String),
+    /// A share outside 0 to 1.
+    #[error("failure mix '{0}': a share is between 0 and 1")]
+    ShareOutOfRange(String),
+    /// A number of times that is not a whole number.
+    #[error("failure mix '{0}': times is a whole number")]
+    Times(String),
+    /// A seed that is not a whole number.
+    #[error("failure mix '{0}': seed is a whole number")]
+    Seed(String),
+    /// A key other than transient, refused and seed.
+    #[error("failure mix: unknown '{0}' (transient, refused, seed)")]
+    Unknown(String),
 }
 
 /// FNV-1a over the key, then a splitmix finaliser: deterministic per (seed, key, salt).

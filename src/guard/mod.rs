@@ -60,7 +60,7 @@ impl CheckpointWindow {
     }
 
     /// The last event the checkpoint may cover.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn checkpoint(&self) -> Option<i64> {
         self.settled_through
     }
@@ -106,7 +106,7 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     /// A dispatcher allowing `max_in_flight` (at least 1) events out at once.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn new(max_in_flight: usize) -> Self {
         Self::with_window(max_in_flight, max_in_flight)
     }
@@ -133,7 +133,7 @@ impl Dispatcher {
     }
 
     /// Events accepted and not settled (running, or waiting behind their key).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn unsettled(&self) -> usize {
         self.window.unsettled()
     }
@@ -175,7 +175,7 @@ impl Dispatcher {
     }
 
     /// The last event the checkpoint may cover.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn checkpoint(&self) -> Option<i64> {
         self.window.checkpoint()
     }
@@ -186,7 +186,7 @@ impl Dispatcher {
     }
 
     /// Events accepted and not yet out of the window.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.window.in_flight()
     }

@@ -106,6 +106,18 @@ impl<T> std::fmt::Debug for Live<T> {
     }
 }
 
+/// A secret that cannot be loaded: its source is missing, unreadable or ambiguous, or its
+/// text does not parse. The message names the key and the source, never the value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SecretError(String);
+
+impl From<String> for SecretError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
 impl<T> Live<T> {
     /// Loads the secret at `source` (configured as `key`) and parses it with `parse`
     /// (`parse(key, text)`; its errors must not quote the text).
@@ -113,7 +125,7 @@ impl<T> Live<T> {
         key: &str,
         source: &SecretSource,
         parse: fn(&str, &str) -> Result<T, String>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, SecretError> {
         let modified = source.modified();
         let value = parse(key, &source.read(key)?)?;
         Ok(Self {
@@ -162,7 +174,9 @@ mod tests {
     fn errors_name_the_key_and_source_never_the_value() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("token");
-        let e = Live::load("handler.authorization", &SecretSource::file(&path), text).unwrap_err();
+        let e = Live::load("handler.authorization", &SecretSource::file(&path), text)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("handler.authorization") && e.contains("token"),
             "{e}"
@@ -176,7 +190,8 @@ mod tests {
             &SecretSource::env("HUBGUARD_TEST_UNSET_VARIABLE_X"),
             text,
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("HUBGUARD_TEST_UNSET_VARIABLE_X is not set"),
             "{e}"
@@ -187,6 +202,7 @@ mod tests {
         };
         assert!(Live::load("k", &both, text)
             .unwrap_err()
+            .to_string()
             .contains("not both"));
     }
 

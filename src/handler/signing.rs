@@ -106,13 +106,13 @@ impl SigningKeys {
     }
 
     /// How many secrets are active.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.0.len()
     }
 
     /// Whether there are none (never, once parsed).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }

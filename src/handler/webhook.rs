@@ -251,7 +251,7 @@ impl WebhookConfig {
                     SigningKeys::parse(key, text).map_err(|e| e.to_string())
                 })
                 .map(Arc::new)
-                .map_err(|e| WebhookConfigError::new("handler.signing", e))
+                .map_err(|e| WebhookConfigError::new("handler.signing", e.to_string()))
             })
             .transpose()?;
         let authorization = self
@@ -260,7 +260,7 @@ impl WebhookConfig {
             .map(|s| {
                 Live::load("handler.authorization", s, parse_authorization)
                     .map(Arc::new)
-                    .map_err(|e| WebhookConfigError::new("handler.authorization", e))
+                    .map_err(|e| WebhookConfigError::new("handler.authorization", e.to_string()))
             })
             .transpose()?;
         if self.handshake.enabled && self.handshake.origin.trim().is_empty() {

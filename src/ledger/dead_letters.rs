@@ -8,7 +8,7 @@ use crate::azure::StoreError;
 use crate::event::Event;
 use crate::policy::{DeadLetterReason, RetryPolicy};
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use super::at;
 use super::{ms, Ledger, LedgerError, LedgerRecord, State};
 
@@ -112,7 +112,7 @@ impl Ledger {
     }
 
     /// Removes `key` from the dead-letter index (after a replay).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn unindex_dead_letter(&self, key: &str) -> Result<(), LedgerError> {
         let name = self.dead_letter_name(key);
         let Some(r) = self.store.read(&name).await? else {
@@ -127,7 +127,7 @@ impl Ledger {
     /// Removes `key`'s dead-lettered record if it still has `etag`, then its index entry
     /// (its event lives on elsewhere: an ordered replay parked it). `false` when it changed
     /// meanwhile (nothing removed).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn remove_dead_letter(&self, key: &str, etag: &str) -> Result<bool, LedgerError> {
         match self.store.delete(&self.record_name(key), etag).await {
             Ok(()) | Err(StoreError::NotFound) => {}
@@ -143,7 +143,7 @@ impl Ledger {
     /// its quarantined bytes. `Some(quarantine blob)` when it was (or, with `dry_run`, would
     /// be) purged; `None` when the record is no dead letter or is newer. An index entry
     /// whose record is gone is removed too.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn purge_dead_letter(
         &self,
         key: &str,
@@ -181,7 +181,7 @@ impl Ledger {
     }
 
     /// Keys in the dead-letter index.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn dead_letter_keys(&self) -> Result<Vec<String>, LedgerError> {
         let prefix = format!("deadletters/{}", self.prefix);
         // An index entry's body is its key.

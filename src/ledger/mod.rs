@@ -22,10 +22,10 @@ mod retention;
 use index::{redacted_errors, tags_of};
 pub use index::{state_index_value, STATE_INDEX_TAG};
 pub use index::{IndexMark, Pending, Repair};
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub use record::RunNow;
 pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, State, Verdict};
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(test)]
 pub use retention::Expired;
 
 /// Longest blob name Azure Storage accepts.
@@ -265,7 +265,7 @@ impl Ledger {
 
     /// The keys behind listed names: decoded from the name, or — for a digest name — read
     /// from the blob itself with `key_of`.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     async fn listed_keys(
         &self,
         prefix: &str,
@@ -304,7 +304,7 @@ impl Ledger {
     /// Re-validates `key`'s record read earlier with `etag`: `Ok(None)` when it is unchanged
     /// (blob storage answers 304 without the body), else the record as it is now (`Some(None)`
     /// when it no longer exists).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub async fn get_if_changed(
         &self,
         key: &str,

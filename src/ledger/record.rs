@@ -28,7 +28,7 @@ pub enum State {
 #[serde(from = "String", into = "String")]
 // Reachable without the test bed only through `impl From<HistoryOutcome> for String`, which
 // an embedder cannot call without naming it.
-#[cfg_attr(not(feature = "testbed"), allow(unnameable_types))]
+#[allow(unnameable_types)]
 pub enum HistoryOutcome {
     /// `delivered`: the handler succeeded.
     Delivered,

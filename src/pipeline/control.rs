@@ -118,7 +118,7 @@ impl Pauses {
     }
 
     /// The same record with nothing paused (rewinds kept).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub fn resumed(&self) -> Self {
         Self {
             all: None,
@@ -128,7 +128,7 @@ impl Pauses {
     }
 
     /// Whether nothing is paused.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub fn is_empty(&self) -> bool {
         self.all.is_none() && self.partitions.is_empty()
     }
@@ -208,7 +208,7 @@ pub async fn read(
 }
 
 /// The control record as it stands (empty when none was ever written).
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub async fn current(store: &dyn RecordStore, name: &str) -> Result<Pauses, ControlError> {
     Ok(read(store, name)
         .await?

@@ -48,13 +48,13 @@ pub enum RetryCopy {
     },
     /// `-attempt-{n}-now-{ms}`: an operator's pull forward.
     // This and `Replayed` are the operator commands' (in the test bed).
-    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     Pulled {
         /// The pull's mark (ms since the epoch).
         at_ms: i64,
     },
     /// `-attempt-{n}-replay-{ms}`: a dead letter replayed.
-    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     Replayed {
         /// When it was replayed (ms since the epoch).
         at_ms: i64,

@@ -30,7 +30,7 @@ pub mod readback;
 mod recorded;
 mod retention;
 mod retry;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub mod rewind;
 pub mod settle;
 

@@ -116,9 +116,9 @@ pub fn plan(
     first: i64,
     retained: Retained,
     checkpoint: Option<i64>,
-) -> Result<(i64, Option<i64>), String> {
+) -> Result<(i64, Option<i64>), NothingToDo> {
     if retained.empty {
-        return Err("the partition retains no events".into());
+        return Err(NothingToDo::NoEvents);
     }
     let (first, clamped_from) = if first < retained.begin {
         (retained.begin, Some(first))
@@ -126,12 +126,14 @@ pub fn plan(
         (first, None)
     };
     match checkpoint {
-        Some(c) if first == c + 1 => Err(format!(
-            "the checkpoint is already at {c}: the next event read is {first}"
-        )),
-        Some(c) if first > c + 1 => Err(format!(
-            "the checkpoint is at {c}, before {first}: a rewind never moves a checkpoint forward"
-        )),
+        Some(c) if first == c + 1 => Err(NothingToDo::AlreadyThere {
+            checkpoint: c,
+            first,
+        }),
+        Some(c) if first > c + 1 => Err(NothingToDo::Forward {
+            checkpoint: c,
+            first,
+        }),
         _ => Ok((first, clamped_from)),
     }
 }
@@ -204,11 +206,47 @@ async fn first_event(
     Ok((seq, offset))
 }
 
+/// Why a partition's rewind has nothing to do ([`plan`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NothingToDo {
+    /// The partition retains no events.
+    #[error("the partition retains no events")]
+    NoEvents,
+    /// The checkpoint is where the rewind would put it.
+    #[error("the checkpoint is already at {checkpoint}: the next event read is {first}")]
+    AlreadyThere {
+        /// The checkpoint's sequence number.
+        checkpoint: i64,
+        /// The first event to deliver again.
+        first: i64,
+    },
+    /// The rewind would move the checkpoint forward.
+    #[error("the checkpoint is at {checkpoint}, before {first}: a rewind never moves a checkpoint forward")]
+    Forward {
+        /// The checkpoint's sequence number.
+        checkpoint: i64,
+        /// The first event asked for.
+        first: i64,
+    },
+}
+
+/// Why a rewind stopped (the message says what it was doing: reading a partition, waiting
+/// for an owner, writing the record or a checkpoint).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RewindError(String);
+
+impl From<String> for RewindError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
 /// Runs the rewind; `progress` hears what it waits for.
 pub async fn rewind(
     job: &RewindJob,
     mut progress: impl FnMut(&str),
-) -> Result<Vec<PartitionRewind>, String> {
+) -> Result<Vec<PartitionRewind>, RewindError> {
     let t = &job.target;
     let namespace = checkpoint_namespace(&t.namespace);
     let name = control::record_name(&t.hub, &t.consumer_group);
@@ -226,7 +264,7 @@ pub async fn rewind(
     .await?;
     let result = plan_and_apply(job, &consumer, &namespace, &name, &mut progress).await;
     let _ = tokio::time::timeout(job.deadline, consumer.close()).await;
-    result
+    Ok(result?)
 }
 
 async fn plan_and_apply(
@@ -392,7 +430,9 @@ async fn plan_partition(
     let (first, clamped_from) = match plan(asked_first, retained, before) {
         Ok(x) => x,
         Err(why) => {
-            line.outcome = Outcome::Nothing { why };
+            line.outcome = Outcome::Nothing {
+                why: why.to_string(),
+            };
             return Ok((line, None));
         }
     };
@@ -627,8 +667,14 @@ mod tests {
     fn a_rewind_delivers_again_from_first_and_never_moves_a_checkpoint_forward() {
         assert_eq!(plan(50, R, Some(80)), Ok((50, None)));
         assert_eq!(plan(50, R, None), Ok((50, None)));
-        assert!(plan(81, R, Some(80)).unwrap_err().contains("already at 80"));
-        assert!(plan(90, R, Some(80)).unwrap_err().contains("never moves"));
+        assert!(plan(81, R, Some(80))
+            .unwrap_err()
+            .to_string()
+            .contains("already at 80"));
+        assert!(plan(90, R, Some(80))
+            .unwrap_err()
+            .to_string()
+            .contains("never moves"));
     }
 
     #[test]

@@ -106,7 +106,7 @@ pub struct FailedAttempt {
 
 impl FailedAttempt {
     /// A transient failure of `attempt` at `now`, first failing at `first_failure`.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(test)]
     pub fn transient(attempt: u32, first_failure: SystemTime, now: SystemTime) -> Self {
         Self {
             attempt,

@@ -618,7 +618,7 @@ pub fn signal_of(outcome: &crate::handler::Outcome, max_pause: Duration) -> Sign
 }
 
 /// A shared limiter handle.
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(test)]
 pub type SharedLimiter = Arc<Limiter>;
 
 #[cfg(test)]

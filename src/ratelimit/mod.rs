@@ -61,14 +61,17 @@ impl RateLimitConfig {
     }
 }
 
+/// A configured limit that is not a positive, finite number of requests per second.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("must be a positive number of requests per second for the whole deployment, not {0}")]
+pub struct BadLimit(pub f64);
+
 /// Checks a configured limit: a positive, finite number of requests per second.
-pub fn validate_limit(per_s: f64) -> Result<(), String> {
+pub fn validate_limit(per_s: f64) -> Result<(), BadLimit> {
     if per_s.is_finite() && per_s > 0.0 {
         Ok(())
     } else {
-        Err(format!(
-            "must be a positive number of requests per second for the whole deployment, not {per_s}"
-        ))
+        Err(BadLimit(per_s))
     }
 }
 

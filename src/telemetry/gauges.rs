@@ -283,22 +283,21 @@ fn breaker_opens_gauge(meter: &Meter, b: Option<Arc<dyn BreakerReadings>>) -> Ob
 
 /// The configuration's own figures that alerts compare readings with, registered while this
 /// lives (one per process: the binary registers it for its configuration).
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub struct ConfigGauges {
     _retention: ObservableGauge<f64>,
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl std::fmt::Debug for ConfigGauges {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConfigGauges").finish_non_exhaustive()
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 impl ConfigGauges {
     /// Registers [`metric::RETENTION`] (the hub's retention) on the global meter.
-    #[cfg(any(test, feature = "testbed"))]
     pub fn register(retention: Duration) -> Self {
         let secs = retention.as_secs_f64();
         let retention = super::meter()

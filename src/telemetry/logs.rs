@@ -9,7 +9,7 @@
 
 use std::fmt;
 use std::io::IsTerminal as _;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use std::path::Path;
 use std::path::PathBuf;
 
@@ -23,7 +23,7 @@ use tracing_subscriber::registry::LookupSpan;
 
 /// How log lines are written (`--log-format`, `[log] format`, `HUBGUARD_LOG__FORMAT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[cfg_attr(feature = "testbed", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines (coloured on a terminal).
@@ -90,7 +90,7 @@ fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
 /// The log format a configuration file asks for (`[log] format`, or `HUBGUARD_LOG__FORMAT`
 /// from `env` over it), read before logging starts; `None` when neither says (or the file
 /// does not parse: loading it reports that).
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub fn format_from_config(
     path: Option<&Path>,
     env: impl IntoIterator<Item = (String, String)>,

@@ -258,17 +258,6 @@ impl Default for Options {
     }
 }
 
-/// Installs logging (to stderr, `default_filter` under `RUST_LOG`), traces and metrics
-/// (`GET /metrics`; OTLP too when `export` is given). See [`init_with`].
-#[cfg(any(test, feature = "testbed"))]
-pub fn init(default_filter: &str, export: Option<Export>) -> Guard {
-    init_with(Options {
-        default_filter: default_filter.into(),
-        export,
-        ..Options::default()
-    })
-}
-
 type BoxedLayer = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
 
 /// Every log line, whoever wrote it (hubguard or a crate beneath it), passes the one
@@ -446,7 +435,7 @@ pub fn meter() -> Meter {
 
 impl Metrics {
     /// The instruments, from the meter provider installed now (create them after
-    /// [`init`]; each pipeline creates its own).
+    /// [`init_with`]; each pipeline creates its own).
     pub fn new() -> Self {
         Self::with_meter(&meter())
     }

@@ -874,7 +874,11 @@ async fn sas_presented_as_jwt_is_refused_and_the_connection_string_path_is_accep
                 max_retries: 0,
                 ..Default::default()
             })
-            .open(&cs.host, "hub", Arc::new(cs.credential(Some("hub")))),
+            .open(
+                &cs.host,
+                "hub",
+                Arc::new(hubguard::emulator::sas::credential(&cs, Some("hub"))),
+            ),
     )
     .await;
     let err = match opened {

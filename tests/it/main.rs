@@ -39,6 +39,7 @@ mod run_command;
 mod secrets;
 mod servicebus;
 mod servicebus_auth;
+mod shape_features;
 mod shape_hook;
 mod shape_partitions;
 mod shape_records;

@@ -29,25 +29,23 @@ mod http;
 mod proof;
 
 pub use self::atom::QueueDescription;
-#[cfg(any(test, feature = "testbed"))]
-pub use self::atom::{iso8601, parse_iso8601_duration, DescriptionError};
-#[cfg(any(test, feature = "testbed"))]
-pub use self::classify::error_detail;
-#[cfg(any(test, feature = "testbed"))]
-pub use self::client::MANAGEMENT_API_VERSION;
 pub use self::client::{ServiceBusOptions, ServiceBusRetryQueue};
-#[cfg(any(test, feature = "testbed"))]
-pub use self::endpoint::EndpointError;
 pub use self::endpoint::ServiceBusEndpoint;
 pub use self::error::RetryQueueError;
-#[cfg(any(test, feature = "testbed"))]
-pub use self::http::{
-    BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
-    SERVICE_BUS_SCOPE,
-};
-#[cfg(any(test, feature = "testbed"))]
-pub use self::proof::QueueProof;
 pub use self::proof::{prove_queue, QueueNeeds, QueueRefusal};
+/// The client's parts the test bed reaches for (and that keep its `pub` items reachable).
+#[cfg(any(test, feature = "testbed"))]
+pub use self::{
+    atom::{iso8601, parse_iso8601_duration, DescriptionError},
+    classify::error_detail,
+    client::MANAGEMENT_API_VERSION,
+    endpoint::EndpointError,
+    http::{
+        BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
+        SERVICE_BUS_SCOPE,
+    },
+    proof::QueueProof,
+};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -188,7 +186,7 @@ pub trait RetryQueue: Send + Sync {
     }
 }
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(test)]
 pub use crate::clock::ceil_to_second;
 
 #[cfg(test)]

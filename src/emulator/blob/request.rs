@@ -163,7 +163,7 @@ pub(super) fn body_tags(
             "XML specified is not syntactically valid.".into(),
         ));
     }
-    check_tags(crate::azure::blob::parse_tag_set(&text))
+    check_tags(crate::azure::blob::bed::parse_tag_set(&text))
 }
 
 pub(super) fn metadata(h: &HeaderMap) -> BTreeMap<String, String> {

@@ -33,7 +33,7 @@ use self::requests::serve_requests;
 use super::store::Msg;
 use super::wire::Wire;
 use super::Shared;
-use crate::azure::sas::audience_covers;
+use crate::emulator::sas::audience_covers;
 
 /// Batch message format (`0x80013700`): the body's data sections are whole encoded events.
 const BATCH_FORMAT: u32 = 0x8001_3700;

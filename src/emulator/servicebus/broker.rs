@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use self::journal::{entity_code, JournalRecord};
-pub use self::spec::{limits, QueueSpec};
+pub use self::spec::{limits, QueueSpec, QueueSpecError};
 use self::state::QueueState;
 use self::store::{ms, Lock};
 use crate::emulator::clock::Clock;

@@ -75,6 +75,7 @@ use self::response::{broker_error, error, message_response};
 use self::send::{is_batch, send, send_batch};
 use crate::azure::SasKey;
 use crate::emulator::clock::Clock;
+use crate::emulator::sas::Verify as _;
 use crate::emulator::Faults;
 
 /// How to run the Service Bus emulator.

@@ -60,12 +60,12 @@ use super::LineOnDeadLetter;
 
 mod advance;
 mod hook;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 mod replay;
 
 pub(crate) use advance::advance;
 pub(crate) use hook::{Advanced, LineHook, LineStep, Place, StepFuture, UntilDone};
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 pub(crate) use replay::replay_line;
 
 /// Compare-and-swap rounds (and line steps) before an operation reports contention.

@@ -128,7 +128,7 @@ pub enum SettleError {
     /// an operator can restore it from the quarantined bytes.
     #[error("the event of {key} is not known: its ledger record was corrupt; its bytes are in blob {quarantined}")]
     // Only a replay (an operator command, in the test bed) meets it.
-    #[cfg_attr(not(feature = "testbed"), allow(dead_code))]
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))]
     EventUnknown {
         /// The key.
         key: String,
@@ -417,17 +417,19 @@ pub use super::message_id::{MessageId, RetryCopy};
 mod claim;
 mod execute;
 mod missing;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 mod operate;
 pub(crate) mod plan;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 mod replay;
 mod send;
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
+#[allow(unused_imports)]
 pub use operate::{Action, ActionOutcome, OPERATOR_MARGIN};
 pub use plan::Report;
 use plan::{plan, Plan};
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
+#[allow(unused_imports)]
 pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use super::{MessageId, RetryCopy, SettleError, Settler};
 impl Settler {
     /// Replays a dead-lettered event: schedules its next attempt now with a fresh attempt
     /// budget, and takes it off the dead-letter index.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn replay(&self, key: &str) -> Result<Option<u32>, SettleError> {
         self.replay_if(key, |_| true).await
     }
@@ -25,7 +25,7 @@ impl Settler {
     /// [`replay`](Self::replay), if the dead-lettered record still matches `matches` when
     /// it is replayed (under the compare-and-swap): `Ok(None)` when it does not, or is no
     /// longer dead-lettered.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub async fn replay_if(
         &self,
         key: &str,
@@ -41,7 +41,7 @@ impl Settler {
     /// retry due now (a fresh attempt budget), its message not yet sent. `Ok(None)` when it
     /// no longer matches or is no longer dead-lettered. Until [`send_replayed`](Self::send_replayed)
     /// sends it, the retry loop's overdue sweep would send it (the record is due).
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub(crate) async fn replay_record_if(
         &self,
         key: &str,
@@ -81,7 +81,7 @@ impl Settler {
 
     /// The second half of [`replay_if`](Self::replay_if): sends the replayed record's
     /// message; the attempt it runs.
-    #[cfg(any(test, feature = "testbed"))]
+    #[cfg(any(test, feature = "cli"))]
     pub(crate) async fn send_replayed(&self, rec: &LedgerRecord) -> Result<u32, SettleError> {
         let key = rec.key.as_str();
         let marked = rec.run_now.as_ref().map_or(rec.updated_ms, |r| r.at_ms);
@@ -240,6 +240,7 @@ impl Settler {
     /// `hubguard dead-letters replay` by filter: at most `per_second` replays a second,
     /// until the end or `stop`. `step` hears about every matched dead letter (with the
     /// position in the listing, and the listing's length).
+    #[cfg(feature = "testbed")]
     pub async fn replay_matching(
         &self,
         filter: &ReplayFilter,

@@ -18,7 +18,7 @@ use super::{
     custom, error, message_size_exceeded, server_busy, ConnectionAuth, BATCH_FORMAT,
     DELIVERY_CHUNK, MAX_MESSAGE_SIZE,
 };
-use crate::azure::sas::path_segments;
+use crate::emulator::sas::path_segments;
 
 /// A consumer link address: `…/{hub}/ConsumerGroups/{cg}/Partitions/{id}`.
 struct ConsumerAddress {

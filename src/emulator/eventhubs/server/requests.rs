@@ -12,6 +12,7 @@ use fe2o3_amqp::Receiver;
 use super::super::store::Msg;
 use super::super::Shared;
 use super::{ConnectionAuth, ReplyLinks, CBS};
+use crate::emulator::sas::Verify as _;
 
 fn string_prop(msg: &Msg, key: &str) -> Option<String> {
     msg.application_properties

@@ -51,36 +51,79 @@ pub mod limits {
     pub const CUSTOM_PROPERTIES: usize = u8::MAX as usize;
 }
 
+/// A queue setting Azure refuses, or a `--queue` that does not parse; the message names the
+/// queue and the setting, and says what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QueueSpecError {
+    /// `--queue` without a name.
+    #[error("`{0}`: a queue needs a name")]
+    NoName(String),
+    /// `--queue NAME:X` where X is neither seconds nor `off`.
+    #[error("`{0}`: the duplicate-detection window is seconds or `off`")]
+    BadDuplicateDetection(String),
+    /// LockDuration outside 5 s to 5 minutes.
+    #[error("queue {name}: LockDuration {lock:?} is outside Azure's range of 5 s to 5 minutes")]
+    LockDuration {
+        /// The queue.
+        name: String,
+        /// The lock duration asked for.
+        lock: Duration,
+    },
+    /// DuplicateDetectionHistoryTimeWindow outside 20 s to 7 days.
+    #[error("queue {name}: DuplicateDetectionHistoryTimeWindow {window:?} is outside Azure's range of 20 s to 7 days")]
+    DuplicateDetectionWindow {
+        /// The queue.
+        name: String,
+        /// The window asked for.
+        window: Duration,
+    },
+    /// MaxDeliveryCount 0.
+    #[error("queue {name}: MaxDeliveryCount must be at least 1")]
+    MaxDeliveryCount {
+        /// The queue.
+        name: String,
+    },
+    /// MaxMessageSizeInKilobytes neither Standard's nor Premium's.
+    #[error("queue {name}: MaxMessageSizeInKilobytes {kb} is neither Standard's 256 nor within Premium's 1,024 to 102,400")]
+    MaxMessageSize {
+        /// The queue.
+        name: String,
+        /// The size asked for.
+        kb: u32,
+    },
+}
+
 impl QueueSpec {
     /// Refuses settings Azure refuses, naming the setting and what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
-        let name = &self.name;
+    pub fn validate(&self) -> Result<(), QueueSpecError> {
+        let name = || self.name.clone();
         let (lo, hi) = limits::LOCK_DURATION;
         if self.lock_duration < lo || self.lock_duration > hi {
-            return Err(format!(
-                "queue {name}: LockDuration {:?} is outside Azure's range of 5 s to 5 minutes",
-                self.lock_duration
-            ));
+            return Err(QueueSpecError::LockDuration {
+                name: name(),
+                lock: self.lock_duration,
+            });
         }
         if let Some(w) = self.duplicate_detection_window {
             let (lo, hi) = limits::DUPLICATE_DETECTION_WINDOW;
             if w < lo || w > hi {
-                return Err(format!(
-                    "queue {name}: DuplicateDetectionHistoryTimeWindow {w:?} is outside Azure's range of 20 s to 7 days"
-                ));
+                return Err(QueueSpecError::DuplicateDetectionWindow {
+                    name: name(),
+                    window: w,
+                });
             }
         }
         if self.max_delivery_count == 0 {
-            return Err(format!("queue {name}: MaxDeliveryCount must be at least 1"));
+            return Err(QueueSpecError::MaxDeliveryCount { name: name() });
         }
         let (lo, hi) = limits::PREMIUM_MESSAGE_KB;
         if self.max_message_size_kb != limits::STANDARD_MESSAGE_KB
             && !(lo..=hi).contains(&self.max_message_size_kb)
         {
-            return Err(format!(
-                "queue {name}: MaxMessageSizeInKilobytes {} is neither Standard's 256 nor within Premium's 1,024 to 102,400",
-                self.max_message_size_kb
-            ));
+            return Err(QueueSpecError::MaxMessageSize {
+                name: name(),
+                kb: self.max_message_size_kb,
+            });
         }
         Ok(())
     }
@@ -103,7 +146,7 @@ impl QueueSpec {
 }
 
 impl std::str::FromStr for QueueSpec {
-    type Err = String;
+    type Err = QueueSpecError;
 
     /// `NAME[:DUPLICATE_DETECTION]`, as `hubguard emulator --queue` takes it: the service's
     /// defaults, with the duplicate-detection window in seconds, or `off` (e.g. `retries:off`,
@@ -114,16 +157,16 @@ impl std::str::FromStr for QueueSpec {
             None => (s, None),
         };
         if name.trim().is_empty() {
-            return Err(format!("`{s}`: a queue needs a name"));
+            return Err(QueueSpecError::NoName(s.to_string()));
         }
         let mut spec = Self::new(name.trim());
         match dedup.map(str::trim) {
             None => {}
             Some(d) if d.eq_ignore_ascii_case("off") => spec.duplicate_detection_window = None,
             Some(d) => {
-                let secs: u64 = d.parse().map_err(|_| {
-                    format!("`{s}`: the duplicate-detection window is seconds or `off`")
-                })?;
+                let secs: u64 = d
+                    .parse()
+                    .map_err(|_| QueueSpecError::BadDuplicateDetection(s.to_string()))?;
                 spec.duplicate_detection_window = Some(Duration::from_secs(secs));
             }
         }
