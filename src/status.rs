@@ -10,7 +10,7 @@
 //! | `GET /v1/retries[?due_before=T]` | retries waiting (key, attempt, due time, last error), soonest first, from the ledger's listing |
 //! | `GET /metrics` | every instrument in the Prometheus text format |
 
-#[cfg(any(test, feature = "testbed"))]
+#[cfg(any(test, feature = "cli"))]
 use crate::sync::LockExt;
 use std::sync::Arc;
 use std::time::SystemTime;
