@@ -12,6 +12,44 @@
 //! [`Pipeline::run`] runs both halves until cancelled. The SDK's partition streams are
 //! `!Send`, so the processor and its partition tasks run on a thread of their own
 //! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
+//!
+//! # The tasks, and what each owns
+//!
+//! - **The consumer** (`run_processor`, on the processor's thread): the SDK's
+//!   `EventProcessor`, which claims partitions through the fenced checkpoint store, and one
+//!   **partition task** per partition it hands out (`partition::run`). A partition task owns
+//!   its events from read to checkpoint: the checkpoint window (`guard`), the event path
+//!   (`partition/event.rs`: admit → pace → attempt → settle) and the background checkpoint
+//!   writer (`partition/checkpointer.rs`).
+//! - **The fenced checkpoint store** (`checkpoint/`): shared by the processor and the partition
+//!   tasks. It owns one value per partition (`checkpoint::lifecycle::Partition`: whether this
+//!   replica holds, asks for or is giving the partition, the task reading it, its checkpoint
+//!   floor) and fences every checkpoint against it. What to claim, ask for or take is decided
+//!   by a pure planner (`ownership::plan`); owner ids, handover requests and their calls are
+//!   `ownership/`.
+//! - **The retry loop** (`retry/`): receives scheduled retries from Service Bus and takes each
+//!   through `due → validated → slotted → admitted → attempt → settle`; its recovery
+//!   (`retry/recovery.rs`) finds retries outside the receive path: the dead-letter
+//!   sub-queue's, overdue ones the ledger lists, and those whose ledger record is missing.
+//! - **The settler** (`settle/`, shared by both paths): a pure `plan` and its `execute`; every
+//!   record change goes through the one compare-and-swap (`azure::versioned`), every dead
+//!   letter through `write_settled`.
+//! - **Watchers** spawned by `run_until`: the operator's control record (`control::watch`:
+//!   pauses and rewinds), the handshake's block and the rate limit's pause (`watch`), and
+//!   retention.
+//!
+//! # Where a feature plugs in
+//!
+//! - Around one attempt, on both paths: the breaker's admission (`admission`), the rate limit's
+//!   pace, and ordered retries through one hook (`lines::LineHook`: before the attempt it says
+//!   deliver, park or settle a replay; after settlement it opens or advances the key's line; a
+//!   no-op when `retry_ordering = "off"`).
+//! - A partition's lifecycle: a new reason to stop reading or to hand a partition back is a
+//!   state of `checkpoint::lifecycle::Hold` and a transition on it, read by the fence and the
+//!   partition task alike; a new claim policy is a change to the pure planner
+//!   (`ownership::plan`), property-tested there.
+//! - A new record kind: a `RecordKind` for `azure::versioned::compare_and_swap`, never a loop
+//!   of its own.
 
 mod admission;
 mod attempt;
@@ -33,6 +71,7 @@ mod retry;
 #[cfg(any(test, feature = "cli"))]
 pub mod rewind;
 pub mod settle;
+mod watch;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -299,7 +338,7 @@ impl Pipeline {
             },
         ));
         if let Some(blocked) = self.shared.downstream.handler.blocked() {
-            tokio::spawn(watch_blocked(
+            tokio::spawn(watch::blocked(
                 self.shared.health.clone(),
                 self.shared.downstream.handler.downstream(),
                 blocked,
@@ -308,7 +347,7 @@ impl Pipeline {
             ));
         }
         if let Some(limiter) = self.shared.downstream.limiter.clone() {
-            tokio::spawn(watch_paused(
+            tokio::spawn(watch::paused(
                 self.shared.health.clone(),
                 limiter,
                 self.shared.options.clock.clone(),
@@ -502,85 +541,6 @@ impl Pipeline {
         }
     }
 }
-
-/// Shows in readiness why the handler cannot deliver (a webhook that has not agreed to
-/// receive): held under `handler {downstream}` until the reason clears.
-async fn watch_blocked(
-    health: Arc<Health>,
-    downstream: String,
-    mut blocked: tokio::sync::watch::Receiver<Option<String>>,
-    cancel: CancellationToken,
-    crash: CancellationToken,
-) {
-    let subject = self::health::HoldSubject::Handler(downstream);
-    loop {
-        let reason = blocked.borrow_and_update().clone();
-        match reason {
-            Some(r) => health.hold(
-                subject.clone(),
-                None,
-                self::health::HoldCause::HandlerBlocked,
-                r,
-            ),
-            None => health.release(&subject, None),
-        }
-        tokio::select! {
-            changed = blocked.changed() => if changed.is_err() { break },
-            _ = cancel.cancelled() => break,
-            _ = crash.cancelled() => break,
-        }
-    }
-    health.release(&subject, None);
-}
-
-/// Shows in readiness a pause of the downstream (a 429's `Retry-After`) longer than
-/// [`PAUSE_SHOWN_AFTER`]: every event waits on it, not on its own schedule. Held under
-/// `rate limit {downstream}` until the pause ends; shorter pauses are the rate limit's
-/// ordinary work.
-async fn watch_paused(
-    health: Arc<Health>,
-    limiter: Arc<crate::ratelimit::limiter::Limiter>,
-    clock: Arc<crate::clock::Clock>,
-    cancel: CancellationToken,
-    crash: CancellationToken,
-) {
-    let mut changes = limiter.subscribe();
-    let subject = self::health::HoldSubject::RateLimit(limiter.snapshot().downstream);
-    loop {
-        let until = limiter.paused_until();
-        match until {
-            Some(u) if clock.until(u) > PAUSE_SHOWN_AFTER => {
-                health.hold(
-                    subject.clone(),
-                    None,
-                    self::health::HoldCause::HandlerBlocked,
-                    format!(
-                        "the downstream answered 429 with Retry-After: every replica waits until {} before calling it (handler.rate_limit)",
-                        crate::clock::rfc3339(u)
-                    ),
-                );
-                tokio::select! {
-                    _ = clock.sleep_until(u) => {}
-                    changed = changes.changed() => if changed.is_err() { break },
-                    _ = cancel.cancelled() => break,
-                    _ = crash.cancelled() => break,
-                }
-            }
-            _ => {
-                health.release(&subject, None);
-                tokio::select! {
-                    changed = changes.changed() => if changed.is_err() { break },
-                    _ = cancel.cancelled() => break,
-                    _ = crash.cancelled() => break,
-                }
-            }
-        }
-    }
-    health.release(&subject, None);
-}
-
-/// A pause of the downstream longer than this shows in readiness.
-const PAUSE_SHOWN_AFTER: Duration = Duration::from_secs(10);
 
 /// Keeps an `EventProcessor` running: if `run()` fails, tear everything down and rebuild.
 async fn supervise(
