@@ -13,7 +13,7 @@
 //!
 //!   Product code is `src/` without the test bed (`bench/`, `cli/`, `demo/`, `emulator/`) and
 //!   without `#[cfg(test)]` modules. **Temporary exemption** (joins the one loop next):
-//!   `src/pipeline/lines/`.
+//!   `src/pipeline/lines/advance.rs` (the advance of a line from head to head).
 //! - **No `(LedgerRecord, String)`** (a record and its ETag as an anonymous pair) anywhere in
 //!   `src/` or `tests/`: a record read with its ETag is a `Versioned<LedgerRecord>`.
 //! - **A record's state changes only through its transitions**: the fields `state`,
@@ -29,7 +29,7 @@ use crate::sizes::{closing, line_of, mask, masked, sources, test_modules};
 const TEST_BED: &[&str] = &["bench", "cli", "demo", "emulator"];
 
 /// Product files exempt from the loop count for now (see the module documentation).
-const EXEMPT: &[&str] = &["pipeline/lines/"];
+const EXEMPT: &[&str] = &["pipeline/lines/advance.rs"];
 
 /// The one loop allowed.
 const THE_LOOP: &str = "azure/versioned.rs";

@@ -3,11 +3,13 @@
 
 use std::time::SystemTime;
 
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start};
 use crate::azure::StoreError;
 use crate::clock::{ms, rfc3339};
 use crate::event::Event;
 use crate::ledger::{
     at, AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, Line, Parked, ParkedEntry, State,
+    Versioned,
 };
 use crate::pipeline::observe::Observer;
 use crate::pipeline::settle::plan::first_failure;
@@ -87,37 +89,67 @@ pub(super) fn line_dead_letter(
 /// this very event already (a replay settled it, or an earlier round of this release wrote
 /// it): the record as it stands is returned.
 async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
-    let ledger = &settler.ledger;
-    for _ in 0..ROUNDS {
-        match settler.write_settled(&rec, None).await {
-            Ok(_) => return Ok(rec),
-            Err(SettleError::Ledger(LedgerError::Store(StoreError::Conflict))) => {}
-            Err(e) => return Err(e),
-        }
-        let Some(crate::ledger::Versioned {
-            value: existing,
-            etag,
-        }) = ledger.get(&rec.key).await?
-        else {
-            continue;
+    let kind = Releasing {
+        settler,
+        key: &rec.key,
+    };
+    let written = compare_and_swap(&kind, Start::From(None), |current| {
+        let Some(existing) = current else {
+            return Change::Write(Box::new(rec.clone()), rec.clone());
         };
         let same = existing.event.partition_id == rec.event.partition_id
             && existing.event.sequence_number == rec.event.sequence_number;
         if same || existing.state() == State::RetryScheduled {
             // This event's own record, or another event's retry under the same idempotency
             // key (left as it is: that one is owed its delivery too).
-            return Ok(existing);
+            return Change::Keep(existing);
         }
         // A final record of another event with the same key: this event's record replaces it.
         let mut rec = rec.clone();
         rec.indexed = existing.indexed;
-        match ledger.put(&rec, Some(&etag)).await {
-            Ok(_) => return Ok(rec),
-            Err(LedgerError::Store(StoreError::Conflict)) => continue,
-            Err(e) => return Err(e.into()),
+        Change::Write(Box::new(rec.clone()), rec)
+    });
+    Ok(written.await?.value)
+}
+
+/// A released (or line-dead-lettered) record, as [`write_new`]'s compare-and-swap writes it:
+/// created as a settlement writes its record, and replacing another event's final record
+/// with a plain conditional put.
+struct Releasing<'a> {
+    settler: &'a Settler,
+    key: &'a str,
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Releasing<'_> {
+    type Value = LedgerRecord;
+    type Error = SettleError;
+
+    fn name(&self) -> String {
+        self.key.to_string()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<LedgerRecord>>, SettleError> {
+        Ok(self.settler.ledger.get(self.key).await?)
+    }
+
+    async fn write(&self, rec: &LedgerRecord, etag: Option<&str>) -> Result<String, SettleError> {
+        match etag {
+            None => self.settler.write_settled(rec, None).await,
+            Some(etag) => Ok(self.settler.ledger.put(rec, Some(etag)).await?),
         }
     }
-    Err(SettleError::Contended(rec.key))
+
+    fn lost(&self, e: &SettleError) -> bool {
+        matches!(
+            e,
+            SettleError::Ledger(LedgerError::Store(StoreError::Conflict))
+        )
+    }
+
+    fn contended(&self, lost: Contended) -> SettleError {
+        lost.into()
+    }
 }
 
 /// The line of `key` after `head` settled for good (delivered or dead-lettered): releases the
@@ -142,7 +174,7 @@ pub(crate) async fn advance(
     };
     let mut current = (head.identity.idempotency_key.clone(), head.sequence_number);
     for _ in 0..ROUNDS {
-        let Some((line, etag)) = ledger.line(step.partition, key).await? else {
+        let Some(Versioned { value: line, etag }) = ledger.line(step.partition, key).await? else {
             return Ok(true);
         };
         if line.ended {

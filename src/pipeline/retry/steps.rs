@@ -572,7 +572,8 @@ async fn stand_down(msg: &mut LockedMessage<'_>, body: &RetryMessage, then: Stan
         StandDown::Leave => false,
         StandDown::Complete => true,
         StandDown::AdvanceLine(rec) => {
-            advance_line(msg, &rec.event, &Settled::AlreadyFinal(rec.state())).await == Advanced::Done
+            advance_line(msg, &rec.event, &Settled::AlreadyFinal(rec.state())).await
+                == Advanced::Done
         }
         StandDown::Resend(rec) => msg
             .holding(body.key(), "re-sending the recorded retry", || {
