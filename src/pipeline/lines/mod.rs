@@ -69,7 +69,8 @@ pub(crate) use hook::{Advanced, LineHook, LineStep, Place, StepFuture, UntilDone
 #[cfg(any(test, feature = "testbed"))]
 pub(crate) use replay::replay_line;
 
-/// Compare-and-swap rounds (and line steps) before an operation reports contention.
+/// Heads one advance moves a line past before it reports contention (each head's step is one
+/// compare-and-swap on the pointer, with its own bound: `azure::versioned::ROUNDS`).
 const ROUNDS: usize = 64;
 
 /// What a partition task knows of its keys' lines.
