@@ -26,7 +26,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{encode_key, Ledger, LedgerError, BLOB_NAME_LIMIT};
 use crate::azure::record_store::Tags;
-use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start, Versioned};
+use crate::azure::versioned::{
+    compare_and_swap, Change, Contended, RecordKind, Start, Swapped, Versioned,
+};
 use crate::azure::StoreError;
 use crate::event::Event;
 
@@ -262,12 +264,29 @@ impl Ledger {
         &self,
         partition: &str,
         ordering_key: &str,
-    ) -> Result<Option<(Line, String)>, LedgerError> {
+    ) -> Result<Option<Versioned<Line>>, LedgerError> {
         let pointer = Pointer {
             ledger: self,
             name: self.line_name(partition, ordering_key),
         };
-        Ok(pointer.read().await?.map(|l| (l.value, l.etag)))
+        pointer.read().await
+    }
+
+    /// Changes the head pointer of `ordering_key`'s line in `partition` by the one
+    /// compare-and-swap, from `start`: `decide` sees the pointer as it is (`None`: there is
+    /// none); a write that finds it changed or removed reads it and decides again.
+    pub(crate) async fn change_line<R>(
+        &self,
+        partition: &str,
+        ordering_key: &str,
+        start: Start<Line>,
+        decide: impl FnMut(Option<Line>) -> Change<Line, R>,
+    ) -> Result<Swapped<Line, R>, LedgerError> {
+        let pointer = Pointer {
+            ledger: self,
+            name: self.line_name(partition, ordering_key),
+        };
+        compare_and_swap(&pointer, start, decide).await
     }
 
     /// Opens a line with `line` as its pointer (`If-None-Match: *`). A line already open for

@@ -12,9 +12,7 @@
 //!      of bounded rounds (`for _ in 0..`).
 //!
 //!   Product code is `src/` without the test bed (`bench/`, `cli/`, `demo/`, `emulator/`) and
-//!   without `#[cfg(test)]` modules. **Temporary exemptions** (other parts of issue 38 are
-//!   rewriting these files in the same round; they join the one loop after it):
-//!   `src/pipeline/ownership/owner.rs`, `src/pipeline/ownership/handover.rs` and `src/pipeline/lines/`.
+//!   without `#[cfg(test)]` modules. No file is exempt.
 //! - **No `(LedgerRecord, String)`** (a record and its ETag as an anonymous pair) anywhere in
 //!   `src/` or `tests/`: a record read with its ETag is a `Versioned<LedgerRecord>`.
 //! - **A record's state changes only through its transitions**: the fields `state`,
@@ -28,13 +26,6 @@ use crate::sizes::{closing, line_of, mask, masked, sources, test_modules};
 
 /// Test-bed directories of `src/`: not product code.
 const TEST_BED: &[&str] = &["bench", "cli", "demo", "emulator"];
-
-/// Product files exempt from the loop count for now (see the module documentation).
-const EXEMPT: &[&str] = &[
-    "pipeline/ownership/owner.rs",
-    "pipeline/ownership/handover.rs",
-    "pipeline/lines/",
-];
 
 /// The one loop allowed.
 const THE_LOOP: &str = "azure/versioned.rs";
@@ -162,7 +153,7 @@ fn at_most_one_compare_and_swap_loop_over_records_in_product_code() {
     let mut loops = Vec::new();
     for path in &files {
         let rel = relative(&root, path);
-        if !product(&rel) || EXEMPT.iter().any(|e| rel.starts_with(e)) {
+        if !product(&rel) {
             continue;
         }
         let code = masked(path);

@@ -1,13 +1,16 @@
 //! Moving a line on once its head settled for good: the next parked event released (or
 //! dead-lettered with the line), or the line ended.
 
+use std::sync::Mutex;
 use std::time::SystemTime;
 
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start};
 use crate::azure::StoreError;
 use crate::clock::{ms, rfc3339};
 use crate::event::Event;
 use crate::ledger::{
     at, AttemptEntry, HistoryOutcome, LedgerError, LedgerRecord, Line, Parked, ParkedEntry, State,
+    Versioned,
 };
 use crate::pipeline::observe::Observer;
 use crate::pipeline::settle::plan::first_failure;
@@ -87,37 +90,67 @@ pub(super) fn line_dead_letter(
 /// this very event already (a replay settled it, or an earlier round of this release wrote
 /// it): the record as it stands is returned.
 async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
-    let ledger = &settler.ledger;
-    for _ in 0..ROUNDS {
-        match settler.write_settled(&rec, None).await {
-            Ok(_) => return Ok(rec),
-            Err(SettleError::Ledger(LedgerError::Store(StoreError::Conflict))) => {}
-            Err(e) => return Err(e),
-        }
-        let Some(crate::ledger::Versioned {
-            value: existing,
-            etag,
-        }) = ledger.get(&rec.key).await?
-        else {
-            continue;
+    let kind = Releasing {
+        settler,
+        key: &rec.key,
+    };
+    let written = compare_and_swap(&kind, Start::From(None), |current| {
+        let Some(existing) = current else {
+            return Change::Write(Box::new(rec.clone()), rec.clone());
         };
         let same = existing.event.partition_id == rec.event.partition_id
             && existing.event.sequence_number == rec.event.sequence_number;
         if same || existing.state() == State::RetryScheduled {
             // This event's own record, or another event's retry under the same idempotency
             // key (left as it is: that one is owed its delivery too).
-            return Ok(existing);
+            return Change::Keep(existing);
         }
         // A final record of another event with the same key: this event's record replaces it.
         let mut rec = rec.clone();
         rec.indexed = existing.indexed;
-        match ledger.put(&rec, Some(&etag)).await {
-            Ok(_) => return Ok(rec),
-            Err(LedgerError::Store(StoreError::Conflict)) => continue,
-            Err(e) => return Err(e.into()),
+        Change::Write(Box::new(rec.clone()), rec)
+    });
+    Ok(written.await?.value)
+}
+
+/// A released (or line-dead-lettered) record, as [`write_new`]'s compare-and-swap writes it:
+/// created as a settlement writes its record, and replacing another event's final record
+/// with a plain conditional put.
+struct Releasing<'a> {
+    settler: &'a Settler,
+    key: &'a str,
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Releasing<'_> {
+    type Value = LedgerRecord;
+    type Error = SettleError;
+
+    fn name(&self) -> String {
+        self.key.to_string()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<LedgerRecord>>, SettleError> {
+        Ok(self.settler.ledger.get(self.key).await?)
+    }
+
+    async fn write(&self, rec: &LedgerRecord, etag: Option<&str>) -> Result<String, SettleError> {
+        match etag {
+            None => self.settler.write_settled(rec, None).await,
+            Some(etag) => Ok(self.settler.ledger.put(rec, Some(etag)).await?),
         }
     }
-    Err(SettleError::Contended(rec.key))
+
+    fn lost(&self, e: &SettleError) -> bool {
+        matches!(
+            e,
+            SettleError::Ledger(LedgerError::Store(StoreError::Conflict))
+        )
+    }
+
+    fn contended(&self, lost: Contended) -> SettleError {
+        lost.into()
+    }
 }
 
 /// The line of `key` after `head` settled for good (delivered or dead-lettered): releases the
@@ -125,6 +158,9 @@ async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord,
 /// parked events one by one), or ends the line when nothing is parked. Idempotent: a copy
 /// that finds the line moved past `head` only makes sure the current head's first attempt was
 /// sent (a crash between the pointer's write and the send). `Ok(true)` when the line ended.
+///
+/// Each head's step is one compare-and-swap on the line's pointer ([`Stepping`]); a head
+/// that was final already when released is followed by the next, at most [`ROUNDS`] heads.
 pub(crate) async fn advance(
     settler: &Settler,
     head: &Event,
@@ -132,7 +168,6 @@ pub(crate) async fn advance(
     on_dead_letter: LineOnDeadLetter,
     observe: Option<&Observer>,
 ) -> Result<bool, SettleError> {
-    let ledger = &settler.ledger;
     let step = Advance {
         settler,
         partition: head.partition_id.as_str(),
@@ -140,47 +175,56 @@ pub(crate) async fn advance(
         on_dead_letter,
         observe,
     };
+    let name = settler.ledger.line_name(step.partition, key);
     let mut current = (head.identity.idempotency_key.clone(), head.sequence_number);
     for _ in 0..ROUNDS {
-        let Some((line, etag)) = ledger.line(step.partition, key).await? else {
-            return Ok(true);
+        let stepping = Stepping {
+            step: &step,
+            head: &current,
+            name: &name,
+            released: Mutex::new(None),
         };
-        if line.ended {
-            return Ok(true);
-        }
-        if line.head_key != current.0 || line.head_seq != current.1 {
-            if line.head_seq > current.1 {
-                ensure_sent(settler, &line).await?;
+        let stepped = compare_and_swap(&stepping, Start::Read, |seen| match seen {
+            None | Some(Seen::Ended) => Change::Keep(Then::Done(true)),
+            Some(Seen::Other(line)) => Change::Keep(Then::Other(line)),
+            Some(Seen::Waiting) => Change::Keep(Then::Done(false)),
+            Some(Seen::End(mut line)) => {
+                line.tail_seq = Some(line.last_seq());
+                line.ended = true;
+                line.parked = 0;
+                line.oldest_parked_ms = None;
+                Change::Write(Box::new(Seen::End(line)), Then::Ended)
             }
-            return Ok(false);
-        }
-        let Some(dead) = step.head_came_to(&line).await? else {
-            return Ok(false); // its own settlement advances it
-        };
-        let parked = ledger.parked_in(step.partition, key).await?;
-        // Records at or before the head were released already (a crash before their removal).
-        for stale in parked.iter().filter(|e| e.seq <= line.head_seq) {
-            ledger.remove_parked(&stale.name).await?;
-        }
-        let head_seq = line.head_seq;
-        let mut rest = parked.iter().filter(|e| e.seq > head_seq);
-        let moved = match rest.next() {
-            None => step.end(line, &etag).await?,
-            Some(next) => {
-                let after = rest.next().map(|n| n.parked_ms);
-                step.release(line, &etag, next, after, dead).await?
+            Some(seen) => Change::Write(Box::new(seen), Then::Released),
+        })
+        .await
+        .map_err(|e| e.into_settle(&name))?;
+        let released = match stepped.value {
+            Then::Done(ended) => return Ok(ended),
+            Then::Other(line) => {
+                if line.head_seq > current.1 {
+                    ensure_sent(settler, &line).await?;
+                }
+                return Ok(false);
             }
+            Then::Ended => {
+                tracing::debug!(partition = %step.partition, ordering_key = %key, "line ended");
+                return Ok(true);
+            }
+            Then::Released => stepping
+                .released
+                .into_inner()
+                .unwrap_or_else(|p| p.into_inner()),
         };
-        match moved {
-            Moved::Ended => return Ok(true),
-            Moved::Raced => {}
-            Moved::Waiting => return Ok(false),
-            Moved::Next(head) => current = head,
+        let Some(released) = released else {
+            return Err(SettleError::Contended(name));
+        };
+        match step.after_release(released).await? {
+            Some(head) => current = head,
+            None => return Ok(false),
         }
     }
-    Err(SettleError::Contended(
-        ledger.line_name(step.partition, key),
-    ))
+    Err(SettleError::Contended(name))
 }
 
 /// One line's advance: what every step of it needs.
@@ -192,20 +236,192 @@ struct Advance<'a> {
     observe: Option<&'a Observer>,
 }
 
-/// Where a step of an advance left the line.
-enum Moved {
+/// A line's pointer as one step of its advance reads it, with what the step decides on.
+enum Seen {
     /// The line ended.
     Ended,
-    /// The pointer or a parked record changed under the step: read the line again.
-    Raced,
-    /// The line waits on its head's retry.
+    /// The pointer names another head than the settled one (moved on already).
+    Other(Line),
+    /// The head waits for a retry: its own settlement advances the line.
     Waiting,
-    /// The line's head is now this one (idempotency key, sequence number), settled already:
-    /// on to the next.
-    Next((String, i64)),
+    /// The head settled and nothing is parked: the line ends (written: the tombstone).
+    End(Line),
+    /// The head settled and `next` is the first event parked behind it.
+    Release {
+        line: Line,
+        next: ParkedEntry,
+        parked: Box<Parked>,
+        /// When the event parked after `next` was parked, if one was.
+        after: Option<Option<i64>>,
+        /// The head was dead-lettered.
+        dead: bool,
+    },
+    /// The first parked record went between its listing and its read: someone moved the
+    /// line on, so read it again.
+    Vanished,
+}
+
+/// What a step's compare-and-swap decided.
+enum Then {
+    /// Nothing to write: `true` when the line ended.
+    Done(bool),
+    /// The pointer names another head (this one).
+    Other(Line),
+    /// The tombstone was written (or the pointer was gone).
+    Ended,
+    /// The next event was released (see [`Stepping::released`]).
+    Released,
+}
+
+/// What a release wrote, for what follows the pointer's write.
+struct Released {
+    rec: LedgerRecord,
+    line: Line,
+    next: String,
+    behind_traceparent: Option<String>,
+    follow: bool,
+}
+
+/// Why a step's read or write failed: it lost to another write of the pointer, or failed.
+enum StepError {
+    Lost,
+    Failed(SettleError),
+}
+
+impl StepError {
+    fn into_settle(self, name: &str) -> SettleError {
+        match self {
+            StepError::Lost => SettleError::Contended(name.to_string()),
+            StepError::Failed(e) => e,
+        }
+    }
+}
+
+impl From<SettleError> for StepError {
+    fn from(e: SettleError) -> Self {
+        StepError::Failed(e)
+    }
+}
+
+impl From<LedgerError> for StepError {
+    fn from(e: LedgerError) -> Self {
+        StepError::Failed(e.into())
+    }
+}
+
+/// One step of an advance from the settled head `head`, as the one compare-and-swap runs it
+/// on the line's pointer: reading it also gathers what the step decides on (what the head
+/// came to, what is parked behind it); writing a release writes the released record first,
+/// then the pointer naming it (whoever reads the pointer finds the record). The pointer
+/// written `If-Match` like any change, so a parking that came first makes it fail.
+struct Stepping<'a> {
+    step: &'a Advance<'a>,
+    head: &'a (String, i64),
+    name: &'a str,
+    /// What the release wrote.
+    released: Mutex<Option<Released>>,
+}
+
+#[async_trait::async_trait]
+impl RecordKind for Stepping<'_> {
+    type Value = Seen;
+    type Error = StepError;
+
+    fn name(&self) -> String {
+        self.name.to_string()
+    }
+
+    async fn read(&self) -> Result<Option<Versioned<Seen>>, StepError> {
+        let ledger = &self.step.settler.ledger;
+        let Some(Versioned { value: line, etag }) =
+            ledger.line(self.step.partition, self.step.key).await?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(Versioned::new(
+            self.step.see(line, self.head).await?,
+            etag,
+        )))
+    }
+
+    async fn write(&self, seen: &Seen, etag: Option<&str>) -> Result<String, StepError> {
+        let ledger = &self.step.settler.ledger;
+        match (seen, etag) {
+            (Seen::End(line), Some(etag)) => match ledger.write_line(line, etag).await {
+                Ok(etag) => Ok(etag),
+                // Removed meanwhile: ended all the same.
+                Err(LedgerError::Store(StoreError::NotFound)) => Ok(String::new()),
+                // Something was parked meanwhile: list again.
+                Err(LedgerError::Store(StoreError::Conflict)) => Err(StepError::Lost),
+                Err(e) => Err(e.into()),
+            },
+            (
+                Seen::Release {
+                    line,
+                    next,
+                    parked,
+                    after,
+                    dead,
+                },
+                Some(etag),
+            ) => {
+                let (etag, released) = self
+                    .step
+                    .release(line.clone(), etag, next, parked, *after, *dead)
+                    .await?;
+                *self.released.lock().unwrap_or_else(|p| p.into_inner()) = Some(released);
+                Ok(etag)
+            }
+            // Nothing else is written: a vanished parked record reads the line again.
+            _ => Err(StepError::Lost),
+        }
+    }
+
+    fn lost(&self, e: &StepError) -> bool {
+        matches!(e, StepError::Lost)
+    }
+
+    fn contended(&self, lost: Contended) -> StepError {
+        StepError::Failed(lost.into())
+    }
 }
 
 impl Advance<'_> {
+    /// The line `line` as a step from the settled head `head` sees it.
+    async fn see(&self, line: Line, head: &(String, i64)) -> Result<Seen, SettleError> {
+        let ledger = &self.settler.ledger;
+        if line.ended {
+            return Ok(Seen::Ended);
+        }
+        if line.head_key != head.0 || line.head_seq != head.1 {
+            return Ok(Seen::Other(line));
+        }
+        let Some(dead) = self.head_came_to(&line).await? else {
+            return Ok(Seen::Waiting);
+        };
+        let parked = ledger.parked_in(self.partition, self.key).await?;
+        // Records at or before the head were released already (a crash before their removal).
+        for stale in parked.iter().filter(|e| e.seq <= line.head_seq) {
+            ledger.remove_parked(&stale.name).await?;
+        }
+        let head_seq = line.head_seq;
+        let mut rest = parked.iter().filter(|e| e.seq > head_seq);
+        let Some(next) = rest.next() else {
+            return Ok(Seen::End(line));
+        };
+        let after = rest.next().map(|n| n.parked_ms);
+        Ok(match ledger.read_parked(&next.name).await? {
+            None => Seen::Vanished,
+            Some(parked) => Seen::Release {
+                line,
+                next: next.clone(),
+                parked: Box::new(parked),
+                after,
+                dead,
+            },
+        })
+    }
+
     /// What the line's head came to: `Some(true)` dead-lettered, `Some(false)` delivered,
     /// `None` still waiting for a retry. No record of it: it was delivered on a replay of its
     /// first attempt before its failure was ever recorded.
@@ -225,49 +441,27 @@ impl Advance<'_> {
         })
     }
 
-    /// Nothing is parked: the line ends, its pointer becoming a tombstone (see
-    /// `Line::ended`), written `If-Match` like any change, so a parking that came first makes
-    /// it fail.
-    async fn end(&self, mut line: Line, etag: &str) -> Result<Moved, SettleError> {
-        line.tail_seq = Some(line.last_seq());
-        line.ended = true;
-        line.parked = 0;
-        line.oldest_parked_ms = None;
-        match self.settler.ledger.write_line(&line, etag).await {
-            Ok(_) | Err(LedgerError::Store(StoreError::NotFound)) => {
-                tracing::debug!(partition = %self.partition, ordering_key = %self.key, "line ended");
-                Ok(Moved::Ended)
-            }
-            // Something was parked meanwhile: list again.
-            Err(LedgerError::Store(StoreError::Conflict)) => Ok(Moved::Raced),
-            Err(e) => Err(e.into()),
-        }
-    }
-
     /// Releases `next`, the first event parked behind the line's head (or dead-letters it
     /// after a `dead` head, with `dead_letter_line`): its record first, then the pointer
-    /// naming it (whoever reads the pointer finds the record), then its first attempt's
-    /// message, then its parked record goes. `after`: when the event parked after it was
-    /// parked, if one was.
+    /// naming it (`If-Match` `etag`; a lost write is [`StepError::Lost`]). `after`: when the
+    /// event parked after it was parked, if one was.
     async fn release(
         &self,
         mut line: Line,
         etag: &str,
         next: &ParkedEntry,
+        parked_event: &Parked,
         after: Option<Option<i64>>,
         dead: bool,
-    ) -> Result<Moved, SettleError> {
+    ) -> Result<(String, Released), StepError> {
         let (settler, ledger) = (self.settler, &self.settler.ledger);
-        let Some(parked_event) = ledger.read_parked(&next.name).await? else {
-            return Ok(Moved::Raced);
-        };
         let now = settler.clock().now();
         let follow = dead && self.on_dead_letter == LineOnDeadLetter::DeadLetterLine;
         let e = &parked_event.event;
         let new = if follow {
-            line_dead_letter(settler, &parked_event, &line, now)
+            line_dead_letter(settler, parked_event, &line, now)
         } else {
-            released_record(settler, &parked_event, &line, now)
+            released_record(settler, parked_event, &line, now)
         };
         let rec = write_new(settler, new).await?;
         line.head_key = e.identity.idempotency_key.clone();
@@ -276,13 +470,37 @@ impl Advance<'_> {
         line.head_traceparent = None;
         line.parked = line.parked.saturating_sub(1);
         line.oldest_parked_ms = after.map(|parked_ms| parked_ms.unwrap_or(ms(now)));
-        match ledger.write_line(&line, etag).await {
-            Ok(_) => {}
+        let etag = match ledger.write_line(&line, etag).await {
+            Ok(etag) => etag,
             Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => {
-                return Ok(Moved::Raced)
+                return Err(StepError::Lost)
             }
             Err(e) => return Err(e.into()),
-        }
+        };
+        let released = Released {
+            rec,
+            line,
+            next: next.name.clone(),
+            behind_traceparent: parked_event.behind_traceparent.clone(),
+            follow,
+        };
+        Ok((etag, released))
+    }
+
+    /// What follows a release's pointer write: the released event's first attempt's message,
+    /// then its parked record goes. The next head to move on from (`None`: the line waits).
+    async fn after_release(
+        &self,
+        released: Released,
+    ) -> Result<Option<(String, i64)>, SettleError> {
+        let (settler, ledger) = (self.settler, &self.settler.ledger);
+        let Released {
+            rec,
+            line,
+            next,
+            behind_traceparent,
+            follow,
+        } = released;
         let head = (line.head_key.clone(), line.head_seq);
         if rec.state() == State::RetryScheduled && rec.attempts == rec.attempt_base {
             if let Some(o) = self.observe {
@@ -290,28 +508,27 @@ impl Advance<'_> {
             }
             tracing::info!(partition = %self.partition, ordering_key = %self.key, key = %rec.key, sequence_number = line.head_seq, "a parked event is released: its first attempt is due now");
             // Its first attempt links to the attempt of the head it waited behind.
-            let waited_behind: Vec<String> =
-                parked_event.behind_traceparent.iter().cloned().collect();
+            let waited_behind: Vec<String> = behind_traceparent.into_iter().collect();
             let sent = settler.resend_recorded(&rec, &waited_behind).await?;
-            ledger.remove_parked(&next.name).await?;
+            ledger.remove_parked(&next).await?;
             if sent.is_some() {
-                return Ok(Moved::Waiting);
+                return Ok(None);
             }
             // Service Bus refused its message: it was dead-lettered, and the line moves on.
-            return Ok(Moved::Next(head));
+            return Ok(Some(head));
         }
         if let (true, Some(o)) = (follow, self.observe) {
             o.count_dead_lettered(rec.event.identity.event_type.as_deref());
         }
-        ledger.remove_parked(&next.name).await?;
+        ledger.remove_parked(&next).await?;
         if rec.state() == State::RetryScheduled {
             // Another event's retry under the same key holds the record (see `write_new`):
             // this event is owed a delivery the record cannot give. Left to that retry; the
             // line waits on it as on any head.
-            return Ok(Moved::Waiting);
+            return Ok(None);
         }
         // Final already (dead-lettered with the line, or settled by a replay): on to the next.
-        Ok(Moved::Next(head))
+        Ok(Some(head))
     }
 }
 

@@ -311,11 +311,11 @@ impl KeyLines<'_> {
             KeyState::Unknown => {
                 let mut op = || {
                     step_future(async {
-                        Ok(shared.settler.ledger.line(pid, k).await?.map(|(l, _)| {
-                            if l.ended {
-                                KeyState::Ended(l.last_seq())
+                        Ok(shared.settler.ledger.line(pid, k).await?.map(|l| {
+                            if l.value.ended {
+                                KeyState::Ended(l.value.last_seq())
                             } else {
-                                KeyState::Line(l.head_seq)
+                                KeyState::Line(l.value.head_seq)
                             }
                         }))
                     })

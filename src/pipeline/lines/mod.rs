@@ -50,10 +50,11 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::azure::versioned::{Change, Start};
 use crate::azure::StoreError;
 use crate::clock::ms;
 use crate::event::Event;
-use crate::ledger::{LedgerError, LedgerRecord, Line, Opened, Parked, State};
+use crate::ledger::{Ledger, LedgerError, LedgerRecord, Line, Opened, Parked, State, Versioned};
 
 use super::settle::{SettleError, Settler};
 use super::LineOnDeadLetter;
@@ -68,7 +69,8 @@ pub(crate) use hook::{Advanced, LineHook, LineStep, Place, StepFuture, UntilDone
 #[cfg(any(test, feature = "cli"))]
 pub(crate) use replay::replay_line;
 
-/// Compare-and-swap rounds (and line steps) before an operation reports contention.
+/// Heads one advance moves a line past before it reports contention (each head's step is one
+/// compare-and-swap on the pointer, with its own bound: `azure::versioned::ROUNDS`).
 const ROUNDS: usize = 64;
 
 /// What a partition task knows of its keys' lines.
@@ -182,7 +184,7 @@ pub(crate) async fn remove_tombstone(
     key: &str,
     checkpoint: i64,
 ) -> Result<Option<KeyState>, LedgerError> {
-    let Some((line, etag)) = settler.ledger.line(partition, key).await? else {
+    let Some(Versioned { value: line, etag }) = settler.ledger.line(partition, key).await? else {
         return Ok(Some(KeyState::Free));
     };
     if !line.ended {
@@ -230,73 +232,70 @@ pub(crate) async fn park(
 ) -> Result<Park, LedgerError> {
     let ledger = &settler.ledger;
     let (p, seq) = (event.partition_id.as_str(), event.sequence_number);
-    let mut wrote = false;
-    for _ in 0..ROUNDS {
-        let current = ledger.line(p, key).await?;
-        let Some((mut line, etag)) = current.filter(|(l, _)| !l.ended) else {
-            // The line ended: a parked record of this event (written by this call before the
-            // end, or by an earlier owner) was seen by nobody and goes.
-            ledger.unpark(p, key, seq).await?;
-            let ended_at = ledger.line(p, key).await?.map(|(l, _)| l.last_seq());
-            return Ok(Park::Deliver {
-                head: None,
-                ended_at,
-            });
+    let read = ledger.line(p, key).await?;
+    let Some(line) = read.as_ref().map(|l| &l.value).filter(|l| !l.ended) else {
+        return unparked(ledger, p, key, seq).await;
+    };
+    if seq <= line.head_seq {
+        return Ok(Park::Deliver {
+            head: Some(line.head_seq),
+            ended_at: None,
+        });
+    }
+    let now = settler.clock().now();
+    ledger
+        .park(
+            key,
+            &Parked {
+                event: event.clone(),
+                parked_ms: ms(now),
+                behind_key: line.head_key.clone(),
+                behind_seq: line.head_seq,
+                behind_traceparent: line.head_traceparent.clone(),
+                attempts: before.map_or(0, |r| r.attempts),
+                history: before.map(|r| r.history.clone()).unwrap_or_default(),
+            },
+        )
+        .await?;
+    // The pointer counts it, from the line just read (the parked record's write proves
+    // nothing about it): rewritten even when a replay finds itself counted already, as the
+    // new ETag is what makes a concurrent end of the line fail and list again.
+    let mut first = Some(now);
+    let counted = ledger.change_line(p, key, Start::From(read), |current| {
+        let Some(mut line) = current.filter(|l| !l.ended) else {
+            return Change::Keep(None);
+        };
+        let parked = Park::Parked {
+            behind: line.head_key.clone(),
+            behind_seq: line.head_seq,
+            behind_traceparent: line.head_traceparent.clone(),
         };
         if seq <= line.head_seq {
-            return Ok(if wrote {
-                // Released meanwhile (it is the head now, or was).
-                Park::Parked {
-                    behind: line.head_key,
-                    behind_seq: line.head_seq,
-                    behind_traceparent: line.head_traceparent,
-                }
-            } else {
-                Park::Deliver {
-                    head: Some(line.head_seq),
-                    ended_at: None,
-                }
-            });
+            // Released meanwhile (it is the head now, or was).
+            return Change::Keep(Some(parked));
         }
-        let now = settler.clock().now();
-        if !wrote {
-            ledger
-                .park(
-                    key,
-                    &Parked {
-                        event: event.clone(),
-                        parked_ms: ms(now),
-                        behind_key: line.head_key.clone(),
-                        behind_seq: line.head_seq,
-                        behind_traceparent: line.head_traceparent.clone(),
-                        attempts: before.map_or(0, |r| r.attempts),
-                        history: before.map(|r| r.history.clone()).unwrap_or_default(),
-                    },
-                )
-                .await?;
-            wrote = true;
-        }
-        // Rewritten even when a replay finds itself counted already: the new ETag is what
-        // makes a concurrent end of the line fail and list again.
+        let now = first.take().unwrap_or_else(|| settler.clock().now());
         if line.tail_seq.is_none_or(|t| t < seq) {
             line.tail_seq = Some(seq);
             line.parked += 1;
         }
         line.oldest_parked_ms.get_or_insert(ms(now));
-        match ledger.write_line(&line, &etag).await {
-            Ok(_) => {
-                return Ok(Park::Parked {
-                    behind: line.head_key,
-                    behind_seq: line.head_seq,
-                    behind_traceparent: line.head_traceparent,
-                })
-            }
-            Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => continue,
-            Err(e) => return Err(e),
-        }
+        Change::Write(Box::new(line), Some(parked))
+    });
+    match counted.await?.value {
+        Some(parked) => Ok(parked),
+        None => unparked(ledger, p, key, seq).await,
     }
-    Err(LedgerError::Contended {
-        key: ledger.line_name(p, key),
+}
+
+/// The line of `key` ended before `seq` was parked behind it: a parked record of this event
+/// (written by [`park`] before the end, or by an earlier owner) was seen by nobody and goes.
+async fn unparked(ledger: &Ledger, p: &str, key: &str, seq: i64) -> Result<Park, LedgerError> {
+    ledger.unpark(p, key, seq).await?;
+    let ended_at = ledger.line(p, key).await?.map(|l| l.value.last_seq());
+    Ok(Park::Deliver {
+        head: None,
+        ended_at,
     })
 }
 
@@ -562,7 +561,7 @@ mod tests {
                 Park::Parked { behind_seq: 1, .. }
             ));
         }
-        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        let line = s.ledger.line("0", "K").await.unwrap().unwrap().value;
         assert_eq!(
             (line.parked, line.tail_seq),
             (2, Some(9)),
@@ -590,7 +589,13 @@ mod tests {
             .await
             .unwrap());
         assert_eq!(
-            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            s.ledger
+                .line("0", "K")
+                .await
+                .unwrap()
+                .unwrap()
+                .value
+                .head_key,
             "h"
         );
 
@@ -598,7 +603,7 @@ mod tests {
         assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
             .await
             .unwrap());
-        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        let line = s.ledger.line("0", "K").await.unwrap().unwrap().value;
         assert_eq!((line.head_key.as_str(), line.head_seq), ("e1", 4));
         let rec = s.ledger.record("e1").await.unwrap().unwrap();
         assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));
@@ -614,7 +619,13 @@ mod tests {
             .await
             .unwrap());
         assert_eq!(
-            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            s.ledger
+                .line("0", "K")
+                .await
+                .unwrap()
+                .unwrap()
+                .value
+                .head_key,
             "e1"
         );
         assert_eq!(queue.len(), sent, "duplicate detection drops the re-send");
@@ -624,7 +635,13 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            s.ledger.line("0", "K").await.unwrap().unwrap().0.head_key,
+            s.ledger
+                .line("0", "K")
+                .await
+                .unwrap()
+                .unwrap()
+                .value
+                .head_key,
             "e2"
         );
         settle(&s, &e2, 1, Outcome::Delivered).await;
@@ -633,7 +650,7 @@ mod tests {
             .unwrap());
         let open_lines = s.ledger.lines(None).await.unwrap();
         assert!(open_lines.is_empty(), "the line ended: {open_lines:?}");
-        let (tomb, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        let tomb = s.ledger.line("0", "K").await.unwrap().unwrap().value;
         assert!(tomb.ended, "its tombstone says what it settled");
         assert_eq!(tomb.last_seq(), 9);
         // A replay of an event the line settled meets the tombstone.
@@ -875,7 +892,7 @@ mod tests {
         assert!(!advance(&s, &h, "K", LineOnDeadLetter::Release, None)
             .await
             .unwrap());
-        let (line, _) = s.ledger.line("0", "K").await.unwrap().unwrap();
+        let line = s.ledger.line("0", "K").await.unwrap().unwrap().value;
         assert_eq!(line.head_key, "e", "released, not lost");
         let rec = s.ledger.record("e").await.unwrap().unwrap();
         assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 0));

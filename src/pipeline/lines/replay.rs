@@ -1,12 +1,12 @@
 //! `dead-letters replay` with ordered retries on: one ordering key's dead letters replayed as
 //! a line, in sequence order.
 
-use crate::azure::StoreError;
+use crate::azure::versioned::{Change, Start};
 use crate::clock::ms;
-use crate::ledger::{Ledger, LedgerError, LedgerRecord, Line, Opened};
+use crate::ledger::{Ledger, LedgerError, LedgerRecord, Line};
 use crate::pipeline::settle::{ReplayStep, Settler};
 
-use super::{park, Park, ROUNDS};
+use super::{park, Park};
 
 /// Replays the dead letters `group` — one partition's, of ordering key `key`, as read with
 /// their ETags, each matching the replay's filter — in sequence order (`dead-letters replay`
@@ -157,9 +157,9 @@ async fn refusal(
     }
     let partition = &group.first()?.value.event.partition_id;
     match settler.ledger.line(partition, key).await {
-        Ok(Some((l, _))) if !l.ended => Some(skipped(format!(
+        Ok(Some(l)) if !l.value.ended => Some(skipped(format!(
             "a line of its ordering key is open (head {}): replay once it has drained",
-            l.head_key.escape_debug()
+            l.value.head_key.escape_debug()
         ))),
         Ok(_) => None,
         Err(e) => Some(failed(&e)),
@@ -214,25 +214,18 @@ async fn park_behind(
 /// Opens the line of a replay: `false` when another line of the key is open. The tombstone
 /// of an ended line (the one that dead-lettered these events, say) is replaced.
 async fn open_replayed(ledger: &Ledger, line: &Line) -> Result<bool, LedgerError> {
-    for _ in 0..ROUNDS {
-        match ledger.open_line(line).await? {
-            Opened::Head => return Ok(true),
-            Opened::Other(l) if !l.ended => return Ok(false),
-            Opened::Other(_) => {}
-        }
-        let Some((l, etag)) = ledger.line(&line.partition, &line.ordering_key).await? else {
-            continue;
-        };
-        if !l.ended {
-            return Ok(false);
-        }
-        match ledger.write_line(line, &etag).await {
-            Ok(_) => return Ok(true),
-            Err(LedgerError::Store(StoreError::Conflict | StoreError::NotFound)) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(LedgerError::Contended {
-        key: ledger.line_name(&line.partition, &line.ordering_key),
-    })
+    let opening = ledger.change_line(
+        &line.partition,
+        &line.ordering_key,
+        Start::From(None),
+        |current| match current {
+            None => Change::Write(Box::new(line.clone()), true),
+            Some(l) if l.head_key == line.head_key && l.head_seq == line.head_seq => {
+                Change::Keep(true)
+            }
+            Some(l) if l.ended => Change::Write(Box::new(line.clone()), true),
+            Some(_) => Change::Keep(false),
+        },
+    );
+    Ok(opening.await?.value)
 }
