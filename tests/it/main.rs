@@ -40,6 +40,7 @@ mod secrets;
 mod servicebus;
 mod servicebus_auth;
 mod shape_features;
+mod shape_guards;
 mod shape_hook;
 mod shape_partitions;
 mod shape_records;

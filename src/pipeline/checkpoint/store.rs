@@ -27,11 +27,13 @@ impl CheckpointStore for FencedCheckpointStore {
         if wanted.is_empty() {
             return Ok(Vec::new());
         }
-        let guard = self.claim_lock.lock().await;
-        let claimed = self
-            .deadline("claim_ownership", self.inner.claim_ownership(&wanted))
-            .await?;
+        // Held around the claim and its record here: a renewal and a handover never race on
+        // one ownership's ETag.
         let outcome = {
+            let _claiming = self.claim_lock.lock().await;
+            let claimed = self
+                .deadline("claim_ownership", self.inner.claim_ownership(&wanted))
+                .await?;
             let mut st = self.state();
             let mut got = Vec::new();
             for o in &claimed {
@@ -50,7 +52,6 @@ impl CheckpointStore for FencedCheckpointStore {
             }
             Self::sort_claimed(&st, claimed, got)
         };
-        drop(guard);
         Ok(self.after_claim(outcome).await)
     }
 

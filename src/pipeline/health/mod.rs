@@ -145,6 +145,15 @@ impl Health {
         self.changed.send_modify(|n| *n += 1);
     }
 
+    /// Changes the state under its lock with `change`, and publishes the change (see
+    /// [`subscribe`](Self::subscribe)) after the lock is released, if `change` says it made one.
+    fn change(&self, change: impl FnOnce(&mut State) -> bool) {
+        let changed = change(&mut self.state());
+        if changed {
+            self.bump();
+        }
+    }
+
     /// The clock health's times come from (the pipeline's).
     pub(crate) fn clock(&self) -> &Clock {
         &self.clock
@@ -172,23 +181,23 @@ impl Health {
         reason: String,
     ) {
         let now = self.clock.now();
-        let mut st = self.state();
-        let events = st.holds.entry(subject.clone()).or_default();
-        let previous = events.get(&event);
-        let since = previous.map_or(now, |x| x.since);
-        if previous.map(|x| &x.reason) != Some(&reason) {
-            tracing::warn!(partition = %subject, %reason, oldest_unsettled = ?event, "partition held: its checkpoint will not pass the unsettled event");
-        }
-        events.insert(
-            event,
-            Hold {
-                cause,
-                since,
-                reason,
-            },
-        );
-        drop(st);
-        self.bump();
+        self.change(|st| {
+            let events = st.holds.entry(subject.clone()).or_default();
+            let previous = events.get(&event);
+            let since = previous.map_or(now, |x| x.since);
+            if previous.map(|x| &x.reason) != Some(&reason) {
+                tracing::warn!(partition = %subject, %reason, oldest_unsettled = ?event, "partition held: its checkpoint will not pass the unsettled event");
+            }
+            events.insert(
+                event,
+                Hold {
+                    cause,
+                    since,
+                    reason,
+                },
+            );
+            true
+        });
     }
 
     /// Records that event `seq` of `partition` is held (see [`hold`](Self::hold)).
@@ -198,22 +207,23 @@ impl Health {
 
     /// Records that `subject` is no longer held on `event` (or on none).
     pub(crate) fn release(&self, subject: &HoldSubject, event: Option<i64>) {
-        let mut st = self.state();
-        let Some(events) = st.holds.get_mut(subject) else {
-            return;
-        };
-        let removed = events.remove(&event);
-        let now_free = events.is_empty();
-        if now_free {
-            st.holds.remove(subject);
-        }
-        drop(st);
-        if let Some(held) = removed {
+        self.change(|st| {
+            let Some(events) = st.holds.get_mut(subject) else {
+                return false;
+            };
+            let removed = events.remove(&event);
+            let now_free = events.is_empty();
+            if now_free {
+                st.holds.remove(subject);
+            }
+            let Some(held) = removed else {
+                return false;
+            };
             if now_free {
                 tracing::info!(partition = %subject, since = %rfc3339(held.since), "partition released: settlement succeeded");
             }
-            self.bump();
-        }
+            true
+        });
     }
 
     /// Records that event `seq` of `partition` is no longer held.
@@ -241,11 +251,11 @@ impl Health {
 
     /// Records that this replica gave `partition` up (which ends the partition's holds).
     pub(crate) fn unset_owned(&self, partition: &str) {
-        let mut st = self.state();
-        st.owned.remove(partition);
-        st.holds.remove(&HoldSubject::partition(partition));
-        drop(st);
-        self.bump();
+        self.change(|st| {
+            st.owned.remove(partition);
+            st.holds.remove(&HoldSubject::partition(partition));
+            true
+        });
     }
 
     /// Partitions this replica processes, with their last checkpointed sequence number
@@ -278,34 +288,35 @@ impl Health {
 
     /// The consumer is running (the processor was built and runs).
     pub(crate) fn consumer_running(&self) {
-        let mut st = self.state();
-        if st.consumer != ConsumerState::Running {
+        self.change(|st| {
+            if st.consumer == ConsumerState::Running {
+                return false;
+            }
             if matches!(st.consumer, ConsumerState::Failing { .. }) {
                 tracing::info!("the Event Hubs consumer recovered");
             }
             st.consumer = ConsumerState::Running;
-            drop(st);
-            self.bump();
-        }
+            true
+        });
     }
 
     /// The consumer failed with `error` (and is being rebuilt).
     pub(crate) fn consumer_failed(&self, error: String) {
         let now = self.clock.now();
-        let mut st = self.state();
-        let (since, failures) = match &st.consumer {
-            ConsumerState::Failing {
-                since, failures, ..
-            } => (*since, failures + 1),
-            _ => (now, 1),
-        };
-        st.consumer = ConsumerState::Failing {
-            since,
-            failures,
-            error,
-        };
-        drop(st);
-        self.bump();
+        self.change(|st| {
+            let (since, failures) = match &st.consumer {
+                ConsumerState::Failing {
+                    since, failures, ..
+                } => (*since, failures + 1),
+                _ => (now, 1),
+            };
+            st.consumer = ConsumerState::Failing {
+                since,
+                failures,
+                error,
+            };
+            true
+        });
     }
 
     /// The consumer's state.
@@ -326,18 +337,18 @@ impl Health {
     /// Records that the due retry `message_id` (of `key`) is held: `reason` keeps failing.
     pub(crate) fn hold_retry(&self, message_id: &str, key: &str, reason: String) {
         let now = self.clock.now();
-        let mut st = self.state();
-        let since = st.held_retries.get(message_id).map_or(now, |x| x.since);
-        st.held_retries.insert(
-            message_id.to_string(),
-            HeldRetry {
-                key: key.to_string(),
-                since,
-                reason,
-            },
-        );
-        drop(st);
-        self.bump();
+        self.change(|st| {
+            let since = st.held_retries.get(message_id).map_or(now, |x| x.since);
+            st.held_retries.insert(
+                message_id.to_string(),
+                HeldRetry {
+                    key: key.to_string(),
+                    since,
+                    reason,
+                },
+            );
+            true
+        });
     }
 
     /// Records that the retry `message_id` is no longer held.
@@ -376,8 +387,10 @@ impl Health {
     /// Sets the partitions of the hub that no replica has owned for longer than ownership
     /// takes to expire and be claimed again.
     pub(crate) fn set_unowned(&self, partitions: Vec<String>) {
-        let mut st = self.state();
-        if st.unowned != partitions {
+        self.change(|st| {
+            if st.unowned == partitions {
+                return false;
+            }
             if !partitions.is_empty() {
                 tracing::warn!(
                     ?partitions,
@@ -385,9 +398,8 @@ impl Health {
                 );
             }
             st.unowned = partitions;
-            drop(st);
-            self.bump();
-        }
+            true
+        });
     }
 
     /// Sets how long the consumer may fail without a break before [`live`](Self::live) says no.
@@ -430,62 +442,62 @@ impl Health {
     pub fn not_ready_reasons(&self) -> Vec<String> {
         let now = self.clock.now();
         let records_missing = self.counters.snapshot().records_missing;
-        let st = self.state();
-        let mut r = Vec::new();
-        match &st.consumer {
-            ConsumerState::Running => {}
-            ConsumerState::Starting => r.push("Event Hubs consumer starting".to_string()),
-            ConsumerState::Failing {
-                since,
-                failures,
-                error,
-            } => r.push(format!(
-                "Event Hubs consumer failing since {} ({failures} attempts): {error}",
-                rfc3339(*since)
-            )),
-        }
-        if let Some(conflict) = &st.owner_conflict {
-            r.push(conflict.clone());
-        }
-        if !st.unowned.is_empty() {
-            r.push(format!(
-                "partitions {} are owned by no replica",
-                st.unowned.join(", ")
-            ));
-        }
-        for (p, h) in st.held() {
-            r.push(format!(
-                "partition {p} held since {}: {}; oldest unsettled sequence number {}",
-                rfc3339(h.since),
-                h.reason,
-                h.oldest_unsettled
-            ));
-        }
-        for (id, h) in &st.held_retries {
-            r.push(format!(
-                "retry {id} (key {}) held since {}: {}",
-                h.key,
-                rfc3339(h.since),
-                h.reason
-            ));
-        }
-        if let Some(m) = st
-            .record_missing
-            .as_ref()
-            .filter(|m| now.duration_since(m.at).unwrap_or_default() < RECORD_MISSING_READINESS)
-        {
-            r.push(format!(
-                "{records_missing} retries found no ledger record and their event gone from Event Hubs; dead-lettered as record_missing, the latest key {:?} at {} (hubguard dead-letters list)",
-                m.key,
-                rfc3339(m.at)
-            ));
-        }
-        let retry_loop = st.retry_loop.clone();
         // Work deferred past a breaker's expiry waits in Service Bus while no partition
         // holds anything: the breaker itself says so. Asked outside the lock (it reads its
-        // own state).
-        let waits = st.waits.clone();
-        drop(st);
+        // own state), as the retry loop's state is read after it.
+        let (mut r, retry_loop, waits) = {
+            let st = self.state();
+            let mut r = Vec::new();
+            match &st.consumer {
+                ConsumerState::Running => {}
+                ConsumerState::Starting => r.push("Event Hubs consumer starting".to_string()),
+                ConsumerState::Failing {
+                    since,
+                    failures,
+                    error,
+                } => r.push(format!(
+                    "Event Hubs consumer failing since {} ({failures} attempts): {error}",
+                    rfc3339(*since)
+                )),
+            }
+            if let Some(conflict) = &st.owner_conflict {
+                r.push(conflict.clone());
+            }
+            if !st.unowned.is_empty() {
+                r.push(format!(
+                    "partitions {} are owned by no replica",
+                    st.unowned.join(", ")
+                ));
+            }
+            for (p, h) in st.held() {
+                r.push(format!(
+                    "partition {p} held since {}: {}; oldest unsettled sequence number {}",
+                    rfc3339(h.since),
+                    h.reason,
+                    h.oldest_unsettled
+                ));
+            }
+            for (id, h) in &st.held_retries {
+                r.push(format!(
+                    "retry {id} (key {}) held since {}: {}",
+                    h.key,
+                    rfc3339(h.since),
+                    h.reason
+                ));
+            }
+            if let Some(m) = st
+                .record_missing
+                .as_ref()
+                .filter(|m| now.duration_since(m.at).unwrap_or_default() < RECORD_MISSING_READINESS)
+            {
+                r.push(format!(
+                    "{records_missing} retries found no ledger record and their event gone from Event Hubs; dead-lettered as record_missing, the latest key {:?} at {} (hubguard dead-letters list)",
+                    m.key,
+                    rfc3339(m.at)
+                ));
+            }
+            (r, st.retry_loop.clone(), st.waits.clone())
+        };
         r.extend(waits.iter().filter_map(|w| w.waiting()));
         match retry_loop {
             RetryLoopState::Running => {}
@@ -504,12 +516,11 @@ impl Health {
     /// Records why this process may not use its owner id (another live process holds it),
     /// or that it may (`None`).
     pub(crate) fn set_owner_conflict(&self, reason: Option<String>) {
-        let mut st = self.state();
-        if st.owner_conflict != reason {
+        self.change(|st| {
+            let changed = st.owner_conflict != reason;
             st.owner_conflict = reason;
-            drop(st);
-            self.bump();
-        }
+            changed
+        });
     }
 
     /// Why this process may not use its owner id, if it may not.

@@ -241,21 +241,23 @@ impl OwnerLease {
     /// stale: remembers since when the record is unchanged, reports the conflict (logged at
     /// first sight) and claims nothing.
     fn held_by_another(&self, etag: String, holder: Option<&OwnerInstance>) -> bool {
-        let mut st = self.state();
-        let since = match &*st {
-            LeaseState::Other {
-                etag: seen,
-                unchanged_since,
-                ..
-            } if *seen == etag => Some(*unchanged_since),
-            _ => None,
+        let (since, first_sight) = {
+            let mut st = self.state();
+            let since = match &*st {
+                LeaseState::Other {
+                    etag: seen,
+                    unchanged_since,
+                    ..
+                } if *seen == etag => Some(*unchanged_since),
+                _ => None,
+            };
+            let first_sight = !matches!(&*st, LeaseState::Other { .. });
+            *st = LeaseState::Other {
+                etag,
+                unchanged_since: since.unwrap_or_else(Instant::now),
+            };
+            (since, first_sight)
         };
-        let first_sight = !matches!(&*st, LeaseState::Other { .. });
-        *st = LeaseState::Other {
-            etag,
-            unchanged_since: since.unwrap_or_else(Instant::now),
-        };
-        drop(st);
         let silent_for = since.map_or(Duration::ZERO, |t| t.elapsed());
         let reason = self.conflict(holder, silent_for);
         if first_sight {
