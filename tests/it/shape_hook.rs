@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::sizes::{mask, rust_files};
+use super::sizes::{ident_char, mask, rust_files};
 
 /// What the event and retry paths may name of `pipeline::lines`.
 const HOOK: &[&str] = &[
@@ -48,10 +48,6 @@ fn masked(relative: &str) -> String {
 
 fn line_of(code: &str, at: usize) -> usize {
     code[..at].matches('\n').count() + 1
-}
-
-fn ident_char(c: char) -> bool {
-    c.is_alphanumeric() || c == '_'
 }
 
 /// The names a piece of masked code takes from `lines::` (`lines::X`, or each item of a

@@ -10,28 +10,10 @@
 
 use std::path::Path;
 
-use crate::sizes::{mask, rust_files};
+use crate::sizes::{closing, mask, rust_files};
 
 /// The most maps keyed by partition a struct may hold.
 const MAPS: usize = 3;
-
-/// The index of the `}` closing the `{` at `open`, in masked `code`.
-fn closing(code: &[char], open: usize) -> usize {
-    let mut depth = 0usize;
-    for (i, &c) in code.iter().enumerate().skip(open) {
-        match c {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return i;
-                }
-            }
-            _ => {}
-        }
-    }
-    code.len() - 1
-}
 
 /// The fields of a masked struct body (between its braces) as ranges of it, split at
 /// top-level commas; each range starts after the previous comma, so it holds the field's

@@ -22,17 +22,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::sizes::{closing, line_of, mask, masked, sources, test_modules};
+use crate::sizes::{closing, ident_char, line_of, mask, masked, sources, test_modules};
 
 /// Test-bed directories of `src/`: not product code.
 const TEST_BED: &[&str] = &["bench", "cli", "demo", "emulator"];
 
 /// The one loop allowed.
 const THE_LOOP: &str = "azure/versioned.rs";
-
-fn ident_char(c: char) -> bool {
-    c.is_alphanumeric() || c == '_'
-}
 
 /// `path` relative to `src/`, with `/` separators.
 fn relative(root: &Path, path: &Path) -> String {

@@ -25,7 +25,7 @@ pub(crate) fn rust_files(path: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-fn ident_char(c: char) -> bool {
+pub(crate) fn ident_char(c: char) -> bool {
     c.is_alphanumeric() || c == '_'
 }
 
