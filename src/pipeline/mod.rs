@@ -624,7 +624,7 @@ async fn run_processor(
                     let checkpoints = checkpoints.clone();
                     tasks.push(tokio::task::spawn_local(async move {
                         let ended = partition::run(pc, shared, cancel, stop_reading, &checkpoints).await;
-                        checkpoints.partition_ended(&pid).await;
+                        checkpoints.partition_ended(&pid, ended.closed).await;
                         let _ = tx.send(ended);
                     }));
                 }

@@ -478,3 +478,67 @@ async fn a_rewind_waits_for_an_event_held_during_a_service_bus_outage_and_never_
         handler.calls_of("stuck")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_with_a_retry_pending_reads_the_partition_again_every_time() {
+    let bed = Bed::start(1).await;
+    let handler = Arc::new(Scripted::default());
+    let a = Bed::run(bed.parts(handler.clone(), fast_policy(5), "replica-a"));
+    bed.send(0, &[("first", "ok"), ("retried", "fail:1"), ("last", "ok")])
+        .await;
+    wait_for("all three delivered", &a.health, LIMIT, || async {
+        handler.delivered_keys().len() == 3 && bed.checkpoint_of("0").await == Some(2)
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_of(&bed, &dir);
+    for round in 1..=4usize {
+        // A retry pending while the rewind is asked for: refused once more, due in 1 s.
+        let key = format!("pending-{round}");
+        bed.send(0, &[(key.as_str(), "fail:1")]).await;
+        let end = 2 + round as i64;
+        wait_for(
+            &format!("{key} failed once, its retry scheduled and checkpointed past"),
+            &a.health,
+            LIMIT,
+            || async {
+                handler.calls_of(&key).len() == 1 && bed.checkpoint_of("0").await == Some(end)
+            },
+        )
+        .await;
+        let (code, out) = hubguard(&config, &["partitions", "pause", "--partition", "0"]).await;
+        assert_eq!(code, Some(0), "{out}");
+        let (code, out) = hubguard(
+            &config,
+            &[
+                "checkpoints",
+                "rewind",
+                "--sequence",
+                "0",
+                "--partition",
+                "0",
+                "--json",
+            ],
+        )
+        .await;
+        assert_eq!(code, Some(0), "round {round}: {out}");
+        assert_eq!(
+            json_of(&out)["partitions"][0]["result"],
+            "applied",
+            "round {round}: {out}"
+        );
+        let (code, out) = hubguard(&config, &["partitions", "resume"]).await;
+        assert_eq!(code, Some(0), "{out}");
+        let times = round + 1;
+        wait_for(
+            &format!("round {round}: partition 0 read again from its first event"),
+            &a.health,
+            Duration::from_secs(30),
+            || async {
+                handler.calls_of("first").len() == times && handler.delivered_keys().contains(&key)
+            },
+        )
+        .await;
+    }
+    a.stop().await;
+}

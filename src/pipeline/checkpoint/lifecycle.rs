@@ -7,7 +7,13 @@
 //!   taken from an owner that left the request unanswered for the expiration;
 //! - `Claimed` → `Giving { to, claim }`: the replica `to` asked for it;
 //! - `Giving` → `Free`: written over to `to` once no task reads it;
-//! - `Claimed` or `Giving` → `Free`: another owner is listed, or it is released at a stop.
+//! - `Claimed` or `Giving` → `Free`: another owner is listed, or it is released at a stop;
+//! - `Claimed` → `Reopening`: its task ended while this replica still holds it, and the
+//!   processor may still count its client as reading (a client whose `close()` failed stays
+//!   in the SDK's map, which then never hands the partition out again): it is hidden from the
+//!   processor for one cycle (renewed, so no other replica takes it), which makes the SDK drop
+//!   the client, and shown again at the next, which makes it hand the partition out afresh;
+//! - `Reopening` → `Claimed`: the cycle after it was hidden.
 //!
 //! The task reading a partition is beside the hold, not in it: the processor starts and
 //! ends it, and it may outlive this replica's claim (another owner listed, or the owner id
@@ -41,6 +47,14 @@ pub(super) enum Hold {
     },
     /// Held: the processor may read it.
     Claimed(Claim),
+    /// Held, and to be handed out to a new task: hidden from the processor at the next claim
+    /// (`hidden` from then), shown again at the one after.
+    Reopening {
+        /// The claim.
+        claim: Claim,
+        /// Hidden from the processor at the last claim: shown (claimed) at the next.
+        hidden: bool,
+    },
     /// Promised to the replica `to`, which asked for it: hidden from the processor, renewed
     /// while its task finishes, then written over to `to` with the claim's ETag. The claim is
     /// `None` while this process does not hold its owner id: the promise stands and is kept
@@ -57,7 +71,9 @@ impl Hold {
     /// The claim, when this replica holds the partition.
     pub(super) fn claim(&self) -> Option<&Claim> {
         match self {
-            Self::Claimed(c) | Self::Giving { claim: Some(c), .. } => Some(c),
+            Self::Claimed(c)
+            | Self::Reopening { claim: c, .. }
+            | Self::Giving { claim: Some(c), .. } => Some(c),
             _ => None,
         }
     }
@@ -71,6 +87,27 @@ impl Hold {
     /// Whether the partition is promised to another replica.
     pub(super) fn giving(&self) -> bool {
         matches!(self, Self::Giving { .. })
+    }
+
+    /// Whether the processor is not told this replica owns it (though it does): promised to
+    /// another replica, or hidden for one cycle to be handed out afresh.
+    pub(super) fn hidden(&self) -> bool {
+        matches!(
+            self,
+            Self::Giving { .. } | Self::Reopening { hidden: true, .. }
+        )
+    }
+
+    /// Its task ended while this replica holds it: handed out afresh (see [`Hold::Reopening`]),
+    /// hidden from the processor from the next claim on, or from this one (`now`: the
+    /// claim of this cycle is already renewed).
+    pub(super) fn reopen(&mut self, now: bool) {
+        if !matches!(self, Self::Claimed(_)) {
+            return;
+        }
+        if let Self::Claimed(claim) = std::mem::take(self) {
+            *self = Self::Reopening { claim, hidden: now };
+        }
     }
 
     /// This replica's pending request: the owner asked, and since when.
@@ -93,7 +130,14 @@ impl Hold {
                 *self = Self::Claimed(claim);
                 true
             }
-            Self::Free | Self::Claimed(_) => {
+            Self::Reopening { hidden: false, .. } => {
+                *self = Self::Reopening {
+                    claim,
+                    hidden: true,
+                };
+                false
+            }
+            Self::Free | Self::Claimed(_) | Self::Reopening { hidden: true, .. } => {
                 *self = Self::Claimed(claim);
                 false
             }
@@ -103,7 +147,9 @@ impl Hold {
     /// Renewed with `claim` while stopping: only a partition still held.
     pub(super) fn renewed(&mut self, claim: Claim) {
         match self {
-            Self::Claimed(c) | Self::Giving { claim: Some(c), .. } => *c = claim,
+            Self::Claimed(c)
+            | Self::Reopening { claim: c, .. }
+            | Self::Giving { claim: Some(c), .. } => *c = claim,
             _ => {}
         }
     }
@@ -111,7 +157,7 @@ impl Hold {
     /// This process does not hold its owner id: the claim is dropped (a promise stands).
     pub(super) fn drop_claim(&mut self) {
         match self {
-            Self::Claimed(_) => *self = Self::Free,
+            Self::Claimed(_) | Self::Reopening { .. } => *self = Self::Free,
             Self::Giving { claim, .. } => *claim = None,
             Self::Free | Self::Asking { .. } => {}
         }
@@ -119,7 +165,10 @@ impl Hold {
 
     /// Another owner is listed: the claim, and any promise, are lost (a request stands).
     pub(super) fn lost(&mut self) {
-        if matches!(self, Self::Claimed(_) | Self::Giving { .. }) {
+        if matches!(
+            self,
+            Self::Claimed(_) | Self::Reopening { .. } | Self::Giving { .. }
+        ) {
             *self = Self::Free;
         }
     }
@@ -127,7 +176,7 @@ impl Hold {
     /// Asked for by `to`: promised to it.
     pub(super) fn promise(&mut self, to: String) {
         let claim = match std::mem::take(self) {
-            Self::Claimed(c) => Some(c),
+            Self::Claimed(c) | Self::Reopening { claim: c, .. } => Some(c),
             Self::Giving { claim, .. } => claim,
             Self::Free | Self::Asking { .. } => None,
         };
@@ -156,7 +205,7 @@ impl Hold {
     pub(super) fn take_handover(&mut self) -> Option<(Ownership, String)> {
         match std::mem::take(self) {
             Self::Giving { to, claim } => claim.map(|c| (c.ownership, to)),
-            Self::Claimed(_) => None,
+            Self::Claimed(_) | Self::Reopening { .. } => None,
             other => {
                 *self = other;
                 None
@@ -167,7 +216,7 @@ impl Hold {
     /// To release: the claimed ownership, if held and not promised.
     pub(super) fn take_release(&mut self) -> Option<Ownership> {
         match std::mem::take(self) {
-            Self::Claimed(c) => Some(c.ownership),
+            Self::Claimed(c) | Self::Reopening { claim: c, .. } => Some(c.ownership),
             other => {
                 *self = other;
                 None
@@ -178,7 +227,9 @@ impl Hold {
     /// Everything given up at shutdown: the claimed ownership, if held (a request stands).
     pub(super) fn take_all(&mut self) -> Option<Ownership> {
         match std::mem::take(self) {
-            Self::Claimed(c) | Self::Giving { claim: Some(c), .. } => Some(c.ownership),
+            Self::Claimed(c)
+            | Self::Reopening { claim: c, .. }
+            | Self::Giving { claim: Some(c), .. } => Some(c.ownership),
             Self::Giving { claim: None, .. } => None,
             other => {
                 *self = other;
@@ -203,6 +254,8 @@ pub(super) struct Partition {
     pub(super) unowned_since: Option<Instant>,
     /// Its checkpoint blob, when that holds no usable position (not claimed until repaired).
     pub(super) poisoned: Option<String>,
+    /// Since when it has been held and shown to the processor with no task reading it.
+    pub(super) unread_since: Option<Instant>,
 }
 
 impl Partition {
@@ -210,6 +263,31 @@ impl Partition {
     /// and not promised to another replica.
     pub(super) fn may_read(&self) -> bool {
         matches!(self.hold, Hold::Claimed(_))
+    }
+
+    /// Another owner is listed: the hold is lost, and its task told to stop reading (the
+    /// processor's revocation does the same, unless closing the receiver fails, which leaves
+    /// the stream waiting for good).
+    pub(super) fn lost(&mut self) {
+        if self.hold.claim().is_some() || self.hold.giving() {
+            self.stop_reader();
+        }
+        self.hold.lost();
+    }
+
+    /// This process does not hold its owner id: the claim is dropped and its task told to
+    /// stop reading (a promise stands).
+    pub(super) fn drop_claim(&mut self) {
+        if self.hold.claim().is_some() {
+            self.stop_reader();
+        }
+        self.hold.drop_claim();
+    }
+
+    fn stop_reader(&self) {
+        if let Some(r) = &self.reader {
+            r.cancel();
+        }
     }
 
     /// Raises the checkpoint floor to `seq` (never lowers it).

@@ -53,6 +53,9 @@ pub(super) struct FencedCheckpointStore {
     /// When this store was made (ms since the epoch): rewinds applied before it are already
     /// in the checkpoints it lists.
     made_ms: i64,
+    /// Woken at every claim and listing: a task standing down until its partition's ownership
+    /// is confirmed again (see [`Self::confirmed`]) looks again.
+    cycled: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -85,7 +88,7 @@ impl FenceState {
     /// Drops every claim: this process does not hold its owner id.
     fn drop_claims(&mut self) {
         for p in self.partitions.values_mut() {
-            p.hold.drop_claim();
+            p.drop_claim();
         }
     }
 }
@@ -123,6 +126,7 @@ impl FencedCheckpointStore {
             rate: None,
             control: None,
             made_ms: crate::clock::ms(std::time::SystemTime::now()),
+            cycled: tokio::sync::Notify::new(),
         }
     }
 
@@ -297,18 +301,23 @@ impl FencedCheckpointStore {
     /// so other replicas take them at their next cycle instead of waiting for expiry. Call
     /// after the processor has stopped, at shutdown.
     pub(super) async fn release_all(&self) {
-        let held: Vec<Ownership> = {
-            let mut st = self.state();
-            st.partitions
-                .values_mut()
-                .filter_map(|p| {
-                    p.reader = None;
-                    p.hold.take_all()
-                })
-                .collect()
-        };
-        for o in held {
-            self.release(o).await;
+        {
+            // Taken under the claim lock: a renewal in flight lands first, so the release
+            // writes with the ETag it left.
+            let _claiming = self.claim_lock.lock().await;
+            let held: Vec<Ownership> = {
+                let mut st = self.state();
+                st.partitions
+                    .values_mut()
+                    .filter_map(|p| {
+                        p.reader = None;
+                        p.hold.take_all()
+                    })
+                    .collect()
+            };
+            for o in held {
+                self.release(o).await;
+            }
         }
         if let Some(lease) = &self.lease {
             lease.release().await;
@@ -349,20 +358,31 @@ impl FencedCheckpointStore {
         partition: &str,
         stop_reading: tokio_util::sync::CancellationToken,
     ) -> bool {
-        let mut st = self.state();
-        let stopping = st.stopping;
-        match st.partitions.get_mut(partition) {
-            Some(p) if !stopping && p.may_read() => {
-                p.reader = Some(stop_reading);
-                true
+        let started = {
+            let mut st = self.state();
+            let stopping = st.stopping;
+            match st.partitions.get_mut(partition) {
+                Some(p) if !stopping && p.may_read() => {
+                    p.reader = Some(stop_reading);
+                    p.unread_since = None;
+                    true
+                }
+                _ => false,
             }
-            _ => false,
+        };
+        if started {
+            self.unread_reported(partition, None);
         }
+        started
     }
 
     /// The task reading `partition` has ended (its final checkpoint written): hand the
-    /// partition over if asked to, release it if stopping.
-    pub(super) async fn partition_ended(&self, partition: &str) {
+    /// partition over if asked to, release it if stopping; if this replica still holds it
+    /// and the task could not give its client back (`closed` false: the SDK would never hand
+    /// the partition out again), have it handed out afresh (see
+    /// [`Hold::Reopening`](lifecycle::Hold::Reopening)).
+    pub(super) async fn partition_ended(&self, partition: &str, closed: bool) {
+        let _guard = self.claim_lock.lock().await;
         let (give, release) = {
             let mut st = self.state();
             let stopping = st.stopping;
@@ -370,13 +390,103 @@ impl FencedCheckpointStore {
             p.reader = None;
             let give = p.hold.giving();
             let release = (!give && stopping).then(|| p.hold.take_release()).flatten();
+            if !give && !stopping && !closed {
+                tracing::warn!(partition, "the partition's client was not given back cleanly: hiding the partition from the processor for one cycle so it is handed out afresh");
+                p.hold.reopen(false);
+            }
             (give, release)
         };
         if give {
-            self.hand_over(partition).await;
+            self.hand_over_locked(partition).await;
         } else if let Some(o) = release {
-            let _guard = self.claim_lock.lock().await;
             self.release(o).await;
+        }
+    }
+
+    /// Partitions this replica holds and shows to the processor that no task has read for
+    /// longer than half the ownership expiration (the processor hands a claimed partition out
+    /// within a cycle): handed out afresh, and reported to readiness as not read.
+    /// Only with readiness to report to (the pipeline always has it).
+    fn unread(&self, st: &mut FenceState) -> Vec<(String, std::time::Duration)> {
+        if self.health.is_none() {
+            return Vec::new();
+        }
+        let bound = self.expiration / 2;
+        let stopping = st.stopping;
+        let mut unread = Vec::new();
+        for (id, p) in st.partitions.iter_mut() {
+            if stopping || !p.may_read() || p.reader.is_some() {
+                p.unread_since = None;
+                continue;
+            }
+            let since = *p.unread_since.get_or_insert_with(Instant::now);
+            if since.elapsed() > bound {
+                // This cycle's claim is renewed already: hidden from it on.
+                p.hold.reopen(true);
+                p.unread_since = None;
+                unread.push((id.clone(), since.elapsed()));
+            }
+        }
+        unread
+    }
+
+    /// Tells readiness that `partition`, which this replica owns, has not been read for
+    /// `for_` (or, with `None`, that it is read again).
+    fn unread_reported(&self, partition: &str, for_: Option<std::time::Duration>) {
+        let Some(health) = &self.health else {
+            return;
+        };
+        let subject = crate::pipeline::health::HoldSubject::Partition(partition.to_string());
+        match for_ {
+            Some(d) => {
+                tracing::warn!(partition, unread_s = d.as_secs(), "this replica owns the partition but no task has read it: handing it out afresh");
+                health.hold(
+                    subject,
+                    None,
+                    crate::pipeline::health::HoldCause::Ownership,
+                    format!("owned by this replica but not read for {} s: the processor is made to hand it out afresh", d.as_secs()),
+                );
+            }
+            None => health.release(&subject, None),
+        }
+    }
+
+    /// Waits until this replica's claim on `partition` is confirmed: renewed within the
+    /// ownership expiration, as measured on the monotonic clock — a process frozen (a stopped
+    /// container, a VM paused, a long GC) past the expiration finds its claim stale on waking
+    /// and acts on nothing until its next claim confirms it. `false` if the claim is lost
+    /// (another owner is listed, the owner id is not held) or `cancel` fires first: the event
+    /// stays unsettled, and nothing is checkpointed past it.
+    pub(super) async fn confirmed(
+        &self,
+        partition: &str,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> bool {
+        let mut told = false;
+        loop {
+            let cycled = self.cycled.notified();
+            tokio::pin!(cycled);
+            cycled.as_mut().enable();
+            let held = {
+                let st = self.state();
+                let Some(p) = st.partitions.get(partition) else {
+                    return false;
+                };
+                match p.hold.claim() {
+                    None => return false,
+                    Some(c) if c.at.elapsed() < self.expiration => return true,
+                    Some(c) => c.at.elapsed(),
+                }
+            };
+            if !told {
+                told = true;
+                tracing::warn!(partition, unconfirmed_s = held.as_secs(), "this replica's ownership of the partition was last confirmed longer ago than the expiration (a frozen or stalled process?): standing down until it is confirmed again");
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return false,
+                _ = &mut cycled => {}
+                _ = tokio::time::sleep(self.deadline) => {}
+            }
         }
     }
 
@@ -385,6 +495,11 @@ impl FencedCheckpointStore {
     /// it in between.
     async fn hand_over(&self, partition: &str) {
         let _guard = self.claim_lock.lock().await;
+        self.hand_over_locked(partition).await
+    }
+
+    /// [`Self::hand_over`], under the claim lock already held.
+    async fn hand_over_locked(&self, partition: &str) {
         let taken = self.state().at(partition).hold.take_handover();
         let Some((mut o, to)) = taken else {
             return;

@@ -50,8 +50,14 @@ impl CheckpointStore for FencedCheckpointStore {
             if !mine {
                 return Ok(claimed);
             }
-            Self::sort_claimed(&st, claimed, got)
+            let unread = self.unread(&mut st);
+            (Self::sort_claimed(&st, claimed, got), unread)
         };
+        self.cycled.notify_waiters();
+        let (outcome, unread) = outcome;
+        for (p, for_) in unread {
+            self.unread_reported(&p, Some(for_));
+        }
         Ok(self.after_claim(outcome).await)
     }
 
@@ -105,12 +111,13 @@ impl CheckpointStore for FencedCheckpointStore {
                 if o.owner_id.as_deref() != Some(self.owner_id.as_str()) {
                     // Someone else owns it now: our claim is lost.
                     if let Some(p) = st.partitions.get_mut(&o.partition_id) {
-                        p.hold.lost();
+                        p.lost();
                     }
                 }
             }
             st.listing = owners.clone();
         }
+        self.cycled.notify_waiters();
         self.answer_requests().await;
         Ok(owners)
     }
@@ -246,13 +253,14 @@ impl FencedCheckpointStore {
         Ok(())
     }
 
-    /// A partition being handed over stays renewed but is hidden from the processor, which
-    /// stops its reading (a revocation); one nobody reads is handed over now.
+    /// A partition being handed over, or handed out afresh, stays renewed but is hidden from
+    /// the processor, which stops its reading (a revocation) and forgets its client; one
+    /// promised that nobody reads is handed over now.
     fn sort_claimed(st: &FenceState, claimed: Vec<Ownership>, got: Vec<String>) -> Claimed {
-        let giving = |p: &str| st.partitions.get(p).is_some_and(|p| p.hold.giving());
+        let hidden = |p: &str| st.partitions.get(p).is_some_and(|p| p.hold.hidden());
         let shown: Vec<Ownership> = claimed
             .into_iter()
-            .filter(|o| !giving(&o.partition_id))
+            .filter(|o| !hidden(&o.partition_id))
             .collect();
         let hand_now: Vec<String> = st
             .partitions

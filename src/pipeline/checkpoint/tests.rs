@@ -214,7 +214,98 @@ async fn an_owner_that_never_answers_loses_the_partition_at_expiry_one_that_is_f
     );
     assert!(a.owns("1"));
     // a's task ends (final checkpoint written): the partition is written over to b.
-    a.partition_ended("1").await;
+    a.partition_ended("1", true).await;
     assert!(!a.owns("1"));
     assert!(cycle(&b, &[]).await.contains(&"1".to_string()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_partition_whose_client_did_not_close_is_hidden_one_cycle_then_handed_out_afresh() {
+    let inner = Arc::new(InMemoryCheckpointStore::new());
+    let records = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+    let a = with_handovers(&inner, &records, "a");
+    assert_eq!(cycle(&a, &[("0", "")]).await, vec!["0"]);
+    assert!(a.partition_started("0", tokio_util::sync::CancellationToken::new()));
+    // Closed cleanly: shown at the next cycle, as before.
+    a.partition_ended("0", true).await;
+    assert_eq!(cycle(&a, &[]).await, vec!["0"]);
+    assert!(a.partition_started("0", tokio_util::sync::CancellationToken::new()));
+    // Its client's close failed: hidden from the processor for one cycle (renewed: still
+    // a's), then shown again, so the SDK drops its dead client and hands out a new one.
+    a.partition_ended("0", false).await;
+    assert!(
+        !a.partition_started("0", tokio_util::sync::CancellationToken::new()),
+        "not read before it is handed out afresh"
+    );
+    assert!(cycle(&a, &[]).await.is_empty(), "hidden for one cycle");
+    assert!(a.owns("0"), "and still a's");
+    assert_eq!(cycle(&a, &[]).await, vec!["0"], "then shown again");
+    assert!(a.partition_started("0", tokio_util::sync::CancellationToken::new()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_owned_partition_nobody_reads_is_reported_and_handed_out_afresh() {
+    let inner = Arc::new(InMemoryCheckpointStore::new());
+    let records = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+    let health = Arc::new(crate::pipeline::health::Health::new(Arc::new(
+        crate::clock::Clock::default(),
+    )));
+    let a = with_handovers(&inner, &records, "a").with_health(health.clone());
+    assert_eq!(cycle(&a, &[("0", "")]).await, vec!["0"]);
+    // The processor never hands it to a task (a client stuck in its map).
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_eq!(
+        cycle(&a, &[]).await,
+        vec!["0"],
+        "within half the expiration"
+    );
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert!(cycle(&a, &[]).await.is_empty(), "past it: hidden one cycle");
+    let held = health.held();
+    let h = held.get("0").expect("readiness names the unread partition");
+    assert_eq!(h.cause, crate::pipeline::health::HoldCause::Ownership);
+    assert!(h.reason.contains("not read"), "{}", h.reason);
+    assert_eq!(cycle(&a, &[]).await, vec!["0"], "then handed out afresh");
+    assert!(a.partition_started("0", tokio_util::sync::CancellationToken::new()));
+    assert!(health.held().is_empty(), "read again: the hold goes");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_claim_stands_down_until_confirmed_and_a_lost_one_stops_its_reader() {
+    let inner = Arc::new(InMemoryCheckpointStore::new());
+    let records = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+    let a = Arc::new(with_handovers(&inner, &records, "a"));
+    let never = tokio_util::sync::CancellationToken::new();
+    assert!(!a.confirmed("0", &never).await, "never claimed");
+    assert_eq!(cycle(&a, &[("0", "")]).await, vec!["0"]);
+    let reader = tokio_util::sync::CancellationToken::new();
+    assert!(a.partition_started("0", reader.clone()));
+    assert!(a.confirmed("0", &never).await);
+    // Frozen past the expiration: the next delivery waits for the next confirmation.
+    tokio::time::advance(Duration::from_secs(31)).await;
+    let waiting = {
+        let (a, never) = (a.clone(), never.clone());
+        tokio::spawn(async move { a.confirmed("0", &never).await })
+    };
+    tokio::task::yield_now().await;
+    assert!(!waiting.is_finished(), "stands down while unconfirmed");
+    assert_eq!(cycle(&a, &[]).await, vec!["0"]);
+    assert!(waiting.await.unwrap(), "confirmed by the renewal");
+    // Stale again, and another owner is listed: the wait ends unconfirmed, and the task
+    // reading the partition is told to stop (its stream may never end by itself).
+    tokio::time::advance(Duration::from_secs(31)).await;
+    let waiting = {
+        let (a, never) = (a.clone(), never.clone());
+        tokio::spawn(async move { a.confirmed("0", &never).await })
+    };
+    let listed = inner
+        .list_ownerships("ns", "hub", "$Default")
+        .await
+        .unwrap();
+    let mut stolen = listed[0].clone();
+    stolen.owner_id = Some("b".into());
+    inner.update_ownership(&stolen).unwrap();
+    a.list_ownerships("ns", "hub", "$Default").await.unwrap();
+    assert!(!waiting.await.unwrap(), "lost: never confirmed");
+    assert!(reader.is_cancelled(), "its reader is told to stop");
 }

@@ -33,6 +33,9 @@ pub enum HoldCause {
     CorruptCheckpoint,
     /// An operator paused the partition (`hubguard partitions pause`).
     Paused,
+    /// This replica's ownership of the partition is not what reading it needs: owned but not
+    /// read, or not confirmed within the expiration (a frozen or stalled process).
+    Ownership,
 }
 
 impl HoldCause {
@@ -46,6 +49,7 @@ impl HoldCause {
             Self::HandlerBlocked => "handler_blocked",
             Self::CorruptCheckpoint => "corrupt_checkpoint",
             Self::Paused => "paused",
+            Self::Ownership => "ownership",
         }
     }
 }

@@ -48,6 +48,8 @@ pub(super) struct EventTask<'a> {
     pub(super) lag: Lag,
     pub(super) recorded: &'a Recorded,
     pub(super) known: &'a Known,
+    /// The fence: whether this replica's ownership of the partition is still confirmed.
+    pub(super) fence: &'a crate::pipeline::checkpoint::FencedCheckpointStore,
 }
 
 /// Attempts and settles one event; `false` if stopped before it settled.
@@ -66,6 +68,11 @@ pub(super) async fn process(event: Event, task: EventTask<'_>) -> bool {
     let Some(paced) = task.pace().await else {
         return false;
     };
+    // Nothing is delivered on an ownership this process cannot prove is current: checked
+    // last, right before the call, on the monotonic clock.
+    if !task.fence.confirmed(task.pid, task.cancel).await {
+        return false;
+    }
     let attempted = task.attempt(&event, paced).await;
     let event_type = event.identity.event_type.as_deref();
     task.shared.attempted(&attempted, gate, event_type).await;

@@ -35,6 +35,27 @@ pub(crate) struct Ended {
     pub(crate) failed: bool,
     /// Events it received.
     pub(crate) received: u64,
+    /// Its partition client was closed, which is what lets the processor hand the partition
+    /// out again: a client whose `close()` fails stays in the SDK's map for good.
+    pub(crate) closed: bool,
+}
+
+/// Why a partition task stops reading: each way ends the same — what was read settles, a
+/// final checkpoint is written (or the operator's rewind instead), the client is closed, and
+/// the fence decides what becomes of the partition (kept, handed over, released).
+#[derive(Debug, Clone)]
+enum Drain {
+    /// The replica stops (or rebuilds its processor).
+    Stop,
+    /// Given up: promised to another replica that asked for it, or lost (another owner is
+    /// listed, or this process no longer holds its owner id).
+    GivenUp,
+    /// An operator's rewind: its checkpoint is written instead of a final one.
+    Rewind(super::control::Rewind),
+    /// The stream ended or failed (a revocation, a lost connection).
+    StreamEnded,
+    /// The stream skipped events: the partition restarts from its checkpoint.
+    Gap,
 }
 
 /// Processes one partition until it is revoked, fails, or `cancel` fires; then lets the
@@ -75,9 +96,9 @@ struct Task {
     known: Arc<super::lines::Known>,
     /// Ordered retries are on.
     ordered: bool,
-    reading: bool,
+    /// Why reading stopped (`None` while it reads).
+    drain: Option<Drain>,
     paused: Option<super::control::Pause>,
-    rewinding: Option<super::control::Rewind>,
     /// The last sequence number read (see [`Task::received`]).
     last_seq: Option<i64>,
     ended: Ended,
@@ -116,13 +137,13 @@ impl Task {
             recorded,
             known,
             ordered,
-            reading: true,
+            drain: None,
             paused: None,
-            rewinding: None,
             last_seq: None,
             ended: Ended {
                 failed: false,
                 received: 0,
+                closed: false,
             },
         }
     }
@@ -151,6 +172,7 @@ impl Task {
                         lag,
                         recorded: &recorded,
                         known: &known,
+                        fence,
                     };
                     (seq, process(event, task).await)
                 }
@@ -170,23 +192,23 @@ impl Task {
         // An operator's rewind waiting for this partition: read nothing more, let what was
         // read settle, then write the rewind's checkpoint instead of a final one and give the
         // partition back, so the processor hands it out again from there.
-        self.rewinding = pauses
+        if let Some(r) = pauses
             .borrow()
             .waiting_rewind(&self.pid)
             .filter(|r| !fence.rewind_done(&r.id))
-            .cloned();
-        if self.rewinding.is_some() {
-            self.reading = false;
+        {
+            self.drain = Some(Drain::Rewind(r.clone()));
         }
         let mut relisting: Option<Relisting> = None;
         loop {
-            if !self.reading && running.is_empty() {
+            let reading = self.drain.is_none();
+            if !reading && running.is_empty() {
                 break;
             }
             tokio::select! {
                 biased;
-                _ = cancel.cancelled(), if self.reading => self.reading = false,
-                _ = stop_reading.cancelled(), if self.reading => self.reading = false,
+                _ = cancel.cancelled(), if reading => self.drain = Some(Drain::Stop),
+                _ = stop_reading.cancelled(), if reading => self.drain = Some(Drain::GivenUp),
                 Some((seq, settled)) = running.next(), if !running.is_empty() => {
                     let (seq, settled): (i64, bool) = (seq, settled);
                     if !settled {
@@ -207,7 +229,7 @@ impl Task {
                     self.writing = None;
                     self.cp.finish(written, &self.pid, &self.shared);
                 }
-                next = stream.next(), if self.reading && self.dispatcher.has_room() && self.paused.is_none() => match next {
+                next = stream.next(), if reading && self.dispatcher.has_room() && self.paused.is_none() => match next {
                     Some(Ok(received)) => {
                         if let Some(event) = self.received(received) {
                             running.push(start(event, &self.cp));
@@ -220,9 +242,9 @@ impl Task {
                             e.kind,
                             azure_messaging_eventhubs::error::ErrorKind::ConsumerDisconnected(_)
                         );
-                        self.reading = false;
+                        self.drain = Some(Drain::StreamEnded);
                     }
-                    None => self.reading = false,
+                    None => self.drain = Some(Drain::StreamEnded),
                 },
             }
         }
@@ -248,15 +270,17 @@ impl Task {
         fence: &super::checkpoint::FencedCheckpointStore,
     ) {
         let pid = &self.pid;
-        if self.rewinding.is_none() {
-            self.rewinding = pauses
+        // A rewind takes over a drain begun for another reason too: its checkpoint is what
+        // the partition's next reader must start from.
+        if !matches!(self.drain, Some(Drain::Rewind(_))) {
+            let waiting = pauses
                 .borrow()
                 .waiting_rewind(pid)
                 .filter(|r| !fence.rewind_done(&r.id))
                 .cloned();
-            if let Some(r) = &self.rewinding {
+            if let Some(r) = waiting {
                 tracing::info!(partition = %pid, first = r.first, by = %r.by, "an operator's rewind: stop reading, settle what was read, then rewind the checkpoint");
-                self.reading = false;
+                self.drain = Some(Drain::Rewind(r));
             }
         }
         let now = pauses.borrow_and_update().of(pid).cloned();
@@ -318,7 +342,7 @@ impl Task {
             }
             if seq != last + 1 {
                 tracing::error!(partition = %pid, after = last, next = seq, "the partition stream skipped events; giving the partition back so it restarts from its checkpoint");
-                self.reading = false;
+                self.drain = Some(Drain::Gap);
                 return None;
             }
         }
@@ -355,8 +379,8 @@ impl Task {
             dispatcher,
             mut cp,
             writing,
-            rewinding,
-            ended,
+            drain,
+            mut ended,
             ..
         } = self;
         // Events still waiting behind their key never started: they stay after the checkpoint.
@@ -365,9 +389,11 @@ impl Task {
             .as_ref()
             .and_then(|e| e.sequence_number())
             .is_none_or(|s| dispatcher.oldest_unsettled().is_none_or(|o| s < o)));
-        match &rewinding {
-            None => cp.flush(writing, &pc, &shared).await,
-            Some(r) => {
+        match &drain {
+            Some(Drain::Stop | Drain::GivenUp | Drain::StreamEnded | Drain::Gap) | None => {
+                cp.flush(writing, &pc, &shared).await
+            }
+            Some(Drain::Rewind(r)) => {
                 // A write still in flight lands first: it must not land after the rewind's.
                 if let Some(w) = writing {
                     cp.finish(w.await, &pid, &shared);
@@ -377,20 +403,24 @@ impl Task {
         }
         mark_paused(&shared, &pid, None);
         shared.health.unset_owned(&pid);
-        match Arc::try_unwrap(pc) {
-            Ok(pc) => {
-                if tokio::time::timeout(shared.options.deadline, pc.close())
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!(partition = %pid, "closing the partition client timed out");
+        ended.closed = match Arc::try_unwrap(pc) {
+            Ok(pc) => match tokio::time::timeout(shared.options.deadline, pc.close()).await {
+                Ok(Ok(())) => true,
+                Ok(Err(e)) => {
+                    tracing::warn!(partition = %pid, error = %e, "closing the partition client failed");
+                    false
                 }
-            }
+                Err(_) => {
+                    tracing::warn!(partition = %pid, "closing the partition client timed out");
+                    false
+                }
+            },
             Err(_) => {
-                tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly")
+                tracing::warn!(partition = %pid, "partition client still shared; cannot give it back cleanly");
+                false
             }
-        }
-        tracing::info!(partition = %pid, "partition released");
+        };
+        tracing::info!(partition = %pid, why = ?drain, "partition released");
         ended
     }
 }
