@@ -37,6 +37,10 @@ pub(super) struct LockedMessage<'s> {
     pub(super) msg: ReceivedMessage,
     pub(super) shared: &'s Shared,
     pub(super) cancel: &'s CancellationToken,
+    /// When the lock lapses on the monotonic clock, which keeps counting while the process is
+    /// stopped: a process frozen past its lock finds it lapsed on waking even if the wall
+    /// clock was stepped back meanwhile.
+    lock_deadline: std::time::Instant,
 }
 
 /// How a wait under the lock is renewed when Service Bus says the lock is lost.
@@ -54,10 +58,12 @@ impl<'s> LockedMessage<'s> {
         shared: &'s Shared,
         cancel: &'s CancellationToken,
     ) -> Self {
+        let lock_deadline = std::time::Instant::now() + shared.clock().until(msg.locked_until);
         Self {
             msg,
             shared,
             cancel,
+            lock_deadline,
         }
     }
 
@@ -73,8 +79,13 @@ impl<'s> LockedMessage<'s> {
 
     /// Renews the lock; `false` when it is lost and `on_lost` says to stop.
     async fn renew(&mut self, on_lost: OnLockLost) -> bool {
+        let asked = std::time::Instant::now();
         match self.msg.renew().await {
-            Ok(()) => true,
+            Ok(()) => {
+                // Counted from the request: the renewal may have taken a while to answer.
+                self.lock_deadline = asked + self.shared.clock().until(self.msg.locked_until);
+                true
+            }
             Err(RetryQueueError::LockLost) if on_lost == OnLockLost::Stop => {
                 tracing::warn!(message_id = %self.msg.message_id, "lost the lock on a retry waiting to start; Service Bus hands it to another receiver");
                 false
@@ -86,9 +97,11 @@ impl<'s> LockedMessage<'s> {
         }
     }
 
-    /// Whether the lock still holds on the clock; says so when it lapsed.
+    /// Whether the lock still holds, on the policy clock and on the monotonic one; says so
+    /// when it lapsed.
     pub(super) fn lock_held(&self) -> bool {
-        let held = self.shared.clock().now() < self.msg.locked_until;
+        let held = self.shared.clock().now() < self.msg.locked_until
+            && std::time::Instant::now() < self.lock_deadline;
         if !held {
             tracing::warn!(message_id = %self.msg.message_id, "the lock on a retry waiting to start lapsed; leaving it to its next receiver");
         }
