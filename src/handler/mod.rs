@@ -4,6 +4,7 @@
 //! Standard Webhooks signatures ([`signing`]), the CloudEvents abuse-protection handshake
 //! ([`handshake`]) and credentials read from the environment or files ([`secret`]).
 
+pub mod batch;
 pub mod cloudevents;
 pub mod handshake;
 pub mod secret;
@@ -39,6 +40,9 @@ pub struct Attempt {
     pub number: u32,
     /// W3C `traceparent` of this attempt (pass it on to downstream calls).
     pub traceparent: String,
+    /// The last attempt its retry policy allows: a failure dead-letters it (a batch sends
+    /// it alone, see [`batch`]).
+    pub last: bool,
 }
 
 /// Why an attempt failed.

@@ -120,6 +120,7 @@ pub(super) async fn run(
     let attempt = Attempt {
         number,
         traceparent: traceparent.clone(),
+        last: number >= cx.max_attempts,
     };
     let (outcome, duration) = call(handler, event, &attempt, &span).await;
     Attempted {

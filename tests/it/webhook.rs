@@ -73,6 +73,7 @@ async fn a_redirect_is_a_failed_attempt_naming_the_status_and_location_never_a_d
                 &Attempt {
                     number: 1,
                     traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                    last: false,
                 },
             ),
         )

@@ -42,6 +42,7 @@ fn attempt(n: u32) -> Attempt {
     Attempt {
         number: n,
         traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        last: false,
     }
 }
 

@@ -1,0 +1,465 @@
+//! Batches: many events per call, one outcome per event.
+//!
+//! A [`BatchHandler`] takes several events in one call and answers an [`Outcome`] for each.
+//! [`Batched`] makes one a [`Handler`]: the pipeline still attempts, settles, retries and
+//! dead-letters every event on its own — its own attempt span, ledger record, attempt count,
+//! pinned schedule and dead letter — and `Batched` only coalesces the calls that are in
+//! flight at the same moment into one: up to `max_events` and `max_bytes` per call, after
+//! waiting up to `wait` for a batch to fill (zero: only what is already in hand). The
+//! checkpoint passes each event as it settles, so a batch with one failure holds nothing
+//! back but that event, whose retry goes to Service Bus like any other.
+//!
+//! What a batch never does:
+//! - **carry two events of one ordering key**: the partition runs a key's events one after
+//!   another (the next starts when the one before settled), so a batch holds at most one
+//!   event per key, and with `retry_ordering = "key"` no event of a key is delivered after an
+//!   earlier one failed — exactly as without batches;
+//! - **carry an event on its last attempt** ([`Attempt::last`]): that one goes alone, so a
+//!   poison event that takes a whole batch down (a receiver that fails the request for one
+//!   bad item) cannot take its neighbours' last attempts with it;
+//! - **assume success**: an outcome the batch handler does not give (fewer outcomes than
+//!   events) is a transient failure, and so is a batch call abandoned half-way.
+//!
+//! The peers' designs this follows: AWS Lambda's partial batch response
+//! (`batchItemFailures`,
+//! <https://docs.aws.amazon.com/lambda/latest/dg/services-sqs-errorhandling.html>),
+//! Cloudflare Queues' per-message `ack()`/`retry()`
+//! (<https://developers.cloudflare.com/queues/configuration/batching-retries/>).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::{oneshot, Notify};
+
+use super::{Attempt, Failure, Handler, Outcome};
+use crate::event::Event;
+use crate::sync::LockExt;
+
+/// One event of a batch and its attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct Item<'a> {
+    /// The event.
+    pub event: &'a Event,
+    /// Its attempt (each event of a batch has its own number and `traceparent`).
+    pub attempt: &'a Attempt,
+}
+
+/// Handles several events in one call. Called at least once per event, as [`Handler`] is.
+#[async_trait]
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Handles `items` in one call; one outcome per item, in their order. An item without an
+    /// outcome (fewer outcomes than items) counts as a transient failure.
+    async fn handle_batch(&self, items: &[Item<'_>]) -> Vec<Outcome>;
+
+    /// The downstream this handler calls, for the circuit breaker (one breaker per name).
+    fn downstream(&self) -> String {
+        "handler".into()
+    }
+
+    /// As [`Handler::blocked`].
+    fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        None
+    }
+
+    /// As [`Handler::allowed_rate`].
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
+        None
+    }
+
+    /// What `event` adds to a batch's size, for [`BatchLimits::max_bytes`] (default: its
+    /// body's length).
+    fn size_of(&self, event: &Event) -> usize {
+        event.body.len()
+    }
+}
+
+/// How big a batch may grow, and how long a call waits for one to fill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Events per call (at least 1; 1 sends every event alone).
+    pub max_events: usize,
+    /// Bytes per call, as [`BatchHandler::size_of`] counts them (an event larger than this
+    /// goes alone).
+    pub max_bytes: usize,
+    /// How long a call waits for a batch to fill; zero: only the calls already in hand.
+    pub wait: Duration,
+}
+
+/// A [`BatchHandler`] as a [`Handler`]: the calls in flight at once go out together.
+pub struct Batched<B> {
+    inner: Arc<B>,
+    limits: BatchLimits,
+    queue: Mutex<Queue>,
+    /// Woken when the queue holds a full batch.
+    full: Notify,
+}
+
+#[derive(Default)]
+struct Queue {
+    next_id: u64,
+    waiting: VecDeque<Waiting>,
+}
+
+struct Waiting {
+    id: u64,
+    event: Event,
+    attempt: Attempt,
+    bytes: usize,
+    outcome: oneshot::Sender<Outcome>,
+}
+
+impl<B> std::fmt::Debug for Batched<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batched")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: BatchHandler> Batched<B> {
+    /// `inner`'s calls coalesced within `limits`.
+    pub fn new(inner: B, limits: BatchLimits) -> Self {
+        Self::shared(Arc::new(inner), limits)
+    }
+
+    /// As [`Self::new`], for a handler shared elsewhere.
+    pub fn shared(inner: Arc<B>, limits: BatchLimits) -> Self {
+        Self {
+            inner,
+            limits: BatchLimits {
+                max_events: limits.max_events.max(1),
+                ..limits
+            },
+            queue: Mutex::default(),
+            full: Notify::new(),
+        }
+    }
+
+    /// The batch handler.
+    pub fn inner(&self) -> &Arc<B> {
+        &self.inner
+    }
+
+    /// Calls the handler with `items` and sends each its outcome (a missing one: a transient
+    /// failure).
+    async fn run(&self, batch: Vec<Waiting>) {
+        let items: Vec<Item<'_>> = batch
+            .iter()
+            .map(|w| Item {
+                event: &w.event,
+                attempt: &w.attempt,
+            })
+            .collect();
+        let outcomes = self.inner.handle_batch(&items).await;
+        let mut outcomes = outcomes.into_iter();
+        for w in batch {
+            let outcome = outcomes.next().unwrap_or_else(|| {
+                Outcome::Failed(Failure::transient(
+                    "the batch handler gave no outcome for this event",
+                ))
+            });
+            let _ = w.outcome.send(outcome);
+        }
+    }
+
+    /// The oldest waiting calls that fit in one batch (empty when none waits).
+    fn take(&self) -> Vec<Waiting> {
+        let mut q = self.queue.locked();
+        let mut batch = Vec::new();
+        let mut bytes = 0usize;
+        while let Some(next) = q.waiting.front() {
+            let fits = batch.len() < self.limits.max_events
+                && (batch.is_empty() || bytes + next.bytes <= self.limits.max_bytes);
+            if !fits {
+                break;
+            }
+            bytes += next.bytes;
+            batch.extend(q.waiting.pop_front());
+        }
+        batch
+    }
+
+    /// Queues a call; its ticket takes it out again if the caller goes before it is sent.
+    fn enqueue(&self, event: &Event, attempt: &Attempt) -> (Ticket<'_, B>, oneshot::Receiver<Outcome>) {
+        let (tx, rx) = oneshot::channel();
+        let bytes = self.inner.size_of(event);
+        let full = {
+            let mut q = self.queue.locked();
+            q.next_id += 1;
+            let id = q.next_id;
+            q.waiting.push_back(Waiting {
+                id,
+                event: event.clone(),
+                attempt: attempt.clone(),
+                bytes,
+                outcome: tx,
+            });
+            (
+                Ticket { batched: self, id },
+                q.waiting.len() >= self.limits.max_events,
+            )
+        };
+        if full.1 {
+            self.full.notify_waiters();
+        }
+        (full.0, rx)
+    }
+
+    /// Waits for a batch to fill: `wait`, or less once a full batch is waiting; with no
+    /// wait, lets the calls started in the same turn join first.
+    async fn fill(&self) {
+        if self.limits.wait.is_zero() {
+            tokio::task::yield_now().await;
+            return;
+        }
+        let full = self.full.notified();
+        tokio::pin!(full);
+        full.as_mut().enable();
+        if self.queue.locked().waiting.len() >= self.limits.max_events {
+            return;
+        }
+        tokio::select! {
+            _ = full => {}
+            _ = tokio::time::sleep(self.limits.wait) => {}
+        }
+    }
+}
+
+/// A queued call: taken out of the queue if its caller goes before the call is sent.
+struct Ticket<'a, B> {
+    batched: &'a Batched<B>,
+    id: u64,
+}
+
+impl<B> Drop for Ticket<'_, B> {
+    fn drop(&mut self) {
+        self.batched
+            .queue
+            .locked()
+            .waiting
+            .retain(|w| w.id != self.id);
+    }
+}
+
+#[async_trait]
+impl<B: BatchHandler> Handler for Batched<B> {
+    async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
+        if self.limits.max_events == 1 || attempt.last {
+            let alone = [Item { event, attempt }];
+            return self
+                .inner
+                .handle_batch(&alone)
+                .await
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| {
+                    Outcome::Failed(Failure::transient(
+                        "the batch handler gave no outcome for this event",
+                    ))
+                });
+        }
+        let (_ticket, mut outcome) = self.enqueue(event, attempt);
+        self.fill().await;
+        // Every caller sends batches from the front of the queue until its own call has
+        // been sent (by itself or by another caller): no call waits on a caller that left.
+        loop {
+            if let Ok(o) = outcome.try_recv() {
+                return o;
+            }
+            let batch = self.take();
+            if batch.is_empty() {
+                return outcome.await.unwrap_or_else(|_| {
+                    Outcome::Failed(Failure::transient(
+                        "the batch call carrying this event was abandoned before it answered",
+                    ))
+                });
+            }
+            self.run(batch).await;
+        }
+    }
+
+    fn downstream(&self) -> String {
+        self.inner.downstream()
+    }
+
+    fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {
+        self.inner.blocked()
+    }
+
+    fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
+        self.inner.allowed_rate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Identity;
+
+    /// Records each call's keys; fails the keys named in `fail`.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Mutex<Vec<Vec<String>>>,
+        fail: Vec<String>,
+        short: bool,
+    }
+
+    #[async_trait]
+    impl BatchHandler for Recorder {
+        async fn handle_batch(&self, items: &[Item<'_>]) -> Vec<Outcome> {
+            let keys: Vec<String> = items
+                .iter()
+                .map(|i| i.event.identity.idempotency_key.clone())
+                .collect();
+            self.calls.locked().push(keys.clone());
+            tokio::task::yield_now().await;
+            let mut out: Vec<Outcome> = keys
+                .iter()
+                .map(|k| {
+                    if self.fail.contains(k) {
+                        Outcome::Failed(Failure::permanent("refused"))
+                    } else {
+                        Outcome::Delivered
+                    }
+                })
+                .collect();
+            if self.short {
+                out.pop();
+            }
+            out
+        }
+    }
+
+    fn event(key: &str, bytes: usize) -> Event {
+        Event {
+            body: vec![b'x'; bytes],
+            content_type: None,
+            properties: Default::default(),
+            hub: "h".into(),
+            partition_id: "0".into(),
+            sequence_number: 0,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: Identity {
+                idempotency_key: key.into(),
+                correlation_id: key.into(),
+                event_type: None,
+            },
+        }
+    }
+
+    fn attempt(last: bool) -> Attempt {
+        Attempt {
+            number: 1,
+            traceparent: String::new(),
+            last,
+        }
+    }
+
+    async fn all(b: &Arc<Batched<Recorder>>, keys: &[(&str, usize, bool)]) -> Vec<Outcome> {
+        let calls = keys.iter().map(|(k, bytes, last)| {
+            let b = b.clone();
+            let e = event(k, *bytes);
+            let a = attempt(*last);
+            async move { b.handle(&e, &a).await }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    fn limits(max_events: usize, max_bytes: usize, wait_ms: u64) -> BatchLimits {
+        BatchLimits {
+            max_events,
+            max_bytes,
+            wait: Duration::from_millis(wait_ms),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_in_flight_together_go_out_in_batches_within_the_bounds() {
+        let b = Arc::new(Batched::new(Recorder::default(), limits(3, 1000, 0)));
+        let keys: Vec<(String, usize, bool)> =
+            (0..7).map(|i| (format!("k{i}"), 10, false)).collect();
+        let refs: Vec<(&str, usize, bool)> =
+            keys.iter().map(|(k, n, l)| (k.as_str(), *n, *l)).collect();
+        let out = all(&b, &refs).await;
+        assert!(out.iter().all(|o| *o == Outcome::Delivered));
+        let calls = b.inner().calls.locked().clone();
+        assert_eq!(calls.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 1]);
+        let sent: Vec<String> = calls.concat();
+        assert_eq!(sent.len(), 7, "each event sent once: {calls:?}");
+        // The byte bound: 3 × 400 does not fit in 1000.
+        let b = Arc::new(Batched::new(Recorder::default(), limits(3, 1000, 0)));
+        all(&b, &[("a", 400, false), ("b", 400, false), ("c", 400, false)]).await;
+        let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![2, 1]);
+        // An event larger than the bound goes alone.
+        let b = Arc::new(Batched::new(Recorder::default(), limits(3, 100, 0)));
+        all(&b, &[("big", 400, false), ("small", 10, false)]).await;
+        let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![1, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_event_gets_its_own_outcome_and_a_missing_one_is_a_failure() {
+        let rec = Recorder {
+            fail: vec!["bad".into()],
+            ..Default::default()
+        };
+        let b = Arc::new(Batched::new(rec, limits(10, 1000, 0)));
+        let out = all(&b, &[("a", 1, false), ("bad", 1, false), ("c", 1, false)]).await;
+        assert_eq!(out[0], Outcome::Delivered);
+        assert!(matches!(&out[1], Outcome::Failed(f) if f.error == "refused"));
+        assert_eq!(out[2], Outcome::Delivered);
+        // A handler that answers for fewer events than it was given: never success.
+        let rec = Recorder {
+            short: true,
+            ..Default::default()
+        };
+        let b = Arc::new(Batched::new(rec, limits(10, 1000, 0)));
+        let out = all(&b, &[("a", 1, false), ("b", 1, false)]).await;
+        assert_eq!(out[0], Outcome::Delivered);
+        assert!(
+            matches!(&out[1], Outcome::Failed(f) if f.class == crate::policy::classify::ErrorClass::Transient)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_on_its_last_attempt_goes_alone() {
+        let b = Arc::new(Batched::new(Recorder::default(), limits(10, 1000, 0)));
+        all(&b, &[("a", 1, false), ("poison", 1, true), ("c", 1, false)]).await;
+        let calls = b.inner().calls.locked().clone();
+        assert!(calls.contains(&vec!["poison".to_string()]), "{calls:?}");
+        assert!(
+            calls.iter().all(|c| c.len() == 1 || !c.contains(&"poison".to_string())),
+            "{calls:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_waits_to_fill_but_not_past_the_wait_and_not_once_full() {
+        let b = Arc::new(Batched::new(Recorder::default(), limits(2, 1000, 500)));
+        let started = tokio::time::Instant::now();
+        all(&b, &[("a", 1, false), ("b", 1, false)]).await;
+        assert!(started.elapsed() < Duration::from_millis(500), "full: sent at once");
+        let started = tokio::time::Instant::now();
+        all(&b, &[("c", 1, false)]).await;
+        assert_eq!(started.elapsed(), Duration::from_millis(500), "waited to fill");
+        let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
+        assert_eq!(sizes, vec![2, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_that_leaves_takes_its_event_out_of_the_queue() {
+        let b = Arc::new(Batched::new(Recorder::default(), limits(10, 1000, 1000)));
+        let e = event("gone", 1);
+        let a = attempt(false);
+        let call = b.handle(&e, &a);
+        let _ = tokio::time::timeout(Duration::from_millis(10), call).await;
+        assert!(b.queue.locked().waiting.is_empty(), "taken out when its caller left");
+        all(&b, &[("stays", 1, false)]).await;
+        assert_eq!(b.inner().calls.locked().concat(), vec!["stays".to_string()]);
+    }
+}
