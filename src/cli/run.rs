@@ -1,7 +1,5 @@
 //! `hubguard run`: the service.
 
-use std::sync::Arc;
-
 use anyhow::Context as _;
 
 use crate::config::HandlerSection;
@@ -23,7 +21,7 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let HandlerSection::Webhook(w) = &config.handler;
     let clock = wiring.options_mut().clock.clone();
     let handler = WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?;
-    let parts = wiring.parts(Arc::new(handler.with_clock(clock)))?;
+    let parts = wiring.parts(handler.with_clock(clock).into_handler())?;
     let owner = parts.options.owner_id.clone();
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();

@@ -152,7 +152,23 @@ impl<B: BatchHandler> Batched<B> {
                 attempt: &w.attempt,
             })
             .collect();
-        let outcomes = self.inner.handle_batch(&items).await;
+        // The batch call's own span, linked to each event's attempt.
+        let span = tracing::info_span!(
+            target: "hubguard::attempt",
+            parent: None,
+            "batch",
+            otel.name = crate::telemetry::names::span::BATCH,
+            hubguard.batch.size = items.len(),
+        );
+        if !span.is_disabled() {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            for i in &items {
+                if let Some(sc) = crate::telemetry::parse_traceparent(&i.attempt.traceparent) {
+                    span.add_link(sc);
+                }
+            }
+        }
+        let outcomes = tracing::Instrument::instrument(self.inner.handle_batch(&items), span).await;
         let mut outcomes = outcomes.into_iter();
         for w in batch {
             let outcome = outcomes.next().unwrap_or_else(|| {
@@ -182,7 +198,11 @@ impl<B: BatchHandler> Batched<B> {
     }
 
     /// Queues a call; its ticket takes it out again if the caller goes before it is sent.
-    fn enqueue(&self, event: &Event, attempt: &Attempt) -> (Ticket<'_, B>, oneshot::Receiver<Outcome>) {
+    fn enqueue(
+        &self,
+        event: &Event,
+        attempt: &Attempt,
+    ) -> (Ticket<'_, B>, oneshot::Receiver<Outcome>) {
         let (tx, rx) = oneshot::channel();
         let bytes = self.inner.size_of(event);
         let full = {
@@ -208,10 +228,22 @@ impl<B: BatchHandler> Batched<B> {
     }
 
     /// Waits for a batch to fill: `wait`, or less once a full batch is waiting; with no
-    /// wait, lets the calls started in the same turn join first.
+    /// wait, lets the calls already in hand join first — yielding while the queue grows (a
+    /// partition starts its events one per turn of its loop, from what Event Hubs already
+    /// sent), never past a turn in which nothing joined.
     async fn fill(&self) {
         if self.limits.wait.is_zero() {
-            tokio::task::yield_now().await;
+            let waiting = || self.queue.locked().waiting.len();
+            for _ in 0..=self.limits.max_events {
+                let before = waiting();
+                if before >= self.limits.max_events {
+                    return;
+                }
+                tokio::task::yield_now().await;
+                if waiting() == before {
+                    return;
+                }
+            }
             return;
         }
         let full = self.full.notified();
@@ -387,12 +419,19 @@ mod tests {
         let out = all(&b, &refs).await;
         assert!(out.iter().all(|o| *o == Outcome::Delivered));
         let calls = b.inner().calls.locked().clone();
-        assert_eq!(calls.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 1]);
+        assert_eq!(
+            calls.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![3, 3, 1]
+        );
         let sent: Vec<String> = calls.concat();
         assert_eq!(sent.len(), 7, "each event sent once: {calls:?}");
         // The byte bound: 3 × 400 does not fit in 1000.
         let b = Arc::new(Batched::new(Recorder::default(), limits(3, 1000, 0)));
-        all(&b, &[("a", 400, false), ("b", 400, false), ("c", 400, false)]).await;
+        all(
+            &b,
+            &[("a", 400, false), ("b", 400, false), ("c", 400, false)],
+        )
+        .await;
         let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 1]);
         // An event larger than the bound goes alone.
@@ -433,7 +472,9 @@ mod tests {
         let calls = b.inner().calls.locked().clone();
         assert!(calls.contains(&vec!["poison".to_string()]), "{calls:?}");
         assert!(
-            calls.iter().all(|c| c.len() == 1 || !c.contains(&"poison".to_string())),
+            calls
+                .iter()
+                .all(|c| c.len() == 1 || !c.contains(&"poison".to_string())),
             "{calls:?}"
         );
     }
@@ -443,10 +484,17 @@ mod tests {
         let b = Arc::new(Batched::new(Recorder::default(), limits(2, 1000, 500)));
         let started = tokio::time::Instant::now();
         all(&b, &[("a", 1, false), ("b", 1, false)]).await;
-        assert!(started.elapsed() < Duration::from_millis(500), "full: sent at once");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "full: sent at once"
+        );
         let started = tokio::time::Instant::now();
         all(&b, &[("c", 1, false)]).await;
-        assert_eq!(started.elapsed(), Duration::from_millis(500), "waited to fill");
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(500),
+            "waited to fill"
+        );
         let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 1]);
     }
@@ -458,7 +506,10 @@ mod tests {
         let a = attempt(false);
         let call = b.handle(&e, &a);
         let _ = tokio::time::timeout(Duration::from_millis(10), call).await;
-        assert!(b.queue.locked().waiting.is_empty(), "taken out when its caller left");
+        assert!(
+            b.queue.locked().waiting.is_empty(),
+            "taken out when its caller left"
+        );
         all(&b, &[("stays", 1, false)]).await;
         assert_eq!(b.inner().calls.locked().concat(), vec!["stays".to_string()]);
     }

@@ -10,6 +10,7 @@ pub mod handshake;
 pub mod secret;
 pub mod signing;
 pub mod webhook;
+pub mod webhook_batch;
 
 use std::time::Duration;
 

@@ -88,6 +88,19 @@ pub struct WebhookConfig {
     /// on); off: `rate_limit` is a fixed cap.
     #[serde(default = "yes")]
     pub rate_limit_adaptive: bool,
+    /// Events per request (default 1: each event alone). Above 1, the events in flight at
+    /// once go out together as a CloudEvents JSON batch, each with its own outcome (see
+    /// [`super::webhook_batch`]); `processor.max_in_flight` bounds how many are in flight.
+    #[serde(default = "one")]
+    pub batch_max: usize,
+    /// Bytes per batch request, as the batch's JSON (default 1 MiB, Event Grid's batch
+    /// bound); an event larger than this goes alone.
+    #[serde(default = "default_batch_max_bytes")]
+    pub batch_max_bytes: usize,
+    /// How long an event waits for a batch to fill (ms; default 0: only the events already
+    /// in hand go together). Only with `batch_max` above 1.
+    #[serde(default)]
+    pub batch_wait_ms: u64,
 }
 
 impl std::fmt::Debug for WebhookConfig {
@@ -104,6 +117,9 @@ impl std::fmt::Debug for WebhookConfig {
             .field("retry_after_max_s", &self.retry_after_max_s)
             .field("rate_limit", &self.rate_limit)
             .field("rate_limit_adaptive", &self.rate_limit_adaptive)
+            .field("batch_max", &self.batch_max)
+            .field("batch_max_bytes", &self.batch_max_bytes)
+            .field("batch_wait_ms", &self.batch_wait_ms)
             .finish()
     }
 }
@@ -122,6 +138,9 @@ impl Default for WebhookConfig {
             retry_after_max_s: None,
             rate_limit: None,
             rate_limit_adaptive: true,
+            batch_max: 1,
+            batch_max_bytes: default_batch_max_bytes(),
+            batch_wait_ms: 0,
         }
     }
 }
@@ -142,17 +161,23 @@ fn default_timeout_ms() -> u64 {
 fn yes() -> bool {
     true
 }
+fn one() -> usize {
+    1
+}
+fn default_batch_max_bytes() -> usize {
+    1 << 20
+}
 
 /// POSTs events to a URL.
 #[derive(Debug, Clone)]
 pub struct WebhookHandler {
-    client: reqwest::Client,
-    config: WebhookConfig,
-    signing: Option<Arc<Live<SigningKeys>>>,
-    authorization: Option<Arc<Live<HeaderValue>>>,
+    pub(super) client: reqwest::Client,
+    pub(super) config: WebhookConfig,
+    pub(super) signing: Option<Arc<Live<SigningKeys>>>,
+    pub(super) authorization: Option<Arc<Live<HeaderValue>>>,
     handshake: Option<Arc<Handshake>>,
     /// The clock a `Retry-After` date is read against.
-    clock: Arc<crate::clock::Clock>,
+    pub(super) clock: Arc<crate::clock::Clock>,
 }
 
 /// What is wrong with a webhook's configuration: the configuration key it is about
@@ -263,6 +288,24 @@ impl WebhookConfig {
                     .map_err(|e| WebhookConfigError::new("handler.authorization", e.to_string()))
             })
             .transpose()?;
+        if !(1..=1000).contains(&self.batch_max) {
+            return Err(WebhookConfigError::new(
+                "handler.batch_max",
+                "handler.batch_max must be between 1 and 1000 (1: each event alone)",
+            ));
+        }
+        if self.batch_max_bytes < 1024 {
+            return Err(WebhookConfigError::new(
+                "handler.batch_max_bytes",
+                "handler.batch_max_bytes must be at least 1024",
+            ));
+        }
+        if self.batch_wait_ms > 10_000 {
+            return Err(WebhookConfigError::new(
+                "handler.batch_wait_ms",
+                "handler.batch_wait_ms must be at most 10000",
+            ));
+        }
         if self.handshake.enabled && self.handshake.origin.trim().is_empty() {
             return Err(WebhookConfigError::new(
                 "handler.handshake.origin",
@@ -320,6 +363,20 @@ impl WebhookHandler {
         self.clock = clock;
         self
     }
+
+    /// The handler the pipeline calls: this one, or with `batch_max` above 1 this one
+    /// sending the events in flight at once in batches ([`super::batch::Batched`]).
+    pub fn into_handler(self) -> Arc<dyn Handler> {
+        if self.config.batch_max <= 1 {
+            return Arc::new(self);
+        }
+        let limits = super::batch::BatchLimits {
+            max_events: self.config.batch_max,
+            max_bytes: self.config.batch_max_bytes,
+            wait: Duration::from_millis(self.config.batch_wait_ms),
+        };
+        Arc::new(super::batch::Batched::new(self, limits))
+    }
 }
 
 /// Keeps the first `limit` bytes of `bytes` as text fit for an error: invalid UTF-8
@@ -343,7 +400,7 @@ pub fn sanitise(bytes: &[u8], limit: usize) -> String {
 }
 
 /// Reads at most `limit` bytes of a response body (the rest is not downloaded).
-async fn body_excerpt(resp: &mut reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
+pub(super) async fn body_excerpt(resp: &mut reqwest::Response, limit: usize) -> (Vec<u8>, bool) {
     let mut buf = Vec::new();
     while buf.len() <= limit {
         match resp.chunk().await {
@@ -429,7 +486,10 @@ impl Handler for WebhookHandler {
 impl WebhookHandler {
     /// With the handshake on, waits until the webhook has agreed to take deliveries (or
     /// fails the attempt).
-    async fn ensure_handshake(&self, authorization: Option<&HeaderValue>) -> Result<(), Failure> {
+    pub(super) async fn ensure_handshake(
+        &self,
+        authorization: Option<&HeaderValue>,
+    ) -> Result<(), Failure> {
         if let Some(h) = &self.handshake {
             h.ensure(
                 &self.client,
@@ -488,7 +548,7 @@ impl WebhookHandler {
     }
 
     /// What the webhook's answer (or the failure to get one) comes to.
-    async fn outcome(&self, sent: Result<reqwest::Response, reqwest::Error>) -> Outcome {
+    pub(super) async fn outcome(&self, sent: Result<reqwest::Response, reqwest::Error>) -> Outcome {
         match sent {
             Ok(resp) if resp.status().is_success() => Outcome::Delivered,
             Ok(resp) if resp.status().is_redirection() => Outcome::Failed(redirect_failure(&resp)),
@@ -529,7 +589,7 @@ impl WebhookHandler {
 }
 
 /// Adds the Standard Webhooks signature headers for `body` to `req`.
-fn signed(
+pub(super) fn signed(
     req: reqwest::RequestBuilder,
     keys: &Live<SigningKeys>,
     webhook_id: &str,
@@ -591,6 +651,46 @@ fn location_for_log(location: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn batch_settings_out_of_bounds_are_refused_naming_the_key() {
+        let ok = WebhookConfig::new("http://127.0.0.1:9/e");
+        assert!(ok.check().is_ok());
+        for (bad, key) in [
+            (
+                WebhookConfig {
+                    batch_max: 0,
+                    ..ok.clone()
+                },
+                "handler.batch_max",
+            ),
+            (
+                WebhookConfig {
+                    batch_max: 1001,
+                    ..ok.clone()
+                },
+                "handler.batch_max",
+            ),
+            (
+                WebhookConfig {
+                    batch_max_bytes: 10,
+                    ..ok.clone()
+                },
+                "handler.batch_max_bytes",
+            ),
+            (
+                WebhookConfig {
+                    batch_wait_ms: 60_000,
+                    ..ok.clone()
+                },
+                "handler.batch_wait_ms",
+            ),
+        ] {
+            let e = bad.check().unwrap_err();
+            assert_eq!(e.key(), key);
+            assert!(e.to_string().contains(key), "{e}");
+        }
+    }
 
     #[test]
     fn keys_in_headers_are_unambiguous() {

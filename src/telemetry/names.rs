@@ -12,6 +12,8 @@ pub mod span {
     pub const ATTEMPT: &str = "hubguard.attempt";
     /// The handler call inside an attempt.
     pub const HANDLER: &str = "hubguard.handler";
+    /// One call of a batch handler carrying several events' attempts (linked to each).
+    pub const BATCH: &str = "hubguard.batch";
     /// Scheduling the next attempt on Service Bus.
     pub const SCHEDULE: &str = "hubguard.servicebus.schedule";
     /// Writing the ledger record.

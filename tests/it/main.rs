@@ -4,6 +4,7 @@
 mod alerts;
 mod architecture;
 mod bad_state;
+mod batches;
 mod blob;
 mod cli;
 mod common;
