@@ -17,6 +17,11 @@
 //!   retries completed per second while retries are due and waiting ÷ (`retry.concurrency` ÷
 //!   handler latency) — see [`drain_while_waiting`] — and
 //!   `azure_retry_lateness_p99_ms`: due time (the ledger's) → the retry's start.
+//! - `azure_batch_events_per_s_per_partition`: the first measurement with the webhook's
+//!   batches on (`handler.batch_max` = [`BATCH_MAX`], `processor.max_in_flight` =
+//!   [`BATCH_IN_FLIGHT`]), the receiver answering each batch after the same latency;
+//!   `azure_batch_failure_ratio`: the same with 10 % of events failing once ÷ the rate
+//!   with none.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -35,6 +40,11 @@ use crate::emulator::webhook::FailureMix;
 use crate::emulator::{Emulators, EmulatorsConfig};
 use crate::pipeline::{OrderingKey, Pipeline, PipelineOptions};
 use crate::policy::RetryPolicy;
+
+/// `handler.batch_max` of the batch measurement.
+pub const BATCH_MAX: usize = 100;
+/// `processor.max_in_flight` of the batch measurement: a few batches in flight at once.
+pub const BATCH_IN_FLIGHT: usize = 500;
 
 /// What `--profile azure` measured.
 #[derive(Debug, Clone)]
@@ -63,6 +73,10 @@ pub struct AzureFigures {
     pub retry_span_per_s: f64,
     /// Due time → retry started, p50 and p99 (ms).
     pub retry_lateness_ms: (f64, f64),
+    /// First deliveries per second per partition with batches on, nothing failing.
+    pub batch_events_per_s_per_partition: f64,
+    /// The same with 10 % of events failing once.
+    pub batch_failing_events_per_s_per_partition: f64,
 }
 
 impl AzureFigures {
@@ -90,6 +104,18 @@ impl AzureFigures {
     pub fn retry_drain_ratio(&self) -> f64 {
         self.retry_drain_per_s / self.retry_limit_per_s()
     }
+
+    /// `azure_batch_failure_ratio`.
+    pub fn batch_failure_ratio(&self) -> f64 {
+        self.batch_failing_events_per_s_per_partition / self.batch_events_per_s_per_partition
+    }
+}
+
+/// How the webhook sends: each event alone (the defaults), or in batches.
+#[derive(Debug, Clone, Copy)]
+enum Sending {
+    Alone,
+    Batches,
 }
 
 fn options() -> PipelineOptions {
@@ -142,6 +168,7 @@ async fn first_pass(
     events: usize,
     handler: Duration,
     mix: FailureMix,
+    sending: Sending,
 ) -> anyhow::Result<f64> {
     let emulators = start(partitions, handler, mix).await?;
     produce_keyed(&emulators, partitions, events).await?;
@@ -151,9 +178,18 @@ async fn first_pass(
             url: hook.url(),
             timeout_ms: 5000,
             conflict_is_permanent: true,
+            batch_max: match sending {
+                Sending::Alone => 1,
+                Sending::Batches => BATCH_MAX,
+            },
             ..Default::default()
         })
         .map_err(|e| anyhow::anyhow!(e))?;
+    let mut options = options();
+    if let Sending::Batches = sending {
+        options.max_in_flight = BATCH_IN_FLIGHT;
+        options.window = options.window.max(BATCH_IN_FLIGHT * 2);
+    }
     // Retries are due well after the run: the rate is the first pass's.
     let policy = RetryPolicy {
         name: "bench".into(),
@@ -164,7 +200,7 @@ async fn first_pass(
         max_attempts: 5,
         max_age_s: None,
     };
-    let parts = pipelines::parts(&emulators, Arc::new(webhook), policy, options())?;
+    let parts = pipelines::parts(&emulators, webhook.into_handler(), policy, options)?;
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
     let cancel = tokio_util::sync::CancellationToken::new();
@@ -349,18 +385,31 @@ pub async fn azure(
     handler: Duration,
     retries: usize,
 ) -> anyhow::Result<AzureFigures> {
-    let none = first_pass(partitions, events, handler, FailureMix::default()).await?;
-    let failing = first_pass(
+    let tenth = FailureMix {
+        transient: 0.1,
+        times: 1,
+        ..Default::default()
+    };
+    let none = first_pass(
         partitions,
         events,
         handler,
-        FailureMix {
-            transient: 0.1,
-            times: 1,
-            ..Default::default()
-        },
+        FailureMix::default(),
+        Sending::Alone,
     )
     .await?;
+    let failing = first_pass(partitions, events, handler, tenth, Sending::Alone).await?;
+    // Batches: five times the events, so the run lasts about as long.
+    let batch = first_pass(
+        partitions,
+        events * 5,
+        handler,
+        FailureMix::default(),
+        Sending::Batches,
+    )
+    .await?;
+    let batch_failing =
+        first_pass(partitions, events * 5, handler, tenth, Sending::Batches).await?;
     let (drain, span, lateness) = retry_drain(partitions, retries, handler).await?;
     Ok(AzureFigures {
         partitions,
@@ -374,6 +423,8 @@ pub async fn azure(
         retry_drain_per_s: drain,
         retry_span_per_s: span,
         retry_lateness_ms: lateness,
+        batch_events_per_s_per_partition: batch,
+        batch_failing_events_per_s_per_partition: batch_failing,
     })
 }
 

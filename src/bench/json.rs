@@ -169,6 +169,23 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
         format!("\"azure_retry_span_per_s\":{:.0}", a.retry_span_per_s),
         format!("\"azure_retry_drain_ratio\":{:.3}", a.retry_drain_ratio()),
         format!(
+            "\"azure_batch_max\":{},\"azure_batch_max_in_flight\":{}",
+            azure::BATCH_MAX,
+            azure::BATCH_IN_FLIGHT
+        ),
+        format!(
+            "\"azure_batch_events_per_s_per_partition\":{:.0}",
+            a.batch_events_per_s_per_partition
+        ),
+        format!(
+            "\"azure_batch_failing_events_per_s_per_partition\":{:.0}",
+            a.batch_failing_events_per_s_per_partition
+        ),
+        format!(
+            "\"azure_batch_failure_ratio\":{:.3}",
+            a.batch_failure_ratio()
+        ),
+        format!(
             "\"azure_retry_lateness_p50_ms\":{:.0}",
             a.retry_lateness_ms.0
         ),
@@ -348,6 +365,11 @@ mod tests {
             r#""azure_retry_drain_per_s":300"#,
             r#""azure_retry_span_per_s":251"#,
             r#""azure_retry_drain_ratio":0.938"#,
+            r#""azure_batch_max":100"#,
+            r#""azure_batch_max_in_flight":500"#,
+            r#""azure_batch_events_per_s_per_partition":6789"#,
+            r#""azure_batch_failing_events_per_s_per_partition":6543"#,
+            r#""azure_batch_failure_ratio":0.964"#,
             r#""azure_retry_lateness_p50_ms":123"#,
             r#""azure_retry_lateness_p99_ms":568"#,
             r#""scale_scale_out_sdk_duplicates":37"#,

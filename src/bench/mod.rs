@@ -464,6 +464,8 @@ mod tests {
                 retry_drain_per_s: 300.3,
                 retry_span_per_s: 250.75,
                 retry_lateness_ms: (123.4, 567.8),
+                batch_events_per_s_per_partition: 6789.1,
+                batch_failing_events_per_s_per_partition: 6543.2,
             }),
             scale: vec![
                 scale::ScaleRun {

@@ -218,6 +218,18 @@ fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
             a.retry_lateness_ms.0, a.retry_lateness_ms.1
         ),
     )?;
+    row(
+        &format!(
+            "batches of {} ({} in flight): azure_batch_events_per_s_per_partition",
+            azure::BATCH_MAX,
+            azure::BATCH_IN_FLIGHT
+        ),
+        format!("{:.0}", a.batch_events_per_s_per_partition),
+    )?;
+    row(
+        "azure_batch_failure_ratio (10 % failing once)",
+        format!("{:.3}", a.batch_failure_ratio()),
+    )?;
     writeln!(out)
 }
 
@@ -497,6 +509,8 @@ retries drained per s while due and waiting (10000 due in ~10 s)          300
          limit (retry.concurrency / handler latency)          320
                              azure_retry_drain_ratio        0.938
                 azure_retry_lateness_p50_ms / p99_ms    123 / 568
+batches of 100 (500 in flight): azure_batch_events_per_s_per_partition         6789
+       azure_batch_failure_ratio (10 % failing once)        0.964
 
 Rate limit 100/s for three replicas (6 partitions, max_in_flight 8 each), a receiver that takes everything
                            receiver capacity unlimited

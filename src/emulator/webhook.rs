@@ -269,7 +269,7 @@ async fn receive(
     State(d): State<Arc<Deliveries>>,
     headers: HeaderMap,
     body: axum::body::Bytes,
-) -> StatusCode {
+) -> axum::response::Response {
     if let Some(r) = d.requests.locked().as_mut() {
         r.push(Recorded {
             headers: headers
@@ -284,16 +284,63 @@ async fn receive(
             body: body.to_vec(),
         });
     }
+    let batch = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/cloudevents-batch+json"));
+    if batch {
+        return receive_batch(&d, &body).into_response();
+    }
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("(no key)")
         .to_string();
-    if let Some(n) = headers
+    let attempt = headers
         .get("x-hubguard-attempt")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u32>().ok())
-    {
+        .and_then(|v| v.parse::<u32>().ok());
+    answer(&d, key, attempt).into_response()
+}
+
+/// A CloudEvents JSON batch (hubguard's `handler.batch_max`): each event answered as a
+/// single delivery would be, the failures listed by id in hubguard's batch answer.
+fn receive_batch(d: &Deliveries, body: &[u8]) -> (StatusCode, String) {
+    let Ok(elements) = serde_json::from_slice::<Vec<serde_json::Value>>(body) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "not a CloudEvents JSON batch".into(),
+        );
+    };
+    let mut failures = Vec::new();
+    for e in &elements {
+        let key = e["hubguardkey"]
+            .as_str()
+            .or_else(|| e["id"].as_str())
+            .unwrap_or("(no key)")
+            .to_string();
+        let attempt = e["hubguardattempt"].as_u64().map(|n| n as u32);
+        let status = answer(d, key, attempt);
+        if !status.is_success() {
+            let transient = status.is_server_error()
+                || status == StatusCode::TOO_MANY_REQUESTS
+                || status == StatusCode::REQUEST_TIMEOUT;
+            failures.push(serde_json::json!({
+                "id": e["id"],
+                "kind": if transient { "transient" } else { "permanent" },
+                "error": format!("HTTP {} for this event", status.as_u16()),
+            }));
+        }
+    }
+    (
+        StatusCode::OK,
+        serde_json::json!({ "failures": failures }).to_string(),
+    )
+}
+
+/// The answer to one event's delivery (alone or in a batch), counted.
+fn answer(d: &Deliveries, key: String, attempt: Option<u32>) -> StatusCode {
+    if let Some(n) = attempt {
         d.attempts.locked().entry(key.clone()).or_default().push(n);
     }
     let before = {
