@@ -169,3 +169,274 @@ async fn a_batch_settles_each_event_on_its_own_through_partial_failures_and_a_ma
         "only the failures and the events of the malformed answer have records: {recorded:?}"
     );
 }
+
+/// A receiver that answers 413 to a batch of more than `max` events and records each
+/// request's size, or answers every batch with `status`.
+async fn picky(max: usize, status: u16, sizes: Arc<Mutex<Vec<usize>>>) -> String {
+    let app = axum::Router::new().fallback(move |headers: HeaderMap, body: axum::body::Bytes| {
+        let sizes = sizes.clone();
+        async move {
+            let batch = headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|c| c.starts_with("application/cloudevents-batch+json"));
+            let n = if batch {
+                serde_json::from_slice::<Vec<serde_json::Value>>(&body)
+                    .unwrap()
+                    .len()
+            } else {
+                1
+            };
+            sizes.lock().unwrap().push(n);
+            if n > max {
+                return StatusCode::PAYLOAD_TOO_LARGE;
+            }
+            StatusCode::from_u16(status).unwrap()
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/events")
+}
+
+fn event(key: &str) -> hubguard::event::Event {
+    hubguard::event::Event {
+        body: key.as_bytes().to_vec(),
+        content_type: Some("text/plain".into()),
+        properties: Default::default(),
+        hub: "hub".into(),
+        partition_id: "0".into(),
+        sequence_number: 1,
+        offset: None,
+        enqueued_ms: None,
+        partition_key: None,
+        identity: hubguard::event::Identity {
+            idempotency_key: key.into(),
+            correlation_id: key.into(),
+            event_type: None,
+        },
+    }
+}
+
+/// Sends `n` events at once through a batching webhook handler for `url`.
+async fn at_once(url: String, n: usize) -> Vec<hubguard::handler::Outcome> {
+    let handler = WebhookHandler::new(WebhookConfig {
+        batch_max: 100,
+        ..WebhookConfig::new(url)
+    })
+    .unwrap()
+    .into_handler();
+    let calls = (0..n).map(|i| {
+        let handler = handler.clone();
+        async move {
+            let e = event(&format!("k{i}"));
+            let a = hubguard::handler::Attempt {
+                number: 1,
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                last: false,
+            };
+            handler.handle(&e, &a).await
+        }
+    });
+    futures::future::join_all(calls).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_too_large_is_sent_in_halves_and_a_refused_batch_fails_each_event() {
+    // 413 above 3 events: 10 → 5 + 5 → 2 + 3 + 2 + 3, all delivered, each event once.
+    let sizes = Arc::new(Mutex::new(Vec::new()));
+    let url = picky(3, 200, sizes.clone()).await;
+    let out = at_once(url, 10).await;
+    assert!(
+        out.iter()
+            .all(|o| *o == hubguard::handler::Outcome::Delivered),
+        "{out:?}"
+    );
+    let sizes = sizes.lock().unwrap().clone();
+    let delivered: usize = sizes.iter().filter(|n| **n <= 3).sum();
+    assert_eq!(delivered, 10, "each event delivered once: {sizes:?}");
+    assert_eq!(sizes[0], 10, "{sizes:?}");
+    // A 503 to the batch: every event fails as a single delivery's 503 would (transient).
+    let sizes = Arc::new(Mutex::new(Vec::new()));
+    let url = picky(100, 503, sizes.clone()).await;
+    let out = at_once(url, 5).await;
+    assert!(
+        out.iter()
+            .all(|o| matches!(o, hubguard::handler::Outcome::Failed(f)
+            if f.class == hubguard::policy::classify::ErrorClass::Transient
+            && f.http_status == Some(503))),
+        "{out:?}"
+    );
+    assert_eq!(sizes.lock().unwrap().clone(), vec![5], "one request");
+}
+
+/// Every batch request's elements as (key, sequence number, attempt), and the keys answered
+/// delivered in the order they were.
+#[derive(Default)]
+struct Ordered {
+    batches: Vec<Vec<(String, i64, u64)>>,
+    delivered: Vec<(String, i64)>,
+    failed_once: BTreeSet<String>,
+}
+
+/// A batch receiver for keys `{order}-{n}`: an event whose key is in `fail` fails once
+/// (transient, retry after 1 s); the rest are delivered.
+async fn ordered_receiver(state: Arc<Mutex<Ordered>>, fail: BTreeSet<String>) -> String {
+    let app = axum::Router::new().fallback(move |headers: HeaderMap, body: axum::body::Bytes| {
+        let (state, fail) = (state.clone(), fail.clone());
+        async move {
+            let mut s = state.lock().unwrap();
+            let batch = headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|c| c.starts_with("application/cloudevents-batch+json"));
+            let elements: Vec<(String, i64, u64, String)> = if batch {
+                serde_json::from_slice::<Vec<serde_json::Value>>(&body)
+                    .unwrap()
+                    .iter()
+                    .map(|e| {
+                        (
+                            e["hubguardkey"].as_str().unwrap().to_string(),
+                            e["hubguardsequence"].as_i64().unwrap(),
+                            e["hubguardattempt"].as_u64().unwrap(),
+                            e["id"].as_str().unwrap().to_string(),
+                        )
+                    })
+                    .collect()
+            } else {
+                let h = |n: &str| headers[n].to_str().unwrap().to_string();
+                vec![(
+                    h("idempotency-key"),
+                    h("x-hubguard-sequence-number").parse().unwrap(),
+                    h("x-hubguard-attempt").parse().unwrap(),
+                    h("idempotency-key"),
+                )]
+            };
+            s.batches.push(
+                elements
+                    .iter()
+                    .map(|(k, q, a, _)| (k.clone(), *q, *a))
+                    .collect(),
+            );
+            let mut failures = Vec::new();
+            for (key, seq, _, id) in &elements {
+                if fail.contains(key) && s.failed_once.insert(key.clone()) {
+                    failures.push(
+                        serde_json::json!({"id": id, "kind": "transient", "retry_after_s": 1}),
+                    );
+                } else {
+                    s.delivered.push((key.clone(), *seq));
+                }
+            }
+            if !batch {
+                let status = if failures.is_empty() {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                return (status, String::new());
+            }
+            (
+                StatusCode::OK,
+                serde_json::json!({ "failures": failures }).to_string(),
+            )
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}/events")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_ordered_retries_a_batch_never_carries_two_events_of_a_key_and_keeps_each_key_in_order(
+) {
+    use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+    let bed = Bed::start(1).await;
+    // 6 orders × 6 events, interleaved; the second event of three orders fails once.
+    let mut events = Vec::new();
+    for n in 0..6 {
+        for o in 0..6 {
+            events.push((format!("o{o}-{n}"), format!("o{o}")));
+        }
+    }
+    let fail: BTreeSet<String> = ["o0-1", "o2-1", "o4-1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let prod = crate::common::producer(&bed.cs, "hub").await;
+    let batch = prod
+        .create_batch(Some(azure_messaging_eventhubs::EventDataBatchOptions {
+            partition_id: Some("0".into()),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    for (key, order) in &events {
+        let ev = EventData::builder()
+            .with_body(b"x".to_vec())
+            .add_property("ce_id".into(), AmqpSimpleValue::String(key.clone()))
+            .add_property("order".into(), AmqpSimpleValue::String(order.clone()))
+            .build();
+        assert!(batch.try_add_event_data(ev, None).unwrap());
+    }
+    prod.send_batch(batch, None).await.unwrap();
+    prod.close().await.unwrap();
+    let state = Arc::new(Mutex::new(Ordered::default()));
+    let url = ordered_receiver(state.clone(), fail).await;
+    let handler = WebhookHandler::new(WebhookConfig {
+        batch_max: 10,
+        ..WebhookConfig::new(url)
+    })
+    .unwrap()
+    .into_handler();
+    let mut wiring = bed.wiring("replica-a").policy(fast_policy(5));
+    let o = wiring.options_mut();
+    o.max_in_flight = 32;
+    o.ordering = hubguard::pipeline::OrderingKey::Property("order".into());
+    o.retry_ordering =
+        hubguard::pipeline::RetryOrdering::Key(hubguard::pipeline::LineOnDeadLetter::Release);
+    let run = Bed::run(wiring.parts(handler).unwrap());
+    wait_for("all 36 delivered", &run.health, LIMIT, || async {
+        let keys: BTreeSet<String> = state
+            .lock()
+            .unwrap()
+            .delivered
+            .iter()
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.len() == 36
+    })
+    .await;
+    run.stop().await;
+    let s = state.lock().unwrap();
+    let order_of = |k: &str| k.split('-').next().unwrap().to_string();
+    assert!(s.batches.iter().any(|b| b.len() > 1), "batches were sent");
+    for b in &s.batches {
+        let orders: Vec<String> = b.iter().map(|(k, _, _)| order_of(k)).collect();
+        let distinct: BTreeSet<&String> = orders.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            orders.len(),
+            "two events of one key in a batch: {b:?}"
+        );
+    }
+    // Each order's first deliveries in sequence order, the failed one before the rest.
+    let mut last: BTreeMap<String, i64> = BTreeMap::new();
+    let mut seen = BTreeSet::new();
+    for (k, seq) in &s.delivered {
+        if !seen.insert(k.clone()) {
+            continue;
+        }
+        let o = order_of(k);
+        if let Some(prev) = last.get(&o) {
+            assert!(
+                seq > prev,
+                "{k} (seq {seq}) delivered after seq {prev} of {o}: {:?}",
+                s.delivered
+            );
+        }
+        last.insert(o, *seq);
+    }
+}
