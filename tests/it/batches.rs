@@ -440,3 +440,84 @@ async fn with_ordered_retries_a_batch_never_carries_two_events_of_a_key_and_keep
         last.insert(o, *seq);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_with_a_batch_in_flight_loses_nothing() {
+    let bed = Bed::start(1).await;
+    let keys: Vec<String> = (0..30).map(|i| format!("k{i}")).collect();
+    let events: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "x")).collect();
+    bed.send(0, &events).await;
+    // The receiver takes no answer to the first replica's batches: they hang until it dies.
+    let hang = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let hung = Arc::new(tokio::sync::Notify::new());
+    let delivered = Arc::new(Mutex::new(BTreeSet::new()));
+    let app = {
+        let (hang, hung, delivered) = (hang.clone(), hung.clone(), delivered.clone());
+        axum::Router::new().fallback(move |body: axum::body::Bytes| {
+            let (hang, hung, delivered) = (hang.clone(), hung.clone(), delivered.clone());
+            async move {
+                if hang.load(std::sync::atomic::Ordering::SeqCst) {
+                    hung.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                if let Ok(elements) = serde_json::from_slice::<Vec<serde_json::Value>>(&body) {
+                    for e in elements {
+                        delivered
+                            .lock()
+                            .unwrap()
+                            .insert(e["hubguardkey"].as_str().unwrap().to_string());
+                    }
+                }
+                StatusCode::OK
+            }
+        })
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/events", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let start = |owner: &str| {
+        let handler = WebhookHandler::new(WebhookConfig {
+            batch_max: 10,
+            timeout_ms: 60_000,
+            ..WebhookConfig::new(url.clone())
+        })
+        .unwrap()
+        .into_handler();
+        let mut wiring = bed.wiring(owner).policy(fast_policy(5));
+        wiring.options_mut().max_in_flight = 30;
+        let pipeline = hubguard::pipeline::Pipeline::new(wiring.parts(handler).unwrap());
+        let health = pipeline.health();
+        let (cancel, crash) = (
+            tokio_util::sync::CancellationToken::new(),
+            tokio_util::sync::CancellationToken::new(),
+        );
+        let (c, k) = (cancel.clone(), crash.clone());
+        let task = tokio::spawn(async move { pipeline.run_until(c, k).await.unwrap() });
+        (health, cancel, crash, task)
+    };
+    let (_a_health, _a_cancel, a_crash, a_task) = start("replica-a");
+    crate::common::within("a batch call hangs", hung.notified()).await;
+    a_crash.cancel();
+    crate::common::within("replica-a dies", a_task)
+        .await
+        .unwrap();
+    assert_eq!(
+        bed.checkpoint_of("0").await,
+        None,
+        "nothing checkpointed past the hung batch"
+    );
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    let (b_health, b_cancel, _b_crash, b_task) = start("replica-b");
+    let all: BTreeSet<String> = keys.iter().cloned().collect();
+    wait_for(
+        "replica-b delivers every event",
+        &b_health,
+        LIMIT,
+        || async { *delivered.lock().unwrap() == all && bed.checkpoint_of("0").await == Some(29) },
+    )
+    .await;
+    b_cancel.cancel();
+    crate::common::within("replica-b stops", b_task)
+        .await
+        .unwrap();
+}
