@@ -104,6 +104,11 @@ pub struct DemoArgs {
     /// Events of one partition handled at once (`processor.max_in_flight`).
     #[arg(long, default_value_t = 1, default_value_if("chaos", ArgPredicate::Equals("true".into()), "8"))]
     pub max_in_flight: usize,
+    /// Events per webhook request (`handler.batch_max`; 1: each event alone). Above 1 the
+    /// events in flight at once go out as CloudEvents JSON batches, each with its own outcome;
+    /// raise `--max-in-flight` with it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub batch_max: u16,
     /// Seed for which events fail.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,

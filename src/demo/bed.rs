@@ -103,6 +103,7 @@ pub(super) struct Bed {
     /// The downstream.
     pub(super) hook: WebhookReceiver,
     max_in_flight: usize,
+    batch_max: usize,
 }
 
 impl Bed {
@@ -127,6 +128,7 @@ impl Bed {
             blob: BlobEmulator::start(BlobConfig::default()).await?,
             hook: WebhookReceiver::start_with(local, behaviour).await?,
             max_in_flight: args.max_in_flight,
+            batch_max: usize::from(args.batch_max),
         };
         if let Some(p) = &args.latency {
             bed.eh.faults().set_latency(p.eventhubs, 1);
@@ -152,6 +154,7 @@ impl Bed {
             url: self.hook.url(),
             timeout_ms: 2000,
             conflict_is_permanent: true,
+            batch_max: self.batch_max,
             ..Default::default()
         })
         .map_err(|e| anyhow::anyhow!(e))
@@ -200,7 +203,7 @@ impl Bed {
             watchdog_interval: Duration::from_secs(1),
             ..Default::default()
         })
-        .parts(Arc::new(self.webhook()?))?)
+        .parts(self.webhook()?.into_handler())?)
     }
 
     /// Starts replica `owner`.

@@ -63,6 +63,55 @@ fn the_demo_loses_nothing_through_outages_and_crashes() {
 }
 
 #[test]
+fn the_demo_with_batches_loses_nothing_through_outages_and_crashes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))
+        .args([
+            "demo",
+            "--events",
+            "120",
+            "--partitions",
+            "2",
+            "--replicas",
+            "2",
+            "--batch-max",
+            "8",
+            "--max-in-flight",
+            "24",
+            "--transient-rate",
+            "0.25",
+            "--permanent-rate",
+            "0.05",
+            "--downstream-outage",
+            "2s:3s",
+            "--servicebus-outage",
+            "7s:2s",
+            "--crash-every",
+            "5s",
+            "--timeout",
+            "150s",
+            "--json",
+        ])
+        .output()
+        .expect("hubguard demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["events"], 120);
+    assert_eq!(r["lost"], 0, "{r}");
+    assert_eq!(
+        r["delivered"].as_u64().unwrap() + r["dead_lettered"].as_u64().unwrap(),
+        120,
+        "{r}"
+    );
+    assert!(r["dead_lettered"].as_u64().unwrap() >= 1, "{r}");
+    assert!(r["retries_scheduled"].as_u64().unwrap() >= 10, "{r}");
+}
+
+#[test]
 fn bad_demo_flags_are_refused_with_a_clear_error() {
     let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["demo", "--downstream-outage", "soon"])
@@ -85,8 +134,25 @@ fn bad_demo_flags_are_refused_with_a_clear_error() {
 #[ignore = "long: run by .ci/run with HUBGUARD_SOAK_EVENTS, or by hand"]
 fn chaos_soak_loses_nothing_and_never_checkpoints_past_an_unsettled_event() {
     let events = std::env::var("HUBGUARD_SOAK_EVENTS").unwrap_or_else(|_| "100000".into());
+    // With batches on too: HUBGUARD_SOAK_BATCH_MAX (events per request; raises max_in_flight).
+    let batch: Vec<String> = match std::env::var("HUBGUARD_SOAK_BATCH_MAX") {
+        Ok(n) => {
+            let in_flight = n
+                .parse::<usize>()
+                .expect("HUBGUARD_SOAK_BATCH_MAX is a number")
+                * 4;
+            vec![
+                "--batch-max".into(),
+                n,
+                "--max-in-flight".into(),
+                in_flight.to_string(),
+            ]
+        }
+        Err(_) => Vec::new(),
+    };
     let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["demo", "--chaos", "--events", &events, "--json"])
+        .args(&batch)
         .env("RUST_LOG", "error")
         .output()
         .expect("hubguard demo runs");
