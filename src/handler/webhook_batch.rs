@@ -5,7 +5,7 @@
 //! <https://github.com/cloudevents/spec/blob/v1.0.2/cloudevents/formats/json-format.md#4-json-batch-format>):
 //! a JSON array of structured CloudEvents, one per event. An event that is not a CloudEvent
 //! is given the attributes a CloudEvent needs (`id`: its idempotency key; `source`:
-//! `/{hub}/partitions/{partition}`; `type`: its event type or `hubguard.event`). Every element
+//! `/{hub}/partitions/{partition}`; `type`: its event type or `eventhubs.event`). Every element
 //! carries the event's own attempt as extension attributes (`hubguardattempt`,
 //! `hubguardkey`, `hubguardcorrelation`, `hubguardpartition`, `hubguardsequence`) and its
 //! attempt's `traceparent` (the CloudEvents distributed-tracing extension); the request's own
@@ -39,6 +39,9 @@ use super::{Failure, Handler, Outcome};
 /// The media type of a CloudEvents JSON batch.
 pub const BATCH_CONTENT_TYPE: &str = "application/cloudevents-batch+json; charset=utf-8";
 
+/// The CloudEvents `type` of an event that has none (and is not a CloudEvent).
+pub const DEFAULT_TYPE: &str = "eventhubs.event";
+
 /// The largest answer body read (bytes): a longer one is not a batch answer.
 const ANSWER_LIMIT: usize = 1 << 20;
 
@@ -63,7 +66,7 @@ pub fn element(item: &Item<'_>) -> serde_json::Value {
                     .identity
                     .event_type
                     .clone()
-                    .unwrap_or_else(|| "hubguard.event".into())
+                    .unwrap_or_else(|| DEFAULT_TYPE.into())
                     .into(),
             );
             let ct = event.content_type.clone();

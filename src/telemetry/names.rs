@@ -215,6 +215,7 @@ pub fn all() -> Vec<&'static str> {
     vec![
         span::ATTEMPT,
         span::HANDLER,
+        span::BATCH,
         span::SCHEDULE,
         span::LEDGER_WRITE,
         span::PARK,

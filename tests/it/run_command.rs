@@ -129,7 +129,11 @@ fn spawn_run(config: &std::path::Path, log: &TestLog) -> tokio::process::Child {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_mid_stream_loses_nothing() {
-    let bed = Bed::start(4).await;
+    // A killed replica's peek-locks lapse only after the queue's lock duration: 5 s here
+    // (60 s by default), so the retries it held go to the other replica within the wait.
+    let mut queue = hubguard::emulator::servicebus::QueueSpec::new("retries");
+    queue.lock_duration = std::time::Duration::from_secs(5);
+    let bed = Bed::start_with_queue(4, queue).await;
     let (receiver, hook_addr) = start_receiver().await;
     let dir = tempfile::tempdir().unwrap();
     let (c1, c2) = (dir.path().join("r1.toml"), dir.path().join("r2.toml"));

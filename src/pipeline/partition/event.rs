@@ -38,8 +38,8 @@ impl Lag {
     }
 }
 
-/// What one event's task works with: its partition, how to stop, the lag a hold reports, and
-/// what the partition knows of the ledger's records and lines.
+/// What one event's task works with: its partition, how to stop, the lag a hold reports,
+/// what the partition knows of the ledger's records and lines, and the fence.
 #[derive(Clone, Copy)]
 pub(super) struct EventTask<'a> {
     pub(super) pid: &'a str,
@@ -48,7 +48,6 @@ pub(super) struct EventTask<'a> {
     pub(super) lag: Lag,
     pub(super) recorded: &'a Recorded,
     pub(super) known: &'a Known,
-    /// The fence: whether this replica's ownership of the partition is still confirmed.
     pub(super) fence: &'a crate::pipeline::checkpoint::FencedCheckpointStore,
 }
 
@@ -68,11 +67,6 @@ pub(super) async fn process(event: Event, task: EventTask<'_>) -> bool {
     let Some(paced) = task.pace().await else {
         return false;
     };
-    // Nothing is delivered on an ownership this process cannot prove is current: checked
-    // last, right before the call, on the monotonic clock.
-    if !task.fence.confirmed(task.pid, task.cancel).await {
-        return false;
-    }
     let attempted = task.attempt(&event, paced).await;
     let event_type = event.identity.event_type.as_deref();
     task.shared.attempted(&attempted, gate, event_type).await;
@@ -144,10 +138,13 @@ impl EventTask<'_> {
     }
 
     /// The rate limit: the event waits here, in its partition (Event Hubs keeps the backlog
-    /// behind it), uncounted; the checkpoint window cannot pass it meanwhile. `None` if
-    /// stopped first.
+    /// behind it), uncounted; the checkpoint window cannot pass it meanwhile. Then the
+    /// ownership, proven current on the monotonic clock. `None` if stopped or lost first.
     async fn pace(&self) -> Option<Paced> {
         let acquired = self.shared.pace(self.cancel, true).await?;
+        if !self.fence.confirmed(self.pid, self.cancel).await {
+            return None;
+        }
         let rate_limit_wait = self
             .shared
             .downstream
