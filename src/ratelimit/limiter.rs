@@ -410,7 +410,7 @@ impl Limiter {
                 Next::NoShare => {
                     tokio::select! {
                         _ = cancel.cancelled() => return None,
-                        _ = tokio::time::sleep(self.refresh) => {}
+                        _ = tokio::time::sleep(tick::TICK) => {}
                         _ = &mut notified => {}
                     }
                 }
@@ -436,7 +436,7 @@ impl Limiter {
             }
             tokio::select! {
                 _ = cancel.cancelled() => return false,
-                _ = tokio::time::sleep(self.refresh) => {}
+                _ = tokio::time::sleep(tick::TICK) => {}
                 _ = &mut notified => {}
             }
         }

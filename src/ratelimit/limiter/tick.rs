@@ -17,6 +17,11 @@ use crate::ratelimit::demand::{demand_of, step, withdraw, Demand, Seen, SharesRe
 use crate::ratelimit::rate_at;
 use crate::sync::LockExt;
 
+/// How often a replica reads the shares record (a conditional read: 304 while nothing
+/// changed) and publishes its demand when it moved: a share freed by one replica is taken by
+/// the others within about two ticks.
+pub(super) const TICK: Duration = Duration::from_millis(250);
+
 /// This replica's part of the split, and what it used since the last tick.
 #[derive(Debug)]
 pub(super) struct Split {
@@ -169,7 +174,7 @@ impl Limiter {
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = crash.cancelled() => return,
-                _ = tokio::time::sleep(self.refresh) => {}
+                _ = tokio::time::sleep(TICK) => {}
             }
         }
         self.withdraw().await;
@@ -246,7 +251,7 @@ impl Limiter {
                     me: &self.owner,
                     demand,
                     now,
-                    drop_after: self.lease + self.refresh * 2,
+                    drop_after: self.lease + TICK * 2,
                     renew,
                     first_beat: uuid::Uuid::new_v4().as_u64_pair().0,
                 },
