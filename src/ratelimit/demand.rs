@@ -204,10 +204,8 @@ pub fn step(current: &SharesRecord, seen: &Seen, t: Tick<'_>) -> Step {
         .map(|(_, e)| e.share)
         .sum();
     let share = floor6(target.min(1.0 - others));
-    let changed = mine.is_none()
-        || share != committed
-        || dropped
-        || moved(mine.map(Entry::demand), t.demand);
+    let changed =
+        mine.is_none() || share != committed || dropped || moved(mine.map(Entry::demand), t.demand);
     let write = (changed || t.renew).then(|| {
         let mut next = SharesRecord {
             replicas: live

@@ -1,5 +1,6 @@
 //! The deployment-wide rate limit (`handler.rate_limit`) on the emulators, through the real
-//! SDK clients: shares out by owned partitions through rebalances, a 429 storm slowing
+//! SDK clients: shares out by demand through rebalances (all of the limit used, uneven
+//! partitions), a 429 storm slowing
 //! every replica, a `Retry-After` pausing them all, and the checkpoint never passing an
 //! event that waits for the limiter.
 
@@ -130,7 +131,8 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
         );
     };
     let whole = |snaps: &[hubguard::ratelimit::limiter::RateSnapshot]| {
-        (total_share(snaps) - 1.0).abs() < 1e-9 && snaps.iter().all(|s| s.share > 0.0)
+        // Shares are kept in millionths, rounded down.
+        (total_share(snaps) - 1.0).abs() < 1e-5 && snaps.iter().all(|s| s.share > 0.0)
     };
     let a = start(&bed, "a", handler.clone(), limit, false);
     // Alone, it gets all of it.
@@ -174,7 +176,7 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
     )
     .await;
     assert!(
-        (most - limit).abs() < 1e-6,
+        (most - limit).abs() < 1e-3,
         "the whole limit was in use: {most}"
     );
     for r in [a, b, d] {
@@ -196,7 +198,7 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
         &[&a.limiter, &b.limiter],
         Duration::from_secs(30),
         &mut |_| {},
-        &|s| s.iter().all(|s| s.share > 0.0) && (total_share(s) - 1.0).abs() < 1e-9,
+        &|s| s.iter().all(|s| s.share > 0.0) && (total_share(s) - 1.0).abs() < 1e-5,
     )
     .await;
     let keys: Vec<String> = (0..120).map(|i| format!("storm-{i}")).collect();
@@ -555,12 +557,17 @@ async fn unused_share_flows_to_the_replicas_with_a_backlog_through_a_rebalance()
     .await;
     let b = start_with(&bed, "b", webhook(receiver.url()), limit, false, 32);
     let c = start_with(&bed, "c", webhook(receiver.url()), limit, false, 32);
-    eventually("every event delivered", Duration::from_secs(120), || async {
-        let delivered = receiver.delivered();
-        seen(keys.iter().filter(|k| delivered.contains_key(*k)).count(), |n| {
-            *n == keys.len()
-        })
-    })
+    eventually(
+        "every event delivered",
+        Duration::from_secs(120),
+        || async {
+            let delivered = receiver.delivered();
+            seen(
+                keys.iter().filter(|k| delivered.contains_key(*k)).count(),
+                |n| *n == keys.len(),
+            )
+        },
+    )
     .await;
     let u = used(&receiver);
     for r in [a, b, c] {

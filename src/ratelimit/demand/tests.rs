@@ -11,7 +11,10 @@ fn close(a: f64, b: f64) -> bool {
 #[test]
 fn fair_gives_small_demands_what_they_need_and_splits_the_rest_among_backlogs() {
     let s = fair(&[Demand::Backlog, Demand::UpTo(0.1), Demand::UpTo(0.02)]);
-    assert!(close(s[1], 0.1) && close(s[2], 0.02) && close(s[0], 0.88), "{s:?}");
+    assert!(
+        close(s[1], 0.1) && close(s[2], 0.02) && close(s[0], 0.88),
+        "{s:?}"
+    );
     let s = fair(&[Demand::Backlog, Demand::Backlog, Demand::UpTo(0.6)]);
     assert!(close(s[0], 1.0 / 3.0) && close(s[2], 1.0 / 3.0), "{s:?}");
     // Nobody asks for everything: what is left is split evenly.
@@ -126,7 +129,10 @@ fn a_joining_replica_gets_half_within_three_ticks_and_nobody_is_ever_over() {
             assert!(sum > 0.0, "round {round}: nobody paces");
         }
     }
-    assert!(close(rs[0].using(now), 0.5) && close(rs[1].using(now), 0.5), "{rs:?}");
+    assert!(
+        close(rs[0].using(now), 0.5) && close(rs[1].using(now), 0.5),
+        "{rs:?}"
+    );
 }
 
 #[test]
@@ -185,7 +191,10 @@ fn a_replica_that_only_trickles_keeps_what_it_uses_and_the_backlog_gets_the_rest
         }
     }
     let used: Vec<f64> = rs.iter().map(|r| r.using(now)).collect();
-    assert!(close(used[0], 0.72) && close(used[1], 0.26) && close(used[2], 0.02), "{used:?}");
+    assert!(
+        close(used[0], 0.72) && close(used[1], 0.26) && close(used[2], 0.02),
+        "{used:?}"
+    );
 }
 
 proptest! {

@@ -128,7 +128,11 @@ async fn a_stopped_replica_hands_its_share_over_at_once_and_a_silent_one_after_i
     b.withdraw().await;
     assert_eq!(b.snapshot().share, 0.0);
     a.tick().await;
-    assert_eq!(a.snapshot().share, 1.0, "a stopped replica's share is free at once");
+    assert_eq!(
+        a.snapshot().share,
+        1.0,
+        "a stopped replica's share is free at once"
+    );
     for l in [&c, &a, &c] {
         l.tick().await;
     }

@@ -166,7 +166,11 @@ impl RecordKind for SharesKind<'_> {
 impl Limiter {
     /// Keeps this replica's share of the rate until `cancel` (then withdraws it, so the
     /// others take it at once) or `crash` (then it lapses with the lease, as after a kill).
-    pub async fn run(self: std::sync::Arc<Self>, cancel: CancellationToken, crash: CancellationToken) {
+    pub async fn run(
+        self: std::sync::Arc<Self>,
+        cancel: CancellationToken,
+        crash: CancellationToken,
+    ) {
         loop {
             if self.limit().is_some() {
                 self.tick().await;
