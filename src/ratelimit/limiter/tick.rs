@@ -172,8 +172,14 @@ impl Limiter {
         crash: CancellationToken,
     ) {
         loop {
-            if self.limit().is_some() {
-                self.tick().await;
+            // A tick has a deadline like every call (half a lease): one that runs out has
+            // only ever lowered this replica's pacing, never raised it.
+            if self.limit().is_some()
+                && tokio::time::timeout(self.lease / 2, self.tick())
+                    .await
+                    .is_err()
+            {
+                tracing::debug!(downstream = %self.downstream, "rate limit tick past its deadline");
             }
             tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -181,7 +187,7 @@ impl Limiter {
                 _ = tokio::time::sleep(TICK) => {}
             }
         }
-        self.withdraw().await;
+        let _ = tokio::time::timeout(self.lease / 2, self.withdraw()).await;
     }
 
     /// Keeps what a read of the shares record showed.
