@@ -355,7 +355,7 @@ impl Limiter {
             notified.as_mut().enable();
             enum Next {
                 Paused(SystemTime),
-                Pace(Duration, u64, Option<Instant>),
+                Pace(Duration, u64),
                 NoShare,
             }
             let next = {
@@ -370,15 +370,13 @@ impl Limiter {
                             * share
                             * super::PACING_HEADROOM;
                         let epoch = st.epoch;
-                        let lapses = st.split.lapses(self.lease);
-                        Next::Pace(st.gcra.reserve(Instant::now(), rate), epoch, lapses)
+                        Next::Pace(st.gcra.reserve(Instant::now(), rate), epoch)
                     }
                 }
             };
             match next {
-                Next::Pace(wait, _, _) if wait.is_zero() => return Some(self.go(started)),
-                Next::Pace(wait, epoch, lapses) => {
-                    let lapses = lapses.unwrap_or_else(|| Instant::now() + wait);
+                Next::Pace(wait, _) if wait.is_zero() => return Some(self.go(started)),
+                Next::Pace(wait, epoch) => {
                     tokio::select! {
                         _ = cancel.cancelled() => return None,
                         _ = tokio::time::sleep(wait) => {
@@ -392,7 +390,6 @@ impl Limiter {
                                 return Some(self.go(started));
                             }
                         }
-                        _ = tokio::time::sleep_until(lapses) => {}
                         _ = &mut notified => {}
                     }
                 }

@@ -73,11 +73,6 @@ impl Split {
         }
     }
 
-    /// When the share runs out unless renewed.
-    pub(super) fn lapses(&self, lease: Duration) -> Option<Instant> {
-        self.sent.map(|s| s + lease)
-    }
-
     /// An attempt starts waiting for the limiter.
     pub(super) fn enter(&mut self, now: Instant) {
         if self.waiting == 0 {
