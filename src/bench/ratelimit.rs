@@ -163,7 +163,8 @@ async fn wait_shared_out(limiters: &[Arc<Limiter>]) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let shares: Vec<f64> = limiters.iter().map(|l| l.snapshot().share).collect();
-        if shares.iter().all(|s| *s > 0.0) && (shares.iter().sum::<f64>() - 1.0).abs() < 1e-9 {
+        // Shares are kept in millionths, rounded down.
+        if shares.iter().all(|s| *s > 0.0) && (shares.iter().sum::<f64>() - 1.0).abs() < 1e-5 {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

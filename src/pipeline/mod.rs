@@ -347,6 +347,7 @@ impl Pipeline {
             ));
         }
         if let Some(limiter) = self.shared.downstream.limiter.clone() {
+            tokio::spawn(limiter.clone().run(cancel.clone(), crash.clone()));
             tokio::spawn(watch::paused(
                 self.shared.health.clone(),
                 limiter,
@@ -485,9 +486,8 @@ fn breaker(parts: &PipelineParts) -> Option<Arc<crate::breaker::Shared>> {
 }
 
 /// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
-/// rate. Partitions taken over from a live owner count after two update intervals (the old
-/// owner lists at least once meanwhile); one unconfirmed for an ownership expiration stops
-/// counting.
+/// rate. Its share of the rate (from the replicas' demands) holds for an ownership expiration
+/// after each renewal, as a claim does.
 fn rate_limiter(parts: &PipelineParts) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
     let allowed = parts.handler.allowed_rate();
     if parts.options.rate_limit.per_s.is_none() && allowed.is_none() {
@@ -499,7 +499,6 @@ fn rate_limiter(parts: &PipelineParts) -> Option<Arc<crate::ratelimit::limiter::
         parts.records.clone(),
         &parts.handler.downstream(),
         &o.owner_id,
-        o.update_interval * 2,
         o.ownership_expiration,
         o.clock.clone(),
     );

@@ -1,5 +1,5 @@
-//! One replica's rate limiter: its share of the deployment's limit (from the ownership
-//! listings), the deployment's adapted rate and pause (a record in the record store, the
+//! One replica's rate limiter: its share of the deployment's limit (from the replicas'
+//! demands: [`crate::ratelimit::demand`], kept by its tick), the deployment's adapted rate and pause (a record in the record store, the
 //! breaker's neighbour: `ratelimits/{downstream}`), the webhook's granted rate, and the pacer
 //! every attempt — first delivery or retry — waits on before it calls the downstream.
 
@@ -7,15 +7,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use std::collections::BTreeSet;
+
 use azure_messaging_eventhubs::models::Ownership;
 use serde::Serialize;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::demand::Demand;
 use super::{
-    decrease, pause, rate_at, Adaptation, AdaptedRecord, DecreaseReason, Gcra, Owned,
-    RateLimitConfig, Shares, Signal,
+    decrease, pause, rate_at, Adaptation, AdaptedRecord, DecreaseReason, Gcra, RateLimitConfig,
+    Signal,
 };
 use crate::azure::versioned::{
     compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start, Swapped,
@@ -24,6 +27,8 @@ use crate::azure::versioned::{
 use crate::azure::{IfChanged, RecordStore, StoreError};
 use crate::clock::{at, rfc3339, Clock};
 use crate::sync::LockExt;
+
+mod tick;
 
 /// Where the adapted rate of `downstream` is kept in the record store.
 pub fn record_name(downstream: &str) -> String {
@@ -43,9 +48,15 @@ pub struct RateSnapshot {
     pub limit_per_s: Option<f64>,
     /// The deployment's adapted rate now (≤ the limit).
     pub deployment_rate_per_s: Option<f64>,
-    /// This replica's share of it (owned partitions ÷ the hub's partitions).
+    /// This replica's share of it (0..=1: from the replicas' demands, see
+    /// [`crate::ratelimit::demand`]).
     pub share: f64,
-    /// Partitions counted for this replica.
+    /// Whether this replica has a backlog (its attempts waited for the limiter most of the
+    /// last tick): it asks for as much of the rate as it can get.
+    pub backlog: bool,
+    /// Replicas in the shares record as last read.
+    pub replicas: usize,
+    /// Partitions this replica owns (as the last listing and claim showed).
     pub owned_partitions: usize,
     /// The hub's partitions.
     pub partitions: usize,
@@ -66,13 +77,15 @@ pub struct RateSnapshot {
 pub enum Acquired {
     /// Go: the attempt waited this long.
     Go(Duration),
-    /// This replica has no share of the rate now (it owns no partition): leave the work to
-    /// the replicas that do.
+    /// This replica has no share of the rate now (it has just started, or its share lapsed):
+    /// leave the work to the replicas that have one.
     NoShare,
 }
 
 struct State {
-    shares: Shares,
+    split: tick::Split,
+    owned: BTreeSet<String>,
+    partitions: usize,
     gcra: Gcra,
     record: AdaptedRecord,
     etag: Option<String>,
@@ -86,6 +99,9 @@ pub struct Limiter {
     adaptation: Adaptation,
     downstream: String,
     key: String,
+    shares_key: String,
+    owner: String,
+    lease: Duration,
     store: Arc<dyn RecordStore>,
     clock: Arc<Clock>,
     allowed: Mutex<Option<watch::Receiver<Option<f64>>>>,
@@ -106,16 +122,16 @@ impl std::fmt::Debug for Limiter {
 }
 
 impl Limiter {
-    /// The limiter of replica `owner` for `downstream`, its adapted state shared through
-    /// `store`; a partition taken over from a live owner counts after `takeover_delay`, and
-    /// one no listing confirmed for `fresh` stops counting.
+    /// The limiter of replica `owner` for `downstream`, its adapted state and its share
+    /// agreed through `store`; its share holds for `lease` after each renewal (its
+    /// [`run`](Self::run) renews it), and another replica's share that went unrenewed for
+    /// longer goes to the live ones.
     pub fn new(
         config: RateLimitConfig,
         store: Arc<dyn RecordStore>,
         downstream: &str,
         owner: &str,
-        takeover_delay: Duration,
-        fresh: Duration,
+        lease: Duration,
         clock: Arc<Clock>,
     ) -> Self {
         let limiter = Self {
@@ -123,11 +139,16 @@ impl Limiter {
             adaptation: Adaptation::default(),
             downstream: downstream.into(),
             key: record_name(downstream),
+            shares_key: super::demand::record_name(downstream),
+            owner: owner.into(),
+            lease,
             store,
             clock,
             allowed: Mutex::new(None),
             state: Mutex::new(State {
-                shares: Shares::new(owner, takeover_delay, fresh),
+                split: tick::Split::new(Instant::now()),
+                owned: BTreeSet::new(),
+                partitions: 0,
                 gcra: Gcra::default(),
                 record: AdaptedRecord::default(),
                 etag: None,
@@ -200,8 +221,7 @@ impl Limiter {
         let limit = self.limit();
         let now = self.clock.now();
         let deployment = limit.map(|l| rate_at(&st.record, l, now, &self.adaptation));
-        let (owned, partitions) = st.shares.owned(Instant::now());
-        let share = st.shares.share(Instant::now());
+        let share = st.split.share(Instant::now(), self.lease);
         RateSnapshot {
             downstream: self.downstream.clone(),
             configured_per_s: self.config.per_s,
@@ -209,8 +229,10 @@ impl Limiter {
             limit_per_s: limit,
             deployment_rate_per_s: deployment,
             share,
-            owned_partitions: owned,
-            partitions,
+            backlog: st.split.demand == Demand::Backlog,
+            replicas: st.split.replicas,
+            owned_partitions: st.owned.len(),
+            partitions: st.partitions.max(st.owned.len()),
             rate_per_s: deployment.map(|d| d * share),
             last_decrease_reason: st.record.reason.map(DecreaseReason::label),
             last_decrease_at: st.record.decreased_at_ms.map(|t| rfc3339(at(t))),
@@ -238,48 +260,34 @@ impl Limiter {
         self.bumped.notify_waiters();
     }
 
-    /// The hub's partition count.
+    /// The hub's partition count (reported beside the share).
     pub fn set_partitions(&self, total: usize) {
-        self.state().shares.set_total(total);
+        self.state().partitions = total;
         self.publish();
     }
 
-    /// A listing of the ownership blobs (every load-balancing cycle): this replica's share.
-    /// A claim older than `expiration` is nobody's.
+    /// A listing of the ownership blobs (every load-balancing cycle): the partitions this
+    /// replica owns, reported beside its share (a claim older than `expiration` is
+    /// nobody's). The share itself follows demand, not partitions.
     pub fn listed(&self, owners: &[Ownership], expiration: Duration) {
         let now = time::OffsetDateTime::now_utc();
-        let owned: Vec<Owned> = owners
+        let mine: BTreeSet<String> = owners
             .iter()
-            .map(|o| Owned {
-                partition: o.partition_id.clone(),
-                live_owner: o
-                    .owner_id
-                    .clone()
-                    .filter(|id| !id.is_empty())
-                    .filter(|_| o.last_modified_time.is_some_and(|t| now - t < expiration)),
-            })
+            .filter(|o| o.owner_id.as_deref() == Some(self.owner.as_str()))
+            .filter(|o| o.last_modified_time.is_some_and(|t| now - t < expiration))
+            .map(|o| o.partition_id.clone())
             .collect();
         {
             let mut st = self.state();
-            let before = st.shares.owned(Instant::now());
-            st.shares.listed(Instant::now(), &owned);
-            if st.shares.owned(Instant::now()) != before {
-                self.bump(&mut st);
-            }
+            st.partitions = st.partitions.max(owners.len());
+            st.owned = mine;
         }
         self.publish();
     }
 
     /// Partitions this replica has just claimed.
     pub fn claimed(&self, partitions: &[String]) {
-        {
-            let mut st = self.state();
-            let before = st.shares.owned(Instant::now());
-            st.shares.claimed(Instant::now(), partitions);
-            if st.shares.owned(Instant::now()) != before {
-                self.bump(&mut st);
-            }
-        }
+        self.state().owned.extend(partitions.iter().cloned());
         self.publish();
     }
 
@@ -327,14 +335,16 @@ impl Limiter {
     }
 
     /// Waits until the downstream may be called; `None` if `cancel` fired first. With no
-    /// share (this replica owns no partition), `wait_for_share` decides: wait for one, or
-    /// answer [`Acquired::NoShare`] at once.
+    /// share (this replica has none yet, or its lease lapsed), `wait_for_share` decides: wait
+    /// for one, or answer [`Acquired::NoShare`] at once. The time attempts spend waiting here
+    /// is this replica's demand ([`crate::ratelimit::demand::demand_of`]).
     pub async fn acquire(
         &self,
         cancel: &CancellationToken,
         wait_for_share: bool,
     ) -> Option<Acquired> {
         let started = Instant::now();
+        let _waiting = Waiting::new(self);
         loop {
             let Some(limit) = self.limit() else {
                 return Some(Acquired::Go(started.elapsed()));
@@ -346,15 +356,15 @@ impl Limiter {
             enum Next {
                 Paused(SystemTime),
                 Pace(Duration, u64),
-                NoShare(Option<Instant>),
+                NoShare,
             }
             let next = {
                 let mut st = self.state();
                 let now = self.clock.now();
-                let share = st.shares.share(Instant::now());
+                let share = st.split.share(Instant::now(), self.lease);
                 match st.record.paused_until_ms.map(at) {
                     Some(p) if p > now => Next::Paused(p),
-                    _ if share <= 0.0 => Next::NoShare(st.shares.next_change(Instant::now())),
+                    _ if share <= 0.0 => Next::NoShare,
                     _ => {
                         let rate = rate_at(&st.record, limit, now, &self.adaptation)
                             * share
@@ -365,16 +375,19 @@ impl Limiter {
                 }
             };
             match next {
-                Next::Pace(wait, _) if wait.is_zero() => {
-                    return Some(Acquired::Go(started.elapsed()))
-                }
+                Next::Pace(wait, _) if wait.is_zero() => return Some(self.go(started)),
                 Next::Pace(wait, epoch) => {
                     tokio::select! {
                         _ = cancel.cancelled() => return None,
                         _ = tokio::time::sleep(wait) => {
-                            // The slot stands unless the rate changed meanwhile.
-                            if self.state().epoch == epoch {
-                                return Some(Acquired::Go(started.elapsed()));
+                            // The slot stands unless the rate changed meanwhile (or the
+                            // share lapsed: then the loop finds none).
+                            let stands = {
+                                let st = self.state();
+                                st.epoch == epoch && st.split.share(Instant::now(), self.lease) > 0.0
+                            };
+                            if stands {
+                                return Some(self.go(started));
                             }
                         }
                         _ = &mut notified => {}
@@ -387,17 +400,24 @@ impl Limiter {
                         _ = &mut notified => {}
                     }
                 }
-                Next::NoShare(_) if !wait_for_share => return Some(Acquired::NoShare),
-                Next::NoShare(change) => {
-                    let wake = change.unwrap_or_else(|| Instant::now() + self.refresh);
+                Next::NoShare if !wait_for_share => {
+                    self.state().split.turned_away();
+                    return Some(Acquired::NoShare);
+                }
+                Next::NoShare => {
                     tokio::select! {
                         _ = cancel.cancelled() => return None,
-                        _ = tokio::time::sleep_until(wake) => {}
+                        _ = tokio::time::sleep(tick::TICK) => {}
                         _ = &mut notified => {}
                     }
                 }
             }
         }
+    }
+
+    fn go(&self, started: Instant) -> Acquired {
+        self.state().split.granted();
+        Acquired::Go(started.elapsed())
     }
 
     /// Waits until this replica has a share of the rate (at once when no limit is in force);
@@ -407,17 +427,13 @@ impl Limiter {
             let notified = self.bumped.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let change = {
-                let st = self.state();
-                if self.limit().is_none() || st.shares.share(Instant::now()) > 0.0 {
-                    return true;
-                }
-                st.shares.next_change(Instant::now())
-            };
-            let wake = change.unwrap_or_else(|| Instant::now() + self.refresh);
+            if self.limit().is_none() || self.state().split.share(Instant::now(), self.lease) > 0.0
+            {
+                return true;
+            }
             tokio::select! {
                 _ = cancel.cancelled() => return false,
-                _ = tokio::time::sleep_until(wake) => {}
+                _ = tokio::time::sleep(tick::TICK) => {}
                 _ = &mut notified => {}
             }
         }
@@ -514,6 +530,22 @@ impl Limiter {
                 tracing::warn!(downstream = %self.downstream, error = %e, "the lowered rate could not be shared; this replica keeps it");
             }
         }
+    }
+}
+
+/// An attempt waiting in [`Limiter::acquire`], counted while it lives.
+struct Waiting<'a>(&'a Limiter);
+
+impl<'a> Waiting<'a> {
+    fn new(l: &'a Limiter) -> Self {
+        l.state().split.enter(Instant::now());
+        Self(l)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.state().split.leave(Instant::now());
     }
 }
 
@@ -622,159 +654,4 @@ pub fn signal_of(outcome: &crate::handler::Outcome, max_pause: Duration) -> Sign
 pub type SharedLimiter = Arc<Limiter>;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::azure::memory::MemoryRecordStore;
-
-    fn limiter(store: Arc<dyn RecordStore>, owner: &str, per_s: f64, clock: Arc<Clock>) -> Limiter {
-        let l = Limiter::new(
-            RateLimitConfig::per_second(per_s),
-            store,
-            "receiver:80",
-            owner,
-            Duration::from_secs(2),
-            Duration::from_secs(60),
-            clock,
-        );
-        l.set_partitions(2);
-        l.claimed(&["0".into(), "1".into()]);
-        l
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn attempts_are_paced_at_the_replicas_share_and_the_wait_is_reported() {
-        let store: Arc<dyn RecordStore> = Arc::new(MemoryRecordStore::new());
-        let l = limiter(store, "a", 10.0, Arc::default());
-        let cancel = CancellationToken::new();
-        let t0 = Instant::now();
-        let mut waits = Vec::new();
-        for _ in 0..5 {
-            match l.acquire(&cancel, true).await {
-                Some(Acquired::Go(w)) => waits.push(w),
-                other => panic!("{other:?}"),
-            }
-        }
-        assert_eq!(waits[0], Duration::ZERO);
-        // 10/s, paced with the headroom: 103 ms apart.
-        let gap = Duration::from_secs_f64(1.0 / (10.0 * crate::ratelimit::PACING_HEADROOM));
-        let close = |a: Duration, b: Duration| a.abs_diff(b) < Duration::from_millis(2);
-        assert!(close(t0.elapsed(), gap * 4), "{:?}", t0.elapsed());
-        assert!(close(waits[4], gap), "{:?}", waits[4]);
-        assert_eq!(l.snapshot().rate_per_s, Some(10.0));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_429_lowers_the_rate_of_every_replica_and_its_retry_after_pauses_them_all() {
-        let store: Arc<dyn RecordStore> = Arc::new(MemoryRecordStore::new());
-        let clock: Arc<Clock> = Arc::default();
-        let a = limiter(store.clone(), "a", 100.0, clock.clone());
-        let b = limiter(store.clone(), "b", 100.0, clock.clone());
-        let cancel = CancellationToken::new();
-        assert!(matches!(
-            b.acquire(&cancel, true).await,
-            Some(Acquired::Go(_))
-        ));
-        a.observe(Signal::Slow {
-            reason: DecreaseReason::Throttled,
-            retry_after: None,
-        })
-        .await;
-        let rate = a.snapshot().deployment_rate_per_s.unwrap();
-        assert!(rate < 51.0, "{rate}");
-        assert_eq!(a.snapshot().last_decrease_reason, Some("throttled_429"));
-        // b reads the shared record at its next refresh.
-        tokio::time::advance(Duration::from_millis(600)).await;
-        assert!(matches!(
-            b.acquire(&cancel, true).await,
-            Some(Acquired::Go(_))
-        ));
-        let rb = b.snapshot().deployment_rate_per_s.unwrap();
-        assert!(rb < 52.0, "b lowered too: {rb}");
-        // A Retry-After pauses b as well, on the policy clock.
-        clock.advance(Duration::from_secs(2));
-        a.observe(Signal::Slow {
-            reason: DecreaseReason::Throttled,
-            retry_after: Some(Duration::from_secs(30)),
-        })
-        .await;
-        tokio::time::advance(Duration::from_millis(600)).await;
-        let waiting = b.acquire(&cancel, true);
-        tokio::pin!(waiting);
-        tokio::select! {
-            _ = &mut waiting => panic!("b must wait out the pause"),
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-        assert!(b.snapshot().paused_until.is_some());
-        clock.advance(Duration::from_secs(31));
-        assert!(matches!(waiting.await, Some(Acquired::Go(w)) if w >= Duration::from_secs(1)));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn without_a_share_retries_are_left_to_others_and_partitions_wait() {
-        let store: Arc<dyn RecordStore> = Arc::new(MemoryRecordStore::new());
-        let l = Limiter::new(
-            RateLimitConfig::per_second(10.0),
-            store,
-            "d",
-            "a",
-            Duration::from_secs(2),
-            Duration::from_secs(60),
-            Arc::default(),
-        );
-        l.set_partitions(4);
-        let cancel = CancellationToken::new();
-        assert_eq!(l.acquire(&cancel, false).await, Some(Acquired::NoShare));
-        let waiting = l.acquire(&cancel, true);
-        tokio::pin!(waiting);
-        tokio::select! {
-            _ = &mut waiting => panic!("no share: it waits"),
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-        l.claimed(&["3".into()]);
-        assert!(matches!(waiting.await, Some(Acquired::Go(_))));
-        assert_eq!(l.snapshot().rate_per_s, Some(2.5));
-    }
-
-    #[test]
-    fn signals_from_outcomes() {
-        use crate::handler::{Failure, Outcome};
-        let cap = Duration::from_secs(60);
-        let f = |s: u16| Outcome::Failed(Failure::transient("x").with_http_status(s));
-        assert!(matches!(
-            signal_of(&f(429), cap),
-            Signal::Slow {
-                reason: DecreaseReason::Throttled,
-                retry_after: None
-            }
-        ));
-        let long = Outcome::Failed(
-            Failure::transient("x")
-                .with_http_status(429)
-                .with_retry_after(Some(Duration::from_secs(999_999))),
-        );
-        assert_eq!(
-            signal_of(&long, cap),
-            Signal::Slow {
-                reason: DecreaseReason::Throttled,
-                retry_after: Some(cap)
-            },
-            "bounded"
-        );
-        assert!(matches!(
-            signal_of(&f(503), cap),
-            Signal::Slow {
-                reason: DecreaseReason::Unavailable,
-                ..
-            }
-        ));
-        assert!(matches!(
-            signal_of(&Outcome::Failed(Failure::timeout("slow")), cap),
-            Signal::Slow {
-                reason: DecreaseReason::Timeout,
-                ..
-            }
-        ));
-        assert_eq!(signal_of(&f(400), cap), Signal::Neutral);
-        assert_eq!(signal_of(&Outcome::Delivered, cap), Signal::Success);
-    }
-}
+mod tests;

@@ -1,12 +1,15 @@
 //! One downstream rate limit for the whole deployment (`handler.rate_limit`), adapted from
 //! what the receiver says.
 //!
-//! - **Shared out by owned partitions.** Each replica takes `limit × owned ÷ partitions`,
-//!   read from the ownership blobs the processor lists every load-balancing cycle — no
-//!   coordinator on the hot path. A partition that leaves a replica leaves its share at once;
-//!   one taken from another live owner adds to the taker's share only after two update
-//!   intervals, by when the old owner's own listing has shown it gone: the shares never add
-//!   up to more than the limit, through any rebalance ([`Shares`]).
+//! - **Shared out by demand** ([`demand`]). Each replica paces at `rate × share`, and the
+//!   shares follow what the replicas can use, not the partitions they own: every replica
+//!   publishes its demand (a backlog, or the part of the rate it used lately) and its share
+//!   in one compare-and-swap record (`ratelimit-shares/{downstream}`), read and written on a
+//!   background tick — no coordinator on the hot path. A share goes down at once and up only
+//!   into what the others' committed shares leave free, so the shares never add up to more
+//!   than the whole, through any join, leave or change of demand; a replica that stops
+//!   renewing its entry (killed, frozen, cut off from storage) stops pacing before the
+//!   others take its share.
 //! - **Adapted (AIMD).** A 429, a 503 or a timeout lowers the deployment's rate
 //!   multiplicatively (at most once a second, deployment-wide); while the receiver succeeds
 //!   the rate climbs back additively — quickly up to just under the rate that failed, slowly
@@ -22,9 +25,10 @@
 //! Everything here is pure (times are arguments); [`limiter::Limiter`] keeps the state,
 //! the record and the clock.
 
+pub mod demand;
 pub mod limiter;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
@@ -237,166 +241,47 @@ pub fn pause(rec: &AdaptedRecord, until: SystemTime) -> Option<AdaptedRecord> {
 pub const PACING_HEADROOM: f64 = 0.97;
 
 /// Generic cell rate pacing (GCRA, no burst): each request gets the next slot `1 / rate`
-/// after the previous one, so any one-second window holds at most `rate + 1` requests.
+/// after the previous one, so any one-second window holds at most `rate + 1` requests — also
+/// across a [`reset`](Gcra::reset) (the rate changed: the slots not yet reached are given up
+/// and asked for again), since the next slot is still spaced from the last one reached.
 #[derive(Debug, Clone, Default)]
 pub struct Gcra {
-    /// The next free slot.
+    /// The next free slot (`None` after a reset).
     tat: Option<Instant>,
+    /// The latest slot reached.
+    reached: Option<Instant>,
+    /// Slots reserved and not yet reached (one per waiting request).
+    ahead: VecDeque<Instant>,
 }
 
 impl Gcra {
+    fn reach(&mut self, now: Instant) {
+        while self.ahead.front().is_some_and(|s| *s <= now) {
+            self.reached = self.ahead.pop_front();
+        }
+    }
+
     /// Reserves the next slot at or after `now` for `rate` requests a second: how long to
     /// wait for it.
     pub fn reserve(&mut self, now: Instant, rate: f64) -> Duration {
-        let slot = self.tat.map_or(now, |t| t.max(now));
+        self.reach(now);
         let interval = Duration::from_secs_f64(1.0 / rate.max(1e-6)).min(Duration::from_secs(3600));
+        let slot = match (self.tat, self.reached) {
+            (Some(t), _) => t.max(now),
+            (None, Some(r)) => (r + interval).max(now),
+            (None, None) => now,
+        };
         self.tat = Some(slot + interval);
+        self.ahead.push_back(slot);
         slot - now
     }
 
-    /// Forgets reservations (after a rate change: the next request re-reserves).
+    /// Gives up the slots not reached by `now` (after a rate change: their requests reserve
+    /// again, at the new rate, spaced from the last slot reached).
     pub fn reset(&mut self, now: Instant) {
-        if self.tat.is_some_and(|t| t > now) {
-            self.tat = Some(now);
-        }
-    }
-}
-
-/// One partition as a listing of the ownership blobs shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Owned {
-    /// The partition.
-    pub partition: String,
-    /// Its owner, when the claim is live (not expired, owner id not empty).
-    pub live_owner: Option<String>,
-}
-
-/// This replica's share of the limit: the partitions it owns, from each listing of the
-/// ownership blobs. A partition counts at once when it was nobody's (or already this
-/// replica's); one taken from another live owner counts only after `delay`, by when that
-/// owner's own listing has shown it gone (each replica lists every update interval). A
-/// partition no listing or claim has confirmed for `fresh` (the ownership expiration) stops
-/// counting: by then other replicas see the claim expired and may take it.
-#[derive(Debug, Clone)]
-pub struct Shares {
-    me: String,
-    delay: Duration,
-    fresh: Duration,
-    /// partition → since when it counts for this replica, and when it was last confirmed.
-    mine: HashMap<String, (Instant, Instant)>,
-    /// The last listing: partition → live owner.
-    last: HashMap<String, Option<String>>,
-    /// partition → the listing that first showed it no longer another replica's: that
-    /// replica lost it by then, and its own listing shows it so within an update interval.
-    left_other: HashMap<String, Instant>,
-    total: usize,
-}
-
-impl Shares {
-    /// Shares for replica `me`; takeovers count after `delay`; a partition counts while a
-    /// listing or a claim confirmed it within `fresh`.
-    pub fn new(me: &str, delay: Duration, fresh: Duration) -> Self {
-        Self {
-            me: me.into(),
-            delay,
-            fresh,
-            mine: HashMap::new(),
-            last: HashMap::new(),
-            left_other: HashMap::new(),
-            total: 0,
-        }
-    }
-
-    /// The hub's partition count (from its properties; a listing may name fewer).
-    pub fn set_total(&mut self, total: usize) {
-        self.total = total;
-    }
-
-    fn counts_from(&self, partition: &str, now: Instant) -> Instant {
-        match self.last.get(partition) {
-            Some(Some(owner)) if *owner != self.me => now + self.delay,
-            _ => self
-                .left_other
-                .get(partition)
-                .map_or(now, |left| now.max(*left + self.delay)),
-        }
-    }
-
-    /// A listing of every ownership blob at `now`.
-    pub fn listed(&mut self, now: Instant, owners: &[Owned]) {
-        let live: HashSet<&str> = owners
-            .iter()
-            .filter(|o| o.live_owner.as_deref() == Some(self.me.as_str()))
-            .map(|o| o.partition.as_str())
-            .collect();
-        self.mine.retain(|p, _| live.contains(p.as_str()));
-        for p in live {
-            match self.mine.get_mut(p) {
-                Some((_, confirmed)) => *confirmed = now,
-                None => {
-                    let from = self.counts_from(p, now);
-                    self.mine.insert(p.to_string(), (from, now));
-                }
-            }
-        }
-        for o in owners {
-            let was_other =
-                matches!(self.last.get(&o.partition), Some(Some(owner)) if *owner != self.me);
-            let is_other = o
-                .live_owner
-                .as_deref()
-                .is_some_and(|owner| owner != self.me);
-            if was_other && !is_other {
-                self.left_other.insert(o.partition.clone(), now);
-            }
-        }
-        self.last = owners
-            .iter()
-            .map(|o| (o.partition.clone(), o.live_owner.clone()))
-            .collect();
-        self.total = self.total.max(owners.len());
-    }
-
-    /// Partitions this replica has just claimed at `now` (before the next listing shows them).
-    pub fn claimed(&mut self, now: Instant, partitions: &[String]) {
-        for p in partitions {
-            match self.mine.get_mut(p) {
-                Some((_, confirmed)) => *confirmed = now,
-                None => {
-                    let from = self.counts_from(p, now);
-                    self.mine.insert(p.clone(), (from, now));
-                }
-            }
-        }
-    }
-
-    /// Partitions that count for this replica at `now`, and the hub's partition count.
-    pub fn owned(&self, now: Instant) -> (usize, usize) {
-        let n = self
-            .mine
-            .values()
-            .filter(|(from, confirmed)| *from <= now && now.duration_since(*confirmed) < self.fresh)
-            .count();
-        (n, self.total.max(n))
-    }
-
-    /// This replica's share of the limit at `now` (0 until it owns a partition).
-    pub fn share(&self, now: Instant) -> f64 {
-        let (n, total) = self.owned(now);
-        if total == 0 {
-            0.0
-        } else {
-            n as f64 / total as f64
-        }
-    }
-
-    /// When the next pending partition starts to count, if one is pending.
-    pub fn next_change(&self, now: Instant) -> Option<Instant> {
-        self.mine
-            .values()
-            .map(|(from, _)| *from)
-            .filter(|from| *from > now)
-            .min()
+        self.reach(now);
+        self.ahead.clear();
+        self.tat = None;
     }
 }
 
@@ -466,50 +351,6 @@ mod tests {
         );
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn shares_follow_ownership_and_takeovers_wait_for_the_old_owner() {
-        let owned = |v: &[(&str, Option<&str>)]| -> Vec<Owned> {
-            v.iter()
-                .map(|(p, o)| Owned {
-                    partition: p.to_string(),
-                    live_owner: o.map(str::to_string),
-                })
-                .collect()
-        };
-        let delay = Duration::from_secs(2);
-        let mut b = Shares::new("b", delay, Duration::from_secs(10));
-        b.set_total(4);
-        let now = Instant::now();
-        assert_eq!(b.share(now), 0.0);
-        // b claims two of a's partitions and one nobody held.
-        b.listed(
-            now,
-            &owned(&[
-                ("0", Some("a")),
-                ("1", Some("a")),
-                ("2", None),
-                ("3", Some("a")),
-            ]),
-        );
-        b.claimed(now, &["0".into(), "1".into(), "2".into()]);
-        assert_eq!(b.owned(now), (1, 4), "the unowned one counts at once");
-        assert_eq!(b.next_change(now), Some(now + delay));
-        assert_eq!(b.owned(now + delay), (3, 4));
-        // Lost one: it stops counting at once.
-        b.listed(
-            now + delay,
-            &owned(&[
-                ("0", Some("b")),
-                ("1", Some("c")),
-                ("2", Some("b")),
-                ("3", Some("a")),
-            ]),
-        );
-        assert_eq!(b.owned(now + delay), (2, 4));
-        // Nothing confirms them (blob storage unreachable): they stop counting at expiry.
-        assert_eq!(b.owned(now + delay + Duration::from_secs(10)), (0, 4));
-    }
-
     proptest! {
         #[test]
         fn the_adapted_rate_stays_within_floor_and_limit(
@@ -537,6 +378,42 @@ mod tests {
         }
 
         #[test]
+        fn a_reset_and_a_new_rate_never_let_a_second_hold_more_than_the_higher_rate_plus_one(
+            steps in proptest::collection::vec((0u64..400, 0u8..4, 1.0f64..100.0), 1..300),
+        ) {
+            // Each step: time passes, then a request reserves (and takes its slot unless a
+            // reset comes first: then it reserves again), or the rate changes with a reset.
+            let t0 = Instant::from_std(std::time::Instant::now());
+            let mut now = t0;
+            let mut g = Gcra::default();
+            let mut rate = 50.0f64;
+            let mut top = rate;
+            let mut waiting: Vec<Instant> = Vec::new();
+            let mut starts: Vec<Instant> = Vec::new();
+            for (gap, what, r) in steps {
+                now += Duration::from_millis(gap);
+                starts.extend(waiting.iter().filter(|s| **s <= now));
+                waiting.retain(|s| *s > now);
+                let gave_up = waiting.len();
+                if what == 0 {
+                    rate = r;
+                    top = top.max(rate);
+                    g.reset(now);
+                    // Those still waiting reserve again.
+                    waiting = (0..gave_up).map(|_| now + g.reserve(now, rate)).collect();
+                } else {
+                    waiting.push(now + g.reserve(now, rate));
+                }
+            }
+            starts.extend(waiting);
+            starts.sort();
+            for (i, s) in starts.iter().enumerate() {
+                let in_window = starts[i..].iter().take_while(|x| **x < *s + Duration::from_secs(1)).count();
+                prop_assert!(in_window as f64 <= top + 1.0, "{in_window} in one second, at most {top}/s");
+            }
+        }
+
+        #[test]
         fn pacing_never_lets_a_second_hold_more_than_rate_plus_one(
             rate in 0.5f64..500.0,
             arrivals in proptest::collection::vec(0u64..2000, 1..300),
@@ -558,52 +435,6 @@ mod tests {
             for (i, s) in starts.iter().enumerate() {
                 let in_window = starts[i..].iter().take_while(|x| **x < *s + Duration::from_secs(1)).count();
                 prop_assert!(in_window as f64 <= rate + 1.0, "{in_window} in one second at {rate}/s");
-            }
-        }
-
-        #[test]
-        fn shares_of_replicas_never_add_up_to_more_than_the_whole(
-            // Each step: which partition moves to which replica (or is dropped), then which
-            // replicas list.
-            steps in proptest::collection::vec((0usize..6, 0usize..4, proptest::collection::vec(any::<bool>(), 3)), 1..60),
-        ) {
-            let names = ["r0", "r1", "r2"];
-            let delay = Duration::from_millis(2000);
-            let interval = Duration::from_millis(1000); // every replica lists at least this often
-            let mut shares: Vec<Shares> = names.iter().map(|n| { let mut s = Shares::new(n, delay, Duration::from_secs(3600)); s.set_total(6); s }).collect();
-            let mut owner: Vec<Option<usize>> = vec![None; 6];
-            let mut listed_at = [Duration::ZERO; 3];
-            let start = Instant::from_std(std::time::Instant::now());
-            let mut now = Duration::ZERO;
-            let listing = |owner: &Vec<Option<usize>>| -> Vec<Owned> {
-                owner.iter().enumerate().map(|(p, o)| Owned { partition: p.to_string(), live_owner: o.map(|r| names[r].to_string()) }).collect()
-            };
-            for (p, to, lists) in steps {
-                now += Duration::from_millis(250);
-                // A replica claims partition p (listing first, as the processor does), or p
-                // is given back.
-                if to < 3 {
-                    let l = listing(&owner);
-                    shares[to].listed(start + now, &l);
-                    listed_at[to] = now;
-                    owner[p] = Some(to);
-                    shares[to].claimed(start + now, &[p.to_string()]);
-                } else if let Some(old) = owner[p].take() {
-                    // Given back (or its claim expired, which its owner's own view of it
-                    // does too: see `fresh`): the old owner no longer counts it.
-                    let l = listing(&owner);
-                    shares[old].listed(start + now, &l);
-                    listed_at[old] = now;
-                }
-                let l = listing(&owner);
-                for (r, s) in shares.iter_mut().enumerate() {
-                    if lists[r] || now - listed_at[r] >= interval {
-                        s.listed(start + now, &l);
-                        listed_at[r] = now;
-                    }
-                }
-                let sum: f64 = shares.iter().map(|s| s.share(start + now)).sum();
-                prop_assert!(sum <= 1.0 + 1e-9, "shares add up to {sum}");
             }
         }
     }

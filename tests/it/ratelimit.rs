@@ -1,5 +1,6 @@
 //! The deployment-wide rate limit (`handler.rate_limit`) on the emulators, through the real
-//! SDK clients: shares out by owned partitions through rebalances, a 429 storm slowing
+//! SDK clients: shares out by demand through rebalances (all of the limit used, uneven
+//! partitions), a 429 storm slowing
 //! every replica, a `Retry-After` pausing them all, and the checkpoint never passing an
 //! event that waits for the limiter.
 
@@ -43,9 +44,21 @@ impl Replica {
 }
 
 fn start(bed: &Bed, owner: &str, handler: Arc<dyn Handler>, limit: f64, breaker: bool) -> Replica {
+    start_with(bed, owner, handler, limit, breaker, 4)
+}
+
+/// [`start`] with `in_flight` attempts at once per partition.
+fn start_with(
+    bed: &Bed,
+    owner: &str,
+    handler: Arc<dyn Handler>,
+    limit: f64,
+    breaker: bool,
+    in_flight: usize,
+) -> Replica {
     let mut wiring = bed.wiring(owner).policy(fast_policy(20));
     wiring.options_mut().rate_limit = RateLimitConfig::per_second(limit);
-    wiring.options_mut().max_in_flight = 4;
+    wiring.options_mut().max_in_flight = in_flight;
     if breaker {
         wiring = wiring.breaker(BreakerConfig::default());
     }
@@ -118,7 +131,8 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
         );
     };
     let whole = |snaps: &[hubguard::ratelimit::limiter::RateSnapshot]| {
-        (total_share(snaps) - 1.0).abs() < 1e-9 && snaps.iter().all(|s| s.share > 0.0)
+        // Shares are kept in millionths, rounded down.
+        (total_share(snaps) - 1.0).abs() < 1e-5 && snaps.iter().all(|s| s.share > 0.0)
     };
     let a = start(&bed, "a", handler.clone(), limit, false);
     // Alone, it gets all of it.
@@ -162,7 +176,7 @@ async fn the_shares_add_up_to_the_limit_through_a_rebalance_a_replica_killed_and
     )
     .await;
     assert!(
-        (most - limit).abs() < 1e-6,
+        (most - limit).abs() < 1e-3,
         "the whole limit was in use: {most}"
     );
     for r in [a, b, d] {
@@ -184,7 +198,7 @@ async fn a_429_storm_lowers_every_replicas_rate_without_opening_the_breaker_or_l
         &[&a.limiter, &b.limiter],
         Duration::from_secs(30),
         &mut |_| {},
-        &|s| s.iter().all(|s| s.share > 0.0) && (total_share(s) - 1.0).abs() < 1e-9,
+        &|s| s.iter().all(|s| s.share > 0.0) && (total_share(s) - 1.0).abs() < 1e-5,
     )
     .await;
     let keys: Vec<String> = (0..120).map(|i| format!("storm-{i}")).collect();
@@ -483,4 +497,98 @@ async fn a_long_pause_shows_in_readiness_until_it_ends() {
     )
     .await;
     r.stop().await;
+}
+
+/// What the receiver saw of a run: requests per whole second from the first request, the
+/// average rate from the first request to the last, and the busiest sliding second.
+#[derive(Debug)]
+struct Used {
+    per_second: Vec<u32>,
+    average_per_s: f64,
+    max_in_any_second: usize,
+}
+
+fn used(receiver: &CappedReceiver) -> Used {
+    let log = receiver.log();
+    let first = log.first().map(|l| l.at).unwrap_or_default();
+    let log: Vec<_> = log
+        .into_iter()
+        .map(|l| hubguard::emulator::capped::Logged {
+            at: l.at - first,
+            status: l.status,
+        })
+        .collect();
+    let span = log.last().map_or(0.0, |l| l.at.as_secs_f64());
+    Used {
+        per_second: hubguard::emulator::capped::per_second(&log),
+        average_per_s: log.len().saturating_sub(1) as f64 / span.max(1e-9),
+        max_in_any_second: hubguard::emulator::capped::max_in_any_second(&log, Duration::ZERO),
+    }
+}
+
+/// Issue 39: the limit is used, not split by owned partitions. Three replicas, four
+/// partitions with most of the backlog in one; the first replica runs alone for a while,
+/// the other two join mid-run (a rebalance). From the first request to the last (a backlog
+/// waits all along) the receiver must see ≥ 90 % of the limit on average, no sliding
+/// second above 105 % and no whole second without a request. (Before shares followed
+/// demand they followed owned partitions, and the replica holding the big partition kept a
+/// quarter or half: 62–66 % of the limit here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unused_share_flows_to_the_replicas_with_a_backlog_through_a_rebalance() {
+    let limit = 100.0;
+    let bed = Bed::start(4).await;
+    let receiver = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), None, None)
+        .await
+        .unwrap();
+    // 1,500 events: 900 in partition 0, 250, 200 and 150 in the others.
+    let mut keys = Vec::new();
+    for (p, n) in [(0usize, 900usize), (1, 250), (2, 200), (3, 150)] {
+        let batch: Vec<String> = (0..n).map(|i| format!("uneven-{p}-{i}")).collect();
+        let events: Vec<(&str, &str)> = batch.iter().map(|k| (k.as_str(), "ok")).collect();
+        bed.send(p, &events).await;
+        keys.extend(batch);
+    }
+    // Enough in flight that one partition can take the whole limit: the limiter, not the
+    // partition's concurrency, is what holds each replica back.
+    let a = start_with(&bed, "a", webhook(receiver.url()), limit, false, 32);
+    eventually("a alone delivers", Duration::from_secs(60), || async {
+        seen(receiver.delivered().len(), |n| *n >= 200)
+    })
+    .await;
+    let b = start_with(&bed, "b", webhook(receiver.url()), limit, false, 32);
+    let c = start_with(&bed, "c", webhook(receiver.url()), limit, false, 32);
+    eventually(
+        "every event delivered",
+        Duration::from_secs(120),
+        || async {
+            let delivered = receiver.delivered();
+            seen(
+                keys.iter().filter(|k| delivered.contains_key(*k)).count(),
+                |n| *n == keys.len(),
+            )
+        },
+    )
+    .await;
+    let u = used(&receiver);
+    for r in [a, b, c] {
+        r.stop().await;
+    }
+    println!("{u:?}");
+    assert!(
+        u.max_in_any_second as f64 <= 1.05 * limit,
+        "{} requests in one second, limit {limit}: {u:?}",
+        u.max_in_any_second
+    );
+    // The last whole second may be partial; every earlier one had requests.
+    let whole = &u.per_second[..u.per_second.len().saturating_sub(1)];
+    assert!(
+        whole.iter().all(|n| *n > 0),
+        "a whole second without a request: {u:?}"
+    );
+    assert!(
+        u.average_per_s >= 0.9 * limit,
+        "{:.1}/s on average, {:.0} % of the limit {limit}: {u:?}",
+        u.average_per_s,
+        100.0 * u.average_per_s / limit
+    );
 }
