@@ -8,6 +8,7 @@ mod blob;
 mod cli;
 mod common;
 mod concurrency;
+mod conformance;
 mod dashboards;
 mod demo;
 mod deployments;

@@ -65,7 +65,9 @@ use self::request::{
     body_tags, check_metadata, conditions, header_tags, metadata, query_map, refuse_bearer,
     BLOB_NAME_CHARS,
 };
-use self::response::{blob_error, common_headers, error_response, tag_set_xml, write_headers};
+use self::response::{
+    blob_error, common_headers, echo_version, error_response, tag_set_xml, write_headers,
+};
 use self::store::{BlobError, BlobStore};
 use crate::emulator::clock::Clock;
 use crate::emulator::Faults;
@@ -187,8 +189,7 @@ impl Drop for BlobEmulator {
     }
 }
 
-/// Routes one request. The checks come in Azure's error precedence (the tests assert it): the
-/// bearer token, the account, the blob name and metadata, then the operation's own.
+/// Answers one request, with the request's `x-ms-version` echoed as Azure echoes it.
 async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -196,9 +197,37 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let mut resp = route(&shared, method, &uri, &headers, body);
+    echo_version(&headers, &mut resp);
+    resp
+}
+
+/// A container name Azure accepts ("Naming and referencing containers, blobs, and metadata",
+/// learn.microsoft.com): 3 to 63 lowercase letters, digits and hyphens, starting with a
+/// letter or digit, every hyphen between letters or digits; or one of the named system
+/// containers. Azure answers any other 400 `InvalidResourceName` (the C++ SDK's recording
+/// `BlobContainerClientTest.CreateDelete`, for `UPPERCASE`).
+fn valid_container_name(name: &str) -> bool {
+    if matches!(name, "$root" | "$logs" | "$web") {
+        return true;
+    }
+    let b = name.as_bytes();
+    let ok = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    (3..=63).contains(&b.len())
+        && b.iter().all(|&c| ok(c) || c == b'-')
+        && ok(b[0])
+        && ok(b[b.len() - 1])
+        && !name.contains("--")
+}
+
+/// Routes one request. The checks come in Azure's error precedence (the tests assert it): the
+/// bearer token, the account, the container name, the blob name and metadata, then the
+/// operation's own.
+fn route(shared: &Shared, method: Method, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Response {
+    let headers = headers.clone();
     let now = shared.clock.now();
     let head = method == Method::HEAD;
-    if let Some(refusal) = refuse_bearer(&shared, &headers, head, now) {
+    if let Some(refusal) = refuse_bearer(shared, &headers, head, now) {
         return refusal;
     }
     let (container, blob) = match resource(&shared.account, uri.path()) {
@@ -213,7 +242,16 @@ async fn handle(
             )
         }
     };
-    let q = query_map(&uri);
+    if !container.is_empty() && !valid_container_name(&container) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "InvalidResourceName",
+            "The specifed resource name contains invalid characters.",
+            head,
+            now,
+        );
+    }
+    let q = query_map(uri);
     let restype = q.get("restype").map(String::as_str);
     let comp = q.get("comp").map(String::as_str);
     if let Some(refusal) = refuse_input(&method, blob.as_deref(), comp, &headers, head, now) {
@@ -222,7 +260,7 @@ async fn handle(
     let mut h = HeaderMap::new();
     common_headers(&mut h, now);
     let op = Operation {
-        shared: &shared,
+        shared,
         container: &container,
         headers: &headers,
         head,
@@ -356,12 +394,13 @@ impl Operation<'_> {
         self.answer(result)
     }
 
-    /// Delete Container: 202.
+    /// Delete Container: 202 (again 202 while the deletion is under way, as Azure answered a
+    /// second Delete Container in the C++ SDK's recording `DeleteWithConditions`).
     fn delete_container(&self, h: HeaderMap) -> Response {
         let result = self
             .shared
             .store
-            .delete_container(self.container)
+            .delete_container(self.container, self.now)
             .map(|_| (StatusCode::ACCEPTED, h).into_response());
         self.answer(result)
     }
