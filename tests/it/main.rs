@@ -9,6 +9,8 @@ mod cli;
 mod common;
 mod concurrency;
 mod conformance;
+mod conformance_check;
+mod conformance_clients;
 mod dashboards;
 mod demo;
 mod deployments;
