@@ -3,8 +3,9 @@
 //! and the fix. Every permission is proven by a harmless operation: the container is
 //! listed under `hubguard-check/`, a probe blob is written (with an index tag when the
 //! ledger uses them) and deleted; the retry queue's description is read and held to what the
-//! configuration needs (the start-up proof `run` makes too); the clock offset to blob
-//! storage is measured from the probe write's `Last-Modified`. `run` makes the storage lines
+//! configuration needs (the start-up proof `run` makes too); the hub's partitions read and a
+//! receiver opened in the consumer group; the webhook's handshake made (or its host reached);
+//! the clock offset to blob storage is measured from the probe write's `Last-Modified`. `run` makes the storage lines
 //! at start as well, and does not start when one fails.
 
 use std::sync::Arc;
@@ -118,11 +119,13 @@ pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -
     let container =
         match BlobContainer::new(&storage.container_url, storage.credential.clone(), deadline) {
             Ok(c) => Arc::new(c),
-            Err(e) => return vec![CheckLine::fail(
+            Err(e) => {
+                return vec![CheckLine::fail(
                 "storage.container_url",
                 e.to_string(),
                 "set storage.container_url to https://<account>.blob.core.windows.net/<container>",
-            )],
+            )]
+            }
         };
     let url = container.url().to_string();
     let mut lines = Vec::new();
@@ -280,6 +283,171 @@ fn queue_fix(refusal: &QueueRefusal, queue: &str) -> String {
     }
 }
 
+/// The Event Hubs lines: the hub's properties read (its partition count), and a receiver
+/// opened on its first partition in the consumer group (the group exists, and the identity
+/// may listen); nothing is read.
+async fn eventhubs_lines(
+    t: &crate::pipeline::EventHubsTarget,
+    deadline: Duration,
+) -> Vec<CheckLine> {
+    use azure_messaging_eventhubs::{
+        ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
+    };
+    let what = format!("eventhubs: {} ({})", t.hub, t.consumer_group);
+    let listen_fix = format!(
+        "grant Azure Event Hubs Data Receiver on the hub to hubguard's identity: az role assignment create --role \"Azure Event Hubs Data Receiver\" --assignee <principal-id> --scope <namespace-id>/eventhubs/{}; with a connection string, use a policy with Listen",
+        t.hub
+    );
+    let mut builder = ConsumerClient::builder()
+        .with_application_id(format!("hubguard-check-{}", std::process::id()))
+        .with_consumer_group(t.consumer_group.clone());
+    if let Some(e) = &t.custom_endpoint {
+        builder = builder.with_custom_endpoint(e.clone());
+    }
+    let consumer = match tokio::time::timeout(
+        deadline,
+        t.auth.open_consumer(builder, &t.namespace, &t.hub),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            return vec![CheckLine::fail(
+                &what,
+                format!("connecting: {e}"),
+                listen_fix,
+            )]
+        }
+        Err(_) => {
+            return vec![CheckLine::fail(
+                &what,
+                format!("no connection within {deadline:?}"),
+                format!(
+                    "make {} reachable from this host (AMQP over TLS, port 5671)",
+                    t.namespace
+                ),
+            )]
+        }
+    };
+    let mut lines = Vec::new();
+    let partitions = match tokio::time::timeout(deadline, consumer.get_eventhub_properties()).await
+    {
+        Ok(Ok(p)) => {
+            lines.push(CheckLine::pass(
+                &format!("{what}: hub"),
+                format!("{} partitions", p.partition_ids.len()),
+            ));
+            p.partition_ids
+        }
+        Ok(Err(e)) => {
+            let fix = format!("check that the hub {} exists in {} (az eventhubs eventhub show --resource-group <rg> --namespace-name <namespace> --name {}), and {listen_fix}", t.hub, t.namespace, t.hub);
+            lines.push(CheckLine::fail(&format!("{what}: hub"), e.to_string(), fix));
+            return lines;
+        }
+        Err(_) => {
+            lines.push(CheckLine::fail(
+                &format!("{what}: hub"),
+                format!("no answer within {deadline:?}"),
+                "check the namespace's availability",
+            ));
+            return lines;
+        }
+    };
+    let options = OpenReceiverOptions {
+        start_position: Some(StartPosition {
+            location: StartLocation::Latest,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let first = partitions.first().cloned().unwrap_or_else(|| "0".into());
+    let cg_fix = format!(
+        "create the consumer group: az eventhubs eventhub consumer-group create --resource-group <rg> --namespace-name <namespace> --eventhub-name {} --name {}",
+        t.hub, t.consumer_group
+    );
+    let cg_what = format!("{what}: consumer group");
+    lines.push(match attach(&consumer, &first, options, deadline).await {
+        Ok(detail) => CheckLine::pass(&cg_what, detail),
+        Err(e) => CheckLine::fail(&cg_what, e, format!("{cg_fix}; or {listen_fix}")),
+    });
+    let _ = tokio::time::timeout(deadline, consumer.close()).await;
+    lines
+}
+
+/// The webhook's line: with `[handler.handshake]` on, the CloudEvents abuse-protection
+/// handshake made (the `OPTIONS` request a receiver answers before it takes deliveries);
+/// otherwise its host reached (a TCP connection, nothing sent).
+async fn webhook_line(config: &Config) -> CheckLine {
+    let crate::config::HandlerSection::Webhook(w) = &config.handler;
+    let what = "webhook";
+    let shown = crate::redact::redact(&w.url);
+    let handler = match crate::handler::webhook::WebhookHandler::new(w.clone()) {
+        Ok(h) => h,
+        Err(e) => {
+            return CheckLine::fail(what, e.to_string(), "see [handler] in the configuration")
+        }
+    };
+    match handler.handshake_now().await {
+        Ok(true) => CheckLine::pass(what, format!("{shown} agreed to receive (handshake, origin {})", w.handshake.origin)),
+        Err(reason) => CheckLine::fail(
+            what,
+            format!("{shown}: {reason}"),
+            "the receiver must answer the CloudEvents abuse-protection handshake (OPTIONS with WebHook-Request-Origin → 200 with WebHook-Allowed-Origin); see docs/webhook.md, or turn handler.handshake off",
+        ),
+        Ok(false) => {
+            let target = url::Url::parse(&w.url).ok().and_then(|u| {
+                Some(format!("{}:{}", u.host_str()?, u.port_or_known_default()?))
+            });
+            let Some(target) = target else {
+                return CheckLine::fail(what, format!("{shown} has no host"), "set handler.url");
+            };
+            let timeout = Duration::from_millis(w.timeout_ms);
+            match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&target)).await {
+                Ok(Ok(_)) => CheckLine::pass(what, format!("{shown}: its host accepts connections (the handshake is off: nothing sent)")),
+                Ok(Err(e)) => CheckLine::fail(what, format!("{shown}: {e}"), format!("make {target} reachable from this host")),
+                Err(_) => CheckLine::fail(what, format!("{shown}: no connection within {timeout:?}"), format!("make {target} reachable from this host")),
+            }
+        }
+    }
+}
+
+/// Attaches a receiver on `partition` (the SDK attaches on the first poll) and waits up to
+/// [`ATTACH_WAIT`] for Event Hubs to refuse it (an unknown consumer group, no Listen right).
+async fn attach(
+    consumer: &azure_messaging_eventhubs::ConsumerClient,
+    partition: &str,
+    options: azure_messaging_eventhubs::OpenReceiverOptions,
+    deadline: Duration,
+) -> Result<String, String> {
+    use futures::StreamExt;
+    let receiver = match tokio::time::timeout(
+        deadline,
+        consumer.open_receiver_on_partition(partition.to_string(), Some(options)),
+    )
+    .await
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err(format!("no receiver within {deadline:?}")),
+    };
+    let wait = ATTACH_WAIT.min(deadline);
+    let first = {
+        let mut events = receiver.stream_events();
+        tokio::time::timeout(wait, events.next()).await
+    };
+    let _ = tokio::time::timeout(deadline, receiver.close()).await;
+    match first {
+        Ok(Some(Err(e))) => Err(e.to_string()),
+        Ok(None) => Err("the receiver closed at once".into()),
+        Ok(Some(Ok(_))) | Err(_) => Ok(format!(
+            "a receiver attached on partition {partition} (not refused within {wait:?}; nothing settled)"
+        )),
+    }
+}
+
+/// How long a receiver waits to be refused.
+const ATTACH_WAIT: Duration = Duration::from_secs(2);
+
 /// Every line of the check, for `config`.
 pub(super) async fn check_lines(config: &Config) -> anyhow::Result<Vec<CheckLine>> {
     let storage = StorageAccess::from_config(config)?;
@@ -287,6 +455,8 @@ pub(super) async fn check_lines(config: &Config) -> anyhow::Result<Vec<CheckLine
     let deadline = wiring.options_mut().deadline;
     let mut lines = storage_lines(&storage, deadline).await;
     lines.extend(queue_lines(&wiring, &config.servicebus.queue).await);
+    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline).await);
+    lines.push(webhook_line(config).await);
     Ok(lines)
 }
 

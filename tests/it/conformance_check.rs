@@ -1,6 +1,7 @@
 //! `hubguard check` on the emulators, with each precondition it proves broken in turn: all
-//! pass on a well-made bed; a missing container, a queue without duplicate detection, and
-//! storage refusing requests each fail with the fix named (issue 43).
+//! pass on a well-made bed; a missing container, storage refusing requests, a missing
+//! consumer group and a queue without duplicate detection each fail with the fix named
+//! (issue 43).
 
 use std::time::Duration;
 
@@ -9,6 +10,37 @@ use hubguard::emulator::servicebus::QueueSpec;
 use crate::pipeline_support::Bed;
 
 fn config(dir: &std::path::Path, bed: &Bed, container: &str) -> std::path::PathBuf {
+    config_with_hook(dir, bed, container, &hook_addr())
+}
+
+/// A port that accepts connections for the test's length (the webhook's host, reached).
+fn hook_addr() -> String {
+    static HOOK: std::sync::OnceLock<(std::net::TcpListener, String)> = std::sync::OnceLock::new();
+    HOOK.get_or_init(|| {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        (l, a)
+    })
+    .1
+    .clone()
+}
+
+fn config_with_hook(
+    dir: &std::path::Path,
+    bed: &Bed,
+    container: &str,
+    hook: &str,
+) -> std::path::PathBuf {
+    config_full(dir, bed, container, &format!("http://{hook}/events"), "")
+}
+
+fn config_full(
+    dir: &std::path::Path,
+    bed: &Bed,
+    container: &str,
+    hook_url: &str,
+    more: &str,
+) -> std::path::PathBuf {
     let path = dir.join("hubguard.toml");
     std::fs::write(
         &path,
@@ -23,7 +55,8 @@ connection_string = "{sb}"
 container_url = "{blob}"
 [handler]
 kind = "webhook"
-url = "http://127.0.0.1:9/events"
+url = "{hook_url}"
+{more}
 "#,
             eh = bed.eh.connection_string(),
             sb = bed.sb.connection_string(),
@@ -36,9 +69,14 @@ url = "http://127.0.0.1:9/events"
 
 /// Runs `hubguard check` (off the test's runtime: the emulators answer meanwhile).
 async fn check(config: std::path::PathBuf) -> (i32, String) {
+    check_with(config, &[]).await
+}
+
+async fn check_with(config: std::path::PathBuf, env: &[(&str, &str)]) -> (i32, String) {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args(["check", "--config"])
         .arg(&config)
+        .envs(env.iter().copied())
         .output();
     let out = crate::common::within("hubguard check", out).await.unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -56,6 +94,9 @@ async fn check_passes_on_a_well_made_bed_and_names_each_broken_precondition() {
         "pass  storage: write, delete",
         "pass  clock offset to blob storage",
         "pass  servicebus: queue retries",
+        "pass  eventhubs: hub ($Default): hub: 1 partitions",
+        "pass  eventhubs: hub ($Default): consumer group",
+        "pass  webhook: ",
     ] {
         assert!(out.contains(line), "missing {line:?} in:\n{out}");
     }
@@ -88,6 +129,32 @@ async fn check_passes_on_a_well_made_bed_and_names_each_broken_precondition() {
     bed.blob.faults().clear();
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("grant Storage Blob Data Contributor"), "{out}");
+
+    // The webhook's host refuses connections.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let (code, out) = check(config_with_hook(dir.path(), &bed, "hubguard", &closed)).await;
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  webhook"), "{out}");
+    assert!(out.contains(&format!("make {closed} reachable")), "{out}");
+
+    // The consumer group does not exist.
+    let (code, out) = check_with(
+        config(dir.path(), &bed, "hubguard"),
+        &[("HUBGUARD_EVENTHUBS__CONSUMER_GROUP", "missing-cg")],
+    )
+    .await;
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL  eventhubs: hub (missing-cg): consumer group"),
+        "{out}"
+    );
+    assert!(
+        out.contains("az eventhubs eventhub consumer-group create --resource-group <rg> --namespace-name <namespace> --eventhub-name hub --name missing-cg"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,4 +169,28 @@ async fn check_names_a_queue_without_duplicate_detection() {
     assert!(out.contains("set RequiresDuplicateDetection"), "{out}");
     assert!(out.contains("az servicebus queue create"), "{out}");
     assert!(out.contains("pass  storage: write, delete"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_makes_the_webhooks_handshake() {
+    use hubguard::emulator::webhook::{HandshakeAnswer, WebhookReceiver};
+    let bed = Bed::start(1).await;
+    let receiver = WebhookReceiver::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let handshake = "[handler.handshake]\nenabled = true\norigin = \"hubguard.example\"";
+    let path = config_full(dir.path(), &bed, "hubguard", &receiver.url(), handshake);
+    let (code, out) = check(path.clone()).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("pass  webhook: ") && out.contains("agreed to receive"),
+        "{out}"
+    );
+
+    receiver.set_handshake(HandshakeAnswer::Refuse);
+    let (code, out) = check(path).await;
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  webhook"), "{out}");
+    assert!(out.contains("abuse-protection handshake"), "{out}");
 }

@@ -2,8 +2,10 @@
 //! record store (ledger, breaker) use, path-style `/{account}/{container}/{blob}`, behaving as
 //! the service documents each operation (learn.microsoft.com/rest/api/storageservices):
 //!
-//! - containers: create (201/409), properties (200/404), delete (202), list blobs
-//!   (`prefix`, `marker`, `maxresults`, `include=metadata`);
+//! - containers: create (201/409; 409 `ContainerBeingDeleted` for 30 s after a delete),
+//!   properties (200/404), delete (202, again 202 while being deleted), list blobs (`prefix`,
+//!   `marker`, `maxresults`, `include=metadata`; each `<Etag>` unquoted, as Azure lists it);
+//!   a name Azure refuses: 400 `InvalidResourceName`;
 //! - blobs: Put Blob (201), Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
 //!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202); blob index tags: `x-ms-tags`
 //!   on Put Blob (which replaces the blob's tags with those given, none without the header),
@@ -13,7 +15,11 @@
 //!   Put Blob (412 elsewhere); on Get Blob and Get Properties, `If-None-Match` (and
 //!   `If-Modified-Since`) → 304 Not Modified without a body, `If-Match` (and
 //!   `If-Unmodified-Since`) → 412, `If-None-Match: *` → 400 `UnsatisfiableCondition`; 404 `BlobNotFound`/`ContainerNotFound`, with `x-ms-error-code`
-//!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write.
+//!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write; on writes and
+//!   deletes `If-Modified-Since`/`If-Unmodified-Since` unmet → 412 `ConditionNotMet`;
+//! - every XML body starts with a UTF-8 byte-order mark and the request's `x-ms-version` is
+//!   echoed, as Azure answers (the recordings in tests/data/azure-recordings, held by
+//!   tests/it/conformance.rs; docs/conformance.md).
 //!
 //! Anonymous requests are accepted, and so is a SAS in the query string (neither is
 //! verified). An Entra ID token (`Authorization: Bearer …`) cannot be verified here, so, like
