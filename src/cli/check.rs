@@ -151,13 +151,26 @@ pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -
             return lines;
         }
     }
+    lines.extend(probe_lines(&container, &url, storage.index_tags, deadline).await);
+    lines
+}
+
+/// A probe blob written (tagged when the ledger uses index tags) and deleted; and the clock
+/// offset its write's `Last-Modified` shows.
+async fn probe_lines(
+    container: &BlobContainer,
+    url: &str,
+    index_tags: bool,
+    deadline: Duration,
+) -> Vec<CheckLine> {
+    let mut lines = Vec::new();
     let probe = format!("{PROBE_PREFIX}{}", uuid::Uuid::new_v4());
-    let tags: &[(&str, &str)] = if storage.index_tags {
+    let tags: &[(&str, &str)] = if index_tags {
         &[("hubguard", "check")]
     } else {
         &[]
     };
-    let what = if storage.index_tags {
+    let what = if index_tags {
         "storage: write, tag, delete"
     } else {
         "storage: write, delete"
@@ -182,7 +195,7 @@ pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -
             lines.push(CheckLine::fail(
                 what,
                 format!("writing {probe}: {e}"),
-                storage_fix(&e, &url),
+                storage_fix(&e, url),
             ));
             return lines;
         }
@@ -203,7 +216,7 @@ pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -
         Ok(Err(e)) => lines.push(CheckLine::fail(
             what,
             format!("deleting {probe}: {e}"),
-            storage_fix(&e, &url),
+            storage_fix(&e, url),
         )),
         Err(_) => lines.push(CheckLine::fail(
             what,
