@@ -600,6 +600,19 @@ fn walk(xml: &str, mut f: impl FnMut(&[&str], &str)) -> Result<(), BlobError> {
     }
 }
 
+/// An ETag as the `ETag` header carries it. Azure lists a blob's `<Etag>` unquoted
+/// (`0x8DD…`) and sends it quoted in headers (`"0x8DD…"`), as its recordings show; every
+/// ETag hubguard holds is in the header's form, so a listed one compares equal to the one a
+/// read or write returned.
+fn header_form(etag: &str) -> String {
+    let etag = etag.trim();
+    if etag.is_empty() || etag.starts_with('"') || etag.starts_with("W/") {
+        etag.to_string()
+    } else {
+        format!("\"{etag}\"")
+    }
+}
+
 /// A List Blobs page → its blobs and the next marker.
 fn parse_list(xml: &str) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
     let mut items = Vec::new();
@@ -609,7 +622,7 @@ fn parse_list(xml: &str) -> Result<(Vec<BlobItem>, Option<String>), BlobError> {
     walk(xml, |path, text| match path {
         ["EnumerationResults", "Blobs", "Blob", "Name"] => cur.name = text.to_string(),
         ["EnumerationResults", "Blobs", "Blob", "Properties", "Etag"] => {
-            cur.etag = text.to_string()
+            cur.etag = header_form(text)
         }
         ["EnumerationResults", "Blobs", "Blob", "Properties", "Last-Modified"] => {
             cur.last_modified = azure_core::time::parse_rfc7231(text).ok()
@@ -781,6 +794,10 @@ mod tests {
             1_570_864_850
         );
         assert_eq!(items[1].name, "a/b<c");
+        assert_eq!(
+            items[1].etag, "\"0x2\"",
+            "a listed ETag in the header's form"
+        );
         assert!(items[1].metadata.is_empty());
         let (_, next) =
             parse_list("<EnumerationResults><Blobs/><NextMarker/></EnumerationResults>").unwrap();

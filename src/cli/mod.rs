@@ -21,6 +21,7 @@ use crate::wiring::{StorageAccess, Wiring};
 
 #[cfg(feature = "testbed")]
 mod bed;
+mod check;
 mod dead_letters;
 mod partitions;
 mod retries;
@@ -89,6 +90,10 @@ pub struct Cli {
 enum Command {
     /// Run the checkpoint-guarded pipeline from a TOML config (HUBGUARD_* overrides).
     Run(ConfigArg),
+    /// Preflight against the configured account and namespace: each resource reachable,
+    /// each permission proven by a harmless operation, the retry queue's settings, the clock
+    /// offset; each failure with its fix. Exit 1 when any fails.
+    Check(ConfigArg),
     /// The ledger's answer to "when will this retry?" for an idempotency key.
     Status(StatusArgs),
     /// List or replay dead-lettered events.
@@ -155,7 +160,7 @@ fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::System
 impl Command {
     fn config_path(&self) -> Option<&std::path::Path> {
         match self {
-            Command::Run(c) => Some(&c.config),
+            Command::Run(c) | Command::Check(c) => Some(&c.config),
             Command::Status(s) => Some(&s.config.config),
             Command::DeadLetters(
                 DeadLettersCommand::List { config, .. }
@@ -284,6 +289,7 @@ pub fn main() -> ExitCode {
             #[cfg(feature = "testbed")]
             Command::Emulator(args) => ok(run_emulator(args).await),
             Command::Run(args) => ok(run_pipeline(args).await),
+            Command::Check(args) => check::check(args).await,
             #[cfg(feature = "testbed")]
             Command::Demo(args) => ok(demo(args).await),
             Command::Status(args) => status(args).await,

@@ -484,6 +484,20 @@ impl Handler for WebhookHandler {
 }
 
 impl WebhookHandler {
+    /// The abuse-protection handshake alone, as `hubguard check` proves it before any
+    /// delivery: `Ok(false)` when the handshake is off, `Err` with why the webhook refused.
+    #[cfg(feature = "cli")]
+    pub(crate) async fn handshake_now(&self) -> Result<bool, String> {
+        if self.handshake.is_none() {
+            return Ok(false);
+        }
+        let authorization = self.authorization.as_ref().map(|a| a.get());
+        self.ensure_handshake(authorization.as_deref())
+            .await
+            .map(|()| true)
+            .map_err(|f| f.error)
+    }
+
     /// With the handshake on, waits until the webhook has agreed to take deliveries (or
     /// fails the attempt).
     pub(super) async fn ensure_handshake(

@@ -2,8 +2,10 @@
 //! record store (ledger, breaker) use, path-style `/{account}/{container}/{blob}`, behaving as
 //! the service documents each operation (learn.microsoft.com/rest/api/storageservices):
 //!
-//! - containers: create (201/409), properties (200/404), delete (202), list blobs
-//!   (`prefix`, `marker`, `maxresults`, `include=metadata`);
+//! - containers: create (201/409; 409 `ContainerBeingDeleted` for 30 s after a delete),
+//!   properties (200/404), delete (202, again 202 while being deleted), list blobs (`prefix`,
+//!   `marker`, `maxresults`, `include=metadata`; each `<Etag>` unquoted, as Azure lists it);
+//!   a name Azure refuses: 400 `InvalidResourceName`;
 //! - blobs: Put Blob (201), Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
 //!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202); blob index tags: `x-ms-tags`
 //!   on Put Blob (which replaces the blob's tags with those given, none without the header),
@@ -13,7 +15,11 @@
 //!   Put Blob (412 elsewhere); on Get Blob and Get Properties, `If-None-Match` (and
 //!   `If-Modified-Since`) → 304 Not Modified without a body, `If-Match` (and
 //!   `If-Unmodified-Since`) → 412, `If-None-Match: *` → 400 `UnsatisfiableCondition`; 404 `BlobNotFound`/`ContainerNotFound`, with `x-ms-error-code`
-//!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write.
+//!   and the XML error body; `ETag` and `Last-Modified` (GMT) on every write; on writes and
+//!   deletes `If-Modified-Since`/`If-Unmodified-Since` unmet → 412 `ConditionNotMet`;
+//! - every XML body starts with a UTF-8 byte-order mark and the request's `x-ms-version` is
+//!   echoed, as Azure answers (the recordings in tests/data/azure-recordings, held by
+//!   tests/it/conformance.rs; docs/conformance.md).
 //!
 //! Anonymous requests are accepted, and so is a SAS in the query string (neither is
 //! verified). An Entra ID token (`Authorization: Bearer …`) cannot be verified here, so, like
@@ -65,7 +71,9 @@ use self::request::{
     body_tags, check_metadata, conditions, header_tags, metadata, query_map, refuse_bearer,
     BLOB_NAME_CHARS,
 };
-use self::response::{blob_error, common_headers, error_response, tag_set_xml, write_headers};
+use self::response::{
+    blob_error, common_headers, echo_version, error_response, tag_set_xml, write_headers,
+};
 use self::store::{BlobError, BlobStore};
 use crate::emulator::clock::Clock;
 use crate::emulator::Faults;
@@ -187,8 +195,7 @@ impl Drop for BlobEmulator {
     }
 }
 
-/// Routes one request. The checks come in Azure's error precedence (the tests assert it): the
-/// bearer token, the account, the blob name and metadata, then the operation's own.
+/// Answers one request, with the request's `x-ms-version` echoed as Azure echoes it.
 async fn handle(
     State(shared): State<Arc<Shared>>,
     method: Method,
@@ -196,9 +203,37 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let mut resp = route(&shared, method, &uri, &headers, body);
+    echo_version(&headers, &mut resp);
+    resp
+}
+
+/// A container name Azure accepts ("Naming and referencing containers, blobs, and metadata",
+/// learn.microsoft.com): 3 to 63 lowercase letters, digits and hyphens, starting with a
+/// letter or digit, every hyphen between letters or digits; or one of the named system
+/// containers. Azure answers any other 400 `InvalidResourceName` (the C++ SDK's recording
+/// `BlobContainerClientTest.CreateDelete`, for `UPPERCASE`).
+fn valid_container_name(name: &str) -> bool {
+    if matches!(name, "$root" | "$logs" | "$web") {
+        return true;
+    }
+    let b = name.as_bytes();
+    let ok = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    (3..=63).contains(&b.len())
+        && b.iter().all(|&c| ok(c) || c == b'-')
+        && ok(b[0])
+        && ok(b[b.len() - 1])
+        && !name.contains("--")
+}
+
+/// Routes one request. The checks come in Azure's error precedence (the tests assert it): the
+/// bearer token, the account, the container name, the blob name and metadata, then the
+/// operation's own.
+fn route(shared: &Shared, method: Method, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Response {
+    let headers = headers.clone();
     let now = shared.clock.now();
     let head = method == Method::HEAD;
-    if let Some(refusal) = refuse_bearer(&shared, &headers, head, now) {
+    if let Some(refusal) = refuse_bearer(shared, &headers, head, now) {
         return refusal;
     }
     let (container, blob) = match resource(&shared.account, uri.path()) {
@@ -213,7 +248,16 @@ async fn handle(
             )
         }
     };
-    let q = query_map(&uri);
+    if !container.is_empty() && !valid_container_name(&container) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "InvalidResourceName",
+            "The specifed resource name contains invalid characters.",
+            head,
+            now,
+        );
+    }
+    let q = query_map(uri);
     let restype = q.get("restype").map(String::as_str);
     let comp = q.get("comp").map(String::as_str);
     if let Some(refusal) = refuse_input(&method, blob.as_deref(), comp, &headers, head, now) {
@@ -222,7 +266,7 @@ async fn handle(
     let mut h = HeaderMap::new();
     common_headers(&mut h, now);
     let op = Operation {
-        shared: &shared,
+        shared,
         container: &container,
         headers: &headers,
         head,
@@ -356,12 +400,13 @@ impl Operation<'_> {
         self.answer(result)
     }
 
-    /// Delete Container: 202.
+    /// Delete Container: 202 (again 202 while the deletion is under way, as Azure answered a
+    /// second Delete Container in the C++ SDK's recording `DeleteWithConditions`).
     fn delete_container(&self, h: HeaderMap) -> Response {
         let result = self
             .shared
             .store
-            .delete_container(self.container)
+            .delete_container(self.container, self.now)
             .map(|_| (StatusCode::ACCEPTED, h).into_response());
         self.answer(result)
     }

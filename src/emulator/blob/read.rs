@@ -7,7 +7,7 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::response::{blob_headers, error_response, xml_escape};
+use super::response::{blob_headers, error_response, xml_escape, BOM};
 use super::store::{Blob, BlobError};
 use super::Shared;
 use crate::emulator::clock::http_date;
@@ -178,7 +178,7 @@ pub(super) fn list(
         .get("include")
         .is_some_and(|i| i.split(',').any(|x| x.trim() == "metadata"));
     let (page, next) = shared.store.list(container, prefix, marker, max)?;
-    let mut xml = String::from("<?xml version=\"1.0\" encoding=\"utf-8\"?>");
+    let mut xml = format!("{BOM}<?xml version=\"1.0\" encoding=\"utf-8\"?>");
     xml.push_str(&format!(
         "<EnumerationResults ServiceEndpoint=\"http://localhost/{}/\" ContainerName=\"{}\">",
         xml_escape(&shared.account),
@@ -205,7 +205,9 @@ pub(super) fn list(
             "<Last-Modified>{}</Last-Modified>",
             http_date(b.last_modified)
         ));
-        xml.push_str(&format!("<Etag>\"{}\"</Etag>", b.etag));
+        // Unquoted in a listing, quoted in an `ETag` header: as Azure writes both (the Rust
+        // checkpoint store's recording `update_checkpoint_verify_in_list_checkpoints`).
+        xml.push_str(&format!("<Etag>{}</Etag>", b.etag));
         xml.push_str(&format!(
             "<Content-Length>{}</Content-Length>",
             b.content.len()

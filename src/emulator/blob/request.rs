@@ -23,9 +23,12 @@ pub(super) fn query_map(uri: &Uri) -> BTreeMap<String, String> {
 
 pub(super) fn conditions(h: &HeaderMap) -> Conditions {
     let get = |n: &str| h.get(n).and_then(|v| v.to_str().ok()).map(String::from);
+    let date = |n: &str| get(n).and_then(|d| crate::clock::parse_http_date(&d));
     Conditions {
         if_match: get("if-match"),
         if_none_match: get("if-none-match"),
+        if_modified_since: date("if-modified-since"),
+        if_unmodified_since: date("if-unmodified-since"),
     }
 }
 

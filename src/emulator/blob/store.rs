@@ -98,6 +98,9 @@ pub enum BlobError {
     /// 409 BlobAlreadyExists.
     #[error("The specified blob already exists.")]
     BlobAlreadyExists,
+    /// 409 ContainerBeingDeleted.
+    #[error("The specified container is being deleted. Try operation later.")]
+    ContainerBeingDeleted,
     /// 412 ConditionNotMet.
     #[error("The condition specified using HTTP conditional header(s) is not met.")]
     ConditionNotMet,
@@ -106,13 +109,21 @@ pub enum BlobError {
     Internal(String),
 }
 
-/// `If-Match` / `If-None-Match` of a request.
+/// The conditional headers of a write or delete: `If-Match` / `If-None-Match` and the date
+/// conditions `If-Modified-Since` / `If-Unmodified-Since` ("Specifying conditional headers
+/// for Blob service operations", learn.microsoft.com: on a write or delete every unmet
+/// condition is 412 `ConditionNotMet`, as Azure answered a Delete Blob with
+/// `If-Unmodified-Since` in the past in the C++ SDK's recording `DeleteWithConditions`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Conditions {
     /// `If-Match` (an ETag or `*`).
     pub if_match: Option<String>,
     /// `If-None-Match` (an ETag or `*`).
     pub if_none_match: Option<String>,
+    /// `If-Modified-Since`: only if the blob changed after this (at whole seconds).
+    pub if_modified_since: Option<SystemTime>,
+    /// `If-Unmodified-Since`: only if the blob did not change after this.
+    pub if_unmodified_since: Option<SystemTime>,
 }
 
 fn unquote(s: &str) -> &str {
@@ -149,6 +160,14 @@ impl Conditions {
                 }
             }
         }
+        if let Some(b) = current {
+            let modified = secs(b.last_modified);
+            if self.if_unmodified_since.is_some_and(|t| modified > secs(t))
+                || self.if_modified_since.is_some_and(|t| modified <= secs(t))
+            {
+                return Err(BlobError::ConditionNotMet);
+            }
+        }
         Ok(())
     }
 }
@@ -157,6 +176,8 @@ impl Conditions {
 #[derive(Debug)]
 pub struct BlobStore {
     containers: Mutex<BTreeMap<String, Container>>,
+    /// Containers deleted, and when: a deletion takes [`DELETING`] on Azure.
+    deleting: Mutex<BTreeMap<String, SystemTime>>,
     dir: Option<PathBuf>,
     etags: AtomicU64,
     writes: Mutex<Option<Vec<BlobWrite>>>,
@@ -174,6 +195,10 @@ pub struct BlobWrite {
     /// When the write was applied.
     pub at: SystemTime,
 }
+
+/// How long a deleted container stays "being deleted": Azure documents at least 30 seconds
+/// before the name can be used again ("Delete Container", learn.microsoft.com).
+pub const DELETING: Duration = Duration::from_secs(30);
 
 fn whole_seconds(t: SystemTime) -> SystemTime {
     let s = t
@@ -217,6 +242,7 @@ impl BlobStore {
         };
         let store = Self {
             containers: Mutex::new(BTreeMap::new()),
+            deleting: Mutex::new(BTreeMap::new()),
             dir,
             etags: AtomicU64::new(0x8DC0_0000_0000_0000u64.wrapping_add(secs(now) << 16)),
             writes: Mutex::new(None),
@@ -337,6 +363,14 @@ impl BlobStore {
         if all.contains_key(name) {
             return Err(BlobError::ContainerAlreadyExists);
         }
+        let being_deleted = self
+            .deleting
+            .locked()
+            .get(name)
+            .is_some_and(|at| now.duration_since(*at).map_or(true, |d| d < DELETING));
+        if being_deleted {
+            return Err(BlobError::ContainerBeingDeleted);
+        }
         if let Some(dir) = self.container_dir(name) {
             fs::create_dir_all(dir).map_err(|e| BlobError::Internal(e.to_string()))?;
         }
@@ -357,10 +391,22 @@ impl BlobStore {
             .ok_or(BlobError::ContainerNotFound)
     }
 
-    /// Deletes a container and its blobs.
-    pub fn delete_container(&self, name: &str) -> Result<(), BlobError> {
+    /// Deletes a container and its blobs. Azure deletes a container in the background: for
+    /// [`DELETING`] after a deletion, a Delete Container is accepted again and a Create
+    /// Container refused with 409 `ContainerBeingDeleted` ("Delete Container",
+    /// learn.microsoft.com/rest/api/storageservices/delete-container).
+    pub fn delete_container(&self, name: &str, now: SystemTime) -> Result<(), BlobError> {
         let mut all = self.lock();
-        all.remove(name).ok_or(BlobError::ContainerNotFound)?;
+        let mut deleting = self.deleting.locked();
+        deleting.retain(|_, at| now.duration_since(*at).map_or(true, |d| d < DELETING));
+        if all.remove(name).is_none() {
+            return if deleting.contains_key(name) {
+                Ok(())
+            } else {
+                Err(BlobError::ContainerNotFound)
+            };
+        }
+        deleting.insert(name.to_string(), now);
         if let Some(dir) = self.container_dir(name) {
             let _ = fs::remove_dir_all(dir);
         }

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use super::broker::{Entity, Queue};
 use super::response::xml_escape;
 use super::{QueueSpec, Shared};
 
@@ -29,18 +30,95 @@ pub(super) fn describe(shared: &Shared, name: &str, host: &str) -> Response {
         )
             .into_response();
     };
+    let now = shared.broker.clock.now();
+    let times = Times {
+        now,
+        created: shared.created,
+    };
+    // Azure's ETag of a description is its UpdatedAt in .NET ticks, unquoted (the Python
+    // administration client's recording `test_mgmt_queue_get_runtime_properties_basic`).
+    let etag = [("etag", ticks(shared.created).to_string())];
+    let counts = Counts::of(&queue, now);
     (
         StatusCode::OK,
         atom,
-        queue_entry(&queue.spec(), host, shared.broker.clock.now()),
+        etag,
+        queue_entry(&queue.spec(), host, &times, &counts),
     )
         .into_response()
 }
 
+/// An Atom `published`/`updated` time: whole seconds, as Azure writes them.
 fn atom_time(t: SystemTime) -> String {
-    time::OffsetDateTime::from(t)
-        .format(&time::format_description::well_known::Rfc3339)
+    let secs = crate::clock::ms(t) / 1000;
+    time::OffsetDateTime::from_unix_timestamp(secs)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
         .unwrap_or_default()
+}
+
+/// A description's `CreatedAt`/`UpdatedAt`/`AccessedAt`: milliseconds at most, trailing zeros
+/// dropped (`2024-09-04T18:18:19.92Z`, `…19.943Z`, `…19Z`), as Azure writes them.
+fn entity_time(t: SystemTime) -> String {
+    let ms = crate::clock::ms(t);
+    let whole = atom_time(t);
+    let frac = format!("{:03}", ms % 1000);
+    let frac = frac.trim_end_matches('0');
+    match (frac.is_empty(), whole.strip_suffix('Z')) {
+        (false, Some(base)) => format!("{base}.{frac}Z"),
+        _ => whole,
+    }
+}
+
+/// .NET ticks (100 ns since 0001-01-01) of a time, at the milliseconds a description shows.
+fn ticks(t: SystemTime) -> i64 {
+    (crate::clock::ms(t) + 62_135_596_800_000) * 10_000
+}
+
+/// The times a description carries.
+struct Times {
+    now: SystemTime,
+    created: SystemTime,
+}
+
+/// A queue's message counts and size, as `CountDetails`, `MessageCount` and `SizeInBytes`
+/// report them (active counts locked messages: they are still in the queue).
+struct Counts {
+    active: u64,
+    dead_letter: u64,
+    scheduled: u64,
+    bytes: u64,
+}
+
+impl Counts {
+    fn of(queue: &Queue, now: SystemTime) -> Self {
+        let c = queue.counters(now);
+        let bytes = [Entity::Main, Entity::DeadLetter]
+            .into_iter()
+            .flat_map(|e| queue.messages(e))
+            .map(|m| m.body.len() as u64)
+            .sum();
+        Self {
+            active: c.active + c.locked,
+            dead_letter: c.dead_lettered,
+            scheduled: c.scheduled,
+            bytes,
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.active + self.dead_letter + self.scheduled
+    }
+
+    fn xml(&self) -> String {
+        format!(
+            "<CountDetails xmlns:d2p1=\"http://schemas.microsoft.com/netservices/2011/06/servicebus\"><d2p1:ActiveMessageCount>{}</d2p1:ActiveMessageCount><d2p1:DeadLetterMessageCount>{}</d2p1:DeadLetterMessageCount><d2p1:ScheduledMessageCount>{}</d2p1:ScheduledMessageCount><d2p1:TransferMessageCount>0</d2p1:TransferMessageCount><d2p1:TransferDeadLetterMessageCount>0</d2p1:TransferDeadLetterMessageCount></CountDetails>",
+            self.active, self.dead_letter, self.scheduled
+        )
+    }
 }
 
 /// A duration as .NET writes a `TimeSpan` in XML (`PT1M`, `P7D`, `PT0.5S`).
@@ -76,7 +154,7 @@ const TIMESPAN_MAX: &str = "P10675199DT2H48M5.4775807S";
 
 /// The Atom entry of a queue, in the shape of the Get Queue reference (the management REST
 /// API, api-version 2021-05), from its [`QueueSpec`].
-fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
+fn queue_entry(spec: &QueueSpec, host: &str, times: &Times, counts: &Counts) -> String {
     let url = format!("https://{host}/{}?api-version=2021-05", spec.name);
     let window = spec
         .duplicate_detection_window
@@ -85,9 +163,10 @@ fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
         .default_ttl
         .map(xml_timespan)
         .unwrap_or_else(|| TIMESPAN_MAX.into());
-    let t = atom_time(now);
+    let t = atom_time(times.now);
+    let (created, accessed) = (entity_time(times.created), entity_time(times.now));
     format!(
-        "<entry xmlns=\"http://www.w3.org/2005/Atom\"><id>{url}</id><title type=\"text\">{name}</title><published>{t}</published><updated>{t}</updated><author><name>emulator</name></author><link rel=\"self\" href=\"{url}\"/><content type=\"application/xml\"><QueueDescription xmlns=\"http://schemas.microsoft.com/netservices/2010/10/servicebus/connect\" xmlns:i=\"http://www.w3.org/2001/XMLSchema-instance\"><LockDuration>{lock}</LockDuration><MaxSizeInMegabytes>1024</MaxSizeInMegabytes><RequiresDuplicateDetection>{requires}</RequiresDuplicateDetection><RequiresSession>false</RequiresSession><DefaultMessageTimeToLive>{ttl}</DefaultMessageTimeToLive><DeadLetteringOnMessageExpiration>{dlq}</DeadLetteringOnMessageExpiration><DuplicateDetectionHistoryTimeWindow>{window}</DuplicateDetectionHistoryTimeWindow><MaxDeliveryCount>{mdc}</MaxDeliveryCount><EnableBatchedOperations>true</EnableBatchedOperations><SizeInBytes>0</SizeInBytes><MessageCount>0</MessageCount><IsAnonymousAccessible>false</IsAnonymousAccessible><AuthorizationRules/><Status>Active</Status><CreatedAt>{t}</CreatedAt><UpdatedAt>{t}</UpdatedAt><AccessedAt>{t}</AccessedAt><SupportOrdering>true</SupportOrdering><AutoDeleteOnIdle>{max}</AutoDeleteOnIdle><EnablePartitioning>false</EnablePartitioning><EntityAvailabilityStatus>Available</EntityAvailabilityStatus><EnableExpress>false</EnableExpress><MaxMessageSizeInKilobytes>{kb}</MaxMessageSizeInKilobytes></QueueDescription></content></entry>",
+        "<entry xmlns=\"http://www.w3.org/2005/Atom\"><id>{url}</id><title type=\"text\">{name}</title><published>{t}</published><updated>{t}</updated><author><name>emulator</name></author><link rel=\"self\" href=\"{url}\"/><content type=\"application/xml\"><QueueDescription xmlns=\"http://schemas.microsoft.com/netservices/2010/10/servicebus/connect\" xmlns:i=\"http://www.w3.org/2001/XMLSchema-instance\"><LockDuration>{lock}</LockDuration><MaxSizeInMegabytes>1024</MaxSizeInMegabytes><RequiresDuplicateDetection>{requires}</RequiresDuplicateDetection><RequiresSession>false</RequiresSession><DefaultMessageTimeToLive>{ttl}</DefaultMessageTimeToLive><DeadLetteringOnMessageExpiration>{dlq}</DeadLetteringOnMessageExpiration><DuplicateDetectionHistoryTimeWindow>{window}</DuplicateDetectionHistoryTimeWindow><MaxDeliveryCount>{mdc}</MaxDeliveryCount><EnableBatchedOperations>true</EnableBatchedOperations><SizeInBytes>{bytes}</SizeInBytes><MessageCount>{count}</MessageCount><IsAnonymousAccessible>false</IsAnonymousAccessible><AuthorizationRules/><Status>Active</Status><CreatedAt>{created}</CreatedAt><UpdatedAt>{created}</UpdatedAt><AccessedAt>{accessed}</AccessedAt><SupportOrdering>true</SupportOrdering>{details}<AutoDeleteOnIdle>{max}</AutoDeleteOnIdle><EnablePartitioning>false</EnablePartitioning><EntityAvailabilityStatus>Available</EntityAvailabilityStatus><EnableExpress>false</EnableExpress><MaxMessageSizeInKilobytes>{kb}</MaxMessageSizeInKilobytes></QueueDescription></content></entry>",
         name = xml_escape(&spec.name),
         lock = xml_timespan(spec.lock_duration),
         requires = spec.duplicate_detection_window.is_some(),
@@ -96,5 +175,8 @@ fn queue_entry(spec: &QueueSpec, host: &str, now: SystemTime) -> String {
         mdc = spec.max_delivery_count,
         max = TIMESPAN_MAX,
         kb = spec.max_message_size_kb,
+        bytes = counts.bytes,
+        count = counts.total(),
+        details = counts.xml(),
     )
 }

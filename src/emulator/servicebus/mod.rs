@@ -125,6 +125,8 @@ struct Shared {
     refused: std::sync::Mutex<Vec<String>>,
     /// Send Message Batch requests accepted.
     batches: std::sync::atomic::AtomicU64,
+    /// When the queues were created (a description's `CreatedAt`, `UpdatedAt` and `ETag`).
+    created: std::time::SystemTime,
 }
 
 /// A running Service Bus emulator. Dropping it stops it.
@@ -145,8 +147,10 @@ impl ServiceBusEmulator {
 
     /// Like [`start`](Self::start), on a shared clock.
     pub async fn start_with_clock(config: ServiceBusConfig, clock: Arc<Clock>) -> io::Result<Self> {
+        let created = clock.now();
         let broker = Broker::open(&config.queues, config.data_dir.as_deref(), clock)?;
         let shared = Arc::new(Shared {
+            created,
             broker,
             key: config.key,
             send_listen_key: config.send_listen_key,
