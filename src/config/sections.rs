@@ -423,6 +423,7 @@ impl Default for StatusSection {
         Self {
             listen: default_listen(),
             unhealthy_after_ms: PipelineOptions::default().unhealthy_after.map_or(0, ms_of),
+            backlog_every_ms: ms_of(PipelineOptions::default().backlog_every),
         }
     }
 }
@@ -489,6 +490,8 @@ pub struct StatusSection {
     /// `/healthz` answers 503 once the Event Hubs consumer has failed without a break for
     /// this long (ms), so an orchestrator restarts the process; 0 never.
     pub unhealthy_after_ms: u64,
+    /// How often the backlog (`GET /v1/backlog`, `hubguard.backlog.events`) is sampled (ms).
+    pub backlog_every_ms: u64,
 }
 
 fn default_listen() -> SocketAddr {

@@ -194,6 +194,19 @@ pub mod metric {
     pub const RATE_DEPLOYMENT: &str = "hubguard.ratelimit.deployment_rate";
     /// Gauge: how many times the deployment's rate was lowered (429, 503, timeouts).
     pub const RATE_DECREASES: &str = "hubguard.ratelimit.decreases";
+    /// Gauge: work not yet done, by `kind` ([`super::backlog_kind`]): the whole deployment's,
+    /// from any replica (aggregate with `max`).
+    pub const BACKLOG_EVENTS: &str = "hubguard.backlog.events";
+}
+
+/// The values of [`metric_attr::KIND`] on [`metric::BACKLOG_EVENTS`].
+pub mod backlog_kind {
+    /// Events enqueued past a partition's checkpoint, over every partition.
+    pub const UNREAD: &str = "unread";
+    /// Retries due now that still wait.
+    pub const RETRIES_DUE: &str = "retries_due";
+    /// Events parked behind an earlier event of their ordering key.
+    pub const PARKED: &str = "parked";
 }
 
 /// Metric attribute keys.
@@ -206,6 +219,8 @@ pub mod metric_attr {
     pub const EVENT_TYPE: &str = "event_type";
     /// The downstream (breaker name).
     pub const DOWNSTREAM: &str = "downstream";
+    /// What a backlog gauge counts ([`super::backlog_kind`]).
+    pub const KIND: &str = "kind";
 }
 
 /// Every name above, for the dashboard consistency test.
@@ -275,9 +290,11 @@ pub fn all() -> Vec<&'static str> {
         metric::RATE_CURRENT,
         metric::RATE_DEPLOYMENT,
         metric::RATE_DECREASES,
+        metric::BACKLOG_EVENTS,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
         metric_attr::DOWNSTREAM,
+        metric_attr::KIND,
     ]
 }

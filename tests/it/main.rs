@@ -3,6 +3,7 @@
 
 mod alerts;
 mod architecture;
+mod backlog;
 mod bad_state;
 mod blob;
 mod cli;
