@@ -166,6 +166,7 @@ cfg_if::cfg_if! {
         pub mod guard;
         pub mod handler;
         pub mod ledger;
+        pub mod opsevents;
         pub mod pipeline;
         pub mod policy;
         pub mod ratelimit;
@@ -191,6 +192,7 @@ cfg_if::cfg_if! {
         mod guard;
         mod handler;
         mod ledger;
+        mod opsevents;
         mod pipeline;
         mod policy;
         mod ratelimit;
@@ -232,14 +234,20 @@ pub use pipeline::{
     PipelineOptions, PipelineParts, RetryOrdering, RunError,
 };
 pub use policy::{Curve, PolicyError, RetryPolicy};
+// Operational events (CloudEvents about hubguard itself) and the backlog for scaling.
+pub use opsevents::send::{
+    OpsEventsDestination, OpsEventsError, ServiceBusDestination, WebhookDestination,
+};
+pub use opsevents::{OpsEvent, OpsEventKind, OpsEvents, OpsEventsCounts, OpsEventsSettings};
 pub use ratelimit::RateLimitConfig;
+pub use telemetry::backlog::{router as backlog_router, Backlog, BacklogCell};
 pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
 // `hubguard run`'s configuration file.
 pub use config::{
     Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
-    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection,
-    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
-    StorageSection,
+    EventHubsSection, HandlerSection, LedgerSection, OperationalEventsSection, PolicySection,
+    ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition,
+    StatusSection, StorageSection,
 };
 pub use telemetry::logs::{LogFormat, LogSection};
 // Logs, traces and metrics as `hubguard run` sets them up.

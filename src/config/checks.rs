@@ -65,6 +65,9 @@ impl Config {
         if let Some(d) = &self.dead_letters {
             d.validate(&self.servicebus.queue)?;
         }
+        if let Some(o) = &self.operational_events {
+            o.validate(&self.servicebus.queue)?;
+        }
         if self.eventhubs.retention_hours == 0 {
             return Err(invalid(
                 "eventhubs.retention_hours",
@@ -138,7 +141,11 @@ impl Config {
                 100,
             ),
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
-            ("status.backlog_every_ms", self.status.backlog_every_ms, 1_000),
+            (
+                "status.backlog_every_ms",
+                self.status.backlog_every_ms,
+                1_000,
+            ),
         ] {
             if value < min {
                 let why = match key {

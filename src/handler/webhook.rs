@@ -528,8 +528,9 @@ impl WebhookHandler {
     }
 }
 
-/// Adds the Standard Webhooks signature headers for `body` to `req`.
-fn signed(
+/// Adds the Standard Webhooks signature headers for `body` to `req` (operational events are
+/// signed the same way).
+pub(crate) fn signed(
     req: reqwest::RequestBuilder,
     keys: &Live<SigningKeys>,
     webhook_id: &str,

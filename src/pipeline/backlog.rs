@@ -118,7 +118,10 @@ impl Sampler {
     async fn sample(&self, consumer: &ConsumerClient) -> Result<Backlog, String> {
         let t = &self.target;
         let hub = self
-            .timed("reading the hub's properties", consumer.get_eventhub_properties())
+            .timed(
+                "reading the hub's properties",
+                consumer.get_eventhub_properties(),
+            )
             .await?;
         let checkpoints: BTreeMap<String, i64> = self
             .timed(

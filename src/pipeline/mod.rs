@@ -62,6 +62,7 @@ pub mod health;
 mod lines;
 mod message_id;
 mod observe;
+mod ops;
 mod options;
 pub mod ownership;
 mod partition;
@@ -367,6 +368,7 @@ impl Pipeline {
             ));
         }
         tokio::spawn(self.backlog.run(backlog::either(&cancel, &crash)));
+        ops::start(&self.shared, backlog::either(&cancel, &crash));
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();

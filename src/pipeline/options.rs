@@ -251,6 +251,9 @@ pub struct PipelineOptions {
     /// retries due, parked events) is sampled: one partition-properties call per partition,
     /// one checkpoint listing and one ledger listing each time.
     pub backlog_every: Duration,
+    /// Operational events (breaker, held partitions, dead letters, rate limit) and where they
+    /// go (`None`: none).
+    pub ops_events: Option<Arc<crate::opsevents::OpsEvents>>,
 }
 
 impl Default for PipelineOptions {
@@ -286,6 +289,7 @@ impl Default for PipelineOptions {
             handover: true,
             rate_limit: crate::ratelimit::RateLimitConfig::default(),
             backlog_every: Duration::from_secs(30),
+            ops_events: None,
         }
     }
 }

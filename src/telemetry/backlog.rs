@@ -197,6 +197,8 @@ mod tests {
         let j = b.to_json();
         assert_eq!(j["total"], 14);
         assert_eq!(j["unread_by_partition"]["1"], 4);
-        assert!(j["sampled_at"].as_str().is_some_and(|t| t.starts_with("1970-01-01T00:00:00")));
+        assert!(j["sampled_at"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("1970-01-01T00:00:00")));
     }
 }
