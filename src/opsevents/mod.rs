@@ -157,6 +157,8 @@ impl Suppressor {
 /// What became of operational events, counted (also exported as `hubguard.opsevents.*`).
 #[derive(Debug, Default)]
 pub struct Counts {
+    /// Handed to the sender (queued in the channel).
+    pub queued: AtomicU64,
     /// Accepted by the destination.
     pub sent: AtomicU64,
     /// Suppressed by a window (counted into the next one sent).
@@ -170,6 +172,8 @@ pub struct Counts {
 /// A snapshot of [`Counts`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OpsEventsCounts {
+    /// Handed to the sender.
+    pub queued: u64,
     /// Accepted by the destination.
     pub sent: u64,
     /// Suppressed by a window.
@@ -252,6 +256,7 @@ impl OpsEvents {
     pub fn counts(&self) -> OpsEventsCounts {
         let c = &self.counts;
         OpsEventsCounts {
+            queued: c.queued.load(Ordering::Relaxed),
             sent: c.sent.load(Ordering::Relaxed),
             suppressed: c.suppressed.load(Ordering::Relaxed),
             dropped: c.dropped.load(Ordering::Relaxed),
@@ -287,7 +292,10 @@ impl OpsEvents {
         };
         let kind = event.kind;
         match self.tx.try_send((event, suppressed)) {
-            Ok(()) => true,
+            Ok(()) => {
+                self.counts.queued.fetch_add(1, Ordering::Relaxed);
+                true
+            }
             Err(e) => {
                 self.counts.dropped.fetch_add(1, Ordering::Relaxed);
                 record(metric::OPSEVENTS_DROPPED, kind);

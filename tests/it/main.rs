@@ -24,6 +24,7 @@ mod lifecycle;
 mod limits;
 mod operable;
 mod operators;
+mod opsevents;
 mod ordered_retries;
 mod otlp;
 mod outage;
