@@ -101,6 +101,9 @@
 //!   (`Wiring`) that `run`, the demo, the bench and the tests use.
 //! - `telemetry`: spans per attempt (linked across retries) and metrics, by OTLP; every
 //!   name in `telemetry::names`, the gauges beside them (`telemetry::gauges`).
+//! - `opsevents`: operational events — CloudEvents about hubguard itself (breaker, held
+//!   partitions, dead letters, the rate limit) to a signed webhook or Service Bus, read off the
+//!   event path, suppressed per window, dropped with a count when the destination lags.
 //! - `clock`: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
 //! - `sync`: locks taken whatever became of their last holder (`LockExt::locked`).
