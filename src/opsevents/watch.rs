@@ -196,3 +196,159 @@ fn rate_limit(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
         }),
     ));
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::Clock;
+    use crate::opsevents::send::{OpsEventsDestination, OpsEventsError};
+    use crate::opsevents::OpsEventsSettings;
+
+    struct Nowhere;
+
+    #[async_trait::async_trait]
+    impl OpsEventsDestination for Nowhere {
+        async fn send(&self, _: &serde_json::Value) -> Result<(), OpsEventsError> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "nowhere".into()
+        }
+    }
+
+    #[derive(Default)]
+    struct Fake {
+        dead: AtomicU64,
+        held: Mutex<BTreeMap<String, (&'static str, f64)>>,
+        decreases: AtomicU64,
+    }
+
+    impl Observed for Fake {
+        fn dead_lettered(&self) -> u64 {
+            self.dead.load(Ordering::SeqCst)
+        }
+        fn held_for(&self) -> BTreeMap<String, (&'static str, f64)> {
+            self.held.lock().unwrap().clone()
+        }
+    }
+
+    impl RateLimitReadings for Fake {
+        fn downstream_name(&self) -> String {
+            "orders".into()
+        }
+        fn configured(&self) -> Option<f64> {
+            Some(100.0)
+        }
+        fn current(&self) -> Option<f64> {
+            Some(25.0)
+        }
+        fn deployment(&self) -> Option<f64> {
+            Some(50.0)
+        }
+        fn last_decrease(&self) -> Option<&'static str> {
+            Some("429")
+        }
+        fn decreases(&self) -> u64 {
+            self.decreases.load(Ordering::SeqCst)
+        }
+    }
+
+    fn drain(events: &OpsEvents) -> Vec<OpsEvent> {
+        let mut rx = events.rx.lock().unwrap();
+        let rx = rx.as_mut().unwrap();
+        let mut out = Vec::new();
+        while let Ok((e, _)) = rx.try_recv() {
+            out.push(e);
+        }
+        out
+    }
+
+    #[test]
+    fn holds_past_the_bound_once_per_hold_dead_letters_carry_over_and_decreases_are_reported() {
+        let clock = Arc::new(Clock::default());
+        let events = OpsEvents::new(
+            OpsEventsSettings {
+                suppression: Duration::from_secs(60),
+                held_longer_than: Duration::from_secs(300),
+                ..Default::default()
+            },
+            Arc::new(Nowhere),
+            clock.clone(),
+        );
+        let fake = Arc::new(Fake::default());
+        let w = Watched {
+            observed: fake.clone(),
+            downstream: "orders".into(),
+            breaker: None,
+            limiter: Some(fake.clone()),
+        };
+        let mut seen = Seen {
+            decreases: Some(0),
+            ..Default::default()
+        };
+        look(&events, &w, &mut seen);
+        assert!(drain(&events).is_empty(), "nothing happened");
+
+        fake.held
+            .lock()
+            .unwrap()
+            .insert("3".into(), ("servicebus", 100.0));
+        look(&events, &w, &mut seen);
+        assert!(drain(&events).is_empty(), "held, but not for long");
+        fake.held
+            .lock()
+            .unwrap()
+            .insert("3".into(), ("servicebus", 301.0));
+        look(&events, &w, &mut seen);
+        look(&events, &w, &mut seen);
+        let got = drain(&events);
+        assert_eq!(got.len(), 1, "once per hold: {got:?}");
+        assert_eq!(got[0].kind, OpsEventKind::PartitionHeld);
+        assert_eq!(got[0].subject, "3");
+        assert_eq!(got[0].data["reason"], "servicebus");
+
+        fake.dead.store(2, Ordering::SeqCst);
+        fake.decreases.store(1, Ordering::SeqCst);
+        look(&events, &w, &mut seen);
+        fake.dead.store(5, Ordering::SeqCst);
+        look(&events, &w, &mut seen); // suppressed: within the window
+        let got = drain(&events);
+        assert_eq!(got.len(), 2, "{got:?}");
+        let dl = got
+            .iter()
+            .find(|e| e.kind == OpsEventKind::RetriesExhausted)
+            .unwrap();
+        assert_eq!(dl.data["dead_lettered"], 2);
+        let rl = got
+            .iter()
+            .find(|e| e.kind == OpsEventKind::RateLimitLowered)
+            .unwrap();
+        assert_eq!(rl.data["reason"], "429");
+        assert_eq!(rl.data["deployment_rate"], 50.0);
+
+        clock.advance(Duration::from_secs(61));
+        look(&events, &w, &mut seen);
+        let got = drain(&events);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            got[0].data["dead_lettered"], 3,
+            "the suppressed ones carried over"
+        );
+        assert_eq!(events.counts().suppressed, 1);
+
+        // Released, then held again past the bound: a new hold, a new event.
+        fake.held.lock().unwrap().clear();
+        look(&events, &w, &mut seen);
+        fake.held
+            .lock()
+            .unwrap()
+            .insert("3".into(), ("servicebus", 400.0));
+        clock.advance(Duration::from_secs(61));
+        look(&events, &w, &mut seen);
+        assert_eq!(drain(&events).len(), 1);
+    }
+}
