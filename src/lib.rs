@@ -101,6 +101,9 @@
 //!   (`Wiring`) that `run`, the demo, the bench and the tests use.
 //! - `telemetry`: spans per attempt (linked across retries) and metrics, by OTLP; every
 //!   name in `telemetry::names`, the gauges beside them (`telemetry::gauges`).
+//! - `opsevents`: operational events — CloudEvents about hubguard itself (breaker, held
+//!   partitions, dead letters, the rate limit) to a signed webhook or Service Bus, read off the
+//!   event path, suppressed per window, dropped with a count when the destination lags.
 //! - `clock`: the clock policy time runs on (wall time; tests advance it), and time's
 //!   formats (epoch milliseconds, RFC 3339, HTTP dates, Service Bus's whole seconds).
 //! - `sync`: locks taken whatever became of their last holder (`LockExt::locked`).
@@ -166,6 +169,7 @@ cfg_if::cfg_if! {
         pub mod guard;
         pub mod handler;
         pub mod ledger;
+        pub mod opsevents;
         pub mod pipeline;
         pub mod policy;
         pub mod ratelimit;
@@ -191,6 +195,7 @@ cfg_if::cfg_if! {
         mod guard;
         mod handler;
         mod ledger;
+        mod opsevents;
         mod pipeline;
         mod policy;
         mod ratelimit;
@@ -232,14 +237,20 @@ pub use pipeline::{
     PipelineOptions, PipelineParts, RetryOrdering, RunError,
 };
 pub use policy::{Curve, PolicyError, RetryPolicy};
+// Operational events (CloudEvents about hubguard itself) and the backlog for scaling.
+pub use opsevents::send::{
+    OpsEventsDestination, OpsEventsError, ServiceBusDestination, WebhookDestination,
+};
+pub use opsevents::{OpsEvent, OpsEventKind, OpsEvents, OpsEventsCounts, OpsEventsSettings};
 pub use ratelimit::RateLimitConfig;
+pub use telemetry::backlog::{router as backlog_router, Backlog, BacklogCell};
 pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
 // `hubguard run`'s configuration file.
 pub use config::{
     Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
-    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection,
-    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
-    StorageSection,
+    EventHubsSection, HandlerSection, LedgerSection, OperationalEventsSection, PolicySection,
+    ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition,
+    StatusSection, StorageSection,
 };
 pub use telemetry::logs::{LogFormat, LogSection};
 // Logs, traces and metrics as `hubguard run` sets them up.

@@ -373,6 +373,9 @@ impl Wiring {
         if let Some(d) = &c.dead_letters {
             w = w.dead_letters(&d.queue, d.max_message_kb);
         }
+        if let Some(o) = &c.operational_events {
+            w.options.ops_events = Some(w.ops_events(o)?);
+        }
         Ok(w)
     }
 
@@ -474,6 +477,49 @@ impl Wiring {
             .queue(&self.queue, self.options.deadline)
             .map_err(|e| WiringError::client("servicebus", e))?
             .with_clock(self.options.clock.clone()))
+    }
+
+    /// Operational events to the destination `[operational_events]` names, on the options'
+    /// clock.
+    fn ops_events(
+        &self,
+        o: &crate::config::OperationalEventsSection,
+    ) -> Result<Arc<crate::opsevents::OpsEvents>, WiringError> {
+        use crate::opsevents::send::{
+            OpsEventsDestination, ServiceBusDestination, WebhookDestination,
+        };
+        let timeout = Duration::from_millis(o.timeout_ms);
+        let destination: Arc<dyn OpsEventsDestination> = match (&o.url, &o.queue) {
+            (Some(url), _) => {
+                let url = reqwest::Url::parse(url)
+                    .map_err(|e| WiringError::client("operational_events.url", e.to_string()))?;
+                Arc::new(
+                    WebhookDestination::new(url, timeout, o.signing.as_ref())
+                        .map_err(|e| WiringError::client("operational_events", e.0))?,
+                )
+            }
+            (None, Some(q)) => {
+                let entity = self.servicebus.queue(q, timeout).map_err(|e| {
+                    WiringError::client("operational_events.queue", format!("servicebus: {e}"))
+                })?;
+                Arc::new(ServiceBusDestination::new(
+                    Arc::new(entity.without_batching()),
+                    q,
+                    timeout,
+                ))
+            }
+            (None, None) => {
+                return Err(WiringError::client(
+                    "operational_events",
+                    "set `url` or `queue`".to_string(),
+                ))
+            }
+        };
+        Ok(Arc::new(crate::opsevents::OpsEvents::new(
+            o.settings(),
+            destination,
+            self.options.clock.clone(),
+        )))
     }
 
     /// The dead-letter destination, if one is set: a queue of the same namespace.

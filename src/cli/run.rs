@@ -52,7 +52,8 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         pipeline.settler().ledger.clone(),
         pipeline.breaker(),
         pipeline.rate_limiter(),
-    );
+    )
+    .merge(crate::telemetry::backlog::router(pipeline.backlog()));
     let status_task = tokio::spawn(async move {
         let _ = axum::serve(status, router).await;
     });

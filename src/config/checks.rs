@@ -65,6 +65,9 @@ impl Config {
         if let Some(d) = &self.dead_letters {
             d.validate(&self.servicebus.queue)?;
         }
+        if let Some(o) = &self.operational_events {
+            o.validate(&self.servicebus.queue)?;
+        }
         if self.eventhubs.retention_hours == 0 {
             return Err(invalid(
                 "eventhubs.retention_hours",
@@ -138,12 +141,18 @@ impl Config {
                 100,
             ),
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
+            (
+                "status.backlog_every_ms",
+                self.status.backlog_every_ms,
+                1_000,
+            ),
         ] {
             if value < min {
                 let why = match key {
                     "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
                     "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
                     "processor.prefetch" => "a partition with no prefetch receives nothing",
+                    "status.backlog_every_ms" => "each sample reads every partition's properties, the checkpoints and the ledger's listing",
                     _ => "nothing would run",
                 };
                 return Err(invalid(

@@ -24,8 +24,9 @@ pub use error::ConfigError;
 use error::{entity_key, invalid};
 pub use sections::{
     Access, CheckpointSection, CredentialKind, DeadLettersSection, EventHubsSection,
-    HandlerSection, LedgerSection, PolicySection, ProcessorSection, RetryOrderingKind,
-    RetrySection, ServiceBusSection, StartPosition, StatusSection, StorageSection,
+    HandlerSection, LedgerSection, OperationalEventsSection, PolicySection, ProcessorSection,
+    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
+    StorageSection,
 };
 #[cfg(any(test, feature = "testbed"))]
 pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW};
@@ -69,6 +70,9 @@ pub struct Config {
     /// `[dead_letters]`: where dead letters are also published (none by default).
     #[serde(default)]
     pub dead_letters: Option<DeadLettersSection>,
+    /// `[operational_events]`: CloudEvents about hubguard itself (none by default).
+    #[serde(default)]
+    pub operational_events: Option<OperationalEventsSection>,
     /// `[ledger]`: how long delivered records are kept.
     #[serde(default)]
     pub ledger: LedgerSection,

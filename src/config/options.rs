@@ -51,6 +51,7 @@ impl Config {
                 .then(|| Duration::from_secs(self.ledger.retention_days.saturating_mul(86_400))),
             unhealthy_after: (self.status.unhealthy_after_ms > 0)
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
+            backlog_every: Duration::from_millis(self.status.backlog_every_ms),
             rate_limit: {
                 let HandlerSection::Webhook(w) = &self.handler;
                 crate::ratelimit::RateLimitConfig {

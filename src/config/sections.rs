@@ -423,6 +423,7 @@ impl Default for StatusSection {
         Self {
             listen: default_listen(),
             unhealthy_after_ms: PipelineOptions::default().unhealthy_after.map_or(0, ms_of),
+            backlog_every_ms: ms_of(PipelineOptions::default().backlog_every),
         }
     }
 }
@@ -489,6 +490,8 @@ pub struct StatusSection {
     /// `/healthz` answers 503 once the Event Hubs consumer has failed without a break for
     /// this long (ms), so an orchestrator restarts the process; 0 never.
     pub unhealthy_after_ms: u64,
+    /// How often the backlog (`GET /v1/backlog`, `hubguard.backlog.events`) is sampled (ms).
+    pub backlog_every_ms: u64,
 }
 
 fn default_listen() -> SocketAddr {
@@ -520,4 +523,124 @@ pub struct LedgerSection {
     /// `deploy/azure/`. Off by default: it needs the `tags/write` permission (Storage Blob
     /// Data Owner, or a SAS with `t`) and an account without a hierarchical namespace.
     pub lifecycle_tags: bool,
+}
+
+/// `[operational_events]`: CloudEvents about hubguard itself (the breaker opening and closing,
+/// a partition held too long, dead letters, the rate limit lowered; docs/telemetry.md) to a
+/// webhook (`url`) or a Service Bus queue or topic (`queue`, in the `[servicebus]` namespace).
+/// Absent: none.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperationalEventsSection {
+    /// The webhook (`https://…`) the events are POSTed to (or `queue`).
+    pub url: Option<String>,
+    /// The Service Bus queue or topic the events are sent to (or `url`).
+    pub queue: Option<String>,
+    /// Standard Webhooks signing secrets for the webhook (`whsec_…`): where they are.
+    pub signing: Option<crate::handler::secret::SecretSource>,
+    /// Each send's deadline (ms).
+    #[serde(default = "ops_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Per type and subject, at most one event in this window (ms); later ones are counted
+    /// into the next (`data.suppressed`).
+    #[serde(default = "ops_window_ms")]
+    pub suppression_ms: u64,
+    /// A partition held longer than this (ms) is reported.
+    #[serde(default = "ops_window_ms")]
+    pub held_longer_than_ms: u64,
+    /// Events waiting for the destination at most; more are dropped (counted).
+    #[serde(default = "ops_queue_size")]
+    pub queue_size: usize,
+}
+
+fn ops_timeout_ms() -> u64 {
+    5_000
+}
+
+fn ops_window_ms() -> u64 {
+    ms_of(crate::opsevents::OpsEventsSettings::default().suppression)
+}
+
+fn ops_queue_size() -> usize {
+    crate::opsevents::OpsEventsSettings::default().queue_size
+}
+
+impl OperationalEventsSection {
+    /// Exactly one destination, a URL that is one, a queue that is not the retry queue, and
+    /// windows and sizes that make sense.
+    pub(super) fn validate(&self, retry_queue: &str) -> Result<(), ConfigError> {
+        match (&self.url, &self.queue) {
+            (Some(_), Some(_)) | (None, None) => {
+                return Err(invalid(
+                    "operational_events",
+                    "operational_events: set `url` (a webhook) or `queue` (a Service Bus queue or topic), exactly one",
+                ))
+            }
+            (Some(url), None) => {
+                let ok = reqwest::Url::parse(url)
+                    .is_ok_and(|u| matches!(u.scheme(), "https" | "http") && u.host().is_some());
+                if !ok {
+                    return Err(invalid(
+                        "operational_events.url",
+                        format!(
+                            "operational_events.url must be an http(s) URL, got {}",
+                            crate::redact::redact(url)
+                        ),
+                    ));
+                }
+            }
+            (None, Some(q)) => {
+                let (k, r) = (super::entity_key(q), super::entity_key(retry_queue));
+                if k.is_empty() || k == r || k.contains('$') || k.contains("://") {
+                    return Err(invalid("operational_events.queue", format!(
+                        "operational_events.queue ({q:?}) must name a queue or topic of its own in the [servicebus] namespace: not empty, not servicebus.queue, not a system sub-queue, not an address"
+                    )));
+                }
+                if self.signing.is_some() {
+                    return Err(invalid(
+                        "operational_events.signing",
+                        "operational_events.signing signs webhook requests; with `queue` Service Bus authenticates the sender",
+                    ));
+                }
+            }
+        }
+        for (key, value, min) in [
+            ("operational_events.timeout_ms", self.timeout_ms, 100),
+            (
+                "operational_events.suppression_ms",
+                self.suppression_ms,
+                1_000,
+            ),
+            (
+                "operational_events.held_longer_than_ms",
+                self.held_longer_than_ms,
+                1_000,
+            ),
+            ("operational_events.queue_size", self.queue_size as u64, 1),
+        ] {
+            if value < min {
+                return Err(invalid(
+                    key,
+                    format!("{key} must be at least {min} (got {value})"),
+                ));
+            }
+        }
+        if self.queue_size > 65_536 {
+            return Err(invalid(
+                "operational_events.queue_size",
+                "operational_events.queue_size must be at most 65536",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The settings of [`crate::opsevents::OpsEvents`].
+    pub fn settings(&self) -> crate::opsevents::OpsEventsSettings {
+        crate::opsevents::OpsEventsSettings {
+            suppression: Duration::from_millis(self.suppression_ms),
+            held_longer_than: Duration::from_millis(self.held_longer_than_ms),
+            queue_size: self.queue_size,
+            ..Default::default()
+        }
+    }
 }

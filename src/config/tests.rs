@@ -469,3 +469,72 @@ fn concurrency_and_checkpoint_pacing_are_configured_and_checked() {
     .unwrap();
     assert_eq!(e.processor.max_in_flight, 8, "environment override");
 }
+
+#[test]
+fn operational_events_take_one_destination_and_sane_windows() {
+    let with =
+        |section: &str| Config::parse(&format!("{BASE}[operational_events]\n{section}"), none());
+    let c = with("url = \"https://ops.example.com/h\"\nsuppression_ms = 60000\n").unwrap();
+    let o = c.operational_events.as_ref().unwrap();
+    assert_eq!(o.settings().suppression, Duration::from_secs(60));
+    assert_eq!(o.held_longer_than_ms, 300_000);
+    assert_eq!(o.queue_size, 256);
+    assert!(with("queue = \"hubguard-ops\"\n").is_ok());
+    for (section, key) in [
+        ("", "operational_events"),
+        (
+            "url = \"https://a/\"\nqueue = \"q\"\n",
+            "operational_events",
+        ),
+        ("url = \"ftp://a/\"\n", "operational_events.url"),
+        ("queue = \"RETRIES\"\n", "operational_events.queue"),
+        (
+            "queue = \"retries/$DeadLetterQueue\"\n",
+            "operational_events.queue",
+        ),
+        (
+            "queue = \"q\"\nsigning = { env = \"X\" }\n",
+            "operational_events.signing",
+        ),
+        (
+            "url = \"https://a/\"\nsuppression_ms = 10\n",
+            "operational_events.suppression_ms",
+        ),
+        (
+            "url = \"https://a/\"\nheld_longer_than_ms = 0\n",
+            "operational_events.held_longer_than_ms",
+        ),
+        (
+            "url = \"https://a/\"\nqueue_size = 0\n",
+            "operational_events.queue_size",
+        ),
+        (
+            "url = \"https://a/\"\nqueue_size = 100000\n",
+            "operational_events.queue_size",
+        ),
+        (
+            "url = \"https://a/\"\ntimeout_ms = 1\n",
+            "operational_events.timeout_ms",
+        ),
+    ] {
+        let e = with(section).unwrap_err();
+        assert_eq!(e.key(), Some(key), "{section}: {e}");
+    }
+    // A URL's credentials never show in the error.
+    let e = with("url = \"ftp://user:TOPSECRET@a/\"\n").unwrap_err();
+    assert!(!e.to_string().contains("TOPSECRET"), "{e}");
+}
+
+#[test]
+fn the_backlog_interval_has_a_floor() {
+    let e = Config::parse(&format!("{BASE}[status]\nbacklog_every_ms = 10\n"), none()).unwrap_err();
+    assert_eq!(e.key(), Some("status.backlog_every_ms"), "{e}");
+    let o = Config::parse(
+        &format!("{BASE}[status]\nbacklog_every_ms = 5000\n"),
+        none(),
+    )
+    .unwrap()
+    .pipeline_options()
+    .unwrap();
+    assert_eq!(o.backlog_every, Duration::from_secs(5));
+}

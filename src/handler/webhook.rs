@@ -602,8 +602,9 @@ impl WebhookHandler {
     }
 }
 
-/// Adds the Standard Webhooks signature headers for `body` to `req`.
-pub(super) fn signed(
+/// Adds the Standard Webhooks signature headers for `body` to `req` (batches and operational
+/// events are signed the same way).
+pub(crate) fn signed(
     req: reqwest::RequestBuilder,
     keys: &Live<SigningKeys>,
     webhook_id: &str,

@@ -53,6 +53,7 @@
 
 mod admission;
 mod attempt;
+mod backlog;
 mod backoff;
 mod checkpoint;
 pub mod control;
@@ -61,6 +62,7 @@ pub mod health;
 mod lines;
 mod message_id;
 mod observe;
+mod ops;
 mod options;
 pub mod ownership;
 mod partition;
@@ -167,6 +169,8 @@ pub struct Pipeline {
     shared: Arc<Shared>,
     eventhubs: EventHubsTarget,
     checkpoints: Arc<FencedCheckpointStore>,
+    /// The backlog sampler (started by `run_until`) and its latest sample.
+    backlog: backlog::Sampler,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -182,6 +186,7 @@ impl Pipeline {
     pub fn new(parts: PipelineParts) -> Self {
         let breaker = breaker(&parts);
         let records = parts.records.clone();
+        let backlog = backlog::Sampler::new(&parts);
         let limiter = rate_limiter(&parts);
         let ledger = Ledger::new(
             parts.records,
@@ -271,6 +276,7 @@ impl Pipeline {
             }),
             eventhubs: parts.eventhubs,
             checkpoints,
+            backlog,
         }
     }
 
@@ -299,6 +305,12 @@ impl Pipeline {
         pub fn settler(&self) -> Arc<Settler> {
             self.shared.settler.clone()
         }
+    }
+
+    /// The latest sample of the backlog (`GET /v1/backlog`, `hubguard.backlog.events`), taken
+    /// while the pipeline runs.
+    pub fn backlog(&self) -> crate::telemetry::backlog::BacklogCell {
+        self.backlog.cell.clone()
     }
 
     /// Runs until `cancel` fires, then shuts down gracefully: stop taking events, settle what
@@ -356,6 +368,8 @@ impl Pipeline {
                 crash.clone(),
             ));
         }
+        tokio::spawn(self.backlog.run(backlog::either(&cancel, &crash)));
+        ops::start(&self.shared, backlog::either(&cancel, &crash));
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();

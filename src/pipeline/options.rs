@@ -247,6 +247,13 @@ pub struct PipelineOptions {
     /// The downstream's rate limit for the whole deployment (`handler.rate_limit`); the
     /// handler's granted rate (a webhook's `WebHook-Allowed-Rate`) caps it too.
     pub rate_limit: crate::ratelimit::RateLimitConfig,
+    /// How often the backlog (`hubguard.backlog.events`, `GET /v1/backlog`: unread events,
+    /// retries due, parked events) is sampled: one partition-properties call per partition,
+    /// one checkpoint listing and one ledger listing each time.
+    pub backlog_every: Duration,
+    /// Operational events (breaker, held partitions, dead letters, rate limit) and where they
+    /// go (`None`: none).
+    pub ops_events: Option<Arc<crate::opsevents::OpsEvents>>,
 }
 
 impl Default for PipelineOptions {
@@ -281,6 +288,8 @@ impl Default for PipelineOptions {
             dead_letters: None,
             handover: true,
             rate_limit: crate::ratelimit::RateLimitConfig::default(),
+            backlog_every: Duration::from_secs(30),
+            ops_events: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 //!
 //! Every name lives in [`names`].
 
+pub mod backlog;
 pub mod gauges;
 pub mod logs;
 pub mod names;

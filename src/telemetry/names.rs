@@ -196,6 +196,27 @@ pub mod metric {
     pub const RATE_DEPLOYMENT: &str = "hubguard.ratelimit.deployment_rate";
     /// Gauge: how many times the deployment's rate was lowered (429, 503, timeouts).
     pub const RATE_DECREASES: &str = "hubguard.ratelimit.decreases";
+    /// Gauge: work not yet done, by `kind` ([`super::backlog_kind`]): the whole deployment's,
+    /// from any replica (aggregate with `max`).
+    pub const BACKLOG_EVENTS: &str = "hubguard.backlog.events";
+    /// Counter: operational events the destination accepted, by `type`.
+    pub const OPSEVENTS_SENT: &str = "hubguard.opsevents.sent";
+    /// Counter: operational events suppressed by their window, by `type`.
+    pub const OPSEVENTS_SUPPRESSED: &str = "hubguard.opsevents.suppressed";
+    /// Counter: operational events dropped (the channel to a slow destination was full).
+    pub const OPSEVENTS_DROPPED: &str = "hubguard.opsevents.dropped";
+    /// Counter: operational events the destination refused or did not answer in time.
+    pub const OPSEVENTS_FAILED: &str = "hubguard.opsevents.failed";
+}
+
+/// The values of [`metric_attr::KIND`] on [`metric::BACKLOG_EVENTS`].
+pub mod backlog_kind {
+    /// Events enqueued past a partition's checkpoint, over every partition.
+    pub const UNREAD: &str = "unread";
+    /// Retries due now that still wait.
+    pub const RETRIES_DUE: &str = "retries_due";
+    /// Events parked behind an earlier event of their ordering key.
+    pub const PARKED: &str = "parked";
 }
 
 /// Metric attribute keys.
@@ -208,6 +229,10 @@ pub mod metric_attr {
     pub const EVENT_TYPE: &str = "event_type";
     /// The downstream (breaker name).
     pub const DOWNSTREAM: &str = "downstream";
+    /// What a backlog gauge counts ([`super::backlog_kind`]).
+    pub const KIND: &str = "kind";
+    /// An operational event's CloudEvents type.
+    pub const TYPE: &str = "type";
 }
 
 /// Every name above, for the dashboard consistency test.
@@ -278,9 +303,16 @@ pub fn all() -> Vec<&'static str> {
         metric::RATE_CURRENT,
         metric::RATE_DEPLOYMENT,
         metric::RATE_DECREASES,
+        metric::BACKLOG_EVENTS,
+        metric::OPSEVENTS_SENT,
+        metric::OPSEVENTS_SUPPRESSED,
+        metric::OPSEVENTS_DROPPED,
+        metric::OPSEVENTS_FAILED,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
         metric_attr::DOWNSTREAM,
+        metric_attr::KIND,
+        metric_attr::TYPE,
     ]
 }

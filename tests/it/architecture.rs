@@ -15,6 +15,7 @@ const PRODUCT: &[&str] = &[
     "guard",
     "handler",
     "ledger",
+    "opsevents",
     "pipeline",
     "policy",
     "redact",

@@ -128,6 +128,10 @@ fn dashboards_and_queries_name_only_what_the_code_emits() {
                 || t == "hubguard"
                 // Not telemetry: the label of the dead-letter queue's start-up probe message.
                 || t == hubguard::pipeline::dead_letter::PROBE_LABEL
+                // Not metrics: operational events' CloudEvents types (`com.hubguard.…`).
+                || hubguard::opsevents::OpsEventKind::ALL
+                    .iter()
+                    .any(|k| k.type_name() == format!("com.{t}"))
             {
                 continue;
             }

@@ -3,6 +3,7 @@
 
 mod alerts;
 mod architecture;
+mod backlog;
 mod bad_state;
 mod batches;
 mod blob;
@@ -28,6 +29,7 @@ mod lifecycle;
 mod limits;
 mod operable;
 mod operators;
+mod opsevents;
 mod ordered_retries;
 mod otlp;
 mod outage;

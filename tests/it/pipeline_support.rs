@@ -260,7 +260,11 @@ impl Bed {
     }
 
     pub(crate) fn run(parts: PipelineParts) -> Running {
-        let pipeline = Pipeline::new(parts);
+        Self::run_pipeline(Pipeline::new(parts))
+    }
+
+    /// Runs a pipeline built by the test (to keep a handle such as its backlog).
+    pub(crate) fn run_pipeline(pipeline: Pipeline) -> Running {
         let health = pipeline.health();
         let cancel = CancellationToken::new();
         let c = cancel.clone();

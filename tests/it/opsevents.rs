@@ -1,0 +1,244 @@
+//! Operational events (issue 41): CloudEvents about hubguard itself, here "retries
+//! exhausted" (dead letters) to a webhook — signed as deliveries are, once per suppression
+//! window with the suppressed ones counted into the next — and a destination that is down
+//! or hangs: counted (failed, dropped), readiness and delivery untouched.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use axum::routing::post;
+use axum::Router;
+use hubguard::handler::signing::SigningKeys;
+use hubguard::opsevents::send::WebhookDestination;
+use hubguard::opsevents::{OpsEvents, OpsEventsSettings};
+use hubguard::SecretSource;
+
+use crate::common::{eventually, seen};
+use crate::pipeline_support::*;
+
+const LIMIT: Duration = Duration::from_secs(60);
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+
+type Received = Arc<Mutex<Vec<(HeaderMap, String)>>>;
+
+/// A webhook receiver on port 0 that keeps every request.
+async fn receiver() -> (String, Received) {
+    let got: Received = Default::default();
+    let g = got.clone();
+    let app = Router::new().route(
+        "/ops",
+        post(move |headers: HeaderMap, body: String| {
+            let g = g.clone();
+            async move {
+                g.lock().unwrap().push((headers, body));
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/ops"), got)
+}
+
+fn settings(suppression: Duration, queue_size: usize) -> OpsEventsSettings {
+    OpsEventsSettings {
+        suppression,
+        held_longer_than: Duration::from_secs(3600),
+        queue_size,
+        poll: Duration::from_millis(50),
+    }
+}
+
+fn run_with(bed: &Bed, events: Arc<OpsEvents>, handler: Arc<Scripted>, owner: &str) -> Running {
+    let mut wiring = bed.wiring(owner).policy(fast_policy(3));
+    wiring.options_mut().ops_events = Some(events);
+    Bed::run(wiring.parts(handler).unwrap())
+}
+
+async fn dead_lettered(run: &Running, n: u64) {
+    wait_for("dead-lettered", &run.health, LIMIT, || async {
+        run.health.snapshot().dead_lettered >= n
+    })
+    .await;
+}
+
+/// One "retries exhausted" event per suppression window: the first dead letter is reported
+/// at once, the next two within the window are suppressed, and once the window is over the
+/// next event carries them (`dead_lettered: 2`, `suppressed` ≥ 1). Each request is a
+/// structured CloudEvent signed with Standard Webhooks headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_exhausted_is_sent_once_per_suppression_window_and_signed() {
+    let bed = Bed::start(1).await;
+    let (url, got) = receiver().await;
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("ops-secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let dest = WebhookDestination::new(
+        url.parse().unwrap(),
+        Duration::from_secs(5),
+        Some(&SecretSource::file(&secret)),
+    )
+    .unwrap();
+    let events = Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(60), 16),
+        Arc::new(dest),
+        bed.clock(),
+    ));
+    let handler = Arc::new(Scripted::default());
+    let run = run_with(&bed, events.clone(), handler.clone(), "replica-ops");
+
+    bed.send(0, &[("perm-1", "perm")]).await;
+    dead_lettered(&run, 1).await;
+    eventually("the first event", LIMIT, || async {
+        seen(got.lock().unwrap().len(), |n| *n == 1)
+    })
+    .await;
+    bed.send(0, &[("perm-2", "perm"), ("perm-3", "perm"), ("ok-1", "ok")])
+        .await;
+    dead_lettered(&run, 3).await;
+    eventually("the rest suppressed", LIMIT, || async {
+        seen(events.counts(), |c| c.suppressed >= 1)
+    })
+    .await;
+    assert_eq!(got.lock().unwrap().len(), 1, "one event per window");
+
+    // The window ends: the next look sends what was held back.
+    bed.clock().advance(Duration::from_secs(61));
+    eventually("the second event", LIMIT, || async {
+        seen(got.lock().unwrap().len(), |n| *n == 2)
+    })
+    .await;
+    let got = got.lock().unwrap().clone();
+    let (h1, b1) = &got[0];
+    let first: serde_json::Value = serde_json::from_str(b1).unwrap();
+    let (_, b2) = &got[1];
+    let second: serde_json::Value = serde_json::from_str(b2).unwrap();
+    assert_eq!(first["specversion"], "1.0", "{first}");
+    assert_eq!(first["type"], "com.hubguard.retries.exhausted", "{first}");
+    assert_eq!(first["source"], "/hubguard/hub/$Default", "{first}");
+    assert_eq!(first["subject"], "handler", "{first}");
+    assert_eq!(first["data"]["dead_lettered"], 1, "{first}");
+    assert_eq!(first["data"]["suppressed"], 0, "{first}");
+    assert_eq!(first["data"]["replica"], "replica-ops", "{first}");
+    assert_eq!(second["data"]["dead_lettered"], 2, "{second}");
+    assert_eq!(second["data"]["dead_lettered_total"], 3, "{second}");
+    assert!(second["data"]["suppressed"].as_u64() >= Some(1), "{second}");
+    assert_ne!(first["id"], second["id"]);
+    // Signed as deliveries are: webhook-id is the CloudEvent's id.
+    assert!(h1["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/cloudevents+json"));
+    assert_eq!(
+        h1["webhook-id"].to_str().unwrap(),
+        first["id"].as_str().unwrap()
+    );
+    let ts: i64 = h1["webhook-timestamp"].to_str().unwrap().parse().unwrap();
+    let keys = SigningKeys::parse("test", SECRET).unwrap();
+    assert_eq!(
+        h1["webhook-signature"].to_str().unwrap(),
+        keys.sign(first["id"].as_str().unwrap(), ts, b1.as_bytes())
+    );
+    assert!(handler.delivered_keys().contains("ok-1"));
+    assert_eq!(events.counts().sent, 2);
+    assert_eq!(events.counts().failed, 0);
+    run.stop().await;
+}
+
+/// A destination that refuses connections: every event counted as failed, nothing sent;
+/// readiness untouched and every event delivered. A destination that accepts and never
+/// answers, behind a channel of one: the events behind it are dropped and counted, and
+/// delivery does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_down_or_hanging_is_counted_and_delivery_goes_on() {
+    let bed = Bed::start(1).await;
+    // Nothing listens here any more.
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap()
+    };
+    let down = Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(1), 16),
+        Arc::new(
+            WebhookDestination::new(
+                format!("http://{closed}/ops").parse().unwrap(),
+                Duration::from_secs(2),
+                None,
+            )
+            .unwrap(),
+        ),
+        bed.clock(),
+    ));
+    let handler = Arc::new(Scripted::default());
+    let run = run_with(&bed, down.clone(), handler.clone(), "replica-down");
+    bed.send(0, &[("d-perm", "perm"), ("d-ok-1", "ok"), ("d-ok-2", "ok")])
+        .await;
+    dead_lettered(&run, 1).await;
+    eventually("the failure counted", LIMIT, || async {
+        seen(down.counts(), |c| c.failed >= 1)
+    })
+    .await;
+    wait_for("delivered and ready", &run.health, LIMIT, || async {
+        handler.delivered_keys().len() == 2 && run.health.ready()
+    })
+    .await;
+    assert_eq!(down.counts().sent, 0);
+    run.stop().await;
+
+    // A destination that never answers, and room for one event waiting.
+    let hanging = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = hanging.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let h = held.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = hanging.accept().await {
+            h.lock().unwrap().push(socket); // accepted, never answered
+        }
+    });
+    let slow = Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(1), 1),
+        Arc::new(
+            WebhookDestination::new(
+                format!("http://{addr}/ops").parse().unwrap(),
+                Duration::from_secs(600),
+                None,
+            )
+            .unwrap(),
+        ),
+        bed.clock(),
+    ));
+    let handler = Arc::new(Scripted::default());
+    let run = run_with(&bed, slow.clone(), handler.clone(), "replica-slow");
+    // Three dead letters, each in a window of its own: the first is being sent (forever),
+    // the second waits in the channel, the third finds it full.
+    for i in 0..3u64 {
+        bed.send(0, &[(&format!("s-perm-{i}"), "perm")]).await;
+        dead_lettered(&run, i + 1).await;
+        eventually("the watcher saw it", LIMIT, || async {
+            seen(slow.counts(), |c| c.queued + c.dropped == i + 1)
+        })
+        .await;
+        bed.clock().advance(Duration::from_secs(2));
+    }
+    let c = slow.counts();
+    assert_eq!((c.queued, c.dropped, c.sent), (2, 1, 0), "{c:?}");
+    assert_eq!(
+        held.lock().unwrap().len(),
+        1,
+        "the sender is stuck on the first"
+    );
+    let keys: Vec<String> = (0..20).map(|i| format!("s-ok-{i}")).collect();
+    bed.send(
+        0,
+        &keys.iter().map(|k| (k.as_str(), "ok")).collect::<Vec<_>>(),
+    )
+    .await;
+    wait_for("delivery goes on", &run.health, LIMIT, || async {
+        handler.delivered_keys().len() == 20 && run.health.ready()
+    })
+    .await;
+    assert_eq!(slow.counts().sent, 0);
+    run.stop().await;
+}
