@@ -250,7 +250,7 @@ pub use telemetry::{
 };
 // The health read side, and the status endpoints over it.
 pub use pipeline::health::{
-    ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
+    ClockOffset, ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
     RetryLoopState,
 };
 pub use status::pipeline_router as status_router;

@@ -138,12 +138,14 @@ impl Config {
                 100,
             ),
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
+            ("status.max_clock_skew_ms", self.status.max_clock_skew_ms, 1_000),
         ] {
             if value < min {
                 let why = match key {
                     "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
                     "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
                     "processor.prefetch" => "a partition with no prefetch receives nothing",
+                    "status.max_clock_skew_ms" => "the skew is measured from HTTP Date headers, which carry whole seconds",
                     _ => "nothing would run",
                 };
                 return Err(invalid(
@@ -151,6 +153,12 @@ impl Config {
                     format!("{key} must be at least {min} (got {value}): {why}"),
                 ));
             }
+        }
+        if self.status.max_clock_skew_ms > 900_000 {
+            return Err(invalid(
+                "status.max_clock_skew_ms",
+                format!("status.max_clock_skew_ms must be at most 900000 (got {}): Azure Storage itself refuses a Shared Key request dated more than 15 minutes off", self.status.max_clock_skew_ms),
+            ));
         }
         Ok(())
     }

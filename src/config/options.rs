@@ -51,6 +51,7 @@ impl Config {
                 .then(|| Duration::from_secs(self.ledger.retention_days.saturating_mul(86_400))),
             unhealthy_after: (self.status.unhealthy_after_ms > 0)
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
+            max_clock_skew: Duration::from_millis(self.status.max_clock_skew_ms),
             rate_limit: {
                 let HandlerSection::Webhook(w) = &self.handler;
                 crate::ratelimit::RateLimitConfig {

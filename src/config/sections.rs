@@ -423,6 +423,7 @@ impl Default for StatusSection {
         Self {
             listen: default_listen(),
             unhealthy_after_ms: PipelineOptions::default().unhealthy_after.map_or(0, ms_of),
+            max_clock_skew_ms: ms_of(PipelineOptions::default().max_clock_skew),
         }
     }
 }
@@ -489,6 +490,9 @@ pub struct StatusSection {
     /// `/healthz` answers 503 once the Event Hubs consumer has failed without a break for
     /// this long (ms), so an orchestrator restarts the process; 0 never.
     pub unhealthy_after_ms: u64,
+    /// `/readyz` answers 503 while this host's clock is measured further than this (ms) from
+    /// Service Bus's (docs/clocks.md); hubguard corrects for it either way.
+    pub max_clock_skew_ms: u64,
 }
 
 fn default_listen() -> SocketAddr {

@@ -247,6 +247,9 @@ pub struct PipelineOptions {
     /// The downstream's rate limit for the whole deployment (`handler.rate_limit`); the
     /// handler's granted rate (a webhook's `WebHook-Allowed-Rate`) caps it too.
     pub rate_limit: crate::ratelimit::RateLimitConfig,
+    /// Readiness fails while this host's clock is measured further than this from Service
+    /// Bus's (`status.max_clock_skew_ms`; docs/clocks.md).
+    pub max_clock_skew: Duration,
 }
 
 impl Default for PipelineOptions {
@@ -281,9 +284,15 @@ impl Default for PipelineOptions {
             dead_letters: None,
             handover: true,
             rate_limit: crate::ratelimit::RateLimitConfig::default(),
+            max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
         }
     }
 }
+
+/// How far this host's clock may be from Service Bus's before readiness says so: a tenth of
+/// the 15 minutes Azure Storage allows a request's time to be off, and well under any
+/// ownership expiration or retry wait worth configuring (docs/clocks.md).
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(30);
 
 /// How long a DELIVERED ledger record is kept by default (see `pipeline::retention` for
 /// why 7 days).

@@ -194,6 +194,9 @@ pub mod metric {
     pub const RATE_DEPLOYMENT: &str = "hubguard.ratelimit.deployment_rate";
     /// Gauge: how many times the deployment's rate was lowered (429, 503, timeouts).
     pub const RATE_DECREASES: &str = "hubguard.ratelimit.decreases";
+    /// Gauge (s): each service's clock minus this host's, as measured from its responses'
+    /// `Date` (by `service`: `servicebus`, `blob`; absent before any response).
+    pub const CLOCK_OFFSET: &str = "hubguard.clock.offset";
 }
 
 /// Metric attribute keys.
@@ -206,6 +209,8 @@ pub mod metric_attr {
     pub const EVENT_TYPE: &str = "event_type";
     /// The downstream (breaker name).
     pub const DOWNSTREAM: &str = "downstream";
+    /// The Azure service whose clock is measured (`servicebus`, `blob`).
+    pub const SERVICE: &str = "service";
 }
 
 /// Every name above, for the dashboard consistency test.
@@ -275,9 +280,11 @@ pub fn all() -> Vec<&'static str> {
         metric::RATE_CURRENT,
         metric::RATE_DEPLOYMENT,
         metric::RATE_DECREASES,
+        metric::CLOCK_OFFSET,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
         metric_attr::DOWNSTREAM,
+        metric_attr::SERVICE,
     ]
 }
