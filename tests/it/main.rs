@@ -6,6 +6,7 @@ mod architecture;
 mod bad_state;
 mod blob;
 mod cli;
+mod clock_skew;
 mod common;
 mod concurrency;
 mod dashboards;
