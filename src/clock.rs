@@ -183,7 +183,9 @@ impl Clock {
     pub fn host_now(&self) -> SystemTime {
         shift(
             SystemTime::now() + self.offset(),
-            self.host_error_ms.load(Ordering::Relaxed).saturating_mul(1000),
+            self.host_error_ms
+                .load(Ordering::Relaxed)
+                .saturating_mul(1000),
         )
     }
 

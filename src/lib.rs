@@ -250,8 +250,8 @@ pub use telemetry::{
 };
 // The health read side, and the status endpoints over it.
 pub use pipeline::health::{
-    ClockOffset, ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
-    RetryLoopState,
+    ClockOffset, ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause,
+    Lag, NotLive, RetryLoopState,
 };
 pub use status::pipeline_router as status_router;
 // The stores (record store, retry queue) and their in-memory twins.

@@ -324,7 +324,9 @@ impl BlobContainer {
             }
             BlobError::Transport(msg)
         })?;
-        if let (Some(clock), Some(sent), Some(date)) = (self.clock.get(), sent, header(&resp, "date")) {
+        if let (Some(clock), Some(sent), Some(date)) =
+            (self.clock.get(), sent, header(&resp, "date"))
+        {
             clock.observe(crate::clock::Service::BlobStorage, sent, &date);
         }
         if resp.status().is_success() {

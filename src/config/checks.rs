@@ -138,7 +138,11 @@ impl Config {
                 100,
             ),
             ("processor.prefetch", u64::from(self.processor.prefetch), 1),
-            ("status.max_clock_skew_ms", self.status.max_clock_skew_ms, 1_000),
+            (
+                "status.max_clock_skew_ms",
+                self.status.max_clock_skew_ms,
+                1_000,
+            ),
         ] {
             if value < min {
                 let why = match key {

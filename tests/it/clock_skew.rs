@@ -188,16 +188,17 @@ fn check(handler: &Timed, owners: &Owners, keys: &[String]) {
     for ((key, n), at) in starts.iter().filter(|((_, n), _)| *n > 1) {
         let first = starts[&(key.clone(), n - 1)];
         let due = first + Duration::from_secs(WAIT_S);
-        let off = at
-            .duration_since(due)
-            .unwrap_or_else(|e| e.duration());
+        let off = at.duration_since(due).unwrap_or_else(|e| e.duration());
         assert!(
             off <= SLACK,
             "attempt {n} of {key} started {off:?} off its due time (Service Bus's clock)"
         );
         retried += 1;
     }
-    assert!(retried >= keys.len() / 5, "every refused event was retried: {retried}");
+    assert!(
+        retried >= keys.len() / 5,
+        "every refused event was retried: {retried}"
+    );
     for (p, n) in owners.changes() {
         assert!(n <= 2, "partition {p} changed owner {n} times");
     }

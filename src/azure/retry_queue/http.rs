@@ -175,7 +175,10 @@ impl HttpClient for MeasuredHttpClient {
         let sent = self.clock.get().map(|c| c.sent());
         let response = self.inner.execute_request(request).await?;
         if let (Some(clock), Some(sent)) = (self.clock.get(), sent) {
-            if let Some(date) = response.headers().get_optional_str(&azure_core_legacy::headers::DATE) {
+            if let Some(date) = response
+                .headers()
+                .get_optional_str(&azure_core_legacy::headers::DATE)
+            {
                 clock.observe(crate::clock::Service::ServiceBus, sent, date);
             }
         }

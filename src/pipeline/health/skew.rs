@@ -59,7 +59,11 @@ pub(super) fn reason(clock: &Clock, bound: Duration) -> Option<String> {
         return None;
     }
     let secs = s.offset_ms.unsigned_abs() as f64 / 1000.0;
-    let way = if s.offset_ms > 0 { "behind" } else { "ahead of" };
+    let way = if s.offset_ms > 0 {
+        "behind"
+    } else {
+        "ahead of"
+    };
     Some(format!(
         "clock skew: this host's clock is {secs:.1} s {way} Service Bus's (measured from {} responses, ± {:.1} s; bound {} s, status.max_clock_skew_ms): hubguard runs on Service Bus's time, but fix this host's time synchronisation (docs/clocks.md)",
         s.samples,
