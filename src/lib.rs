@@ -224,7 +224,7 @@ pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, Webhook
 pub use azure::retry_queue::QueueRefusal;
 pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
 pub use breaker::{BreakerConfig, BreakerConfigError};
-pub use clock::Clock;
+pub use clock::{Clock, Sent as ClockSent, Service as ClockService, Skew as ClockSkew};
 pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};
 pub use pipeline::settle::Policies;
 pub use pipeline::{

@@ -92,7 +92,7 @@ use crate::ledger::Ledger;
 
 pub use self::options::{
     replay_gap, BadLineOnDeadLetter, BadOrderingKey, EventHubsTarget, LineOnDeadLetter,
-    OrderingKey, PipelineOptions, RetryOrdering, DEFAULT_MAX_CLOCK_SKEW, DEFAULT_RETENTION,
+    OrderingKey, PipelineOptions, RetryOrdering, DEFAULT_RETENTION,
 };
 
 /// What the pipeline is built from (`wiring::Wiring` builds it).
