@@ -384,6 +384,39 @@ mod tests {
         assert!(tokio::time::Instant::now() - t1 <= Duration::from_secs(2));
     }
 
+    /// How far apart two times are, either way.
+    fn apart(a: SystemTime, b: SystemTime) -> Duration {
+        a.duration_since(b).unwrap_or_else(|e| e.duration())
+    }
+
+    #[test]
+    fn a_wrong_host_clock_reads_the_services_time_once_measured_and_across_a_step() {
+        let c = Clock::default();
+        c.set_host_error(90_000);
+        // Before any response: the host's (wrong) time.
+        assert!(apart(c.now(), SystemTime::now()) > Duration::from_secs(89));
+        for _ in 0..5 {
+            let sent = c.sent();
+            let date = http_date(SystemTime::now());
+            c.observe(Service::ServiceBus, sent, &date);
+            c.observe(Service::BlobStorage, sent, &date);
+        }
+        let second = Duration::from_millis(1500);
+        assert!(apart(c.now(), SystemTime::now()) < second);
+        let skew = c.skew(Service::ServiceBus).unwrap();
+        assert!((skew.offset_ms + 90_000).abs() < 1_500, "{skew}");
+        // The host's clock steps 11 minutes back: no response needed to stay right.
+        c.set_host_error(-600_000);
+        assert!(apart(c.now(), SystemTime::now()) < second);
+        // Blob storage's times, as this process's SystemTime counts them (true here).
+        let t = SystemTime::now() - Duration::from_secs(30);
+        assert!(apart(c.to_process(Service::BlobStorage, t), t) < second);
+        // Without the correction, what a host 10 minutes behind would see: 10 minutes later.
+        c.set_corrected(false);
+        let seen = c.to_process(Service::BlobStorage, t);
+        assert!(apart(seen, t + Duration::from_secs(600)) < second);
+    }
+
     #[tokio::test]
     async fn a_time_already_reached_does_not_wait() {
         let c = Clock::default();

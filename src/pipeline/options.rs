@@ -292,7 +292,7 @@ impl Default for PipelineOptions {
 /// How far this host's clock may be from Service Bus's before readiness says so: a tenth of
 /// the 15 minutes Azure Storage allows a request's time to be off, and well under any
 /// ownership expiration or retry wait worth configuring (docs/clocks.md).
-pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(30);
 
 /// How long a DELIVERED ledger record is kept by default (see `pipeline::retention` for
 /// why 7 days).
