@@ -1,17 +1,35 @@
 //! The clock policy time runs on: retry due times, breaker expiry, deferrals, lock renewal.
 //!
-//! In production it is the wall clock. Tests share one [`Clock`] between the pipeline and the
-//! Service Bus emulator and [`advance`](Clock::advance) it, so a 15-minute outage plays out in
-//! seconds without a real sleep: every wait in policy time ([`sleep`](Clock::sleep),
+//! Policy time is **the services' time**: whatever two replicas compare (due times, ledger
+//! claims, lock lapses, breaker expiry) must be judged on a clock they share, and a host's
+//! own clock can be minutes off (Azure Storage itself accepts requests up to 15 minutes off).
+//! Each [`Clock`] measures how far its host is from each [`Service`] from the `Date` of that
+//! service's responses ([`observe`](Clock::observe); see [`service`] for how), and
+//! [`now`](Clock::now) reads Service Bus's time: this host's wall clock while it agrees with
+//! every measurement, otherwise the nearest time the measurements allow. Blob storage's
+//! times (`Last-Modified` of ownership and owner records) are translated with blob storage's
+//! own offset ([`to_process`](Clock::to_process)), so the SDK's load balancer, which compares
+//! them with `SystemTime::now()`, sees them in this host's terms. docs/clocks.md has the rules.
+//!
+//! Tests share one [`Clock`] between the pipeline and the Service Bus emulator and
+//! [`advance`](Clock::advance) it, so a 15-minute outage plays out in seconds without a real
+//! sleep: every wait in policy time ([`sleep`](Clock::sleep),
 //! [`sleep_until`](Clock::sleep_until)) wakes as soon as the clock is moved past its end.
 //! Deadlines on network calls are not policy time and stay on tokio's timer. Waits run on
 //! tokio's monotonic timer plus the advances, so a step of the wall clock does not change a
-//! wait already begun.
+//! wait already begun. A test makes a replica's host clock wrong with
+//! [`set_host_error`](Clock::set_host_error).
 //!
 //! Time's formats live here too, one home for each: milliseconds since the epoch ([`ms`],
 //! [`at`]) for records, RFC 3339 ([`rfc3339`]) for people and JSON, the HTTP date
 //! ([`http_date`], [`parse_http_date`]) for the REST APIs, and [`ceil_to_second`] for Service
 //! Bus's scheduled times.
+
+mod service;
+
+pub use self::service::Service;
+use self::service::{clamp, Estimator};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use crate::sync::LockExt;
 use std::sync::Mutex;
@@ -76,17 +94,173 @@ pub fn ceil_secs(d: Duration) -> Duration {
 
 use tokio::sync::Notify;
 
-/// Wall time plus an offset that only moves forward.
-#[derive(Debug, Default)]
+/// Service time, measured against this host's clock plus an offset that only moves forward
+/// (a test's [`advance`](Clock::advance)).
+#[derive(Debug)]
 pub struct Clock {
     offset: Mutex<Duration>,
     advanced: Notify,
+    /// How far this host's wall clock is off (ms; a test's injected error, 0 otherwise).
+    host_error_ms: AtomicI64,
+    /// Whether readings follow the services' measured time (on unless a test turns it off).
+    corrected: AtomicBool,
+    /// The monotonic clock's zero.
+    origin: std::time::Instant,
+    /// Per [`Service`], what its responses said.
+    services: Mutex<[Estimator; 2]>,
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self {
+            offset: Mutex::default(),
+            advanced: Notify::new(),
+            host_error_ms: AtomicI64::new(0),
+            corrected: AtomicBool::new(true),
+            origin: std::time::Instant::now(),
+            services: Mutex::default(),
+        }
+    }
+}
+
+/// A reading of the monotonic clock taken before a request: pass it to
+/// [`Clock::observe`] with the response.
+#[derive(Debug, Clone, Copy)]
+pub struct Sent(i64);
+
+/// How far a service's clock is from this host's, as measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Skew {
+    /// The service.
+    pub service: Service,
+    /// Service time minus this host's time, in ms (the middle of what was measured).
+    pub offset_ms: i64,
+    /// How far the true offset may be from `offset_ms`, in ms.
+    pub within_ms: i64,
+    /// How many responses stand behind it.
+    pub samples: usize,
+}
+
+impl std::fmt::Display for Skew {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {:+.3} s (± {:.3} s, {} responses)",
+            self.service.name(),
+            self.offset_ms as f64 / 1000.0,
+            self.within_ms as f64 / 1000.0,
+            self.samples
+        )
+    }
+}
+
+/// `t` moved by `us` µs (either way).
+fn shift(t: SystemTime, us: i64) -> SystemTime {
+    let d = Duration::from_micros(us.unsigned_abs());
+    if us >= 0 {
+        t + d
+    } else {
+        t.checked_sub(d).unwrap_or(SystemTime::UNIX_EPOCH)
+    }
+}
+
+/// µs since the epoch (negative before it).
+fn epoch_us(t: SystemTime) -> i64 {
+    match t.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(d) => d.as_micros() as i64,
+        Err(e) => -(e.duration().as_micros() as i64),
+    }
 }
 
 impl Clock {
-    /// The current time.
+    /// The current time: Service Bus's, as measured (this host's until it is).
     pub fn now(&self) -> SystemTime {
-        SystemTime::now() + *self.offset.locked()
+        self.service_now(Service::ServiceBus)
+    }
+
+    /// What this host's wall clock reads (plus the advances): the time every reading starts
+    /// from before it is corrected.
+    pub fn host_now(&self) -> SystemTime {
+        shift(
+            SystemTime::now() + self.offset(),
+            self.host_error_ms
+                .load(Ordering::Relaxed)
+                .saturating_mul(1000),
+        )
+    }
+
+    /// The monotonic clock plus the advances (µs).
+    fn mono(&self) -> i64 {
+        (self.origin.elapsed() + self.offset()).as_micros() as i64
+    }
+
+    /// `service`'s current time as measured: this host's time if the measurements allow it,
+    /// else the nearest time they allow; this host's time before any measurement.
+    pub fn service_now(&self, service: Service) -> SystemTime {
+        let host = self.host_now();
+        let range = self.services.locked()[service.index()].range();
+        match range.filter(|_| self.corrected.load(Ordering::Relaxed)) {
+            None => host,
+            Some((lo, hi)) => {
+                let mono = self.mono();
+                let t = clamp(epoch_us(host), (mono + lo, mono + hi));
+                shift(SystemTime::UNIX_EPOCH, t)
+            }
+        }
+    }
+
+    /// A time `t` of `service`'s clock in the terms of this process's `SystemTime::now()`,
+    /// which is what code outside hubguard compares times with (the Event Hubs SDK's load
+    /// balancer judges ownership expiry so).
+    pub fn to_process(&self, service: Service, t: SystemTime) -> SystemTime {
+        let now = SystemTime::now();
+        shift(t, epoch_us(now) - epoch_us(self.service_now(service)))
+    }
+
+    /// A reading to take just before sending a request whose response's `Date` is then given
+    /// to [`observe`](Self::observe).
+    pub fn sent(&self) -> Sent {
+        Sent(self.mono())
+    }
+
+    /// A response of `service` to a request sent at `sent`, carrying `date` (its `Date`
+    /// header, RFC 1123); an unreadable date is ignored.
+    pub fn observe(&self, service: Service, sent: Sent, date: &str) {
+        let received = self.mono();
+        if let Some(d) = parse_http_date(date) {
+            let secs = epoch_us(d).div_euclid(1_000_000);
+            self.services.locked()[service.index()].observe(sent.0, received, secs);
+        }
+    }
+
+    /// What was measured of `service`, once anything was.
+    pub fn skew(&self, service: Service) -> Option<Skew> {
+        let (range, samples) = {
+            let s = self.services.locked();
+            let e = &s[service.index()];
+            (e.range()?, e.samples())
+        };
+        let (lo, hi) = range;
+        let offset_us = self.mono() + (lo + hi) / 2 - epoch_us(self.host_now());
+        Some(Skew {
+            service,
+            offset_ms: offset_us / 1000,
+            within_ms: (hi - lo) / 2000,
+            samples,
+        })
+    }
+
+    /// Makes this host's wall clock read `ms` off (a test's fault: a host whose time is
+    /// wrong, or one whose clock steps during a run).
+    pub fn set_host_error(&self, ms: i64) {
+        self.host_error_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Turns the correction by measured service time off (`false`) or on: with it off, every
+    /// reading is this host's clock, whatever the services say (to show what a wrong clock
+    /// does without it).
+    pub fn set_corrected(&self, on: bool) {
+        self.corrected.store(on, Ordering::Relaxed);
     }
 
     /// How far this clock runs ahead of the wall clock.
@@ -208,6 +382,39 @@ mod tests {
         c.sleep_until(SystemTime::now() + Duration::from_secs(2))
             .await;
         assert!(tokio::time::Instant::now() - t1 <= Duration::from_secs(2));
+    }
+
+    /// How far apart two times are, either way.
+    fn apart(a: SystemTime, b: SystemTime) -> Duration {
+        a.duration_since(b).unwrap_or_else(|e| e.duration())
+    }
+
+    #[test]
+    fn a_wrong_host_clock_reads_the_services_time_once_measured_and_across_a_step() {
+        let c = Clock::default();
+        c.set_host_error(90_000);
+        // Before any response: the host's (wrong) time.
+        assert!(apart(c.now(), SystemTime::now()) > Duration::from_secs(89));
+        for _ in 0..5 {
+            let sent = c.sent();
+            let date = http_date(SystemTime::now());
+            c.observe(Service::ServiceBus, sent, &date);
+            c.observe(Service::BlobStorage, sent, &date);
+        }
+        let second = Duration::from_millis(1500);
+        assert!(apart(c.now(), SystemTime::now()) < second);
+        let skew = c.skew(Service::ServiceBus).unwrap();
+        assert!((skew.offset_ms + 90_000).abs() < 1_500, "{skew}");
+        // The host's clock steps 11 minutes back: no response needed to stay right.
+        c.set_host_error(-600_000);
+        assert!(apart(c.now(), SystemTime::now()) < second);
+        // Blob storage's times, as this process's SystemTime counts them (true here).
+        let t = SystemTime::now() - Duration::from_secs(30);
+        assert!(apart(c.to_process(Service::BlobStorage, t), t) < second);
+        // Without the correction, what a host 10 minutes behind would see: 10 minutes later.
+        c.set_corrected(false);
+        let seen = c.to_process(Service::BlobStorage, t);
+        assert!(apart(seen, t + Duration::from_secs(600)) < second);
     }
 
     #[tokio::test]

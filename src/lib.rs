@@ -229,7 +229,7 @@ pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, Webhook
 pub use azure::retry_queue::QueueRefusal;
 pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
 pub use breaker::{BreakerConfig, BreakerConfigError};
-pub use clock::Clock;
+pub use clock::{Clock, Sent as ClockSent, Service as ClockService, Skew as ClockSkew};
 pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};
 pub use pipeline::settle::Policies;
 pub use pipeline::{
@@ -261,8 +261,8 @@ pub use telemetry::{
 };
 // The health read side, and the status endpoints over it.
 pub use pipeline::health::{
-    ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause, Lag, NotLive,
-    RetryLoopState,
+    ClockOffset, ConsumerState, CounterSnapshot, Health, HealthReport, Held, HeldRetry, HoldCause,
+    Lag, NotLive, RetryLoopState,
 };
 pub use status::pipeline_router as status_router;
 // The stores (record store, retry queue) and their in-memory twins.

@@ -585,6 +585,8 @@ impl Wiring {
             (Some(r), Some(c)) => (r.clone(), c.clone()),
             (records, checkpoints) => {
                 let blob = self.storage.record_store(deadline)?;
+                // Blob storage's time is measured from the responses to the pipeline's calls.
+                blob.container().measure_on(self.options.clock.clone());
                 let checkpoints = checkpoints
                     .clone()
                     .unwrap_or_else(|| BlobCheckpointStore::new(blob.container()));

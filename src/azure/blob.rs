@@ -186,6 +186,8 @@ pub struct BlobContainer {
     sas: Option<String>,
     credential: Option<Arc<dyn TokenCredential>>,
     token: tokio::sync::Mutex<Option<AccessToken>>,
+    /// The clock each response's `Date` is reported to (see [`Self::measure_on`]).
+    clock: std::sync::OnceLock<Arc<crate::clock::Clock>>,
 }
 
 impl fmt::Debug for BlobContainer {
@@ -243,7 +245,14 @@ impl BlobContainer {
             sas,
             credential,
             token: tokio::sync::Mutex::new(None),
+            clock: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Reports the `Date` of every response to `clock` from now on, which measures blob
+    /// storage's time from them (the first clock given stays).
+    pub fn measure_on(&self, clock: Arc<crate::clock::Clock>) {
+        let _ = self.clock.set(clock);
     }
 
     /// The container URL without its query.
@@ -302,6 +311,7 @@ impl BlobContainer {
         if let Some(b) = self.bearer().await? {
             req = req.header("authorization", b);
         }
+        let sent = self.clock.get().map(|c| c.sent());
         let resp = req.send().await.map_err(|e| {
             // reqwest's Display hides the cause; keep the chain, never the URL's query.
             let e = e.without_url();
@@ -314,6 +324,11 @@ impl BlobContainer {
             }
             BlobError::Transport(msg)
         })?;
+        if let (Some(clock), Some(sent), Some(date)) =
+            (self.clock.get(), sent, header(&resp, "date"))
+        {
+            clock.observe(crate::clock::Service::BlobStorage, sent, &date);
+        }
         if resp.status().is_success() {
             return Ok(resp);
         }

@@ -146,6 +146,11 @@ impl Config {
                 self.status.backlog_every_ms,
                 1_000,
             ),
+            (
+                "status.max_clock_skew_ms",
+                self.status.max_clock_skew_ms,
+                1_000,
+            ),
         ] {
             if value < min {
                 let why = match key {
@@ -153,6 +158,7 @@ impl Config {
                     "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
                     "processor.prefetch" => "a partition with no prefetch receives nothing",
                     "status.backlog_every_ms" => "each sample reads every partition's properties, the checkpoints and the ledger's listing",
+                    "status.max_clock_skew_ms" => "the skew is measured from HTTP Date headers, which carry whole seconds",
                     _ => "nothing would run",
                 };
                 return Err(invalid(
@@ -160,6 +166,12 @@ impl Config {
                     format!("{key} must be at least {min} (got {value}): {why}"),
                 ));
             }
+        }
+        if self.status.max_clock_skew_ms > 900_000 {
+            return Err(invalid(
+                "status.max_clock_skew_ms",
+                format!("status.max_clock_skew_ms must be at most 900000 (got {}): Azure Storage itself refuses a Shared Key request dated more than 15 minutes off", self.status.max_clock_skew_ms),
+            ));
         }
         Ok(())
     }

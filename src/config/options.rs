@@ -52,6 +52,7 @@ impl Config {
             unhealthy_after: (self.status.unhealthy_after_ms > 0)
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
             backlog_every: Duration::from_millis(self.status.backlog_every_ms),
+            max_clock_skew: Duration::from_millis(self.status.max_clock_skew_ms),
             rate_limit: {
                 let HandlerSection::Webhook(w) = &self.handler;
                 crate::ratelimit::RateLimitConfig {

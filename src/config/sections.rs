@@ -424,6 +424,7 @@ impl Default for StatusSection {
             listen: default_listen(),
             unhealthy_after_ms: PipelineOptions::default().unhealthy_after.map_or(0, ms_of),
             backlog_every_ms: ms_of(PipelineOptions::default().backlog_every),
+            max_clock_skew_ms: ms_of(PipelineOptions::default().max_clock_skew),
         }
     }
 }
@@ -492,6 +493,9 @@ pub struct StatusSection {
     pub unhealthy_after_ms: u64,
     /// How often the backlog (`GET /v1/backlog`, `hubguard.backlog.events`) is sampled (ms).
     pub backlog_every_ms: u64,
+    /// `/readyz` answers 503 while this host's clock is measured further than this (ms) from
+    /// Service Bus's (docs/clocks.md); hubguard corrects for it either way.
+    pub max_clock_skew_ms: u64,
 }
 
 fn default_listen() -> SocketAddr {

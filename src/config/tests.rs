@@ -197,6 +197,8 @@ fn type_errors_and_impossible_values_name_the_key_or_the_variable() {
             "base_s",
         ),
         ("[processor]\nupdate_interval_ms = 0\n", none(), "processor.update_interval_ms"),
+        ("[status]\nmax_clock_skew_ms = 500\n", none(), "status.max_clock_skew_ms"),
+        ("[status]\nmax_clock_skew_ms = 900001\n", none(), "status.max_clock_skew_ms"),
         ("", var("HUBGUARD_RETRY_CONCURRENCY", "4"), "HUBGUARD_RETRY_CONCURRENCY"),
     ] {
         let e = bad(extra, env);

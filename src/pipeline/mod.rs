@@ -212,7 +212,9 @@ impl Pipeline {
                 .with_dead_letters(parts.options.dead_letters.clone())
                 .with_schedule_lead(parts.options.retry_lead),
         );
-        let health = Arc::new(Health::new(parts.options.clock.clone()));
+        let health = Arc::new(
+            Health::new(parts.options.clock.clone()).with_max_skew(parts.options.max_clock_skew),
+        );
         health.set_unhealthy_after(parts.options.unhealthy_after);
         if let Some(b) = &breaker {
             health.watch(b.clone());

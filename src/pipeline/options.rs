@@ -254,6 +254,9 @@ pub struct PipelineOptions {
     /// Operational events (breaker, held partitions, dead letters, rate limit) and where they
     /// go (`None`: none).
     pub ops_events: Option<Arc<crate::opsevents::OpsEvents>>,
+    /// Readiness fails while this host's clock is measured further than this from Service
+    /// Bus's (`status.max_clock_skew_ms`; docs/clocks.md).
+    pub max_clock_skew: Duration,
 }
 
 impl Default for PipelineOptions {
@@ -290,9 +293,15 @@ impl Default for PipelineOptions {
             rate_limit: crate::ratelimit::RateLimitConfig::default(),
             backlog_every: Duration::from_secs(30),
             ops_events: None,
+            max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
         }
     }
 }
+
+/// How far this host's clock may be from Service Bus's before readiness says so: a tenth of
+/// the 15 minutes Azure Storage allows a request's time to be off, and well under any
+/// ownership expiration or retry wait worth configuring (docs/clocks.md).
+pub(crate) const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(30);
 
 /// How long a DELIVERED ledger record is kept by default (see `pipeline::retention` for
 /// why 7 days).

@@ -31,6 +31,10 @@ pub trait PipelineReadings: Send + Sync + 'static {
     fn ready(&self) -> bool;
     /// The Event Hubs consumer's state: 1 running, 2 failing, 0 starting.
     fn consumer_code(&self) -> u64;
+    /// Per measured service (`servicebus`, `blob`): its clock minus this host's, in seconds.
+    fn clock_offsets(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
 }
 
 /// What the breaker gauges read from the downstream's circuit breaker.
@@ -59,6 +63,7 @@ pub struct PipelineGauges {
     _unowned: ObservableGauge<u64>,
     _ready: ObservableGauge<u64>,
     _consumer: ObservableGauge<u64>,
+    _clock_offset: ObservableGauge<f64>,
 }
 
 impl std::fmt::Debug for PipelineGauges {
@@ -106,6 +111,7 @@ impl PipelineGauges {
             pipeline.clone(),
             |p| p.consumer_code(),
         );
+        let clock_offset = clock_offset_gauge(&meter, pipeline.clone());
         let lag_seconds = lag_seconds_gauge(&meter, pipeline);
         let breaker_age = breaker_seconds_gauge(
             &meter,
@@ -135,6 +141,7 @@ impl PipelineGauges {
             _unowned: unowned,
             _ready: ready,
             _consumer: consumer,
+            _clock_offset: clock_offset,
         }
     }
 }
@@ -204,6 +211,20 @@ fn held_for_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGaug
                         KeyValue::new(metric_attr::REASON, reason),
                     ],
                 );
+            }
+        })
+        .build()
+}
+
+/// [`metric::CLOCK_OFFSET`]: per measured service, its clock minus this host's.
+fn clock_offset_gauge(meter: &Meter, p: Arc<dyn PipelineReadings>) -> ObservableGauge<f64> {
+    meter
+        .f64_observable_gauge(metric::CLOCK_OFFSET)
+        .with_unit("s")
+        .with_description("Each service's clock minus this host's, measured from response Date headers, by service")
+        .with_callback(move |o| {
+            for (service, secs) in p.clock_offsets() {
+                o.observe(secs, &[KeyValue::new(metric_attr::SERVICE, service)]);
             }
         })
         .build()

@@ -207,6 +207,9 @@ pub mod metric {
     pub const OPSEVENTS_DROPPED: &str = "hubguard.opsevents.dropped";
     /// Counter: operational events the destination refused or did not answer in time.
     pub const OPSEVENTS_FAILED: &str = "hubguard.opsevents.failed";
+    /// Gauge (s): each service's clock minus this host's, as measured from its responses'
+    /// `Date` (by `service`: `servicebus`, `blob`; absent before any response).
+    pub const CLOCK_OFFSET: &str = "hubguard.clock.offset";
 }
 
 /// The values of [`metric_attr::KIND`] on [`metric::BACKLOG_EVENTS`].
@@ -233,6 +236,8 @@ pub mod metric_attr {
     pub const KIND: &str = "kind";
     /// An operational event's CloudEvents type.
     pub const TYPE: &str = "type";
+    /// The Azure service whose clock is measured (`servicebus`, `blob`).
+    pub const SERVICE: &str = "service";
 }
 
 /// Every name above, for the dashboard consistency test.
@@ -308,11 +313,13 @@ pub fn all() -> Vec<&'static str> {
         metric::OPSEVENTS_SUPPRESSED,
         metric::OPSEVENTS_DROPPED,
         metric::OPSEVENTS_FAILED,
+        metric::CLOCK_OFFSET,
         metric_attr::PARTITION,
         metric_attr::REASON,
         metric_attr::EVENT_TYPE,
         metric_attr::DOWNSTREAM,
         metric_attr::KIND,
         metric_attr::TYPE,
+        metric_attr::SERVICE,
     ]
 }

@@ -8,6 +8,7 @@ mod bad_state;
 mod batches;
 mod blob;
 mod cli;
+mod clock_skew;
 mod common;
 mod concurrency;
 mod conformance;

@@ -8,6 +8,7 @@ use super::endpoint::ServiceBusEndpoint;
 use super::error::RetryQueueError;
 use super::http::BearerTokenHttpClient;
 use super::http::DetailedErrors;
+use super::http::MeasuredHttpClient;
 use super::MessageLock;
 use super::OutgoingMessage;
 use super::ReceivedMessage;
@@ -61,6 +62,8 @@ pub struct ServiceBusRetryQueue {
     sas: Option<SasKey>,
     options: ServiceBusOptions,
     clock: Arc<crate::clock::Clock>,
+    /// The clock the HTTP stack reports each response's `Date` to (set by `with_clock`).
+    measured: Arc<std::sync::OnceLock<Arc<crate::clock::Clock>>>,
     /// Concurrent sends coalesced into Send Message Batch ([`super::batch`]), unless off.
     batcher: super::batch::Batcher,
     batching: bool,
@@ -141,6 +144,9 @@ impl ServiceBusRetryQueue {
             Some(c) => Arc::new(BearerTokenHttpClient::new(transport, c)),
             None => transport,
         };
+        let measured = Arc::new(std::sync::OnceLock::new());
+        let authenticated: Arc<dyn HttpClient> =
+            Arc::new(MeasuredHttpClient::new(authenticated, measured.clone()));
         let http: Arc<dyn HttpClient> = Arc::new(DetailedErrors::new(authenticated));
         // With a token credential the crate still signs a SAS (it cannot do otherwise); the
         // bearer client replaces it, so the key is a placeholder that never leaves here.
@@ -167,6 +173,7 @@ impl ServiceBusRetryQueue {
             sas,
             options,
             clock: Arc::default(),
+            measured,
             batcher: Default::default(),
             batching: true,
         })
@@ -243,7 +250,9 @@ impl ServiceBusRetryQueue {
 
     /// Reads due times and lock expiry on `clock` (the one the pipeline and, in tests, the
     /// emulator share) instead of the wall clock.
+    /// The `Date` of every response is reported to it (Service Bus's time is measured so).
     pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
+        let _ = self.measured.set(clock.clone());
         self.clock = clock;
         self
     }

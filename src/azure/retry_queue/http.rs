@@ -151,6 +151,41 @@ impl HttpClient for RedirectingHttpClient {
     }
 }
 
+/// An `HttpClient` for the legacy crate that reports the `Date` of every Service Bus response
+/// to the pipeline's clock (once it is given one), which measures Service Bus's time from them.
+#[derive(Debug)]
+pub(super) struct MeasuredHttpClient {
+    inner: Arc<dyn HttpClient>,
+    clock: Arc<std::sync::OnceLock<Arc<crate::clock::Clock>>>,
+}
+
+impl MeasuredHttpClient {
+    /// Wraps `inner`; responses are measured on the clock `clock` holds when they arrive.
+    pub(super) fn new(
+        inner: Arc<dyn HttpClient>,
+        clock: Arc<std::sync::OnceLock<Arc<crate::clock::Clock>>>,
+    ) -> Self {
+        Self { inner, clock }
+    }
+}
+
+#[async_trait]
+impl HttpClient for MeasuredHttpClient {
+    async fn execute_request(&self, request: &Request) -> azure_core_legacy::Result<Response> {
+        let sent = self.clock.get().map(|c| c.sent());
+        let response = self.inner.execute_request(request).await?;
+        if let (Some(clock), Some(sent)) = (self.clock.get(), sent) {
+            if let Some(date) = response
+                .headers()
+                .get_optional_str(&azure_core_legacy::headers::DATE)
+            {
+                clock.observe(crate::clock::Service::ServiceBus, sent, date);
+            }
+        }
+        Ok(response)
+    }
+}
+
 /// An `HttpClient` for the legacy crate that keeps what the service says about an error.
 /// The crate drops the body of an error response (it looks for a JSON `code`; Service Bus
 /// answers XML with a `<Detail>`), and that detail is the only way to tell "message too

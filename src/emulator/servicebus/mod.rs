@@ -307,7 +307,26 @@ fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Right
     }
 }
 
+/// Every response dated on the emulator's clock, as Service Bus dates its own (RFC 9110
+/// §6.6.1; otherwise the HTTP server would date it on the wall clock, and a test that moves
+/// this clock would see two).
 async fn handle(
+    State(shared): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    query: Query<ReceiveQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let now = shared.broker.clock.now();
+    let mut response = respond(State(shared), method, uri, query, headers, body).await;
+    if let Ok(v) = axum::http::HeaderValue::from_str(&crate::clock::http_date(now)) {
+        response.headers_mut().insert("date", v);
+    }
+    response
+}
+
+async fn respond(
     State(shared): State<Arc<Shared>>,
     method: Method,
     uri: Uri,

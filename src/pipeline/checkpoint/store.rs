@@ -31,9 +31,10 @@ impl CheckpointStore for FencedCheckpointStore {
         // one ownership's ETag.
         let outcome = {
             let _claiming = self.claim_lock.lock().await;
-            let claimed = self
+            let mut claimed = self
                 .deadline("claim_ownership", self.inner.claim_ownership(&wanted))
                 .await?;
+            self.in_process_time(&mut claimed);
             let mut st = self.state();
             let mut got = Vec::new();
             for o in &claimed {
@@ -95,12 +96,13 @@ impl CheckpointStore for FencedCheckpointStore {
                 self.state().drop_claims();
             }
         }
-        let owners = self
+        let mut owners = self
             .deadline(
                 "list_ownerships",
                 self.inner.list_ownerships(namespace, hub, cg),
             )
             .await?;
+        self.in_process_time(&mut owners);
         self.note_owners(&owners);
         if let Some(r) = &self.rate {
             r.listed(&owners, self.expiration);
@@ -304,6 +306,24 @@ impl FencedCheckpointStore {
 }
 
 impl FencedCheckpointStore {
+    /// Ownership times in this process's terms: blob storage stamps `Last-Modified` on its
+    /// own clock, and the SDK's load balancer (like this store's planner, the rate limit's
+    /// shares and the unowned check) compares them with this host's `SystemTime::now()`, so
+    /// a host minutes off would find every other replica's ownership expired (and take it)
+    /// or its own never expiring. Translated with blob storage's measured offset
+    /// ([`Clock::to_process`](crate::clock::Clock::to_process); docs/clocks.md).
+    fn in_process_time(&self, owners: &mut [Ownership]) {
+        let Some(clock) = self.health.as_ref().map(|h| h.clock()) else {
+            return;
+        };
+        for o in owners {
+            if let Some(t) = o.last_modified_time {
+                let t = clock.to_process(crate::clock::Service::BlobStorage, t.into());
+                o.last_modified_time = Some(t.into());
+            }
+        }
+    }
+
     /// What the planner reads this cycle: the listing, and this replica's requests.
     fn view(&self) -> plan::View {
         let st = self.state();

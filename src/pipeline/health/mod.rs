@@ -17,6 +17,9 @@ use tokio::sync::watch;
 use super::observe::Counters;
 use crate::clock::{rfc3339, Clock};
 mod report;
+mod skew;
+
+pub use skew::ClockOffset;
 
 pub use report::{
     ConsumerState, CounterSnapshot, HealthReport, Held, HeldRetry, HoldCause, HoldSubject, Lag,
@@ -116,6 +119,8 @@ pub struct Health {
     state: Mutex<State>,
     counters: Counters,
     clock: Arc<Clock>,
+    /// Readiness fails while this host is further than this from Service Bus's clock.
+    max_skew: Duration,
     changed: watch::Sender<u64>,
 }
 
@@ -133,8 +138,20 @@ impl Health {
             state: Mutex::default(),
             counters: Counters::default(),
             clock,
+            max_skew: crate::pipeline::options::DEFAULT_MAX_CLOCK_SKEW,
             changed: watch::channel(0).0,
         }
+    }
+
+    /// Readiness fails while this host's clock is further than `bound` from Service Bus's.
+    pub(crate) fn with_max_skew(mut self, bound: Duration) -> Self {
+        self.max_skew = bound;
+        self
+    }
+
+    /// Each service's clock against this host's, as measured.
+    pub fn clock_offsets(&self) -> Vec<ClockOffset> {
+        skew::offsets(&self.clock, self.max_skew)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -499,6 +516,7 @@ impl Health {
             (r, st.retry_loop.clone(), st.waits.clone())
         };
         r.extend(waits.iter().filter_map(|w| w.waiting()));
+        r.extend(skew::reason(&self.clock, self.max_skew));
         match retry_loop {
             RetryLoopState::Running => {}
             RetryLoopState::Starting => r.push("retry loop starting".into()),
@@ -560,6 +578,7 @@ impl Health {
             checkpoint_lag: st.lag.clone(),
             counters,
             other_deployments_seen: st.foreign.clone(),
+            clocks: self.clock_offsets(),
         }
     }
 
@@ -570,6 +589,13 @@ impl Health {
 }
 
 impl crate::telemetry::gauges::PipelineReadings for Health {
+    fn clock_offsets(&self) -> Vec<(&'static str, f64)> {
+        self.clock_offsets()
+            .into_iter()
+            .filter_map(|c| Some((c.service, c.offset_ms? as f64 / 1000.0)))
+            .collect()
+    }
+
     fn held_by_reason(&self) -> BTreeMap<&'static str, u64> {
         let mut by_reason = BTreeMap::new();
         for held in self.held().values() {

@@ -243,6 +243,8 @@ pub struct HealthReport {
     pub counters: CounterSnapshot,
     /// Other deployments whose retries came from the shared queue: name → how many.
     pub other_deployments_seen: BTreeMap<String, u64>,
+    /// Each service's clock against this host's (docs/clocks.md).
+    pub clocks: Vec<super::ClockOffset>,
 }
 
 /// Liveness refused: the Event Hubs consumer has failed without a break for too long.

@@ -300,7 +300,7 @@ impl OwnerLease {
     }
 
     /// How many processes hold owner records of this hub and consumer group renewed within
-    /// `within` (as blob storage's last-modified times say, against this host's clock: an
+    /// `within` (as blob storage's last-modified times say, against blob storage's measured time: an
     /// estimate, used only to share unowned partitions at start-up).
     pub(in crate::pipeline) async fn live_instances(
         &self,
@@ -310,7 +310,11 @@ impl OwnerLease {
             .key
             .rsplit_once('/')
             .map_or(String::new(), |(p, _)| format!("{p}/"));
-        let now = std::time::SystemTime::now();
+        // Last-Modified is blob storage's time: judged on blob storage's clock as measured.
+        let now = self
+            .health
+            .clock()
+            .service_now(crate::clock::Service::BlobStorage);
         Ok(self
             .records
             .list(&prefix)
