@@ -800,6 +800,7 @@ mod tests {
             keys,
             [
                 "checkpoint_lag",
+                "clocks",
                 "consumer",
                 "counters",
                 "held_partitions",
