@@ -15,6 +15,9 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     // Start-up proof: the retry queue must keep hubguard's promise (duplicate detection on,
     // its window long enough for this configuration), or hubguard does not start.
     let mut wiring = Wiring::from_config(&config)?;
+    for w in wiring.prove_retry_queue().await? {
+        tracing::warn!("{w}");
+    }
     // The cheap lines of `hubguard check`: the container reachable, writable and deletable.
     let storage = crate::wiring::StorageAccess::from_config(&config)?;
     let failed: Vec<String> = super::check::storage_lines(&storage, wiring.options_mut().deadline)
@@ -25,16 +28,9 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         .collect();
     if !failed.is_empty() {
         anyhow::bail!(
-            "storage is not ready (see `hubguard check`):
-{}",
-            failed.join(
-                "
-"
-            )
+            "storage is not ready (see `hubguard check`):\n{}",
+            failed.join("\n")
         );
-    }
-    for w in wiring.prove_retry_queue().await? {
-        tracing::warn!("{w}");
     }
     let HandlerSection::Webhook(w) = &config.handler;
     let clock = wiring.options_mut().clock.clone();

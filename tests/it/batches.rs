@@ -453,19 +453,23 @@ async fn a_replica_killed_with_a_batch_in_flight_loses_nothing() {
     let delivered = Arc::new(Mutex::new(BTreeSet::new()));
     let app = {
         let (hang, hung, delivered) = (hang.clone(), hung.clone(), delivered.clone());
-        axum::Router::new().fallback(move |body: axum::body::Bytes| {
+        axum::Router::new().fallback(move |headers: HeaderMap, body: axum::body::Bytes| {
             let (hang, hung, delivered) = (hang.clone(), hung.clone(), delivered.clone());
             async move {
                 if hang.load(std::sync::atomic::Ordering::SeqCst) {
                     hung.notify_one();
                     std::future::pending::<()>().await;
                 }
-                if let Ok(elements) = serde_json::from_slice::<Vec<serde_json::Value>>(&body) {
-                    for e in elements {
-                        delivered
-                            .lock()
-                            .unwrap()
-                            .insert(e["hubguardkey"].as_str().unwrap().to_string());
+                let mut d = delivered.lock().unwrap();
+                match serde_json::from_slice::<Vec<serde_json::Value>>(&body) {
+                    Ok(elements) => {
+                        for e in elements {
+                            d.insert(e["hubguardkey"].as_str().unwrap().to_string());
+                        }
+                    }
+                    // Alone: a single delivery, keyed by its header.
+                    Err(_) => {
+                        d.insert(headers["idempotency-key"].to_str().unwrap().to_string());
                     }
                 }
                 StatusCode::OK

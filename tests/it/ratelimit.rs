@@ -278,12 +278,21 @@ async fn a_retry_after_on_a_429_pauses_the_downstream_for_every_replica() {
         .await;
     bed.send(1, &[("p-3", "ok"), ("p-4", "ok"), ("p-5", "ok")])
         .await;
+    // Each replica sees the pause at some point (not necessarily at the same moment: under
+    // load one may read the shared record only late in the pause).
+    let paused = std::cell::Cell::new([false; 2]);
     watch_until(
         "every replica sees the downstream paused",
         &[&a.limiter, &b.limiter],
         Duration::from_secs(30),
-        &mut |_| {},
-        &|s| s.iter().all(|s| s.paused_until.is_some()),
+        &mut |s| {
+            let mut p = paused.get();
+            for (seen, snap) in p.iter_mut().zip(s) {
+                *seen |= snap.paused_until.is_some();
+            }
+            paused.set(p);
+        },
+        &|_| paused.get().iter().all(|p| *p),
     )
     .await;
     // While paused, nobody calls: the receiver's log has a gap of about the pause after
