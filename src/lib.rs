@@ -208,6 +208,10 @@ mod sync;
 #[cfg(feature = "cli")]
 pub mod cli;
 
+// The web console `hubguard run` serves on the status listener (docs/console.md).
+#[cfg(feature = "cli")]
+pub mod console;
+
 // The embedder's API. Without `testbed` this is the crate's whole public surface (the
 // integration test `public_api` holds it to `tests/it/public_api.txt`).
 
@@ -236,10 +240,10 @@ pub use ratelimit::RateLimitConfig;
 pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
 // `hubguard run`'s configuration file.
 pub use config::{
-    Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
-    EventHubsSection, HandlerSection, LedgerSection, PolicySection, ProcessorSection,
-    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
-    StorageSection,
+    Access, CheckpointSection, Config, ConfigError, ConsoleSection, CredentialKind,
+    DeadLettersSection, EventHubsSection, HandlerSection, LedgerSection, PolicySection,
+    ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition,
+    StatusSection, StorageSection,
 };
 pub use telemetry::logs::{LogFormat, LogSection};
 // Logs, traces and metrics as `hubguard run` sets them up.
