@@ -626,7 +626,7 @@ impl ConsoleSection {
         ] {
             if token.is_some() && file.is_some() {
                 return Err(invalid(
-                    &format!("console.{role}_token"),
+                    format!("console.{role}_token"),
                     format!("give console.{role}_token or console.{role}_token_file, not both"),
                 ));
             }

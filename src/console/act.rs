@@ -162,10 +162,13 @@ fn bad(text: impl Into<String>) -> Response {
         .into_response()
 }
 
-fn parse_time(field: &str, t: &str) -> Result<i64, Response> {
+fn parse_time(field: &str, t: &str) -> Result<i64, (String, Box<Response>)> {
     time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
         .map(|t| ms(t.into()))
-        .map_err(|_| bad(format!("{field}: `{t}` is not an RFC 3339 time")))
+        .map_err(|_| {
+            let text = format!("{field}: `{t}` is not an RFC 3339 time");
+            (format!("refused: {text}"), Box::new(bad(text)))
+        })
 }
 
 impl Console {
@@ -225,12 +228,12 @@ pub(crate) async fn act(
         }
         Err((outcome, response)) => {
             c.audit(who, &action, target, dry_run, &outcome);
-            response
+            *response
         }
     }
 }
 
-type Acted = Result<(String, Value), (String, Response)>;
+type Acted = Result<(String, Value), (String, Box<Response>)>;
 
 fn action_target(b: &ActBody) -> Value {
     if let Some(k) = &b.key {
@@ -242,10 +245,10 @@ fn action_target(b: &ActBody) -> Value {
     json!({ "partitions": b.partitions, "reason": b.reason })
 }
 
-fn failed(e: impl std::fmt::Display) -> (String, Response) {
+fn failed(e: impl std::fmt::Display) -> (String, Box<Response>) {
     (
         format!("failed: {}", redacted(&e.to_string())),
-        unavailable(e),
+        Box::new(unavailable(e)),
     )
 }
 
@@ -279,7 +282,7 @@ async fn pause(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
         }
         Err(e @ ControlError::AllPaused(_)) => {
             let text = e.to_string();
-            Err((format!("refused: {text}"), bad(text)))
+            Err((format!("refused: {text}"), Box::new(bad(text))))
         }
         Err(e) => Err(failed(e)),
     }
@@ -287,14 +290,17 @@ async fn pause(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
 
 async fn on_retry(c: &Console, action: &str, who: &str, b: &ActBody) -> Acted {
     let Some(key) = b.key.as_deref() else {
-        return Err(("refused: no key".into(), bad("give the key")));
+        return Err(("refused: no key".into(), Box::new(bad("give the key"))));
     };
     let s = &c.0.settler;
     let outcome = if action == "retry-now" {
         s.retry_now(key, who, b.dry_run).await
     } else {
         let Some(reason) = b.reason.as_deref().filter(|r| !r.trim().is_empty()) else {
-            return Err(("refused: no reason".into(), bad("say why it is cancelled")));
+            return Err((
+                "refused: no reason".into(),
+                Box::new(bad("say why it is cancelled")),
+            ));
         };
         s.cancel(key, reason, who, b.dry_run).await
     };
@@ -337,23 +343,23 @@ async fn replay(c: &Console, who: &str, b: ActBody) -> Acted {
     let Some(f) = b.filter.clone() else {
         return Err((
             "refused: no key or filter".into(),
-            bad("give a key or a filter"),
+            Box::new(bad("give a key or a filter")),
         ));
     };
     let per_second = b.rate.unwrap_or(10.0);
     if !(per_second > 0.0 && per_second.is_finite()) {
         return Err((
             "refused: bad rate".into(),
-            bad("rate: a positive number of replays a second"),
+            Box::new(bad("rate: a positive number of replays a second")),
         ));
     }
     let now = ms(c.0.health.clock().now());
     let until_ms = match f.until.as_deref() {
-        Some(t) => parse_time("until", t).map_err(|r| ("refused: bad until".to_string(), r))?,
+        Some(t) => parse_time("until", t)?,
         None => now,
     };
     let since_ms = match f.since.as_deref() {
-        Some(t) => Some(parse_time("since", t).map_err(|r| ("refused: bad since".to_string(), r))?),
+        Some(t) => Some(parse_time("since", t)?),
         None => None,
     };
     let filter = ReplayFilter {
@@ -492,7 +498,7 @@ pub(crate) async fn job(
     Path(id): Path<u64>,
 ) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     match c.0.jobs.jobs.locked().get(&id) {
         Some((j, _)) => Json(serde_json::to_value(j).unwrap_or_default()).into_response(),
@@ -544,7 +550,7 @@ pub(crate) async fn stop_job(
 /// `GET /console/api/audit`: the latest actions, newest first.
 pub(crate) async fn audit(State(c): State<Console>, headers: HeaderMap) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     let entries: Vec<AuditEntry> = c.0.audit.0.locked().iter().cloned().collect();
     Json(json!({ "entries": entries })).into_response()

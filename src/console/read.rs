@@ -46,12 +46,12 @@ pub(crate) fn unavailable(e: impl std::fmt::Display) -> Response {
 
 impl Console {
     /// The caller, who must at least read.
-    pub(crate) fn reader(&self, headers: &HeaderMap) -> Result<Caller, Response> {
+    pub(crate) fn reader(&self, headers: &HeaderMap) -> Result<Caller, Box<Response>> {
         self.0
             .settings
             .access
             .caller(headers)
-            .map_err(|e| refusal(&e))
+            .map_err(|e| Box::new(refusal(&e)))
     }
 
     fn now(&self) -> SystemTime {
@@ -64,7 +64,7 @@ impl Console {
 pub(crate) async fn session(State(c): State<Console>, headers: HeaderMap) -> Response {
     let caller = match c.reader(&headers) {
         Ok(caller) => caller,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let operator = caller.role == Role::Operator;
     Json(json!({
@@ -101,7 +101,7 @@ pub(crate) async fn lookup(
     Query(q): Query<LookupQuery>,
 ) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     let q = q.q.trim();
     if q.is_empty() {
@@ -301,7 +301,7 @@ pub(crate) async fn retries(
     Query(q): Query<RetriesQuery>,
 ) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     let blank = |o: Option<String>| o.filter(|s| !s.trim().is_empty());
     let due_before = match blank(q.due_before)
@@ -393,7 +393,7 @@ fn summary(rec: &LedgerRecord) -> DeadSummary {
 /// of the dead-letter index; records not read before are read, 32 at a time.
 pub(crate) async fn dead_letters(State(c): State<Console>, headers: HeaderMap) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     let entries = match c.0.ledger.dead_letter_entries().await {
         Ok(e) => e,
@@ -481,7 +481,7 @@ fn groups(summaries: Vec<(String, DeadSummary)>) -> Vec<Value> {
             )
         })
         .collect();
-    out.sort_by(|a, b| b.0.cmp(&a.0));
+    out.sort_by_key(|a| std::cmp::Reverse(a.0));
     out.into_iter().map(|(_, v)| v).collect()
 }
 
@@ -490,7 +490,7 @@ fn groups(summaries: Vec<(String, DeadSummary)>) -> Vec<Value> {
 /// control record (who paused what).
 pub(crate) async fn overview(State(c): State<Console>, headers: HeaderMap) -> Response {
     if let Err(r) = c.reader(&headers) {
-        return r;
+        return *r;
     }
     let name = c.0.ledger.control_record_name();
     let control = match crate::pipeline::control::current(c.0.ledger.store().as_ref(), &name).await

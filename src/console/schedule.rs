@@ -79,6 +79,9 @@ impl RngCore for Extreme {
     }
 }
 
+/// Each attempt's due time, and the attempt after which it gives up (its due time, why).
+type Walked = (Vec<(u32, i64)>, Option<(u32, i64, DeadLetterReason)>);
+
 /// One bound of the schedule: the due time of each attempt from `attempt` on, and the
 /// attempt after which it gives up, with the reason.
 fn walk(
@@ -89,7 +92,7 @@ fn walk(
     first_failure_ms: i64,
     mut previous: Option<Duration>,
     high: bool,
-) -> (Vec<(u32, i64)>, Option<(u32, i64, DeadLetterReason)>) {
+) -> Walked {
     let mut rng = Extreme(high);
     let mut out = vec![(attempt, due_ms)];
     for _ in 0..MAX_STEPS + 1 {

@@ -8,6 +8,8 @@ mod blob;
 mod cli;
 mod common;
 mod concurrency;
+mod console;
+mod console_browser;
 mod dashboards;
 mod demo;
 mod deployments;

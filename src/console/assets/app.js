@@ -52,6 +52,7 @@ function at(iso) { return inWords(iso) + ", at " + twoZones(iso); }
 
 function signIn(why) {
   $("signin").hidden = false;
+  $("signin").open = true;
   $("signin-why").textContent = why;
 }
 
@@ -60,7 +61,9 @@ async function loadSession() {
   if (r.status !== 200) return;
   S.session = r.data;
   S.session.offset = new Date(r.data.now).getTime() - Date.now();
-  $("signin").hidden = true;
+  // A reader where operators exist may sign in to act.
+  $("signin").hidden = !(r.data.role === "reader" && r.data.anyone_can_act);
+  $("signin-why").textContent = "Operators: sign in with the operator token to act.";
   $("who").textContent = r.data.who + " · " + (r.data.can_act ? "operator" : "reader");
 }
 
@@ -264,19 +267,22 @@ async function loadPartitions() {
   const ul = clear($("readiness"));
   if (!(rep.not_ready || []).length) ul.appendChild(el("li", "ready"));
   for (const why of rep.not_ready || []) ul.appendChild(el("li", why, "error"));
-  const ids = new Set([...Object.keys(rep.owned_partitions || {}), ...(rep.unowned_partitions || []), ...Object.keys(rep.held_partitions || {}).filter(k => /^\d+$/.test(k)), ...Object.keys(ctl.partitions || {})]);
+  // Held entries are named by the partition ("3", "3 (paused)") or by what holds them.
+  const heldEntries = Object.entries(rep.held_partitions || {});
+  const partOf = k => (k.match(/^(\d+)(\s|$)/) || [])[1];
+  const ids = new Set([...Object.keys(rep.owned_partitions || {}), ...(rep.unowned_partitions || []), ...heldEntries.map(([k]) => partOf(k)).filter(Boolean), ...Object.keys(ctl.partitions || {})]);
   const tb = clear($("partitions").tBodies[0]);
   for (const p of [...ids].sort((a, b) => Number(a) - Number(b))) {
     const tr = el("tr"); tr.id = "partition-" + p;
     const owned = rep.owned_partitions && p in rep.owned_partitions;
     const lag = (rep.checkpoint_lag || {})[p];
-    const held = (rep.held_partitions || {})[p];
+    const held = heldEntries.filter(([k]) => partOf(k) === p).map(([, h]) => h)[0];
     const pause = (ctl.partitions || {})[p] || ctl.all;
     tr.appendChild(el("td", p));
     tr.appendChild(el("td", owned ? "this replica" + (r.data.owner ? " (" + r.data.owner + ")" : "") : "another replica or none"));
     tr.appendChild(el("td", owned ? String(rep.owned_partitions[p]) : ""));
     tr.appendChild(el("td", lag ? lag.events + " events, " + Math.round(lag.seconds) + " s" : ""));
-    tr.appendChild(el("td", held ? (held.cause || "") + (held.reason ? ": " + held.reason : "") + (held.since ? " since " + twoZones(held.since) : "") : ""));
+    tr.appendChild(el("td", held ? [held.cause, held.reason].filter(Boolean).join(": ") + (held.since ? " since " + twoZones(held.since) : "") : ""));
     tr.appendChild(el("td", pause ? "paused by " + pause.by + " since " + twoZones(new Date(pause.since_ms).toISOString()) + (pause.reason ? ": " + pause.reason : "") : "", pause ? "paused" : ""));
     const td = el("td");
     if (pause && !ctl.all) td.appendChild(button("Resume", async () => { if (await act("resume", { partitions: [p] })) loadPartitions(); }));
