@@ -114,6 +114,73 @@ pub(crate) struct Jobs {
     jobs: std::sync::Mutex<BTreeMap<u64, (JobState, CancellationToken)>>,
 }
 
+impl Jobs {
+    /// A replay job heard of one more dead letter: counted, kept among the latest, and the
+    /// job stopped once it has replayed its bound.
+    fn step(&self, id: u64, step: &ReplayStep, done: usize, total: usize) {
+        let mut jobs = self.jobs.locked();
+        let Some((j, stop)) = jobs.get_mut(&id) else {
+            return;
+        };
+        j.done = done;
+        j.total = total;
+        match step {
+            ReplayStep::Skipped { .. } => j.skipped += 1,
+            ReplayStep::Failed { .. } => j.failed += 1,
+            _ => j.replayed += 1,
+        }
+        j.recent.push_front(step.clone());
+        j.recent.truncate(STEPS_SHOWN);
+        if j.limit.is_some_and(|l| j.replayed >= l) {
+            j.bounded = true;
+            stop.cancel();
+        }
+    }
+
+    /// A replay job ended: its counts or its error, and what the audit trail says of it
+    /// (the text and the filter).
+    fn finish(
+        &self,
+        id: u64,
+        result: Result<ReplayReport, crate::pipeline::settle::SettleError>,
+        dry_run: bool,
+    ) -> Option<(String, Value)> {
+        let mut jobs = self.jobs.locked();
+        let (j, _) = jobs.get_mut(&id)?;
+        j.finished = true;
+        Some(match result {
+            Ok(r) => {
+                let text = format!(
+                    "job {id}: {} {}, {} skipped, {} failed (of {} matched){}",
+                    r.replayed,
+                    if dry_run {
+                        "would be replayed"
+                    } else {
+                        "replayed"
+                    },
+                    r.skipped,
+                    r.failed,
+                    r.matched,
+                    if j.bounded {
+                        "; stopped at the bound: the same filter resumes"
+                    } else if r.interrupted {
+                        "; stopped: the same filter resumes"
+                    } else {
+                        ""
+                    }
+                );
+                j.report = Some(r);
+                (text, j.filter.clone())
+            }
+            Err(e) => {
+                let text = redacted(&e.to_string());
+                j.error = Some(text.clone());
+                (format!("job {id} failed: {text}"), j.filter.clone())
+            }
+        })
+    }
+}
+
 /// What an action's body may say.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -428,65 +495,12 @@ fn start_job(
             dry_run,
             ordering.as_ref(),
             &stop,
-            |step, done, total| {
-                let mut jobs = c.0.jobs.jobs.locked();
-                let Some((j, stop)) = jobs.get_mut(&id) else {
-                    return;
-                };
-                j.done = done;
-                j.total = total;
-                match step {
-                    ReplayStep::Skipped { .. } => j.skipped += 1,
-                    ReplayStep::Failed { .. } => j.failed += 1,
-                    _ => j.replayed += 1,
-                }
-                j.recent.push_front(step.clone());
-                j.recent.truncate(STEPS_SHOWN);
-                if j.limit.is_some_and(|l| j.replayed >= l) {
-                    j.bounded = true;
-                    stop.cancel();
-                }
-            },
+            |step, done, total| c.0.jobs.step(id, step, done, total),
         );
         let result = run.await;
-        let outcome = {
-            let mut jobs = c.0.jobs.jobs.locked();
-            let Some((j, _)) = jobs.get_mut(&id) else {
-                return;
-            };
-            j.finished = true;
-            match result {
-                Ok(r) => {
-                    let text = format!(
-                        "job {id}: {} {}, {} skipped, {} failed (of {} matched){}",
-                        r.replayed,
-                        if dry_run {
-                            "would be replayed"
-                        } else {
-                            "replayed"
-                        },
-                        r.skipped,
-                        r.failed,
-                        r.matched,
-                        if j.bounded {
-                            "; stopped at the bound: the same filter resumes"
-                        } else if r.interrupted {
-                            "; stopped: the same filter resumes"
-                        } else {
-                            ""
-                        }
-                    );
-                    j.report = Some(r);
-                    (text, j.filter.clone())
-                }
-                Err(e) => {
-                    let text = redacted(&e.to_string());
-                    j.error = Some(text.clone());
-                    (format!("job {id} failed: {text}"), j.filter.clone())
-                }
-            }
-        };
-        c.audit(&who, "replay-job", outcome.1, dry_run, &outcome.0);
+        if let Some((text, filter)) = c.0.jobs.finish(id, result, dry_run) {
+            c.audit(&who, "replay-job", filter, dry_run, &text);
+        }
     });
     id
 }

@@ -138,6 +138,24 @@ impl Console {
         }))
     }
 
+    /// A console over a pipeline's read side and its settler, without the pipeline (no
+    /// breaker or rate limit shown): what the command line's operator tools hold, and what a
+    /// measurement of the console over a large ledger needs.
+    pub fn from_parts(health: Arc<Health>, settler: Arc<Settler>, settings: Settings) -> Self {
+        Self(Arc::new(Inner {
+            health,
+            ledger: settler.ledger.clone(),
+            settler,
+            breaker: None,
+            rate_limit: None,
+            settings,
+            csrf: auth::CsrfKey::random(),
+            audit: Default::default(),
+            jobs: Default::default(),
+            dead_cache: Default::default(),
+        }))
+    }
+
     /// The console's routes: `/` (a redirect), `/console/` (the page and its assets) and
     /// `/console/api/…`; merge them into the status router.
     pub fn router(self) -> Router {

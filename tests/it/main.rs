@@ -10,6 +10,7 @@ mod common;
 mod concurrency;
 mod console;
 mod console_browser;
+mod console_scale;
 mod dashboards;
 mod demo;
 mod deployments;
