@@ -174,6 +174,10 @@ cfg_if::cfg_if! {
         pub mod telemetry;
         pub mod wiring;
 
+        // The web console `hubguard run` serves on the status listener (docs/console.md):
+        // the command line's (the test bed includes `cli`), public here for its tests.
+        pub mod console;
+
         // The test bed itself.
         pub mod bench;
         pub mod demo;
@@ -198,6 +202,10 @@ cfg_if::cfg_if! {
         mod status;
         mod telemetry;
         mod wiring;
+
+        // The web console, with the command line that serves it.
+        #[cfg(feature = "cli")]
+        mod console;
     }
 }
 
@@ -207,10 +215,6 @@ mod sync;
 // The operator's command line: the `hubguard` binary's commands.
 #[cfg(feature = "cli")]
 pub mod cli;
-
-// The web console `hubguard run` serves on the status listener (docs/console.md).
-#[cfg(feature = "cli")]
-pub mod console;
 
 // The embedder's API. Without `testbed` this is the crate's whole public surface (the
 // integration test `public_api` holds it to `tests/it/public_api.txt`).

@@ -33,7 +33,7 @@ pub mod auth;
 pub mod read;
 pub mod schedule;
 
-pub use auth::{Access, Caller, Role, Secret};
+pub use auth::{Access, Secret};
 
 /// The console's settings, from `[console]` (tokens read from their files).
 #[derive(Debug, Clone, Default)]
@@ -123,19 +123,12 @@ pub struct Console(pub(crate) Arc<Inner>);
 impl Console {
     /// The console of `pipeline`.
     pub fn new(pipeline: &Pipeline, settings: Settings) -> Self {
-        let settler = pipeline.settler();
-        Self(Arc::new(Inner {
-            health: pipeline.health(),
-            ledger: settler.ledger.clone(),
-            settler,
-            breaker: pipeline.breaker(),
-            rate_limit: pipeline.rate_limiter(),
-            settings,
-            csrf: auth::CsrfKey::random(),
-            audit: Default::default(),
-            jobs: Default::default(),
-            dead_cache: Default::default(),
-        }))
+        let mut console = Self::from_parts(pipeline.health(), pipeline.settler(), settings);
+        if let Some(inner) = Arc::get_mut(&mut console.0) {
+            inner.breaker = pipeline.breaker();
+            inner.rate_limit = pipeline.rate_limiter();
+        }
+        console
     }
 
     /// A console over a pipeline's read side and its settler, without the pipeline (no
