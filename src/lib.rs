@@ -178,6 +178,10 @@ cfg_if::cfg_if! {
         pub mod telemetry;
         pub mod wiring;
 
+        // The web console `hubguard run` serves on the status listener (docs/console.md):
+        // the command line's (the test bed includes `cli`), public here for its tests.
+        pub mod console;
+
         // The test bed itself.
         pub mod bench;
         pub mod demo;
@@ -203,6 +207,10 @@ cfg_if::cfg_if! {
         mod status;
         mod telemetry;
         mod wiring;
+
+        // The web console, with the command line that serves it.
+        #[cfg(feature = "cli")]
+        mod console;
     }
 }
 
@@ -247,10 +255,10 @@ pub use telemetry::backlog::{router as backlog_router, Backlog, BacklogCell};
 pub use wiring::{ServiceBusAccess, StorageAccess, Wiring, WiringError};
 // `hubguard run`'s configuration file.
 pub use config::{
-    Access, CheckpointSection, Config, ConfigError, CredentialKind, DeadLettersSection,
-    EventHubsSection, HandlerSection, LedgerSection, OperationalEventsSection, PolicySection,
-    ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition,
-    StatusSection, StorageSection,
+    Access, CheckpointSection, Config, ConfigError, ConsoleSection, CredentialKind,
+    DeadLettersSection, EventHubsSection, HandlerSection, LedgerSection, OperationalEventsSection,
+    PolicySection, ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection,
+    StartPosition, StatusSection, StorageSection,
 };
 pub use telemetry::logs::{LogFormat, LogSection};
 // Logs, traces and metrics as `hubguard run` sets them up.

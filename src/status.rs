@@ -543,32 +543,46 @@ struct AppState {
 
 impl AppState {
     fn report(&self) -> serde_json::Value {
-        let mut r = self.health.report();
-        if let (Some(b), Some(obj)) = (&self.breaker, r.as_object_mut()) {
-            let rec = b.cached().unwrap_or_default();
-            obj.insert(
-                "breaker".into(),
-                json!({
-                    "downstream": b.downstream(),
-                    "state": b.state(),
-                    "open_until": rec.open_until_ms.map(|u| rfc3339(at(u))),
-                    "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
-                    "opens": rec.opens,
-                    "reopens": rec.reopens,
-                    "trial": rec.trial,
-                }),
-            );
-        }
-        if let (Some(l), Some(obj)) = (&self.rate_limit, r.as_object_mut()) {
-            obj.insert(
-                "rate_limit".into(),
-                serde_json::to_value(l.snapshot()).unwrap_or_default(),
-            );
-        }
-        // Reasons quote what dependencies answered: the one rule masks any credential.
-        redact_json(&mut r);
-        r
+        report_of(
+            &self.health,
+            self.breaker.as_ref(),
+            self.rate_limit.as_ref(),
+        )
     }
+}
+
+/// The JSON report `/v1/status` and `/readyz` answer (and the console's overview shows):
+/// the health report, the circuit breaker and the rate limit, redacted.
+pub fn report_of(
+    health: &Health,
+    breaker: Option<&Arc<crate::breaker::Shared>>,
+    rate_limit: Option<&Arc<crate::ratelimit::limiter::Limiter>>,
+) -> serde_json::Value {
+    let mut r = health.report();
+    if let (Some(b), Some(obj)) = (breaker, r.as_object_mut()) {
+        let rec = b.cached().unwrap_or_default();
+        obj.insert(
+            "breaker".into(),
+            json!({
+                "downstream": b.downstream(),
+                "state": b.state(),
+                "open_until": rec.open_until_ms.map(|u| rfc3339(at(u))),
+                "opened_at": rec.opened_at_ms.map(|u| rfc3339(at(u))),
+                "opens": rec.opens,
+                "reopens": rec.reopens,
+                "trial": rec.trial,
+            }),
+        );
+    }
+    if let (Some(l), Some(obj)) = (rate_limit, r.as_object_mut()) {
+        obj.insert(
+            "rate_limit".into(),
+            serde_json::to_value(l.snapshot()).unwrap_or_default(),
+        );
+    }
+    // Reasons quote what dependencies answered: the one rule masks any credential.
+    redact_json(&mut r);
+    r
 }
 
 /// The status router of `pipeline`, as `hubguard run` serves it on `status.listen`:

@@ -35,8 +35,8 @@ pub enum DeadLettersCommand {
         config: ConfigArg,
         /// The idempotency key to replay.
         #[arg(
-            required_unless_present_any = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"],
-            conflicts_with_all = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix"]
+            required_unless_present_any = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix", "status"],
+            conflicts_with_all = ["all", "event_type", "reason", "error_contains", "since", "until", "key_prefix", "status"]
         )]
         key: Option<String>,
         /// Replay every dead-lettered event.
@@ -64,6 +64,10 @@ pub enum DeadLettersCommand {
         /// Only keys starting with this.
         #[arg(long, value_name = "PREFIX")]
         key_prefix: Option<String>,
+        /// Only those whose last error has this status class: an HTTP status (`503`),
+        /// `timeout`, `connection`, `other` or `none` (as the console groups them).
+        #[arg(long, value_name = "STATUS")]
+        status: Option<String>,
         /// At most this many replays a second (`N/s`, or `N`).
         #[arg(long, default_value = "10/s", value_name = "N/s")]
         rate: String,
@@ -191,6 +195,7 @@ pub(super) async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> 
             since,
             until,
             key_prefix,
+            status,
             rate,
             dry_run,
             json,
@@ -213,6 +218,7 @@ pub(super) async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> 
                 since_ms: since.map(crate::clock::ms),
                 until_ms: crate::clock::ms(until),
                 key_prefix,
+                status,
             };
             replay_filtered(&config, &settler, &filter, until, per_second, dry_run, json).await?;
         }

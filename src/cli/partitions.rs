@@ -107,45 +107,25 @@ pub(super) async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
         since_ms: crate::clock::ms(std::time::SystemTime::now()),
         reason: args.reason,
     };
-    let wanted = |now: &Pauses| -> Option<Pauses> {
-        let mut next = now.clone();
-        match (pause, args.partitions.is_empty()) {
-            (true, true) if now.all.is_none() => next.all = Some(entry.clone()),
-            (true, false) => {
-                for p in &args.partitions {
-                    next.partitions
-                        .entry(p.clone())
-                        .or_insert_with(|| entry.clone());
-                }
-            }
-            (false, true) => next = now.resumed(),
-            // Every partition is paused: refused below, nothing written.
-            (false, false) if now.all.is_some() => return None,
-            (false, false) => {
-                for p in &args.partitions {
-                    next.partitions.remove(p);
-                }
-            }
-            (true, true) => {}
-        }
-        (next != *now).then_some(next)
-    };
-    let (record, written) = if args.dry_run {
-        let now = control::current(&store, &name).await?;
-        let next = wanted(&now);
-        let changes = next.is_some();
-        (next.unwrap_or(now), changes)
-    } else {
-        control::change(&store, &name, wanted).await?
-    };
-    if !pause && !args.partitions.is_empty() {
-        if let Some(all) = &record.all {
-            anyhow::bail!(
-                "every partition is paused ({}); `partitions resume` without --partition resumes them",
-                Pauses::reason(all)
-            );
-        }
-    }
+    // The one implementation the console's pause and resume call too.
+    let control::PauseResult {
+        record,
+        changed: written,
+    } = control::pause_or_resume(
+        &store,
+        &name,
+        pause,
+        &args.partitions,
+        entry,
+        args.dry_run,
+    )
+    .await
+    .map_err(|e| match e {
+        control::ControlError::AllPaused(why) => anyhow::anyhow!(
+            "every partition is paused ({why}); `partitions resume` without --partition resumes them"
+        ),
+        e => e.into(),
+    })?;
     if args.json {
         let mut v = serde_json::to_value(&record)?;
         v["changed"] = written.into();

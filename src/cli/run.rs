@@ -43,13 +43,28 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot bind status.listen {}", config.status.listen))?;
     let status_addr = status.local_addr()?;
-    let router = crate::status::router_with_rate_limit(
+    let mut router = crate::status::router_with_rate_limit(
         health.clone(),
         pipeline.settler().ledger.clone(),
         pipeline.breaker(),
         pipeline.rate_limiter(),
     )
     .merge(crate::telemetry::backlog::router(pipeline.backlog()));
+    // The web console on the same listener (docs/console.md).
+    let console = config
+        .console
+        .enabled
+        .then(|| format!("http://{status_addr}/console/"));
+    if config.console.enabled {
+        let options = config.pipeline_options()?;
+        let ordering = options
+            .retry_ordering
+            .lines()
+            .map(|_| options.ordering.clone());
+        let mut settings = crate::console::Settings::from_section(&config.console, ordering)?;
+        settings.owner = owner.clone();
+        router = router.merge(crate::console::Console::new(&pipeline, settings).router());
+    }
     let status_task = tokio::spawn(async move {
         let _ = axum::serve(status, router).await;
     });
@@ -66,8 +81,12 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     );
     tracing::info!(hub = %config.eventhubs.hub, consumer_group = %config.eventhubs.consumer_group, owner_id = %owner, status = %status_addr, "hubguard running");
     println!(
-        "hubguard: consuming {} ({}) as {owner}; status on http://{status_addr}",
-        config.eventhubs.hub, config.eventhubs.consumer_group
+        "hubguard: consuming {} ({}) as {owner}; status on http://{status_addr}{}",
+        config.eventhubs.hub,
+        config.eventhubs.consumer_group,
+        console
+            .map(|c| format!("; console on {c}"))
+            .unwrap_or_default()
     );
     let cancel = CancellationToken::new();
     let c = cancel.clone();

@@ -58,6 +58,7 @@ impl Config {
         self.validate_minimums()?;
         self.validate_processor()?;
         self.validate_retry()?;
+        self.console.check()?;
         self.validate_checkpoint()?;
         self.validate_policies()?;
         self.validate_duplicate_window()?;

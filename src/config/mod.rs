@@ -23,10 +23,10 @@ mod sections;
 pub use error::ConfigError;
 use error::{entity_key, invalid};
 pub use sections::{
-    Access, CheckpointSection, CredentialKind, DeadLettersSection, EventHubsSection,
-    HandlerSection, LedgerSection, OperationalEventsSection, PolicySection, ProcessorSection,
-    RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition, StatusSection,
-    StorageSection,
+    Access, CheckpointSection, ConsoleSection, CredentialKind, DeadLettersSection,
+    EventHubsSection, HandlerSection, LedgerSection, OperationalEventsSection, PolicySection,
+    ProcessorSection, RetryOrderingKind, RetrySection, ServiceBusSection, StartPosition,
+    StatusSection, StorageSection,
 };
 #[cfg(any(test, feature = "testbed"))]
 pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW};
@@ -76,6 +76,9 @@ pub struct Config {
     /// `[ledger]`: how long delivered records are kept.
     #[serde(default)]
     pub ledger: LedgerSection,
+    /// `[console]`: the web console on `status.listen`, and who may read and act.
+    #[serde(default)]
+    pub console: ConsoleSection,
 }
 
 const POLICY_KEYS: &[&str] = &[

@@ -648,3 +648,126 @@ impl OperationalEventsSection {
         }
     }
 }
+
+/// `[console]`: the web console `hubguard run` serves on `status.listen` (docs/console.md).
+/// Reading needs no credential unless `reader_token` is set; acting always needs the
+/// operator role (`operator_token`, or a user named in `operators` behind a trusted
+/// authenticating proxy).
+#[derive(Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsoleSection {
+    /// Serve the console at `/console` (and `/` redirects there). On by default.
+    pub enabled: bool,
+    /// A link to an attempt's trace: `{trace_id}` (and `{key}`, `{correlation_id}`) are
+    /// replaced, percent-encoded; `http://` or `https://` only. None: no link.
+    pub trace_url: Option<String>,
+    /// A token that grants reading (`Authorization: Bearer …`); none: reading is open, as
+    /// `/v1/*` is. Prefer `reader_token_file` or `HUBGUARD_CONSOLE__READER_TOKEN`.
+    pub reader_token: Option<String>,
+    /// A file holding the reader token (its first line).
+    pub reader_token_file: Option<std::path::PathBuf>,
+    /// A token that grants acting (and reading); none: actions need the proxy's user.
+    pub operator_token: Option<String>,
+    /// A file holding the operator token (its first line).
+    pub operator_token_file: Option<std::path::PathBuf>,
+    /// The header an authenticating proxy in front sets to the user (`X-Auth-Request-User`,
+    /// `X-Auth-Request-Email` for oauth2-proxy, or `X-Forwarded-User`); trusted only when
+    /// set here. Every user it names may read.
+    pub trusted_user_header: Option<String>,
+    /// Users (as the trusted header names them) who may act.
+    pub operators: Vec<String>,
+    /// Origins besides the console's own (`https://console.example.com`) whose pages may
+    /// act: the console behind a proxy on another host name.
+    pub allowed_origins: Vec<String>,
+}
+
+impl Default for ConsoleSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            trace_url: None,
+            reader_token: None,
+            reader_token_file: None,
+            operator_token: None,
+            operator_token_file: None,
+            trusted_user_header: None,
+            operators: Vec::new(),
+            allowed_origins: Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ConsoleSection {
+    /// Whether a token is set, never the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |t: &Option<String>| t.as_ref().map(|_| "<set>");
+        f.debug_struct("ConsoleSection")
+            .field("enabled", &self.enabled)
+            .field("trace_url", &self.trace_url)
+            .field("reader_token", &set(&self.reader_token))
+            .field("reader_token_file", &self.reader_token_file)
+            .field("operator_token", &set(&self.operator_token))
+            .field("operator_token_file", &self.operator_token_file)
+            .field("trusted_user_header", &self.trusted_user_header)
+            .field("operators", &self.operators)
+            .field("allowed_origins", &self.allowed_origins)
+            .finish()
+    }
+}
+
+/// The proxy headers `console.trusted_user_header` may name (lower case).
+pub(super) const CONSOLE_USER_HEADERS: &[&str] = &[
+    "x-auth-request-user",
+    "x-auth-request-email",
+    "x-forwarded-user",
+];
+
+impl ConsoleSection {
+    /// The checks serde cannot make: the trace template's scheme and placeholder, the
+    /// header's name, a token given twice, the origins' form.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if let Some(t) = &self.trace_url {
+            if !(t.starts_with("http://") || t.starts_with("https://")) || !t.contains("{trace_id}")
+            {
+                return Err(invalid("console.trace_url", format!(
+                    "console.trace_url ({t:?}) must be an http:// or https:// URL containing {{trace_id}}, such as \"http://localhost:16686/trace/{{trace_id}}\""
+                )));
+            }
+        }
+        if let Some(h) = &self.trusted_user_header {
+            if !CONSOLE_USER_HEADERS.contains(&h.to_ascii_lowercase().as_str()) {
+                return Err(invalid("console.trusted_user_header", format!(
+                    "console.trusted_user_header ({h:?}) must be one of X-Auth-Request-User, X-Auth-Request-Email, X-Forwarded-User"
+                )));
+            }
+        }
+        if !self.operators.is_empty() && self.trusted_user_header.is_none() {
+            return Err(invalid(
+                "console.operators",
+                "console.operators names proxy users: set console.trusted_user_header too",
+            ));
+        }
+        for (token, file, role) in [
+            (&self.reader_token, &self.reader_token_file, "reader"),
+            (&self.operator_token, &self.operator_token_file, "operator"),
+        ] {
+            if token.is_some() && file.is_some() {
+                return Err(invalid(
+                    format!("console.{role}_token"),
+                    format!("give console.{role}_token or console.{role}_token_file, not both"),
+                ));
+            }
+        }
+        for o in &self.allowed_origins {
+            let ok = url::Url::parse(o).is_ok_and(|u| {
+                matches!(u.scheme(), "http" | "https") && u.path() == "/" && !o.ends_with('/')
+            });
+            if !ok {
+                return Err(invalid("console.allowed_origins", format!(
+                    "console.allowed_origins: {o:?} is not an origin (scheme://host[:port], no path)"
+                )));
+            }
+        }
+        Ok(())
+    }
+}

@@ -540,3 +540,63 @@ fn the_backlog_interval_has_a_floor() {
     .unwrap();
     assert_eq!(o.backlog_every, Duration::from_secs(5));
 }
+
+#[test]
+fn the_console_is_on_by_default_and_its_settings_are_checked() {
+    let c = Config::parse(BASE, none()).unwrap();
+    assert!(c.console.enabled && c.console.operator_token.is_none());
+    let var = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+    // A token from the environment, never shown by Debug.
+    let c = Config::parse(
+        BASE,
+        var("HUBGUARD_CONSOLE__OPERATOR_TOKEN", "S3CRET-console-token"),
+    )
+    .unwrap();
+    assert_eq!(
+        c.console.operator_token.as_deref(),
+        Some("S3CRET-console-token")
+    );
+    assert!(!format!("{c:?}").contains("S3CRET"));
+    let bad = |extra: &str| {
+        Config::parse(&format!("{BASE}[console]\n{extra}"), none())
+            .unwrap_err()
+            .to_string()
+    };
+    for (extra, named) in [
+        (
+            "trace_url = \"javascript:alert(1)//{trace_id}\"\n",
+            "console.trace_url",
+        ),
+        (
+            "trace_url = \"http://jaeger:16686/search\"\n",
+            "console.trace_url",
+        ),
+        (
+            "trusted_user_header = \"X-User\"\n",
+            "console.trusted_user_header",
+        ),
+        ("operators = [\"alice\"]\n", "console.operators"),
+        (
+            "operator_token = \"a\"\noperator_token_file = \"/x\"\n",
+            "console.operator_token",
+        ),
+        (
+            "allowed_origins = [\"https://x.example/path\"]\n",
+            "console.allowed_origins",
+        ),
+        ("enabled = \"yes\"\n", "console.enabled"),
+    ] {
+        let e = bad(extra);
+        assert!(e.contains(named), "{named}: {e}");
+    }
+    // A token in the file is never quoted in an error about it.
+    let e = bad("operator_token = 5\n");
+    assert!(
+        e.contains("console.operator_token") && !e.contains('5'),
+        "{e}"
+    );
+    let ok = format!(
+        "{BASE}[console]\ntrace_url = \"http://jaeger:16686/trace/{{trace_id}}\"\ntrusted_user_header = \"X-Auth-Request-Email\"\noperators = [\"alice@example.com\"]\nallowed_origins = [\"https://hubguard.example.com\"]\n"
+    );
+    assert!(Config::parse(&ok, none()).is_ok());
+}

@@ -188,4 +188,28 @@ impl Ledger {
         self.listed_keys(&prefix, |body| String::from_utf8(body.to_vec()).ok())
             .await
     }
+
+    /// The dead-letter index as listed: each key with its entry's ETag, which changes when
+    /// the key is replayed and dead-lettered again (so a reader may keep what it read of a
+    /// record while the ETag stands). One listing; a digest-named entry's body is read.
+    #[cfg(any(test, feature = "cli"))]
+    pub async fn dead_letter_entries(&self) -> Result<Vec<(String, String)>, LedgerError> {
+        let prefix = format!("deadletters/{}", self.prefix);
+        let mut out = Vec::new();
+        for l in self.store.list(&prefix).await? {
+            let Some(encoded) = l.key.strip_prefix(&prefix) else {
+                continue;
+            };
+            let key = if encoded.starts_with('~') {
+                match self.store.read(&l.key).await? {
+                    Some(r) => String::from_utf8(r.body.to_vec()).ok(),
+                    None => None,
+                }
+            } else {
+                super::decode_key(encoded)
+            };
+            out.extend(key.map(|k| (k, l.etag)));
+        }
+        Ok(out)
+    }
 }

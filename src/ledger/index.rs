@@ -65,6 +65,12 @@ pub struct Pending {
     /// The event's sequence number in that partition, when the listing says.
     #[serde(skip)]
     pub sequence_number: Option<i64>,
+    /// The event's type, when the listing says (records written since the tag exists).
+    #[serde(skip)]
+    pub event_type: Option<String>,
+    /// The event's correlation id, when the listing says and it differs from the key.
+    #[serde(skip)]
+    pub correlation_id: Option<String>,
 }
 
 /// Tag names beside a ledger record (blob metadata names: C# identifiers).
@@ -77,6 +83,10 @@ const TAG_NEXT: &str = "hubguard_next_attempt";
 const TAG_KEY: &str = "hubguard_key";
 
 const TAG_ERROR: &str = "hubguard_last_error";
+
+const TAG_TYPE: &str = "hubguard_event_type";
+
+const TAG_CORRELATION: &str = "hubguard_correlation_id";
 
 pub(super) const TAG_PARTITION: &str = "hubguard_partition";
 
@@ -125,11 +135,18 @@ pub(super) fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags
         tags.insert(TAG_NEXT.into(), (record.attempts + 1).to_string());
     }
     // Only a key the tag carries exactly (printable ASCII, short): others are read.
-    if record.key.len() <= TAG_TEXT_LIMIT
-        && record.key.trim() == record.key
-        && record.key.chars().all(|c| (' '..='~').contains(&c))
-    {
+    let exact = |t: &str| {
+        t.len() <= TAG_TEXT_LIMIT && t.trim() == t && t.chars().all(|c| (' '..='~').contains(&c))
+    };
+    if exact(&record.key) {
         tags.insert(TAG_KEY.into(), record.key.clone());
+    }
+    // What the console filters and finds retries by without reading records.
+    if let Some(t) = record.event_type.as_deref().filter(|t| exact(t)) {
+        tags.insert(TAG_TYPE.into(), t.to_string());
+    }
+    if record.correlation_id != record.key && exact(&record.correlation_id) {
+        tags.insert(TAG_CORRELATION.into(), record.correlation_id.clone());
     }
     if let Some(e) = &record.last_error {
         tags.insert(TAG_ERROR.into(), ascii(e));
@@ -361,6 +378,8 @@ impl Ledger {
                 last_error: l.tags.get(TAG_ERROR).cloned(),
                 partition: l.tags.get(TAG_PARTITION).cloned(),
                 sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
+                event_type: l.tags.get(TAG_TYPE).cloned(),
+                correlation_id: l.tags.get(TAG_CORRELATION).cloned(),
             });
         }
         out.sort_by(|a, b| a.due.cmp(&b.due).then_with(|| a.key.cmp(&b.key)));

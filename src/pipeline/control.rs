@@ -175,6 +175,10 @@ pub enum ControlError {
     /// Too many writers at once.
     #[error("the pause control record {0} kept changing; try again")]
     Contended(String),
+    /// Single partitions cannot be resumed while every partition is paused.
+    #[cfg(any(test, feature = "cli"))]
+    #[error("every partition is paused ({0}); resume without naming partitions to resume them")]
+    AllPaused(String),
 }
 
 impl From<Contended> for ControlError {
@@ -233,6 +237,70 @@ pub async fn change(
     })
     .await?;
     Ok((swapped.value, swapped.written.is_some()))
+}
+
+/// What `partitions pause|resume` (and the console's pause and resume) did: the record as
+/// it stands, and whether it changed (with `dry_run`: would change).
+#[cfg(any(test, feature = "cli"))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PauseResult {
+    /// The control record after the change (with `dry_run`: as it would be).
+    pub record: Pauses,
+    /// Whether it changed.
+    pub changed: bool,
+}
+
+/// The one implementation of `partitions pause|resume` and the console's pause and resume:
+/// pauses (`pause`) or resumes `partitions` (none: every partition) with one
+/// compare-and-swap on the control record `name`, as `entry` says who and why. Resuming
+/// single partitions while every partition is paused is refused ([`ControlError::AllPaused`]),
+/// nothing written.
+#[cfg(any(test, feature = "cli"))]
+pub async fn pause_or_resume(
+    store: &dyn RecordStore,
+    name: &str,
+    pause: bool,
+    partitions: &[String],
+    entry: Pause,
+    dry_run: bool,
+) -> Result<PauseResult, ControlError> {
+    let wanted = |now: &Pauses| -> Option<Pauses> {
+        let mut next = now.clone();
+        match (pause, partitions.is_empty()) {
+            (true, true) if now.all.is_none() => next.all = Some(entry.clone()),
+            (true, false) => {
+                for p in partitions {
+                    next.partitions
+                        .entry(p.clone())
+                        .or_insert_with(|| entry.clone());
+                }
+            }
+            (false, true) => next = now.resumed(),
+            // Every partition is paused: refused below, nothing written.
+            (false, false) if now.all.is_some() => return None,
+            (false, false) => {
+                for p in partitions {
+                    next.partitions.remove(p);
+                }
+            }
+            (true, true) => {}
+        }
+        (next != *now).then_some(next)
+    };
+    let (record, changed) = if dry_run {
+        let now = current(store, name).await?;
+        let next = wanted(&now);
+        let changes = next.is_some();
+        (next.unwrap_or(now), changes)
+    } else {
+        change(store, name, wanted).await?
+    };
+    if !pause && !partitions.is_empty() {
+        if let Some(all) = &record.all {
+            return Err(ControlError::AllPaused(Pauses::reason(all)));
+        }
+    }
+    Ok(PauseResult { record, changed })
 }
 
 /// Marks `pid`'s rewind `id` applied by `by` (compare-and-swap; a newer request for the

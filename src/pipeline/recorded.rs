@@ -133,6 +133,8 @@ mod tests {
             last_error: None,
             partition: partition.map(Into::into),
             sequence_number: seq,
+            event_type: None,
+            correlation_id: None,
         }
     }
 

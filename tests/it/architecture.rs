@@ -11,6 +11,7 @@ const PRODUCT: &[&str] = &[
     "breaker",
     "clock",
     "config",
+    "console",
     "event",
     "guard",
     "handler",

@@ -430,7 +430,7 @@ pub use plan::Report;
 use plan::{plan, Plan};
 #[cfg(any(test, feature = "cli"))]
 #[allow(unused_imports)]
-pub use replay::{reason_name, ReplayFilter, ReplayReport, ReplayStep};
+pub use replay::{reason_name, status_class, ReplayFilter, ReplayReport, ReplayStep};
 
 #[cfg(test)]
 mod tests;

@@ -125,6 +125,33 @@ pub struct ReplayFilter {
     pub until_ms: i64,
     /// Only keys starting with this.
     pub key_prefix: Option<String>,
+    /// Only those whose last error has this status class ([`status_class`]: `503`,
+    /// `timeout`, `connection`, `other`, `none`).
+    pub status: Option<String>,
+}
+
+/// The class of a dead letter's last error the console groups by: the HTTP status of a
+/// webhook's answer (`HTTP 503 from the webhook…` → `503`), `timeout`, `connection`,
+/// `other`, or `none` without an error.
+pub fn status_class(last_error: Option<&str>) -> String {
+    let Some(e) = last_error else {
+        return "none".into();
+    };
+    if let Some(code) = e
+        .strip_prefix("HTTP ")
+        .and_then(|r| r.get(..3))
+        .filter(|c| c.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return code.to_string();
+    }
+    let lower = e.to_ascii_lowercase();
+    if lower.contains("timed out") || lower.contains("timeout") || lower.contains("deadline") {
+        "timeout".into()
+    } else if lower.contains("connect") {
+        "connection".into()
+    } else {
+        "other".into()
+    }
 }
 
 /// The name a dead-letter reason has in records, the API and `--reason`.
@@ -146,10 +173,15 @@ impl ReplayFilter {
     /// Whether `rec` matches everything but the time window.
     fn matches_what(&self, rec: &LedgerRecord) -> bool {
         self.matches_key(&rec.key)
+            // An empty type takes the events without one.
             && self
                 .event_type
                 .as_deref()
-                .is_none_or(|t| rec.event_type.as_deref() == Some(t))
+                .is_none_or(|t| rec.event_type.as_deref().unwrap_or("") == t)
+            && self
+                .status
+                .as_deref()
+                .is_none_or(|s| status_class(rec.last_error.as_deref()) == s)
             && self.reason.as_deref().is_none_or(|r| {
                 rec.dead_letter_reason()
                     .as_ref()
