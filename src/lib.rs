@@ -227,6 +227,8 @@ pub mod cli;
 // The handler a program writes, what it is given and what it answers.
 pub use event::{Deployment, Event, Identity, IdentityConfig};
 pub use handler::{Attempt, Failure, Handler, Outcome};
+// Many events per call, one outcome per event (docs/library.md).
+pub use handler::batch::{BatchHandler, BatchLimits, Batched, Item};
 pub use policy::classify::ErrorClass;
 // The webhook handler and its configuration.
 pub use handler::cloudevents::ContentMode;

@@ -364,7 +364,10 @@ async fn prometheus_evaluates_every_query_and_the_alerts_fire_through_outages() 
         .split("status on http://")
         .nth(1)
         .unwrap_or_else(|| panic!("{first}"))
-        .trim()
+        // The address alone: the line goes on with the console's URL.
+        .split([';', ' '])
+        .next()
+        .unwrap_or_default()
         .to_string();
 
     // Prometheus scraping it every second, evaluating the rules every second.

@@ -62,12 +62,13 @@ fn tokens(text: &str) -> Vec<String> {
     out
 }
 
+/// The text files under `dir` (docs/ holds screenshots too: images are left out).
 fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
         if p.is_dir() {
             files(&p, out);
-        } else {
+        } else if p.extension().is_none_or(|e| e != "png") {
             out.push(p);
         }
     }

@@ -275,7 +275,10 @@ listen = "127.0.0.1:0"
         .split("status on http://")
         .nth(1)
         .unwrap_or_else(|| panic!("{first}"))
-        .trim()
+        // The address alone: the line goes on with the console's URL.
+        .split([';', ' '])
+        .next()
+        .unwrap_or_default()
         .to_string();
 
     eventually(
