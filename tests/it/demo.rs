@@ -3,17 +3,21 @@
 
 use std::process::Command;
 
-#[test]
-fn the_demo_loses_nothing_through_outages_and_crashes() {
+/// Runs the scaled-down demo (2 partitions, 2 replicas, failures, both outages, a crash
+/// every 5 s) with `extra` flags; its JSON report.
+fn scaled_demo(events: &str, extra: &[&str]) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))
         .args([
             "demo",
             "--events",
-            "80",
+            events,
             "--partitions",
             "2",
             "--replicas",
             "2",
+        ])
+        .args(extra)
+        .args([
             "--transient-rate",
             "0.25",
             "--permanent-rate",
@@ -36,7 +40,12 @@ fn the_demo_loses_nothing_through_outages_and_crashes() {
         "demo failed: {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+#[test]
+fn the_demo_loses_nothing_through_outages_and_crashes() {
+    let r = scaled_demo("80", &[]);
     assert_eq!(r["events"], 80);
     assert_eq!(r["lost"], 0, "{r}");
     assert_eq!(
@@ -64,42 +73,7 @@ fn the_demo_loses_nothing_through_outages_and_crashes() {
 
 #[test]
 fn the_demo_with_batches_loses_nothing_through_outages_and_crashes() {
-    let out = Command::new(env!("CARGO_BIN_EXE_hubguard"))
-        .args([
-            "demo",
-            "--events",
-            "120",
-            "--partitions",
-            "2",
-            "--replicas",
-            "2",
-            "--batch-max",
-            "8",
-            "--max-in-flight",
-            "24",
-            "--transient-rate",
-            "0.25",
-            "--permanent-rate",
-            "0.05",
-            "--downstream-outage",
-            "2s:3s",
-            "--servicebus-outage",
-            "7s:2s",
-            "--crash-every",
-            "5s",
-            "--timeout",
-            "150s",
-            "--json",
-        ])
-        .output()
-        .expect("hubguard demo runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "demo failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let r = scaled_demo("120", &["--batch-max", "8", "--max-in-flight", "24"]);
     assert_eq!(r["events"], 120);
     assert_eq!(r["lost"], 0, "{r}");
     assert_eq!(
