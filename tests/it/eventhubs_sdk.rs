@@ -595,9 +595,10 @@ async fn a_prefetching_receiver_pays_latency_per_round_trip_not_per_transfer() {
     let took = t.elapsed();
     assert_eq!(got.len(), 200);
     assert!(took >= latency, "attach and credit pay the latency");
-    // 200 transfers at 40 ms each would take 8 s; a handful of round trips take well under 2 s.
+    // 200 transfers at 40 ms each would take 8 s; a handful of round trips take well under
+    // that (under 1 s on a quiet machine; the bound leaves room for a loaded one).
     assert!(
-        took < Duration::from_secs(2),
+        took < latency * 150,
         "200 prefetched events took {took:?}: latency was paid per transfer"
     );
     emu.faults().clear();
