@@ -36,7 +36,7 @@ pub use dead_letters::DeadLettersCommand;
 use partitions::{partitions, rewind};
 pub use partitions::{CheckpointsCommand, PartitionsCommand, PauseArgs, RewindArgs};
 use retries::{retries, status};
-pub use retries::{ActionArgs, RetriesCommand, StatusArgs};
+pub use retries::{ActionArgs, PauseRetriesArgs, RetriesCommand, StatusArgs};
 use run::run_pipeline;
 
 /// Success.
@@ -167,7 +167,12 @@ impl Command {
                 | DeadLettersCommand::Replay { config, .. }
                 | DeadLettersCommand::Purge { config, .. },
             ) => Some(&config.config),
-            Command::Retries(RetriesCommand::List { config, .. }) => Some(&config.config),
+            Command::Retries(
+                RetriesCommand::List { config, .. } | RetriesCommand::Paused { config, .. },
+            ) => Some(&config.config),
+            Command::Retries(RetriesCommand::Pause(a) | RetriesCommand::Resume(a)) => {
+                Some(&a.config.config)
+            }
             Command::Retries(
                 RetriesCommand::RetryNow(a) | RetriesCommand::Cancel { action: a, .. },
             ) => Some(&a.config.config),

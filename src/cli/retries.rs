@@ -51,6 +51,55 @@ pub enum RetriesCommand {
         #[arg(long)]
         reason: String,
     },
+    /// Pause retries: each one that comes due is deferred, without counting an attempt and
+    /// without holding any partition, and looked at again every `retry.pause_recheck_ms`
+    /// until `retries resume`. Criteria given together must all match; `--all` pauses every
+    /// retry. Every replica follows within seconds.
+    Pause(PauseRetriesArgs),
+    /// Resume the pause with exactly these criteria, or with `--all` every pause of
+    /// retries. Paused retries run at their next look (within `retry.pause_recheck_ms`).
+    Resume(PauseRetriesArgs),
+    /// The operator's pauses of retries: what each holds, who paused it, since when, why.
+    Paused {
+        /// The configuration.
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Print the pauses as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// What `retries pause` and `retries resume` take.
+#[derive(Debug, Args)]
+pub struct PauseRetriesArgs {
+    /// The configuration.
+    #[command(flatten)]
+    pub(super) config: ConfigArg,
+    /// Retries of this idempotency key.
+    #[arg(long)]
+    key: Option<String>,
+    /// Retries of events of this type (the CloudEvents `type`).
+    #[arg(long)]
+    event_type: Option<String>,
+    /// Retries whose last error contains this text (case-insensitive), e.g. `503`.
+    #[arg(long)]
+    error: Option<String>,
+    /// Every retry (pause), or every pause of retries (resume).
+    #[arg(long, conflicts_with_all = ["key", "event_type", "error"])]
+    all: bool,
+    /// Who acts (recorded in the control record and the audit log); default: $USER.
+    #[arg(long)]
+    by: Option<String>,
+    /// Why (recorded beside the pause).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Say what would change; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the pauses of retries as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 /// What `retries retry-now` and `retries cancel` take.
@@ -91,8 +140,21 @@ pub(super) async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         return Ok(EXIT_OK);
     }
     match ledger.record(&args.key).await? {
-        Some(rec) if args.json => println!("{}", crate::status::record_view(&rec)),
-        Some(rec) => print!("{}", crate::status::record_text(&rec)),
+        Some(rec) => {
+            let mut v = crate::status::record_view(&rec);
+            crate::status::add_retry_pause(&ledger, &rec, &mut v).await;
+            if args.json {
+                println!("{v}");
+            } else {
+                print!("{}", crate::status::record_text(&rec));
+                if let Some(why) = v["paused"]["reason_text"].as_str() {
+                    println!(
+                        "paused: {} — {why}; its next attempt waits, uncounted, until `hubguard retries resume`",
+                        v["paused"]["what"].as_str().unwrap_or("")
+                    );
+                }
+            }
+        }
         None if args.json => {
             // The status API's answer: why, how long delivered records are kept, since when.
             let keep = (config.ledger.retention_days > 0).then(|| {
@@ -128,6 +190,9 @@ pub(super) async fn retries(cmd: RetriesCommand) -> anyhow::Result<u8> {
         } => (config, due_before, json),
         RetriesCommand::RetryNow(a) => return act(a, None).await,
         RetriesCommand::Cancel { action, reason } => return act(action, Some(reason)).await,
+        RetriesCommand::Pause(a) => return pause_or_resume(a, true).await,
+        RetriesCommand::Resume(a) => return pause_or_resume(a, false).await,
+        RetriesCommand::Paused { config, json } => return paused(config, json).await,
     };
     let due_before = due_before
         .map(|t| crate::status::parse_due_before(&t, std::time::SystemTime::now()))
@@ -223,4 +288,112 @@ async fn act(args: ActionArgs, reason: Option<String>) -> anyhow::Result<u8> {
         println!("{text}");
     }
     Ok(code)
+}
+
+/// The control record's store and name for `config`.
+fn control_of(
+    config: &crate::config::Config,
+) -> anyhow::Result<(impl crate::azure::RecordStore, String)> {
+    let deadline = std::time::Duration::from_millis(config.retry.call_deadline_ms);
+    let store = crate::wiring::StorageAccess::from_config(config)?.record_store(deadline)?;
+    let name = crate::pipeline::control::record_name(
+        &config.eventhubs.hub,
+        &config.eventhubs.consumer_group,
+    );
+    Ok((store, name))
+}
+
+/// `retries pause` (`pause`) and `retries resume`: one compare-and-swap on the control
+/// record the replicas read every few seconds.
+async fn pause_or_resume(args: PauseRetriesArgs, pause: bool) -> anyhow::Result<u8> {
+    use crate::pipeline::control::{self, Pause, Resume, RetryFilter};
+    let filter = RetryFilter {
+        key: args.key,
+        event_type: args.event_type,
+        error: args.error,
+    };
+    if filter.is_all() && !args.all {
+        anyhow::bail!(
+            "name the retries to {}: --key, --event-type, --error (together: all must match), or --all",
+            if pause { "pause" } else { "resume" }
+        );
+    }
+    if [&filter.key, &filter.event_type, &filter.error]
+        .iter()
+        .any(|c| c.as_deref().is_some_and(|c| c.trim().is_empty()))
+    {
+        anyhow::bail!("an empty --key, --event-type or --error would match nothing useful");
+    }
+    let config = load_config(&args.config)?;
+    let (store, name) = control_of(&config)?;
+    let by = operator(args.by);
+    let (to_pause, to_resume) = match (pause, args.all) {
+        (true, _) => (
+            Some((
+                filter.clone(),
+                Pause {
+                    by: by.clone(),
+                    since_ms: crate::clock::ms(std::time::SystemTime::now()),
+                    reason: args.reason.clone(),
+                },
+            )),
+            None,
+        ),
+        (false, true) => (None, Some(Resume::Everything)),
+        (false, false) => (None, Some(Resume::Filter(filter.clone()))),
+    };
+    let control::PauseResult { record, changed } =
+        control::pause_or_resume_retries(&store, &name, to_pause, to_resume, args.dry_run).await?;
+    let verb = if pause { "pause" } else { "resume" };
+    if changed && !args.dry_run {
+        tracing::info!(target: "hubguard::audit", action = %format!("retries {verb}"), by = %by, what = %filter, reason = args.reason.as_deref().unwrap_or(""), "operator action");
+    }
+    if args.json {
+        let v = serde_json::json!({
+            "retries": record.retries,
+            "changed": changed,
+            "dry_run": args.dry_run,
+        });
+        println!("{v}");
+    } else {
+        let said = match (changed, args.dry_run) {
+            (false, _) if pause => "already paused; nothing changed".to_string(),
+            (false, _) => "no pause of retries matches; nothing changed".to_string(),
+            (true, true) => format!("would {verb}"),
+            (true, false) => format!("{verb}d; every replica follows within seconds"),
+        };
+        println!("{said}");
+        print!("{}", pauses_text(&record.retries));
+    }
+    Ok(EXIT_OK)
+}
+
+/// `retries paused`.
+async fn paused(config: ConfigArg, json: bool) -> anyhow::Result<u8> {
+    let config = load_config(&config)?;
+    let (store, name) = control_of(&config)?;
+    let record = crate::pipeline::control::current(&store, &name).await?;
+    if json {
+        println!("{}", serde_json::json!({ "retries": record.retries }));
+    } else {
+        print!("{}", pauses_text(&record.retries));
+    }
+    Ok(EXIT_OK)
+}
+
+/// The pauses of retries, one line each (or that there are none).
+pub(crate) fn pauses_text(pauses: &[crate::pipeline::control::RetryPause]) -> String {
+    if pauses.is_empty() {
+        return "no retries are paused\n".into();
+    }
+    pauses
+        .iter()
+        .map(|p| {
+            format!(
+                "paused: {} — {}\n",
+                p.filter,
+                crate::pipeline::control::Pauses::reason(&p.pause)
+            )
+        })
+        .collect()
 }

@@ -134,6 +134,7 @@ impl Config {
         for (key, value, min) in [
             ("retry.call_deadline_ms", self.retry.call_deadline_ms, 100),
             ("retry.receive_wait_ms", self.retry.receive_wait_ms, 1),
+            ("retry.pause_recheck_ms", self.retry.pause_recheck_ms, 1_000),
             ("retry.concurrency", self.retry.concurrency as u64, 1),
             ("retry.prefetch", self.retry.prefetch as u64, 1),
             (
@@ -157,6 +158,7 @@ impl Config {
                 let why = match key {
                     "retry.call_deadline_ms" => "every call to Azure would time out before it is sent, and nothing would ever be consumed",
                     "retry.receive_wait_ms" => "the retry loop would poll Service Bus without pause",
+                    "retry.pause_recheck_ms" => "every paused retry would cost a ledger write and a Service Bus message many times a second",
                     "processor.prefetch" => "a partition with no prefetch receives nothing",
                     "status.backlog_every_ms" => "each sample reads every partition's properties, the checkpoints and the ledger's listing",
                     "status.max_clock_skew_ms" => "the skew is measured from HTTP Date headers, which carry whole seconds",

@@ -45,6 +45,7 @@ impl Config {
             retry_lead: Duration::from_millis(self.retry.lead_ms),
             retry_prefetch: self.retry.prefetch,
             retry_receive_wait: Duration::from_millis(self.retry.receive_wait_ms),
+            retry_pause_recheck: Duration::from_millis(self.retry.pause_recheck_ms),
             dead_letter_sweep: Duration::from_millis(self.retry.dead_letter_sweep_ms),
             overdue_margin: Duration::from_millis(self.retry.overdue_margin_ms),
             retention: (self.ledger.retention_days > 0)

@@ -411,6 +411,7 @@ impl Default for RetrySection {
             lead_ms: ms_of(o.retry_lead),
             prefetch: o.retry_prefetch,
             receive_wait_ms: ms_of(o.retry_receive_wait),
+            pause_recheck_ms: ms_of(o.retry_pause_recheck),
             call_deadline_ms: ms_of(o.deadline),
             dead_letter_sweep_ms: ms_of(o.dead_letter_sweep),
             overdue_margin_ms: ms_of(o.overdue_margin),
@@ -472,6 +473,9 @@ pub struct RetrySection {
     pub prefetch: usize,
     /// Long-poll wait per receive (ms).
     pub receive_wait_ms: u64,
+    /// A retry due while an operator paused it (`hubguard retries pause`) is deferred this
+    /// long (ms), without counting an attempt, and looked at again.
+    pub pause_recheck_ms: u64,
     /// Deadline of every call to Service Bus, blob storage and Event Hubs (ms).
     pub call_deadline_ms: u64,
     /// How often the queue's dead-letter sub-queue is swept for retries Service Bus gave up

@@ -6,8 +6,12 @@
 //! the claim), finishes and settles what it had accepted, and checkpoints only over settled
 //! events, as always. The retry loop keeps draining: retries are events already read and
 //! settled into Service Bus, and pausing them would only let them pile up past their due
-//! times. Readiness and `/v1/status` list a paused partition as held, with who paused it and
-//! since when; resuming needs no restart.
+//! times — unless the operator pauses them too: `hubguard retries pause` adds a
+//! [`RetryPause`] to the same record (by key, event type, error text or all), and a paused
+//! retry that comes due is deferred, without counting an attempt and without holding any
+//! partition, and looked at again every `retry.pause_recheck_ms`. Readiness and `/v1/status`
+//! list a paused partition as held, with who paused it and since when; `/v1/status` and
+//! `hubguard status KEY` name a retry's pause the same way; resuming needs no restart.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -92,6 +96,71 @@ impl Rewind {
     }
 }
 
+/// Which retries a [`RetryPause`] holds: every criterion given must match; none given:
+/// every retry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryFilter {
+    /// The event's idempotency key, exactly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The event's type, exactly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_type: Option<String>,
+    /// A text the last attempt's error contains (ASCII case-insensitive), e.g. `503` or
+    /// `timed out`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl RetryFilter {
+    /// Whether it holds a retry of `key`, of `event_type`, whose last error was `last_error`.
+    pub fn matches(&self, key: &str, event_type: Option<&str>, last_error: Option<&str>) -> bool {
+        self.key.as_deref().is_none_or(|k| k == key)
+            && self
+                .event_type
+                .as_deref()
+                .is_none_or(|t| event_type == Some(t))
+            && self.error.as_deref().is_none_or(|e| {
+                last_error.is_some_and(|l| l.to_ascii_lowercase().contains(&e.to_ascii_lowercase()))
+            })
+    }
+
+    /// Whether it holds every retry.
+    pub fn is_all(&self) -> bool {
+        self.key.is_none() && self.event_type.is_none() && self.error.is_none()
+    }
+}
+
+impl std::fmt::Display for RetryFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_all() {
+            return f.write_str("every retry");
+        }
+        let mut parts = Vec::new();
+        if let Some(k) = &self.key {
+            parts.push(format!("key {}", k.escape_debug()));
+        }
+        if let Some(t) = &self.event_type {
+            parts.push(format!("event type {}", t.escape_debug()));
+        }
+        if let Some(e) = &self.error {
+            parts.push(format!("last error containing \"{}\"", e.escape_debug()));
+        }
+        write!(f, "retries of {}", parts.join(" and "))
+    }
+}
+
+/// An operator's pause of retries (`hubguard retries pause`): the retries it holds, and
+/// who paused them, since when and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryPause {
+    /// Which retries.
+    pub filter: RetryFilter,
+    /// Who, since when, why.
+    #[serde(flatten)]
+    pub pause: Pause,
+}
+
 /// The control record: the operator's pauses, and the checkpoint rewinds asked for.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pauses {
@@ -104,6 +173,9 @@ pub struct Pauses {
     /// partition → its latest rewind (waiting or applied).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub rewinds: BTreeMap<String, Rewind>,
+    /// The operator's pauses of retries, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub retries: Vec<RetryPause>,
 }
 
 impl Pauses {
@@ -117,17 +189,30 @@ impl Pauses {
         self.rewinds.get(pid).filter(|r| r.applied.is_none())
     }
 
-    /// The same record with nothing paused (rewinds kept).
+    /// The first pause that holds a retry of `key`, of `event_type`, whose last error was
+    /// `last_error`.
+    pub fn retry_pause(
+        &self,
+        key: &str,
+        event_type: Option<&str>,
+        last_error: Option<&str>,
+    ) -> Option<&RetryPause> {
+        self.retries
+            .iter()
+            .find(|p| p.filter.matches(key, event_type, last_error))
+    }
+
+    /// The same record with no partition paused (rewinds and retry pauses kept).
     #[cfg(any(test, feature = "cli"))]
     pub fn resumed(&self) -> Self {
         Self {
             all: None,
             partitions: BTreeMap::new(),
-            rewinds: self.rewinds.clone(),
+            ..self.clone()
         }
     }
 
-    /// Whether nothing is paused.
+    /// Whether no partition is paused.
     #[cfg(any(test, feature = "cli"))]
     pub fn is_empty(&self) -> bool {
         self.all.is_none() && self.partitions.is_empty()
@@ -300,6 +385,57 @@ pub async fn pause_or_resume(
             return Err(ControlError::AllPaused(Pauses::reason(all)));
         }
     }
+    Ok(PauseResult { record, changed })
+}
+
+/// What `retries resume` resumes.
+#[cfg(any(test, feature = "cli"))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// The pause with exactly this filter.
+    Filter(RetryFilter),
+    /// Every pause of retries.
+    Everything,
+}
+
+/// The one implementation of `retries pause|resume` (and the console's, when it has them):
+/// with one compare-and-swap on the control record `name`, `Some(filter)` adds a pause of
+/// the retries `filter` holds (as `entry` says who and why; a pause with the same filter is
+/// kept as it is), `None` with `resume` removes pauses. `changed` says whether the record
+/// changed (with `dry_run`: would).
+#[cfg(any(test, feature = "cli"))]
+pub async fn pause_or_resume_retries(
+    store: &dyn RecordStore,
+    name: &str,
+    pause: Option<(RetryFilter, Pause)>,
+    resume: Option<Resume>,
+    dry_run: bool,
+) -> Result<PauseResult, ControlError> {
+    let wanted = |now: &Pauses| -> Option<Pauses> {
+        let mut next = now.clone();
+        if let Some((filter, entry)) = &pause {
+            if !now.retries.iter().any(|p| p.filter == *filter) {
+                next.retries.push(RetryPause {
+                    filter: filter.clone(),
+                    pause: entry.clone(),
+                });
+            }
+        }
+        match &resume {
+            Some(Resume::Filter(f)) => next.retries.retain(|p| p.filter != *f),
+            Some(Resume::Everything) => next.retries.clear(),
+            None => {}
+        }
+        (next != *now).then_some(next)
+    };
+    let (record, changed) = if dry_run {
+        let now = current(store, name).await?;
+        let next = wanted(&now);
+        let changes = next.is_some();
+        (next.unwrap_or(now), changes)
+    } else {
+        change(store, name, wanted).await?
+    };
     Ok(PauseResult { record, changed })
 }
 

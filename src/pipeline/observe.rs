@@ -113,6 +113,11 @@ impl Observer {
         self.metrics.deferred.add(1, &type_label(event_type));
     }
 
+    /// Counts a retry due while an operator paused it.
+    pub(crate) fn count_paused(&self, event_type: Option<&str>) {
+        self.metrics.paused.add(1, &type_label(event_type));
+    }
+
     /// Counts a settlement.
     pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = self.health.counters();

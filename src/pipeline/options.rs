@@ -215,6 +215,10 @@ pub struct PipelineOptions {
     pub retry_prefetch: usize,
     /// Long-poll wait of each retry-queue receive.
     pub retry_receive_wait: Duration,
+    /// A retry that comes due while an operator paused it (`hubguard retries pause`) is
+    /// deferred this long, uncounted, and looked at again then: how soon after a resume it
+    /// runs, and how often each paused retry costs a ledger write and a message.
+    pub retry_pause_recheck: Duration,
     /// First reconnect delay of the retry loop (then 2×, 3×).
     pub reconnect_base: Duration,
     /// The watchdog's pace once reconnects keep failing.
@@ -280,6 +284,7 @@ impl Default for PipelineOptions {
             retry_lead: Duration::from_secs(2),
             retry_prefetch: 1024,
             retry_receive_wait: Duration::from_secs(5),
+            retry_pause_recheck: Duration::from_secs(60),
             reconnect_base: Duration::from_secs(1),
             watchdog_interval: Duration::from_secs(30),
             dead_letter_sweep: Duration::from_secs(60),

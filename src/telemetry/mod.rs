@@ -394,6 +394,8 @@ pub struct Metrics {
     pub dead_lettered: Counter<u64>,
     /// Attempts deferred by an open breaker.
     pub deferred: Counter<u64>,
+    /// Retries due while an operator paused them, deferred uncounted.
+    pub paused: Counter<u64>,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: Counter<u64>,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
@@ -461,6 +463,12 @@ impl Metrics {
                 .u64_counter(m::DEFERRED)
                 .with_description("Attempts deferred by an open circuit breaker")
                 .build(),
+            paused: meter
+                .u64_counter(m::PAUSED)
+                .with_description(
+                    "Retries due while an operator paused them, deferred without an attempt",
+                )
+                .build(),
             rescued: meter
                 .u64_counter(m::RESCUED)
                 .with_description("Retries Service Bus dead-lettered, put back on the queue")
@@ -512,6 +520,7 @@ impl Metrics {
             &metrics.retries_scheduled,
             &metrics.dead_lettered,
             &metrics.deferred,
+            &metrics.paused,
             &metrics.rescued,
             &metrics.recovered,
             &metrics.forwarded,

@@ -124,6 +124,9 @@ pub mod metric {
     pub const DEAD_LETTERED: &str = "hubguard.events.dead_lettered";
     /// Counter: attempts deferred by an open breaker.
     pub const DEFERRED: &str = "hubguard.events.deferred";
+    /// Counter: retries due while an operator paused them (`hubguard retries pause`),
+    /// deferred without counting an attempt.
+    pub const PAUSED: &str = "hubguard.retries.paused";
     /// Counter: retries taken back from Service Bus's dead-letter sub-queue.
     pub const RESCUED: &str = "hubguard.retries.rescued";
     /// Counter: overdue retries the ledger recorded and nothing ran, scheduled again.

@@ -103,11 +103,6 @@ async fn a_replica_joining_under_load_is_handed_its_share_with_nothing_lost_and_
 async fn a_handover_during_a_service_bus_outage_waits_for_the_held_event_and_skips_nothing() {
     let bed = Bed::start(2).await;
     let ha = slow(0);
-    // Timed from before the replica starts: it asks at some moment after this, and the
-    // product takes the partition only once its own request is an ownership expiration
-    // old — so the time from here is at least the expiration, however late this test
-    // itself sees the request on a loaded machine.
-    let started = tokio::time::Instant::now();
     let a = Bed::run(bed.parts(ha.clone(), fast_policy(5), "replica-a"));
     wait_for("a owns both partitions", &a.health, LIMIT, || async {
         a.health.owned().len() == 2

@@ -46,6 +46,7 @@ mod recovery;
 mod refusals;
 mod reread;
 mod retry_after;
+mod retry_pause;
 mod rewind;
 mod run_command;
 mod secrets;

@@ -146,6 +146,14 @@ pub(super) async fn process(
             shared.observe.count_deferred(event_type);
             return defer(&mut msg, &body, &event, until).await;
         }
+        Err(NotAdmitted::Paused(p)) => {
+            // An operator's pause: looked at again after the recheck, never counted as an
+            // attempt; the partition it came from is long checkpointed and not held.
+            let until = shared.clock().now() + shared.options.retry_pause_recheck;
+            tracing::info!(key = %body.key(), attempt = body.attempt, paused_by = %p.pause.by, pause = %p.filter, "retry paused by an operator; deferred without counting an attempt");
+            shared.observe.count_paused(event_type);
+            return defer(&mut msg, &body, &event, until).await;
+        }
         Err(NotAdmitted::NoShare) => {
             let until = shared.clock().now()
                 + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
@@ -285,13 +293,16 @@ enum NotAdmitted {
     /// The breaker is open until then: deferred past it (the deferral gives the claim up in
     /// the same write).
     BreakerOpen(SystemTime),
+    /// An operator paused it (`hubguard retries pause`): deferred by the recheck interval.
+    Paused(crate::pipeline::control::RetryPause),
     /// This replica has lost its share of the rate: deferred a second or two.
     NoShare,
     /// The lock was lost or the loop stopped.
     Stopped,
 }
 
-/// An open breaker defers the attempt past its expiry, without counting it. The rate limit:
+/// An operator's pause of the retry defers it (by `retry.pause_recheck_ms`), and an open
+/// breaker past its expiry, neither counting an attempt. The rate limit:
 /// the retry waits under its lock, uncounted; a replica that has lost its share of the rate
 /// meanwhile defers it (a second or two) for the others, uncounted.
 async fn admitted<'l>(
@@ -304,6 +315,19 @@ async fn admitted<'l>(
         slot,
         starting: _starting,
     } = slotted;
+    let rec = &claimed.value;
+    let paused = shared
+        .pauses
+        .borrow()
+        .retry_pause(
+            &rec.key,
+            rec.event_type.as_deref(),
+            rec.last_error.as_deref(),
+        )
+        .cloned();
+    if let Some(p) = paused {
+        return Err(NotAdmitted::Paused(p));
+    }
     let gate = shared.admit().await;
     if let Gate::Defer(until) = gate {
         return Err(NotAdmitted::BreakerOpen(until));
