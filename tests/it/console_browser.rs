@@ -351,8 +351,18 @@ async fn operators_replay_a_group_and_pause_a_partition_and_forgeries_are_refuse
     .await;
     b.screenshot("operator-partition-paused").await;
     b.click("#partition-1 button").await;
-    b.text_of("#partition-1", "resumed", |t| !t.contains("paused by"))
+    // The action changes the control record at once (the pause column); the replica follows
+    // at its next read of the record (every 2 s), which a fresh page shows (the held column).
+    b.text_of("#partition-1 td:nth-child(6)", "resumed", |t| t.is_empty())
         .await;
+    eventually("the replica resumed partition 1", LIMIT, || async {
+        b.open(&page(&cb, "#partitions")).await;
+        let row = b
+            .text_of("#partition-1", "the row", |t| !t.is_empty())
+            .await;
+        seen(row, |t| !t.contains("paused by"))
+    })
+    .await;
     b.open(&page(&cb, "#audit")).await;
     b.text_of("#audit", "the audit trail", |t| {
         t.contains("resume") && t.contains("replay-job")
