@@ -139,6 +139,19 @@ async fn paused_retries_wait_uncounted_across_a_crash_and_each_runs_once_when_re
     first_attempts_failed(&bed, &["held-key", "held-busy"]).await;
     deferred(&bed, &handler, "held-key", 2).await;
     deferred(&bed, &handler, "held-busy", 2).await;
+    // What `hubguard status KEY` and `/v1/events/{key}` say of it.
+    let rec = bed.ledger().record("held-busy").await.unwrap().unwrap();
+    let mut view = hubguard::status::record_view(&rec);
+    hubguard::status::add_retry_pause(&bed.ledger(), &rec, &mut view).await;
+    assert_eq!(view["paused"]["by"], "ops", "{view}");
+    assert_eq!(view["paused"]["filter"]["error"], "BUSY", "{view}");
+    assert!(
+        view["paused"]["reason_text"]
+            .as_str()
+            .unwrap()
+            .ends_with("receiver under repair"),
+        "{view}"
+    );
     wait_for(
         "the partition checkpointed past them",
         &a.health,
@@ -258,4 +271,66 @@ async fn retry_pauses_match_by_every_criterion_and_change_the_record_once() {
     // Resuming every partition leaves the retries paused.
     let now = control::current(store.as_ref(), &name).await.unwrap();
     assert_eq!(now.resumed().retries.len(), 1);
+}
+
+/// The command line: a pause needs criteria or `--all`, is listed by `retries paused`, is
+/// kept once when asked twice, and `retries resume` with the same criteria removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_line_pauses_lists_and_resumes_retries() {
+    use crate::rewind::{config_of, hubguard, json_of};
+    let bed = Bed::start(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_of(&bed, &dir);
+    let (code, out) = hubguard(&config, &["retries", "pause"]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("--key, --event-type, --error"), "{out}");
+    let pause = [
+        "retries",
+        "pause",
+        "--event-type",
+        "order.created",
+        "--error",
+        "503",
+        "--by",
+        "alice",
+        "--reason",
+        "fix deploying",
+        "--json",
+    ];
+    let (code, out) = hubguard(&config, &pause).await;
+    assert_eq!(code, Some(0), "{out}");
+    let v = json_of(&out);
+    assert_eq!(v["changed"], true, "{out}");
+    assert_eq!(v["retries"][0]["by"], "alice", "{out}");
+    let (_, out) = hubguard(&config, &pause).await;
+    assert_eq!(
+        json_of(&out)["changed"],
+        false,
+        "the same pause twice is one: {out}"
+    );
+    let (code, out) = hubguard(&config, &["retries", "paused"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("paused: retries of event type order.created and last error containing \"503\" — paused by alice since")
+            && out.contains(": fix deploying"),
+        "{out}"
+    );
+    let (code, out) = hubguard(
+        &config,
+        &[
+            "retries",
+            "resume",
+            "--event-type",
+            "order.created",
+            "--error",
+            "503",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("resumed; every replica follows within seconds"),
+        "{out}"
+    );
+    assert!(out.contains("no retries are paused"), "{out}");
 }

@@ -12,7 +12,7 @@ use crate::pipeline_support::*;
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Runs the binary with `args` and the configuration; (exit code, stdout).
-async fn hubguard(config: &std::path::Path, args: &[&str]) -> (Option<i32>, String) {
+pub(crate) async fn hubguard(config: &std::path::Path, args: &[&str]) -> (Option<i32>, String) {
     let (config, args) = (
         config.to_path_buf(),
         args.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
@@ -35,7 +35,7 @@ async fn hubguard(config: &std::path::Path, args: &[&str]) -> (Option<i32>, Stri
     .unwrap()
 }
 
-fn config_of(bed: &Bed, dir: &tempfile::TempDir) -> std::path::PathBuf {
+pub(crate) fn config_of(bed: &Bed, dir: &tempfile::TempDir) -> std::path::PathBuf {
     let config = dir.path().join("hubguard.toml");
     std::fs::write(
         &config,
@@ -50,7 +50,7 @@ fn config_of(bed: &Bed, dir: &tempfile::TempDir) -> std::path::PathBuf {
     config
 }
 
-fn json_of(out: &str) -> serde_json::Value {
+pub(crate) fn json_of(out: &str) -> serde_json::Value {
     let line = out
         .lines()
         .find(|l| l.trim_start().starts_with('{'))
