@@ -282,6 +282,7 @@ pub fn all() -> Vec<&'static str> {
         metric::RETRIES_SCHEDULED,
         metric::DEAD_LETTERED,
         metric::DEFERRED,
+        metric::PAUSED,
         metric::RESCUED,
         metric::RECOVERED,
         metric::FORWARDED,

@@ -303,7 +303,7 @@ impl Bed {
             assert!(batch.try_add_event_data(ev, None).unwrap());
         }
         within("send", prod.send_batch(batch, None)).await.unwrap();
-        within("close producer", prod.close()).await.unwrap();
+        close_producer(prod).await;
     }
 
     /// Sends one event on its own (not in a batch: the 0.15 SDK counts a batch's first
@@ -329,7 +329,7 @@ impl Bed {
         )
         .await
         .unwrap();
-        within("close producer", prod.close()).await.unwrap();
+        close_producer(prod).await;
     }
 
     /// The checkpointed sequence number of a partition, if any.
@@ -441,5 +441,16 @@ impl CheckpointStore for ShapedStore {
             ));
         }
         self.inner.update_checkpoint(c).await
+    }
+}
+
+/// Closes a test's producer once its events are sent. The events are what the tests
+/// depend on, and `send_batch` returned only once the emulator accepted them; a failing
+/// close (the 0.15 SDK's AMQP engine answers "Illegal local state" now and then on a loaded
+/// machine) is logged, not a failure of the test — `eventhubs_sdk` holds close itself to
+/// account. A close that hangs still fails (`within`).
+pub(crate) async fn close_producer(prod: azure_messaging_eventhubs::ProducerClient) {
+    if let Err(e) = within("close producer", prod.close()).await {
+        eprintln!("closing a test producer after its send failed (ignored): {e:?}");
     }
 }
