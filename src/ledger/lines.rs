@@ -66,6 +66,12 @@ pub struct Line {
     /// behind it links to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_traceparent: Option<String>,
+    /// For a head released from the line and not yet run: the `traceparent` of the attempt
+    /// it waited behind, which its first attempt links to — whichever step sends that
+    /// attempt's message (the release, or a step that finds the release made and makes
+    /// sure of the message: duplicate detection keeps the first one sent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_behind: Option<String>,
 }
 
 impl Line {
@@ -492,6 +498,7 @@ impl Ledger {
                         oldest_parked_ms: l.tags.get(TAG_OLDEST).and_then(|n| n.parse().ok()),
                         ended: l.tags.contains_key(TAG_ENDED),
                         head_traceparent: None,
+                        released_behind: None,
                     }),
                 _ => {
                     if let Some(r) = self.store.read(&l.key).await? {

@@ -468,6 +468,7 @@ impl Advance<'_> {
         line.head_seq = e.sequence_number;
         // Not known until the released head runs (and fails, if it does).
         line.head_traceparent = None;
+        line.released_behind = parked_event.behind_traceparent.clone();
         line.parked = line.parked.saturating_sub(1);
         line.oldest_parked_ms = after.map(|parked_ms| parked_ms.unwrap_or(ms(now)));
         let etag = match ledger.write_line(&line, etag).await {
@@ -533,14 +534,16 @@ impl Advance<'_> {
 }
 
 /// Makes sure the line's head, released but not yet attempted, has its first attempt on
-/// Service Bus (duplicate detection drops a repeat).
+/// Service Bus (duplicate detection drops a repeat), linked like the release's own send to
+/// the attempt it waited behind (whichever is sent first is the one that runs).
 async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> {
     if let Some(rec) = settler.ledger.record(&line.head_key).await? {
         if rec.state() == State::RetryScheduled
             && rec.attempts == rec.attempt_base
             && rec.event.sequence_number == line.head_seq
         {
-            settler.resend_recorded(&rec, &[]).await?;
+            let waited_behind: Vec<String> = line.released_behind.iter().cloned().collect();
+            settler.resend_recorded(&rec, &waited_behind).await?;
         }
     }
     Ok(())

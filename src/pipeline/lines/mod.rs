@@ -330,6 +330,7 @@ pub(crate) async fn open(
         oldest_parked_ms: None,
         ended: false,
         head_traceparent: Some(traceparent.to_string()),
+        released_behind: None,
     };
     Ok(match settler.ledger.open_line(&line).await? {
         Opened::Head => Open::Head,
@@ -482,6 +483,7 @@ mod tests {
             oldest_parked_ms: None,
             ended: false,
             head_traceparent: None,
+            released_behind: None,
         };
         k.set_listing(vec![listed]);
         assert_eq!(k.state("a"), KeyState::Line(3));
@@ -528,6 +530,7 @@ mod tests {
             oldest_parked_ms: Some(10),
             ended: false,
             head_traceparent: None,
+            released_behind: None,
         };
         let now = at(20);
         let released = released_record(&s, &parked, &line, now);

@@ -74,6 +74,7 @@ pub(crate) async fn replay_line(
         oldest_parked_ms: None,
         ended: false,
         head_traceparent: None,
+        released_behind: None,
     };
     let stopped = match open_replayed(&settler.ledger, &line).await {
         Ok(true) => None,
