@@ -115,6 +115,11 @@ impl Browser {
         self.call("POST", "/url", Some(json!({ "url": url }))).await;
     }
 
+    /// Loads the page again (opening the URL it shows would only move to its fragment).
+    async fn reload(&self) {
+        self.call("POST", "/refresh", Some(json!({}))).await;
+    }
+
     async fn find(&self, css: &str) -> Option<String> {
         let v = self
             .call(
@@ -356,7 +361,7 @@ async fn operators_replay_a_group_and_pause_a_partition_and_forgeries_are_refuse
     b.text_of("#partition-1 td:nth-child(6)", "resumed", |t| t.is_empty())
         .await;
     eventually("the replica resumed partition 1", LIMIT, || async {
-        b.open(&page(&cb, "#partitions")).await;
+        b.reload().await;
         let row = b
             .text_of("#partition-1", "the row", |t| !t.is_empty())
             .await;
