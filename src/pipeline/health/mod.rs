@@ -20,6 +20,8 @@ mod report;
 mod skew;
 
 pub use skew::ClockOffset;
+/// Each service's offset as `/v1/status` reports it (`hubguard check` prints the same).
+pub(crate) use skew::offsets as clock_offsets;
 
 pub use report::{
     ConsumerState, CounterSnapshot, HealthReport, Held, HeldRetry, HoldCause, HoldSubject, Lag,
