@@ -263,12 +263,13 @@ fn queue_fix(refusal: &QueueRefusal, queue: &str) -> String {
     }
 }
 
-/// The Event Hubs lines: the hub's properties read (its partition count), and a receiver
+/// The Event Hubs lines: the hub's properties read (its partition count), a receiver
 /// opened on its first partition in the consumer group (the group exists, and the identity
-/// may listen); nothing is read.
+/// may listen; nothing is read), and Event Hubs's clock from its partitions' properties.
 async fn eventhubs_lines(
     t: &crate::pipeline::EventHubsTarget,
     deadline: Duration,
+    bound: Duration,
 ) -> Vec<CheckLine> {
     use azure_messaging_eventhubs::{
         ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
@@ -350,6 +351,7 @@ async fn eventhubs_lines(
         Ok(detail) => CheckLine::pass(&cg_what, detail),
         Err(e) => CheckLine::fail(&cg_what, e, format!("{cg_fix}; or {listen_fix}")),
     });
+    lines.push(clocks::eventhubs_clock_line(&consumer, &partitions, deadline, bound).await);
     let _ = tokio::time::timeout(deadline, consumer.close()).await;
     lines
 }
@@ -448,7 +450,7 @@ pub(super) async fn check_lines(config: &Config) -> anyhow::Result<Vec<CheckLine
             "see [servicebus] in the configuration",
         )),
     }
-    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline).await);
+    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline, bound).await);
     lines.push(webhook_line(config).await);
     lines.extend(clocks::clock_lines(&clock, bound));
     Ok(lines)

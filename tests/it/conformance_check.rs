@@ -109,6 +109,7 @@ async fn check_passes_on_a_well_made_bed_and_names_each_broken_precondition() {
         "pass  storage: write, delete",
         "pass  clock offset to blob storage",
         "pass  clock offset to Service Bus",
+        "pass  clock offset to Event Hubs: nothing to measure",
         "pass  servicebus: queue retries",
         "pass  servicebus: send to retries",
         "pass  servicebus: receive from retries: the probe received back (peek-lock) and completed",
@@ -289,10 +290,25 @@ async fn check_proves_send_and_listen_and_names_the_role_a_missing_one_needs() {
 async fn check_holds_each_services_clock_to_the_bound() {
     let bed = Bed::start(1).await;
     let dir = tempfile::tempdir().unwrap();
-    // Service Bus's clock two minutes ahead of this host's (the bound is 30 s by default).
+    // Service Bus's clock two minutes ahead of this host's (the bound is 30 s by default),
+    // and an event Event Hubs stamped 100 s in this host's future.
     bed.sb.clock().advance(Duration::from_secs(120));
+    bed.eh.store().hub("hub").unwrap().partitions[0].set_clock_ahead_ms(100_000);
+    bed.send_one(0, "ahead", "ok").await;
     let (code, out) = check(config(dir.path(), &bed, "hubguard")).await;
     assert_eq!(code, 1, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("FAIL  clock offset to Event Hubs: this host is at least "))
+        .unwrap_or_else(|| panic!("no failed Event Hubs clock line in:\n{out}"));
+    let behind: i64 = line
+        .split("at least ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    // Measured after the event was stamped: at most the 100 s it was stamped ahead.
+    assert!(behind > 30_000 && behind <= 100_000, "{line}");
     let line = out
         .lines()
         .find(|l| l.starts_with("FAIL  clock offset to Service Bus: +1"))
@@ -312,6 +328,7 @@ async fn check_holds_each_services_clock_to_the_bound() {
     let (code, out) = check(path).await;
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("pass  clock offset to Service Bus: +1"), "{out}");
+    assert!(out.contains("pass  clock offset to Event Hubs: no event enqueued in this host's future"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

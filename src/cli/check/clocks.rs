@@ -1,9 +1,10 @@
 //! The clock lines of `hubguard check`: how far this host is from Service Bus and from blob
 //! storage, measured as the pipeline measures them (the one estimator of
 //! [`crate::clock`], fed by the `Date` of every response check's calls got), each held to
-//! `status.max_clock_skew_ms` as `/readyz` holds Service Bus's (docs/clocks.md).
+//! `status.max_clock_skew_ms` as `/readyz` holds Service Bus's (docs/clocks.md); and Event
+//! Hubs's, bounded from one side by the enqueued times it stamped.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use super::CheckLine;
 use crate::clock::Clock;
@@ -42,11 +43,70 @@ pub(super) fn clock_lines(clock: &Clock, bound: Duration) -> Vec<CheckLine> {
         .collect()
 }
 
+/// The least this host is behind Event Hubs, in ms, from `(enqueued, read)` pairs: an
+/// event's enqueued time was stamped by Event Hubs before this host read it at `read`, so
+/// Event Hubs's time minus this host's is at least `enqueued − read`. `None` without events.
+pub(super) fn least_behind_ms(readings: &[(SystemTime, SystemTime)]) -> Option<i64> {
+    readings
+        .iter()
+        .map(|(enqueued, read)| crate::clock::ms(*enqueued) - crate::clock::ms(*read))
+        .max()
+}
+
+/// Event Hubs's clock, bounded from the one side its AMQP answers allow: they carry no
+/// reading of its clock (no `Date`), only the enqueued time of the last event in each
+/// partition, which Event Hubs stamped in the past. An event enqueued in this host's future
+/// proves the host behind by at least that much; a host ahead of Event Hubs cannot show here
+/// (Service Bus's line measures both ways). Reads each partition's properties (no event
+/// is received).
+pub(super) async fn eventhubs_clock_line(
+    consumer: &azure_messaging_eventhubs::ConsumerClient,
+    partitions: &[String],
+    deadline: Duration,
+    bound: Duration,
+) -> CheckLine {
+    let what = "clock offset to Event Hubs";
+    let mut readings = Vec::new();
+    for p in partitions {
+        let props = tokio::time::timeout(deadline, consumer.get_partition_properties(p)).await;
+        let read = SystemTime::now();
+        if let Ok(Ok(props)) = props {
+            if let Some(enqueued) = props.last_enqueued_time_utc.filter(|_| !props.is_empty) {
+                readings.push((enqueued, read));
+            }
+        }
+    }
+    let Some(behind) = least_behind_ms(&readings) else {
+        return CheckLine::pass(
+            what,
+            "nothing to measure: no partition holds an event (Event Hubs's AMQP answers carry no clock reading)",
+        );
+    };
+    if u128::from(behind.max(0).unsigned_abs()) > bound.as_millis() {
+        return CheckLine::fail(
+            what,
+            format!(
+                "this host is at least {behind} ms behind Event Hubs: an event was enqueued that far in its future (bound {} ms, status.max_clock_skew_ms)",
+                bound.as_millis()
+            ),
+            FIX,
+        );
+    }
+    CheckLine::pass(
+        what,
+        format!(
+            "no event enqueued in this host's future beyond the bound (the latest of {} partitions {:+} ms from its read; bound {} ms); one-sided: Event Hubs's AMQP answers carry no clock reading, so a host ahead of it shows only in Service Bus's line",
+            readings.len(),
+            behind,
+            bound.as_millis()
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::clock::{http_date, Service};
-    use std::time::SystemTime;
 
     #[test]
     fn each_service_is_held_to_the_bound() {
@@ -65,5 +125,15 @@ mod tests {
         assert!(lines[0].what.contains("Service Bus") && lines[0].fix.as_deref().unwrap().contains("chrony"));
         assert!(lines[1].passed, "{}", lines[1]);
         assert!(lines[1].detail.contains("bound 30000 ms"), "{}", lines[1]);
+    }
+
+    #[test]
+    fn an_event_enqueued_in_the_future_bounds_how_far_behind_this_host_is() {
+        let t = crate::clock::at;
+        assert_eq!(least_behind_ms(&[]), None);
+        // Enqueued 5 s before the read, and another 70 s after it: at least 70 s behind.
+        let readings = [(t(95_000), t(100_000)), (t(170_000), t(100_000))];
+        assert_eq!(least_behind_ms(&readings), Some(70_000));
+        assert_eq!(least_behind_ms(&readings[..1]), Some(-5_000));
     }
 }
