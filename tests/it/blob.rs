@@ -615,11 +615,26 @@ async fn put_blob_needs_its_blob_type_and_an_append_blob_is_never_kept_as_a_bloc
         }
     };
     assert_eq!(put("a", Some("BlockBlob"), "x").await.0, 201);
-    assert_eq!(put("b", None, "x").await, (400, "MissingRequiredHeader".into()));
-    assert_eq!(put("b", Some("Folder"), "x").await, (400, "InvalidHeaderValue".into()));
-    assert_eq!(put("b", Some("AppendBlob"), "x").await, (400, "InvalidHeaderValue".into()));
-    assert_eq!(put("b", Some("PageBlob"), "x").await, (400, "InvalidHeaderValue".into()));
-    assert_eq!(put("b", Some("AppendBlob"), "").await, (400, "UnsupportedHeader".into()));
+    assert_eq!(
+        put("b", None, "x").await,
+        (400, "MissingRequiredHeader".into())
+    );
+    assert_eq!(
+        put("b", Some("Folder"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("AppendBlob"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("PageBlob"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("AppendBlob"), "").await,
+        (400, "UnsupportedHeader".into())
+    );
     let listed = emu.store().list("hubguard", "", None, 10).unwrap().0;
     assert_eq!(listed.len(), 1, "only the block blob was written");
 }

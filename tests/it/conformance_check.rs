@@ -44,7 +44,14 @@ fn config_full(
     hook_url: &str,
     more: &str,
 ) -> std::path::PathBuf {
-    config_signed(dir, bed, &bed.sb.connection_string(), container, hook_url, more)
+    config_signed(
+        dir,
+        bed,
+        &bed.sb.connection_string(),
+        container,
+        hook_url,
+        more,
+    )
 }
 
 /// The configuration with Service Bus reached through `sb` (a connection string of another
@@ -251,37 +258,87 @@ async fn check_proves_send_and_listen_and_names_the_role_a_missing_one_needs() {
     let counters = |bed: &Bed| bed.sb.counters("retries").unwrap();
 
     // Every right: the probe goes out and comes back, and nothing is left in the queue.
-    let path = config_signed(dir.path(), &bed, &bed.sb.connection_string(), "hubguard", &hook, "");
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &bed.sb.connection_string(),
+        "hubguard",
+        &hook,
+        "",
+    );
     let (code, out) = check(path).await;
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("pass  servicebus: receive from retries: the probe received back"), "{out}");
+    assert!(
+        out.contains("pass  servicebus: receive from retries: the probe received back"),
+        "{out}"
+    );
     let c = counters(&bed);
-    assert_eq!((c.sends, c.completes, c.abandons, c.active, c.locked), (1, 1, 0, 0, 0), "{c:?}");
+    assert_eq!(
+        (c.sends, c.completes, c.abandons, c.active, c.locked),
+        (1, 1, 0, 0, 0),
+        "{c:?}"
+    );
 
     // Send without Listen: the probe is sent, the receive refused with Azure's words.
-    let path = config_signed(dir.path(), &bed, &signed_with(&bed, &sender), "hubguard", &hook, "");
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &signed_with(&bed, &sender),
+        "hubguard",
+        &hook,
+        "",
+    );
     let (code, out) = check(path).await;
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("pass  servicebus: send to retries"), "{out}");
-    assert!(out.contains("FAIL  servicebus: receive from retries"), "{out}");
-    assert!(out.contains("'Listen' claim(s) are required to perform this operation"), "{out}");
-    assert!(out.contains("grant Azure Service Bus Data Receiver on the queue"), "{out}");
+    assert!(
+        out.contains("FAIL  servicebus: receive from retries"),
+        "{out}"
+    );
+    assert!(
+        out.contains("'Listen' claim(s) are required to perform this operation"),
+        "{out}"
+    );
+    assert!(
+        out.contains("grant Azure Service Bus Data Receiver on the queue"),
+        "{out}"
+    );
     assert!(out.contains("use a SAS policy with Listen"), "{out}");
     assert!(!out.contains("Data Sender"), "{out}");
     assert_eq!(counters(&bed).active, 1, "the probe waits in the queue");
 
     // Listen without Send: the send refused; the receive allowed, and the probe the last
     // check left behind is taken and completed as any hubguard receiver does.
-    let path = config_signed(dir.path(), &bed, &signed_with(&bed, &receiver), "hubguard", &hook, "");
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &signed_with(&bed, &receiver),
+        "hubguard",
+        &hook,
+        "",
+    );
     let (code, out) = check(path).await;
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAIL  servicebus: send to retries"), "{out}");
-    assert!(out.contains("'Send' claim(s) are required to perform this operation"), "{out}");
-    assert!(out.contains("grant Azure Service Bus Data Sender on the queue"), "{out}");
-    assert!(out.contains("pass  servicebus: receive from retries"), "{out}");
+    assert!(
+        out.contains("'Send' claim(s) are required to perform this operation"),
+        "{out}"
+    );
+    assert!(
+        out.contains("grant Azure Service Bus Data Sender on the queue"),
+        "{out}"
+    );
+    assert!(
+        out.contains("pass  servicebus: receive from retries"),
+        "{out}"
+    );
     assert!(!out.contains("Data Receiver"), "{out}");
     let c = counters(&bed);
-    assert_eq!((c.sends, c.completes, c.abandons, c.active, c.locked), (2, 2, 0, 0, 0), "{c:?}");
+    assert_eq!(
+        (c.sends, c.completes, c.abandons, c.active, c.locked),
+        (2, 2, 0, 0, 0),
+        "{c:?}"
+    );
     // Neither rule has Manage: the queue's settings cannot be read, and the line says so.
     assert!(out.contains("FAIL  servicebus: queue retries"), "{out}");
 }
@@ -313,8 +370,14 @@ async fn check_holds_each_services_clock_to_the_bound() {
         .lines()
         .find(|l| l.starts_with("FAIL  clock offset to Service Bus: +1"))
         .unwrap_or_else(|| panic!("no failed Service Bus clock line in:\n{out}"));
-    assert!(line.contains("bound 30000 ms, status.max_clock_skew_ms"), "{line}");
-    assert!(out.contains("synchronise this host's clock (chrony"), "{out}");
+    assert!(
+        line.contains("bound 30000 ms, status.max_clock_skew_ms"),
+        "{line}"
+    );
+    assert!(
+        out.contains("synchronise this host's clock (chrony"),
+        "{out}"
+    );
     assert!(out.contains("pass  clock offset to blob storage"), "{out}");
 
     // A looser bound lets the same offset pass.
@@ -327,8 +390,14 @@ async fn check_holds_each_services_clock_to_the_bound() {
     );
     let (code, out) = check(path).await;
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("pass  clock offset to Service Bus: +1"), "{out}");
-    assert!(out.contains("pass  clock offset to Event Hubs: no event enqueued in this host's future"), "{out}");
+    assert!(
+        out.contains("pass  clock offset to Service Bus: +1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("pass  clock offset to Event Hubs: no event enqueued in this host's future"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -339,7 +408,11 @@ async fn a_replica_beside_check_completes_its_probe_and_never_takes_it_for_work(
 
     let bed = Bed::start(1).await;
     let handler = Arc::new(crate::pipeline_support::Scripted::default());
-    let replica = Bed::run(bed.parts(handler.clone(), crate::pipeline_support::fast_policy(3), "replica"));
+    let replica = Bed::run(bed.parts(
+        handler.clone(),
+        crate::pipeline_support::fast_policy(3),
+        "replica",
+    ));
     let counters = || async { bed.sb.counters("retries").unwrap() };
 
     // A probe in the queue with nobody but the replica receiving: the replica completes it.
@@ -348,26 +421,44 @@ async fn a_replica_beside_check_completes_its_probe_and_never_takes_it_for_work(
     crate::common::within("send a probe", queue.schedule(probe_message("by-hand")))
         .await
         .unwrap();
-    crate::common::eventually("the replica completes the probe", Duration::from_secs(60), || async {
-        crate::common::seen(counters().await, |c| c.completes == 1 && c.active + c.locked == 0)
-    })
+    crate::common::eventually(
+        "the replica completes the probe",
+        Duration::from_secs(60),
+        || async {
+            crate::common::seen(counters().await, |c| {
+                c.completes == 1 && c.active + c.locked == 0
+            })
+        },
+    )
     .await;
 
     // check beside the replica: whoever takes check's probe, both rights are proven.
     let dir = tempfile::tempdir().unwrap();
     let (_, out) = check(config(dir.path(), &bed, "hubguard")).await;
     assert!(out.contains("pass  servicebus: send to retries"), "{out}");
-    assert!(out.contains("pass  servicebus: receive from retries"), "{out}");
-    crate::common::eventually("check's probe is completed too", Duration::from_secs(60), || async {
-        crate::common::seen(counters().await, |c| c.completes == 2 && c.active + c.locked == 0)
-    })
+    assert!(
+        out.contains("pass  servicebus: receive from retries"),
+        "{out}"
+    );
+    crate::common::eventually(
+        "check's probe is completed too",
+        Duration::from_secs(60),
+        || async {
+            crate::common::seen(counters().await, |c| {
+                c.completes == 2 && c.active + c.locked == 0
+            })
+        },
+    )
     .await;
 
     // Neither probe was work: no handler call, nothing in the ledger, nothing abandoned
     // or dead-lettered, and the retry loop still running.
     let c = counters().await;
     assert_eq!((c.abandons, c.dead_lettered), (0, 0), "{c:?}");
-    assert!(handler.calls.lock().unwrap().is_empty(), "the handler was called");
+    assert!(
+        handler.calls.lock().unwrap().is_empty(),
+        "the handler was called"
+    );
     let pending = bed.ledger().pending().await.unwrap();
     assert!(pending.is_empty(), "ledger entries: {pending:?}");
     let listed = bed.container().list_blobs("", false).await.unwrap();

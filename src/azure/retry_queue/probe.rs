@@ -3,34 +3,30 @@
 //! [`PROBE_PROPERTY`] and completes at once, without calling the handler, reading the ledger
 //! or counting an attempt. It carries no event and no deployment; whoever locks it first
 //! (check itself, or a replica's retry loop or dead-letter sweep) removes it. A probe nobody
-//! receives expires after [`PROBE_TTL`] (Service Bus drops an expired message, or moves it
+//! receives expires after five minutes (Service Bus drops an expired message, or moves it
 //! to the dead-letter sub-queue when the queue dead-letters on expiry, where the sweep
 //! completes it too).
 
-use std::time::{Duration, SystemTime};
-
-use super::{OutgoingMessage, ReceivedMessage};
+use super::ReceivedMessage;
 
 testbed_pub! {
     /// The custom property that marks a probe; its value is the probe's id.
     pub const PROBE_PROPERTY: &str = "hubguard-probe";
 }
 
-/// How long a probe lives in the queue when nobody takes it.
-const PROBE_TTL: Duration = Duration::from_secs(300);
-
 testbed_pub! {
     /// The probe with id `id`: visible at once, MessageId `hubguard-probe-{id}`, the
-    /// property [`PROBE_PROPERTY`] = `id`, five minutes to live.
-    pub fn probe_message(id: &str) -> OutgoingMessage {
-        OutgoingMessage {
+    /// property [`PROBE_PROPERTY`] = `id`, five minutes to live. (`hubguard check` sends it.)
+    #[cfg(any(test, feature = "cli"))]
+    pub fn probe_message(id: &str) -> super::OutgoingMessage {
+        super::OutgoingMessage {
             message_id: format!("hubguard-probe-{id}"),
             correlation_id: None,
             label: Some("hubguard-probe".into()),
             body: "hubguard check: a probe of the Send and Listen rights, not a retry; any hubguard receiver completes it".into(),
             content_type: Some("text/plain".into()),
-            due: SystemTime::UNIX_EPOCH,
-            time_to_live: Some(PROBE_TTL),
+            due: std::time::SystemTime::UNIX_EPOCH,
+            time_to_live: Some(std::time::Duration::from_secs(300)),
             properties: vec![(PROBE_PROPERTY.into(), id.into())],
         }
     }
@@ -47,6 +43,7 @@ testbed_pub! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::SystemTime;
 
     struct NoLock;
     #[async_trait::async_trait]

@@ -113,16 +113,25 @@ mod tests {
         let clock = Clock::default();
         let lines = clock_lines(&clock, Duration::from_secs(30));
         assert_eq!(lines.len(), 2);
-        assert!(lines.iter().all(|l| !l.passed && l.detail.contains("not measured")));
+        assert!(lines
+            .iter()
+            .all(|l| !l.passed && l.detail.contains("not measured")));
         for _ in 0..3 {
             let sent = clock.sent();
-            clock.observe(Service::ServiceBus, sent, &http_date(SystemTime::now() + Duration::from_secs(90)));
+            clock.observe(
+                Service::ServiceBus,
+                sent,
+                &http_date(SystemTime::now() + Duration::from_secs(90)),
+            );
             let sent = clock.sent();
             clock.observe(Service::BlobStorage, sent, &http_date(SystemTime::now()));
         }
         let lines = clock_lines(&clock, Duration::from_secs(30));
         assert!(!lines[0].passed, "{}", lines[0]);
-        assert!(lines[0].what.contains("Service Bus") && lines[0].fix.as_deref().unwrap().contains("chrony"));
+        assert!(
+            lines[0].what.contains("Service Bus")
+                && lines[0].fix.as_deref().unwrap().contains("chrony")
+        );
         assert!(lines[1].passed, "{}", lines[1]);
         assert!(lines[1].detail.contains("bound 30000 ms"), "{}", lines[1]);
     }

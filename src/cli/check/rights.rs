@@ -52,10 +52,15 @@ pub(super) async fn rights_lines(queue: &dyn RetryQueue, name: &str) -> Vec<Chec
     let id = uuid::Uuid::new_v4().to_string();
     let sent = match queue.schedule(probe_message(&id)).await {
         Ok(()) => {
-            let detail = "a probe message sent (marked hubguard-probe: replicas complete it unread)";
+            let detail =
+                "a probe message sent (marked hubguard-probe: replicas complete it unread)";
             vec![CheckLine::pass(&send_what, detail)]
         }
-        Err(e) => vec![CheckLine::fail(&send_what, e.to_string(), send_fix(&e, name))],
+        Err(e) => vec![CheckLine::fail(
+            &send_what,
+            e.to_string(),
+            send_fix(&e, name),
+        )],
     };
     let probe_sent = sent.iter().all(|l| l.passed);
     let mut lines = sent;
@@ -71,18 +76,15 @@ async fn receive_line(queue: &dyn RetryQueue, name: &str, id: &str, probe_sent: 
         let m = match queue.receive(RECEIVE_WAIT).await {
             Ok(Some(m)) => m,
             Ok(None) if probe_sent => continue,
-            Ok(None) => {
-                return CheckLine::pass(&what, "a peek-lock allowed (nothing waiting)")
-            }
+            Ok(None) => return CheckLine::pass(&what, "a peek-lock allowed (nothing waiting)"),
             Err(e) => return CheckLine::fail(&what, e.to_string(), receive_fix(&e, name)),
         };
         match probe_id(&m) {
             Some(p) if p == id => {
                 return match m.complete().await {
-                    Ok(()) => CheckLine::pass(
-                        &what,
-                        "the probe received back (peek-lock) and completed",
-                    ),
+                    Ok(()) => {
+                        CheckLine::pass(&what, "the probe received back (peek-lock) and completed")
+                    }
                     Err(e) => CheckLine::fail(
                         &what,
                         format!("completing the probe: {e}"),
@@ -125,8 +127,14 @@ mod tests {
             detail: "Unauthorized access. 'Send' claim(s) are required".into(),
         };
         let fix = send_fix(&refused, "retries");
-        assert!(fix.contains("Azure Service Bus Data Sender") && fix.contains("/queues/retries"), "{fix}");
+        assert!(
+            fix.contains("Azure Service Bus Data Sender") && fix.contains("/queues/retries"),
+            "{fix}"
+        );
         let fix = receive_fix(&refused, "retries");
-        assert!(fix.contains("Azure Service Bus Data Receiver") && fix.contains("Listen"), "{fix}");
+        assert!(
+            fix.contains("Azure Service Bus Data Receiver") && fix.contains("Listen"),
+            "{fix}"
+        );
     }
 }

@@ -367,7 +367,9 @@ fn check_blob_type(headers: &HeaderMap) -> Result<(), (StatusCode, &'static str,
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(0);
-    let bad = |code: &'static str, message: &str| Err((StatusCode::BAD_REQUEST, code, message.to_string()));
+    let bad = |code: &'static str, message: &str| {
+        Err((StatusCode::BAD_REQUEST, code, message.to_string()))
+    };
     match headers.get("x-ms-blob-type").map(|v| v.to_str().unwrap_or("")) {
         None => bad("MissingRequiredHeader", "An HTTP header that's mandatory for this request is not specified.\nHeaderName: x-ms-blob-type"),
         Some("BlockBlob") => Ok(()),

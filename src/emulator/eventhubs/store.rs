@@ -304,7 +304,9 @@ impl Partition {
         let mut log = self.log.write().unwrap_or_else(|p| p.into_inner());
         let first_seq = log.events.last().map_or(0, |e| e.sequence_number + 1);
         let mut offset = log.next_offset;
-        let mut enq = self.now_ms().max(log.events.last().map_or(0, |e| e.enqueued_ms));
+        let mut enq = self
+            .now_ms()
+            .max(log.events.last().map_or(0, |e| e.enqueued_ms));
         let mut records = Vec::new();
         let mut added = Vec::with_capacity(messages.len());
         for (seq, mut msg) in (first_seq..).zip(messages) {

@@ -318,22 +318,21 @@ enum Claim {
     Listen,
 }
 
-/// 401 when `rights` lack `claim` on `queue`, in Service Bus's words: "Unauthorized access.
+/// The 401 when `rights` lack `claim` on `queue`, in Service Bus's words: "Unauthorized access.
 /// 'Listen' claim(s) are required to perform this operation. Resource: 'sb://…'" (as the
 /// service answers: Azure/azure-sdk-for-java#39677, Azure/azure-service-bus-java#110).
-fn require(rights: Rights, claim: Claim, host: &str, queue: &str) -> Result<(), Response> {
+fn require(rights: Rights, claim: Claim, host: &str, queue: &str) -> Option<Response> {
     let (held, name) = match claim {
         Claim::Send => (rights.send, "Send"),
         Claim::Listen => (rights.listen, "Listen"),
     };
-    if held {
-        return Ok(());
-    }
-    Err(error(
-        StatusCode::UNAUTHORIZED,
-        "40100",
-        format!("Unauthorized access. '{name}' claim(s) are required to perform this operation. Resource: 'sb://{host}/{queue}'."),
-    ))
+    (!held).then(|| {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "40100",
+            format!("Unauthorized access. '{name}' claim(s) are required to perform this operation. Resource: 'sb://{host}/{queue}'."),
+        )
+    })
 }
 
 /// The request's rights, or why its `Authorization` does not verify (answered with 401).
@@ -437,7 +436,7 @@ async fn respond(
     } else {
         Claim::Listen
     };
-    if let Err(refused) = require(rights, claim, &host, &name) {
+    if let Some(refused) = require(rights, claim, &host, &name) {
         return refused;
     }
     let Some(queue) = shared.broker.queue(&name) else {
