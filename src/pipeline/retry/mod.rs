@@ -201,6 +201,13 @@ async fn receiver(
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
                 }
+                // `hubguard check`'s probe of the Send and Listen rights: not work. Completed
+                // as it arrives, before anything reads the ledger or asks the handler.
+                if let Some(id) = crate::azure::retry_queue::probe::probe_id(&msg) {
+                    tracing::debug!(probe = %id, "completing a probe message of hubguard check (not a retry)");
+                    locked::dispose(&msg, locked::Disposition::Complete).await;
+                    continue;
+                }
                 let waiting = DueWaiting::new(limits.clone());
                 if work
                     .send(Work::Process(Box::new(msg), held, waiting))

@@ -6,7 +6,6 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::azure::retry_queue::probe::probe_id;
 use crate::azure::ReceivedMessage;
 use crate::clock::at;
 use crate::event::Deployment;
@@ -97,13 +96,6 @@ pub(super) async fn process(
     limits: &Arc<Limits>,
     waiting: DueWaiting,
 ) {
-    // `hubguard check`'s probe of the Send and Listen rights: not work. Completed at once,
-    // before anything reads the ledger or asks the handler.
-    if let Some(id) = probe_id(&msg) {
-        drop(waiting);
-        tracing::debug!(probe = %id, "completing a probe message of hubguard check (not a retry)");
-        return super::locked::dispose(&msg, Disposition::Complete).await;
-    }
     let mut msg = LockedMessage::new(msg, shared, cancel);
     let body: RetryMessage = match serde_json::from_str(&msg.body) {
         Ok(b) => b,
