@@ -5,11 +5,16 @@
 //! ledger uses them) and deleted; the retry queue's description is read and held to what the
 //! configuration needs (the start-up proof `run` makes too); the hub's partitions read and a
 //! receiver opened in the consumer group; the webhook's handshake made (or its host reached);
-//! the clock offset to blob storage is measured from the probe write's `Last-Modified`. `run` makes the storage lines
+//! the Send and Listen rights on the retry queue proven with a probe message (`rights`); the
+//! clock offsets to Service Bus and blob storage measured from the `Date` of those calls'
+//! responses by the pipeline's own estimator (`clocks`). `run` makes the storage lines
 //! at start as well, and does not start when one fails.
 
+mod clocks;
+mod rights;
+
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -20,10 +25,6 @@ use crate::wiring::{StorageAccess, Wiring, WiringError};
 
 /// The prefix of the probe blobs (nothing else of hubguard's lives under it).
 const PROBE_PREFIX: &str = "hubguard-check/";
-/// How far the local clock may be from the service's before the check fails: hubguard
-/// judges ownerships and claims on the service's clock (measured), but a larger offset
-/// means the host's clock is not synchronised, and the offset estimate is whole seconds.
-const CLOCK_TOLERANCE: Duration = Duration::from_secs(5);
 
 /// One line of the check's report.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,15 +70,6 @@ impl std::fmt::Display for CheckLine {
     }
 }
 
-/// The clock offset (service minus local) a write's `Last-Modified` shows: the service
-/// stamped the write between `sent` and `received`, at whole seconds, so the offset is
-/// taken against the midpoint and is known to within a second plus half the round trip.
-/// Kept apart from the clock estimator of `src/clock.rs` so the two can be unified.
-pub(super) fn clock_offset(sent: SystemTime, received: SystemTime, service: SystemTime) -> i64 {
-    let mid = crate::clock::ms(sent) + (crate::clock::ms(received) - crate::clock::ms(sent)) / 2;
-    crate::clock::ms(service) - mid
-}
-
 /// The fix for a storage refusal, by its status and code.
 fn storage_fix(e: &BlobError, container: &str) -> String {
     let (account, name) = account_and_container(container);
@@ -114,11 +106,18 @@ fn account_and_container(url: &str) -> (String, String) {
 }
 
 /// The storage lines: reachable and listable, writable and deletable (with tags when the
-/// ledger uses them), and the clock offset to the service.
-pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -> Vec<CheckLine> {
+/// ledger uses them); each response's `Date` measured on `clock`.
+pub(super) async fn storage_lines(
+    storage: &StorageAccess,
+    deadline: Duration,
+    clock: &Arc<crate::clock::Clock>,
+) -> Vec<CheckLine> {
     let container =
         match BlobContainer::new(&storage.container_url, storage.credential.clone(), deadline) {
-            Ok(c) => Arc::new(c),
+            Ok(c) => {
+                c.measure_on(clock.clone());
+                Arc::new(c)
+            }
             Err(e) => {
                 return vec![CheckLine::fail(
                 "storage.container_url",
@@ -155,8 +154,7 @@ pub(super) async fn storage_lines(storage: &StorageAccess, deadline: Duration) -
     lines
 }
 
-/// A probe blob written (tagged when the ledger uses index tags) and deleted; and the clock
-/// offset its write's `Last-Modified` shows.
+/// A probe blob written (tagged when the ledger uses index tags) and deleted.
 async fn probe_lines(
     container: &BlobContainer,
     url: &str,
@@ -175,7 +173,6 @@ async fn probe_lines(
     } else {
         "storage: write, delete"
     };
-    let sent = SystemTime::now();
     let written = tokio::time::timeout(
         deadline,
         container.put_blob_tagged(
@@ -188,7 +185,6 @@ async fn probe_lines(
         ),
     )
     .await;
-    let received = SystemTime::now();
     let written = match written {
         Ok(Ok(w)) => w,
         Ok(Err(e)) => {
@@ -224,36 +220,7 @@ async fn probe_lines(
             "check the account's availability and network path",
         )),
     }
-    lines.push(clock_line(
-        "clock offset to blob storage",
-        sent,
-        received,
-        written.last_modified.map(SystemTime::from),
-    ));
     lines
-}
-
-fn clock_line(
-    what: &str,
-    sent: SystemTime,
-    received: SystemTime,
-    service: Option<SystemTime>,
-) -> CheckLine {
-    let Some(service) = service else {
-        return CheckLine::fail(
-            what,
-            "the service sent no Last-Modified",
-            "check that the URL is Azure Blob Storage",
-        );
-    };
-    let offset = clock_offset(sent, received, service);
-    let tolerance = CLOCK_TOLERANCE.as_millis() as i64 + 1000;
-    let detail = format!("{offset:+} ms (±1 s: the service stamps whole seconds)");
-    if offset.abs() <= tolerance {
-        CheckLine::pass(what, detail)
-    } else {
-        CheckLine::fail(what, detail, "synchronise this host's clock (chrony or systemd-timesyncd with time.windows.com or your NTP source)")
-    }
 }
 
 /// The retry queue's line: its description read and held to the configuration (duplicate
@@ -296,12 +263,13 @@ fn queue_fix(refusal: &QueueRefusal, queue: &str) -> String {
     }
 }
 
-/// The Event Hubs lines: the hub's properties read (its partition count), and a receiver
+/// The Event Hubs lines: the hub's properties read (its partition count), a receiver
 /// opened on its first partition in the consumer group (the group exists, and the identity
-/// may listen); nothing is read.
+/// may listen; nothing is read), and Event Hubs's clock from its partitions' properties.
 async fn eventhubs_lines(
     t: &crate::pipeline::EventHubsTarget,
     deadline: Duration,
+    bound: Duration,
 ) -> Vec<CheckLine> {
     use azure_messaging_eventhubs::{
         ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
@@ -383,6 +351,7 @@ async fn eventhubs_lines(
         Ok(detail) => CheckLine::pass(&cg_what, detail),
         Err(e) => CheckLine::fail(&cg_what, e, format!("{cg_fix}; or {listen_fix}")),
     });
+    lines.push(clocks::eventhubs_clock_line(&consumer, &partitions, deadline, bound).await);
     let _ = tokio::time::timeout(deadline, consumer.close()).await;
     lines
 }
@@ -465,11 +434,25 @@ const ATTACH_WAIT: Duration = Duration::from_secs(2);
 pub(super) async fn check_lines(config: &Config) -> anyhow::Result<Vec<CheckLine>> {
     let storage = StorageAccess::from_config(config)?;
     let mut wiring = Wiring::from_config(config)?;
+    // A clock of check's own: every Service Bus and blob response below is measured on it.
+    let clock = Arc::new(crate::clock::Clock::default());
+    wiring.options_mut().clock = clock.clone();
     let deadline = wiring.options_mut().deadline;
-    let mut lines = storage_lines(&storage, deadline).await;
-    lines.extend(queue_lines(&wiring, &config.servicebus.queue).await);
-    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline).await);
+    let bound = wiring.options_mut().max_clock_skew;
+    let mut lines = storage_lines(&storage, deadline, &clock).await;
+    let queue = &config.servicebus.queue;
+    lines.extend(queue_lines(&wiring, queue).await);
+    match wiring.retry_queue() {
+        Ok(q) => lines.extend(rights::rights_lines(&q.without_batching(), queue).await),
+        Err(e) => lines.push(CheckLine::fail(
+            &format!("servicebus: send to {queue}"),
+            e.to_string(),
+            "see [servicebus] in the configuration",
+        )),
+    }
+    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline, bound).await);
     lines.push(webhook_line(config).await);
+    lines.extend(clocks::clock_lines(&clock, bound));
     Ok(lines)
 }
 
@@ -493,16 +476,6 @@ pub(super) async fn check(args: super::ConfigArg) -> anyhow::Result<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_offset_is_taken_against_the_midpoint() {
-        let t = |ms: i64| crate::clock::at(ms);
-        assert_eq!(clock_offset(t(1_000), t(1_200), t(1_100)), 0);
-        assert_eq!(clock_offset(t(1_000), t(1_200), t(8_100)), 7_000);
-        assert_eq!(clock_offset(t(10_000), t(10_000), t(4_000)), -6_000);
-        assert!(!clock_line("c", t(10_000), t(10_000), Some(t(17_000))).passed);
-        assert!(clock_line("c", t(10_000), t(10_100), Some(t(10_000))).passed);
-    }
 
     #[test]
     fn fixes_name_the_command() {

@@ -20,7 +20,9 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     }
     // The cheap lines of `hubguard check`: the container reachable, writable and deletable.
     let storage = crate::wiring::StorageAccess::from_config(&config)?;
-    let failed: Vec<String> = super::check::storage_lines(&storage, wiring.options_mut().deadline)
+    let options = wiring.options_mut();
+    let (deadline, clock) = (options.deadline, options.clock.clone());
+    let failed: Vec<String> = super::check::storage_lines(&storage, deadline, &clock)
         .await
         .into_iter()
         .filter(|l| !l.passed && l.what.starts_with("storage"))

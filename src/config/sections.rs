@@ -498,7 +498,8 @@ pub struct StatusSection {
     /// How often the backlog (`GET /v1/backlog`, `hubguard.backlog.events`) is sampled (ms).
     pub backlog_every_ms: u64,
     /// `/readyz` answers 503 while this host's clock is measured further than this (ms) from
-    /// Service Bus's (docs/clocks.md); hubguard corrects for it either way.
+    /// Service Bus's (docs/clocks.md); hubguard corrects for it either way. `hubguard check`
+    /// fails a service's clock line beyond it.
     pub max_clock_skew_ms: u64,
 }
 

@@ -589,6 +589,56 @@ async fn blob_names_and_metadata_are_held_to_azures_limits() {
     );
 }
 
+/// Put Blob's `x-ms-blob-type` as Azure holds it ("Put Blob": required; an append or page
+/// blob is created empty), and an append blob refused loudly rather than kept as a block blob.
+#[tokio::test]
+async fn put_blob_needs_its_blob_type_and_an_append_blob_is_never_kept_as_a_block_blob() {
+    let emu = BlobEmulator::start(BlobConfig::default()).await.unwrap();
+    let put = |name: &str, blob_type: Option<&str>, body: &'static str| {
+        let url = format!("{}/{}", emu.container_url("hubguard"), name);
+        let mut req = reqwest::Client::new()
+            .put(url)
+            .header("x-ms-version", "2025-01-05")
+            .body(body);
+        if let Some(t) = blob_type {
+            req = req.header("x-ms-blob-type", t);
+        }
+        async move {
+            let r = within("put blob", req.send()).await.unwrap();
+            let code = r
+                .headers()
+                .get("x-ms-error-code")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            (r.status().as_u16(), code)
+        }
+    };
+    assert_eq!(put("a", Some("BlockBlob"), "x").await.0, 201);
+    assert_eq!(
+        put("b", None, "x").await,
+        (400, "MissingRequiredHeader".into())
+    );
+    assert_eq!(
+        put("b", Some("Folder"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("AppendBlob"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("PageBlob"), "x").await,
+        (400, "InvalidHeaderValue".into())
+    );
+    assert_eq!(
+        put("b", Some("AppendBlob"), "").await,
+        (400, "UnsupportedHeader".into())
+    );
+    let listed = emu.store().list("hubguard", "", None, 10).unwrap().0;
+    assert_eq!(listed.len(), 1, "only the block blob was written");
+}
+
 #[tokio::test]
 async fn a_throttled_account_answers_server_busy_and_reads_as_transient() {
     let emu = BlobEmulator::start(BlobConfig::default()).await.unwrap();

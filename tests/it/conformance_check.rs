@@ -1,11 +1,14 @@
 //! `hubguard check` on the emulators, with each precondition it proves broken in turn: all
 //! pass on a well-made bed; a missing container, storage refusing requests, a missing
-//! consumer group and a queue without duplicate detection each fail with the fix named
-//! (issue 43).
+//! consumer group, a queue without duplicate detection, a SAS rule without Send or without
+//! Listen and a Service Bus clock beyond `status.max_clock_skew_ms` each fail with the fix
+//! named; a replica running beside check completes check's probe message and never takes it
+//! for work (issue 43).
 
 use std::time::Duration;
 
-use hubguard::emulator::servicebus::QueueSpec;
+use hubguard::azure::SasKey;
+use hubguard::emulator::servicebus::{QueueSpec, SasRule, ServiceBusConfig, ServiceBusEmulator};
 
 use crate::pipeline_support::Bed;
 
@@ -41,6 +44,26 @@ fn config_full(
     hook_url: &str,
     more: &str,
 ) -> std::path::PathBuf {
+    config_signed(
+        dir,
+        bed,
+        &bed.sb.connection_string(),
+        container,
+        hook_url,
+        more,
+    )
+}
+
+/// The configuration with Service Bus reached through `sb` (a connection string of another
+/// SAS rule).
+fn config_signed(
+    dir: &std::path::Path,
+    bed: &Bed,
+    sb: &str,
+    container: &str,
+    hook_url: &str,
+    more: &str,
+) -> std::path::PathBuf {
     let path = dir.join("hubguard.toml");
     std::fs::write(
         &path,
@@ -59,7 +82,6 @@ url = "{hook_url}"
 {more}
 "#,
             eh = bed.eh.connection_string(),
-            sb = bed.sb.connection_string(),
             blob = bed.blob.container_url(container),
         ),
     )
@@ -93,7 +115,11 @@ async fn check_passes_on_a_well_made_bed_and_names_each_broken_precondition() {
         "pass  storage: list",
         "pass  storage: write, delete",
         "pass  clock offset to blob storage",
+        "pass  clock offset to Service Bus",
+        "pass  clock offset to Event Hubs: nothing to measure",
         "pass  servicebus: queue retries",
+        "pass  servicebus: send to retries",
+        "pass  servicebus: receive from retries: the probe received back (peek-lock) and completed",
         "pass  eventhubs: hub ($Default): hub: 1 partitions",
         "pass  eventhubs: hub ($Default): consumer group",
         "pass  webhook: ",
@@ -193,4 +219,288 @@ async fn check_makes_the_webhooks_handshake() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAIL  webhook"), "{out}");
     assert!(out.contains("abuse-protection handshake"), "{out}");
+}
+
+/// A connection string of the bed's Service Bus signed with `key` (another SAS rule).
+fn signed_with(bed: &Bed, key: &SasKey) -> String {
+    format!(
+        "Endpoint=sb://{};SharedAccessKeyName={};SharedAccessKey={};UseDevelopmentEmulator=true",
+        bed.sb.local_addr(),
+        key.name(),
+        key.secret()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_proves_send_and_listen_and_names_the_role_a_missing_one_needs() {
+    let mut bed = Bed::start(1).await;
+    let sender = SasKey::new("sender", "SENDER_KEY_SECRET");
+    let receiver = SasKey::new("receiver", "RECEIVER_KEY_SECRET");
+    bed.sb = ServiceBusEmulator::start(ServiceBusConfig {
+        rules: vec![
+            SasRule {
+                key: sender.clone(),
+                send: true,
+                listen: false,
+            },
+            SasRule {
+                key: receiver.clone(),
+                send: false,
+                listen: true,
+            },
+        ],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let hook = format!("http://{}/events", hook_addr());
+    let counters = |bed: &Bed| bed.sb.counters("retries").unwrap();
+
+    // Every right: the probe goes out and comes back, and nothing is left in the queue.
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &bed.sb.connection_string(),
+        "hubguard",
+        &hook,
+        "",
+    );
+    let (code, out) = check(path).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("pass  servicebus: receive from retries: the probe received back"),
+        "{out}"
+    );
+    let c = counters(&bed);
+    assert_eq!(
+        (c.sends, c.completes, c.abandons, c.active, c.locked),
+        (1, 1, 0, 0, 0),
+        "{c:?}"
+    );
+
+    // Send without Listen: the probe is sent, the receive refused with Azure's words.
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &signed_with(&bed, &sender),
+        "hubguard",
+        &hook,
+        "",
+    );
+    let (code, out) = check(path).await;
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("pass  servicebus: send to retries"), "{out}");
+    assert!(
+        out.contains("FAIL  servicebus: receive from retries"),
+        "{out}"
+    );
+    assert!(
+        out.contains("'Listen' claim(s) are required to perform this operation"),
+        "{out}"
+    );
+    assert!(
+        out.contains("grant Azure Service Bus Data Receiver on the queue"),
+        "{out}"
+    );
+    assert!(out.contains("use a SAS policy with Listen"), "{out}");
+    assert!(!out.contains("Data Sender"), "{out}");
+    assert_eq!(counters(&bed).active, 1, "the probe waits in the queue");
+
+    // Listen without Send: the send refused; the receive allowed, and the probe the last
+    // check left behind is taken and completed as any hubguard receiver does.
+    let path = config_signed(
+        dir.path(),
+        &bed,
+        &signed_with(&bed, &receiver),
+        "hubguard",
+        &hook,
+        "",
+    );
+    let (code, out) = check(path).await;
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAIL  servicebus: send to retries"), "{out}");
+    assert!(
+        out.contains("'Send' claim(s) are required to perform this operation"),
+        "{out}"
+    );
+    assert!(
+        out.contains("grant Azure Service Bus Data Sender on the queue"),
+        "{out}"
+    );
+    assert!(
+        out.contains("pass  servicebus: receive from retries"),
+        "{out}"
+    );
+    assert!(!out.contains("Data Receiver"), "{out}");
+    let c = counters(&bed);
+    assert_eq!(
+        (c.sends, c.completes, c.abandons, c.active, c.locked),
+        (2, 2, 0, 0, 0),
+        "{c:?}"
+    );
+    // Neither rule has Manage: the queue's settings cannot be read, and the line says so.
+    assert!(out.contains("FAIL  servicebus: queue retries"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_holds_each_services_clock_to_the_bound() {
+    let bed = Bed::start(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    // Service Bus's clock two minutes ahead of this host's (the bound is 30 s by default),
+    // and an event Event Hubs stamped 100 s in this host's future.
+    bed.sb.clock().advance(Duration::from_secs(120));
+    bed.eh.store().hub("hub").unwrap().partitions[0].set_clock_ahead_ms(100_000);
+    bed.send_one(0, "ahead", "ok").await;
+    let (code, out) = check(config(dir.path(), &bed, "hubguard")).await;
+    assert_eq!(code, 1, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("FAIL  clock offset to Event Hubs: this host is at least "))
+        .unwrap_or_else(|| panic!("no failed Event Hubs clock line in:\n{out}"));
+    let behind: i64 = line
+        .split("at least ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    // Measured after the event was stamped: at most the 100 s it was stamped ahead.
+    assert!(behind > 30_000 && behind <= 100_000, "{line}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("FAIL  clock offset to Service Bus: +1"))
+        .unwrap_or_else(|| panic!("no failed Service Bus clock line in:\n{out}"));
+    assert!(
+        line.contains("bound 30000 ms, status.max_clock_skew_ms"),
+        "{line}"
+    );
+    assert!(
+        out.contains("synchronise this host's clock (chrony"),
+        "{out}"
+    );
+    assert!(out.contains("pass  clock offset to blob storage"), "{out}");
+
+    // A looser bound lets the same offset pass.
+    let path = config_full(
+        dir.path(),
+        &bed,
+        "hubguard",
+        &format!("http://{}/events", hook_addr()),
+        "[status]\nmax_clock_skew_ms = 600000",
+    );
+    let (code, out) = check(path).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("pass  clock offset to Service Bus: +1"),
+        "{out}"
+    );
+    assert!(
+        out.contains("pass  clock offset to Event Hubs: no event enqueued in this host's future"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_beside_check_completes_its_probe_and_never_takes_it_for_work() {
+    use hubguard::azure::retry_queue::{probe_message, ServiceBusOptions, ServiceBusRetryQueue};
+    use hubguard::azure::{ConnectionString, RetryQueue};
+    use std::sync::Arc;
+
+    // One delivery and Service Bus gives a message up to the dead-letter sub-queue.
+    let mut spec = QueueSpec::new("retries");
+    spec.max_delivery_count = 1;
+    let bed = Bed::start_with_queue(1, spec).await;
+    let counters = || async { bed.sb.counters("retries").unwrap() };
+    let cs: ConnectionString = bed.sb.connection_string().parse().unwrap();
+    let queue = ServiceBusRetryQueue::new(&cs, "retries", ServiceBusOptions::default()).unwrap();
+
+    // A probe nobody completed, dead-lettered before the replica starts: its sweep (at
+    // start) completes it rather than leave it for an operator or put it back as a retry.
+    crate::common::within("send a probe", queue.schedule(probe_message("given-up")))
+        .await
+        .unwrap();
+    let m = crate::common::within("lock it", queue.receive(Duration::from_secs(5)))
+        .await
+        .unwrap()
+        .expect("the probe");
+    crate::common::within("abandon it", m.abandon())
+        .await
+        .unwrap();
+    assert_eq!(counters().await.dead_lettered, 1);
+    let handler = Arc::new(crate::pipeline_support::Scripted::default());
+    let replica = Bed::run(bed.parts(
+        handler.clone(),
+        crate::pipeline_support::fast_policy(3),
+        "replica",
+    ));
+    crate::common::eventually(
+        "the replica's sweep completes the dead-lettered probe",
+        Duration::from_secs(60),
+        || async {
+            crate::common::seen(counters().await, |c| {
+                c.completes == 1 && c.dead_lettered == 0
+            })
+        },
+    )
+    .await;
+
+    // A probe in the queue with nobody but the replica receiving: the replica completes it.
+    crate::common::within("send a probe", queue.schedule(probe_message("by-hand")))
+        .await
+        .unwrap();
+    crate::common::eventually(
+        "the replica completes the probe",
+        Duration::from_secs(60),
+        || async {
+            crate::common::seen(counters().await, |c| {
+                c.completes == 2 && c.active + c.locked == 0
+            })
+        },
+    )
+    .await;
+
+    // check beside the replica: whoever takes check's probe, both rights are proven.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, out) = check(config(dir.path(), &bed, "hubguard")).await;
+    assert!(out.contains("pass  servicebus: send to retries"), "{out}");
+    assert!(
+        out.contains("pass  servicebus: receive from retries"),
+        "{out}"
+    );
+    crate::common::eventually(
+        "check's probe is completed too",
+        Duration::from_secs(60),
+        || async {
+            crate::common::seen(counters().await, |c| {
+                c.completes == 3 && c.active + c.locked == 0
+            })
+        },
+    )
+    .await;
+
+    // No probe was work: no handler call, nothing in the ledger, nothing abandoned
+    // or dead-lettered, and the retry loop still running.
+    let c = counters().await;
+    assert_eq!(
+        (c.abandons, c.dead_lettered),
+        (1, 0),
+        "only the test's own abandon: {c:?}"
+    );
+    assert!(
+        handler.calls.lock().unwrap().is_empty(),
+        "the handler was called"
+    );
+    let pending = bed.ledger().pending().await.unwrap();
+    assert!(pending.is_empty(), "ledger entries: {pending:?}");
+    let listed = bed.container().list_blobs("", false).await.unwrap();
+    assert!(
+        listed.iter().all(|b| !b.name.contains("probe")),
+        "a probe reached storage: {:?}",
+        listed.iter().map(|b| &b.name).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        replica.health.retry_loop(),
+        hubguard::pipeline::health::RetryLoopState::Running
+    );
+    replica.stop().await;
 }

@@ -17,7 +17,7 @@
 //! message too large); `http` the HTTP stack under the crate (pooling, the redirect to the
 //! real endpoint, error details, bearer tokens); `endpoint` where a namespace's REST API is;
 //! `atom` the management API's queue description and its ISO 8601 durations; `proof` the
-//! start-up proof; `client` the Service Bus implementation itself.
+//! start-up proof; `probe` the message `hubguard check` proves Send and Listen with; `client` the Service Bus implementation itself.
 
 mod atom;
 mod batch;
@@ -26,6 +26,7 @@ mod client;
 mod endpoint;
 mod error;
 mod http;
+pub(crate) mod probe;
 mod proof;
 
 pub use self::atom::QueueDescription;
@@ -44,6 +45,7 @@ pub use self::{
         BearerTokenHttpClient, DetailedErrors, PooledHttpClient, RedirectingHttpClient,
         SERVICE_BUS_SCOPE,
     },
+    probe::{probe_id, probe_message, PROBE_PROPERTY},
     proof::QueueProof,
 };
 

@@ -6,7 +6,10 @@
 //!   properties (200/404), delete (202, again 202 while being deleted), list blobs (`prefix`,
 //!   `marker`, `maxresults`, `include=metadata`; each `<Etag>` unquoted, as Azure lists it);
 //!   a name Azure refuses: 400 `InvalidResourceName`;
-//! - blobs: Put Blob (201), Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
+//! - blobs: Put Blob (201; block blobs only: `x-ms-blob-type` missing → 400
+//!   `MissingRequiredHeader`, an append or page blob with content → 400 `InvalidHeaderValue`
+//!   as Azure answers, an empty one → 400 `UnsupportedHeader`, where Azure would create it),
+//!   Get Blob (200, or 206 with `x-ms-range`/`Range`), Get Properties
 //!   (HEAD), Set Metadata (`comp=metadata`, 200), Delete (202); blob index tags: `x-ms-tags`
 //!   on Put Blob (which replaces the blob's tags with those given, none without the header),
 //!   Set Blob Tags (`comp=tags`, 204; the ETag and Last-Modified stay), Get Blob Tags (200),
@@ -339,12 +342,41 @@ fn refuse_input(
             now,
         ));
     }
+    if method == Method::PUT && blob.is_some() && comp.is_none() {
+        if let Err((status, code, message)) = check_blob_type(headers) {
+            return Some(error_response(status, code, &message, head, now));
+        }
+    }
     if method == Method::PUT && blob.is_some() && matches!(comp, None | Some("metadata")) {
         if let Err((status, code, message)) = check_metadata(&metadata(headers)) {
             return Some(error_response(status, code, &message, head, now));
         }
     }
     None
+}
+
+/// Put Blob's `x-ms-blob-type`, as Azure holds it ("Put Blob", learn.microsoft.com/rest/api/
+/// storageservices/put-blob: required, `BlockBlob`, `PageBlob` or `AppendBlob`; for a page or
+/// an append blob `Content-Length` must be zero, Put Blob only initialises it; the error codes
+/// from "Common REST API error codes"). This emulator keeps block blobs only: an append or page
+/// blob, which Azure would create, is refused loudly (400 `UnsupportedHeader`, naming the
+/// emulator) rather than stored as a block blob (docs/conformance.md).
+fn check_blob_type(headers: &HeaderMap) -> Result<(), (StatusCode, &'static str, String)> {
+    let length = headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    let bad = |code: &'static str, message: &str| {
+        Err((StatusCode::BAD_REQUEST, code, message.to_string()))
+    };
+    match headers.get("x-ms-blob-type").map(|v| v.to_str().unwrap_or("")) {
+        None => bad("MissingRequiredHeader", "An HTTP header that's mandatory for this request is not specified.\nHeaderName: x-ms-blob-type"),
+        Some("BlockBlob") => Ok(()),
+        Some("AppendBlob" | "PageBlob") if length > 0 => bad("InvalidHeaderValue", "The value for one of the HTTP headers is not in the correct format.\nHeaderName: Content-Length (zero for an append or page blob: Put Blob only initialises it)"),
+        Some(t @ ("AppendBlob" | "PageBlob")) => bad("UnsupportedHeader", &format!("One of the HTTP headers specified in the request is not supported.\nHeaderName: x-ms-blob-type ({t}: this emulator keeps block blobs only; Azurite keeps every type)")),
+        Some(_) => bad("InvalidHeaderValue", "The value for one of the HTTP headers is not in the correct format.\nHeaderName: x-ms-blob-type"),
+    }
 }
 
 /// One request's operation on a container or blob: what each operation needs to answer.

@@ -161,6 +161,9 @@ pub struct Partition {
     pub id: String,
     log: RwLock<Log>,
     tail: watch::Sender<usize>,
+    /// How far this partition's clock runs ahead of the host's, in ms (a test's fault: a
+    /// service whose clock is off stamps its enqueued times so).
+    ahead_ms: std::sync::atomic::AtomicI64,
 }
 
 fn now_ms() -> i64 {
@@ -274,7 +277,20 @@ impl Partition {
             id,
             log: RwLock::new(log),
             tail,
+            ahead_ms: Default::default(),
         })
+    }
+
+    /// Makes this partition stamp enqueued times `ms` ahead of the host's clock (negative:
+    /// behind), as a service whose clock is off would.
+    pub fn set_clock_ahead_ms(&self, ms: i64) {
+        self.ahead_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The partition's clock (ms since the epoch).
+    fn now_ms(&self) -> i64 {
+        now_ms() + self.ahead_ms.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Log> {
@@ -288,7 +304,9 @@ impl Partition {
         let mut log = self.log.write().unwrap_or_else(|p| p.into_inner());
         let first_seq = log.events.last().map_or(0, |e| e.sequence_number + 1);
         let mut offset = log.next_offset;
-        let mut enq = now_ms().max(log.events.last().map_or(0, |e| e.enqueued_ms));
+        let mut enq = self
+            .now_ms()
+            .max(log.events.last().map_or(0, |e| e.enqueued_ms));
         let mut records = Vec::new();
         let mut added = Vec::with_capacity(messages.len());
         for (seq, mut msg) in (first_seq..).zip(messages) {
@@ -304,7 +322,7 @@ impl Partition {
                 message: Arc::new(msg),
             });
             offset += 4 + bytes.len() as i64;
-            enq = enq.max(now_ms());
+            enq = enq.max(self.now_ms());
         }
         if let Some(f) = log.file.as_mut() {
             f.write_all(&records)?;

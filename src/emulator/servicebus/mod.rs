@@ -18,7 +18,10 @@
 //! Authentication is Azure's: every request carries `Authorization`, either a SAS signed
 //! with the configured key (a rule with Manage, Send and Listen) or with the optional
 //! send-and-listen key (no Manage: reading a description answers 401 "Manage,EntityRead
-//! claims required for this operation", as Service Bus does), or an Entra ID
+//! claims required for this operation", as Service Bus does), or with further rules of
+//! Send only or Listen only ([`SasRule`]: a send without Send, or a receive, complete, abandon
+//! or renew without Listen, answers 401 "Unauthorized access. 'Send' claim(s) are required
+//! to perform this operation. Resource: 'sb://…'", as Service Bus words it), or an Entra ID
 //! `Bearer` token. The emulator cannot verify an Entra ID token, so it accepts one only when
 //! started with `accept_any_token` (`--accept-any-token`), with every right; otherwise a
 //! bearer token gets 401 with a detail saying so. Sources: "Service Bus authentication and
@@ -97,6 +100,21 @@ pub struct ServiceBusConfig {
     /// A second SAS rule with Send and Listen but not Manage, as applications are usually
     /// given: it may send and receive, not read a queue's description.
     pub send_listen_key: Option<SasKey>,
+    /// More SAS rules without Manage, each with the rights it names (a rule with Send
+    /// only, or Listen only): a request its rule lacks the claim for is refused with 401.
+    pub rules: Vec<SasRule>,
+}
+
+/// A SAS authorization rule without Manage ("Service Bus access control with Shared Access
+/// Signatures": a rule carries Send, Listen and Manage rights, Manage only with both others).
+#[derive(Debug, Clone)]
+pub struct SasRule {
+    /// Its name and key.
+    pub key: SasKey,
+    /// May send.
+    pub send: bool,
+    /// May receive, complete, abandon and renew.
+    pub listen: bool,
 }
 
 impl Default for ServiceBusConfig {
@@ -109,6 +127,7 @@ impl Default for ServiceBusConfig {
             default_receive_wait: Duration::ZERO,
             accept_any_token: false,
             send_listen_key: None,
+            rules: Vec::new(),
         }
     }
 }
@@ -118,6 +137,7 @@ struct Shared {
     broker: Broker,
     key: SasKey,
     send_listen_key: Option<SasKey>,
+    rules: Vec<SasRule>,
     accept_any_token: bool,
     default_receive_wait: Duration,
     /// MessageId fragments whose sends are refused with 400 (a test's stand-in for a message
@@ -154,6 +174,7 @@ impl ServiceBusEmulator {
             broker,
             key: config.key,
             send_listen_key: config.send_listen_key,
+            rules: config.rules,
             accept_any_token: config.accept_any_token,
             default_receive_wait: config.default_receive_wait,
             refused: std::sync::Mutex::default(),
@@ -271,13 +292,47 @@ fn parse_entity(path: &str) -> Option<(String, Entity, Vec<String>)> {
     }
 }
 
-/// The rights a request's credential carries.
+/// The rights (claims) a request's credential carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rights {
+struct Rights {
+    manage: bool,
+    send: bool,
+    listen: bool,
+}
+
+impl Rights {
     /// Manage, Send and Listen (the configured key, or an accepted bearer token).
-    All,
-    /// Send and Listen only.
-    SendListen,
+    const ALL: Rights = Rights {
+        manage: true,
+        send: true,
+        listen: true,
+    };
+}
+
+/// The claim an operation needs ("Rights required for Service Bus operations", in "Service
+/// Bus access control with Shared Access Signatures", learn.microsoft.com: Send to send,
+/// Listen to receive, complete, abandon and renew a lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Claim {
+    Send,
+    Listen,
+}
+
+/// The 401 when `rights` lack `claim` on `queue`, in Service Bus's words: "Unauthorized access.
+/// 'Listen' claim(s) are required to perform this operation. Resource: 'sb://…'" (as the
+/// service answers: Azure/azure-sdk-for-java#39677, Azure/azure-service-bus-java#110).
+fn require(rights: Rights, claim: Claim, host: &str, queue: &str) -> Option<Response> {
+    let (held, name) = match claim {
+        Claim::Send => (rights.send, "Send"),
+        Claim::Listen => (rights.listen, "Listen"),
+    };
+    (!held).then(|| {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "40100",
+            format!("Unauthorized access. '{name}' claim(s) are required to perform this operation. Resource: 'sb://{host}/{queue}'."),
+        )
+    })
 }
 
 /// The request's rights, or why its `Authorization` does not verify (answered with 401).
@@ -294,17 +349,25 @@ fn authenticate(shared: &Shared, headers: &HeaderMap, uri: &Uri) -> Result<Right
         } else if bearer.trim().is_empty() {
             Err("Unauthorized: the Bearer token is empty".into())
         } else {
-            Ok(Rights::All)
+            Ok(Rights::ALL)
         };
     }
     let now = shared.broker.clock.now();
-    match shared.key.verify(token, uri.path(), now) {
-        Ok(_) => Ok(Rights::All),
-        Err(e) => match &shared.send_listen_key {
-            Some(k) if k.verify(token, uri.path(), now).is_ok() => Ok(Rights::SendListen),
-            _ => Err(format!("Unauthorized: {e}")),
-        },
-    }
+    let e = match shared.key.verify(token, uri.path(), now) {
+        Ok(_) => return Ok(Rights::ALL),
+        Err(e) => e,
+    };
+    let send_listen = shared.send_listen_key.iter().map(|k| (k, true, true));
+    let rules = shared.rules.iter().map(|r| (&r.key, r.send, r.listen));
+    send_listen
+        .chain(rules)
+        .find(|(k, _, _)| k.verify(token, uri.path(), now).is_ok())
+        .map(|(_, send, listen)| Rights {
+            manage: false,
+            send,
+            listen,
+        })
+        .ok_or_else(|| format!("Unauthorized: {e}"))
 }
 
 /// Every response dated on the emulator's clock, as Service Bus dates its own (RFC 9110
@@ -341,7 +404,7 @@ async fn respond(
     if method == Method::GET && !uri.path().to_ascii_lowercase().contains("/messages") {
         let segs: Vec<&str> = uri.path().split('/').filter(|s| !s.is_empty()).collect();
         if let [name] = segs.as_slice() {
-            if rights != Rights::All {
+            if !rights.manage {
                 return error(
                     StatusCode::UNAUTHORIZED,
                     "40100",
@@ -363,15 +426,23 @@ async fn respond(
             format!("No such endpoint: {}", uri.path()),
         );
     };
-    let Some(queue) = shared.broker.queue(&name) else {
-        return broker_error(BrokerError::EntityNotFound(name));
-    };
-    let now = shared.broker.clock.now();
     let host = headers
         .get("host")
         .and_then(|h| h.to_str().ok())
         .unwrap_or("localhost")
         .to_string();
+    let claim = if method == Method::POST && rest.is_empty() {
+        Claim::Send
+    } else {
+        Claim::Listen
+    };
+    if let Some(refused) = require(rights, claim, &host, &name) {
+        return refused;
+    }
+    let Some(queue) = shared.broker.queue(&name) else {
+        return broker_error(BrokerError::EntityNotFound(name));
+    };
+    let now = shared.broker.clock.now();
     let result = match (method.clone(), rest.as_slice()) {
         (Method::POST, []) if entity == Entity::Main && is_batch(&headers) => {
             send_batch(&queue, &shared.refused, &name, &headers, body, now).inspect(|_| {

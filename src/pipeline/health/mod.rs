@@ -19,6 +19,9 @@ use crate::clock::{rfc3339, Clock};
 mod report;
 mod skew;
 
+/// Each service's offset as `/v1/status` reports it (`hubguard check` prints the same).
+#[cfg(feature = "cli")]
+pub(crate) use skew::offsets as clock_offsets;
 pub use skew::ClockOffset;
 
 pub use report::{

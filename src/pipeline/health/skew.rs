@@ -29,7 +29,7 @@ pub struct ClockOffset {
 }
 
 /// Both services' offsets, Service Bus's first.
-pub(super) fn offsets(clock: &Clock, bound: Duration) -> Vec<ClockOffset> {
+pub(crate) fn offsets(clock: &Clock, bound: Duration) -> Vec<ClockOffset> {
     Service::ALL
         .iter()
         .map(|&service| {

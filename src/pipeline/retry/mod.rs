@@ -9,6 +9,9 @@
 //! The ledger decides: a message for an event already delivered or dead-lettered is completed
 //! without calling the handler, and a stale message (its attempt already recorded) only
 //! re-sends the recorded next attempt.
+//! A probe message of `hubguard check` (the `hubguard-probe` property) is not work: it is
+//! completed as it arrives, before the ledger or the handler, here and in the dead-letter
+//! sweep ([`crate::azure::retry_queue::probe`]).
 //!
 //! Service Bus dead-letters a message it delivered `MaxDeliveryCount` times without a
 //! settlement: a process that died holding the same retry again and again. Such a retry
@@ -197,6 +200,13 @@ async fn receiver(
                     tracing::info!(failures, "retry loop recovered");
                     failures = 0;
                     shared.health.set_retry_loop(RetryLoopState::Running);
+                }
+                // `hubguard check`'s probe of the Send and Listen rights: not work. Completed
+                // as it arrives, before anything reads the ledger or asks the handler.
+                if let Some(id) = crate::azure::retry_queue::probe::probe_id(&msg) {
+                    tracing::debug!(probe = %id, "completing a probe message of hubguard check (not a retry)");
+                    locked::dispose(&msg, locked::Disposition::Complete).await;
+                    continue;
                 }
                 let waiting = DueWaiting::new(limits.clone());
                 if work

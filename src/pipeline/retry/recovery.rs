@@ -156,6 +156,10 @@ pub(super) async fn recover_missing(
 /// Takes one retry back from the dead-letter sub-queue. Whatever fails leaves it there,
 /// locked until its lock lapses, for the next sweep: it is never dropped.
 async fn rescue(msg: ReceivedMessage, shared: &Shared) {
+    // A probe of `hubguard check` that expired into the sub-queue: nothing to put back.
+    if crate::azure::retry_queue::probe::probe_id(&msg).is_some() {
+        return dispose(&msg, Disposition::Complete).await;
+    }
     let Ok(body) = serde_json::from_str::<RetryMessage>(&msg.body) else {
         tracing::warn!(message_id = %msg.message_id, "a message in the retry queue's dead-letter sub-queue is not hubguard's; leaving it for an operator");
         return;
