@@ -143,7 +143,10 @@ pub struct ConfigArg {
 }
 
 /// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
-fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
+pub(crate) fn parse_ago(
+    text: &str,
+    now: std::time::SystemTime,
+) -> Result<std::time::SystemTime, String> {
     let t = text.trim();
     let when = crate::status::parse_due_before(t, now).map_err(|e| e.to_string())?;
     let duration = t.starts_with(|c: char| c.is_ascii_digit())

@@ -1,7 +1,8 @@
 //! The console's actions — pause and resume partitions, retry now, cancel, replay one dead
 //! letter or a group — through the operations the command line calls (one implementation:
 //! `pipeline::control::pause_or_resume`, `Settler::retry_now`, `Settler::cancel`,
-//! `Settler::replay`, `Settler::replay_matching_ordered`), each refused without the operator
+//! `Settler::replay`, `Settler::replay_matching_ordered`, `pipeline::rewind::rewind`), each
+//! refused without the operator
 //! role or from another site, and each written to the audit trail (the page shows it; the
 //! log carries it under the target `hubguard::audit`).
 
@@ -199,6 +200,12 @@ struct ActBody {
     rate: Option<f64>,
     #[serde(default)]
     limit: Option<usize>,
+    /// A rewind's time: RFC 3339, or a duration ago (`10m`).
+    #[serde(default)]
+    to: Option<String>,
+    /// A rewind's sequence number.
+    #[serde(default)]
+    sequence: Option<i64>,
 }
 
 /// A replay's filter as the page sends it (times RFC 3339).
@@ -251,7 +258,8 @@ impl Console {
     }
 }
 
-/// `POST /console/api/act/{action}`: `pause`, `resume`, `retry-now`, `cancel`, `replay`.
+/// `POST /console/api/act/{action}`: `pause`, `resume`, `retry-now`, `cancel`, `replay`,
+/// `rewind`.
 pub(crate) async fn act(
     State(c): State<Console>,
     Path(action): Path<String>,
@@ -280,6 +288,7 @@ pub(crate) async fn act(
         "pause" | "resume" => pause(&c, action == "pause", who, &body).await,
         "retry-now" | "cancel" => on_retry(&c, &action, who, &body).await,
         "replay" => replay(&c, who, body).await,
+        "rewind" => rewind(&c, who, body).await,
         _ => {
             return (
                 StatusCode::NOT_FOUND,
@@ -309,7 +318,31 @@ fn action_target(b: &ActBody) -> Value {
     if let Some(f) = &b.filter {
         return json!({ "filter": f, "rate": b.rate, "limit": b.limit });
     }
+    if b.to.is_some() || b.sequence.is_some() {
+        return json!({ "partitions": b.partitions, "to": b.to, "sequence": b.sequence });
+    }
     json!({ "partitions": b.partitions, "reason": b.reason })
+}
+
+/// A rewind through the command line's code ([`super::rewind`]).
+async fn rewind(c: &Console, who: &str, b: ActBody) -> Acted {
+    let Some(parts) = c.0.settings.rewind.as_ref() else {
+        let text = "this console cannot rewind (it was started without the hub's parts)";
+        return Err((format!("refused: {text}"), Box::new(bad(text))));
+    };
+    let to = match super::rewind::target(b.to.as_deref(), b.sequence, c.0.health.clock().now()) {
+        Ok(t) => t,
+        Err(text) => return Err((format!("refused: {text}"), Box::new(bad(text)))),
+    };
+    let records = c.0.ledger.store().clone();
+    match super::rewind::run(parts, records, to, b.partitions, who, b.dry_run).await {
+        Ok(done) => Ok(done),
+        // A partition the hub does not have, a sequence number beyond the last event.
+        Err(e) => {
+            let text = redacted(&e.to_string());
+            Err((format!("failed: {text}"), Box::new(bad(text))))
+        }
+    }
 }
 
 fn failed(e: impl std::fmt::Display) -> (String, Box<Response>) {

@@ -8,6 +8,7 @@
 //!   from the ledger's pending index and dead-letter index and the health report: no page
 //!   lists every record.
 //! - `act.rs`: the actions, replay jobs with progress, and the audit trail.
+//! - `rewind.rs`: the rewind of checkpoints, through the command line's code.
 //! - `schedule.rs`: the rest of a pinned schedule (pure).
 //! - `assets/`: the page, its script and its style, built into the binary (no Node
 //!   toolchain, nothing fetched from elsewhere). The page writes every text it shows with
@@ -31,6 +32,7 @@ use crate::pipeline::{OrderingKey, Pipeline};
 pub mod act;
 pub mod auth;
 pub mod read;
+pub mod rewind;
 pub mod schedule;
 
 pub use auth::{Access, Secret};
@@ -46,6 +48,8 @@ pub struct Settings {
     pub ordering: Option<OrderingKey>,
     /// This replica's owner id, shown beside the partitions it owns.
     pub owner: String,
+    /// What a rewind needs (`None`: the console does not offer it).
+    pub rewind: Option<rewind::RewindParts>,
 }
 
 /// A token file that cannot be read (the path named, never the contents).
@@ -98,6 +102,7 @@ impl Settings {
             trace_url: c.trace_url.clone(),
             ordering,
             owner: String::new(),
+            rewind: None,
         })
     }
 }
@@ -135,6 +140,9 @@ impl Console {
     /// breaker or rate limit shown): what the command line's operator tools hold, and what a
     /// measurement of the console over a large ledger needs.
     pub fn from_parts(health: Arc<Health>, settler: Arc<Settler>, settings: Settings) -> Self {
+        // The retries page answers from the pending index as last listed (the overdue
+        // sweep's listings, and this replica's changes as it makes them).
+        settler.ledger.keep_pending_listing();
         Self(Arc::new(Inner {
             health,
             ledger: settler.ledger.clone(),

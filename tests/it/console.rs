@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use hubguard::console::rewind::RewindParts;
 use hubguard::console::{Access, Console, Secret, Settings};
 use hubguard::event::Event;
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
@@ -75,6 +76,7 @@ impl ConsoleBed {
             .policy(policy)
             .parts(handler.clone())
             .unwrap();
+        let rewind = RewindParts::of(&parts);
         let pipeline = Pipeline::new(parts);
         let settings = Settings {
             access: Access {
@@ -84,6 +86,7 @@ impl ConsoleBed {
             trace_url: Some(TRACE.into()),
             ordering: None,
             owner: "replica-a".into(),
+            rewind: Some(rewind),
         };
         let router = hubguard::status::pipeline_router(&pipeline)
             .merge(Console::new(&pipeline, settings).router());
