@@ -3,8 +3,8 @@
 //! `pipeline::control::pause_or_resume`, `Settler::retry_now`, `Settler::cancel`,
 //! `Settler::replay`, `Settler::replay_matching_ordered`, `pipeline::rewind::rewind`), each
 //! refused without the operator
-//! role or from another site, and each written to the audit trail (the page shows it; the
-//! log carries it under the target `hubguard::audit`).
+//! role or from another site, and each written to the audit trail (`audit.rs`: a record the
+//! replicas share; the log carries it under the target `hubguard::audit`).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
+use super::audit::AuditEntry;
 use super::read::{refusal, unavailable};
 use super::Console;
 use crate::clock::{ms, rfc3339};
@@ -24,52 +25,11 @@ use crate::pipeline::settle::{ReplayFilter, ReplayReport, ReplayStep};
 use crate::redact::redacted;
 use crate::sync::LockExt;
 
-/// Audit entries kept in memory (the log keeps them all).
-const AUDIT_KEPT: usize = 500;
-
 /// Replay jobs kept (finished ones beyond this are forgotten, oldest first).
 const JOBS_KEPT: usize = 50;
 
 /// Steps a job keeps to show (the latest).
 const STEPS_SHOWN: usize = 20;
-
-/// One action, as the audit trail records it.
-#[derive(Debug, Clone, Serialize)]
-pub struct AuditEntry {
-    /// When (RFC 3339).
-    pub at: String,
-    /// Who (the proxy's user, or the token's role; `unknown` for a refused stranger).
-    pub who: String,
-    /// What: `pause`, `resume`, `retry-now`, `cancel`, `replay`, `replay-job`, `stop-job`.
-    pub action: String,
-    /// On what: the key, the partitions, or the replay's filter.
-    pub target: Value,
-    /// A dry run.
-    pub dry_run: bool,
-    /// What came of it (or why it was refused).
-    pub outcome: String,
-}
-
-/// The audit trail: the latest actions in memory, every one in the log.
-#[derive(Default)]
-pub(crate) struct Audit(std::sync::Mutex<VecDeque<AuditEntry>>);
-
-impl Audit {
-    fn record(&self, entry: AuditEntry) {
-        tracing::info!(
-            target: "hubguard::audit",
-            who = %entry.who,
-            action = %entry.action,
-            target_of = %entry.target,
-            dry_run = entry.dry_run,
-            outcome = %entry.outcome,
-            "console action"
-        );
-        let mut kept = self.0.locked();
-        kept.push_front(entry);
-        kept.truncate(AUDIT_KEPT);
-    }
-}
 
 /// A replay job as the page follows it.
 #[derive(Debug, Clone, Serialize)]
@@ -246,15 +206,19 @@ fn parse_time(field: &str, t: &str) -> Result<i64, (String, Box<Response>)> {
 }
 
 impl Console {
-    fn audit(&self, who: &str, action: &str, target: Value, dry_run: bool, outcome: &str) {
-        self.0.audit.record(AuditEntry {
-            at: rfc3339(self.0.health.clock().now()),
-            who: who.to_string(),
-            action: action.to_string(),
-            target,
-            dry_run,
-            outcome: redacted(outcome),
-        });
+    async fn audit(&self, who: &str, action: &str, target: Value, dry_run: bool, outcome: &str) {
+        self.0
+            .audit
+            .record(AuditEntry {
+                at: rfc3339(self.0.health.clock().now()),
+                who: who.to_string(),
+                action: action.to_string(),
+                target,
+                dry_run,
+                outcome: outcome.to_string(),
+                replica: self.0.settings.owner.clone(),
+            })
+            .await;
     }
 }
 
@@ -274,7 +238,8 @@ pub(crate) async fn act(
                     .access
                     .caller(&headers)
                     .map_or("unknown".to_string(), |c| c.who);
-            c.audit(&who, &action, Value::Null, false, &format!("refused: {e}"));
+            c.audit(&who, &action, Value::Null, false, &format!("refused: {e}"))
+                .await;
             return refusal(&e);
         }
     };
@@ -299,11 +264,11 @@ pub(crate) async fn act(
     };
     match result {
         Ok((outcome, v)) => {
-            c.audit(who, &action, target, dry_run, &outcome);
+            c.audit(who, &action, target, dry_run, &outcome).await;
             Json(v).into_response()
         }
         Err((outcome, response)) => {
-            c.audit(who, &action, target, dry_run, &outcome);
+            c.audit(who, &action, target, dry_run, &outcome).await;
             *response
         }
     }
@@ -532,7 +497,7 @@ fn start_job(
         );
         let result = run.await;
         if let Some((text, filter)) = c.0.jobs.finish(id, result, dry_run) {
-            c.audit(&who, "replay-job", filter, dry_run, &text);
+            c.audit(&who, "replay-job", filter, dry_run, &text).await;
         }
     });
     id
@@ -572,7 +537,8 @@ pub(crate) async fn stop_job(
                 json!({ "job": id }),
                 false,
                 &format!("refused: {e}"),
-            );
+            )
+            .await;
             return refusal(&e);
         }
     };
@@ -590,15 +556,7 @@ pub(crate) async fn stop_job(
         json!({ "job": id }),
         false,
         outcome,
-    );
+    )
+    .await;
     Json(json!({ "outcome": outcome })).into_response()
-}
-
-/// `GET /console/api/audit`: the latest actions, newest first.
-pub(crate) async fn audit(State(c): State<Console>, headers: HeaderMap) -> Response {
-    if let Err(r) = c.reader(&headers) {
-        return *r;
-    }
-    let entries: Vec<AuditEntry> = c.0.audit.0.locked().iter().cloned().collect();
-    Json(json!({ "entries": entries })).into_response()
 }

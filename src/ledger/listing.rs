@@ -11,14 +11,20 @@
 //! holds changes nothing).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+#[cfg(any(test, feature = "cli"))]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::SystemTime;
 
 use tokio::time::Instant;
 
-use super::{Ledger, LedgerError, Pending};
+use super::Pending;
+#[cfg(any(test, feature = "cli"))]
+use super::{Ledger, LedgerError};
 use crate::sync::LockExt;
+#[cfg(any(test, feature = "cli"))]
+use std::{sync::Arc, time::Duration};
 
 /// Changes remembered for listings in flight; beyond this, those listings are not installed
 /// (the kept one, with every change applied, stays until the next listing).
@@ -124,8 +130,10 @@ pub(super) struct Listing {
     state: Mutex<State>,
     tickets: AtomicU64,
     /// One listing at a time on behalf of the pages.
+    #[cfg(any(test, feature = "cli"))]
     refresh: tokio::sync::Mutex<()>,
     /// A background refresh is under way.
+    #[cfg(any(test, feature = "cli"))]
     refreshing: AtomicBool,
 }
 
@@ -206,6 +214,7 @@ impl Drop for Ticket<'_> {
 }
 
 /// One page of the pending index as last listed ([`Ledger::pending_page`]).
+#[cfg(any(test, feature = "cli"))]
 #[derive(Debug, Clone)]
 pub struct PendingPage {
     /// How long ago the listing it comes from started.
@@ -218,6 +227,7 @@ pub struct PendingPage {
     pub soonest: Vec<Pending>,
 }
 
+#[cfg(any(test, feature = "cli"))]
 impl Ledger {
     /// Keeps every later listing of the pending index in memory, with this replica's own
     /// changes to the index applied as it writes them, for [`pending_page`](Self::pending_page)

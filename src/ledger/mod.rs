@@ -23,6 +23,7 @@ mod retention;
 use index::{redacted_errors, tags_of};
 pub use index::{state_index_value, STATE_INDEX_TAG};
 pub use index::{IndexMark, Pending, Repair};
+#[cfg(any(test, feature = "cli"))]
 pub use listing::PendingPage;
 #[cfg(any(test, feature = "cli"))]
 pub use record::RunNow;
@@ -242,6 +243,13 @@ impl Ledger {
     /// the ledger (see [`control_record_name`]).
     pub fn control_record_name(&self) -> String {
         control_record(&self.prefix)
+    }
+
+    /// The console's audit trail of this ledger's deployment, beside the control record:
+    /// `audit/{hub}/{consumer group}/console`.
+    #[cfg(any(test, feature = "cli"))]
+    pub fn audit_record_name(&self) -> String {
+        format!("audit/{}console", self.prefix)
     }
 
     /// The store the records live in (the container the replicas share).

@@ -463,5 +463,47 @@ async fn a_dead_letter_is_found_by_its_correlation_id_and_a_rewind_of_an_owned_p
         rewinds.iter().all(|o| o.starts_with("refused")),
         "{rewinds:?}"
     );
+
+    // The audit trail is shared: another replica's console shows these actions.
+    let settler = Arc::new(hubguard::pipeline::settle::Settler::new(
+        cb.bed.ledger(),
+        Arc::new(hubguard::MemoryRetryQueue::new(Arc::default())),
+        hubguard::pipeline::settle::Policies {
+            default: RetryPolicy::event_grid(),
+            by_type: Default::default(),
+        },
+    ));
+    let other = Console::from_parts(
+        Arc::default(),
+        settler,
+        Settings {
+            owner: "replica-b".into(),
+            ..Default::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other_addr = listener.local_addr().unwrap().to_string();
+    let other_server = tokio::spawn(async move {
+        axum::serve(listener, other.router()).await.unwrap();
+    });
+    let (_, v) = call(&other_addr, "GET", "/console/api/audit", &[], None).await;
+    assert_eq!(v["shared"], true, "{v}");
+    let seen_there: Vec<(&str, &str)> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap(),
+                e["replica"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen_there,
+        [("rewind", "replica-a"), ("rewind", "replica-a")],
+        "{v:#}"
+    );
+    other_server.abort();
     cb.stop().await;
 }

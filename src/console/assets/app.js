@@ -343,9 +343,11 @@ async function rewind(dryRun) {
 async function loadAudit() {
   const r = await api("/console/api/audit");
   const tb = clear($("audit").tBodies[0]);
+  $("audit-note").textContent = r.data.shared ? "Every replica's actions, newest first (the latest " + (r.data.entries || []).length + ")." : (r.data.error || "");
+  $("audit-note").className = r.data.shared ? "muted" : "error";
   for (const a of r.data.entries || []) {
     const tr = el("tr");
-    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome));
+    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome), el("td", a.replica || ""));
     tb.appendChild(tr);
   }
 }
