@@ -63,7 +63,7 @@ pub(crate) fn target(
         (None, None) => Err("give `to` (a time, or a duration ago: 10m) or `sequence`".into()),
         (None, Some(n)) if n < 0 => Err(format!("sequence: {n} is negative")),
         (None, Some(n)) => Ok(RewindTo::Sequence(n)),
-        (Some(t), None) => crate::cli::parse_ago(t, now)
+        (Some(t), None) => crate::status::parse_ago(t, now)
             .map(RewindTo::Time)
             .map_err(|e| format!("to: {e}")),
     }
