@@ -206,19 +206,40 @@ fn parse_time(field: &str, t: &str) -> Result<i64, (String, Box<Response>)> {
 }
 
 impl Console {
+    fn entry(
+        &self,
+        who: &str,
+        action: &str,
+        target: Value,
+        dry_run: bool,
+        outcome: &str,
+    ) -> AuditEntry {
+        AuditEntry {
+            at: rfc3339(self.0.health.clock().now()),
+            who: who.to_string(),
+            action: action.to_string(),
+            target,
+            dry_run,
+            outcome: outcome.to_string(),
+            replica: self.0.settings.owner.clone(),
+        }
+    }
+
     async fn audit(&self, who: &str, action: &str, target: Value, dry_run: bool, outcome: &str) {
-        self.0
-            .audit
-            .record(AuditEntry {
-                at: rfc3339(self.0.health.clock().now()),
-                who: who.to_string(),
-                action: action.to_string(),
-                target,
-                dry_run,
-                outcome: outcome.to_string(),
-                replica: self.0.settings.owner.clone(),
-            })
-            .await;
+        let entry = self.entry(who, action, target, dry_run, outcome);
+        self.0.audit.record(entry).await;
+    }
+
+    /// A request refused access, audited (see [`super::audit::Audit::refused`]).
+    async fn audit_refused(
+        &self,
+        who: &str,
+        action: &str,
+        target: Value,
+        e: &super::auth::Refused,
+    ) {
+        let entry = self.entry(who, action, target, false, &format!("refused: {e}"));
+        self.0.audit.refused(entry).await;
     }
 }
 
@@ -238,8 +259,7 @@ pub(crate) async fn act(
                     .access
                     .caller(&headers)
                     .map_or("unknown".to_string(), |c| c.who);
-            c.audit(&who, &action, Value::Null, false, &format!("refused: {e}"))
-                .await;
+            c.audit_refused(&who, &action, Value::Null, &e).await;
             return refusal(&e);
         }
     };
@@ -531,14 +551,8 @@ pub(crate) async fn stop_job(
     let caller = match c.0.settings.access.may_act(&headers, &c.0.csrf) {
         Ok(caller) => caller,
         Err(e) => {
-            c.audit(
-                "unknown",
-                "stop-job",
-                json!({ "job": id }),
-                false,
-                &format!("refused: {e}"),
-            )
-            .await;
+            c.audit_refused("unknown", "stop-job", json!({ "job": id }), &e)
+                .await;
             return refusal(&e);
         }
     };

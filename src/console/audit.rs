@@ -28,6 +28,14 @@ pub const KEPT: usize = 500;
 /// Longest outcome kept (characters; the log has it whole).
 const OUTCOME_LIMIT: usize = 1_000;
 
+/// Longest action name kept (it comes from the request's path).
+const ACTION_LIMIT: usize = 64;
+
+/// Requests refused access are written to the shared record at most this often per replica
+/// (the log and the replica's memory have every one): a stranger's requests cannot make the
+/// replicas write blobs at their pace.
+const REFUSALS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// One action, as the audit trail records it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AuditEntry {
@@ -134,6 +142,11 @@ pub(crate) struct Audit {
     store: Arc<dyn RecordStore>,
     name: String,
     kept: std::sync::Mutex<VecDeque<AuditEntry>>,
+    /// Of those, the ones not in the shared record (refusals beyond one a second, appends
+    /// that failed): the page shows them beside it.
+    unshared: std::sync::Mutex<VecDeque<AuditEntry>>,
+    /// When a refusal of access was last written to the shared record.
+    last_refusal: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl Audit {
@@ -142,12 +155,35 @@ impl Audit {
             store,
             name,
             kept: Default::default(),
+            unshared: Default::default(),
+            last_refusal: Default::default(),
         }
     }
 
     /// Logs `entry`, keeps it in memory and appends it to the shared record (a failure is
     /// logged: the log and the memory still have it).
-    pub(crate) async fn record(&self, mut entry: AuditEntry) {
+    pub(crate) async fn record(&self, entry: AuditEntry) {
+        self.keep(entry, true).await;
+    }
+
+    /// [`record`](Self::record) for a request refused access (no operator role, another
+    /// site, no page token): written to the shared record unless one was within
+    /// [`REFUSALS_EVERY`].
+    pub(crate) async fn refused(&self, entry: AuditEntry) {
+        let share = {
+            let mut last = self.last_refusal.locked();
+            let now = tokio::time::Instant::now();
+            let due = last.is_none_or(|l| now.duration_since(l) >= REFUSALS_EVERY);
+            if due {
+                *last = Some(now);
+            }
+            due
+        };
+        self.keep(entry, share).await;
+    }
+
+    async fn keep(&self, mut entry: AuditEntry, share: bool) {
+        entry.action = entry.action.chars().take(ACTION_LIMIT).collect();
         entry.outcome = redacted(&entry.outcome);
         tracing::info!(
             target: "hubguard::audit",
@@ -156,6 +192,7 @@ impl Audit {
             target_of = %entry.target,
             dry_run = entry.dry_run,
             outcome = %entry.outcome,
+            shared = share,
             "console action"
         );
         entry.outcome = entry.outcome.chars().take(OUTCOME_LIMIT).collect();
@@ -164,7 +201,16 @@ impl Audit {
             kept.push_front(entry.clone());
             kept.truncate(KEPT);
         }
-        if let Err(e) = append(self.store.as_ref(), &self.name, entry).await {
+        let shared = match share {
+            true => append(self.store.as_ref(), &self.name, entry.clone()).await,
+            false => Ok(()),
+        };
+        if !share || shared.is_err() {
+            let mut unshared = self.unshared.locked();
+            unshared.push_front(entry);
+            unshared.truncate(KEPT);
+        }
+        if let Err(e) = shared {
             tracing::warn!(target: "hubguard::audit", record = %self.name, error = %redacted(&e.to_string()), "could not append a console action to the shared audit record; the log and this replica's audit page have it");
         }
     }
@@ -172,6 +218,34 @@ impl Audit {
     fn in_memory(&self) -> Vec<AuditEntry> {
         self.kept.locked().iter().cloned().collect()
     }
+
+    /// The shared record's entries with this replica's unshared ones among them (marked
+    /// `only_here`), newest first, at most [`KEPT`].
+    fn with_unshared(&self, trail: AuditTrail) -> Vec<Value> {
+        let unshared: Vec<AuditEntry> = self.unshared.locked().iter().cloned().collect();
+        merged(trail.entries.into_iter().collect(), unshared)
+    }
+}
+
+/// `shared` and `here` (each newest first) as one list, newest first (RFC 3339 times in one
+/// form sort as text), at most [`KEPT`]; `here`'s entries marked `only_here`. Pure.
+fn merged(shared: Vec<AuditEntry>, here: Vec<AuditEntry>) -> Vec<Value> {
+    let mut all: Vec<(AuditEntry, bool)> = shared
+        .into_iter()
+        .map(|e| (e, false))
+        .chain(here.into_iter().map(|e| (e, true)))
+        .collect();
+    all.sort_by(|a, b| b.0.at.cmp(&a.0.at));
+    all.into_iter()
+        .take(KEPT)
+        .map(|(e, only_here)| {
+            let mut v = serde_json::to_value(e).unwrap_or_default();
+            if only_here {
+                v["only_here"] = true.into();
+            }
+            v
+        })
+        .collect()
 }
 
 /// `GET /console/api/audit`: the latest actions of every replica, newest first (the shared
@@ -182,7 +256,7 @@ pub(crate) async fn audit(State(c): State<Console>, headers: HeaderMap) -> Respo
     }
     let a = &c.0.audit;
     let mut v = match read(a.store.as_ref(), &a.name).await {
-        Ok(trail) => json!({ "entries": trail.entries, "shared": true }),
+        Ok(trail) => json!({ "entries": a.with_unshared(trail), "shared": true }),
         Err(e) => json!({
             "entries": a.in_memory(),
             "shared": false,
@@ -232,6 +306,39 @@ mod tests {
         let first: Vec<&AuditEntry> = trail.entries.iter().take(2).collect();
         assert!(first.contains(&&entry(1_000)) && first.contains(&&entry(1_001)));
         assert_eq!(trail.entries.len(), KEPT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_of_access_reach_the_shared_record_at_most_once_a_second_and_show_here() {
+        let store = Arc::new(crate::azure::memory::MemoryRecordStore::new());
+        let name = "audit/hub/$default/console";
+        let audit = Audit::new(store.clone(), name.into());
+        let refused = |n: usize| AuditEntry {
+            outcome: "refused: another site".into(),
+            at: format!("2026-12-05T10:00:0{n}Z"),
+            ..entry(n)
+        };
+        audit.refused(refused(1)).await;
+        audit.refused(refused(2)).await;
+        audit.record(entry(3)).await; // an operator's action is always shared
+        let shared = read(store.as_ref(), name).await.unwrap();
+        assert_eq!(
+            shared.entries.iter().map(|e| &e.at).collect::<Vec<_>>(),
+            [&entry(3).at, &refused(1).at]
+        );
+        tokio::time::advance(REFUSALS_EVERY).await;
+        audit.refused(refused(4)).await;
+        assert_eq!(read(store.as_ref(), name).await.unwrap().entries.len(), 3);
+        // This replica's page shows every one, the unshared one marked.
+        let page = audit.with_unshared(read(store.as_ref(), name).await.unwrap());
+        let times: Vec<&str> = page.iter().map(|v| v["at"].as_str().unwrap()).collect();
+        assert_eq!(times.len(), 4);
+        assert!(
+            times.windows(2).all(|w| w[0] >= w[1]),
+            "newest first: {times:?}"
+        );
+        let here: Vec<&Value> = page.iter().filter(|v| v["only_here"] == true).collect();
+        assert_eq!((here.len(), &here[0]["at"]), (1, &json!(refused(2).at)));
     }
 
     #[tokio::test]

@@ -347,7 +347,7 @@ async function loadAudit() {
   $("audit-note").className = r.data.shared ? "muted" : "error";
   for (const a of r.data.entries || []) {
     const tr = el("tr");
-    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome), el("td", a.replica || ""));
+    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome), el("td", (a.replica || "") + (a.only_here ? " (this replica only)" : "")));
     tb.appendChild(tr);
   }
 }
