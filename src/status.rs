@@ -143,7 +143,7 @@ pub struct NotATime(pub String);
 /// `T` for `--since`/`--until`, `checkpoints rewind --to` and the console's rewind: RFC
 /// 3339, `now`, or a duration before `now` (`90s`, `10m`, `2h`, `1d`).
 #[cfg(any(test, feature = "cli"))]
-pub fn parse_ago(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+pub(crate) fn parse_ago(text: &str, now: SystemTime) -> Result<SystemTime, String> {
     let t = text.trim();
     let when = parse_due_before(t, now).map_err(|e| e.to_string())?;
     let duration = t.starts_with(|c: char| c.is_ascii_digit())
