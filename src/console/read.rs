@@ -1,7 +1,8 @@
 //! What the console's page reads: a key's story, the retries waiting, the dead letters
 //! grouped by cause, and the overview (partitions, breaker, rate limit, readiness). Each
-//! answer comes from one listing of an index hubguard keeps (the pending index, the
-//! dead-letter index) or from one record: no answer lists every record.
+//! answer comes from an index hubguard keeps (the pending index as last listed, kept in
+//! memory: `ledger::listing`; one listing of the dead-letter index) or from one record: no
+//! answer lists every record.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, SystemTime};
