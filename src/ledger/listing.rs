@@ -186,22 +186,27 @@ impl Ticket<'_> {
     /// The listing finished with `listed`: it replaces the kept one unless a listing that
     /// started later was installed first, with the changes made since it started applied.
     pub(super) fn install(self, listed: &[Pending]) {
-        let mut s = self.listing.state.locked();
-        let Some(Some(at)) = s.in_flight.get(&self.id).copied() else {
-            return; // the log overflowed under it: the kept one is more complete
-        };
-        if s.kept
-            .as_ref()
-            .and_then(|k| k.listed)
-            .is_some_and(|l| l > self.started)
-        {
-            return;
-        }
+        // Built, and the one it replaces dropped, outside the lock: a page (or a write)
+        // waits only for the changes to be applied.
         let mut kept = Kept::of(listed, self.started);
-        for (_, c) in s.log.iter().filter(|(n, _)| *n > at) {
-            kept.apply(c);
-        }
-        s.kept = Some(kept);
+        let replaced = {
+            let mut s = self.listing.state.locked();
+            let Some(Some(at)) = s.in_flight.get(&self.id).copied() else {
+                return; // the log overflowed under it: the kept one is more complete
+            };
+            if s.kept
+                .as_ref()
+                .and_then(|k| k.listed)
+                .is_some_and(|l| l > self.started)
+            {
+                return;
+            }
+            for (_, c) in s.log.iter().filter(|(n, _)| *n > at) {
+                kept.apply(c);
+            }
+            s.kept.replace(kept)
+        };
+        drop(replaced);
     }
 }
 
