@@ -140,6 +140,23 @@ pub fn record_text(rec: &LedgerRecord) -> String {
 #[error("`{0}` is not a time: give RFC 3339 (2026-11-30T03:47:33Z), `now`, or a duration from now (90s, 10m, 2h, 1d)")]
 pub struct NotATime(pub String);
 
+/// `T` for `--since`/`--until`, `checkpoints rewind --to` and the console's rewind: RFC
+/// 3339, `now`, or a duration before `now` (`90s`, `10m`, `2h`, `1d`).
+#[cfg(any(test, feature = "cli"))]
+pub(crate) fn parse_ago(text: &str, now: SystemTime) -> Result<SystemTime, String> {
+    let t = text.trim();
+    let when = parse_due_before(t, now).map_err(|e| e.to_string())?;
+    let duration = t.starts_with(|c: char| c.is_ascii_digit())
+        && t.ends_with(['s', 'm', 'h', 'd'])
+        && t[..t.len() - 1].bytes().all(|b| b.is_ascii_digit());
+    if duration && when > now {
+        // A duration: before now, not after.
+        Ok(now - when.duration_since(now).unwrap_or_default())
+    } else {
+        Ok(when)
+    }
+}
+
 /// Parses `--due-before` / `?due_before=`: an RFC 3339 time, `now`, or a duration from
 /// `now` (`90s`, `10m`, `2h`, `1d`).
 pub fn parse_due_before(text: &str, now: SystemTime) -> Result<SystemTime, NotATime> {

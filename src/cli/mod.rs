@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::ledger::Ledger;
 use crate::pipeline::settle::Settler;
 use crate::redact::{redact, redacted};
+use crate::status::parse_ago;
 use crate::wiring::{StorageAccess, Wiring};
 
 #[cfg(feature = "testbed")]
@@ -140,21 +141,6 @@ pub struct ConfigArg {
     /// The TOML configuration (see hubguard.example.toml).
     #[arg(long, env = "HUBGUARD_CONFIG")]
     config: PathBuf,
-}
-
-/// `T` for `--since`/`--until`: RFC 3339, `now`, or a duration before `now`.
-fn parse_ago(text: &str, now: std::time::SystemTime) -> Result<std::time::SystemTime, String> {
-    let t = text.trim();
-    let when = crate::status::parse_due_before(t, now).map_err(|e| e.to_string())?;
-    let duration = t.starts_with(|c: char| c.is_ascii_digit())
-        && t.ends_with(['s', 'm', 'h', 'd'])
-        && t[..t.len() - 1].bytes().all(|b| b.is_ascii_digit());
-    if duration && when > now {
-        // A duration: before now, not after.
-        Ok(now - when.duration_since(now).unwrap_or_default())
-    } else {
-        Ok(when)
-    }
 }
 
 impl Command {

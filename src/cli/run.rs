@@ -39,6 +39,7 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
     let handler = WebhookHandler::new(w.clone()).map_err(|e| anyhow::anyhow!(e))?;
     let parts = wiring.parts(handler.with_clock(clock).into_handler())?;
     let owner = parts.options.owner_id.clone();
+    let rewind = crate::console::rewind::RewindParts::of(&parts);
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
     let status = tokio::net::TcpListener::bind(config.status.listen)
@@ -65,6 +66,7 @@ pub(super) async fn run_pipeline(args: ConfigArg) -> anyhow::Result<()> {
             .map(|_| options.ordering.clone());
         let mut settings = crate::console::Settings::from_section(&config.console, ordering)?;
         settings.owner = owner.clone();
+        settings.rewind = Some(rewind);
         router = router.merge(crate::console::Console::new(&pipeline, settings).router());
     }
     let status_task = tokio::spawn(async move {

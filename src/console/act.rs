@@ -1,9 +1,10 @@
 //! The console's actions — pause and resume partitions, retry now, cancel, replay one dead
 //! letter or a group — through the operations the command line calls (one implementation:
 //! `pipeline::control::pause_or_resume`, `Settler::retry_now`, `Settler::cancel`,
-//! `Settler::replay`, `Settler::replay_matching_ordered`), each refused without the operator
-//! role or from another site, and each written to the audit trail (the page shows it; the
-//! log carries it under the target `hubguard::audit`).
+//! `Settler::replay`, `Settler::replay_matching_ordered`, `pipeline::rewind::rewind`), each
+//! refused without the operator
+//! role or from another site, and each written to the audit trail (`audit.rs`: a record the
+//! replicas share; the log carries it under the target `hubguard::audit`).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
+use super::audit::AuditEntry;
 use super::read::{refusal, unavailable};
 use super::Console;
 use crate::clock::{ms, rfc3339};
@@ -23,52 +25,11 @@ use crate::pipeline::settle::{ReplayFilter, ReplayReport, ReplayStep};
 use crate::redact::redacted;
 use crate::sync::LockExt;
 
-/// Audit entries kept in memory (the log keeps them all).
-const AUDIT_KEPT: usize = 500;
-
 /// Replay jobs kept (finished ones beyond this are forgotten, oldest first).
 const JOBS_KEPT: usize = 50;
 
 /// Steps a job keeps to show (the latest).
 const STEPS_SHOWN: usize = 20;
-
-/// One action, as the audit trail records it.
-#[derive(Debug, Clone, Serialize)]
-pub struct AuditEntry {
-    /// When (RFC 3339).
-    pub at: String,
-    /// Who (the proxy's user, or the token's role; `unknown` for a refused stranger).
-    pub who: String,
-    /// What: `pause`, `resume`, `retry-now`, `cancel`, `replay`, `replay-job`, `stop-job`.
-    pub action: String,
-    /// On what: the key, the partitions, or the replay's filter.
-    pub target: Value,
-    /// A dry run.
-    pub dry_run: bool,
-    /// What came of it (or why it was refused).
-    pub outcome: String,
-}
-
-/// The audit trail: the latest actions in memory, every one in the log.
-#[derive(Default)]
-pub(crate) struct Audit(std::sync::Mutex<VecDeque<AuditEntry>>);
-
-impl Audit {
-    fn record(&self, entry: AuditEntry) {
-        tracing::info!(
-            target: "hubguard::audit",
-            who = %entry.who,
-            action = %entry.action,
-            target_of = %entry.target,
-            dry_run = entry.dry_run,
-            outcome = %entry.outcome,
-            "console action"
-        );
-        let mut kept = self.0.locked();
-        kept.push_front(entry);
-        kept.truncate(AUDIT_KEPT);
-    }
-}
 
 /// A replay job as the page follows it.
 #[derive(Debug, Clone, Serialize)]
@@ -199,6 +160,12 @@ struct ActBody {
     rate: Option<f64>,
     #[serde(default)]
     limit: Option<usize>,
+    /// A rewind's time: RFC 3339, or a duration ago (`10m`).
+    #[serde(default)]
+    to: Option<String>,
+    /// A rewind's sequence number.
+    #[serde(default)]
+    sequence: Option<i64>,
 }
 
 /// A replay's filter as the page sends it (times RFC 3339).
@@ -239,19 +206,45 @@ fn parse_time(field: &str, t: &str) -> Result<i64, (String, Box<Response>)> {
 }
 
 impl Console {
-    fn audit(&self, who: &str, action: &str, target: Value, dry_run: bool, outcome: &str) {
-        self.0.audit.record(AuditEntry {
+    fn entry(
+        &self,
+        who: &str,
+        action: &str,
+        target: Value,
+        dry_run: bool,
+        outcome: &str,
+    ) -> AuditEntry {
+        AuditEntry {
             at: rfc3339(self.0.health.clock().now()),
             who: who.to_string(),
             action: action.to_string(),
             target,
             dry_run,
-            outcome: redacted(outcome),
-        });
+            outcome: outcome.to_string(),
+            replica: self.0.settings.owner.clone(),
+        }
+    }
+
+    async fn audit(&self, who: &str, action: &str, target: Value, dry_run: bool, outcome: &str) {
+        let entry = self.entry(who, action, target, dry_run, outcome);
+        self.0.audit.record(entry).await;
+    }
+
+    /// A request refused access, audited (see [`super::audit::Audit::refused`]).
+    async fn audit_refused(
+        &self,
+        who: &str,
+        action: &str,
+        target: Value,
+        e: &super::auth::Refused,
+    ) {
+        let entry = self.entry(who, action, target, false, &format!("refused: {e}"));
+        self.0.audit.refused(entry).await;
     }
 }
 
-/// `POST /console/api/act/{action}`: `pause`, `resume`, `retry-now`, `cancel`, `replay`.
+/// `POST /console/api/act/{action}`: `pause`, `resume`, `retry-now`, `cancel`, `replay`,
+/// `rewind`.
 pub(crate) async fn act(
     State(c): State<Console>,
     Path(action): Path<String>,
@@ -266,7 +259,7 @@ pub(crate) async fn act(
                     .access
                     .caller(&headers)
                     .map_or("unknown".to_string(), |c| c.who);
-            c.audit(&who, &action, Value::Null, false, &format!("refused: {e}"));
+            c.audit_refused(&who, &action, Value::Null, &e).await;
             return refusal(&e);
         }
     };
@@ -280,6 +273,7 @@ pub(crate) async fn act(
         "pause" | "resume" => pause(&c, action == "pause", who, &body).await,
         "retry-now" | "cancel" => on_retry(&c, &action, who, &body).await,
         "replay" => replay(&c, who, body).await,
+        "rewind" => rewind(&c, who, body).await,
         _ => {
             return (
                 StatusCode::NOT_FOUND,
@@ -290,11 +284,11 @@ pub(crate) async fn act(
     };
     match result {
         Ok((outcome, v)) => {
-            c.audit(who, &action, target, dry_run, &outcome);
+            c.audit(who, &action, target, dry_run, &outcome).await;
             Json(v).into_response()
         }
         Err((outcome, response)) => {
-            c.audit(who, &action, target, dry_run, &outcome);
+            c.audit(who, &action, target, dry_run, &outcome).await;
             *response
         }
     }
@@ -309,7 +303,31 @@ fn action_target(b: &ActBody) -> Value {
     if let Some(f) = &b.filter {
         return json!({ "filter": f, "rate": b.rate, "limit": b.limit });
     }
+    if b.to.is_some() || b.sequence.is_some() {
+        return json!({ "partitions": b.partitions, "to": b.to, "sequence": b.sequence });
+    }
     json!({ "partitions": b.partitions, "reason": b.reason })
+}
+
+/// A rewind through the command line's code ([`super::rewind`]).
+async fn rewind(c: &Console, who: &str, b: ActBody) -> Acted {
+    let Some(parts) = c.0.settings.rewind.as_ref() else {
+        let text = "this console cannot rewind (it was started without the hub's parts)";
+        return Err((format!("refused: {text}"), Box::new(bad(text))));
+    };
+    let to = match super::rewind::target(b.to.as_deref(), b.sequence, c.0.health.clock().now()) {
+        Ok(t) => t,
+        Err(text) => return Err((format!("refused: {text}"), Box::new(bad(text)))),
+    };
+    let records = c.0.ledger.store().clone();
+    match super::rewind::run(parts, records, to, b.partitions, who, b.dry_run).await {
+        Ok(done) => Ok(done),
+        // A partition the hub does not have, a sequence number beyond the last event.
+        Err(e) => {
+            let text = redacted(&e.to_string());
+            Err((format!("failed: {text}"), Box::new(bad(text))))
+        }
+    }
 }
 
 fn failed(e: impl std::fmt::Display) -> (String, Box<Response>) {
@@ -499,7 +517,7 @@ fn start_job(
         );
         let result = run.await;
         if let Some((text, filter)) = c.0.jobs.finish(id, result, dry_run) {
-            c.audit(&who, "replay-job", filter, dry_run, &text);
+            c.audit(&who, "replay-job", filter, dry_run, &text).await;
         }
     });
     id
@@ -533,13 +551,8 @@ pub(crate) async fn stop_job(
     let caller = match c.0.settings.access.may_act(&headers, &c.0.csrf) {
         Ok(caller) => caller,
         Err(e) => {
-            c.audit(
-                "unknown",
-                "stop-job",
-                json!({ "job": id }),
-                false,
-                &format!("refused: {e}"),
-            );
+            c.audit_refused("unknown", "stop-job", json!({ "job": id }), &e)
+                .await;
             return refusal(&e);
         }
     };
@@ -557,15 +570,7 @@ pub(crate) async fn stop_job(
         json!({ "job": id }),
         false,
         outcome,
-    );
+    )
+    .await;
     Json(json!({ "outcome": outcome })).into_response()
-}
-
-/// `GET /console/api/audit`: the latest actions, newest first.
-pub(crate) async fn audit(State(c): State<Console>, headers: HeaderMap) -> Response {
-    if let Err(r) = c.reader(&headers) {
-        return *r;
-    }
-    let entries: Vec<AuditEntry> = c.0.audit.0.locked().iter().cloned().collect();
-    Json(json!({ "entries": entries })).into_response()
 }

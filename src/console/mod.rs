@@ -7,7 +7,9 @@
 //! - `read.rs`: the JSON the page reads (lookup, retries, dead-letter groups, overview),
 //!   from the ledger's pending index and dead-letter index and the health report: no page
 //!   lists every record.
-//! - `act.rs`: the actions, replay jobs with progress, and the audit trail.
+//! - `act.rs`: the actions and replay jobs with progress.
+//! - `audit.rs`: the audit trail, one record the replicas share.
+//! - `rewind.rs`: the rewind of checkpoints, through the command line's code.
 //! - `schedule.rs`: the rest of a pinned schedule (pure).
 //! - `assets/`: the page, its script and its style, built into the binary (no Node
 //!   toolchain, nothing fetched from elsewhere). The page writes every text it shows with
@@ -29,8 +31,10 @@ use crate::pipeline::settle::Settler;
 use crate::pipeline::{OrderingKey, Pipeline};
 
 pub mod act;
+pub mod audit;
 pub mod auth;
 pub mod read;
+pub mod rewind;
 pub mod schedule;
 
 pub use auth::{Access, Secret};
@@ -46,6 +50,8 @@ pub struct Settings {
     pub ordering: Option<OrderingKey>,
     /// This replica's owner id, shown beside the partitions it owns.
     pub owner: String,
+    /// What a rewind needs (`None`: the console does not offer it).
+    pub rewind: Option<rewind::RewindParts>,
 }
 
 /// A token file that cannot be read (the path named, never the contents).
@@ -98,6 +104,7 @@ impl Settings {
             trace_url: c.trace_url.clone(),
             ordering,
             owner: String::new(),
+            rewind: None,
         })
     }
 }
@@ -111,7 +118,7 @@ pub(crate) struct Inner {
     pub(crate) rate_limit: Option<Arc<crate::ratelimit::limiter::Limiter>>,
     pub(crate) settings: Settings,
     pub(crate) csrf: auth::CsrfKey,
-    pub(crate) audit: act::Audit,
+    pub(crate) audit: audit::Audit,
     pub(crate) jobs: act::Jobs,
     pub(crate) dead_cache: read::DeadCache,
 }
@@ -135,6 +142,13 @@ impl Console {
     /// breaker or rate limit shown): what the command line's operator tools hold, and what a
     /// measurement of the console over a large ledger needs.
     pub fn from_parts(health: Arc<Health>, settler: Arc<Settler>, settings: Settings) -> Self {
+        // The retries page answers from the pending index as last listed (the overdue
+        // sweep's listings, and this replica's changes as it makes them).
+        settler.ledger.keep_pending_listing();
+        let audit = audit::Audit::new(
+            settler.ledger.store().clone(),
+            settler.ledger.audit_record_name(),
+        );
         Self(Arc::new(Inner {
             health,
             ledger: settler.ledger.clone(),
@@ -143,7 +157,7 @@ impl Console {
             rate_limit: None,
             settings,
             csrf: auth::CsrfKey::random(),
-            audit: Default::default(),
+            audit,
             jobs: Default::default(),
             dead_cache: Default::default(),
         }))
@@ -163,7 +177,7 @@ impl Console {
             .route("/console/api/retries", get(read::retries))
             .route("/console/api/dead-letters", get(read::dead_letters))
             .route("/console/api/overview", get(read::overview))
-            .route("/console/api/audit", get(act::audit))
+            .route("/console/api/audit", get(audit::audit))
             .route("/console/api/act/{action}", post(act::act))
             .route("/console/api/jobs/{id}", get(act::job))
             .route("/console/api/jobs/{id}/stop", post(act::stop_job))

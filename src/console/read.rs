@@ -1,10 +1,11 @@
 //! What the console's page reads: a key's story, the retries waiting, the dead letters
 //! grouped by cause, and the overview (partitions, breaker, rate limit, readiness). Each
-//! answer comes from one listing of an index hubguard keeps (the pending index, the
-//! dead-letter index) or from one record: no answer lists every record.
+//! answer comes from an index hubguard keeps (the pending index as last listed, kept in
+//! memory: `ledger::listing`; one listing of the dead-letter index) or from one record: no
+//! answer lists every record.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -16,7 +17,7 @@ use serde_json::{json, Value};
 use super::auth::{Caller, Refused, Role};
 use super::Console;
 use crate::clock::{at, ms, rfc3339};
-use crate::ledger::{LedgerRecord, State as LedgerState};
+use crate::ledger::{LedgerRecord, Pending, PendingPage, State as LedgerState};
 use crate::redact::{redact_json, redacted};
 use crate::sync::LockExt;
 
@@ -132,7 +133,7 @@ pub(crate) async fn lookup(
 
 /// The key itself; else a parked event; else, from the pending and dead-letter indexes'
 /// listings, keys ending in `|{q}` (a CloudEvents id with its source) or waiting events
-/// whose correlation id is `q`.
+/// whose correlation id is `q`; else dead letters whose correlation id is `q`.
 async fn find(c: &Console, q: &str) -> Result<Found, crate::ledger::LedgerError> {
     let ledger = &c.0.ledger;
     if let Some(rec) = ledger.record(q).await? {
@@ -142,13 +143,14 @@ async fn find(c: &Console, q: &str) -> Result<Found, crate::ledger::LedgerError>
         return Ok(Found::Parked(v));
     }
     let suffix = format!("|{q}");
-    let mut keys: Vec<String> = ledger
-        .pending()
-        .await?
-        .into_iter()
-        .filter(|p| p.key.ends_with(&suffix) || p.correlation_id.as_deref() == Some(q))
-        .map(|p| p.key)
-        .collect();
+    let waiting = |p: &Pending| p.key.ends_with(&suffix) || p.correlation_id.as_deref() == Some(q);
+    let mut page = pending_page(c, waiting, MAX_ROWS).await?;
+    if page.matched == 0 && page.age >= FRESH {
+        // Not in a listing of a while ago: perhaps waiting since (another replica's).
+        ledger.refresh_pending(FRESH).await?;
+        page = pending_page(c, waiting, MAX_ROWS).await?;
+    }
+    let mut keys: Vec<String> = page.soonest.into_iter().map(|p| p.key).collect();
     keys.extend(
         ledger
             .dead_letter_entries()
@@ -157,6 +159,16 @@ async fn find(c: &Console, q: &str) -> Result<Found, crate::ledger::LedgerError>
             .map(|(k, _)| k)
             .filter(|k| k.ends_with(&suffix)),
     );
+    if keys.is_empty() {
+        // The correlation id of a dead letter: from the dead letters' summaries (each read
+        // once, then kept while its index entry stands, as the groups page keeps them).
+        let (dead, _) = dead_summaries(c).await?;
+        keys.extend(
+            dead.into_iter()
+                .filter(|(_, s)| s.correlation_id.as_deref() == Some(q))
+                .map(|(k, _)| k),
+        );
+    }
     keys.sort();
     keys.dedup();
     Ok(match keys.as_slice() {
@@ -318,27 +330,24 @@ pub(crate) async fn retries(
         }
     };
     let (event_type, error) = (blank(q.event_type), blank(q.error));
-    let listed = match crate::status::pending_retries(&c.0.ledger, due_before).await {
+    let limit = q.limit.unwrap_or(200).min(MAX_ROWS);
+    let keep = |p: &Pending| {
+        due_before.is_none_or(|t| p.due < t)
+            && event_type
+                .as_deref()
+                .is_none_or(|t| p.event_type.as_deref() == Some(t))
+            && error
+                .as_deref()
+                .is_none_or(|e| p.last_error.as_deref().is_some_and(|l| l.contains(e)))
+    };
+    let page = match pending_page(&c, keep, limit).await {
         Ok(p) => p,
         Err(e) => return unavailable(e),
     };
-    let total = listed.len();
-    let matched: Vec<_> = listed
-        .into_iter()
-        .filter(|p| {
-            event_type
-                .as_deref()
-                .is_none_or(|t| p.event_type.as_deref() == Some(t))
-                && error
-                    .as_deref()
-                    .is_none_or(|e| p.last_error.as_deref().is_some_and(|l| l.contains(e)))
-        })
-        .collect();
-    let limit = q.limit.unwrap_or(200).min(MAX_ROWS);
     let now = ms(c.now());
-    let rows: Vec<Value> = matched
+    let rows: Vec<Value> = page
+        .soonest
         .iter()
-        .take(limit)
         .map(|p| {
             let mut v = crate::status::pending_view(p);
             v["event_type"] = p.event_type.clone().into();
@@ -347,20 +356,84 @@ pub(crate) async fn retries(
             v
         })
         .collect();
+    let listed_at = c
+        .now()
+        .checked_sub(page.age)
+        .unwrap_or(std::time::UNIX_EPOCH);
     let mut v = json!({
-        "waiting": total,
-        "matched": matched.len(),
+        "waiting": page.waiting,
+        "matched": page.matched,
         "shown": rows.len(),
         "retries": rows,
+        "listed_at": rfc3339(listed_at),
+        "listed_ago_ms": page.age.as_millis() as u64,
         "now": rfc3339(c.now()),
     });
     redact_json(&mut v);
     Json(v).into_response()
 }
 
+/// A listing younger than this answers a page as it is.
+pub(crate) const FRESH: Duration = Duration::from_secs(5);
+
+/// A listing younger than this answers a page at once while a newer one is asked for in the
+/// background; an older one (or none) is replaced before the page answers. Every replica's
+/// overdue sweep lists the pending index every `dead_letter_sweep` (60 s by default), so a
+/// running replica always has one younger than this.
+pub(crate) const STALE_OK: Duration = Duration::from_secs(120);
+
+/// What a page does with the kept listing of the pending index, by its age.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UseListing {
+    /// Answer from it.
+    Answer,
+    /// Answer from it, and ask for a newer one in the background.
+    AnswerAndRefresh,
+    /// List first, then answer.
+    ListFirst,
+}
+
+/// The choice for a kept listing of `age` (`None`: none kept yet). Pure.
+pub(crate) fn use_listing(age: Option<Duration>) -> UseListing {
+    match age {
+        Some(a) if a < FRESH => UseListing::Answer,
+        Some(a) if a < STALE_OK => UseListing::AnswerAndRefresh,
+        _ => UseListing::ListFirst,
+    }
+}
+
+/// One page of the retries waiting, from the pending index's kept listing (see
+/// `ledger::listing`): from memory while the listing is young enough, else after one
+/// listing shared with every other page asking at once.
+pub(crate) async fn pending_page(
+    c: &Console,
+    keep: impl Fn(&Pending) -> bool,
+    limit: usize,
+) -> Result<PendingPage, crate::ledger::LedgerError> {
+    let ledger = &c.0.ledger;
+    let page = ledger.pending_page(&keep, limit);
+    match (use_listing(page.as_ref().map(|p| p.age)), page) {
+        (UseListing::Answer, Some(p)) => Ok(p),
+        (UseListing::AnswerAndRefresh, Some(p)) => {
+            ledger.refresh_pending_soon(FRESH);
+            Ok(p)
+        }
+        _ => {
+            ledger.refresh_pending(FRESH).await?;
+            ledger.pending_page(&keep, limit).ok_or_else(|| {
+                crate::ledger::LedgerError::Store(crate::azure::StoreError::Unavailable(
+                    "the pending index's listing is not kept".into(),
+                ))
+            })
+        }
+    }
+}
+
 /// What grouping needs of one dead letter.
 #[derive(Debug, Clone)]
 pub(crate) struct DeadSummary {
+    /// The event's correlation id, when it differs from its key.
+    correlation_id: Option<String>,
     reason: String,
     status: String,
     event_type: String,
@@ -374,6 +447,7 @@ pub(crate) type DeadCache = std::sync::Mutex<HashMap<String, (String, DeadSummar
 
 fn summary(rec: &LedgerRecord) -> DeadSummary {
     DeadSummary {
+        correlation_id: (rec.correlation_id != rec.key).then(|| rec.correlation_id.clone()),
         reason: rec
             .dead_letter_reason()
             .map(|r| crate::pipeline::settle::reason_name(&r))
@@ -395,10 +469,27 @@ pub(crate) async fn dead_letters(State(c): State<Console>, headers: HeaderMap) -
     if let Err(r) = c.reader(&headers) {
         return *r;
     }
-    let entries = match c.0.ledger.dead_letter_entries().await {
-        Ok(e) => e,
+    let (summaries, unreadable) = match dead_summaries(&c).await {
+        Ok(s) => s,
         Err(e) => return unavailable(e),
     };
+    let mut v = json!({
+        "dead_letters": summaries.len(),
+        "unreadable": unreadable,
+        "groups": groups(summaries),
+        "now": rfc3339(c.now()),
+    });
+    redact_json(&mut v);
+    Json(v).into_response()
+}
+
+/// Every dead letter's summary, by key, and how many could not be read: one listing of the
+/// dead-letter index; records not read before (or dead-lettered again since) are read, 32
+/// at a time, and kept while their index entry stands.
+async fn dead_summaries(
+    c: &Console,
+) -> Result<(Vec<(String, DeadSummary)>, usize), crate::ledger::LedgerError> {
+    let entries = c.0.ledger.dead_letter_entries().await?;
     let missing: Vec<(String, String)> = {
         let cache = c.0.dead_cache.locked();
         entries
@@ -420,33 +511,24 @@ pub(crate) async fn dead_letters(State(c): State<Console>, headers: HeaderMap) -
         .collect()
         .await;
     let mut unreadable = 0usize;
-    let summaries: Vec<(String, DeadSummary)> = {
-        let mut cache = c.0.dead_cache.locked();
-        for (key, etag, rec) in read {
-            match rec {
-                Ok(Some(rec)) if rec.state() == LedgerState::DeadLettered => {
-                    cache.insert(key, (etag, summary(&rec)));
-                }
-                // Replayed since it was listed, or gone: not a dead letter now.
-                Ok(_) => {}
-                Err(_) => unreadable += 1,
+    let mut cache = c.0.dead_cache.locked();
+    for (key, etag, rec) in read {
+        match rec {
+            Ok(Some(rec)) if rec.state() == LedgerState::DeadLettered => {
+                cache.insert(key, (etag, summary(&rec)));
             }
+            // Replayed since it was listed, or gone: not a dead letter now.
+            Ok(_) => {}
+            Err(_) => unreadable += 1,
         }
-        let listed: std::collections::HashSet<&String> = entries.iter().map(|(k, _)| k).collect();
-        cache.retain(|k, _| listed.contains(k));
-        cache
-            .iter()
-            .map(|(k, (_, s))| (k.clone(), s.clone()))
-            .collect()
-    };
-    let mut v = json!({
-        "dead_letters": summaries.len(),
-        "unreadable": unreadable,
-        "groups": groups(summaries),
-        "now": rfc3339(c.now()),
-    });
-    redact_json(&mut v);
-    Json(v).into_response()
+    }
+    let listed: std::collections::HashSet<&String> = entries.iter().map(|(k, _)| k).collect();
+    cache.retain(|k, _| listed.contains(k));
+    let summaries = cache
+        .iter()
+        .map(|(k, (_, s))| (k.clone(), s.clone()))
+        .collect();
+    Ok((summaries, unreadable))
 }
 
 /// Keys shown per group (the latest).
@@ -477,6 +559,7 @@ fn groups(summaries: Vec<(String, DeadSummary)>) -> Vec<Value> {
                     "last_seen": rfc3339(at(last)),
                     "latest_error": items.first().and_then(|i| i.1.error.clone()),
                     "keys": items.iter().take(KEYS_PER_GROUP).map(|i| i.0.clone()).collect::<Vec<_>>(),
+                    "correlation_ids": items.iter().take(KEYS_PER_GROUP).map(|i| i.1.correlation_id.clone()).collect::<Vec<_>>(),
                 }),
             )
         })
@@ -516,5 +599,26 @@ impl Console {
             self.0.breaker.as_ref(),
             self.0.rate_limit.as_ref(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_answers_from_a_young_listing_refreshes_an_older_one_and_lists_past_its_bound() {
+        let s = Duration::from_secs;
+        assert_eq!(use_listing(None), UseListing::ListFirst);
+        assert_eq!(use_listing(Some(Duration::ZERO)), UseListing::Answer);
+        assert_eq!(
+            use_listing(Some(FRESH - Duration::from_millis(1))),
+            UseListing::Answer
+        );
+        assert_eq!(use_listing(Some(FRESH)), UseListing::AnswerAndRefresh);
+        // The overdue sweep lists every 60 s by default: its listing is never past the bound.
+        assert_eq!(use_listing(Some(s(61))), UseListing::AnswerAndRefresh);
+        assert_eq!(use_listing(Some(STALE_OK)), UseListing::ListFirst);
+        assert_eq!(use_listing(Some(Duration::MAX)), UseListing::ListFirst);
     }
 }

@@ -165,6 +165,23 @@ pub(super) fn tags_of(record: &LedgerRecord) -> crate::azure::record_store::Tags
     tags
 }
 
+/// A pending-index entry as [`Ledger::pending`] lists it: `key` and the entry's tags (taken,
+/// not copied); `None` when they lack the due time or the attempt.
+fn pending_of(key: String, mut tags: crate::azure::record_store::Tags) -> Option<Pending> {
+    let due = tags.get(TAG_DUE).and_then(|d| d.parse::<i64>().ok())?;
+    let attempt = tags.get(TAG_NEXT).and_then(|n| n.parse::<u32>().ok())?;
+    Some(Pending {
+        key,
+        attempt,
+        due: at(due),
+        last_error: tags.remove(TAG_ERROR),
+        sequence_number: tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
+        partition: tags.remove(TAG_PARTITION),
+        event_type: tags.remove(TAG_TYPE),
+        correlation_id: tags.remove(TAG_CORRELATION),
+    })
+}
+
 /// `record` with its errors passed through the one redaction rule ([`crate::redact`]), or
 /// `None` when they hold nothing to mask.
 pub(super) fn redacted_errors(record: &LedgerRecord) -> Option<LedgerRecord> {
@@ -231,6 +248,9 @@ impl Ledger {
         self.store
             .put_tagged(&self.entry_name(&record.key), Bytes::from(body), &tags)
             .await?;
+        if let Some(p) = pending_of(record.key.clone(), tags) {
+            self.listing.wrote(p);
+        }
         Ok(())
     }
 
@@ -248,7 +268,11 @@ impl Ledger {
             return Ok(());
         }
         match self.store.delete(&name, &r.etag).await {
-            Ok(()) | Err(StoreError::NotFound) | Err(StoreError::Conflict) => Ok(()),
+            Ok(()) | Err(StoreError::NotFound) => {
+                self.listing.removed(key, ran);
+                Ok(())
+            }
+            Err(StoreError::Conflict) => Ok(()),
             Err(e) => Err(e.into()),
         }
     }
@@ -350,15 +374,27 @@ impl Ledger {
     ///
     /// An entry may be stale after a crash (see [`put`](Self::put)): the sweep checks the
     /// entries it finds overdue against their records ([`repair_pending`](Self::repair_pending)).
+    ///
+    /// When the ledger keeps its listing ([`keep_pending_listing`](Self::keep_pending_listing)),
+    /// each listing also replaces the one kept (see [`pending_page`](Self::pending_page)).
     pub async fn pending(&self) -> Result<Vec<Pending>, LedgerError> {
+        let ticket = self.listing.start();
+        let out = self.list_pending().await?;
+        if let Some(t) = ticket {
+            t.install(&out);
+        }
+        Ok(out)
+    }
+
+    /// One listing of the pending index, soonest first.
+    async fn list_pending(&self) -> Result<Vec<Pending>, LedgerError> {
         self.ensure_indexed().await?;
         let prefix = format!("pending/{}", self.prefix);
         let mut out = Vec::new();
         for l in self.store.list(&prefix).await? {
-            let due = l.tags.get(TAG_DUE).and_then(|d| d.parse::<i64>().ok());
-            let attempt = l.tags.get(TAG_NEXT).and_then(|n| n.parse::<u32>().ok());
-            let key = match l.tags.get(TAG_KEY) {
-                Some(k) => Some(k.clone()),
+            let mut tags = l.tags;
+            let key = match tags.remove(TAG_KEY) {
+                Some(k) => Some(k),
                 // A key the tags cannot carry: the entry's body names it.
                 None => match self.store.read(&l.key).await? {
                     Some(r) => serde_json::from_slice::<IndexEntry>(&r.body)
@@ -367,20 +403,11 @@ impl Ledger {
                     None => continue,
                 },
             };
-            let (Some(due), Some(attempt), Some(key)) = (due, attempt, key) else {
+            let Some(p) = key.and_then(|key| pending_of(key, tags)) else {
                 tracing::warn!(blob = %l.key, "a pending index entry cannot be read; leaving it out");
                 continue;
             };
-            out.push(Pending {
-                key,
-                attempt,
-                due: at(due),
-                last_error: l.tags.get(TAG_ERROR).cloned(),
-                partition: l.tags.get(TAG_PARTITION).cloned(),
-                sequence_number: l.tags.get(TAG_SEQUENCE).and_then(|s| s.parse().ok()),
-                event_type: l.tags.get(TAG_TYPE).cloned(),
-                correlation_id: l.tags.get(TAG_CORRELATION).cloned(),
-            });
+            out.push(p);
         }
         out.sort_by(|a, b| a.due.cmp(&b.due).then_with(|| a.key.cmp(&b.key)));
         Ok(out)

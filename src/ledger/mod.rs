@@ -16,12 +16,15 @@ use crate::azure::{RecordStore, StoreError};
 
 mod dead_letters;
 mod index;
+mod listing;
 mod record;
 mod retention;
 
 use index::{redacted_errors, tags_of};
 pub use index::{state_index_value, STATE_INDEX_TAG};
 pub use index::{IndexMark, Pending, Repair};
+#[cfg(any(test, feature = "cli"))]
+pub use listing::PendingPage;
 #[cfg(any(test, feature = "cli"))]
 pub use record::RunNow;
 pub use record::{AttemptEntry, Claim, HistoryOutcome, LedgerRecord, State, Verdict};
@@ -61,6 +64,8 @@ pub struct Ledger {
     /// How long DELIVERED records are kept (`ledger.retention_days`), when the owner says:
     /// `Some(None)` for ever, `None` not known here.
     retention: Option<Option<std::time::Duration>>,
+    /// The pending index as last listed, when kept (see [`Ledger::pending_page`]).
+    listing: Arc<listing::Listing>,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -186,6 +191,7 @@ impl Ledger {
             prefix: deployment_prefix(hub, consumer_group),
             indexed: Arc::default(),
             retention: None,
+            listing: Arc::default(),
         }
     }
 
@@ -237,6 +243,13 @@ impl Ledger {
     /// the ledger (see [`control_record_name`]).
     pub fn control_record_name(&self) -> String {
         control_record(&self.prefix)
+    }
+
+    /// The console's audit trail of this ledger's deployment, beside the control record:
+    /// `audit/{hub}/{consumer group}/console`.
+    #[cfg(any(test, feature = "cli"))]
+    pub fn audit_record_name(&self) -> String {
+        format!("audit/{}console", self.prefix)
     }
 
     /// The store the records live in (the container the replicas share).
@@ -375,11 +388,13 @@ impl Ledger {
                 // dead-lettered one may be replayed at once, and the replay writes an entry
                 // for a later attempt first: only an entry for an attempt that ran goes.
                 let removed = match record.state {
-                    State::Delivered => self
-                        .store
-                        .remove(&self.entry_name(&record.key))
-                        .await
-                        .map_err(LedgerError::from),
+                    State::Delivered => {
+                        let removed = self.store.remove(&self.entry_name(&record.key)).await;
+                        if removed.is_ok() {
+                            self.listing.removed(&record.key, u32::MAX);
+                        }
+                        removed.map_err(LedgerError::from)
+                    }
                     _ => self.remove_entry(&record.key, record.attempts).await,
                 };
                 if let Err(e) = removed {

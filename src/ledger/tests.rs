@@ -379,3 +379,105 @@ fn keys_survive_any_characters() {
         assert!(!encode_key(k).contains('/'));
     }
 }
+
+fn keys_of(page: &crate::ledger::PendingPage) -> Vec<&str> {
+    page.soonest.iter().map(|p| p.key.as_str()).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kept_listing_answers_pages_from_memory_with_this_replicas_changes_applied() {
+    use std::time::Duration;
+    let (store, ledger) = memory();
+    let other = Ledger::new(store.clone(), "hub", "$Default"); // another replica
+    ledger.pending().await.unwrap();
+    assert!(
+        ledger.pending_page(|_| true, 10).is_none(),
+        "not kept unless asked"
+    );
+    ledger.keep_pending_listing();
+    ledger.put(&waiting("a", 1, 3_000), None).await.unwrap();
+    assert!(
+        ledger.pending_page(|_| true, 10).is_none(),
+        "nothing listed yet"
+    );
+    ledger.pending().await.unwrap(); // the overdue sweep's listing
+    other.put(&waiting("b", 1, 1_000), None).await.unwrap();
+    ledger.put(&waiting("c", 1, 2_000), None).await.unwrap();
+    // This replica's retry shows at once; the other's once listed again.
+    let page = ledger.pending_page(|_| true, 10).unwrap();
+    assert_eq!((keys_of(&page), page.waiting), (vec!["c", "a"], 2));
+    // Delivered here: gone at once.
+    let found = ledger.get("c").await.unwrap().unwrap();
+    let mut rec = found.value;
+    rec.state = State::Delivered;
+    rec.next_attempt_ms = None;
+    ledger.put(&rec, Some(&found.etag)).await.unwrap();
+    assert_eq!(keys_of(&ledger.pending_page(|_| true, 10).unwrap()), ["a"]);
+    // Fresh enough: no listing.
+    ledger
+        .refresh_pending(Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(keys_of(&ledger.pending_page(|_| true, 10).unwrap()), ["a"]);
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let page = ledger.pending_page(|_| true, 10).unwrap();
+    assert!(page.age >= Duration::from_secs(6), "{:?}", page.age);
+    ledger
+        .refresh_pending(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let page = ledger.pending_page(|_| true, 10).unwrap();
+    assert_eq!((keys_of(&page), page.age), (vec!["b", "a"], Duration::ZERO));
+    // The filter counts every match; the limit bounds the rows, soonest first.
+    let page = ledger.pending_page(|p| p.key == "a", 10).unwrap();
+    assert_eq!(
+        (page.waiting, page.matched, keys_of(&page)),
+        (2, 1, vec!["a"])
+    );
+    let page = ledger.pending_page(|_| true, 1).unwrap();
+    assert_eq!((page.matched, keys_of(&page)), (2, vec!["b"]));
+    // What every other caller gets is the listing itself, as before.
+    let listed: Vec<String> = ledger
+        .pending()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.key)
+        .collect();
+    assert_eq!(listed, ["b", "a"]);
+}
+
+#[tokio::test]
+async fn a_listing_that_crossed_this_replicas_writes_keeps_them_and_an_older_one_loses() {
+    let (_, ledger) = memory();
+    ledger.keep_pending_listing();
+    let entry = |key: &str, attempt: u32, due_ms: i64| Pending {
+        key: key.into(),
+        attempt,
+        due: at(due_ms),
+        last_error: None,
+        partition: None,
+        sequence_number: None,
+        event_type: None,
+        correlation_id: None,
+    };
+    // Written and removed while a listing ran that saw neither change.
+    let ticket = ledger.listing.start().unwrap();
+    ledger.listing.wrote(entry("x", 1, 5_000));
+    ledger.listing.removed("y", 2);
+    ledger.listing.removed("z", 1); // z waits for attempt 3 now: a removal for 1 leaves it
+    ticket.install(&[entry("y", 2, 1_000), entry("z", 3, 2_000)]);
+    assert_eq!(
+        keys_of(&ledger.pending_page(|_| true, 10).unwrap()),
+        ["z", "x"]
+    );
+    // A listing that started before the one installed is not installed over it.
+    let older = ledger.listing.start().unwrap();
+    let newer = ledger.listing.start().unwrap();
+    newer.install(&[entry("n", 1, 1_000)]);
+    older.install(&[entry("o", 1, 1_000)]);
+    assert_eq!(keys_of(&ledger.pending_page(|_| true, 10).unwrap()), ["n"]);
+    // A listing dropped unfinished leaves nothing behind.
+    drop(ledger.listing.start().unwrap());
+    assert!(ledger.listing.idle());
+}

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use hubguard::console::rewind::RewindParts;
 use hubguard::console::{Access, Console, Secret, Settings};
 use hubguard::event::Event;
 use hubguard::handler::{Attempt, Failure, Handler, Outcome};
@@ -75,6 +76,7 @@ impl ConsoleBed {
             .policy(policy)
             .parts(handler.clone())
             .unwrap();
+        let rewind = RewindParts::of(&parts);
         let pipeline = Pipeline::new(parts);
         let settings = Settings {
             access: Access {
@@ -84,6 +86,7 @@ impl ConsoleBed {
             trace_url: Some(TRACE.into()),
             ordering: None,
             owner: "replica-a".into(),
+            rewind: Some(rewind),
         };
         let router = hubguard::status::pipeline_router(&pipeline)
             .merge(Console::new(&pipeline, settings).router());
@@ -331,5 +334,176 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
     assert!(entries.iter().any(|e| e["action"] == "replay-job"));
     let text = v.to_string();
     assert!(!text.contains(OPERATOR_TOKEN), "the token never shows");
+    cb.stop().await;
+}
+
+/// Sends `key` to partition 0 with the correlation id `correlation` (the `correlation_id`
+/// application property hubguard reads first).
+async fn send_correlated(bed: &Bed, key: &str, correlation: &str) {
+    use azure_messaging_eventhubs::models::{AmqpSimpleValue, EventData};
+    let prod = producer(&bed.cs, "hub").await;
+    let ev = EventData::builder()
+        .with_body(b"ok".to_vec())
+        .add_property("ce_id".into(), AmqpSimpleValue::String(key.into()))
+        .add_property(
+            "ce_type".into(),
+            AmqpSimpleValue::String("test.event".into()),
+        )
+        .add_property(
+            "correlation_id".into(),
+            AmqpSimpleValue::String(correlation.into()),
+        )
+        .build();
+    within(
+        "send",
+        prod.send_event(
+            ev,
+            Some(azure_messaging_eventhubs::SendEventOptions {
+                partition_id: Some("0".into()),
+            }),
+        ),
+    )
+    .await
+    .unwrap();
+    within("close producer", prod.close()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_found_by_its_correlation_id_and_a_rewind_of_an_owned_partition_is_refused(
+) {
+    let cb = ConsoleBed::start().await;
+    let addr = cb.addr.clone();
+    send_correlated(&cb.bed, "d-7", "order-7-correlation").await;
+    cb.until_state("d-7", State::DeadLettered).await;
+
+    // The correlation id of a dead letter finds it, and its group shows it beside the key.
+    let (code, v) = call(
+        &addr,
+        "GET",
+        "/console/api/lookup?q=order-7-correlation",
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(
+        (&v["key"], &v["state"], &v["correlation_id"]),
+        (
+            &json!("d-7"),
+            &json!("DEAD_LETTERED"),
+            &json!("order-7-correlation")
+        )
+    );
+    let (_, v) = call(&addr, "GET", "/console/api/dead-letters", &[], None).await;
+    let g = &v["groups"][0];
+    assert_eq!(
+        (&g["keys"], &g["correlation_ids"]),
+        (&json!(["d-7"]), &json!(["order-7-correlation"])),
+        "{v}"
+    );
+
+    // A rewind goes through the command line's checks: a partition a live replica owns is
+    // refused unless paused, and nothing is written.
+    let bearer = format!("Bearer {OPERATOR_TOKEN}");
+    let (_, session) = call(
+        &addr,
+        "GET",
+        "/console/api/session",
+        &[("authorization", &bearer)],
+        None,
+    )
+    .await;
+    let csrf = session["csrf"].as_str().unwrap().to_string();
+    let origin = format!("http://{addr}");
+    let good = [
+        ("authorization", bearer.as_str()),
+        ("origin", origin.as_str()),
+        ("x-hubguard-csrf", csrf.as_str()),
+    ];
+    eventually("replica-a owns partition 0", LIMIT, || {
+        let addr = addr.clone();
+        async move {
+            let (_, v) = call(&addr, "GET", "/console/api/overview", &[], None).await;
+            seen(v, |v| !v["report"]["owned_partitions"]["0"].is_null())
+        }
+    })
+    .await;
+    let rewind = json!({ "partitions": ["0"], "to": "1h" });
+    let (code, v) = call(
+        &addr,
+        "POST",
+        "/console/api/act/rewind",
+        &good,
+        Some(rewind),
+    )
+    .await;
+    assert_eq!((code, &v["refused"]), (200, &json!(1)), "{v}");
+    let why = v["partitions"][0]["why"].as_str().unwrap();
+    assert!(
+        why.contains("replica-a") && why.contains("not paused"),
+        "{v}"
+    );
+    let (_, v) = call(&addr, "GET", "/console/api/overview", &[], None).await;
+    assert!(v["control"]["rewinds"].is_null(), "nothing written: {v}");
+    // Bad input says what is wrong.
+    let both = json!({ "partitions": ["0"], "to": "1h", "sequence": 3 });
+    let (code, v) = call(&addr, "POST", "/console/api/act/rewind", &good, Some(both)).await;
+    assert_eq!(code, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("not both"), "{v}");
+    let (_, v) = call(&addr, "GET", "/console/api/audit", &[], None).await;
+    let rewinds: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "rewind")
+        .map(|e| e["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(rewinds.len(), 2, "{v:#}");
+    assert!(
+        rewinds.iter().all(|o| o.starts_with("refused")),
+        "{rewinds:?}"
+    );
+
+    // The audit trail is shared: another replica's console shows these actions.
+    let settler = Arc::new(hubguard::pipeline::settle::Settler::new(
+        cb.bed.ledger(),
+        Arc::new(hubguard::MemoryRetryQueue::new(Arc::default())),
+        hubguard::pipeline::settle::Policies {
+            default: RetryPolicy::event_grid(),
+            by_type: Default::default(),
+        },
+    ));
+    let other = Console::from_parts(
+        Arc::default(),
+        settler,
+        Settings {
+            owner: "replica-b".into(),
+            ..Default::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other_addr = listener.local_addr().unwrap().to_string();
+    let other_server = tokio::spawn(async move {
+        axum::serve(listener, other.router()).await.unwrap();
+    });
+    let (_, v) = call(&other_addr, "GET", "/console/api/audit", &[], None).await;
+    assert_eq!(v["shared"], true, "{v}");
+    let seen_there: Vec<(&str, &str)> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap(),
+                e["replica"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen_there,
+        [("rewind", "replica-a"), ("rewind", "replica-a")],
+        "{v:#}"
+    );
+    other_server.abort();
     cb.stop().await;
 }

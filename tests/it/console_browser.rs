@@ -143,6 +143,26 @@ impl Browser {
         .await
     }
 
+    /// Waits for the element `css` whose text satisfies `ok`, loading the page again between
+    /// looks (for what the page shows only when it loads: a replica's state that follows an
+    /// action within its poll).
+    async fn text_reloading(&self, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        Wait::new(what, LIMIT)
+            .every(Duration::from_millis(500))
+            .until(|| async {
+                let text = match self.find(css).await {
+                    Some(e) => self.call("GET", &format!("/element/{e}/text"), None).await,
+                    None => Value::Null,
+                };
+                let text = text.as_str().unwrap_or("").to_string();
+                if !ok(&text) {
+                    self.call("POST", "/refresh", Some(json!({}))).await;
+                }
+                seen(text, |t| ok(t))
+            })
+            .await
+    }
+
     async fn click(&self, css: &str) {
         let e = eventually(&format!("{css} is there"), LIMIT, || self.find(css)).await;
         self.call("POST", &format!("/element/{e}/click"), Some(json!({})))
@@ -375,6 +395,90 @@ async fn operators_replay_a_group_and_pause_a_partition_and_forgeries_are_refuse
     .await;
     b.screenshot("operator-audit").await;
     assert!(!cb.handler.inner.delivered_keys().is_empty());
+    b.quit().await;
+    cb.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_rewind_a_paused_partition_and_its_events_are_delivered_again() {
+    let Some((chromium, driver)) = browser_or_skip() else {
+        return;
+    };
+    let cb = ConsoleBed::start().await;
+    cb.bed
+        .send(0, &[("r-0", "ok"), ("r-1", "ok"), ("r-2", "ok")])
+        .await;
+    eventually("delivered and checkpointed", LIMIT, || async {
+        cb.handler.inner.delivered_keys().len() == 3 && cb.bed.checkpoint_of("0").await == Some(2)
+    })
+    .await;
+    let b = Browser::start(&chromium, &driver).await;
+    b.open(&page(&cb, "#partitions")).await;
+    b.click("#signin summary").await;
+    b.type_into("#token", OPERATOR_TOKEN).await;
+    b.click("#signin-form button").await;
+    b.text_of("#who", "signed in", |t| t.contains("operator"))
+        .await;
+    // Owned and read: refused by the command line's check, nothing written.
+    b.type_into("#rw-partitions", "0").await;
+    b.type_into("#rw-sequence", "1").await;
+    b.click("#rw-dry").await;
+    b.text_of("#rewind-card", "refused while read", |t| {
+        t.contains("refused") && t.contains("not paused")
+    })
+    .await;
+    // Paused, a dry run says what would be delivered again; then the rewind.
+    b.click("#partition-0 button").await;
+    b.answer_prompt("rewind after the bad deploy").await;
+    b.text_of("#partition-0", "paused", |t| t.contains("paused by"))
+        .await;
+    b.click("#rw-dry").await;
+    b.text_of("#rewind-card", "the dry run", |t| {
+        t.contains("would be rewound") && t.contains("from sequence number 1 (2 events)")
+    })
+    .await;
+    assert_eq!(
+        cb.bed.checkpoint_of("0").await,
+        Some(2),
+        "a dry run writes nothing"
+    );
+    b.click("#rw-go").await;
+    b.text_of("#rewind-card", "the rewind asked for", |t| {
+        t.contains("waiting for its owner replica-a") || t.contains("applied by replica-a")
+    })
+    .await;
+    // The owner applies it: the partitions page says so once it has.
+    let addr = cb.addr.clone();
+    eventually("the owner applied the rewind", LIMIT, || {
+        let addr = addr.clone();
+        async move {
+            let v: Value = reqwest::get(format!("http://{addr}/console/api/overview"))
+                .await
+                .unwrap()
+                .json_value()
+                .await;
+            v["control"]["rewinds"]["0"]["applied"]["by"] == "replica-a"
+        }
+    })
+    .await;
+    assert_eq!(cb.bed.checkpoint_of("0").await, Some(0));
+    b.text_reloading("#partition-0", "rewound", |t| {
+        t.contains("from sequence 1") && t.contains("applied by replica-a")
+    })
+    .await;
+    b.screenshot("operator-partition-rewound").await;
+    // Resumed, it reads again from the rewound position: r-1 and r-2 again, r-0 not.
+    b.click("#partition-0 button").await;
+    eventually("delivered again from sequence number 1", LIMIT, || async {
+        cb.handler.inner.calls_of("r-1").len() == 2 && cb.handler.inner.calls_of("r-2").len() == 2
+    })
+    .await;
+    assert_eq!(cb.handler.inner.calls_of("r-0"), vec![1]);
+    b.open(&page(&cb, "#audit")).await;
+    b.text_of("#audit", "the rewind audited", |t| {
+        t.contains("rewind (dry run)") && t.contains("waiting for their owner")
+    })
+    .await;
     b.quit().await;
     cb.stop().await;
 }

@@ -175,8 +175,13 @@ async fn console_at_scale_answers_within_its_budgets() {
         let text = res.text().await.unwrap();
         serde_json::from_str::<serde_json::Value>(&text).unwrap()
     };
-    // The first answers pay for the index marker and the first dead-letter reads.
-    let (_, first_retries) = timed("retries (first)", get("/console/api/retries".into())).await;
+    // The first answers pay for the index marker, the first listing of the pending index
+    // (a running replica's overdue sweep would have made one) and the first dead-letter reads.
+    let (_, first_retries) = timed(
+        "retries (first: lists the pending index)",
+        get("/console/api/retries".into()),
+    )
+    .await;
     let (v, first_groups) = timed(
         "dead-letter groups (first: every dead letter read)",
         get("/console/api/dead-letters".into()),
@@ -222,11 +227,9 @@ async fn console_at_scale_answers_within_its_budgets() {
     );
     println!("the pending listing alone: {listing:.0} ms");
     assert!(worst(&key_ms) <= 300.0, "{key_ms:?}");
-    // An unoptimised build spends most of the retries page building the listing's 10,000
-    // entries: the budget is the product's, so it holds for an optimised build.
-    if !cfg!(debug_assertions) {
-        assert!(worst(&retries_ms) <= 300.0, "{retries_ms:?}");
-    }
+    // The retries page answers from the pending index as last listed (the first answer
+    // lists it; the overdue sweep of a running replica would have): whatever the build.
+    assert!(worst(&retries_ms) <= 300.0, "{retries_ms:?}");
     assert!(
         first_groups <= 2_000.0 && worst(&groups_ms) <= 2_000.0,
         "{groups_ms:?}"

@@ -192,7 +192,7 @@ async function loadRetries() {
   const r = await api("/console/api/retries?" + p.toString());
   const tb = clear($("retries").tBodies[0]);
   if (r.status !== 200) { $("retries-count").textContent = r.data.error || ""; return; }
-  $("retries-count").textContent = r.data.matched + " of " + r.data.waiting + " waiting match; soonest first" + (r.data.shown < r.data.matched ? " (first " + r.data.shown + " shown)" : "");
+  $("retries-count").textContent = r.data.matched + " of " + r.data.waiting + " waiting match; soonest first" + (r.data.shown < r.data.matched ? " (first " + r.data.shown + " shown)" : "") + "; listed " + Math.round(r.data.listed_ago_ms / 1000) + " s ago";
   for (const x of r.data.retries) {
     const tr = el("tr");
     tr.appendChild(el("td", inWords(x.due) + " · " + twoZones(x.due), x.overdue ? "error" : ""));
@@ -216,7 +216,12 @@ async function loadDead() {
     c.appendChild(el("p", "first seen " + twoZones(g.first_seen) + "; last seen " + twoZones(g.last_seen), "muted"));
     if (g.latest_error) c.appendChild(el("p", g.latest_error, "error"));
     const ul = el("ul");
-    for (const k of g.keys) { const li = el("li"); const a = el("a", k, "key"); a.href = "#key=" + encodeURIComponent(k); li.appendChild(a); ul.appendChild(li); }
+    g.keys.forEach((k, j) => {
+      const li = el("li"); const a = el("a", k, "key"); a.href = "#key=" + encodeURIComponent(k); li.appendChild(a);
+      const cid = (g.correlation_ids || [])[j];
+      if (cid) li.appendChild(el("span", " · correlation id " + cid, "muted correlation"));
+      ul.appendChild(li);
+    });
     c.appendChild(ul);
     const filter = { reason: g.reason, status: g.status, event_type: g.event_type };
     const acts = el("div", null, "actions");
@@ -283,7 +288,11 @@ async function loadPartitions() {
     tr.appendChild(el("td", owned ? String(rep.owned_partitions[p]) : ""));
     tr.appendChild(el("td", lag ? lag.events + " events, " + Math.round(lag.seconds) + " s" : ""));
     tr.appendChild(el("td", held ? [held.cause, held.reason].filter(Boolean).join(": ") + (held.since ? " since " + twoZones(held.since) : "") : ""));
+    const rw = (ctl.rewinds || {})[p];
+    const rwText = rw ? "from sequence " + rw.first + " (" + rw.asked + ") asked by " + rw.by + ": " + (rw.applied ? "applied by " + rw.applied.by : "waiting for its owner") : "";
+    const rwCell = el("td", rwText, rw ? (rw.applied ? "rewound" : "rewinding") : "");
     tr.appendChild(el("td", pause ? "paused by " + pause.by + " since " + twoZones(new Date(pause.since_ms).toISOString()) + (pause.reason ? ": " + pause.reason : "") : "", pause ? "paused" : ""));
+    tr.appendChild(rwCell);
     const td = el("td");
     if (pause && !ctl.all) td.appendChild(button("Resume", async () => { if (await act("resume", { partitions: [p] })) loadPartitions(); }));
     else if (!pause) td.appendChild(button("Pause", async () => { const why = prompt("Why pause partition " + p + "?", ""); if (why === null) return; if (await act("pause", { partitions: [p], reason: why })) loadPartitions(); }));
@@ -302,13 +311,43 @@ async function loadPartitions() {
   row(dl, "Consumer", typeof rep.consumer === "string" ? rep.consumer : JSON.stringify(rep.consumer));
 }
 
+// ---- rewind ----
+function rewindBody(dryRun) {
+  const parts = $("rw-partitions").value.split(/[\s,]+/).filter(Boolean);
+  const body = { partitions: parts, dry_run: dryRun };
+  if ($("rw-to").value.trim()) body.to = $("rw-to").value.trim();
+  if ($("rw-sequence").value.trim()) body.sequence = Number($("rw-sequence").value.trim());
+  return body;
+}
+
+async function rewind(dryRun) {
+  const box = clear($("rewind-result"));
+  const r = await act("rewind", rewindBody(dryRun));
+  if (!r) { $("rw-go").disabled = true; return; }
+  const card = el("div", null, "card"); card.id = "rewind-card";
+  card.appendChild(el("p", (r.dry_run ? "Dry run: " : "") + r.outcome, r.refused ? "big error" : "big"));
+  const ul = el("ul");
+  for (const l of r.partitions || []) {
+    const what = l.result === "refused" ? "refused: " + l.why : l.result === "nothing" ? "nothing to do: " + l.why : l.result === "waiting" ? "waiting for its owner " + (l.owner || "") + " to apply it" : l.result === "applied" ? "rewound (applied by " + l.by + ")" : "would be rewound";
+    const from = l.first !== null && l.first !== undefined ? "; delivered again from sequence number " + l.first + (l.events_again !== null && l.events_again !== undefined ? " (" + l.events_again + " events)" : "") : "";
+    ul.appendChild(el("li", "partition " + l.partition + ": " + what + from, l.result === "refused" ? "error" : ""));
+  }
+  card.appendChild(ul);
+  box.appendChild(card);
+  card.dataset.result = r.refused ? "refused" : (r.dry_run ? "dry-run" : "written");
+  $("rw-go").disabled = !(r.dry_run && !r.refused && canAct());
+  if (!r.dry_run) loadPartitions();
+}
+
 // ---- audit ----
 async function loadAudit() {
   const r = await api("/console/api/audit");
   const tb = clear($("audit").tBodies[0]);
+  $("audit-note").textContent = r.data.shared ? "Every replica's actions, newest first (the latest " + (r.data.entries || []).length + ")." : (r.data.error || "");
+  $("audit-note").className = r.data.shared ? "muted" : "error";
   for (const a of r.data.entries || []) {
     const tr = el("tr");
-    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome));
+    tr.append(el("td", twoZones(a.at)), el("td", a.who), el("td", a.action + (a.dry_run ? " (dry run)" : "")), el("td", JSON.stringify(a.target)), el("td", a.outcome), el("td", (a.replica || "") + (a.only_here ? " (this replica only)" : "")));
     tb.appendChild(tr);
   }
 }
@@ -331,6 +370,9 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("signin-form").addEventListener("submit", async e => { e.preventDefault(); S.token = $("token").value.trim(); sessionStorage.setItem("hubguard-token", S.token); await loadSession(); route(); });
   $("lookup-form").addEventListener("submit", e => { e.preventDefault(); const q = $("q").value.trim(); const next = "#key=" + encodeURIComponent(q); if (location.hash === next) route(); else location.hash = next; });
   $("retries-form").addEventListener("submit", e => { e.preventDefault(); loadRetries(); });
+  $("rw-dry").addEventListener("click", () => rewind(true));
+  $("rw-go").addEventListener("click", () => rewind(false));
+  for (const id of ["rw-partitions", "rw-to", "rw-sequence"]) $(id).addEventListener("input", () => { $("rw-go").disabled = true; });
   window.addEventListener("hashchange", route);
   await loadSession();
   route();
