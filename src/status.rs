@@ -676,7 +676,7 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
     match s.ledger.record(&key).await {
         Ok(Some(rec)) => {
             let mut v = record_view(&rec);
-            add_retry_pause(&s.ledger, &rec, &mut v).await;
+            crate::pipeline::control::add_retry_pause(&s.ledger, &rec, &mut v).await;
             Json(v).into_response()
         }
         Ok(None) => match parked_view(&s.ledger, &key).await {
@@ -697,33 +697,6 @@ async fn event(State(s): State<AppState>, Path(key): Path<String>) -> Response {
         )
             .into_response(),
     }
-}
-
-/// Adds `paused` to a waiting retry's `view` when an operator's pause of retries
-/// (`hubguard retries pause`) holds it: which pause, who, since when, why. A control record
-/// that cannot be read is said (`paused_unknown`), never taken as "not paused".
-pub async fn add_retry_pause(ledger: &Ledger, rec: &LedgerRecord, view: &mut serde_json::Value) {
-    if rec.state() != crate::ledger::State::RetryScheduled {
-        return;
-    }
-    let name = ledger.control_record_name();
-    match crate::pipeline::control::read(ledger.store().as_ref(), &name).await {
-        Ok(record) => {
-            let pauses = record.map(|p| p.value).unwrap_or_default();
-            if let Some(p) = pauses.retry_pause(
-                &rec.key,
-                rec.event_type.as_deref(),
-                rec.last_error.as_deref(),
-            ) {
-                let mut paused = serde_json::to_value(p).unwrap_or_default();
-                paused["what"] = p.filter.to_string().into();
-                paused["reason_text"] = crate::pipeline::control::Pauses::reason(&p.pause).into();
-                view["paused"] = paused;
-            }
-        }
-        Err(e) => view["paused_unknown"] = redacted(&e.to_string()).into(),
-    }
-    redact_json(view);
 }
 
 /// The operator's control record, read now: which partitions are paused (by whom, since

@@ -142,7 +142,7 @@ pub(super) async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     match ledger.record(&args.key).await? {
         Some(rec) => {
             let mut v = crate::status::record_view(&rec);
-            crate::status::add_retry_pause(&ledger, &rec, &mut v).await;
+            crate::pipeline::control::add_retry_pause(&ledger, &rec, &mut v).await;
             if args.json {
                 println!("{v}");
             } else {

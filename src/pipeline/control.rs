@@ -439,6 +439,37 @@ pub async fn pause_or_resume_retries(
     Ok(PauseResult { record, changed })
 }
 
+/// Adds `paused` to a waiting retry's `view` when an operator's pause of retries
+/// (`hubguard retries pause`) holds it: which pause, who, since when, why. A control record
+/// that cannot be read is said (`paused_unknown`), never taken as "not paused".
+pub async fn add_retry_pause(
+    ledger: &crate::ledger::Ledger,
+    rec: &crate::ledger::LedgerRecord,
+    view: &mut serde_json::Value,
+) {
+    if rec.state() != crate::ledger::State::RetryScheduled {
+        return;
+    }
+    let name = ledger.control_record_name();
+    match read(ledger.store().as_ref(), &name).await {
+        Ok(record) => {
+            let pauses = record.map(|p| p.value).unwrap_or_default();
+            if let Some(p) = pauses.retry_pause(
+                &rec.key,
+                rec.event_type.as_deref(),
+                rec.last_error.as_deref(),
+            ) {
+                let mut paused = serde_json::to_value(p).unwrap_or_default();
+                paused["what"] = p.filter.to_string().into();
+                paused["reason_text"] = Pauses::reason(&p.pause).into();
+                view["paused"] = paused;
+            }
+        }
+        Err(e) => view["paused_unknown"] = crate::redact::redacted(&e.to_string()).into(),
+    }
+    crate::redact::redact_json(view);
+}
+
 /// Marks `pid`'s rewind `id` applied by `by` (compare-and-swap; a newer request for the
 /// partition is left alone).
 pub async fn mark_applied(

@@ -142,7 +142,7 @@ async fn paused_retries_wait_uncounted_across_a_crash_and_each_runs_once_when_re
     // What `hubguard status KEY` and `/v1/events/{key}` say of it.
     let rec = bed.ledger().record("held-busy").await.unwrap().unwrap();
     let mut view = hubguard::status::record_view(&rec);
-    hubguard::status::add_retry_pause(&bed.ledger(), &rec, &mut view).await;
+    hubguard::pipeline::control::add_retry_pause(&bed.ledger(), &rec, &mut view).await;
     assert_eq!(view["paused"]["by"], "ops", "{view}");
     assert_eq!(view["paused"]["filter"]["error"], "BUSY", "{view}");
     assert!(
