@@ -152,6 +152,9 @@ pub(crate) struct Origin {
 pub(crate) struct Downstream {
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
+    /// The dead-letter storm guard for the downstream (`None`: off).
+    pub(crate) storm: Option<Arc<crate::breaker::storm::Guard>>,
+    _storm_gauges: Option<crate::telemetry::gauges::StormGuardGauges>,
     /// The deployment-wide rate limit (`None`: neither configured nor grantable).
     pub(crate) limiter: Option<Arc<crate::ratelimit::limiter::Limiter>>,
     _rate_gauges: Option<crate::telemetry::gauges::RateLimitGauges>,
@@ -185,6 +188,7 @@ impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
         let breaker = breaker(&parts);
+        let storm = storm_guard(&parts);
         let records = parts.records.clone();
         let backlog = backlog::Sampler::new(&parts);
         let limiter = rate_limiter(&parts);
@@ -218,6 +222,10 @@ impl Pipeline {
         health.set_unhealthy_after(parts.options.unhealthy_after);
         if let Some(b) = &breaker {
             health.watch(b.clone());
+        }
+        if let Some(g) = &storm {
+            health.watch(g.clone());
+            health.set_storm_guard(g.clone());
         }
         let pauses = tokio::sync::watch::Sender::new(control::Pauses::default());
         let mut fenced = FencedCheckpointStore::new(
@@ -262,6 +270,12 @@ impl Pipeline {
                 downstream: Downstream {
                     handler: parts.handler,
                     breaker,
+                    _storm_gauges: storm.clone().map(|g| {
+                        crate::telemetry::gauges::StormGuardGauges::register(
+                            g as Arc<dyn crate::telemetry::gauges::StormGuardReadings>,
+                        )
+                    }),
+                    storm,
                     _rate_gauges: limiter.clone().map(|l| {
                         crate::telemetry::gauges::RateLimitGauges::register(
                             l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>,
@@ -291,6 +305,13 @@ impl Pipeline {
         /// The downstream's circuit breaker, if enabled.
         pub fn breaker(&self) -> Option<Arc<crate::breaker::Shared>> {
             self.shared.downstream.breaker.clone()
+        }
+    }
+
+    testbed_pub! {
+        /// The downstream's dead-letter storm guard, if enabled.
+        pub fn storm_guard(&self) -> Option<Arc<crate::breaker::storm::Guard>> {
+            self.shared.downstream.storm.clone()
         }
     }
 
@@ -499,6 +520,20 @@ fn breaker(parts: &PipelineParts) -> Option<Arc<crate::breaker::Shared>> {
             .with_clock(parts.options.clock.clone()),
         )
     })
+}
+
+/// The downstream's dead-letter storm guard, if configured.
+fn storm_guard(parts: &PipelineParts) -> Option<Arc<crate::breaker::storm::Guard>> {
+    let config = parts.options.storm_guard.clone().filter(|c| c.enabled)?;
+    Some(Arc::new(
+        crate::breaker::storm::Guard::new(
+            parts.records.clone(),
+            &parts.handler.downstream(),
+            &parts.options.owner_id,
+            config,
+        )
+        .with_clock(parts.options.clock.clone()),
+    ))
 }
 
 /// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a

@@ -113,6 +113,11 @@ impl Observer {
         self.metrics.deferred.add(1, &type_label(event_type));
     }
 
+    /// Counts a refusal the storm guard held instead of dead-lettering.
+    pub(crate) fn count_storm_held(&self, event_type: Option<&str>) {
+        self.metrics.storm_held.add(1, &type_label(event_type));
+    }
+
     /// Counts a settlement.
     pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = self.health.counters();

@@ -45,6 +45,7 @@ pub(crate) fn start(shared: &Shared, stop: CancellationToken) {
                 .limiter
                 .clone()
                 .map(|l| l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>),
+            storm: d.storm.clone(),
         },
         stop,
     ));

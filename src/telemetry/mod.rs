@@ -394,6 +394,8 @@ pub struct Metrics {
     pub dead_lettered: Counter<u64>,
     /// Attempts deferred by an open breaker.
     pub deferred: Counter<u64>,
+    /// Refusals the storm guard held instead of dead-lettering.
+    pub storm_held: Counter<u64>,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: Counter<u64>,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
@@ -460,6 +462,12 @@ impl Metrics {
             deferred: meter
                 .u64_counter(m::DEFERRED)
                 .with_description("Attempts deferred by an open circuit breaker")
+                .build(),
+            storm_held: meter
+                .u64_counter(m::STORM_GUARD_HELD)
+                .with_description(
+                    "Refusals for good the dead-letter storm guard held instead of dead-lettering",
+                )
                 .build(),
             rescued: meter
                 .u64_counter(m::RESCUED)

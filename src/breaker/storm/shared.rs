@@ -423,3 +423,19 @@ pub async fn read(
         .await?
         .map(|r| serde_json::from_slice(&r.body).unwrap_or_default()))
 }
+
+impl crate::telemetry::gauges::StormGuardReadings for Guard {
+    fn downstream_name(&self) -> String {
+        self.downstream().to_string()
+    }
+
+    fn holding_for(&self) -> Option<Duration> {
+        let h = self.cached()?.holding?;
+        Some(
+            self.clock
+                .now()
+                .duration_since(crate::clock::at(h.since_ms))
+                .unwrap_or_default(),
+        )
+    }
+}
