@@ -391,6 +391,12 @@ impl Pipeline {
                 crash.clone(),
             ));
         }
+        if let Some(g) = self.shared.downstream.storm.clone() {
+            tokio::spawn(g.watch(
+                Duration::from_secs(1),
+                backlog::either(&cancel, &crash),
+            ));
+        }
         tokio::spawn(self.backlog.run(backlog::either(&cancel, &crash)));
         ops::start(&self.shared, backlog::either(&cancel, &crash));
         let retry = {

@@ -178,12 +178,16 @@ impl Guard {
                 attempts = h.attempts,
                 "storm guard holding: refusals are not dead-lettered, new events wait"
             ),
-            (Some(true), None) => tracing::warn!(
+            (Some(true), None) => {
+                // Released: this replica counts afresh, as the record does.
+                self.recent.locked().clear();
+                tracing::warn!(
                 target: "hubguard::storm_guard",
                 downstream = %self.downstream(),
                 action = r.last_action.as_ref().map_or("trial delivered", |a| a.action.as_str()),
                 "storm guard released"
-            ),
+                );
+            }
             _ => {}
         }
         if let (Some(a), Some(b)) = (&r.last_action, before.as_ref()) {
@@ -214,6 +218,23 @@ impl Guard {
         };
         self.seen(&written.value, Some(written.etag), decided_at);
         Ok((swapped.value, true))
+    }
+
+    /// Reads the record again now and then until `stop`, so that a replica with no work for
+    /// the downstream (no partition, nothing due) still shows the guard as it is in its
+    /// readiness, status, gauges and operational events.
+    pub async fn watch(
+        self: Arc<Self>,
+        every: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            let _ = self.load(false).await;
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = self.clock.sleep(every) => {}
+            }
+        }
     }
 
     /// Whether an attempt of an event of `event_type` may run now. Storage trouble lets it
