@@ -457,7 +457,19 @@ async fn retries_held_while_service_bus_is_down_lose_nothing() {
     })
     .await;
     assert!(record(&bed, &receiver).await.holding.is_some());
-    assert!(dead_letters(&bed).await.len() < MIN as usize);
+    let dead = dead_letters(&bed).await;
+    let mut why = Vec::new();
+    for k in &dead {
+        why.push(format!(
+            "{k}: {:?}",
+            ledger
+                .record(k)
+                .await
+                .unwrap()
+                .map(|r| (r.attempts, r.last_error, r.history))
+        ));
+    }
+    assert!(dead.len() < MIN as usize, "{why:#?}");
     receiver.faults().clear();
     bed.sb.faults().clear();
     let dead = all_settled(&bed, &receiver, &keys).await;

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 /// `[storm_guard]`: when refusals for good stop being dead-lettered for a downstream. It holds
-/// once `min_refusals` attempts within `window_ms` (cluster-wide) ended in a dead letter and
-/// they are at least `share` of the attempts. The defaults never trip on an ordinary day's
+/// once `min_refusals` attempts within `window_ms` (cluster-wide) would have ended in a dead
+/// letter and they are at least `share` of the attempts that ended their event (delivered or
+/// refused; transient failures are not counted). The defaults never trip on an ordinary day's
 /// dead letters (a few per cent of the attempts) and always on a receiver refusing everything.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -15,7 +16,8 @@ pub struct StormGuardConfig {
     /// before).
     #[serde(default = "yes")]
     pub enabled: bool,
-    /// The share (0–1] of the attempts within the window that must be refusals.
+    /// The share (0–1] of the attempts that ended their event within the window (delivered
+    /// or refused) that must be refusals.
     #[serde(default = "half")]
     pub share: f64,
     /// The refusals within the window that trip it at the least (the most dead-lettered

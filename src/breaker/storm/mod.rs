@@ -4,8 +4,11 @@
 //! A receiver that refuses everything for good (a bad deploy answering 400, 410 or 422 to
 //! every event) does not trip the breaker — a permanent refusal is an answer, not an outage —
 //! so without the guard every event would be dead-lettered as fast as it is read. The guard
-//! counts, per replica and over `window_ms`, the attempts that end in a dead letter
-//! (permanent refusals and exhausted retries) among all attempts; each such *refusal* is
+//! counts, per replica and over `window_ms`, the attempts that would end in a dead letter
+//! (permanent refusals and exhausted retries) among the attempts that end their event
+//! (delivered or refused; a transient failure is the breaker's business, and one counted
+//! here would dilute the refusals of a receiver that was down before its bad deploy came
+//! up); each such *refusal* is
 //! reported through the shared record before its dead letter is written. Once the refusals
 //! counted cluster-wide within the window reach `min_refusals` and make up at least `share`
 //! of the attempts, the guard **holds**: the refusal that tripped it and every later one are
@@ -45,7 +48,7 @@ pub use shared::{operate, read, record_name, Counted, Guard, StormGate, StormVer
 /// One replica's counts over the window, as it last reported them with a refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Counts {
-    /// Attempts that ended within the window (delivered, failed, refused).
+    /// Attempts that ended their event within the window (delivered or refused).
     pub attempts: u32,
     /// Of those, refusals: attempts whose settlement would dead-letter the event.
     pub refusals: u32,

@@ -271,8 +271,14 @@ impl Guard {
         if !self.config.covers(event_type) {
             return StormVerdict::Settle;
         }
-        let refused = outcome == Counted::Refused;
-        self.push(refused);
+        // The share is of the attempts that ended their event (delivered or refused): a
+        // transient failure is the breaker's business, and a receiver that was down before
+        // its bad deploy must not dilute the refusals that follow.
+        match outcome {
+            Counted::Delivered => self.push(false),
+            Counted::Refused => self.push(true),
+            Counted::Failed => {}
+        }
         match (outcome, trial) {
             (Counted::Delivered, Some(trial)) => {
                 let _ = self.change(|| StormChange::Delivered { trial }).await;
