@@ -165,12 +165,9 @@ impl StormRecord {
 pub enum StormAdmission {
     /// Go on.
     Allow,
-    /// Go on as the trial (report its outcome with it).
-    Trial {
-        /// The trial it is ([`StormRecord::trial_ms`]).
-        trial: i64,
-    },
-    /// Wait: ask again at this time (or when the record changes).
+    /// Wait: ask again at this time (or when the record changes). With a
+    /// [`StormChange::TakeTrial`] beside it: take the trial's permit, and go on as the trial
+    /// if it is won.
     Wait(SystemTime),
 }
 
@@ -195,6 +192,8 @@ pub enum StormChange {
         trial: i64,
     },
     /// An operator releases the guard: held work is attempted again, counted afresh.
+    // Made by the operator's command line (`hubguard storm-guard`) and tests.
+    #[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
     Release {
         /// Who.
         by: String,
@@ -203,6 +202,8 @@ pub enum StormChange {
     },
     /// An operator accepts the refusals as real until then: released, and refusals are
     /// dead-lettered without tripping it.
+    // Made by the operator's command line (`hubguard storm-guard`) and tests.
+    #[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
     Accept {
         /// Who.
         by: String,
@@ -212,6 +213,8 @@ pub enum StormChange {
         reason: Option<String>,
     },
     /// An operator holds the guard by hand until released.
+    // Made by the operator's command line (`hubguard storm-guard`) and tests.
+    #[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
     Hold {
         /// Who.
         by: String,

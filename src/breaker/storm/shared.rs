@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use super::{
     apply, decide, on_refusal, waiting, Counts, RefusalVerdict, StormAdmission, StormChange,
-    StormGuardConfig, StormRecord, StormState,
+    StormGuardConfig, StormRecord,
 };
 use crate::azure::versioned::{
     compare_and_swap, Change as Versioning, Conflicts, Contended, Json, RecordKind, Start,
@@ -250,7 +250,6 @@ impl Guard {
         let now = self.clock.now();
         match decide(&record, now, &self.config, jitter) {
             (StormAdmission::Allow, _) => StormGate::Run { trial: None },
-            (StormAdmission::Trial { trial }, _) => StormGate::Run { trial: Some(trial) },
             (StormAdmission::Wait(until), None) => StormGate::Wait(until),
             (StormAdmission::Wait(until), Some(c)) => match self.change(|| c.clone()).await {
                 Ok((r, true)) => StormGate::Run { trial: r.trial_ms },
@@ -349,11 +348,6 @@ impl Guard {
         self.key.trim_start_matches(&record_name(""))
     }
 
-    /// The guard's state now, as last seen.
-    pub fn state(&self) -> StormState {
-        self.cached().unwrap_or_default().state(self.clock.now())
-    }
-
     /// The record as last seen.
     pub fn cached(&self) -> Option<StormRecord> {
         self.cached.locked().as_ref().map(|(r, _, _)| r.clone())
@@ -381,6 +375,8 @@ impl Guard {
     }
 }
 
+// The operator's command line (`hubguard storm-guard`) and tests make these changes.
+#[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
 /// An operator's change to the guard of `downstream` in `store`, through the one
 /// compare-and-swap: the record after it and whether it changed.
 pub async fn operate(
@@ -440,6 +436,7 @@ impl RecordKind for Lenient<'_> {
     }
 }
 
+#[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
 /// The record of `downstream`'s guard as kept in `store` (`None`: it never held).
 pub async fn read(
     store: &dyn RecordStore,
