@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use hubguard::breaker::storm::{self, StormChange, StormGuardConfig, StormRecord};
+use hubguard::breaker::storm::{self, StormGuardConfig, StormRecord};
 use hubguard::emulator::webhook::WebhookReceiver;
 use hubguard::handler::webhook::{WebhookConfig, WebhookHandler};
 use hubguard::handler::Handler;
@@ -317,8 +317,49 @@ async fn single_bad_events_among_good_ones_are_dead_lettered_at_once() {
     r.stop().await;
 }
 
-/// An operator releases the guard (the receiver still refuses: it trips again, again under
-/// the minimum), then accepts the refusals as real: the held events are dead-lettered.
+/// Runs `hubguard storm-guard …` (the real binary) with a configuration pointing at the bed
+/// and the receiver: its exit status and what it printed.
+async fn storm_cli(
+    bed: &Bed,
+    receiver: &WebhookReceiver,
+    dir: &std::path::Path,
+    args: &[&str],
+) -> (Option<i32>, String) {
+    let config = dir.join("hubguard.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[eventhubs]\nconnection_string = \"{}\"\nhub = \"hub\"\n[servicebus]\nconnection_string = \"{}\"\n[storage]\ncontainer_url = \"{}\"\n[handler]\nkind = \"webhook\"\nurl = \"{}\"\n",
+            bed.eh.connection_string(),
+            bed.sb.connection_string(),
+            bed.blob.container_url("hubguard"),
+            receiver.url(),
+        ),
+    )
+    .unwrap();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hubguard"))
+            .arg("storm-guard")
+            .args(&args)
+            .arg("--config")
+            .arg(&config)
+            .env("NO_COLOR", "1")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    })
+    .await
+    .unwrap()
+}
+
+/// An operator releases the guard with the command line (the receiver still refuses: it
+/// trips again, again under the minimum), then accepts the refusals as real: the held events
+/// are dead-lettered. Each change carries who and why; a release with nothing held changes
+/// nothing and says so in its exit status.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_release_trips_again_and_an_acceptance_dead_letters_the_held_events() {
     let bed = Bed::start(PARTITIONS).await;
@@ -327,32 +368,32 @@ async fn an_operator_release_trips_again_and_an_acceptance_dead_letters_the_held
         .unwrap();
     receiver.faults().error_status_for(400, HOUR);
     let keys = backlog(&bed, "accept", 15).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (code, out) = storm_cli(&bed, &receiver, dir.path(), &["release", "--by", "ana"]).await;
+    assert_eq!(code, Some(6), "nothing held yet: {out}");
     let r = replica(&bed, "replica-op", webhook(&receiver));
     holding(&bed, &receiver, &[&r.health]).await;
-    let store = bed.records();
-    let name = downstream(&receiver);
-    let (after, changed) = storm::operate(
-        store.as_ref(),
-        &name,
-        StormChange::Release {
-            by: "ana".into(),
-            reason: Some("deploy rolled back?".into()),
-        },
-        &guard_config(),
-        SystemTime::now(),
-    )
-    .await
-    .unwrap();
-    assert!(changed && after.holding.is_none());
+    let (code, out) = storm_cli(&bed, &receiver, dir.path(), &["status", "--json"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["state"], "holding", "{v}");
+    let args = ["release", "--by", "ana", "--reason", "deploy rolled back?"];
+    let (code, out) = storm_cli(&bed, &receiver, dir.path(), &args).await;
+    assert_eq!(code, Some(0), "{out}");
     let again = eventually("holding again", LIMIT, || async {
         seen(record(&bed, &receiver).await, |r| {
             r.holds == 2 && r.holding.is_some()
         })
     })
     .await;
+    let audit = again.last_action.clone().unwrap();
     assert_eq!(
-        again.last_action.as_ref().map(|a| a.by.as_str()),
-        Some("ana")
+        (
+            audit.action.as_str(),
+            audit.by.as_str(),
+            audit.reason.as_deref()
+        ),
+        ("release", "ana", Some("deploy rolled back?"))
     );
     let dead = dead_letters(&bed).await;
     assert!(
@@ -360,20 +401,17 @@ async fn an_operator_release_trips_again_and_an_acceptance_dead_letters_the_held
         "{} dead-lettered",
         dead.len()
     );
-    let (_, changed) = storm::operate(
-        store.as_ref(),
-        &name,
-        StormChange::Accept {
-            by: "bo".into(),
-            until: SystemTime::now() + HOUR,
-            reason: Some("the schema change is real".into()),
-        },
-        &guard_config(),
-        SystemTime::now(),
-    )
-    .await
-    .unwrap();
-    assert!(changed);
+    let args = [
+        "accept",
+        "--for",
+        "1h",
+        "--by",
+        "bo",
+        "--reason",
+        "the schema change is real",
+    ];
+    let (code, out) = storm_cli(&bed, &receiver, dir.path(), &args).await;
+    assert_eq!(code, Some(0), "{out}");
     let dead = all_settled(&bed, &receiver, &keys).await;
     assert_eq!(dead.len(), keys.len(), "every refused event dead-lettered");
     assert!(receiver.deliveries().is_empty());
@@ -382,6 +420,11 @@ async fn an_operator_release_trips_again_and_an_acceptance_dead_letters_the_held
     assert_eq!(
         rec.last_action.map(|a| (a.action, a.by)),
         Some(("accept".into(), "bo".into()))
+    );
+    let (_, out) = storm_cli(&bed, &receiver, dir.path(), &["status"]).await;
+    assert!(
+        out.contains("Accepted") && out.contains("accepted as real until"),
+        "{out}"
     );
     r.stop().await;
 }
