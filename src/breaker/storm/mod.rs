@@ -240,21 +240,18 @@ pub fn decide(
     config: &StormGuardConfig,
     jitter: f64,
 ) -> (StormAdmission, Option<StormChange>) {
-    let Some(h) = &record.holding else {
+    if record.holding.is_none() {
         return (StormAdmission::Allow, None);
-    };
+    }
     let spread = Duration::from_millis((jitter.clamp(0.0, 1.0) * 1000.0) as u64);
     match record.next_trial(config) {
         Some(next) if now >= next => (StormAdmission::Wait(now), Some(StormChange::TakeTrial)),
         Some(next) => (StormAdmission::Wait(next + spread), None),
         // Held by hand: look again now and then (an operator's release comes any time).
-        None => {
-            let _ = h;
-            (
-                StormAdmission::Wait(now + Duration::from_millis(config.trial_every_ms) + spread),
-                None,
-            )
-        }
+        None => (
+            StormAdmission::Wait(now + Duration::from_millis(config.trial_every_ms) + spread),
+            None,
+        ),
     }
 }
 
