@@ -20,7 +20,8 @@
 //!   its [`WiringError`] (a refused retry queue: [`QueueRefusal`]); [`Pipeline`],
 //!   [`PipelineParts`], [`PipelineOptions`] ([`OrderingKey`], [`RetryOrdering`],
 //!   [`RateLimitConfig`], [`Clock`], a [`DeadLetterDestination`]), [`RetryPolicy`] and
-//!   [`Policies`], [`BreakerConfig`], [`IdentityConfig`]; [`RunError`] when it cannot start.
+//!   [`Policies`], [`BreakerConfig`], [`StormGuardConfig`] (the dead-letter storm guard, in
+//!   `PipelineOptions::storm_guard`), [`IdentityConfig`]; [`RunError`] when it cannot start.
 //! - The configuration file of `hubguard run`: [`Config`] and its sections, [`ConfigError`].
 //! - Logs, traces and metrics as `hubguard run` sets them up: [`init_telemetry`] with
 //!   [`TelemetryOptions`] (OTLP from the environment: [`otlp_export_from_env`]).
@@ -238,6 +239,7 @@ pub use handler::webhook::{TlsConfig, WebhookConfig, WebhookConfigError, Webhook
 // The pipeline, its parts and options, and the one builder of them.
 pub use azure::retry_queue::QueueRefusal;
 pub use azure::{ConnectionString, ConnectionStringError, EventHubsAuth, SasKey};
+pub use breaker::storm::{StormGuardConfig, StormGuardConfigError, StormGuardType};
 pub use breaker::{BreakerConfig, BreakerConfigError};
 pub use clock::{Clock, Sent as ClockSent, Service as ClockService, Skew as ClockSkew};
 pub use pipeline::dead_letter::{DeadLetterDestination, PublishError};

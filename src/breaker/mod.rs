@@ -35,6 +35,7 @@
 mod config;
 mod machine;
 mod shared;
+pub mod storm;
 
 // Every item at the path it had before the split; without the test bed, which reaches them
 // all, the product itself uses only some of them.

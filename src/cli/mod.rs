@@ -27,6 +27,7 @@ mod dead_letters;
 mod partitions;
 mod retries;
 mod run;
+mod storm;
 
 #[cfg(feature = "testbed")]
 pub use bed::EmulatorArgs;
@@ -39,6 +40,7 @@ pub use partitions::{CheckpointsCommand, PartitionsCommand, PauseArgs, RewindArg
 use retries::{retries, status};
 pub use retries::{ActionArgs, PauseRetriesArgs, RetriesCommand, StatusArgs};
 use run::run_pipeline;
+pub use storm::{StormArgs, StormGuardCommand};
 
 /// Success.
 pub const EXIT_OK: u8 = 0;
@@ -109,6 +111,9 @@ enum Command {
     /// Move the consumer group's checkpoints back, to deliver events again.
     #[command(subcommand)]
     Checkpoints(CheckpointsCommand),
+    /// The dead-letter storm guard: status, release, accept the refusals, hold by hand.
+    #[command(name = "storm-guard", subcommand)]
+    StormGuard(StormGuardCommand),
     /// Everything in one process on the embedded emulators, with failures, outages and
     /// crashes; verifies that nothing was lost (exit status 1 if something was).
     #[cfg(feature = "testbed")]
@@ -166,6 +171,7 @@ impl Command {
                 Some(&a.config.config)
             }
             Command::Checkpoints(CheckpointsCommand::Rewind(a)) => Some(&a.config.config),
+            Command::StormGuard(c) => Some(&c.args().config.config),
             _ => None,
         }
     }
@@ -288,6 +294,7 @@ pub fn main() -> ExitCode {
             Command::Retries(cmd) => retries(cmd).await,
             Command::Partitions(cmd) => partitions(cmd).await,
             Command::Checkpoints(CheckpointsCommand::Rewind(args)) => rewind(args).await,
+            Command::StormGuard(cmd) => storm::storm_guard(cmd).await,
             #[cfg(feature = "testbed")]
             Command::Bench(args) => ok(crate::bench::run(args).await),
             Command::Completions { .. } | Command::Man { .. } => Ok(EXIT_OK),

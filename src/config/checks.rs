@@ -63,6 +63,9 @@ impl Config {
         self.validate_policies()?;
         self.validate_duplicate_window()?;
         self.validate_breaker()?;
+        self.storm_guard
+            .validate()
+            .map_err(|e| invalid(e.key(), e))?;
         if let Some(d) = &self.dead_letters {
             d.validate(&self.servicebus.queue)?;
         }

@@ -67,6 +67,10 @@ pub struct Config {
     /// `[breaker]`: the circuit breaker for the handler's downstream.
     #[serde(default)]
     pub breaker: crate::breaker::BreakerConfig,
+    /// `[storm_guard]`: refusals for good stop being dead-lettered when a downstream refuses
+    /// nearly everything (defined beside the breaker: `breaker::storm`).
+    #[serde(default)]
+    pub storm_guard: crate::breaker::storm::StormGuardConfig,
     /// `[dead_letters]`: where dead letters are also published (none by default).
     #[serde(default)]
     pub dead_letters: Option<DeadLettersSection>,

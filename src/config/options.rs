@@ -54,6 +54,7 @@ impl Config {
                 .then(|| Duration::from_millis(self.status.unhealthy_after_ms)),
             backlog_every: Duration::from_millis(self.status.backlog_every_ms),
             max_clock_skew: Duration::from_millis(self.status.max_clock_skew_ms),
+            storm_guard: self.storm_guard.enabled.then(|| self.storm_guard.clone()),
             rate_limit: {
                 let HandlerSection::Webhook(w) = &self.handler;
                 crate::ratelimit::RateLimitConfig {

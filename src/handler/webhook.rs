@@ -447,6 +447,19 @@ fn key_header_value(value: &str) -> String {
 }
 
 /// Header names must be tokens and values visible ASCII; anything else is left out.
+/// The downstream's name for a webhook URL (the breaker's and the storm guard's): its host
+/// (and port).
+pub(crate) fn downstream_of(url: &str) -> String {
+    reqwest::Url::parse(url)
+        .ok()
+        .map(|u| match (u.host_str(), u.port()) {
+            (Some(h), Some(p)) => format!("{h}:{p}"),
+            (Some(h), None) => h.to_string(),
+            _ => "webhook".into(),
+        })
+        .unwrap_or_else(|| "webhook".into())
+}
+
 fn header_safe(name: &str, value: &str) -> bool {
     super::is_field_name(name) && value.bytes().all(|b| (0x20..0x7f).contains(&b))
 }
@@ -455,14 +468,7 @@ fn header_safe(name: &str, value: &str) -> bool {
 impl Handler for WebhookHandler {
     /// The breaker's name for a webhook: its host (and port).
     fn downstream(&self) -> String {
-        reqwest::Url::parse(&self.config.url)
-            .ok()
-            .map(|u| match (u.host_str(), u.port()) {
-                (Some(h), Some(p)) => format!("{h}:{p}"),
-                (Some(h), None) => h.to_string(),
-                _ => "webhook".into(),
-            })
-            .unwrap_or_else(|| "webhook".into())
+        downstream_of(&self.config.url)
     }
 
     fn blocked(&self) -> Option<tokio::sync::watch::Receiver<Option<String>>> {

@@ -32,6 +32,8 @@ pub struct Watched {
     pub breaker: Option<Arc<crate::breaker::Shared>>,
     /// Its rate limiter, if any.
     pub limiter: Option<Arc<dyn RateLimitReadings>>,
+    /// Its dead-letter storm guard, if any.
+    pub storm: Option<Arc<crate::breaker::storm::Guard>>,
 }
 
 /// What the watcher saw last.
@@ -42,6 +44,8 @@ struct Seen {
     dead_lettered: u64,
     decreases: Option<u64>,
     held: BTreeSet<String>,
+    /// When the storm guard's hold began, as last seen (`None`: it was not holding).
+    storm_since_ms: Option<i64>,
 }
 
 /// Watches until `stop` fires.
@@ -62,6 +66,7 @@ pub async fn run(events: Arc<OpsEvents>, watched: Watched, stop: CancellationTok
 
 fn look(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
     breaker(events, w, seen);
+    storm_guard(events, w, seen);
     dead_letters(events, w, seen);
     held(events, w, seen);
     rate_limit(events, w, seen);
@@ -123,6 +128,49 @@ fn breaker(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
         ));
     }
     seen.breaker_open = open;
+}
+
+/// Holding: a record with a new hold; released: the hold seen before is gone. Ids derive
+/// from the record, as the breaker's do.
+fn storm_guard(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
+    let Some(g) = &w.storm else { return };
+    let Some(rec) = g.cached() else { return };
+    let since = rec.holding.as_ref().map(|h| h.since_ms);
+    if let (Some(h), true) = (&rec.holding, since != seen.storm_since_ms) {
+        events.emit(event(
+            OpsEventKind::StormGuardHolding,
+            &w.downstream,
+            Some(format!(
+                "stormguard.holding/{}/{}",
+                w.downstream, h.since_ms
+            )),
+            events,
+            json!({
+                "downstream": w.downstream,
+                "holding_since": rfc3339(at(h.since_ms)),
+                "refusals": h.refusals,
+                "attempts": h.attempts,
+                "held_by": h.by,
+                "reason": crate::breaker::storm::waiting(&rec, g.config()),
+            }),
+        ));
+    }
+    if let (Some(was), None) = (seen.storm_since_ms, since) {
+        events.emit(event(
+            OpsEventKind::StormGuardReleased,
+            &w.downstream,
+            Some(format!("stormguard.released/{}/{was}", w.downstream)),
+            events,
+            json!({
+                "downstream": w.downstream,
+                "holding_since": rfc3339(at(was)),
+                "held_refusals": rec.held_refusals,
+                "released_by": rec.last_action.as_ref().filter(|a| a.at_ms >= was).map(|a| a.by.clone()),
+                "accepted_until": rec.accepted_until_ms.map(|u| rfc3339(at(u))),
+            }),
+        ));
+    }
+    seen.storm_since_ms = since;
 }
 
 /// Dead letters since the last event sent: a suppressed occurrence leaves them counted
@@ -285,6 +333,7 @@ mod tests {
             downstream: "orders".into(),
             breaker: None,
             limiter: Some(fake.clone()),
+            storm: None,
         };
         let mut seen = Seen {
             decreases: Some(0),

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 
 use super::attempt::Attempted;
 use super::Shared;
+use crate::breaker::storm::{Counted, StormGate, StormVerdict};
 use crate::breaker::Admission;
 use crate::ratelimit::limiter::{signal_of, Acquired};
 
@@ -112,5 +113,77 @@ impl Shared {
 impl super::health::WaitingOn for crate::breaker::Shared {
     fn waiting(&self) -> Option<String> {
         crate::breaker::Shared::waiting(self)
+    }
+}
+
+/// Readiness asks the downstream's storm guard whether work waits on it.
+impl super::health::WaitingOn for crate::breaker::storm::Guard {
+    fn waiting(&self) -> Option<String> {
+        crate::breaker::storm::Guard::waiting(self)
+    }
+}
+
+impl Shared {
+    /// Asks the downstream's storm guard whether an attempt of `event` may run (at once
+    /// without a guard): `Run` (with the trial it is, if the held guard lets it through as
+    /// one) or `Wait` until then, uncounted.
+    pub(crate) async fn storm_admit(&self, event: &crate::event::Event) -> StormGate {
+        match &self.downstream.storm {
+            None => StormGate::Run { trial: None },
+            Some(g) => {
+                g.admit(event.identity.event_type.as_deref(), rand::random::<f64>())
+                    .await
+            }
+        }
+    }
+
+    /// After the handler ran: the storm guard counts the outcome and says whether the
+    /// attempt settles as usual or — a refusal while the guard holds — waits instead of
+    /// being dead-lettered. `record`: the ledger record the settlement starts from (a
+    /// retry's), so an exhausted retry counts as a refusal too.
+    pub(crate) async fn storm_verdict(
+        &self,
+        report: &crate::pipeline::settle::Report<'_>,
+        record: Option<&crate::ledger::LedgerRecord>,
+        trial: Option<i64>,
+    ) -> StormVerdict {
+        let Some(g) = &self.downstream.storm else {
+            return StormVerdict::Settle;
+        };
+        let counted = match report.outcome {
+            crate::handler::Outcome::Delivered => Counted::Delivered,
+            crate::handler::Outcome::Failed(_) => {
+                let policies = self.settler.policies();
+                if super::settle::plan::dead_letters(record, report, policies, self.clock().now()) {
+                    Counted::Refused
+                } else {
+                    Counted::Failed
+                }
+            }
+        };
+        let verdict = g
+            .counted(report.event.identity.event_type.as_deref(), counted, trial)
+            .await;
+        if verdict == StormVerdict::Hold {
+            self.observe
+                .count_storm_held(report.event.identity.event_type.as_deref());
+        }
+        verdict
+    }
+
+    /// When work the storm guard holds may ask again (its next trial, spread over a trial
+    /// interval so deferred retries do not all come back at once).
+    pub(crate) fn storm_resume_at(&self) -> SystemTime {
+        let now = self.clock().now();
+        let Some(g) = &self.downstream.storm else {
+            return now;
+        };
+        let every = std::time::Duration::from_millis(g.config().trial_every_ms);
+        let next = g
+            .cached()
+            .and_then(|r| r.next_trial(g.config()))
+            .unwrap_or(now + every)
+            .max(now);
+        next + every.mul_f64(rand::random::<f64>())
     }
 }

@@ -34,13 +34,16 @@
 //! - **The settler** (`settle/`, shared by both paths): a pure `plan` and its `execute`; every
 //!   record change goes through the one compare-and-swap (`azure::versioned`), every dead
 //!   letter through `write_settled`.
+//! - **The downstream's guards** (`downstream`): breaker, dead-letter storm guard, rate limiter.
 //! - **Watchers** spawned by `run_until`: the operator's control record (`control::watch`:
 //!   pauses and rewinds), the handshake's block and the rate limit's pause (`watch`), and
 //!   retention.
 //!
 //! # Where a feature plugs in
 //!
-//! - Around one attempt, on both paths: the breaker's admission (`admission`), the rate limit's
+//! - Around one attempt, on both paths: the breaker's admission (`admission`), the dead-letter
+//!   storm guard's (`admission`: wait while it holds; a refusal while it holds waits, or is
+//!   deferred, instead of being dead-lettered), the rate limit's
 //!   pace, and ordered retries through one hook (`lines::LineHook`: before the attempt it says
 //!   deliver, park or settle a replay; after settlement it opens or advances the key's line; a
 //!   no-op when `retry_ordering = "off"`).
@@ -58,6 +61,7 @@ mod backoff;
 mod checkpoint;
 pub mod control;
 pub mod dead_letter;
+mod downstream;
 pub mod health;
 mod lines;
 mod message_id;
@@ -85,6 +89,7 @@ use azure_messaging_eventhubs::{
 use tokio_util::sync::CancellationToken;
 
 use self::checkpoint::FencedCheckpointStore;
+use self::downstream::{breaker, health, rate_limiter, storm_guard};
 use self::health::Health;
 use self::settle::{Policies, Settler};
 use crate::azure::{RecordStore, RetryQueue};
@@ -152,6 +157,9 @@ pub(crate) struct Origin {
 pub(crate) struct Downstream {
     pub(crate) handler: Arc<dyn Handler>,
     pub(crate) breaker: Option<Arc<crate::breaker::Shared>>,
+    /// The dead-letter storm guard for the downstream (`None`: off).
+    pub(crate) storm: Option<Arc<crate::breaker::storm::Guard>>,
+    _storm_gauges: Option<crate::telemetry::gauges::StormGuardGauges>,
     /// The deployment-wide rate limit (`None`: neither configured nor grantable).
     pub(crate) limiter: Option<Arc<crate::ratelimit::limiter::Limiter>>,
     _rate_gauges: Option<crate::telemetry::gauges::RateLimitGauges>,
@@ -185,6 +193,8 @@ impl Pipeline {
     /// Assembles a pipeline.
     pub fn new(parts: PipelineParts) -> Self {
         let breaker = breaker(&parts);
+        let storm = storm_guard(&parts);
+        let health = health(&parts, breaker.as_ref(), storm.as_ref());
         let records = parts.records.clone();
         let backlog = backlog::Sampler::new(&parts);
         let limiter = rate_limiter(&parts);
@@ -212,13 +222,6 @@ impl Pipeline {
                 .with_dead_letters(parts.options.dead_letters.clone())
                 .with_schedule_lead(parts.options.retry_lead),
         );
-        let health = Arc::new(
-            Health::new(parts.options.clock.clone()).with_max_skew(parts.options.max_clock_skew),
-        );
-        health.set_unhealthy_after(parts.options.unhealthy_after);
-        if let Some(b) = &breaker {
-            health.watch(b.clone());
-        }
         let pauses = tokio::sync::watch::Sender::new(control::Pauses::default());
         let mut fenced = FencedCheckpointStore::new(
             parts.checkpoint_store,
@@ -259,16 +262,7 @@ impl Pipeline {
                         .clone()
                         .map(|b| b as Arc<dyn crate::telemetry::gauges::BreakerReadings>),
                 ),
-                downstream: Downstream {
-                    handler: parts.handler,
-                    breaker,
-                    _rate_gauges: limiter.clone().map(|l| {
-                        crate::telemetry::gauges::RateLimitGauges::register(
-                            l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>,
-                        )
-                    }),
-                    limiter,
-                },
+                downstream: Downstream::new(parts.handler, breaker, storm, limiter),
                 settler,
                 queue: parts.queue,
                 health,
@@ -370,8 +364,8 @@ impl Pipeline {
                 crash.clone(),
             ));
         }
-        tokio::spawn(self.backlog.run(backlog::either(&cancel, &crash)));
         ops::start(&self.shared, backlog::either(&cancel, &crash));
+        tokio::spawn(self.backlog.run(backlog::either(&cancel, &crash)));
         let retry = {
             let (shared, cancel) = (self.shared.clone(), cancel.clone());
             let crash = crash.clone();
@@ -484,44 +478,6 @@ enum ConsumerError {
     /// The processor could not hand out a partition client.
     #[error("next_partition_client: {0}")]
     NextPartition(azure_messaging_eventhubs::EventHubsError),
-}
-
-/// The downstream's shared circuit breaker, if configured and enabled.
-fn breaker(parts: &PipelineParts) -> Option<Arc<crate::breaker::Shared>> {
-    parts.breaker.clone().filter(|b| b.enabled).map(|b| {
-        Arc::new(
-            crate::breaker::Shared::new(
-                parts.records.clone(),
-                &parts.handler.downstream(),
-                &parts.options.owner_id,
-                b,
-            )
-            .with_clock(parts.options.clock.clone()),
-        )
-    })
-}
-
-/// The downstream's rate limiter: when `rate_limit` is configured or the handler can grant a
-/// rate. Its share of the rate (from the replicas' demands) holds for an ownership expiration
-/// after each renewal, as a claim does.
-fn rate_limiter(parts: &PipelineParts) -> Option<Arc<crate::ratelimit::limiter::Limiter>> {
-    let allowed = parts.handler.allowed_rate();
-    if parts.options.rate_limit.per_s.is_none() && allowed.is_none() {
-        return None;
-    }
-    let o = &parts.options;
-    let limiter = crate::ratelimit::limiter::Limiter::new(
-        o.rate_limit,
-        parts.records.clone(),
-        &parts.handler.downstream(),
-        &o.owner_id,
-        o.ownership_expiration,
-        o.clock.clone(),
-    );
-    Some(Arc::new(match allowed {
-        Some(a) => limiter.with_allowed_rate(a),
-        None => limiter,
-    }))
 }
 
 impl Pipeline {

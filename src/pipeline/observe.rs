@@ -118,6 +118,17 @@ impl Observer {
         self.metrics.paused.add(1, &type_label(event_type));
     }
 
+    /// Exports the storm guard's held counter at 0 before anything is held (a series to
+    /// alert and graph on from the start).
+    pub(crate) fn storm_held_series(&self) {
+        self.metrics.storm_held.add(0, &type_label(None));
+    }
+
+    /// Counts a refusal the storm guard held instead of dead-lettering.
+    pub(crate) fn count_storm_held(&self, event_type: Option<&str>) {
+        self.metrics.storm_held.add(1, &type_label(event_type));
+    }
+
     /// Counts a settlement.
     pub(crate) fn count_settled(&self, s: &Settled, event_type: Option<&str>) {
         let c = self.health.counters();

@@ -20,8 +20,13 @@ impl Observed for Health {
     }
 }
 
-/// Starts the sender and the watcher of `shared.options.ops_events`, if set, until `stop`.
+/// Starts, until `stop`, the storm guard's reader (every replica shows the guard as it is,
+/// work or none) and the sender and the watcher of `shared.options.ops_events`, if set.
 pub(crate) fn start(shared: &Shared, stop: CancellationToken) {
+    if let Some(g) = shared.downstream.storm.clone() {
+        shared.observe.storm_held_series();
+        tokio::spawn(g.watch(std::time::Duration::from_secs(1), stop.clone()));
+    }
     let Some(events) = shared.options.ops_events.clone() else {
         return;
     };
@@ -45,6 +50,7 @@ pub(crate) fn start(shared: &Shared, stop: CancellationToken) {
                 .limiter
                 .clone()
                 .map(|l| l as Arc<dyn crate::telemetry::gauges::RateLimitReadings>),
+            storm: d.storm.clone(),
         },
         stop,
     ));

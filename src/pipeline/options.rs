@@ -261,6 +261,9 @@ pub struct PipelineOptions {
     /// Readiness fails while this host's clock is measured further than this from Service
     /// Bus's (`status.max_clock_skew_ms`; docs/clocks.md).
     pub max_clock_skew: Duration,
+    /// The dead-letter storm guard for the downstream (`[storm_guard]`; `None`: off, every
+    /// refusal dead-lettered at once). The configuration file turns it on by default.
+    pub storm_guard: Option<crate::breaker::storm::StormGuardConfig>,
 }
 
 impl Default for PipelineOptions {
@@ -296,6 +299,7 @@ impl Default for PipelineOptions {
             dead_letters: None,
             handover: true,
             rate_limit: crate::ratelimit::RateLimitConfig::default(),
+            storm_guard: None,
             backlog_every: Duration::from_secs(30),
             ops_events: None,
             max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,

@@ -436,3 +436,61 @@ impl RateLimitGauges {
         }
     }
 }
+
+/// What the storm-guard gauges read from the downstream's dead-letter storm guard.
+pub trait StormGuardReadings: Send + Sync + 'static {
+    /// The downstream's name (the `downstream` attribute).
+    fn downstream_name(&self) -> String;
+    /// How long it has been holding, as last seen (`None`: it does not hold).
+    fn holding_for(&self) -> Option<Duration>;
+}
+
+/// The storm guard's gauges, registered while this lives.
+pub struct StormGuardGauges {
+    _holding: ObservableGauge<u64>,
+    _age: ObservableGauge<f64>,
+}
+
+impl std::fmt::Debug for StormGuardGauges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StormGuardGauges").finish_non_exhaustive()
+    }
+}
+
+impl StormGuardGauges {
+    /// Registers [`metric::STORM_GUARD_HOLDING`] and [`metric::STORM_GUARD_AGE`] on the
+    /// global meter.
+    pub fn register(guard: Arc<dyn StormGuardReadings>) -> Self {
+        let meter = super::meter();
+        let g = guard.clone();
+        let holding = meter
+            .u64_observable_gauge(metric::STORM_GUARD_HOLDING)
+            .with_description(
+                "1 while the downstream's dead-letter storm guard holds (refusals are not dead-lettered, new events wait), else 0",
+            )
+            .with_callback(move |o| {
+                let v = u64::from(g.holding_for().is_some());
+                o.observe(v, &[KeyValue::new(metric_attr::DOWNSTREAM, g.downstream_name())]);
+            })
+            .build();
+        let g = guard;
+        let age = meter
+            .f64_observable_gauge(metric::STORM_GUARD_AGE)
+            .with_unit("s")
+            .with_description(
+                "How long the downstream's storm guard has been holding (0 when it does not)",
+            )
+            .with_callback(move |o| {
+                let v = g.holding_for().unwrap_or_default().as_secs_f64();
+                o.observe(
+                    v,
+                    &[KeyValue::new(metric_attr::DOWNSTREAM, g.downstream_name())],
+                );
+            })
+            .build();
+        Self {
+            _holding: holding,
+            _age: age,
+        }
+    }
+}

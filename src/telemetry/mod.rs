@@ -396,6 +396,8 @@ pub struct Metrics {
     pub deferred: Counter<u64>,
     /// Retries due while an operator paused them, deferred uncounted.
     pub paused: Counter<u64>,
+    /// Refusals the storm guard held instead of dead-lettering.
+    pub storm_held: Counter<u64>,
     /// Retries taken back from Service Bus's dead-letter sub-queue.
     pub rescued: Counter<u64>,
     /// Overdue retries the ledger recorded and nothing ran, scheduled again.
@@ -467,6 +469,12 @@ impl Metrics {
                 .u64_counter(m::PAUSED)
                 .with_description(
                     "Retries due while an operator paused them, deferred without an attempt",
+                )
+                .build(),
+            storm_held: meter
+                .u64_counter(m::STORM_GUARD_HELD)
+                .with_description(
+                    "Refusals for good the dead-letter storm guard held instead of dead-lettering",
                 )
                 .build(),
             rescued: meter

@@ -169,6 +169,13 @@ pub mod metric {
     pub const BREAKER_AGE: &str = "hubguard.breaker.age";
     /// Gauge: how many times the downstream's breaker opened.
     pub const BREAKER_OPENS: &str = "hubguard.breaker.opens";
+    /// Gauge: 1 while the downstream's dead-letter storm guard holds (refusals are not
+    /// dead-lettered, new events wait), else 0; by `downstream`.
+    pub const STORM_GUARD_HOLDING: &str = "hubguard.storm_guard.holding";
+    /// Gauge (s): how long the storm guard has been holding (0 when it does not).
+    pub const STORM_GUARD_AGE: &str = "hubguard.storm_guard.age";
+    /// Counter: refusals the storm guard held instead of dead-lettering (by event type).
+    pub const STORM_GUARD_HELD: &str = "hubguard.storm_guard.held";
     /// Gauge (s): how long the downstream's breaker stays open once opened
     /// (`breaker.open_ms`), for alerts on an age of a few times that.
     pub const BREAKER_OPEN_DURATION: &str = "hubguard.breaker.open_duration";
@@ -302,6 +309,9 @@ pub fn all() -> Vec<&'static str> {
         metric::BREAKER_AGE,
         metric::BREAKER_OPENS,
         metric::BREAKER_OPEN_DURATION,
+        metric::STORM_GUARD_HOLDING,
+        metric::STORM_GUARD_AGE,
+        metric::STORM_GUARD_HELD,
         metric::PARTITION_HELD_SECONDS,
         metric::PARTITIONS_OWNED,
         metric::PARTITIONS_UNOWNED,

@@ -59,6 +59,7 @@ mod shape_partitions;
 mod shape_records;
 mod shape_waits;
 mod sizes;
+mod storm_guard;
 mod telemetry;
 mod test_log;
 mod webhook;

@@ -58,6 +58,8 @@ struct RecordMissing {
 #[derive(Debug)]
 struct State {
     waits: Vec<Arc<dyn WaitingOn>>,
+    /// The downstream's storm guard, shown in the report.
+    storm: Option<Arc<crate::breaker::storm::Guard>>,
     /// Holds by subject, then by event (`None`: on the subject as a whole, listed first).
     holds: BTreeMap<HoldSubject, BTreeMap<Option<i64>, Hold>>,
     /// Owned partitions and their last checkpoint.
@@ -77,6 +79,7 @@ impl Default for State {
     fn default() -> Self {
         Self {
             waits: Vec::new(),
+            storm: None,
             holds: BTreeMap::new(),
             owned: BTreeMap::new(),
             retry_loop: RetryLoopState::Starting,
@@ -254,6 +257,11 @@ impl Health {
     /// Makes readiness also say no while `source` has work waiting on it.
     pub(crate) fn watch(&self, source: Arc<dyn WaitingOn>) {
         self.state().waits.push(source);
+    }
+
+    /// Shows the downstream's storm guard in the report (`storm_guard`).
+    pub(crate) fn set_storm_guard(&self, guard: Arc<crate::breaker::storm::Guard>) {
+        self.state().storm = Some(guard);
     }
 
     /// Held partitions (and the handler, a pause, the rate limit), by the name readiness
@@ -564,8 +572,11 @@ impl Health {
     pub fn status(&self) -> HealthReport {
         let not_ready = self.not_ready_reasons();
         let counters = self.snapshot();
+        let storm = self.state().storm.clone();
+        let storm_guard = storm.map(|g| g.report());
         let st = self.state();
         HealthReport {
+            storm_guard,
             ready: not_ready.is_empty(),
             not_ready,
             consumer: st.consumer.clone(),

@@ -27,6 +27,9 @@ pub enum HoldCause {
     DeadLetterDestination,
     /// The downstream's circuit breaker is open: Event Hubs holds the backlog.
     BreakerOpen,
+    /// The downstream's dead-letter storm guard holds: it refuses nearly everything for
+    /// good, so nothing is dead-lettered and new events wait.
+    StormGuard,
     /// The handler cannot deliver yet (a webhook that has not agreed to receive).
     HandlerBlocked,
     /// The partition's checkpoint blob holds no readable position.
@@ -46,6 +49,7 @@ impl HoldCause {
             Self::Ledger => "ledger",
             Self::DeadLetterDestination => "dead_letter_destination",
             Self::BreakerOpen => "breaker_open",
+            Self::StormGuard => "storm_guard",
             Self::HandlerBlocked => "handler_blocked",
             Self::CorruptCheckpoint => "corrupt_checkpoint",
             Self::Paused => "paused",
@@ -245,6 +249,10 @@ pub struct HealthReport {
     pub other_deployments_seen: BTreeMap<String, u64>,
     /// Each service's clock against this host's (docs/clocks.md).
     pub clocks: Vec<super::ClockOffset>,
+    /// The downstream's dead-letter storm guard (absent when it is off): its state, why it
+    /// holds, the window's counts, the next trial and the last operator's change.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storm_guard: Option<serde_json::Value>,
 }
 
 /// Liveness refused: the Event Hubs consumer has failed without a break for too long.

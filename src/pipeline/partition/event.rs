@@ -19,6 +19,8 @@ use crate::pipeline::{attempt, Shared};
 
 use super::lag;
 
+mod guarded;
+
 /// The partition's lag when an event started, which a hold of it reports.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Lag {
@@ -61,15 +63,9 @@ pub(super) async fn process(event: Event, task: EventTask<'_>) -> bool {
         LineStep::Stopped => return false,
     };
     task.shared.observe.count_attempt();
-    let Some(gate) = task.admit(&event).await else {
+    let Some(attempted) = task.attempt_guarded(&event).await else {
         return false;
     };
-    let Some(paced) = task.pace().await else {
-        return false;
-    };
-    let attempted = task.attempt(&event, paced).await;
-    let event_type = event.identity.event_type.as_deref();
-    task.shared.attempted(&attempted, gate, event_type).await;
     let place = match lines.after_attempt(&event, place, &attempted, hold).await {
         LineStep::Go(place) => place,
         LineStep::Settled(s) => {

@@ -154,6 +154,10 @@ pub(super) async fn process(
             shared.observe.count_paused(event_type);
             return defer(&mut msg, &body, &event, until).await;
         }
+        Err(NotAdmitted::StormHeld(until)) => {
+            shared.observe.count_deferred(event_type);
+            return defer(&mut msg, &body, &event, until).await;
+        }
         Err(NotAdmitted::NoShare) => {
             let until = shared.clock().now()
                 + Duration::from_millis(1000 + u64::from(rand::random::<u16>() % 1000));
@@ -163,9 +167,16 @@ pub(super) async fn process(
     shared.observe.count_attempt();
     // Lateness: how long after its due time the retry actually starts.
     shared.observe.retry_lateness(msg.lateness(due), event_type);
+    let trial = ready.trial;
     let (attempted, claimed) = attempt_retry(&mut msg, &body, &event, ready).await;
     // The breaker knows the outcome and the slot is let go: the next attempt may ask it.
     limits.yield_to_starts(body.due_ms).await;
+    if storm_held(&msg, &body, &event, &attempted, &claimed, trial).await {
+        // Refused (or out of attempts) while the storm guard holds: not dead-lettered, but
+        // deferred past the guard's next trial without counting the attempt.
+        let until = shared.storm_resume_at();
+        return defer(&mut msg, &body, &event, until).await;
+    }
     settle_retry(&mut msg, &body, &event, &attempted, claimed).await;
 }
 
@@ -285,6 +296,8 @@ struct Ready<'l> {
     slot: tokio::sync::SemaphorePermit<'l>,
     gate: Gate,
     waited: Duration,
+    /// The storm guard's trial this attempt is, if one.
+    trial: Option<i64>,
 }
 
 /// Why the breaker or the rate limit does not let a slotted attempt run. The slot and the
@@ -295,6 +308,8 @@ enum NotAdmitted {
     BreakerOpen(SystemTime),
     /// An operator paused it (`hubguard retries pause`): deferred by the recheck interval.
     Paused(crate::pipeline::control::RetryPause),
+    /// The storm guard holds until then: deferred past it, uncounted.
+    StormHeld(SystemTime),
     /// This replica has lost its share of the rate: deferred a second or two.
     NoShare,
     /// The lock was lost or the loop stopped.
@@ -332,6 +347,12 @@ async fn admitted<'l>(
     if let Gate::Defer(until) = gate {
         return Err(NotAdmitted::BreakerOpen(until));
     }
+    let trial = match shared.storm_admit(&claimed.value.event).await {
+        crate::breaker::storm::StormGate::Run { trial } => trial,
+        crate::breaker::storm::StormGate::Wait(_) => {
+            return Err(NotAdmitted::StormHeld(shared.storm_resume_at()))
+        }
+    };
     let cancel = msg.cancel;
     let waited = match msg.under_lock(shared.pace(cancel, false)).await {
         None | Some(None) => return Err(NotAdmitted::Stopped),
@@ -346,6 +367,7 @@ async fn admitted<'l>(
         slot,
         gate,
         waited,
+        trial,
     })
 }
 
@@ -370,6 +392,30 @@ async fn defer(
     }
 }
 
+/// Whether the storm guard holds this retry's outcome instead of letting it dead-letter.
+async fn storm_held(
+    msg: &LockedMessage<'_>,
+    body: &RetryMessage,
+    event: &crate::event::Event,
+    attempted: &attempt::Attempted,
+    claimed: &Versioned<LedgerRecord>,
+    trial: Option<i64>,
+) -> bool {
+    let report = Report {
+        event,
+        attempt: body.attempt,
+        source: Source::Retry,
+        started: attempted.started,
+        outcome: &attempted.outcome,
+        trace_id: &attempted.trace_id,
+        traceparents: &body.traceparents,
+    };
+    msg.shared
+        .storm_verdict(&report, Some(&claimed.value), trial)
+        .await
+        == crate::breaker::storm::StormVerdict::Hold
+}
+
 /// Runs the attempt under the message's lock, keeping the claim while the handler runs, and
 /// tells the breaker its outcome; the slot goes when this returns. Returns the attempt and
 /// the claimed record.
@@ -385,6 +431,7 @@ async fn attempt_retry(
         slot: _slot,
         gate,
         waited,
+        trial: _,
     } = ready;
     // The policy in force is the one pinned in the ledger at the first failure.
     let pinned = claimed.value.policy.clone();

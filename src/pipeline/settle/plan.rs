@@ -91,6 +91,20 @@ pub(crate) fn plan(
     }
 }
 
+/// Whether settling `report` on `record` would dead-letter its event (a permanent refusal,
+/// or its last attempt): what the storm guard counts as a refusal before the settlement.
+pub(crate) fn dead_letters(
+    record: Option<&LedgerRecord>,
+    report: &Report<'_>,
+    policies: &Policies,
+    now: SystemTime,
+) -> bool {
+    matches!(
+        plan(record, report, policies, now, &mut rand::thread_rng()),
+        Plan::DeadLetter { .. }
+    )
+}
+
 /// A delivery, on a record that is not final: recorded whatever attempt it was.
 fn delivery(rec: &LedgerRecord, report: &Report<'_>, now: SystemTime) -> Plan {
     let event = report.event;

@@ -1,0 +1,443 @@
+//! The storm guard's pure logic, with an injected clock, and the shared guard on an in-memory
+//! store.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::azure::memory::MemoryRecordStore;
+
+fn cfg() -> StormGuardConfig {
+    StormGuardConfig {
+        min_refusals: 5,
+        share: 0.5,
+        window_ms: 60_000,
+        trial_every_ms: 10_000,
+        ..Default::default()
+    }
+}
+
+fn t(ms_: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000) + Duration::from_millis(ms_)
+}
+
+fn refused(who: &str, attempts: u32, refusals: u32, now: SystemTime) -> StormChange {
+    StormChange::Refused {
+        who: who.into(),
+        counts: Counts {
+            attempts,
+            refusals,
+            at_ms: ms(now),
+        },
+        trial: None,
+    }
+}
+
+#[test]
+fn trips_at_the_minimum_when_the_share_is_reached_and_not_before() {
+    let c = cfg();
+    let mut r = StormRecord::default();
+    for n in 1..5 {
+        r = apply(&r, &refused("a", n, n, t(n as u64)), t(n as u64), &c).unwrap();
+        assert_eq!(
+            on_refusal(&r, t(n as u64)),
+            RefusalVerdict::DeadLetter,
+            "{n}"
+        );
+    }
+    r = apply(&r, &refused("a", 5, 5, t(5)), t(5), &c).unwrap();
+    assert_eq!(
+        on_refusal(&r, t(5)),
+        RefusalVerdict::Hold,
+        "the fifth trips it"
+    );
+    let h = r.holding.clone().unwrap();
+    assert_eq!((h.refusals, h.attempts, r.holds), (5, 5, 1));
+    assert!(waiting(&r, &c).is_some_and(|w| w.contains("5 of 5 attempts")));
+}
+
+#[test]
+fn an_ordinary_share_of_refusals_never_trips_it() {
+    // 2 % refusals among many deliveries: 200 refusals in 10,000 attempts.
+    let c = cfg();
+    let mut r = StormRecord::default();
+    for n in 1..=200u32 {
+        let now = t(u64::from(n));
+        r = apply(&r, &refused("a", n * 50, n, now), now, &c).unwrap();
+        assert_eq!(on_refusal(&r, now), RefusalVerdict::DeadLetter);
+    }
+    assert_eq!(r.holds, 0);
+}
+
+#[test]
+fn replicas_counts_add_up_and_old_ones_leave_the_window() {
+    let c = cfg();
+    let mut r = StormRecord::default();
+    r = apply(&r, &refused("a", 2, 2, t(0)), t(0), &c).unwrap();
+    r = apply(&r, &refused("b", 2, 2, t(1)), t(1), &c).unwrap();
+    assert_eq!(r.totals(t(1), &c), (4, 4));
+    assert!(r.holding.is_none());
+    // a's counts are older than the window by now: not counted, and dropped.
+    let later = t(61_000);
+    r = apply(&r, &refused("b", 3, 3, later), later, &c).unwrap();
+    assert_eq!(r.totals(later, &c), (3, 3));
+    assert!(r.holding.is_none() && !r.counts.contains_key("a"));
+    r = apply(&r, &refused("c", 2, 2, later), later, &c).unwrap();
+    assert!(r.holding.is_some(), "3 + 2 within the window");
+}
+
+#[test]
+fn held_work_waits_for_one_trial_per_interval_and_a_delivery_releases() {
+    let c = cfg();
+    let held = apply(&StormRecord::default(), &refused("a", 5, 5, t(0)), t(0), &c).unwrap();
+    let (a, ch) = decide(&held, t(1000), &c, 0.0);
+    assert_eq!((a, ch), (StormAdmission::Wait(t(10_000)), None));
+    let (_, ch) = decide(&held, t(10_000), &c, 0.0);
+    assert_eq!(ch, Some(StormChange::TakeTrial));
+    let trial = apply(&held, &StormChange::TakeTrial, t(10_000), &c).unwrap();
+    assert_eq!(trial.trial_ms, Some(ms(t(10_000))));
+    assert_eq!(
+        apply(&trial, &StormChange::TakeTrial, t(10_001), &c),
+        None,
+        "one trial at a time"
+    );
+    assert!(
+        matches!(decide(&trial, t(10_001), &c, 0.0).0, StormAdmission::Wait(w) if w >= t(20_000))
+    );
+    // Refused again: still held, the next trial an interval later.
+    let again = StormChange::Refused {
+        who: "a".into(),
+        counts: Counts {
+            attempts: 6,
+            refusals: 6,
+            at_ms: ms(t(10_500)),
+        },
+        trial: Some(ms(t(10_000))),
+    };
+    let still = apply(&trial, &again, t(10_500), &c).unwrap();
+    assert_eq!(on_refusal(&still, t(10_500)), RefusalVerdict::Hold);
+    assert_eq!(still.next_trial(&c), Some(t(20_500)));
+    // A late delivery of the old trial changes nothing; the new trial's delivery releases.
+    let t2 = apply(&still, &StormChange::TakeTrial, t(20_500), &c).unwrap();
+    assert_eq!(
+        apply(
+            &t2,
+            &StormChange::Delivered {
+                trial: ms(t(10_000))
+            },
+            t(20_600),
+            &c
+        ),
+        None
+    );
+    let released = apply(
+        &t2,
+        &StormChange::Delivered {
+            trial: ms(t(20_500)),
+        },
+        t(20_600),
+        &c,
+    )
+    .unwrap();
+    assert_eq!(released.holding, None);
+    assert_eq!(released.totals(t(20_600), &c), (0, 0), "counted afresh");
+    assert_eq!(
+        decide(&released, t(20_600), &c, 0.0).0,
+        StormAdmission::Allow
+    );
+}
+
+#[test]
+fn operators_release_accept_and_hold_and_each_is_audited() {
+    let c = cfg();
+    let held = apply(&StormRecord::default(), &refused("a", 5, 5, t(0)), t(0), &c).unwrap();
+    let released = apply(
+        &held,
+        &StormChange::Release {
+            by: "ana".into(),
+            reason: None,
+        },
+        t(1),
+        &c,
+    )
+    .unwrap();
+    assert_eq!(released.holding, None);
+    assert_eq!(
+        released
+            .last_action
+            .as_ref()
+            .map(|a| (a.action.as_str(), a.by.as_str())),
+        Some(("release", "ana"))
+    );
+    assert_eq!(
+        apply(
+            &released,
+            &StormChange::Release {
+                by: "ana".into(),
+                reason: None
+            },
+            t(2),
+            &c
+        ),
+        None,
+        "nothing to release"
+    );
+    // Accepted: refusals are dead-lettered and never trip it, until the acceptance ends.
+    let accepted = apply(
+        &held,
+        &StormChange::Accept {
+            by: "bo".into(),
+            until: t(30_000),
+            reason: Some("schema change".into()),
+        },
+        t(1),
+        &c,
+    )
+    .unwrap();
+    assert_eq!(accepted.state(t(2)), StormState::Accepted);
+    let mut r = accepted;
+    for n in 1..=50u32 {
+        r = apply(
+            &r,
+            &refused("a", n, n, t(u64::from(n))),
+            t(u64::from(n)),
+            &c,
+        )
+        .unwrap();
+        assert_eq!(on_refusal(&r, t(u64::from(n))), RefusalVerdict::DeadLetter);
+    }
+    let after = t(30_001);
+    r = apply(&r, &refused("a", 51, 51, after), after, &c).unwrap();
+    assert_eq!(
+        on_refusal(&r, after),
+        RefusalVerdict::Hold,
+        "the acceptance ended"
+    );
+    // Held by hand: no trial releases it.
+    let by_hand = apply(
+        &StormRecord::default(),
+        &StormChange::Hold {
+            by: "cy".into(),
+            reason: Some("bad deploy".into()),
+        },
+        t(0),
+        &c,
+    )
+    .unwrap();
+    assert_eq!(by_hand.next_trial(&c), None);
+    assert!(matches!(
+        decide(&by_hand, t(100_000), &c, 0.0),
+        (StormAdmission::Wait(_), None)
+    ));
+    assert!(
+        waiting(&by_hand, &c).is_some_and(|w| w.contains("held by cy") && w.contains("bad deploy"))
+    );
+}
+
+#[test]
+fn config_names_the_key_and_types_can_be_left_out() {
+    assert_eq!(StormGuardConfig::default().validate(), Ok(()));
+    for (bad, key) in [
+        (
+            StormGuardConfig {
+                share: 0.0,
+                ..cfg()
+            },
+            "storm_guard.share",
+        ),
+        (
+            StormGuardConfig {
+                share: 1.5,
+                ..cfg()
+            },
+            "storm_guard.share",
+        ),
+        (
+            StormGuardConfig {
+                min_refusals: 1,
+                ..cfg()
+            },
+            "storm_guard.min_refusals",
+        ),
+        (
+            StormGuardConfig {
+                window_ms: 10,
+                ..cfg()
+            },
+            "storm_guard.window_ms",
+        ),
+        (
+            StormGuardConfig {
+                trial_every_ms: 10,
+                ..cfg()
+            },
+            "storm_guard.trial_every_ms",
+        ),
+    ] {
+        assert_eq!(bad.validate().unwrap_err().key(), key);
+    }
+    let mut c = cfg();
+    c.event_types
+        .insert("audit".into(), StormGuardType { enabled: false });
+    assert!(c.covers(None) && c.covers(Some("order")) && !c.covers(Some("audit")));
+    c.enabled = false;
+    assert!(!c.covers(Some("order")));
+}
+
+fn guard(
+    store: Arc<dyn crate::azure::RecordStore>,
+    who: &str,
+    clock: Arc<crate::clock::Clock>,
+) -> Guard {
+    Guard::new(store, "api", who, cfg()).with_clock(clock)
+}
+
+#[tokio::test]
+async fn replicas_together_dead_letter_fewer_than_the_minimum_before_it_holds() {
+    let store: Arc<dyn crate::azure::RecordStore> = Arc::new(MemoryRecordStore::new());
+    let clock = Arc::new(crate::clock::Clock::default());
+    let replicas: Vec<Arc<Guard>> = ["a", "b", "c"]
+        .into_iter()
+        .map(|w| Arc::new(guard(store.clone(), w, clock.clone())))
+        .collect();
+    let calls: Vec<_> = (0..30)
+        .map(|i| {
+            let g = replicas[i % 3].clone();
+            tokio::spawn(async move { g.counted(None, Counted::Refused, None).await })
+        })
+        .collect();
+    let mut dead = 0;
+    for c in calls {
+        if c.await.unwrap() == StormVerdict::Settle {
+            dead += 1;
+        }
+    }
+    assert_eq!(dead, 4, "min_refusals - 1 dead-lettered, cluster-wide");
+    let r = read(store.as_ref(), "api").await.unwrap().unwrap();
+    assert_eq!(r.held_refusals, 26);
+    // Every replica now makes new work wait, and one trial goes through once due.
+    for g in &replicas {
+        assert!(matches!(g.admit(None, 0.0).await, StormGate::Wait(_)));
+    }
+    clock.advance(Duration::from_secs(11));
+    let gates = futures::future::join_all(replicas.iter().map(|g| g.admit(None, 0.0))).await;
+    let trials: Vec<i64> = gates
+        .iter()
+        .filter_map(|g| match g {
+            StormGate::Run { trial } => *trial,
+            _ => None,
+        })
+        .collect();
+    assert_eq!(trials.len(), 1, "{gates:?}");
+    assert_eq!(
+        replicas[0]
+            .counted(None, Counted::Delivered, Some(trials[0]))
+            .await,
+        StormVerdict::Settle
+    );
+    assert_eq!(
+        read(store.as_ref(), "api").await.unwrap().unwrap().holding,
+        None
+    );
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        replicas[1].admit(None, 0.0).await,
+        StormGate::Run { trial: None }
+    );
+    // A type left out is never held.
+    let mut c = cfg();
+    c.event_types
+        .insert("audit".into(), StormGuardType { enabled: false });
+    let g = Guard::new(store.clone(), "api", "d", c).with_clock(clock.clone());
+    for _ in 0..10 {
+        assert_eq!(
+            g.counted(Some("audit"), Counted::Refused, None).await,
+            StormVerdict::Settle
+        );
+    }
+}
+
+/// What replicas do to the record, in any interleaving.
+#[derive(Debug, Clone)]
+enum Step {
+    Advance(u64),
+    Refuse(u8, bool),
+    Deliver(u8),
+    Ask,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (0u64..20_000).prop_map(Step::Advance),
+        (0u8..3, any::<bool>()).prop_map(|(w, t)| Step::Refuse(w, t)),
+        (0u8..3).prop_map(Step::Deliver),
+        Just(Step::Ask),
+    ]
+}
+
+proptest! {
+    /// Whatever the interleaving: refusals dead-lettered while it watches never reach the
+    /// minimum within one window, a trial is taken at most once per interval, and the guard
+    /// releases only through a delivered trial.
+    #[test]
+    fn dead_letters_stay_under_the_minimum_and_trials_are_paced(
+        steps in proptest::collection::vec(step(), 1..300),
+    ) {
+        let c = cfg();
+        let mut now = t(0);
+        let mut r = StormRecord::default();
+        let mut local: Vec<Vec<(SystemTime, bool)>> = vec![Vec::new(); 3];
+        let mut dead: Vec<SystemTime> = Vec::new();
+        let mut last_trial: Option<SystemTime> = None;
+        let mut delivered = false;
+        for s in steps {
+            let before = r.clone();
+            match s {
+                Step::Advance(d) => now += Duration::from_millis(d),
+                Step::Refuse(w, as_trial) => {
+                    let l = &mut local[w as usize];
+                    l.push((now, true));
+                    let within: Vec<_> = l.iter().filter(|(x, _)| now.duration_since(*x).unwrap_or_default() <= Duration::from_millis(c.window_ms)).collect();
+                    let counts = Counts { attempts: within.len() as u32, refusals: within.iter().filter(|(_, x)| *x).count() as u32, at_ms: ms(now) };
+                    let trial = if as_trial { r.trial_ms } else { None };
+                    r = apply(&r, &StormChange::Refused { who: w.to_string(), counts, trial }, now, &c).unwrap();
+                    if on_refusal(&r, now) == RefusalVerdict::DeadLetter {
+                        // Dead-lettered only below the threshold, as the totals stand.
+                        let (attempts, refusals) = r.totals(now, &c);
+                        prop_assert!(refusals < c.min_refusals || f64::from(refusals) < c.share * f64::from(attempts));
+                        dead.push(now);
+                        // A receiver refusing everything: fewer than the minimum per window.
+                        if !delivered {
+                            let in_window = dead.iter().filter(|x| now.duration_since(**x).unwrap_or_default() <= Duration::from_millis(c.window_ms)).count();
+                            prop_assert!(in_window < c.min_refusals as usize, "{in_window} dead letters within a window");
+                        }
+                    }
+                }
+                Step::Deliver(w) => {
+                    delivered = true;
+                    local[w as usize].push((now, false));
+                    if let Some(trial) = r.trial_ms {
+                        if let Some(next) = apply(&r, &StormChange::Delivered { trial }, now, &c) { r = next; }
+                    }
+                }
+                Step::Ask => {
+                    if let (_, Some(ch)) = decide(&r, now, &c, 0.5) {
+                        if let Some(next) = apply(&r, &ch, now, &c) {
+                            if let Some(prev) = last_trial {
+                                prop_assert!(now.duration_since(prev).unwrap_or_default() >= Duration::from_millis(c.trial_every_ms));
+                            }
+                            last_trial = Some(now);
+                            r = next;
+                        }
+                    }
+                }
+            }
+            if before.holding.is_some() && r.holding.is_none() {
+                prop_assert!(before.trial_ms.is_some(), "released without a trial");
+                dead.clear();
+            }
+        }
+    }
+}
