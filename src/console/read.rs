@@ -110,7 +110,21 @@ pub(crate) async fn lookup(
         return (StatusCode::BAD_REQUEST, Json(e)).into_response();
     }
     match find(&c, q).await {
-        Ok(Found::Record(rec)) => Json(story(&c, &rec)).into_response(),
+        Ok(Found::Record(rec)) => {
+            let mut v = story(&c, &rec);
+            // An operator's pause of retries (`hubguard retries pause`) that holds it: by whom.
+            crate::pipeline::control::add_retry_pause(&c.0.ledger, &rec, &mut v).await;
+            if let (Some(what), Some(why)) = (
+                v["paused"]["what"].as_str().map(str::to_string),
+                v["paused"]["reason_text"].as_str().map(str::to_string),
+            ) {
+                let line = format!("an operator paused {what}: {why} — its next attempt waits, uncounted, until `hubguard retries resume`");
+                if let Some(w) = v["waiting_because"].as_array_mut() {
+                    w.insert(0, line.into());
+                }
+            }
+            Json(v).into_response()
+        }
         Ok(Found::Parked(mut v)) => {
             redact_json(&mut v);
             v["now"] = rfc3339(c.now()).into();

@@ -188,6 +188,44 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
     let link = v["history"][0]["trace_url"].as_str().unwrap();
     let id = v["history"][0]["trace_id"].as_str().unwrap();
     assert_eq!(link, TRACE.replace("{trace_id}", id));
+    // An operator's pause of its retries (`hubguard retries pause`) says who paused it.
+    use hubguard::pipeline::control::{self, Pause, Resume, RetryFilter};
+    let (store, name) = (cb.bed.records(), control::record_name("hub", "$Default"));
+    let filter = RetryFilter {
+        key: Some("c-1".into()),
+        ..Default::default()
+    };
+    let pause = Pause {
+        by: "ops".into(),
+        since_ms: hubguard::clock::ms(std::time::SystemTime::now()),
+        reason: Some("receiver fix".into()),
+    };
+    control::pause_or_resume_retries(
+        store.as_ref(),
+        &name,
+        Some((filter.clone(), pause)),
+        None,
+        false,
+    )
+    .await
+    .unwrap();
+    let (_, v) = call(&addr, "GET", "/console/api/lookup?q=c-1", &[], None).await;
+    let first = v["waiting_because"][0].as_str().unwrap();
+    assert!(
+        first.starts_with("an operator paused retries of key c-1: paused by ops since")
+            && first.contains("receiver fix"),
+        "{v}"
+    );
+    assert_eq!(v["paused"]["by"], "ops", "{v}");
+    control::pause_or_resume_retries(
+        store.as_ref(),
+        &name,
+        None,
+        Some(Resume::Filter(filter)),
+        false,
+    )
+    .await
+    .unwrap();
     // Not found: the ledger's answer and a 404.
     let (code, v) = call(&addr, "GET", "/console/api/lookup?q=nope", &[], None).await;
     assert_eq!((code, v["state"].as_str()), (404, Some("UNKNOWN")));
