@@ -345,6 +345,19 @@ fn settler_of(config: &Config) -> anyhow::Result<Settler> {
 }
 
 /// Who acts: `--by`, else the user name.
+/// The control record's store and name for `config`.
+pub(super) fn control_of(
+    config: &crate::config::Config,
+) -> anyhow::Result<(impl crate::azure::RecordStore, String)> {
+    let deadline = std::time::Duration::from_millis(config.retry.call_deadline_ms);
+    let store = crate::wiring::StorageAccess::from_config(config)?.record_store(deadline)?;
+    let name = crate::pipeline::control::record_name(
+        &config.eventhubs.hub,
+        &config.eventhubs.consumer_group,
+    );
+    Ok((store, name))
+}
+
 fn operator(by: Option<String>) -> String {
     by.or_else(|| std::env::var("USER").ok())
         .or_else(|| std::env::var("USERNAME").ok())

@@ -99,9 +99,7 @@ pub(super) async fn partitions(cmd: PartitionsCommand) -> anyhow::Result<u8> {
         PartitionsCommand::Resume(a) => (false, a),
     };
     let config = load_config(&args.config)?;
-    let deadline = Duration::from_millis(config.retry.call_deadline_ms);
-    let store = StorageAccess::from_config(&config)?.record_store(deadline)?;
-    let name = control::record_name(&config.eventhubs.hub, &config.eventhubs.consumer_group);
+    let (store, name) = super::control_of(&config)?;
     let entry = Pause {
         by: operator(args.by),
         since_ms: crate::clock::ms(std::time::SystemTime::now()),

@@ -4,8 +4,8 @@
 use clap::{Args, Subcommand};
 
 use super::{
-    ledger_of, load_config, operator, settler_of, ConfigArg, EXIT_BUSY, EXIT_NOT_PENDING, EXIT_OK,
-    EXIT_UNKNOWN_KEY,
+    control_of, ledger_of, load_config, operator, settler_of, ConfigArg, EXIT_BUSY,
+    EXIT_NOT_PENDING, EXIT_OK, EXIT_UNKNOWN_KEY,
 };
 
 /// Options of `hubguard status`.
@@ -288,19 +288,6 @@ async fn act(args: ActionArgs, reason: Option<String>) -> anyhow::Result<u8> {
         println!("{text}");
     }
     Ok(code)
-}
-
-/// The control record's store and name for `config`.
-fn control_of(
-    config: &crate::config::Config,
-) -> anyhow::Result<(impl crate::azure::RecordStore, String)> {
-    let deadline = std::time::Duration::from_millis(config.retry.call_deadline_ms);
-    let store = crate::wiring::StorageAccess::from_config(config)?.record_store(deadline)?;
-    let name = crate::pipeline::control::record_name(
-        &config.eventhubs.hub,
-        &config.eventhubs.consumer_group,
-    );
-    Ok((store, name))
 }
 
 /// `retries pause` (`pause`) and `retries resume`: one compare-and-swap on the control
