@@ -42,9 +42,9 @@ pub enum OpsEventKind {
     RetriesExhausted,
     /// The deployment's rate to the downstream was lowered (subject: the downstream).
     RateLimitLowered,
-    /// Reserved: the dead-letter storm guard began holding a downstream's events.
+    /// The dead-letter storm guard began holding a downstream's events.
     StormGuardHolding,
-    /// Reserved: the dead-letter storm guard released them.
+    /// The dead-letter storm guard released them.
     StormGuardReleased,
 }
 

@@ -1,16 +1,20 @@
 //! Operational events (issue 41): CloudEvents about hubguard itself, here "retries
 //! exhausted" (dead letters) to a webhook — signed as deliveries are, once per suppression
 //! window with the suppressed ones counted into the next — and a destination that is down
-//! or hangs: counted (failed, dropped), readiness and delivery untouched.
+//! or hangs: counted (failed, dropped), readiness and delivery untouched; the breaker's
+//! opened/closed events end to end to a Service Bus queue from two replicas (one message
+//! each, by duplicate detection), and a Service Bus destination that refuses.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
 use axum::routing::post;
 use axum::Router;
+use hubguard::emulator::servicebus::QueueSpec;
 use hubguard::handler::signing::SigningKeys;
-use hubguard::opsevents::send::WebhookDestination;
+use hubguard::opsevents::send::{ServiceBusDestination, WebhookDestination};
 use hubguard::opsevents::{OpsEvents, OpsEventsSettings};
 use hubguard::SecretSource;
 
@@ -240,5 +244,198 @@ async fn a_destination_down_or_hanging_is_counted_and_delivery_goes_on() {
     })
     .await;
     assert_eq!(slow.counts().sent, 0);
+    run.stop().await;
+}
+
+/// The operational events' Service Bus queue on the bed's namespace, with duplicate
+/// detection (as docs/telemetry.md advises: the ids are derived from the shared records,
+/// so every replica's copy of one event has the same MessageId).
+fn ops_queue() -> hubguard::emulator::servicebus::QueueSpec {
+    let mut q = hubguard::emulator::servicebus::QueueSpec::new("ops");
+    q.duplicate_detection_window = Some(Duration::from_secs(600));
+    q
+}
+
+fn to_service_bus(bed: &Bed, queue: &str) -> Arc<OpsEvents> {
+    let cs: hubguard::azure::ConnectionString = bed.sb.connection_string().parse().unwrap();
+    let entity = hubguard::azure::ServiceBusRetryQueue::new(
+        &cs,
+        queue,
+        hubguard::azure::retry_queue::ServiceBusOptions::default(),
+    )
+    .unwrap()
+    .without_batching();
+    Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(60), 16),
+        Arc::new(ServiceBusDestination::new(
+            Arc::new(entity),
+            queue,
+            Duration::from_secs(5),
+        )),
+        bed.clock(),
+    ))
+}
+
+/// The CloudEvents on the `ops` queue, with their MessageId and Label, in send order.
+fn on_queue(bed: &Bed) -> Vec<(String, Option<String>, serde_json::Value)> {
+    let mut messages = bed
+        .sb
+        .queue("ops")
+        .unwrap()
+        .messages(hubguard::emulator::servicebus::broker::Entity::Main);
+    messages.sort_by_key(|m| m.sequence_number);
+    messages
+        .into_iter()
+        .map(|m| {
+            assert!(
+                m.content_type
+                    .as_deref()
+                    .is_some_and(|c| c.starts_with("application/cloudevents+json")),
+                "{:?}",
+                m.content_type
+            );
+            (
+                m.message_id,
+                m.label,
+                serde_json::from_slice(&m.body).unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn breaker_config() -> hubguard::breaker::BreakerConfig {
+    hubguard::breaker::BreakerConfig {
+        enabled: true,
+        consecutive_failures: 3,
+        failure_ratio: None,
+        ratio_window: 20,
+        open_ms: 3000,
+        spread_ms: 500,
+        probe_timeout_ms: 3000,
+        brink_hold_ms: 0,
+        ..Default::default()
+    }
+}
+
+/// The breaker's operational events end to end, to a Service Bus queue: a downstream down
+/// opens the breaker and two replicas sharing it each send `breaker.opened` — one message
+/// on the queue, because both derive the id from the shared record and the queue's
+/// duplicate detection drops the second; the downstream back, the breaker closes and
+/// `breaker.closed` follows, naming how long it was open. Each message's MessageId is the
+/// CloudEvent's id and its Label the type.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_opening_and_closing_reach_a_service_bus_queue_once() {
+    let bed = Bed::start_with_queues(2, vec![QueueSpec::new("retries"), ops_queue()]).await;
+    let handler = Arc::new(Scripted::default());
+    handler.outage.store(true, Ordering::SeqCst);
+    let replicas: Vec<(Arc<OpsEvents>, Running)> = ["replica-a", "replica-b"]
+        .into_iter()
+        .map(|owner| {
+            let events = to_service_bus(&bed, "ops");
+            let mut wiring = bed.wiring(owner).policy(fast_policy(10));
+            wiring.options_mut().ops_events = Some(events.clone());
+            let mut parts = wiring.parts(handler.clone()).unwrap();
+            parts.breaker = Some(breaker_config());
+            (events, Bed::run(parts))
+        })
+        .collect();
+    let keys: Vec<String> = (0..12).map(|i| format!("br-{i:02}")).collect();
+    for p in 0..2 {
+        let evs: Vec<(&str, &str)> = keys[p * 6..p * 6 + 6]
+            .iter()
+            .map(|k| (k.as_str(), "ok"))
+            .collect();
+        bed.send(p, &evs).await;
+    }
+    eventually("breaker.opened on the queue", LIMIT, || async {
+        seen(on_queue(&bed), |q| {
+            q.iter()
+                .any(|(_, _, e)| e["type"] == "com.hubguard.breaker.opened")
+        })
+    })
+    .await;
+    // Both replicas saw the same open breaker and sent its event.
+    eventually("both replicas sent it", LIMIT, || async {
+        seen(
+            replicas
+                .iter()
+                .map(|(e, _)| e.counts().sent)
+                .collect::<Vec<_>>(),
+            |s| s.iter().all(|n| *n >= 1),
+        )
+    })
+    .await;
+    handler.outage.store(false, Ordering::SeqCst);
+    eventually("every event delivered", LIMIT, || async {
+        seen(handler.delivered_keys(), |d| {
+            keys.iter().all(|k| d.contains(k))
+        })
+    })
+    .await;
+    eventually("breaker.closed on the queue", LIMIT, || async {
+        seen(on_queue(&bed), |q| {
+            q.iter()
+                .any(|(_, _, e)| e["type"] == "com.hubguard.breaker.closed")
+        })
+    })
+    .await;
+    for (_, run) in replicas {
+        run.stop().await;
+    }
+    let record = bed
+        .records()
+        .read(&hubguard::breaker::record_name("handler"))
+        .await
+        .unwrap()
+        .expect("breaker record");
+    let record: hubguard::breaker::BreakerRecord = serde_json::from_slice(&record.body).unwrap();
+    let q = on_queue(&bed);
+    let opened: Vec<_> = q
+        .iter()
+        .filter(|(_, _, e)| e["type"] == "com.hubguard.breaker.opened")
+        .collect();
+    assert_eq!(
+        opened.len() as u64,
+        record.opens,
+        "one message per opening, whichever replicas saw it: {q:#?}"
+    );
+    for (id, label, e) in &q {
+        assert_eq!(e["specversion"], "1.0", "{e}");
+        assert_eq!(e["subject"], "handler", "{e}");
+        assert_eq!(e["source"], "/hubguard/hub/$Default", "{e}");
+        assert_eq!(Some(id.as_str()), e["id"].as_str(), "MessageId is the id");
+        assert_eq!(label.as_deref(), e["type"].as_str(), "Label is the type");
+    }
+    let (_, _, first) = opened[0];
+    assert_eq!(first["data"]["downstream"], "handler", "{first}");
+    assert!(first["data"]["opened_at"].is_string(), "{first}");
+    let closed = q
+        .iter()
+        .find(|(_, _, e)| e["type"] == "com.hubguard.breaker.closed")
+        .unwrap();
+    assert_eq!(closed.2["data"]["downstream"], "handler", "{}", closed.2);
+}
+
+/// A Service Bus destination that cannot take the events (its queue does not exist:
+/// Service Bus answers 404): each event is counted as failed, readiness stays true and
+/// every event is delivered — the destination is not the pipeline's dependency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_bus_destination_that_refuses_is_counted_and_delivery_goes_on() {
+    let bed = Bed::start(1).await;
+    let events = to_service_bus(&bed, "no-such-queue");
+    let handler = Arc::new(Scripted::default());
+    let run = run_with(&bed, events.clone(), handler.clone(), "replica-sb-down");
+    bed.send(0, &[("q-perm", "perm"), ("q-ok-1", "ok"), ("q-ok-2", "ok")])
+        .await;
+    dead_lettered(&run, 1).await;
+    eventually("the failure counted", LIMIT, || async {
+        seen(events.counts(), |c| c.failed >= 1)
+    })
+    .await;
+    wait_for("delivered and ready", &run.health, LIMIT, || async {
+        handler.delivered_keys().len() == 2 && run.health.ready()
+    })
+    .await;
+    assert_eq!(events.counts().sent, 0);
     run.stop().await;
 }

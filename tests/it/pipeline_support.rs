@@ -135,6 +135,11 @@ impl Bed {
     }
 
     pub(crate) async fn start_with_queue(partitions: usize, queue: QueueSpec) -> Self {
+        Self::start_with_queues(partitions, vec![queue]).await
+    }
+
+    /// A bed whose Service Bus namespace has these queues (the first is usually `retries`).
+    pub(crate) async fn start_with_queues(partitions: usize, queues: Vec<QueueSpec>) -> Self {
         let eh = EventHubsEmulator::start(EventHubsConfig {
             hubs: vec![HubSpec::new("hub", partitions)],
             ..Default::default()
@@ -142,7 +147,7 @@ impl Bed {
         .await
         .unwrap();
         let sb = ServiceBusEmulator::start(ServiceBusConfig {
-            queues: vec![queue],
+            queues,
             ..Default::default()
         })
         .await
