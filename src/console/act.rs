@@ -1,6 +1,7 @@
-//! The console's actions — pause and resume partitions, retry now, cancel, replay one dead
-//! letter or a group — through the operations the command line calls (one implementation:
-//! `pipeline::control::pause_or_resume`, `Settler::retry_now`, `Settler::cancel`,
+//! The console's actions — pause and resume partitions or retries, retry now, cancel, replay
+//! one dead letter or a group — through the operations the command line calls (one
+//! implementation: `pipeline::control::pause_or_resume`,
+//! `pipeline::control::pause_or_resume_retries`, `Settler::retry_now`, `Settler::cancel`,
 //! `Settler::replay`, `Settler::replay_matching_ordered`, `pipeline::rewind::rewind`), each
 //! refused without the operator
 //! role or from another site, and each written to the audit trail (`audit.rs`: a record the
@@ -166,6 +167,12 @@ struct ActBody {
     /// A rewind's sequence number.
     #[serde(default)]
     sequence: Option<i64>,
+    /// `pause-retries` / `resume-retries`: which retries (`{}`: every retry).
+    #[serde(default)]
+    retries: Option<crate::pipeline::control::RetryFilter>,
+    /// `resume-retries`: every pause of retries.
+    #[serde(default)]
+    all: bool,
 }
 
 /// A replay's filter as the page sends it (times RFC 3339).
@@ -243,8 +250,8 @@ impl Console {
     }
 }
 
-/// `POST /console/api/act/{action}`: `pause`, `resume`, `retry-now`, `cancel`, `replay`,
-/// `rewind`.
+/// `POST /console/api/act/{action}`: `pause`, `resume`, `pause-retries`, `resume-retries`,
+/// `retry-now`, `cancel`, `replay`, `rewind`.
 pub(crate) async fn act(
     State(c): State<Console>,
     Path(action): Path<String>,
@@ -271,6 +278,9 @@ pub(crate) async fn act(
     let (target, dry_run) = (action_target(&body), body.dry_run);
     let result = match action.as_str() {
         "pause" | "resume" => pause(&c, action == "pause", who, &body).await,
+        "pause-retries" | "resume-retries" => {
+            pause_retries(&c, action == "pause-retries", who, &body).await
+        }
         "retry-now" | "cancel" => on_retry(&c, &action, who, &body).await,
         "replay" => replay(&c, who, body).await,
         "rewind" => rewind(&c, who, body).await,
@@ -297,6 +307,12 @@ pub(crate) async fn act(
 type Acted = Result<(String, Value), (String, Box<Response>)>;
 
 fn action_target(b: &ActBody) -> Value {
+    if let Some(f) = &b.retries {
+        return json!({ "retries": f, "reason": b.reason });
+    }
+    if b.all {
+        return json!({ "retries": "all" });
+    }
     if let Some(k) = &b.key {
         return json!({ "key": k });
     }
@@ -368,6 +384,41 @@ async fn pause(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
         Err(e @ ControlError::AllPaused(_)) => {
             let text = e.to_string();
             Err((format!("refused: {text}"), Box::new(bad(text))))
+        }
+        Err(e) => Err(failed(e)),
+    }
+}
+
+/// Pauses retries matching `b.retries`, or resumes the pause with exactly that filter (or
+/// every pause, with `all`), through `retries pause|resume`'s one implementation.
+async fn pause_retries(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
+    use crate::pipeline::control::{pause_or_resume_retries, Pause, Resume};
+    let refused = |text: &str| Err((format!("refused: {text}"), Box::new(bad(text))));
+    let (pausing, resume) = match (pause, &b.retries, b.all) {
+        (true, Some(f), false) => {
+            let entry = Pause {
+                by: who.to_string(),
+                since_ms: ms(c.0.health.clock().now()),
+                reason: b.reason.clone().filter(|r| !r.trim().is_empty()),
+            };
+            (Some((f.clone(), entry)), None)
+        }
+        (false, Some(f), false) => (None, Some(Resume::Filter(f.clone()))),
+        (false, None, true) => (None, Some(Resume::Everything)),
+        (true, _, _) => return refused("give `retries`: the filter of the retries to pause"),
+        _ => return refused("give `retries` (the pause's filter) or `all: true`, not both"),
+    };
+    let store = c.0.ledger.store().clone();
+    let name = c.0.ledger.control_record_name();
+    match pause_or_resume_retries(store.as_ref(), &name, pausing, resume, b.dry_run).await {
+        Ok(r) => {
+            let outcome = match (r.changed, b.dry_run) {
+                (false, _) => "nothing to change",
+                (true, true) => "would change",
+                (true, false) => "changed; every replica follows within seconds",
+            };
+            let v = json!({ "outcome": outcome, "control": r.record });
+            Ok((outcome.to_string(), v))
         }
         Err(e) => Err(failed(e)),
     }

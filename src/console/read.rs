@@ -358,6 +358,15 @@ pub(crate) async fn retries(
         Ok(p) => p,
         Err(e) => return unavailable(e),
     };
+    // The operators' pauses of retries (`hubguard retries pause`): listed, and named on
+    // each row they hold. A control record that cannot be read is said, never taken as
+    // "nothing paused".
+    let name = c.0.ledger.control_record_name();
+    let control = crate::pipeline::control::read(c.0.ledger.store().as_ref(), &name).await;
+    let pauses = match &control {
+        Ok(r) => r.as_ref().map(|p| p.value.clone()).unwrap_or_default(),
+        Err(_) => Default::default(),
+    };
     let now = ms(c.now());
     let rows: Vec<Value> = page
         .soonest
@@ -367,6 +376,11 @@ pub(crate) async fn retries(
             v["event_type"] = p.event_type.clone().into();
             v["partition"] = p.partition.clone().into();
             v["overdue"] = (ms(p.due) < now).into();
+            if let Some(held) =
+                pauses.retry_pause(&p.key, p.event_type.as_deref(), p.last_error.as_deref())
+            {
+                v["paused"] = retry_pause_view(held);
+            }
             v
         })
         .collect();
@@ -382,9 +396,22 @@ pub(crate) async fn retries(
         "listed_at": rfc3339(listed_at),
         "listed_ago_ms": page.age.as_millis() as u64,
         "now": rfc3339(c.now()),
+        "pauses": pauses.retries.iter().map(retry_pause_view).collect::<Vec<_>>(),
     });
+    if let Err(e) = control {
+        v["pauses_unknown"] = redacted(&e.to_string()).into();
+    }
     redact_json(&mut v);
     Json(v).into_response()
+}
+
+/// An operator's pause of retries as the page shows it: its filter, what it holds in
+/// words, who, since when, why.
+fn retry_pause_view(p: &crate::pipeline::control::RetryPause) -> Value {
+    let mut v = serde_json::to_value(p).unwrap_or_default();
+    v["what"] = p.filter.to_string().into();
+    v["since"] = rfc3339(at(p.pause.since_ms)).into();
+    v
 }
 
 /// A listing younger than this answers a page as it is.

@@ -358,6 +358,56 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
     assert_eq!(code, 200, "{v}");
     assert!(v["control"]["partitions"].as_object().unwrap().is_empty());
 
+    // Pause retries by event type from the retries page: the page lists the pause and names
+    // it on each row it holds; resuming that filter lifts it; asking for neither is refused.
+    let by_type = json!({ "retries": { "event_type": "test.event" }, "reason": "receiver fix" });
+    let (code, v) = call(
+        &addr,
+        "POST",
+        "/console/api/act/pause-retries",
+        &good,
+        Some(by_type),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["control"]["retries"][0]["by"], "operator (token)", "{v}");
+    let (_, v) = call(&addr, "GET", "/console/api/retries", &[], None).await;
+    assert_eq!(
+        v["pauses"][0]["what"], "retries of event type test.event",
+        "{v}"
+    );
+    assert_eq!(v["pauses"][0]["reason"], "receiver fix", "{v}");
+    assert_eq!(v["retries"][0]["key"], "c-1", "{v}");
+    assert_eq!(v["retries"][0]["paused"]["by"], "operator (token)", "{v}");
+    let (_, v) = call(&addr, "GET", "/console/api/lookup?q=c-1", &[], None).await;
+    assert_eq!(
+        v["paused"]["what"], "retries of event type test.event",
+        "{v}"
+    );
+    let resume = json!({ "retries": { "event_type": "test.event" } });
+    let (code, v) = call(
+        &addr,
+        "POST",
+        "/console/api/act/resume-retries",
+        &good,
+        Some(resume),
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    assert!(v["control"]["retries"].is_null(), "{v}");
+    let (_, v) = call(&addr, "GET", "/console/api/retries", &[], None).await;
+    assert_eq!(v["pauses"], json!([]), "{v}");
+    assert!(v["retries"][0]["paused"].is_null(), "{v}");
+    let (code, _) = call(
+        &addr,
+        "POST",
+        "/console/api/act/resume-retries",
+        &good,
+        Some(json!({})),
+    )
+    .await;
+    assert_eq!(code, 400, "neither a filter nor all");
+
     // The audit trail: who, what, the outcome — refusals included.
     let (_, v) = call(&addr, "GET", "/console/api/audit", &[], None).await;
     let entries = v["entries"].as_array().unwrap();
@@ -365,11 +415,17 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
         .iter()
         .filter(|e| e["outcome"].as_str().unwrap().starts_with("refused"))
         .count();
-    assert_eq!(refused, 3, "{v:#}");
+    assert_eq!(
+        refused, 4,
+        "three refused for access, one resume naming nothing: {v:#}"
+    );
     assert!(entries
         .iter()
         .any(|e| e["action"] == "pause" && e["who"] == "operator (token)"));
     assert!(entries.iter().any(|e| e["action"] == "replay-job"));
+    assert!(entries.iter().any(|e| e["action"] == "pause-retries"
+        && e["target"]["retries"]["event_type"] == "test.event"
+        && e["outcome"].as_str().unwrap().starts_with("changed")));
     let text = v.to_string();
     assert!(!text.contains(OPERATOR_TOKEN), "the token never shows");
     cb.stop().await;

@@ -388,9 +388,30 @@ async fn operators_replay_a_group_and_pause_a_partition_and_forgeries_are_refuse
         seen(row, |t| !t.contains("paused by"))
     })
     .await;
+    // Pause the retries of w-1 from the retries page: the row and the list of pauses say
+    // who and why; resume it from the list.
+    b.open(&page(&cb, "#retries")).await;
+    b.text_of("#retries tbody", "w-1 waits", |t| t.contains("w-1"))
+        .await;
+    b.click("#retries tbody tr button").await;
+    b.answer_prompt("receiver fix").await;
+    b.text_of("#retry-pauses", "the pause listed", |t| {
+        t.contains("retries of key w-1: paused by operator (token)") && t.contains("receiver fix")
+    })
+    .await;
+    b.text_of("#retries tbody", "the row paused", |t| {
+        t.contains("paused by operator (token)")
+    })
+    .await;
+    b.screenshot("operator-retries-paused").await;
+    b.click("#retry-pauses button").await;
+    b.text_of("#retries tbody", "the row resumed", |t| {
+        t.contains("w-1") && !t.contains("paused by")
+    })
+    .await;
     b.open(&page(&cb, "#audit")).await;
     b.text_of("#audit", "the audit trail", |t| {
-        t.contains("resume") && t.contains("replay-job")
+        t.contains("resume") && t.contains("replay-job") && t.contains("resume-retries")
     })
     .await;
     b.screenshot("operator-audit").await;

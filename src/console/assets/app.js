@@ -193,6 +193,7 @@ async function loadRetries() {
   const tb = clear($("retries").tBodies[0]);
   if (r.status !== 200) { $("retries-count").textContent = r.data.error || ""; return; }
   $("retries-count").textContent = r.data.matched + " of " + r.data.waiting + " waiting match; soonest first" + (r.data.shown < r.data.matched ? " (first " + r.data.shown + " shown)" : "") + "; listed " + Math.round(r.data.listed_ago_ms / 1000) + " s ago";
+  showRetryPauses(r.data);
   for (const x of r.data.retries) {
     const tr = el("tr");
     tr.appendChild(el("td", inWords(x.due) + " · " + twoZones(x.due), x.overdue ? "error" : ""));
@@ -200,8 +201,38 @@ async function loadRetries() {
     const td = el("td", null, "key"); const a = el("a", x.key); a.href = "#key=" + encodeURIComponent(x.key); td.appendChild(a); tr.appendChild(td);
     tr.appendChild(el("td", x.event_type || ""));
     tr.appendChild(el("td", x.last_error || ""));
+    tr.appendChild(el("td", x.paused ? pauseText(x.paused) : "", x.paused ? "paused" : ""));
+    const acts = el("td");
+    if (!x.paused) acts.appendChild(button("Pause", () => pauseRetries({ key: x.key }, "the retries of " + x.key)));
+    tr.appendChild(acts);
     tb.appendChild(tr);
   }
+}
+
+// Operators' pauses of retries (`hubguard retries pause|resume`): waiting past their due
+// time without counting an attempt, until resumed.
+function pauseText(p) { return p.what + ": paused by " + p.by + " since " + twoZones(p.since) + (p.reason ? " — " + p.reason : ""); }
+async function pauseRetries(filter, what) {
+  const why = prompt("Why pause " + what + "?", "");
+  if (why === null) return;
+  const r = await act("pause-retries", { retries: filter, reason: why });
+  if (r) { say("pause retries: " + r.outcome); loadRetries(); }
+}
+function showRetryPauses(data) {
+  const ul = clear($("retry-pauses"));
+  if (data.pauses_unknown) ul.appendChild(el("li", "whether retries are paused is unknown: " + data.pauses_unknown, "error"));
+  for (const p of data.pauses || []) {
+    const li = el("li", pauseText(p) + " ", "paused");
+    li.appendChild(button("Resume", async () => { const r = await act("resume-retries", { retries: p.filter }); if (r) { say("resume retries: " + r.outcome); loadRetries(); } }));
+    ul.appendChild(li);
+  }
+  const box = clear($("retry-pause-actions"));
+  const filter = {};
+  if ($("f-type").value.trim()) filter.event_type = $("f-type").value.trim();
+  if ($("f-error").value.trim()) filter.error = $("f-error").value.trim();
+  const what = Object.keys(filter).length ? "the retries this filter matches (type and error)" : "every retry";
+  box.appendChild(button(Object.keys(filter).length ? "Pause retries matching the filter" : "Pause every retry", () => pauseRetries(filter, what)));
+  if ((data.pauses || []).length > 1) box.appendChild(button("Resume every pause", async () => { const r = await act("resume-retries", { all: true }); if (r) { say("resume retries: " + r.outcome); loadRetries(); } }));
 }
 
 // ---- dead letters ----
