@@ -16,7 +16,7 @@ impl Observed for Health {
     }
 
     fn held_for(&self) -> BTreeMap<String, (&'static str, f64)> {
-        crate::telemetry::gauges::PipelineReadings::held_for(self)
+        self.held_by_partition()
     }
 }
 

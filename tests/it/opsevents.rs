@@ -3,7 +3,8 @@
 //! window with the suppressed ones counted into the next — and a destination that is down
 //! or hangs: counted (failed, dropped), readiness and delivery untouched; the breaker's
 //! opened/closed events end to end to a Service Bus queue from two replicas (one message
-//! each, by duplicate detection), and a Service Bus destination that refuses.
+//! each, by duplicate detection), and a Service Bus destination that refuses; the storm
+//! guard's holding/released; a partition held past the bound, once per hold, under its id.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -438,4 +439,176 @@ async fn a_service_bus_destination_that_refuses_is_counted_and_delivery_goes_on(
     .await;
     assert_eq!(events.counts().sent, 0);
     run.stop().await;
+}
+
+/// Refuses every event for good (a receiver's bad deploy) while `refuse` is set.
+#[derive(Default)]
+struct Refusing {
+    refuse: std::sync::atomic::AtomicBool,
+    delivered: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl hubguard::handler::Handler for Refusing {
+    async fn handle(
+        &self,
+        event: &hubguard::event::Event,
+        _: &hubguard::handler::Attempt,
+    ) -> hubguard::handler::Outcome {
+        use hubguard::handler::{Failure, Outcome};
+        if self.refuse.load(Ordering::SeqCst) {
+            return Outcome::Failed(Failure::permanent("HTTP 400 from the receiver"));
+        }
+        let key = event.identity.idempotency_key.clone();
+        self.delivered.lock().unwrap().push(key);
+        Outcome::Delivered
+    }
+}
+
+fn of_type(got: &Received, kind: &str) -> Vec<serde_json::Value> {
+    got.lock()
+        .unwrap()
+        .iter()
+        .map(|(_, b)| serde_json::from_str::<serde_json::Value>(b).unwrap())
+        .filter(|e| e["type"] == kind)
+        .collect()
+}
+
+/// The storm guard's events end to end: a receiver refusing everything trips the guard
+/// (`stormguard.holding`, with the counts that tripped it); fixed, a trial releases it
+/// (`stormguard.released`) and every held event is delivered. The dead letters before the
+/// guard held are reported as `retries.exhausted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_storm_guard_holding_and_releasing_reach_the_webhook() {
+    let bed = Bed::start(1).await;
+    let (url, got) = receiver().await;
+    let dest = WebhookDestination::new(url.parse().unwrap(), Duration::from_secs(5), None).unwrap();
+    let events = Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(60), 16),
+        Arc::new(dest),
+        bed.clock(),
+    ));
+    let handler = Arc::new(Refusing::default());
+    handler.refuse.store(true, Ordering::SeqCst);
+    let mut wiring = bed.wiring("replica-storm").policy(fast_policy(50));
+    let o = wiring.options_mut();
+    o.ops_events = Some(events.clone());
+    o.storm_guard = Some(hubguard::breaker::storm::StormGuardConfig {
+        min_refusals: 3,
+        share: 0.5,
+        window_ms: 60_000,
+        trial_every_ms: 1_000,
+        ..Default::default()
+    });
+    let run = Bed::run(wiring.parts(handler.clone()).unwrap());
+    let keys: Vec<String> = (0..10).map(|i| format!("sg-{i:02}")).collect();
+    bed.send(
+        0,
+        &keys.iter().map(|k| (k.as_str(), "x")).collect::<Vec<_>>(),
+    )
+    .await;
+    eventually("stormguard.holding sent", LIMIT, || async {
+        seen(of_type(&got, "com.hubguard.stormguard.holding"), |v| {
+            !v.is_empty()
+        })
+    })
+    .await;
+    handler.refuse.store(false, Ordering::SeqCst);
+    eventually("stormguard.released sent", LIMIT, || async {
+        seen(of_type(&got, "com.hubguard.stormguard.released"), |v| {
+            !v.is_empty()
+        })
+    })
+    .await;
+    let dead = run.health.snapshot().dead_lettered;
+    eventually("every held event delivered", LIMIT, || async {
+        seen(handler.delivered.lock().unwrap().len() as u64, |n| {
+            *n + dead >= keys.len() as u64
+        })
+    })
+    .await;
+    run.stop().await;
+    assert!(dead < 3, "fewer than the minimum dead-lettered: {dead}");
+    let holding = &of_type(&got, "com.hubguard.stormguard.holding")[0];
+    assert_eq!(holding["subject"], "handler", "{holding}");
+    assert_eq!(holding["data"]["downstream"], "handler", "{holding}");
+    assert!(
+        holding["data"]["refusals"].as_u64() >= Some(3),
+        "the counts that tripped it: {holding}"
+    );
+    assert!(holding["data"]["reason"].is_string(), "{holding}");
+    let released = &of_type(&got, "com.hubguard.stormguard.released")[0];
+    assert_eq!(
+        released["data"]["holding_since"], holding["data"]["holding_since"],
+        "{released}"
+    );
+    // The dead letters before it held: the first reported at once (later ones within the
+    // 60 s window wait for the next event).
+    let exhausted = of_type(&got, "com.hubguard.retries.exhausted");
+    assert_eq!(exhausted.is_empty(), dead == 0, "{exhausted:?}");
+    for e in &exhausted {
+        assert!(
+            e["data"]["dead_lettered_total"].as_u64() <= Some(dead),
+            "{e}"
+        );
+    }
+}
+
+/// A partition held past the bound (here an operator's pause, bound 5 s on the bed's
+/// clock): one `partition.held` per hold, naming the partition and why; after a resume and a
+/// new pause, one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_held_past_the_bound_is_sent_once_per_hold() {
+    use hubguard::pipeline::control::{self, Pause};
+    let bed = Bed::start(1).await;
+    let (url, got) = receiver().await;
+    let dest = WebhookDestination::new(url.parse().unwrap(), Duration::from_secs(5), None).unwrap();
+    let mut s = settings(Duration::from_secs(1), 16);
+    s.held_longer_than = Duration::from_secs(5);
+    let events = Arc::new(OpsEvents::new(s, Arc::new(dest), bed.clock()));
+    let handler = Arc::new(Scripted::default());
+    let run = run_with(&bed, events.clone(), handler.clone(), "replica-held");
+    let (store, name) = (bed.records(), control::record_name("hub", "$Default"));
+    let pause = |reason: &str| Pause {
+        by: "ops".into(),
+        since_ms: hubguard::clock::ms(bed.clock().now()),
+        reason: Some(reason.into()),
+    };
+    for round in 1..=2usize {
+        let entry = pause("maintenance");
+        control::pause_or_resume(store.as_ref(), &name, true, &["0".into()], entry, false)
+            .await
+            .unwrap();
+        wait_for("partition 0 paused", &run.health, LIMIT, || async {
+            run.health.held().contains_key(&control::held_name("0"))
+        })
+        .await;
+        bed.clock().advance(Duration::from_secs(6));
+        eventually("partition.held sent", LIMIT, || async {
+            seen(of_type(&got, "com.hubguard.partition.held").len(), |n| {
+                *n == round
+            })
+        })
+        .await;
+        let entry = pause("done");
+        control::pause_or_resume(store.as_ref(), &name, false, &["0".into()], entry, false)
+            .await
+            .unwrap();
+        wait_for("partition 0 resumed", &run.health, LIMIT, || async {
+            !run.health.held().contains_key(&control::held_name("0"))
+        })
+        .await;
+        bed.clock().advance(Duration::from_secs(2));
+    }
+    run.stop().await;
+    let held = of_type(&got, "com.hubguard.partition.held");
+    assert_eq!(held.len(), 2, "once per hold: {held:?}");
+    assert_eq!(held[0]["subject"], "0", "{}", held[0]);
+    assert_eq!(held[0]["data"]["partition"], "0", "{}", held[0]);
+    assert!(
+        held[0]["data"]["held_for_s"].as_f64() >= Some(5.0),
+        "{}",
+        held[0]
+    );
+    assert!(held[0]["data"]["reason"].is_string(), "{}", held[0]);
 }

@@ -99,13 +99,21 @@ impl State {
     /// Held subjects: for each, the oldest held event's reason and sequence number, since
     /// the earliest hold began.
     fn held(&self) -> BTreeMap<String, Held> {
+        self.held_subjects()
+            .into_iter()
+            .map(|(subject, h)| (subject.to_string(), h))
+            .collect()
+    }
+
+    /// [`held`](Self::held), by subject.
+    fn held_subjects(&self) -> Vec<(&HoldSubject, Held)> {
         self.holds
             .iter()
             .filter_map(|(subject, events)| {
                 let (event, oldest) = events.iter().next()?;
                 let since = events.values().map(|e| e.since).min()?;
                 Some((
-                    subject.to_string(),
+                    subject,
                     Held {
                         cause: oldest.cause,
                         since,
@@ -269,6 +277,31 @@ impl Health {
     /// the earliest hold began.
     pub fn held(&self) -> BTreeMap<String, Held> {
         self.state().held()
+    }
+
+    /// How long each hold has lasted and its label, by what it holds: a partition's own holds
+    /// and an operator's pause of it under the partition's id (the longest), the handler's
+    /// and the rate limit's under the names readiness lists them by. For the operational
+    /// event `partition.held`, whose subject is the partition.
+    pub(crate) fn held_by_partition(&self) -> BTreeMap<String, (&'static str, f64)> {
+        let now = self.clock.now();
+        let st = self.state();
+        let mut out: BTreeMap<String, (&'static str, f64)> = BTreeMap::new();
+        for (subject, h) in st.held_subjects() {
+            let name = match subject {
+                HoldSubject::Partition(id) | HoldSubject::PausedPartition(id) => id.clone(),
+                other => other.to_string(),
+            };
+            let secs = now
+                .duration_since(h.since)
+                .unwrap_or_default()
+                .as_secs_f64();
+            let longer = out.get(&name).is_none_or(|(_, s)| secs > *s);
+            if longer {
+                out.insert(name, (h.cause.label(), secs));
+            }
+        }
+        out
     }
 
     /// Records that this replica processes `partition` (and its last checkpoint).
