@@ -4,7 +4,8 @@
 //! or hangs: counted (failed, dropped), readiness and delivery untouched; the breaker's
 //! opened/closed events end to end to a Service Bus queue from two replicas (one message
 //! each, by duplicate detection), and a Service Bus destination that refuses; the storm
-//! guard's holding/released; a partition held past the bound, once per hold, under its id.
+//! guard's holding/released; a partition held past the bound, once per hold, under its id;
+//! the rate limit lowered by a throttling receiver, once per window.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -611,4 +612,71 @@ async fn a_partition_held_past_the_bound_is_sent_once_per_hold() {
         held[0]
     );
     assert!(held[0]["data"]["reason"].is_string(), "{}", held[0]);
+}
+
+/// A receiver throttling with 429s lowers the deployment's rate: `ratelimit.lowered` names
+/// the downstream, why (`throttled_429`), the rates and the configured limit — once per
+/// suppression window however many decreases follow — and every event is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_lowered_reaches_the_webhook_once_per_window() {
+    use hubguard::emulator::capped::CappedReceiver;
+    use hubguard::handler::webhook::{WebhookConfig, WebhookHandler};
+    let bed = Bed::start(1).await;
+    let (url, got) = receiver().await;
+    let dest = WebhookDestination::new(url.parse().unwrap(), Duration::from_secs(5), None).unwrap();
+    let events = Arc::new(OpsEvents::new(
+        settings(Duration::from_secs(600), 16),
+        Arc::new(dest),
+        bed.clock(),
+    ));
+    // The receiver takes 5 requests a second; the deployment may send 40.
+    let capped = CappedReceiver::start("127.0.0.1:0".parse().unwrap(), Some(5), None)
+        .await
+        .unwrap();
+    let handler: Arc<dyn hubguard::handler::Handler> = Arc::new(
+        WebhookHandler::new(WebhookConfig {
+            timeout_ms: 3000,
+            ..WebhookConfig::new(capped.url())
+        })
+        .unwrap(),
+    );
+    let downstream = handler.downstream();
+    let mut wiring = bed.wiring("replica-rate").policy(fast_policy(20));
+    let o = wiring.options_mut();
+    o.ops_events = Some(events.clone());
+    o.rate_limit = hubguard::ratelimit::RateLimitConfig::per_second(40.0);
+    o.max_in_flight = 8;
+    let run = Bed::run(wiring.parts(handler).unwrap());
+    let keys: Vec<String> = (0..60).map(|i| format!("rl-{i:02}")).collect();
+    bed.send(
+        0,
+        &keys.iter().map(|k| (k.as_str(), "ok")).collect::<Vec<_>>(),
+    )
+    .await;
+    eventually("ratelimit.lowered sent", LIMIT, || async {
+        seen(of_type(&got, "com.hubguard.ratelimit.lowered"), |v| {
+            !v.is_empty()
+        })
+    })
+    .await;
+    eventually("every key delivered", Duration::from_secs(120), || async {
+        let delivered = capped.delivered();
+        seen(
+            keys.iter().filter(|k| delivered.contains_key(*k)).count(),
+            |n| *n == keys.len(),
+        )
+    })
+    .await;
+    run.stop().await;
+    assert!(capped.throttled() > 0);
+    let lowered = of_type(&got, "com.hubguard.ratelimit.lowered");
+    assert_eq!(lowered.len(), 1, "one per window: {lowered:?}");
+    let e = &lowered[0];
+    assert_eq!(e["subject"], downstream.as_str(), "{e}");
+    assert_eq!(e["data"]["downstream"], downstream.as_str(), "{e}");
+    assert_eq!(e["data"]["reason"], "throttled_429", "{e}");
+    assert_eq!(e["data"]["limit"], 40.0, "{e}");
+    assert!(e["data"]["deployment_rate"].as_f64() < Some(40.0), "{e}");
+    assert!(e["data"]["decreases"].as_u64() >= Some(1), "{e}");
+    assert!(e["data"]["decreases_total"].as_u64() >= e["data"]["decreases"].as_u64());
 }
