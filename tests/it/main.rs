@@ -5,6 +5,7 @@ mod alerts;
 mod architecture;
 mod backlog;
 mod bad_state;
+mod batch_breaker;
 mod batches;
 mod blob;
 mod cli;
