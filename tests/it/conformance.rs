@@ -90,7 +90,10 @@ pub(crate) fn load(file: &str) -> Vec<Exchange> {
                 .unwrap_or_default();
             let body = match response_headers.get("content-type") {
                 Some(t) if !t.contains("xml") => text(&e["ResponseBody"]).map(|b| {
-                    let bytes = binary(b, response_headers.get("content-length").map(String::as_str));
+                    let bytes = binary(
+                        b,
+                        response_headers.get("content-length").map(String::as_str),
+                    );
                     String::from_utf8(bytes).expect("a recorded download is UTF-8 text")
                 }),
                 _ => text(&e["ResponseBody"]),
@@ -499,8 +502,7 @@ fn rewritten(x: &Exchange, etags: &BTreeMap<String, String>, now: SystemTime) ->
                 }
             }
             "if-modified-since" | "if-unmodified-since" => {
-                if let (Some(at), Some(date)) =
-                    (hubguard::clock::parse_http_date(v), recorded_date)
+                if let (Some(at), Some(date)) = (hubguard::clock::parse_http_date(v), recorded_date)
                 {
                     let shift = hubguard::clock::ms(at) - hubguard::clock::ms(date);
                     *v = hubguard::clock::http_date(hubguard::clock::at(
@@ -545,7 +547,9 @@ async fn replay_blob_recording(
     for x in &exchanges {
         let blob = blob_path(x);
         if let Some(b) = &blob {
-            if matches!(x.method.as_str(), "GET" | "HEAD") && x.status != 404 && !written.contains(b)
+            if matches!(x.method.as_str(), "GET" | "HEAD")
+                && x.status != 404
+                && !written.contains(b)
             {
                 put_left_out_upload(&base, b, left_out_upload).await;
                 written.insert(b.clone());
@@ -714,7 +718,10 @@ fn replayed_conditions_keep_their_meaning() {
     let etags: BTreeMap<String, String> =
         [("0x8DC867E53BE7CFB".to_string(), "0x1D1".to_string())].into();
     let now = hubguard::clock::at(1_800_000_000_000);
-    assert_eq!(header(&rewritten(&x[11], &etags, now), "if-none-match"), "0x1D1");
+    assert_eq!(
+        header(&rewritten(&x[11], &etags, now), "if-none-match"),
+        "0x1D1"
+    );
     let ahead = hubguard::clock::parse_http_date(&header(
         &rewritten(&x[1], &etags, now),
         "if-modified-since",

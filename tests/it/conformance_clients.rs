@@ -236,3 +236,137 @@ async fn service_bus_client_reads_azures_queue_description() {
     assert_eq!(d.max_message_size_in_kilobytes, Some(256));
     server.abort();
 }
+
+/// hubguard's blob client on Azure's answers to the reads and writes of its ledger: a ranged
+/// download (206, the bytes the Rust SDK recorded), a revalidation Azure answers 304 with
+/// `x-ms-error-code: ConditionNotMet` and no body, a tagged Put Blob (its `x-ms-tags` encoded
+/// as the Rust SDK sent it), a second create refused 409 `BlobAlreadyExists` with Azure's
+/// error body, and a blob's index tags written and read back (a BOM-prefixed `<Tags>`,
+/// Azure's key order, an empty `<TagSet/>`).
+#[tokio::test]
+async fn blob_client_reads_azures_downloads_conditions_and_tags() {
+    let (base, server) = replay_server(&[
+        "test_download_blob.json",
+        "DownloadAsync_AccessConditionsFail.json",
+        "test_blob_error_codes.json",
+        "test_find_blobs_by_tags_container.json",
+        "test_blob_tags.json",
+    ])
+    .await;
+    let container = |name: &str| {
+        BlobContainer::new(&format!("{base}/{name}"), None, Duration::from_secs(10)).unwrap()
+    };
+
+    let got = within(
+        "get",
+        container("containeryurads2q").get_blob("blobzognjof7"),
+    )
+    .await
+    .expect("Azure's 206")
+    .expect("the blob");
+    assert_eq!(&got.body[..], b"hello rusty world");
+    assert_eq!(got.etag, "\"0x8DE91C7E6082773\"");
+
+    let c = container("test-container-1bb8a581-c1d8-d4ab-9f28-f09646c38a80");
+    let still = within(
+        "revalidate",
+        c.get_blob_if_none_match(
+            "test-blob-bb6e0467-02d9-4764-0bb6-78fa16272c2c",
+            "\"0x8DC867E53BE7CFB\"",
+        ),
+    )
+    .await
+    .expect("Azure's 304 is no error");
+    assert_eq!(still, hubguard::azure::blob::Revalidated::NotModified);
+
+    let c = container("containerq6oeq2hx");
+    let created = within(
+        "create",
+        c.put_blob(
+            "blobtbpve6cz",
+            Bytes::from_static(b"hello rusty world"),
+            "application/octet-stream",
+            &[],
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect("Azure's 201");
+    assert_eq!(created.etag, "\"0x8DE95B904218744\"");
+    let again = within(
+        "create again",
+        c.put_blob(
+            "blobtbpve6cz",
+            Bytes::from_static(b"duplicate"),
+            "application/octet-stream",
+            &[],
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect_err("Azure's 409");
+    assert_eq!(again.status(), Some(409));
+    assert_eq!(again.code(), Some("BlobAlreadyExists"));
+    assert!(
+        again
+            .to_string()
+            .contains("The specified blob already exists."),
+        "the message read from Azure's error body: {again}"
+    );
+
+    // The index tags as the Rust SDK sent them on Put Blob, and Azure's 201 to hubguard's.
+    let recorded = load("test_find_blobs_by_tags_container.json");
+    let sent = recorded[1]
+        .request_headers
+        .iter()
+        .find(|(k, _)| k == "x-ms-tags")
+        .map(|(_, v)| v.as_str());
+    let tags = [("alice", "bob"), ("foo", "bar")];
+    assert_eq!(
+        Some(hubguard::azure::blob::encode_tags(&tags).as_str()),
+        sent
+    );
+    let tagged = within(
+        "tagged put",
+        container("containertgz5iggy").put_blob_tagged(
+            "blobuqswufus",
+            Bytes::from_static(b"hello world"),
+            "application/octet-stream",
+            &[],
+            &tags,
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect("Azure's 201");
+    assert_eq!(tagged.etag, "\"0x8DDF0B7EE8DF1BA\"");
+
+    let c = container("containerixiypqyq");
+    within(
+        "set tags",
+        c.set_tags("blobl5gkhn0s", &[("hello", "world"), ("ferris", "crab")]),
+    )
+    .await
+    .expect("Azure's 204");
+    let read = within("get tags", c.get_tags("blobl5gkhn0s"))
+        .await
+        .expect("Azure's 200")
+        .expect("the blob");
+    assert_eq!(
+        read,
+        vec![
+            ("ferris".to_string(), "crab".to_string()),
+            ("hello".to_string(), "world".to_string())
+        ],
+        "Azure's tag set, BOM and all, in Azure's order"
+    );
+    within("clear tags", c.set_tags("blobl5gkhn0s", &[]))
+        .await
+        .expect("Azure's 204");
+    let none = within("get tags", c.get_tags("blobl5gkhn0s"))
+        .await
+        .expect("Azure's 200")
+        .expect("the blob");
+    assert!(none.is_empty(), "an empty <TagSet/>: {none:?}");
+    server.abort();
+}
