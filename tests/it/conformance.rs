@@ -408,6 +408,13 @@ pub(crate) fn differences(x: &Exchange, got: &Answer) -> Vec<String> {
             header("x-ms-version")
         ));
     }
+    if azure("x-ms-tag-count") != header("x-ms-tag-count") {
+        out.push(format!(
+            "x-ms-tag-count: Azure {:?}, emulator {:?}",
+            azure("x-ms-tag-count"),
+            header("x-ms-tag-count")
+        ));
+    }
     // A blob's bytes: the length (a HEAD's says it without a body) and the range served.
     let xml = azure("content-type").is_some_and(|t| t.contains("xml"));
     if !xml && matches!(x.status, 200 | 206) {
@@ -603,6 +610,8 @@ async fn blob_emulator_answers_as_azure_answered() {
         ("test_download_blob.json", &[][..], 0),
         ("test_blob_error_codes.json", &[][..], 0),
         ("test_find_blobs_by_tags_container.json", &[][..], 0),
+        // Its append blob's creation (empty) is left out.
+        ("BlobContainerClientTest.Tags.json", &[][..], 0),
         // Its 1 KiB uploads (random bytes, recorded in base64) are left out.
         ("DownloadAsync_AccessConditionsFail.json", &[][..], 1024),
     ] {
