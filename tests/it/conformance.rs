@@ -151,7 +151,7 @@ const NOT_REPLAYED: &[&str] = &[
 ];
 
 /// Sends one recorded request to `base` (`http://host:port/prefix`), with `auth` if given.
-async fn replay(base: &str, x: &Exchange, auth: Option<String>) -> Answer {
+pub(crate) async fn replay(base: &str, x: &Exchange, auth: Option<String>) -> Answer {
     let client = reqwest::Client::new();
     let method = reqwest::Method::from_bytes(x.method.as_bytes()).expect("a method");
     let mut req = client
@@ -252,7 +252,7 @@ const VOLATILE: &[&str] = &["id", "name", "Message", "Etag"];
 
 /// The form of a time as Azure writes it: RFC 1123 in blob storage, RFC 3339 (whole
 /// seconds or milliseconds) in Service Bus.
-fn time_form(s: &str) -> &'static str {
+pub(crate) fn time_form(s: &str) -> &'static str {
     let rfc3339 = |s: &str| {
         let b = s.as_bytes();
         s.len() >= 20

@@ -480,7 +480,7 @@ async fn respond(
         )),
     };
     match result {
-        Ok(status) => status.into_response(),
+        Ok(status) => response::accepted(status),
         Err(e) => broker_error(e),
     }
 }
