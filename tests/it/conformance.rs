@@ -430,9 +430,7 @@ pub(crate) fn differences(x: &Exchange, got: &Answer) -> Vec<String> {
     }
     match x.body.as_deref().filter(|b| !b.is_empty()) {
         Some(b) if xml => out.extend(xml_differences(b, &got.body)),
-        Some(b) if b != got.body => {
-            out.push(format!("body: Azure {b:?}, emulator {:?}", got.body))
-        }
+        Some(b) if b != got.body => out.push(format!("body: Azure {b:?}, emulator {:?}", got.body)),
         Some(_) => {}
         None if !got.body.is_empty() && x.method != "HEAD" => {
             out.push(format!("body: Azure none, emulator {:?}", got.body))
