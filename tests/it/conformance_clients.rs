@@ -8,7 +8,9 @@
 //! method, path, `comp` and `prefix`. The one answer it makes up: a List Blobs of a prefix no
 //! recording lists is answered as Azure answers an empty prefix (a listing without blobs),
 //! so a client that lists more than one prefix can be replayed; anything else unrecorded is a
-//! 501 that fails the test.
+//! 501 that fails the test. (A locked message's recorded `Location` names the recording's
+//! namespace; hubguard's Service Bus client, pointed at an emulator endpoint, sends every
+//! request and lock there, here the replay server.)
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -41,12 +43,19 @@ fn decoded_path(uri: &str) -> String {
         .into_owned()
 }
 
-/// The key a request is matched by: method, decoded path, `comp` and `prefix`.
+/// The key a request is matched by: method, decoded path (a Service Bus path, which names
+/// `messages` and `head` in either case, in lower case), `comp` and `prefix`.
 fn key(method: &str, uri: &str) -> (String, String, Option<String>, Option<String>) {
     let q = query(uri);
+    let path = decoded_path(uri);
+    let path = if path.to_ascii_lowercase().contains("/messages") {
+        path.to_ascii_lowercase()
+    } else {
+        path
+    };
     (
         method.to_string(),
-        decoded_path(uri),
+        path,
         q.get("comp").cloned(),
         q.get("prefix").cloned(),
     )
@@ -234,5 +243,216 @@ async fn service_bus_client_reads_azures_queue_description() {
     assert_eq!(d.lock_duration, Some(Duration::from_secs(60)));
     assert_eq!(d.max_delivery_count, Some(10));
     assert_eq!(d.max_message_size_in_kilobytes, Some(256));
+    server.abort();
+}
+
+/// hubguard's blob client on Azure's answers to the reads and writes of its ledger: a ranged
+/// download (206, the bytes the Rust SDK recorded), a revalidation Azure answers 304 with
+/// `x-ms-error-code: ConditionNotMet` and no body, a tagged Put Blob (its `x-ms-tags` encoded
+/// as the Rust SDK sent it), a second create refused 409 `BlobAlreadyExists` with Azure's
+/// error body, and a blob's index tags written and read back (a BOM-prefixed `<Tags>`,
+/// Azure's key order, an empty `<TagSet/>`).
+#[tokio::test]
+async fn blob_client_reads_azures_downloads_conditions_and_tags() {
+    let (base, server) = replay_server(&[
+        "test_download_blob.json",
+        "DownloadAsync_AccessConditionsFail.json",
+        "test_blob_error_codes.json",
+        "test_find_blobs_by_tags_container.json",
+        "test_blob_tags.json",
+    ])
+    .await;
+    let container = |name: &str| {
+        BlobContainer::new(&format!("{base}/{name}"), None, Duration::from_secs(10)).unwrap()
+    };
+
+    let got = within(
+        "get",
+        container("containeryurads2q").get_blob("blobzognjof7"),
+    )
+    .await
+    .expect("Azure's 206")
+    .expect("the blob");
+    assert_eq!(&got.body[..], b"hello rusty world");
+    assert_eq!(got.etag, "\"0x8DE91C7E6082773\"");
+
+    let c = container("test-container-1bb8a581-c1d8-d4ab-9f28-f09646c38a80");
+    let still = within(
+        "revalidate",
+        c.get_blob_if_none_match(
+            "test-blob-bb6e0467-02d9-4764-0bb6-78fa16272c2c",
+            "\"0x8DC867E53BE7CFB\"",
+        ),
+    )
+    .await
+    .expect("Azure's 304 is no error");
+    assert_eq!(still, hubguard::azure::blob::Revalidated::NotModified);
+
+    let c = container("containerq6oeq2hx");
+    let created = within(
+        "create",
+        c.put_blob(
+            "blobtbpve6cz",
+            Bytes::from_static(b"hello rusty world"),
+            "application/octet-stream",
+            &[],
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect("Azure's 201");
+    assert_eq!(created.etag, "\"0x8DE95B904218744\"");
+    let again = within(
+        "create again",
+        c.put_blob(
+            "blobtbpve6cz",
+            Bytes::from_static(b"duplicate"),
+            "application/octet-stream",
+            &[],
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect_err("Azure's 409");
+    assert_eq!(again.status(), Some(409));
+    assert_eq!(again.code(), Some("BlobAlreadyExists"));
+    assert!(
+        again
+            .to_string()
+            .contains("The specified blob already exists."),
+        "the message read from Azure's error body: {again}"
+    );
+
+    // The index tags as the Rust SDK sent them on Put Blob, and Azure's 201 to hubguard's.
+    let recorded = load("test_find_blobs_by_tags_container.json");
+    let sent = recorded[1]
+        .request_headers
+        .iter()
+        .find(|(k, _)| k == "x-ms-tags")
+        .map(|(_, v)| v.as_str());
+    let tags = [("alice", "bob"), ("foo", "bar")];
+    assert_eq!(
+        Some(hubguard::azure::blob::encode_tags(&tags).as_str()),
+        sent
+    );
+    let tagged = within(
+        "tagged put",
+        container("containertgz5iggy").put_blob_tagged(
+            "blobuqswufus",
+            Bytes::from_static(b"hello world"),
+            "application/octet-stream",
+            &[],
+            &tags,
+            &Condition::IfNotExists,
+        ),
+    )
+    .await
+    .expect("Azure's 201");
+    assert_eq!(tagged.etag, "\"0x8DDF0B7EE8DF1BA\"");
+
+    let c = container("containerixiypqyq");
+    within(
+        "set tags",
+        c.set_tags("blobl5gkhn0s", &[("hello", "world"), ("ferris", "crab")]),
+    )
+    .await
+    .expect("Azure's 204");
+    let read = within("get tags", c.get_tags("blobl5gkhn0s"))
+        .await
+        .expect("Azure's 200")
+        .expect("the blob");
+    assert_eq!(
+        read,
+        vec![
+            ("ferris".to_string(), "crab".to_string()),
+            ("hello".to_string(), "world".to_string())
+        ],
+        "Azure's tag set, BOM and all, in Azure's order"
+    );
+    within("clear tags", c.set_tags("blobl5gkhn0s", &[]))
+        .await
+        .expect("Azure's 204");
+    let none = within("get tags", c.get_tags("blobl5gkhn0s"))
+        .await
+        .expect("Azure's 200")
+        .expect("the blob");
+    assert!(none.is_empty(), "an empty <TagSet/>: {none:?}");
+    server.abort();
+}
+
+/// hubguard's Service Bus client on Azure's REST answers (the legacy Node.js SDK's recording):
+/// a send Azure took (201, an empty XML-typed body), a peek-lock Azure answered with the
+/// message, its `Location` and `BrokerProperties` of 2013 (no `EnqueuedTimeUtc`, a lock that
+/// has long expired), then the lock completed (200) and, on a second queue, abandoned (200).
+#[tokio::test]
+async fn service_bus_client_sends_receives_and_settles_on_azures_answers() {
+    let (base, server) = replay_server(&["servicebusservice-tests.queue-messages.json"]).await;
+    let host = base.trim_start_matches("http://");
+    let cs: ConnectionString = format!(
+        "Endpoint=sb://{host};SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=replayed;UseDevelopmentEmulator=true"
+    )
+    .parse()
+    .unwrap();
+    for (queue, lock, settle) in [
+        (
+            "sbqueue15",
+            "7165bfeb-2fab-4369-8293-ba71d1854282",
+            "complete",
+        ),
+        (
+            "sbqueue17",
+            "6f1e9e03-455e-48bc-a5e9-c3a48a577730",
+            "abandon",
+        ),
+    ] {
+        let q = ServiceBusRetryQueue::new(&cs, queue, Default::default()).unwrap();
+        within(
+            "send",
+            hubguard::azure::RetryQueue::schedule(
+                &q,
+                hubguard::azure::OutgoingMessage {
+                    message_id: "615451d11eaa42698d73e2a7b1862ec5".into(),
+                    correlation_id: None,
+                    label: None,
+                    body: "hi there again".into(),
+                    content_type: None,
+                    due: std::time::SystemTime::UNIX_EPOCH,
+                    time_to_live: None,
+                    properties: Vec::new(),
+                },
+            ),
+        )
+        .await
+        .expect("Azure's 201");
+        let m = within(
+            "peek-lock",
+            hubguard::azure::RetryQueue::receive(&q, Duration::from_secs(5)),
+        )
+        .await
+        .expect("Azure's 201")
+        .expect("a message");
+        assert_eq!(m.body, "hi there again");
+        assert_eq!((m.delivery_count, m.sequence_number), (1, 1));
+        assert_eq!(m.message_id.len(), 32);
+        assert!(
+            m.enqueued_at.is_none(),
+            "Azure's 2013 answer has no EnqueuedTimeUtc"
+        );
+        assert_eq!(
+            m.locked_until,
+            hubguard::clock::parse_http_date(if queue == "sbqueue15" {
+                "Wed, 05 Jun 2013 09:16:14 GMT"
+            } else {
+                "Wed, 05 Jun 2013 09:17:03 GMT"
+            })
+            .unwrap()
+        );
+        let settled = if settle == "complete" {
+            within("complete", m.complete()).await
+        } else {
+            within("abandon", m.abandon()).await
+        };
+        settled.unwrap_or_else(|e| panic!("{settle} of lock {lock}: Azure's 200, not {e}"));
+    }
     server.abort();
 }

@@ -15,6 +15,7 @@ mod concurrency;
 mod conformance;
 mod conformance_check;
 mod conformance_clients;
+mod conformance_servicebus;
 mod console;
 mod console_browser;
 mod console_scale;

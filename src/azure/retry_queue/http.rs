@@ -94,9 +94,15 @@ impl HttpClient for PooledHttpClient {
             .headers()
             .iter()
             .filter_map(|(k, v)| {
+                let v = v.to_str().ok()?;
+                let v = if k.as_str() == "brokerproperties" {
+                    readable_broker_properties(v)
+                } else {
+                    v.to_owned()
+                };
                 Some((
                     azure_core_legacy::headers::HeaderName::from(k.as_str().to_owned()),
-                    HeaderValue::from(v.to_str().ok()?.to_owned()),
+                    HeaderValue::from(v),
                 ))
             })
             .collect();
@@ -106,6 +112,22 @@ impl HttpClient for PooledHttpClient {
             Headers::from(headers),
             Box::pin(futures::stream::iter([Ok(body)])),
         ))
+    }
+}
+
+/// A received message's `BrokerProperties` as the legacy crate can read them: the crate
+/// requires an `EnqueuedTimeUtc` field (its `Option` has no serde default), which Azure's
+/// answers have not always carried (the Node.js SDK's recordings of 2013, replayed in
+/// tests/it/conformance_clients.rs, lack it), so a missing one is written as `null`, which
+/// the crate reads as absent — hubguard's `enqueued_at` is `None` then, as it is optional.
+/// Any other value passes unchanged.
+fn readable_broker_properties(raw: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(raw) {
+        Ok(serde_json::Value::Object(mut m)) if !m.contains_key("EnqueuedTimeUtc") => {
+            m.insert("EnqueuedTimeUtc".into(), serde_json::Value::Null);
+            serde_json::Value::Object(m).to_string()
+        }
+        _ => raw.to_owned(),
     }
 }
 
@@ -299,5 +321,22 @@ impl HttpClient for BearerTokenHttpClient {
             HeaderValue::from(authorization),
         );
         self.inner.execute_request(&req).await
+    }
+}
+
+#[cfg(test)]
+mod broker_properties_tests {
+    use super::readable_broker_properties;
+
+    #[test]
+    fn a_missing_enqueued_time_is_written_as_null_and_nothing_else_changes() {
+        let azure_2013 = r#"{"DeliveryCount":1,"LockToken":"7165bfeb-2fab-4369-8293-ba71d1854282","SequenceNumber":1}"#;
+        let v: serde_json::Value =
+            serde_json::from_str(&readable_broker_properties(azure_2013)).unwrap();
+        assert_eq!(v["EnqueuedTimeUtc"], serde_json::Value::Null);
+        assert_eq!(v["SequenceNumber"], 1);
+        let today = r#"{"DeliveryCount":1,"EnqueuedTimeUtc":"Wed, 02 Jul 2014 01:32:27 GMT"}"#;
+        assert_eq!(readable_broker_properties(today), today);
+        assert_eq!(readable_broker_properties("not json"), "not json");
     }
 }

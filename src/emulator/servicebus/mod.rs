@@ -6,14 +6,18 @@
 //! | `POST /{queue}/messages` | 201 (a duplicate MessageId inside the window: 201, dropped) |
 //! | `POST /{queue}/messages`, `Content-Type: application/vnd.microsoft.servicebus.json` | Send Message Batch: a JSON array of `{Body, BrokerProperties, UserProperties}`; 201 for the whole batch, or one refusal for all of it |
 //! | `POST /{entity}/messages/head?timeout=N` | peek-lock: 201 + message, 204 when none arrives in N s |
-//! | `DELETE /{entity}/messages/head` | receive-and-delete: 200 + message, 204 |
+//! | `DELETE /{entity}/messages/head` | receive-and-delete: 200 + message (no lock fields; the delivery counts), 204 |
 //! | `DELETE /{entity}/messages/{seq}/{lock}` | complete: 200; stale lock 404 |
 //! | `PUT /{entity}/messages/{seq}/{lock}` | abandon: 200; stale lock 404 |
 //! | `POST /{entity}/messages/{seq}/{lock}` | renew: 200; stale lock 404 |
 //!
 //! | `GET /{queue}?api-version=2021-05` | the queue's description: an Atom entry holding a `QueueDescription` (Manage right); an empty feed for a queue that does not exist |
 //!
-//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`.
+//! `{entity}` is a queue or `{queue}/$DeadLetterQueue`. An accepted send or settlement has an
+//! empty `application/xml; charset=utf-8` body, and a received message carries the
+//! `Content-Type` it was sent with, or none — as Azure answered the REST calls recorded in
+//! `tests/data/azure-recordings` (held by tests/it/conformance_servicebus.rs; the rules that
+//! stand on the documentation alone are listed in docs/conformance.md).
 //!
 //! Authentication is Azure's: every request carries `Authorization`, either a SAS signed
 //! with the configured key (a rule with Manage, Send and Listen) or with the optional
@@ -480,7 +484,7 @@ async fn respond(
         )),
     };
     match result {
-        Ok(status) => status.into_response(),
+        Ok(status) => response::accepted(status),
         Err(e) => broker_error(e),
     }
 }

@@ -65,7 +65,9 @@ pub(super) fn message_response(
 ) -> Response {
     let mut bp = serde_json::json!({
         "DeliveryCount": m.delivery_count,
-        "EnqueuedSequenceNumber": m.sequence_number.min(i64::from(i32::MAX)),
+        // The sequence number a message had where it was first enqueued, when it was
+        // forwarded; 0 for one sent here, as Azure answers (the emulator forwards nothing).
+        "EnqueuedSequenceNumber": 0,
         "EnqueuedTimeUtc": http_date(SystemTime::UNIX_EPOCH + Duration::from_millis(m.enqueued_at_ms.max(0) as u64)),
         "MessageId": m.message_id,
         "SequenceNumber": m.sequence_number,
@@ -73,18 +75,10 @@ pub(super) fn message_response(
         "TimeToLive": m.time_to_live.unwrap_or(922_337_203_685.477_5),
     });
     let obj = bp.as_object_mut().expect("object");
+    // A message received and deleted holds no lock, and Azure names none.
     if let Some(l) = locked {
         obj.insert("LockToken".into(), l.lock_token.clone().into());
         obj.insert("LockedUntilUtc".into(), http_date(l.locked_until).into());
-    } else {
-        obj.insert(
-            "LockToken".into(),
-            "00000000-0000-0000-0000-000000000000".into(),
-        );
-        obj.insert(
-            "LockedUntilUtc".into(),
-            http_date(SystemTime::UNIX_EPOCH).into(),
-        );
     }
     if let Some(c) = &m.correlation_id {
         obj.insert("CorrelationId".into(), c.clone().into());
@@ -133,5 +127,18 @@ pub(super) fn message_response(
             headers.insert("deadlettererrordescription", v);
         }
     }
-    (status, headers, m.body.clone()).into_response()
+    let mut response = (status, headers, m.body.clone()).into_response();
+    if m.content_type.is_none() {
+        // A message sent without a content type is received without one (the framework
+        // would call its bytes `application/octet-stream`).
+        response
+            .headers_mut()
+            .remove(axum::http::header::CONTENT_TYPE);
+    }
+    response
+}
+
+/// An accepted send or settlement: no body, Azure's content type for it.
+pub(super) fn accepted(status: StatusCode) -> Response {
+    (status, [("content-type", "application/xml; charset=utf-8")]).into_response()
 }
