@@ -164,16 +164,23 @@ async fn throttling_from_service_bus_or_blob_storage_holds_and_backs_off_and_dea
     assert!(!run.health.ready());
     bed.sb.faults().clear();
 
-    // Blob storage throttles: the ledger cannot record the failure.
+    // Blob storage throttles: the ledger cannot record the failure, and the processor cannot
+    // list or renew ownerships. Whichever meets the throttling first, readiness names it:
+    // the partition held on the ledger's write, or the consumer failing on the listing (its
+    // partitions then unowned, read again once it recovers). Either way nothing passes.
     bed.blob.faults().server_busy_for(Duration::from_secs(3600));
     bed.send(1, &[("blob-throttled", "fail:1")]).await;
-    wait_for("held on blob throttling", &run.health, LIMIT, || async {
-        run.health
+    wait_for("blob throttling named", &run.health, LIMIT, || async {
+        let held = run
+            .health
             .held()
             .get("1")
-            .is_some_and(|h| h.reason.contains("ServerBusy"))
+            .is_some_and(|h| h.reason.contains("ServerBusy"));
+        let not_ready = run.health.not_ready_reasons();
+        held || not_ready.iter().any(|r| r.contains("ServerBusy"))
     })
     .await;
+    assert!(!run.health.ready());
     bed.blob.faults().clear();
 
     wait_for("everything delivered after", &run.health, LIMIT, || async {
@@ -181,13 +188,30 @@ async fn throttling_from_service_bus_or_blob_storage_holds_and_backs_off_and_dea
         ["sb-throttled", "sb-behind", "blob-throttled"]
             .iter()
             .all(|k| d.contains(*k))
-            && recorded_delivered(&bed, &["sb-throttled", "blob-throttled"]).await
+            && recorded_delivered(&bed, &["sb-throttled"]).await
+            && matches!(
+                bed.ledger()
+                    .record("blob-throttled")
+                    .await
+                    .map(|r| r.map(|r| r.state())),
+                Ok(None | Some(State::Delivered))
+            )
     })
     .await;
     let ledger = bed.ledger();
-    for key in ["sb-throttled", "blob-throttled"] {
-        let rec = ledger.record(key).await.unwrap().unwrap();
-        assert_eq!(rec.state(), State::Delivered, "{key}");
+    let rec = ledger.record("sb-throttled").await.unwrap().unwrap();
+    assert_eq!(rec.state(), State::Delivered);
+    // blob-throttled's failure was recorded once blob storage answered (then its record says
+    // delivered) — or never, when the throttled processor gave its partitions up before the
+    // ledger answered: the event was then read again from the checkpoint and delivered as a
+    // first attempt, which leaves no record (a delivery costs no ledger write).
+    let calls = handler.calls_of("blob-throttled");
+    match ledger.record("blob-throttled").await.unwrap() {
+        Some(rec) => assert_eq!(rec.state(), State::Delivered, "{calls:?}"),
+        None => assert!(
+            calls.len() >= 2 && calls.iter().all(|a| *a == 1),
+            "read again from its start, as a first attempt: {calls:?}"
+        ),
     }
     assert!(ledger.dead_letter_keys().await.unwrap().is_empty());
     run.stop().await;
