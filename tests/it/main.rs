@@ -60,6 +60,7 @@ mod shape_records;
 mod shape_waits;
 mod sizes;
 mod storm_guard;
+mod storm_ordered;
 mod telemetry;
 mod test_log;
 mod webhook;

@@ -245,7 +245,7 @@ pub enum StormGuardConfigError {
     #[error("storm_guard.event_types: an event type's name must not be empty")]
     EmptyType,
     /// Thresholds on a type left out of the guard: they would do nothing.
-    #[error("an event type left out of the guard (enabled = false) takes no thresholds: remove them, or enabled = true for a guard of its own")]
+    #[error("storm_guard.enabled = false (the event type left out of the guard) takes no thresholds: remove them, or enabled = true for a guard of its own")]
     ExemptWithThresholds,
     /// One event type's setting out of range.
     #[error("{}", in_type(event_type, error))]
