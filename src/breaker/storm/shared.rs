@@ -548,7 +548,8 @@ impl RecordKind for Lenient<'_> {
     }
 }
 
-#[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
+// Tests read the downstream's guard (the command line reads a lane: `read_lane`).
+#[allow(dead_code)]
 /// The record of `downstream`'s guard as kept in `store` (`None`: it never held).
 pub async fn read(
     store: &dyn RecordStore,
