@@ -256,6 +256,12 @@ impl Guard {
         (!why.is_empty()).then(|| why.join("; "))
     }
 
+    /// Why an event of `event_type` waits on its guard now, as last seen; `None` when it
+    /// does not.
+    pub fn waiting_for(&self, event_type: Option<&str>) -> Option<String> {
+        self.lane(event_type).waiting()
+    }
+
     /// The downstream's name.
     pub fn downstream(&self) -> &str {
         &self.downstream

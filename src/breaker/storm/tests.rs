@@ -625,6 +625,13 @@ async fn a_type_with_its_own_lane_neither_trips_the_guard_for_the_others_nor_hid
         why.contains("downstream api (event type bulk) storm guard holding"),
         "{why}"
     );
+    let bulk_why = g.waiting_for(Some("bulk")).unwrap();
+    assert!(
+        bulk_why.starts_with("downstream api (event type bulk) storm guard holding"),
+        "{bulk_why}"
+    );
+    let order_why = g.waiting_for(Some("order")).unwrap();
+    assert!(!order_why.contains("event type bulk"), "{order_why}");
     let report = g.report();
     assert_eq!(report["state"], "holding", "{report}");
     assert_eq!(
