@@ -116,13 +116,9 @@ pub(super) async fn storm_guard(cmd: StormGuardCommand) -> anyhow::Result<u8> {
     if let (Some(c), true) = (&change, changed) {
         tracing::warn!(target: "hubguard::storm_guard", downstream = %downstream, event_type = lane.unwrap_or(""), change = ?c, "storm guard changed by an operator");
     }
-    let named = match lane {
-        Some(t) => format!("{downstream} (event type {t})"),
-        None => downstream.clone(),
-    };
     print(
         &record,
-        &named,
+        (&downstream, lane),
         &guard.lane(lane),
         change.is_some(),
         changed,
@@ -146,9 +142,10 @@ pub(super) async fn storm_guard(cmd: StormGuardCommand) -> anyhow::Result<u8> {
     })
 }
 
+/// Prints the guard of `(downstream, event type)` (the type's guard of its own, if one).
 fn print(
     record: &StormRecord,
-    downstream: &str,
+    (downstream, lane): (&str, Option<&str>),
     config: &storm::StormGuardConfig,
     asked: bool,
     changed: bool,
@@ -158,6 +155,9 @@ fn print(
     if json {
         let mut v = serde_json::to_value(record)?;
         v["downstream"] = downstream.into();
+        if let Some(t) = lane {
+            v["event_type"] = t.into();
+        }
         v["state"] = serde_json::to_value(record.state(now))?;
         v["changed"] = changed.into();
         println!("{v}");
@@ -173,7 +173,10 @@ fn print(
             }
         );
     }
-    println!("downstream {downstream}: {:?}", record.state(now));
+    let of_type = lane
+        .map(|t| format!(" (event type {t})"))
+        .unwrap_or_default();
+    println!("downstream {downstream}{of_type}: {:?}", record.state(now));
     if let Some(w) = storm::waiting(record, config) {
         println!("{w}");
     }

@@ -200,7 +200,11 @@ async fn a_type_with_its_own_guard_is_held_alone_and_does_not_hide_behind_other_
     let (code, out, _) = storm_cli(&bed, &receiver, dir.path(), &args).await;
     assert_eq!(code, Some(0), "{out}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    assert_eq!(v["state"], "holding", "{v}");
+    assert_eq!(
+        (&v["state"], &v["event_type"]),
+        (&"holding".into(), &"bulk".into()),
+        "{v}"
+    );
     let args = ["release", "--event-type", "order", "--by", "ana"];
     let (code, _, err) = storm_cli(&bed, &receiver, dir.path(), &args).await;
     assert_ne!(code, Some(0));
