@@ -39,6 +39,10 @@ pub struct StormArgs {
     /// names it).
     #[arg(long)]
     downstream: Option<String>,
+    /// The guard of this event type (one with thresholds of its own under
+    /// `[storm_guard.event_types."T"]`; default: the downstream's).
+    #[arg(long = "event-type", value_name = "TYPE")]
+    event_type: Option<String>,
     /// Why (recorded with the change).
     #[arg(long)]
     reason: Option<String>,
@@ -94,24 +98,43 @@ pub(super) async fn storm_guard(cmd: StormGuardCommand) -> anyhow::Result<u8> {
         }
     };
     let guard = &config.storm_guard;
+    let lane = args.event_type.as_deref();
+    if let Some(t) = lane.filter(|t| guard.lane_of(Some(t)).is_none()) {
+        anyhow::bail!(
+            "--event-type {t}: [storm_guard.event_types.\"{t}\"] gives it no thresholds of its own, so its events are counted and held by the downstream's guard (leave --event-type out)"
+        );
+    }
     let (record, changed) = match &change {
         None => (
-            storm::read(&store, &downstream).await?.unwrap_or_default(),
+            storm::read_lane(&store, &downstream, lane)
+                .await?
+                .unwrap_or_default(),
             false,
         ),
-        Some(c) => storm::operate(&store, &downstream, c.clone(), guard, now).await?,
+        Some(c) => storm::operate(&store, &downstream, lane, c.clone(), guard, now).await?,
     };
     if let (Some(c), true) = (&change, changed) {
-        tracing::warn!(target: "hubguard::storm_guard", downstream = %downstream, change = ?c, "storm guard changed by an operator");
+        tracing::warn!(target: "hubguard::storm_guard", downstream = %downstream, event_type = lane.unwrap_or(""), change = ?c, "storm guard changed by an operator");
     }
     print(
         &record,
-        &downstream,
-        guard,
+        (&downstream, lane),
+        &guard.lane(lane),
         change.is_some(),
         changed,
         args.json,
     )?;
+    if lane.is_none() && change.is_none() && !args.json {
+        for t in guard.own_types() {
+            let r = storm::read_lane(&store, &downstream, Some(t))
+                .await?
+                .unwrap_or_default();
+            println!(
+                "event type {t} (a guard of its own; --event-type {t}): {:?}",
+                r.state(now)
+            );
+        }
+    }
     Ok(if change.is_some() && !changed {
         EXIT_REFUSED
     } else {
@@ -119,9 +142,10 @@ pub(super) async fn storm_guard(cmd: StormGuardCommand) -> anyhow::Result<u8> {
     })
 }
 
+/// Prints the guard of `(downstream, event type)` (the type's guard of its own, if one).
 fn print(
     record: &StormRecord,
-    downstream: &str,
+    (downstream, lane): (&str, Option<&str>),
     config: &storm::StormGuardConfig,
     asked: bool,
     changed: bool,
@@ -131,6 +155,9 @@ fn print(
     if json {
         let mut v = serde_json::to_value(record)?;
         v["downstream"] = downstream.into();
+        if let Some(t) = lane {
+            v["event_type"] = t.into();
+        }
         v["state"] = serde_json::to_value(record.state(now))?;
         v["changed"] = changed.into();
         println!("{v}");
@@ -146,7 +173,10 @@ fn print(
             }
         );
     }
-    println!("downstream {downstream}: {:?}", record.state(now));
+    let of_type = lane
+        .map(|t| format!(" (event type {t})"))
+        .unwrap_or_default();
+    println!("downstream {downstream}{of_type}: {:?}", record.state(now));
     if let Some(w) = storm::waiting(record, config) {
         println!("{w}");
     }

@@ -600,3 +600,41 @@ fn the_console_is_on_by_default_and_its_settings_are_checked() {
     );
     assert!(Config::parse(&ok, none()).is_ok());
 }
+
+#[test]
+fn an_event_types_storm_guard_thresholds_are_read_and_a_bad_one_names_its_key() {
+    let c = format!(
+        "{BASE}[storm_guard]\nheld_retry_defer_max_ms = 60000\n[storm_guard.event_types.\"bulk.imported\"]\nshare = 0.9\nmin_refusals = 50\n[storm_guard.event_types.\"audit\"]\nenabled = false\n"
+    );
+    let c = Config::parse(&c, none()).unwrap();
+    let g = &c.storm_guard;
+    assert_eq!(g.held_retry_defer_max_ms, 60_000);
+    assert_eq!(g.lane_of(Some("bulk.imported")), Some("bulk.imported"));
+    let bulk = g.lane(Some("bulk.imported"));
+    assert_eq!(
+        (bulk.share, bulk.min_refusals, bulk.window_ms),
+        (0.9, 50, 60_000)
+    );
+    assert!(!g.covers(Some("audit")));
+    for (toml, key) in [
+        (
+            "[storm_guard.event_types.\"bulk\"]\nshare = 2.0\n",
+            "storm_guard.event_types.\"bulk\".share",
+        ),
+        (
+            "[storm_guard.event_types.\"bulk\"]\nenabled = false\nwindow_ms = 5000\n",
+            "storm_guard.event_types.\"bulk\".enabled",
+        ),
+        (
+            "[storm_guard]\nheld_retry_defer_max_ms = 1000\n",
+            "storm_guard.held_retry_defer_max_ms",
+        ),
+        (
+            "[storm_guard.event_types.\"bulk\"]\nmin_refusal = 5\n",
+            "min_refusal",
+        ),
+    ] {
+        let e = Config::parse(&format!("{BASE}{toml}"), none()).unwrap_err();
+        assert!(e.to_string().contains(key), "{toml}: {e}");
+    }
+}

@@ -171,19 +171,14 @@ impl Shared {
         verdict
     }
 
-    /// When work the storm guard holds may ask again (its next trial, spread over a trial
-    /// interval so deferred retries do not all come back at once).
-    pub(crate) fn storm_resume_at(&self) -> SystemTime {
-        let now = self.clock().now();
-        let Some(g) = &self.downstream.storm else {
-            return now;
-        };
-        let every = std::time::Duration::from_millis(g.config().trial_every_ms);
-        let next = g
-            .cached()
-            .and_then(|r| r.next_trial(g.config()))
-            .unwrap_or(now + every)
-            .max(now);
-        next + every.mul_f64(rand::random::<f64>())
+    /// Until when a retry of an event of `event_type` that the storm guard holds is deferred:
+    /// past the guard's next trial, by as long as it has held so far (at least a trial
+    /// interval, at most `held_retry_defer_max_ms`), spread so the held retries do not all
+    /// come back at once ([`crate::breaker::storm::held_retry_until`]).
+    pub(crate) fn storm_resume_at(&self, event_type: Option<&str>) -> SystemTime {
+        match &self.downstream.storm {
+            None => self.clock().now(),
+            Some(g) => g.held_retry_until(event_type, rand::random::<f64>()),
+        }
     }
 }

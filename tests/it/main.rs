@@ -62,6 +62,8 @@ mod shape_records;
 mod shape_waits;
 mod sizes;
 mod storm_guard;
+mod storm_ordered;
+mod storm_types;
 mod telemetry;
 mod test_log;
 mod webhook;

@@ -35,6 +35,9 @@ fn guard_config() -> StormGuardConfig {
         share: 0.5,
         window_ms: 60_000,
         trial_every_ms: 1_000,
+        // Held retries back off with the hold's age, at most this: scaled down with the
+        // trials, so a retry held while Service Bus was down comes back within seconds.
+        held_retry_defer_max_ms: 4_000,
         ..Default::default()
     }
 }

@@ -43,7 +43,10 @@ use crate::clock::{at, ms, rfc3339};
 
 pub use config::{StormGuardConfig, StormGuardConfigError, StormGuardType};
 #[allow(unused_imports)]
-pub use shared::{operate, read, record_name, Counted, Guard, StormGate, StormVerdict};
+pub use shared::{
+    lane_record_name, operate, read, read_lane, record_name, Counted, Guard, StormGate,
+    StormVerdict,
+};
 
 /// One replica's counts over the window, as it last reported them with a refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -253,6 +256,32 @@ pub fn decide(
             None,
         ),
     }
+}
+
+/// Until when a held retry is deferred at `now` (refused while the guard holds, or meeting
+/// it): past the next trial, and by as long as the guard has held so far — at least one trial
+/// interval, at most `held_retry_defer_max_ms` — scaled by `jitter` in [0, 1) to 75–100 % so
+/// the held retries do not all come back at once. So a retry held for an hour is sent back a
+/// few dozen times (15, 30, 60, 120 s, then every 2 minutes by default), not once per trial,
+/// and is attempted at most `held_retry_defer_max_ms` after the guard releases. Never counts
+/// an attempt (the caller defers, it does not settle).
+pub fn held_retry_until(
+    record: &StormRecord,
+    now: SystemTime,
+    config: &StormGuardConfig,
+    jitter: f64,
+) -> SystemTime {
+    let every = Duration::from_millis(config.trial_every_ms);
+    let cap = Duration::from_millis(config.held_retry_defer_max_ms).max(every);
+    let held_for = record
+        .holding
+        .as_ref()
+        .map(|h| now.duration_since(at(h.since_ms)).unwrap_or_default())
+        .unwrap_or_default();
+    let grown = held_for.clamp(every, cap);
+    let spread = grown.mul_f64(0.75 + 0.25 * jitter.clamp(0.0, 1.0));
+    let next_trial = record.next_trial(config).unwrap_or(now).min(now + cap);
+    (now + spread).max(next_trial)
 }
 
 /// The verdict on a refusal given the record after its report was applied.

@@ -22,6 +22,19 @@ pub fn record_name(downstream: &str) -> String {
     format!("stormguard/{downstream}")
 }
 
+/// Where the guard of `lane` (an event type with a guard of its own; `None`: the
+/// downstream's) is kept: the type's name digested, so any type name fits a blob name.
+pub fn lane_record_name(downstream: &str, lane: Option<&str>) -> String {
+    match lane {
+        None => record_name(downstream),
+        Some(t) => format!(
+            "{}/types/{}",
+            record_name(downstream),
+            crate::event::key_digest(t).trim_start_matches('~')
+        ),
+    }
+}
+
 /// What the guard says about an attempt that wants to run now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StormGate {
@@ -55,12 +68,27 @@ pub enum Counted {
     Refused,
 }
 
-/// One downstream's storm guard as one replica sees it.
+/// One downstream's storm guard as one replica sees it: the downstream's guard and one for
+/// each event type with thresholds of its own (a *lane* each, its own record, counts,
+/// holding and trials).
 pub struct Guard {
+    downstream: String,
+    config: StormGuardConfig,
+    /// The downstream's lane first, then the types' in name order.
+    lanes: Vec<Lane>,
+}
+
+/// One guard: the downstream's, or one event type's.
+struct Lane {
+    /// The event type it is for (`None`: the downstream's).
+    event_type: Option<String>,
     store: Arc<dyn RecordStore>,
     key: String,
     who: String,
+    /// The lane's settings (the type's thresholds over the downstream's).
     config: StormGuardConfig,
+    /// How logs and readiness name it: the downstream, and the type for a type's lane.
+    label: String,
     /// This replica's outcomes within the window: when, and whether a refusal.
     recent: Mutex<VecDeque<(SystemTime, bool)>>,
     /// The record, its ETag (`None`: no record yet) and when it was read.
@@ -72,14 +100,15 @@ pub struct Guard {
 impl std::fmt::Debug for Guard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StormGuard")
-            .field("key", &self.key)
+            .field("downstream", &self.downstream)
+            .field("lanes", &self.lanes.len())
             .finish_non_exhaustive()
     }
 }
 
 /// The record as the one compare-and-swap reads and writes it: every read refreshes what
 /// the replica last saw.
-struct Kept<'a>(&'a Guard);
+struct Kept<'a>(&'a Lane);
 
 #[async_trait::async_trait]
 impl RecordKind for Kept<'_> {
@@ -111,36 +140,155 @@ impl RecordKind for Kept<'_> {
 }
 
 impl Guard {
-    /// The guard of `downstream`, shared through `store`, seen by replica `who`.
+    /// The guard of `downstream`, shared through `store`, seen by replica `who`: the
+    /// downstream's lane and one per event type with thresholds of its own.
     pub fn new(
         store: Arc<dyn RecordStore>,
         downstream: &str,
         who: &str,
         config: StormGuardConfig,
     ) -> Self {
+        let types = config.own_types().map(|t| Some(t.to_string()));
+        let lanes = std::iter::once(None)
+            .chain(types)
+            .map(|event_type| Lane {
+                store: store.clone(),
+                key: lane_record_name(downstream, event_type.as_deref()),
+                who: who.into(),
+                config: config.lane(event_type.as_deref()),
+                label: match &event_type {
+                    None => downstream.to_string(),
+                    Some(t) => format!("{downstream} (event type {t})"),
+                },
+                event_type,
+                recent: Mutex::default(),
+                cached: Mutex::new(None),
+                refresh: Duration::from_millis(500),
+                clock: Arc::default(),
+            })
+            .collect();
         Self {
-            store,
-            key: record_name(downstream),
-            who: who.into(),
+            downstream: downstream.into(),
             config,
-            recent: Mutex::default(),
-            cached: Mutex::new(None),
-            refresh: Duration::from_millis(500),
-            clock: Arc::default(),
+            lanes,
         }
     }
 
     /// Reads windows, trials and waits on `clock` instead of the wall clock.
     pub fn with_clock(mut self, clock: Arc<crate::clock::Clock>) -> Self {
-        self.clock = clock;
+        for l in &mut self.lanes {
+            l.clock = clock.clone();
+        }
         self
     }
 
-    /// The settings.
+    /// The settings (the downstream's, with the event types').
     pub fn config(&self) -> &StormGuardConfig {
         &self.config
     }
 
+    /// The lane that counts and holds events of `event_type`.
+    fn lane(&self, event_type: Option<&str>) -> &Lane {
+        let lane = self.config.lane_of(event_type);
+        self.lanes
+            .iter()
+            .find(|l| l.event_type.as_deref() == lane)
+            .unwrap_or(&self.lanes[0])
+    }
+
+    /// Reads every lane's record again now and then until `stop`, so that a replica with no
+    /// work for the downstream (no partition, nothing due) still shows the guard as it is in
+    /// its readiness, status, gauges and operational events.
+    pub async fn watch(
+        self: Arc<Self>,
+        every: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        loop {
+            for l in &self.lanes {
+                let _ = l.load(false).await;
+            }
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = self.lanes[0].clock.sleep(every) => {}
+            }
+        }
+    }
+
+    /// Whether an attempt of an event of `event_type` may run now (its lane decides; a type
+    /// left out always runs). Storage trouble lets it run on what was last seen (the guard
+    /// must not become an outage of its own).
+    pub async fn admit(&self, event_type: Option<&str>, jitter: f64) -> StormGate {
+        if !self.config.covers(event_type) {
+            return StormGate::Run { trial: None };
+        }
+        self.lane(event_type).admit(jitter).await
+    }
+
+    /// Counts an attempt's outcome (of an event of `event_type`, admitted as `trial`) in its
+    /// lane and says what becomes of it: a refusal is reported through the lane's shared
+    /// record before its verdict, so replicas together never dead-letter more than the
+    /// lane's threshold allows.
+    pub async fn counted(
+        &self,
+        event_type: Option<&str>,
+        outcome: Counted,
+        trial: Option<i64>,
+    ) -> StormVerdict {
+        if !self.config.covers(event_type) {
+            return StormVerdict::Settle;
+        }
+        self.lane(event_type).counted(outcome, trial).await
+    }
+
+    /// Until when a held retry of an event of `event_type` is deferred
+    /// ([`held_retry_until`](super::held_retry_until) on its lane as last seen).
+    pub fn held_retry_until(&self, event_type: Option<&str>, jitter: f64) -> SystemTime {
+        let lane = self.lane(event_type);
+        let record = lane.cached().unwrap_or_default();
+        super::held_retry_until(&record, lane.clock.now(), &lane.config, jitter)
+    }
+
+    /// Why work waits on the guard now, as last seen (every lane that holds); `None` when
+    /// nothing does.
+    pub fn waiting(&self) -> Option<String> {
+        let why: Vec<String> = self.lanes.iter().filter_map(Lane::waiting).collect();
+        (!why.is_empty()).then(|| why.join("; "))
+    }
+
+    /// Why an event of `event_type` waits on its guard now, as last seen; `None` when it
+    /// does not.
+    pub fn waiting_for(&self, event_type: Option<&str>) -> Option<String> {
+        self.lane(event_type).waiting()
+    }
+
+    /// The downstream's name.
+    pub fn downstream(&self) -> &str {
+        &self.downstream
+    }
+
+    /// The downstream's lane's record as last seen.
+    pub fn cached(&self) -> Option<StormRecord> {
+        self.lanes[0].cached()
+    }
+
+    /// The guard as the status API shows it: the downstream's lane, and each event type's
+    /// own under `event_types`.
+    pub fn report(&self) -> serde_json::Value {
+        let mut v = self.lanes[0].report();
+        v["downstream"] = self.downstream.clone().into();
+        let types: serde_json::Map<String, serde_json::Value> = self.lanes[1..]
+            .iter()
+            .map(|l| (l.event_type.clone().unwrap_or_default(), l.report()))
+            .collect();
+        if !types.is_empty() {
+            v["event_types"] = types.into();
+        }
+        v
+    }
+}
+
+impl Lane {
     async fn load(&self, fresh: bool) -> Result<(StormRecord, Option<String>), StoreError> {
         if !fresh {
             if let Some((r, e, t)) = self.cached.locked().clone() {
@@ -172,7 +320,7 @@ impl Guard {
         match (was, &r.holding) {
             (Some(false) | None, Some(h)) => tracing::warn!(
                 target: "hubguard::storm_guard",
-                downstream = %self.downstream(),
+                downstream = %self.label,
                 by = h.by.as_deref().unwrap_or("refusals"),
                 refusals = h.refusals,
                 attempts = h.attempts,
@@ -183,7 +331,7 @@ impl Guard {
                 self.recent.locked().clear();
                 tracing::warn!(
                 target: "hubguard::storm_guard",
-                downstream = %self.downstream(),
+                downstream = %self.label,
                 action = r.last_action.as_ref().map_or("trial delivered", |a| a.action.as_str()),
                 "storm guard released"
                 );
@@ -192,7 +340,7 @@ impl Guard {
         }
         if let (Some(a), Some(b)) = (&r.last_action, before.as_ref()) {
             if b.last_action.as_ref() != Some(a) {
-                tracing::warn!(target: "hubguard::storm_guard", downstream = %self.downstream(), action = %a.action, by = %a.by, reason = a.reason.as_deref().unwrap_or(""), "storm guard changed by an operator");
+                tracing::warn!(target: "hubguard::storm_guard", downstream = %self.label, action = %a.action, by = %a.by, reason = a.reason.as_deref().unwrap_or(""), "storm guard changed by an operator");
             }
         }
     }
@@ -220,29 +368,9 @@ impl Guard {
         Ok((swapped.value, true))
     }
 
-    /// Reads the record again now and then until `stop`, so that a replica with no work for
-    /// the downstream (no partition, nothing due) still shows the guard as it is in its
-    /// readiness, status, gauges and operational events.
-    pub async fn watch(
-        self: Arc<Self>,
-        every: Duration,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
-        loop {
-            let _ = self.load(false).await;
-            tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = self.clock.sleep(every) => {}
-            }
-        }
-    }
-
-    /// Whether an attempt of an event of `event_type` may run now. Storage trouble lets it
+    /// Whether an attempt of an event of the lane may run now. Storage trouble lets it
     /// run on what was last seen (the guard must not become an outage of its own).
-    pub async fn admit(&self, event_type: Option<&str>, jitter: f64) -> StormGate {
-        if !self.config.covers(event_type) {
-            return StormGate::Run { trial: None };
-        }
+    async fn admit(&self, jitter: f64) -> StormGate {
         let record = match self.load(false).await {
             Ok((r, _)) => r,
             Err(_) => self.cached().unwrap_or_default(),
@@ -258,18 +386,10 @@ impl Guard {
         }
     }
 
-    /// Counts an attempt's outcome (of an event of `event_type`, admitted as `trial`) and
+    /// Counts an attempt's outcome (of an event of the lane, admitted as `trial`) and
     /// says what becomes of it: a refusal is reported through the shared record before its
     /// verdict, so replicas together never dead-letter more than the threshold allows.
-    pub async fn counted(
-        &self,
-        event_type: Option<&str>,
-        outcome: Counted,
-        trial: Option<i64>,
-    ) -> StormVerdict {
-        if !self.config.covers(event_type) {
-            return StormVerdict::Settle;
-        }
+    async fn counted(&self, outcome: Counted, trial: Option<i64>) -> StormVerdict {
         // The share is of the attempts that ended their event (delivered or refused): a
         // transient failure is the breaker's business, and a receiver that was down before
         // its bad deploy must not dilute the refusals that follow.
@@ -337,29 +457,24 @@ impl Guard {
         }
     }
 
-    /// Why work waits on the guard now, as last seen; `None` when nothing does.
-    pub fn waiting(&self) -> Option<String> {
+    /// Why work of the lane waits on it now, as last seen; `None` when nothing does.
+    fn waiting(&self) -> Option<String> {
         let record = self.cached()?;
-        waiting(&record, &self.config).map(|w| format!("downstream {} {w}", self.downstream()))
-    }
-
-    /// The downstream's name.
-    pub fn downstream(&self) -> &str {
-        self.key.trim_start_matches(&record_name(""))
+        waiting(&record, &self.config).map(|w| format!("downstream {} {w}", self.label))
     }
 
     /// The record as last seen.
-    pub fn cached(&self) -> Option<StormRecord> {
+    fn cached(&self) -> Option<StormRecord> {
         self.cached.locked().as_ref().map(|(r, _, _)| r.clone())
     }
 
     /// The guard as the status API shows it.
-    pub fn report(&self) -> serde_json::Value {
+    fn report(&self) -> serde_json::Value {
         let r = self.cached().unwrap_or_default();
         let now = self.clock.now();
         let (attempts, refusals) = r.totals(now, &self.config);
         serde_json::json!({
-            "downstream": self.downstream(),
+            "downstream": self.label,
             "state": r.state(now),
             "reason": waiting(&r, &self.config),
             "holding_since": r.holding.as_ref().map(|h| crate::clock::rfc3339(crate::clock::at(h.since_ms))),
@@ -377,16 +492,19 @@ impl Guard {
 
 // The operator's command line (`hubguard storm-guard`) and tests make these changes.
 #[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
-/// An operator's change to the guard of `downstream` in `store`, through the one
-/// compare-and-swap: the record after it and whether it changed.
+/// An operator's change to the guard of `downstream` in `store` (its lane of `lane`, an event
+/// type with a guard of its own; `None`: the downstream's), through the one compare-and-swap:
+/// the record after it and whether it changed. `config`: the whole `[storm_guard]`.
 pub async fn operate(
     store: &dyn RecordStore,
     downstream: &str,
+    lane: Option<&str>,
     change: StormChange,
     config: &StormGuardConfig,
     now: SystemTime,
 ) -> Result<(StormRecord, bool), StoreError> {
-    let name = record_name(downstream);
+    let name = lane_record_name(downstream, lane);
+    let config = &config.lane(lane);
     let swapped = compare_and_swap(&Lenient { store, name: &name }, Start::Read, |current| {
         let current = current.unwrap_or_default();
         match apply(&current, &change, now, config) {
@@ -436,14 +554,26 @@ impl RecordKind for Lenient<'_> {
     }
 }
 
-#[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
+// Tests read the downstream's guard (the command line reads a lane: `read_lane`).
+#[allow(dead_code)]
 /// The record of `downstream`'s guard as kept in `store` (`None`: it never held).
 pub async fn read(
     store: &dyn RecordStore,
     downstream: &str,
 ) -> Result<Option<StormRecord>, StoreError> {
+    read_lane(store, downstream, None).await
+}
+
+#[cfg_attr(not(any(test, feature = "cli")), allow(dead_code))]
+/// The record of the guard of `downstream`'s lane `lane` (an event type with a guard of its
+/// own; `None`: the downstream's) as kept in `store` (`None`: it never held).
+pub async fn read_lane(
+    store: &dyn RecordStore,
+    downstream: &str,
+    lane: Option<&str>,
+) -> Result<Option<StormRecord>, StoreError> {
     Ok(store
-        .read(&record_name(downstream))
+        .read(&lane_record_name(downstream, lane))
         .await?
         .map(|r| serde_json::from_slice(&r.body).unwrap_or_default()))
 }
@@ -453,13 +583,19 @@ impl crate::telemetry::gauges::StormGuardReadings for Guard {
         self.downstream().to_string()
     }
 
+    /// The longest any lane (the downstream's or an event type's) has held.
     fn holding_for(&self) -> Option<Duration> {
-        let h = self.cached()?.holding?;
-        Some(
-            self.clock
-                .now()
-                .duration_since(crate::clock::at(h.since_ms))
-                .unwrap_or_default(),
-        )
+        self.lanes
+            .iter()
+            .filter_map(|l| {
+                let h = l.cached()?.holding?;
+                Some(
+                    l.clock
+                        .now()
+                        .duration_since(crate::clock::at(h.since_ms))
+                        .unwrap_or_default(),
+                )
+            })
+            .max()
     }
 }

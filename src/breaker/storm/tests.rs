@@ -280,7 +280,7 @@ fn config_names_the_key_and_types_can_be_left_out() {
     }
     let mut c = cfg();
     c.event_types
-        .insert("audit".into(), StormGuardType { enabled: false });
+        .insert("audit".into(), StormGuardType::exempt());
     assert!(c.covers(None) && c.covers(Some("order")) && !c.covers(Some("audit")));
     c.enabled = false;
     assert!(!c.covers(Some("order")));
@@ -349,7 +349,7 @@ async fn replicas_together_dead_letter_fewer_than_the_minimum_before_it_holds() 
     // A type left out is never held.
     let mut c = cfg();
     c.event_types
-        .insert("audit".into(), StormGuardType { enabled: false });
+        .insert("audit".into(), StormGuardType::exempt());
     let g = Guard::new(store.clone(), "api", "d", c).with_clock(clock.clone());
     for _ in 0..10 {
         assert_eq!(
@@ -440,4 +440,316 @@ proptest! {
             }
         }
     }
+}
+
+/// `[storm_guard.event_types."bulk"]` with thresholds of its own.
+fn with_bulk() -> StormGuardConfig {
+    let mut c = cfg();
+    c.event_types.insert(
+        "bulk".into(),
+        StormGuardType {
+            min_refusals: Some(8),
+            share: Some(0.9),
+            ..StormGuardType::default()
+        },
+    );
+    c.event_types
+        .insert("audit".into(), StormGuardType::exempt());
+    c
+}
+
+#[test]
+fn a_type_with_thresholds_of_its_own_has_its_own_lane_and_bad_values_name_their_key() {
+    let c = with_bulk();
+    assert_eq!(c.validate(), Ok(()));
+    assert_eq!(c.lane_of(Some("bulk")), Some("bulk"));
+    assert_eq!(c.lane_of(Some("audit")), None, "left out, not a lane");
+    assert_eq!(c.lane_of(Some("order")), None);
+    let bulk = c.lane(Some("bulk"));
+    assert_eq!(
+        (
+            bulk.min_refusals,
+            bulk.share,
+            bulk.window_ms,
+            bulk.trial_every_ms
+        ),
+        (8, 0.9, 60_000, 10_000),
+        "its own thresholds over the downstream's"
+    );
+    assert!(bulk.event_types.is_empty());
+    assert_eq!(c.lane(None).min_refusals, 5);
+    assert_eq!(c.own_types().collect::<Vec<_>>(), vec!["bulk"]);
+    let typed = |t: StormGuardType| {
+        let mut c = cfg();
+        c.event_types.insert("bulk".into(), t);
+        c.validate().unwrap_err()
+    };
+    for (bad, key, says) in [
+        (
+            typed(StormGuardType {
+                share: Some(0.0),
+                ..Default::default()
+            }),
+            "storm_guard.event_types.\"bulk\".share",
+            "storm_guard.event_types.\"bulk\".share must be above 0",
+        ),
+        (
+            typed(StormGuardType {
+                min_refusals: Some(1),
+                ..Default::default()
+            }),
+            "storm_guard.event_types.\"bulk\".min_refusals",
+            "must be at least 2",
+        ),
+        (
+            typed(StormGuardType {
+                window_ms: Some(5),
+                ..Default::default()
+            }),
+            "storm_guard.event_types.\"bulk\".window_ms",
+            "at least 1000, got 5",
+        ),
+        (
+            typed(StormGuardType {
+                enabled: false,
+                min_refusals: Some(50),
+                ..Default::default()
+            }),
+            "storm_guard.event_types.\"bulk\".enabled",
+            "takes no thresholds",
+        ),
+        (
+            StormGuardConfig {
+                held_retry_defer_max_ms: 5_000,
+                ..cfg()
+            }
+            .validate()
+            .unwrap_err(),
+            "storm_guard.held_retry_defer_max_ms",
+            "at least storm_guard.trial_every_ms (10000)",
+        ),
+    ] {
+        assert_eq!(bad.key(), key, "{bad}");
+        assert!(bad.to_string().contains(says), "{bad}");
+    }
+    let mut c = cfg();
+    c.event_types.insert(" ".into(), StormGuardType::default());
+    assert_eq!(c.validate().unwrap_err().key(), "storm_guard.event_types");
+}
+
+#[tokio::test]
+async fn a_type_with_its_own_lane_neither_trips_the_guard_for_the_others_nor_hides_behind_them() {
+    let store: Arc<dyn crate::azure::RecordStore> = Arc::new(MemoryRecordStore::new());
+    let clock = Arc::new(crate::clock::Clock::default());
+    let g = Guard::new(store.clone(), "api", "a", with_bulk()).with_clock(clock.clone());
+    // "bulk" legitimately refuses 7 of every 10: far over the downstream's 50 %, under its
+    // own 90 %. Its refusals are dead-lettered; the others are delivered and never wait.
+    let mut dead = 0;
+    for i in 0..40 {
+        let outcome = if i % 10 < 7 {
+            Counted::Refused
+        } else {
+            Counted::Delivered
+        };
+        if g.counted(Some("bulk"), outcome, None).await == StormVerdict::Settle
+            && outcome == Counted::Refused
+        {
+            dead += 1;
+        }
+        g.counted(Some("order"), Counted::Delivered, None).await;
+    }
+    assert_eq!(dead, 28, "every bulk refusal dead-lettered at once");
+    assert_eq!(
+        g.admit(Some("order"), 0.0).await,
+        StormGate::Run { trial: None }
+    );
+    assert_eq!(
+        g.admit(Some("bulk"), 0.0).await,
+        StormGate::Run { trial: None }
+    );
+    let downstream = read(store.as_ref(), "api")
+        .await
+        .unwrap()
+        .unwrap_or_default();
+    assert_eq!(downstream.holding, None);
+    assert_eq!(
+        downstream.totals(clock.now(), &cfg()),
+        (0, 0),
+        "bulk not counted there"
+    );
+    // A minute later the receiver refuses every "order": the downstream's lane trips at its
+    // minimum, while bulk goes on.
+    clock.advance(Duration::from_secs(61));
+    let mut dead = 0;
+    for _ in 0..10 {
+        if g.counted(Some("order"), Counted::Refused, None).await == StormVerdict::Settle {
+            dead += 1;
+        }
+    }
+    assert!(dead < 5, "{dead}");
+    assert!(matches!(
+        g.admit(Some("order"), 0.0).await,
+        StormGate::Wait(_)
+    ));
+    assert!(matches!(g.admit(None, 0.0).await, StormGate::Wait(_)));
+    assert_eq!(
+        g.admit(Some("bulk"), 0.0).await,
+        StormGate::Run { trial: None }
+    );
+    assert_eq!(
+        g.admit(Some("audit"), 0.0).await,
+        StormGate::Run { trial: None }
+    );
+    // Bulk refusing everything trips its own lane, at its own minimum (8), not hidden behind
+    // the deliveries of other types.
+    clock.advance(Duration::from_secs(61));
+    let mut dead = 0;
+    for _ in 0..20 {
+        if g.counted(Some("bulk"), Counted::Refused, None).await == StormVerdict::Settle {
+            dead += 1;
+        }
+    }
+    assert_eq!(dead, 7, "its own min_refusals - 1");
+    let bulk = read_lane(store.as_ref(), "api", Some("bulk"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(bulk.holding.is_some());
+    assert!(matches!(
+        g.admit(Some("bulk"), 0.0).await,
+        StormGate::Wait(_)
+    ));
+    let why = g.waiting().unwrap();
+    assert!(why.contains("downstream api storm guard holding"), "{why}");
+    assert!(
+        why.contains("downstream api (event type bulk) storm guard holding"),
+        "{why}"
+    );
+    let bulk_why = g.waiting_for(Some("bulk")).unwrap();
+    assert!(
+        bulk_why.starts_with("downstream api (event type bulk) storm guard holding"),
+        "{bulk_why}"
+    );
+    let order_why = g.waiting_for(Some("order")).unwrap();
+    assert!(!order_why.contains("event type bulk"), "{order_why}");
+    let report = g.report();
+    assert_eq!(report["state"], "holding", "{report}");
+    assert_eq!(
+        report["event_types"]["bulk"]["state"], "holding",
+        "{report}"
+    );
+    // An operator releases the bulk lane alone.
+    let (after, changed) = operate(
+        store.as_ref(),
+        "api",
+        Some("bulk"),
+        StormChange::Release {
+            by: "ana".into(),
+            reason: None,
+        },
+        &with_bulk(),
+        clock.now(),
+    )
+    .await
+    .unwrap();
+    assert!(changed && after.holding.is_none());
+    assert!(read(store.as_ref(), "api")
+        .await
+        .unwrap()
+        .unwrap()
+        .holding
+        .is_some());
+}
+
+fn holding_since(since: SystemTime) -> StormRecord {
+    StormRecord {
+        holding: Some(Holding {
+            since_ms: ms(since),
+            refusals: 5,
+            attempts: 5,
+            by: None,
+            reason: None,
+        }),
+        ..Default::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A held retry is deferred past the next trial, by no more than the cap, and by longer
+    /// the longer the guard has held.
+    #[test]
+    fn a_held_retry_waits_past_the_next_trial_longer_the_longer_it_holds_and_never_past_the_cap(
+        held_ms in 0u64..20_000_000,
+        trial_ago in proptest::option::of(0u64..30_000),
+        more_ms in 0u64..5_000_000,
+        jitter in 0.0f64..1.0,
+    ) {
+        let c = cfg();
+        let now = t(20_000_000);
+        let mut r = holding_since(now - Duration::from_millis(held_ms));
+        r.trial_ms = trial_ago
+            .map(|a| ms(now) - a.min(held_ms) as i64);
+        let until = held_retry_until(&r, now, &c, jitter);
+        let cap = Duration::from_millis(c.held_retry_defer_max_ms);
+        prop_assert!(until >= now + Duration::from_millis(c.trial_every_ms).mul_f64(0.75));
+        prop_assert!(until <= now + cap);
+        if let Some(next) = r.next_trial(&c) {
+            prop_assert!(until >= next.min(now + cap), "before the next trial");
+        }
+        // Deferred by at least 3/4 of how long it has held so far (within the interval and
+        // the cap): held longer, deferred longer.
+        let every = Duration::from_millis(c.trial_every_ms);
+        let grown = Duration::from_millis(held_ms).clamp(every, cap);
+        prop_assert!(until.duration_since(now).unwrap() >= grown.mul_f64(0.75));
+        let later = now + Duration::from_millis(more_ms);
+        let until_later = held_retry_until(&r, later, &c, jitter);
+        let grown_later = Duration::from_millis(held_ms + more_ms).clamp(every, cap);
+        prop_assert!(until_later.duration_since(later).unwrap() >= grown_later.mul_f64(0.75));
+        prop_assert!(grown_later >= grown);
+    }
+}
+
+/// A retry held for an hour with trials every 15 s (the defaults) is sent back to Service Bus
+/// a few dozen times, not 240; once released, it is attempted within the cap.
+#[test]
+fn an_hour_held_costs_a_few_dozen_deferrals_and_release_waits_at_most_the_cap() {
+    let c = StormGuardConfig::default();
+    let start = t(0);
+    let release = start + Duration::from_secs(3600);
+    for jitter in [0.0, 0.5, 0.999] {
+        let mut rounds = 0;
+        let mut now = start;
+        let mut trial = ms(start);
+        loop {
+            // A trial is refused every interval while it holds (the event path's trials).
+            while at(trial) + Duration::from_millis(c.trial_every_ms) <= now {
+                trial += c.trial_every_ms as i64;
+            }
+            let mut r = holding_since(start);
+            r.trial_ms = Some(trial);
+            let until = held_retry_until(&r, now, &c, jitter);
+            assert!(until > now);
+            rounds += 1;
+            now = until;
+            if now >= release {
+                break;
+            }
+        }
+        assert!(
+            rounds <= 50,
+            "{rounds} deferrals in an hour (jitter {jitter})"
+        );
+        assert!(
+            now <= release + Duration::from_millis(c.held_retry_defer_max_ms),
+            "attempted {:?} after the release",
+            now.duration_since(release)
+        );
+    }
+    // The old rule (once per trial) would have been 240 rounds.
+    assert_eq!(
+        3600 * 1000 / StormGuardConfig::default().trial_every_ms,
+        240
+    );
 }

@@ -174,7 +174,7 @@ pub(super) async fn process(
     if storm_held(&msg, &body, &event, &attempted, &claimed, trial).await {
         // Refused (or out of attempts) while the storm guard holds: not dead-lettered, but
         // deferred past the guard's next trial without counting the attempt.
-        let until = shared.storm_resume_at();
+        let until = shared.storm_resume_at(event_type);
         return defer(&mut msg, &body, &event, until).await;
     }
     settle_retry(&mut msg, &body, &event, &attempted, claimed).await;
@@ -350,7 +350,8 @@ async fn admitted<'l>(
     let trial = match shared.storm_admit(&claimed.value.event).await {
         crate::breaker::storm::StormGate::Run { trial } => trial,
         crate::breaker::storm::StormGate::Wait(_) => {
-            return Err(NotAdmitted::StormHeld(shared.storm_resume_at()))
+            let event_type = claimed.value.event.identity.event_type.as_deref();
+            return Err(NotAdmitted::StormHeld(shared.storm_resume_at(event_type)));
         }
     };
     let cancel = msg.cancel;

@@ -53,7 +53,7 @@ impl EventTask<'_> {
                         .downstream
                         .storm
                         .as_ref()
-                        .and_then(|g| g.waiting())
+                        .and_then(|g| g.waiting_for(event.identity.event_type.as_deref()))
                         .unwrap_or_else(|| "downstream storm guard holding".into());
                     shared.health.hold_event(
                         pid,
