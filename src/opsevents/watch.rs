@@ -44,8 +44,9 @@ struct Seen {
     dead_lettered: u64,
     decreases: Option<u64>,
     held: BTreeSet<String>,
-    /// When the storm guard's hold began, as last seen (`None`: it was not holding).
-    storm_since_ms: Option<i64>,
+    /// Per guard (`None`: the downstream's; a type's own by its type), when its hold began,
+    /// as last seen (`None`: it was not holding).
+    storm_since_ms: BTreeMap<Option<String>, Option<i64>>,
 }
 
 /// Watches until `stop` fires.
@@ -130,47 +131,55 @@ fn breaker(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
     seen.breaker_open = open;
 }
 
-/// Holding: a record with a new hold; released: the hold seen before is gone. Ids derive
-/// from the record, as the breaker's do.
+/// Holding: a record with a new hold; released: the hold seen before is gone — for the
+/// downstream's guard and each event type's own (subject: the guard's name, so one type's
+/// events are not suppressed by another's). Ids derive from the record, as the breaker's do.
 fn storm_guard(events: &OpsEvents, w: &Watched, seen: &mut Seen) {
     let Some(g) = &w.storm else { return };
-    let Some(rec) = g.cached() else { return };
-    let since = rec.holding.as_ref().map(|h| h.since_ms);
-    if let (Some(h), true) = (&rec.holding, since != seen.storm_since_ms) {
-        events.emit(event(
-            OpsEventKind::StormGuardHolding,
-            &w.downstream,
-            Some(format!(
-                "stormguard.holding/{}/{}",
-                w.downstream, h.since_ms
-            )),
-            events,
-            json!({
-                "downstream": w.downstream,
-                "holding_since": rfc3339(at(h.since_ms)),
-                "refusals": h.refusals,
-                "attempts": h.attempts,
-                "held_by": h.by,
-                "reason": crate::breaker::storm::waiting(&rec, g.config()),
-            }),
-        ));
+    for (event_type, label, rec, config) in g.lanes_cached() {
+        let Some(rec) = rec else { continue };
+        let lane = event_type.map(str::to_string);
+        let id = |what: &str, since: i64| match event_type {
+            None => format!("stormguard.{what}/{}/{since}", w.downstream),
+            Some(t) => format!("stormguard.{what}/{}/types/{t}/{since}", w.downstream),
+        };
+        let was = seen.storm_since_ms.get(&lane).copied().flatten();
+        let since = rec.holding.as_ref().map(|h| h.since_ms);
+        if let (Some(h), true) = (&rec.holding, since != was) {
+            events.emit(event(
+                OpsEventKind::StormGuardHolding,
+                label,
+                Some(id("holding", h.since_ms)),
+                events,
+                json!({
+                    "downstream": w.downstream,
+                    "event_type": event_type,
+                    "holding_since": rfc3339(at(h.since_ms)),
+                    "refusals": h.refusals,
+                    "attempts": h.attempts,
+                    "held_by": h.by,
+                    "reason": crate::breaker::storm::waiting(&rec, config),
+                }),
+            ));
+        }
+        if let (Some(was), None) = (was, since) {
+            events.emit(event(
+                OpsEventKind::StormGuardReleased,
+                label,
+                Some(id("released", was)),
+                events,
+                json!({
+                    "downstream": w.downstream,
+                    "event_type": event_type,
+                    "holding_since": rfc3339(at(was)),
+                    "held_refusals": rec.held_refusals,
+                    "released_by": rec.last_action.as_ref().filter(|a| a.at_ms >= was).map(|a| a.by.clone()),
+                    "accepted_until": rec.accepted_until_ms.map(|u| rfc3339(at(u))),
+                }),
+            ));
+        }
+        seen.storm_since_ms.insert(lane, since);
     }
-    if let (Some(was), None) = (seen.storm_since_ms, since) {
-        events.emit(event(
-            OpsEventKind::StormGuardReleased,
-            &w.downstream,
-            Some(format!("stormguard.released/{}/{was}", w.downstream)),
-            events,
-            json!({
-                "downstream": w.downstream,
-                "holding_since": rfc3339(at(was)),
-                "held_refusals": rec.held_refusals,
-                "released_by": rec.last_action.as_ref().filter(|a| a.at_ms >= was).map(|a| a.by.clone()),
-                "accepted_until": rec.accepted_until_ms.map(|u| rfc3339(at(u))),
-            }),
-        ));
-    }
-    seen.storm_since_ms = since;
 }
 
 /// Dead letters since the last event sent: a suppressed occurrence leaves them counted

@@ -20,6 +20,8 @@ use hubguard::opsevents::send::{ServiceBusDestination, WebhookDestination};
 use hubguard::opsevents::{OpsEvents, OpsEventsSettings};
 use hubguard::SecretSource;
 
+use serde_json::json;
+
 use crate::common::{eventually, seen};
 use crate::pipeline_support::*;
 
@@ -481,6 +483,19 @@ fn of_type(got: &Received, kind: &str) -> Vec<serde_json::Value> {
 /// guard held are reported as `retries.exhausted`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_storm_guard_holding_and_releasing_reach_the_webhook() {
+    storm_events(false).await;
+}
+
+/// The same for an event type's own guard (`[storm_guard.event_types."test.event"]` with
+/// thresholds of its own; the downstream's would never trip): its events name the type, and
+/// their subject is that guard's, so the downstream's suppression window never hides them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_types_own_storm_guard_sends_its_own_events() {
+    storm_events(true).await;
+}
+
+async fn storm_events(own_type: bool) {
+    use hubguard::breaker::storm::{StormGuardConfig, StormGuardType};
     let bed = Bed::start(1).await;
     let (url, got) = receiver().await;
     let dest = WebhookDestination::new(url.parse().unwrap(), Duration::from_secs(5), None).unwrap();
@@ -491,16 +506,30 @@ async fn the_storm_guard_holding_and_releasing_reach_the_webhook() {
     ));
     let handler = Arc::new(Refusing::default());
     handler.refuse.store(true, Ordering::SeqCst);
-    let mut wiring = bed.wiring("replica-storm").policy(fast_policy(50));
-    let o = wiring.options_mut();
-    o.ops_events = Some(events.clone());
-    o.storm_guard = Some(hubguard::breaker::storm::StormGuardConfig {
+    let mut config = StormGuardConfig {
         min_refusals: 3,
         share: 0.5,
         window_ms: 60_000,
         trial_every_ms: 1_000,
+        // Held retries come back within seconds of the release.
+        held_retry_defer_max_ms: 4_000,
         ..Default::default()
-    });
+    };
+    let (subject, event_type) = if own_type {
+        config.min_refusals = 1_000;
+        let own = StormGuardType {
+            min_refusals: Some(3),
+            ..Default::default()
+        };
+        config.event_types.insert("test.event".into(), own);
+        ("handler (event type test.event)", json!("test.event"))
+    } else {
+        ("handler", serde_json::Value::Null)
+    };
+    let mut wiring = bed.wiring("replica-storm").policy(fast_policy(50));
+    let o = wiring.options_mut();
+    o.ops_events = Some(events.clone());
+    o.storm_guard = Some(config);
     let run = Bed::run(wiring.parts(handler.clone()).unwrap());
     let keys: Vec<String> = (0..10).map(|i| format!("sg-{i:02}")).collect();
     bed.send(
@@ -531,17 +560,23 @@ async fn the_storm_guard_holding_and_releasing_reach_the_webhook() {
     run.stop().await;
     assert!(dead < 3, "fewer than the minimum dead-lettered: {dead}");
     let holding = &of_type(&got, "com.hubguard.stormguard.holding")[0];
-    assert_eq!(holding["subject"], "handler", "{holding}");
+    assert_eq!(holding["subject"], subject, "{holding}");
     assert_eq!(holding["data"]["downstream"], "handler", "{holding}");
+    assert_eq!(holding["data"]["event_type"], event_type, "{holding}");
     assert!(
         holding["data"]["refusals"].as_u64() >= Some(3),
         "the counts that tripped it: {holding}"
     );
     assert!(holding["data"]["reason"].is_string(), "{holding}");
     let released = &of_type(&got, "com.hubguard.stormguard.released")[0];
+    assert_eq!(released["subject"], subject, "{released}");
     assert_eq!(
         released["data"]["holding_since"], holding["data"]["holding_since"],
         "{released}"
+    );
+    assert!(
+        of_type(&got, "com.hubguard.stormguard.holding").len() == 1,
+        "one guard held, once"
     );
     // The dead letters before it held: the first reported at once (later ones within the
     // 60 s window wait for the next event).

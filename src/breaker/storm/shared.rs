@@ -272,6 +272,24 @@ impl Guard {
         self.lanes[0].cached()
     }
 
+    /// Every lane as last seen — the downstream's first, then each event type's own — for
+    /// the operational events: (its event type, how it is named, its record, its settings).
+    pub fn lanes_cached(
+        &self,
+    ) -> Vec<(Option<&str>, &str, Option<StormRecord>, &StormGuardConfig)> {
+        self.lanes
+            .iter()
+            .map(|l| {
+                (
+                    l.event_type.as_deref(),
+                    l.label.as_str(),
+                    l.cached(),
+                    &l.config,
+                )
+            })
+            .collect()
+    }
+
     /// The guard as the status API shows it: the downstream's lane, and each event type's
     /// own under `event_types`.
     pub fn report(&self) -> serde_json::Value {
