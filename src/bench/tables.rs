@@ -428,6 +428,23 @@ fn write_lines(out: &mut String, l: &lines::LinesFigures) -> fmt::Result {
         l.drain_per_s_per_line(),
         l.drain_s
     )?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1}",
+        "one by one, events/s per line", l.drain_line_per_s
+    )?;
+    if let (Some(b), Some(r)) = (&l.batched, l.batched_ratio()) {
+        writeln!(
+            out,
+            "{:>44} {:>10.1} ({} lines of {}; largest batch {}; {:.1}× one by one)",
+            format!("ordered batches of {}, events/s per line", b.batch_max),
+            b.line_per_s,
+            b.lines,
+            b.line_length,
+            b.largest_batch,
+            r
+        )?;
+    }
     writeln!(out)
 }
 

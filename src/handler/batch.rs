@@ -152,7 +152,16 @@ impl<B: BatchHandler> Batched<B> {
                 attempt: &w.attempt,
             })
             .collect();
-        // The batch call's own span, linked to each event's attempt.
+        let mut outcomes = self.call(&items).await.into_iter();
+        for w in batch {
+            let outcome = outcomes.next().unwrap_or_else(no_outcome);
+            let _ = w.outcome.send(outcome);
+        }
+    }
+
+    /// One call of the batch handler with `items`, in a span of its own linked to each
+    /// event's attempt.
+    async fn call(&self, items: &[Item<'_>]) -> Vec<Outcome> {
         let span = tracing::info_span!(
             target: "hubguard::attempt",
             parent: None,
@@ -162,22 +171,28 @@ impl<B: BatchHandler> Batched<B> {
         );
         if !span.is_disabled() {
             use tracing_opentelemetry::OpenTelemetrySpanExt;
-            for i in &items {
+            for i in items {
                 if let Some(sc) = crate::telemetry::parse_traceparent(&i.attempt.traceparent) {
                     span.add_link(sc);
                 }
             }
         }
-        let outcomes = tracing::Instrument::instrument(self.inner.handle_batch(&items), span).await;
-        let mut outcomes = outcomes.into_iter();
-        for w in batch {
-            let outcome = outcomes.next().unwrap_or_else(|| {
-                Outcome::Failed(Failure::transient(
-                    "the batch handler gave no outcome for this event",
-                ))
-            });
-            let _ = w.outcome.send(outcome);
+        tracing::Instrument::instrument(self.inner.handle_batch(items), span).await
+    }
+
+    /// How many of `items` (at least one) fit in one call.
+    fn fitting(&self, items: &[Item<'_>]) -> usize {
+        let mut bytes = 0usize;
+        let mut n = 0;
+        for i in items {
+            let size = self.inner.size_of(i.event);
+            if n >= self.limits.max_events || (n > 0 && bytes + size > self.limits.max_bytes) {
+                break;
+            }
+            bytes += size;
+            n += 1;
         }
+        n.max(1)
     }
 
     /// The oldest waiting calls that fit in one batch (empty when none waits).
@@ -259,6 +274,13 @@ impl<B: BatchHandler> Batched<B> {
     }
 }
 
+/// The outcome of an event the batch handler gave none for: a transient failure.
+fn no_outcome() -> Outcome {
+    Outcome::Failed(Failure::transient(
+        "the batch handler gave no outcome for this event",
+    ))
+}
+
 /// A queued call: taken out of the queue if its caller goes before the call is sent.
 struct Ticket<'a, B> {
     batched: &'a Batched<B>,
@@ -286,11 +308,7 @@ impl<B: BatchHandler> Handler for Batched<B> {
                 .await
                 .into_iter()
                 .next()
-                .unwrap_or_else(|| {
-                    Outcome::Failed(Failure::transient(
-                        "the batch handler gave no outcome for this event",
-                    ))
-                });
+                .unwrap_or_else(no_outcome);
         }
         let (_ticket, mut outcome) = self.enqueue(event, attempt);
         self.fill().await;
@@ -310,6 +328,34 @@ impl<B: BatchHandler> Handler for Batched<B> {
             }
             self.run(batch).await;
         }
+    }
+
+    fn in_order_max(&self) -> usize {
+        self.limits.max_events
+    }
+
+    /// Calls within the limits, one after another in the items' order, until a call
+    /// carried a failure (or an item without an outcome: a transient failure); the items
+    /// after it get no outcome (not attempted).
+    async fn handle_in_order(&self, items: &[Item<'_>]) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut rest = items;
+        while !rest.is_empty() {
+            let n = self.fitting(rest);
+            let (now, later) = rest.split_at(n);
+            let mut answered = self.call(now).await.into_iter();
+            let mut failed = false;
+            for _ in now {
+                let o = answered.next().unwrap_or_else(no_outcome);
+                failed |= o != Outcome::Delivered;
+                outcomes.push(o);
+            }
+            if failed {
+                break;
+            }
+            rest = later;
+        }
+        outcomes
     }
 
     fn downstream(&self) -> String {
