@@ -185,6 +185,7 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
             "\"azure_batch_failure_ratio\":{:.3}",
             a.batch_failure_ratio()
         ),
+        azure_cpu_fields(a),
         format!(
             "\"azure_retry_lateness_p50_ms\":{:.0}",
             a.retry_lateness_ms.0
@@ -194,6 +195,23 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
             a.retry_lateness_ms.1
         ),
     ]
+}
+
+/// CPU per event of the four first passes, hubguard's and the emulators' processes.
+fn azure_cpu_fields(a: &azure::AzureFigures) -> String {
+    let names = ["", "failing_", "batch_", "batch_failing_"];
+    let mut v: Vec<String> = names
+        .iter()
+        .zip(&a.cpu)
+        .map(|(n, c)| {
+            format!(
+                "\"azure_{n}cpu_us_per_event\":{:.1},\"azure_emulators_{n}cpu_us_per_event\":{:.1}",
+                c.hubguard_us, c.emulators_us
+            )
+        })
+        .collect();
+    v.push(format!("\"azure_batch_cpu_ratio\":{:.3}", a.batch_cpu_ratio()));
+    v.join(",")
 }
 
 /// Each scale run's duplicates, moves and longest unread time, by scenario and balancing.

@@ -475,6 +475,24 @@ mod tests {
                 retry_lateness_ms: (123.4, 567.8),
                 batch_events_per_s_per_partition: 6789.1,
                 batch_failing_events_per_s_per_partition: 6543.2,
+                cpu: [
+                    azure::PassCpu {
+                        hubguard_us: 400.0,
+                        emulators_us: 900.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 450.0,
+                        emulators_us: 1000.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 200.0,
+                        emulators_us: 300.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 260.0,
+                        emulators_us: 420.0,
+                    },
+                ],
             }),
             scale: vec![
                 scale::ScaleRun {

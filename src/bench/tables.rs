@@ -230,6 +230,22 @@ fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
         "azure_batch_failure_ratio (10 % failing once)",
         format!("{:.3}", a.batch_failure_ratio()),
     )?;
+    let names = [
+        "alone",
+        "alone, 10 % failing",
+        "batches",
+        "batches, 10 % failing",
+    ];
+    for (n, c) in names.iter().zip(&a.cpu) {
+        row(
+            &format!("CPU µs per event, {n}: hubguard / emulators"),
+            format!("{:.0} / {:.0}", c.hubguard_us, c.emulators_us),
+        )?;
+    }
+    row(
+        "azure_batch_cpu_ratio (hubguard, batches / alone)",
+        format!("{:.3}", a.batch_cpu_ratio()),
+    )?;
     writeln!(out)
 }
 
