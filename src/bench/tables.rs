@@ -544,6 +544,11 @@ retries drained per s while due and waiting (10000 due in ~10 s)          300
                 azure_retry_lateness_p50_ms / p99_ms    123 / 568
 batches of 100 (500 in flight): azure_batch_events_per_s_per_partition         6789
        azure_batch_failure_ratio (10 % failing once)        0.964
+       CPU µs per event, alone: hubguard / emulators    400 / 900
+CPU µs per event, alone, 10 % failing: hubguard / emulators   450 / 1000
+     CPU µs per event, batches: hubguard / emulators    200 / 300
+CPU µs per event, batches, 10 % failing: hubguard / emulators    260 / 420
+   azure_batch_cpu_ratio (hubguard, batches / alone)        0.500
 
 Rate limit 100/s for three replicas (6 partitions, max_in_flight 8 each), a receiver that takes everything
                            receiver capacity unlimited
@@ -614,6 +619,8 @@ Ordered retries at the azure latency profile: 4 partitions, handler 50 ms, 16 li
  free keys, events/s, lines open and filling     1200.0
                                        ratio      0.972
        released lines drain, parked events/s       77.8 (4.86 per line; 5.1 s for all)
+               one by one, events/s per line        4.9
+   ordered batches of 100, events/s per line     1234.5 (4 lines of 500; largest batch 100; 251.9× one by one)
 
 Resident memory of `hubguard run` (a child process; emulators in this one)
                            0 retries pending       21.2 MB

@@ -9,11 +9,19 @@
 //! checkpoint passes each event as it settles, so a batch with one failure holds nothing
 //! back but that event, whose retry goes to Service Bus like any other.
 //!
+//! **A released line** of ordered retries (`retry_ordering = "key"`) is the one place a
+//! batch carries several events of a key: once the line's head is delivered, the retry loop
+//! hands the events parked behind it to [`Handler::handle_in_order`], which `Batched` sends
+//! as calls of up to `max_events`, in sequence order, one after another, stopping after the
+//! call that carried a failure. The pipeline counts everything after the first failure as
+//! not attempted (see `pipeline::lines::drain`).
+//!
 //! What a batch never does:
-//! - **carry two events of one ordering key**: the partition runs a key's events one after
-//!   another (the next starts when the one before settled), so a batch holds at most one
-//!   event per key, and with `retry_ordering = "key"` no event of a key is delivered after an
-//!   earlier one failed — exactly as without batches;
+//! - **carry two events of one ordering key out of a released line**: the partition runs a
+//!   key's events one after another (the next starts when the one before settled), so a
+//!   first delivery's batch holds at most one event per key, and with
+//!   `retry_ordering = "key"` no event of a key is delivered after an earlier one failed —
+//!   exactly as without batches;
 //! - **carry an event on its last attempt** ([`Attempt::last`]): that one goes alone, so a
 //!   poison event that takes a whole batch down (a receiver that fails the request for one
 //!   bad item) cannot take its neighbours' last attempts with it;

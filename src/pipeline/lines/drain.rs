@@ -48,6 +48,7 @@ use crate::pipeline::attempt::{self, Attempted, Started};
 use crate::pipeline::settle::plan::{plan, Plan};
 use crate::pipeline::settle::{Report, SettleError, Settled, Source};
 use crate::pipeline::Shared;
+use crate::sync::LockExt;
 
 use super::advance::{released_record, write_new};
 
@@ -76,6 +77,11 @@ pub(crate) struct Drain<'a> {
     max: usize,
     /// Parked events listed and not yet drained, in sequence order.
     listed: Mutex<VecDeque<ParkedEntry>>,
+    /// The next batch's parked records, read while the batch before was in the handler.
+    prefetched: Mutex<Vec<(String, Parked)>>,
+    /// The pointer as this drain last wrote it (its lease on it), so the next step need not
+    /// read it: a write on a stale one fails and reads it again.
+    pointer: Mutex<Option<Versioned<Line>>>,
 }
 
 /// The items of one batch: the parked events and their attempts.
@@ -95,6 +101,8 @@ impl<'a> Drain<'a> {
             id: uuid::Uuid::new_v4().to_string(),
             max,
             listed: Mutex::default(),
+            prefetched: Mutex::default(),
+            pointer: Mutex::default(),
         })
     }
 
@@ -103,7 +111,12 @@ impl<'a> Drain<'a> {
         let ledger = &self.shared.settler.ledger;
         let p = head.partition_id.as_str();
         let one_by_one = || Drained::OneByOne(Box::new(head.clone()));
-        let Some(read) = ledger.line(p, self.key).await? else {
+        let kept = self.pointer.locked().take();
+        let read = match kept {
+            Some(v) => Some(v),
+            None => ledger.line(p, self.key).await?,
+        };
+        let Some(read) = read else {
             return Ok(one_by_one());
         };
         let line = &read.value;
@@ -145,10 +158,23 @@ impl<'a> Drain<'a> {
         let mut entries = self.take_listed(head_seq);
         if entries.is_empty() {
             let listed = ledger.parked_in(p, self.key).await?;
-            *self.listed.lock().unwrap_or_else(|e| e.into_inner()) = listed.into();
+            *self.listed.locked() = listed.into();
             entries = self.take_listed(head_seq);
         }
-        let reads = join_all(entries.iter().map(|e| ledger.read_parked(&e.name))).await;
+        let prefetched = std::mem::take(&mut *self.prefetched.locked());
+        let reads = join_all(entries.iter().map(|e| {
+            let ready = prefetched
+                .iter()
+                .find(|(name, _)| *name == e.name)
+                .map(|(_, p)| p.clone());
+            async move {
+                match ready {
+                    Some(p) => Ok(Some(p)),
+                    None => ledger.read_parked(&e.name).await,
+                }
+            }
+        }))
+        .await;
         let mut parked = Vec::with_capacity(reads.len());
         for r in reads {
             match r? {
@@ -196,7 +222,7 @@ impl<'a> Drain<'a> {
     /// Up to `max` listed entries after `head_seq`, taken off the list (the ones at or
     /// before it were drained already).
     fn take_listed(&self, head_seq: i64) -> Vec<ParkedEntry> {
-        let mut listed = self.listed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut listed = self.listed.locked();
         while listed.front().is_some_and(|e| e.seq <= head_seq) {
             listed.pop_front();
         }
@@ -324,10 +350,14 @@ impl<'a> Drain<'a> {
             .collect();
         let t0 = std::time::Instant::now();
         let call = std::panic::AssertUnwindSafe(shared.downstream.handler.handle_in_order(&items));
-        let answered = futures::FutureExt::catch_unwind(call)
-            .await
-            .unwrap_or_else(|_| vec![Outcome::Failed(Failure::transient("the handler panicked"))]);
-        let duration = t0.elapsed();
+        let call = async {
+            let answered = futures::FutureExt::catch_unwind(call).await.unwrap_or_else(|_| {
+                vec![Outcome::Failed(Failure::transient("the handler panicked"))]
+            });
+            (answered, t0.elapsed())
+        };
+        let last_seq = entries.last().map_or(head.sequence_number, |e| e.seq);
+        let ((answered, duration), ()) = futures::join!(call, self.prefetch(last_seq));
         drop(items);
         let mut answered = answered.into_iter();
         let mut attempted: Vec<Attempted> = Vec::with_capacity(started.len());
@@ -375,17 +405,6 @@ impl<'a> Drain<'a> {
         let shared = self.shared;
         let settler = &*shared.settler;
         let line = read.value.clone();
-        let records = (0..delivered).map(|i| self.record(&line, &parked[i], &attempted[i]));
-        let written = join_all(records).await;
-        for (i, w) in written.into_iter().enumerate() {
-            let settled = w.map(|_| Settled::Delivered);
-            attempt::finish(&attempted[i], settled.as_ref());
-            let s = settled?;
-            shared.observe.count_released();
-            shared
-                .observe
-                .count_settled(&s, parked[i].event.identity.event_type.as_deref());
-        }
         let failed = attempted.get(delivered).map(|a| (a, &parked[delivered]));
         let held = match failed {
             Some((a, pk)) => {
@@ -397,64 +416,119 @@ impl<'a> Drain<'a> {
             None => false,
         };
         let failed = failed.filter(|_| !held);
-        // The failed event's record (its failure counted, its retry due), before the pointer
-        // names it: whoever reads the pointer finds the record.
-        let failed_rec = match failed {
-            Some((a, pk)) => Some(self.record(&line, pk, a).await?),
-            None => None,
-        };
-        let new_head: Option<(&Parked, Option<&Attempted>)> = match failed {
-            Some((a, pk)) => Some((pk, Some(a))),
-            None if delivered > 0 => Some((&parked[delivered - 1], None)),
-            None => None,
-        };
-        let Some((head_pk, failed_attempt)) = new_head else {
+        let new_head = match failed {
+            Some((_, pk)) => pk,
+            None if delivered > 0 => &parked[delivered - 1],
             // Nothing delivered, and the failure held by the storm guard: one by one.
-            return self.give_up(head, read).await;
+            None => return self.give_up(head, read).await,
         };
+        // The delivered events' records and the removal of their parked records, beside the
+        // failed event's record and then the pointer naming the new head (whoever reads the
+        // pointer finds the record it names; a delivered event's removal needs no order: the
+        // pointer's head is settled and what follows it is what is still parked).
+        let records = join_all((0..delivered).map(|i| self.record(&line, &parked[i], &attempted[i])));
+        let removals = join_all(entries[..delivered].iter().map(|e| settler.ledger.remove_parked(&e.name)));
+        let moved = async {
+            let failed_rec = match failed {
+                Some((a, pk)) => Some(self.record(&line, pk, a).await?),
+                None => None,
+            };
+            let written = self
+                .move_head(head, read, new_head, failed.map(|(a, _)| a), delivered)
+                .await?;
+            Ok::<_, SettleError>((failed_rec, written))
+        };
+        let (written_records, removed, moved) = futures::join!(records, removals, moved);
+        for (i, w) in written_records.into_iter().enumerate() {
+            let settled = w.map(|_| Settled::Delivered);
+            attempt::finish(&attempted[i], settled.as_ref());
+            let s = settled?;
+            shared.observe.count_released();
+            shared
+                .observe
+                .count_settled(&s, parked[i].event.identity.event_type.as_deref());
+        }
+        for r in removed {
+            r?;
+        }
+        let (failed_rec, written) = moved?;
+        if !written {
+            // The lease lapsed and someone else moved the line on: theirs now.
+            return Ok(Drained::Waits);
+        }
+        match (failed, failed_rec) {
+            (Some((a, _)), Some(rec)) => {
+                let then = self.after_failure(rec, a).await?;
+                settler.ledger.remove_parked(&entries[delivered].name).await?;
+                Ok(then)
+            }
+            _ if held => Ok(Drained::OneByOne(Box::new(new_head.event.clone()))),
+            _ => Ok(Drained::Moved(Box::new(new_head.event.clone()))),
+        }
+    }
+
+    /// Writes the pointer naming `new_head` (the last delivered event, or the `failed` one
+    /// after `delivered` delivered) in place of `head`, the lease renewed while the drain goes
+    /// on. `false`: the line moved on meanwhile (the lease lapsed), nothing written.
+    async fn move_head(
+        &self,
+        head: &Event,
+        read: Versioned<Line>,
+        new_head: &Parked,
+        failed: Option<&Attempted>,
+        delivered: usize,
+    ) -> Result<bool, SettleError> {
+        let settler = &*self.shared.settler;
         let moved = delivered + usize::from(failed.is_some());
-        let next_parked_ms = self
-            .listed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let new_seq = new_head.event.sequence_number;
+        let now = settler.clock().now();
+        let next_parked_ms = self.listed.locked()
             .iter()
-            .find(|e| e.seq > head_pk.event.sequence_number)
-            .map(|e| e.parked_ms.unwrap_or(ms(settler.clock().now())));
-        let keep_lease = failed.is_none() && !held;
-        let lease = DrainLease {
+            .find(|e| e.seq > new_seq)
+            .map(|e| e.parked_ms.unwrap_or(ms(now)));
+        let lease = failed.is_none().then(|| DrainLease {
             by: self.id.clone(),
-            until_ms: ms(settler.clock().now() + DRAIN_LEASE),
-        };
-        let new_seq = head_pk.event.sequence_number;
+            until_ms: ms(now + DRAIN_LEASE),
+        });
         let swapped = settler
             .ledger
             .change_line(&head.partition_id, self.key, Start::From(Some(read)), |current| {
                 let Some(mut line) = current.filter(|l| self.still_heads(l, head)) else {
                     return Change::Keep(false);
                 };
-                line.head_key = head_pk.event.identity.idempotency_key.clone();
+                line.head_key = new_head.event.identity.idempotency_key.clone();
                 line.head_seq = new_seq;
-                line.head_traceparent = failed_attempt.map(|a| a.traceparent.clone());
+                line.head_traceparent = failed.map(|a| a.traceparent.clone());
                 line.released_behind = None;
                 line.parked = line.parked.saturating_sub(moved as u64);
                 line.oldest_parked_ms = next_parked_ms;
-                line.drain = keep_lease.then(|| lease.clone());
+                line.drain = lease.clone();
                 Change::Write(Box::new(line), true)
             })
             .await?;
-        if !swapped.value {
-            // The lease lapsed and someone else moved the line on: theirs now.
-            return Ok(Drained::Waits);
+        if swapped.value && lease.is_some() {
+            *self.pointer.locked() = swapped.written;
         }
-        let gone = join_all(entries[..moved].iter().map(|e| settler.ledger.remove_parked(&e.name))).await;
-        for g in gone {
-            g?;
-        }
-        match (failed, failed_rec) {
-            (Some((a, _)), Some(rec)) => self.after_failure(rec, a).await,
-            _ if held => Ok(Drained::OneByOne(Box::new(head_pk.event.clone()))),
-            _ => Ok(Drained::Moved(Box::new(head_pk.event.clone()))),
-        }
+        Ok(swapped.value)
+    }
+
+    /// Reads the parked records of the batch after the event at `last_seq` (from the listing
+    /// in hand), for the next step; a failed read only means the next step reads it.
+    async fn prefetch(&self, last_seq: i64) {
+        let ledger = &self.shared.settler.ledger;
+        let next: Vec<ParkedEntry> = self.listed.locked()
+            .iter()
+            .filter(|e| e.seq > last_seq)
+            .take(self.max)
+            .cloned()
+            .collect();
+        let reads = join_all(next.iter().map(|e| ledger.read_parked(&e.name))).await;
+        let ready: Vec<(String, Parked)> = next
+            .into_iter()
+            .zip(reads)
+            .filter_map(|(e, r)| r.ok().flatten().map(|p| (e.name, p)))
+            .collect();
+        *self.prefetched.locked() = ready;
     }
 
     /// The failed event heads the line now: its retry goes to Service Bus (the line waits
