@@ -452,6 +452,7 @@ mod tests {
             r#""lines_batch_lines":4"#,
             r#""lines_batch_length":500"#,
             r#""lines_batch_drain_line_per_s":1234.5"#,
+            r#""lines_batch_one_line_per_s":1500.0"#,
             r#""lines_batch_largest":100"#,
             r#""lines_batch_ratio":251.94"#,
             r#""ops_per_happy_path":{"total":3.857,"events":7,"blob_write":0,"blob_read":0.143,"blob_list":0.286,"blob_other":0,"servicebus_send":0.571,"servicebus_receive":0.714,"servicebus_complete":0,"servicebus_abandon":1,"servicebus_renew":1.143}"#,

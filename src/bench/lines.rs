@@ -16,7 +16,8 @@
 //!    partition (`batch_line_length`): once its head is delivered, the retry loop hands the
 //!    parked events to the handler in order, many per call (`pipeline::lines` drain).
 //!    Figure: events/s per line from its first parked delivery to its last, the largest
-//!    batch the handler saw, and the ratio to the one-by-one drain's per-line rate.
+//!    batch the handler saw, and the ratio to the one-by-one drain's per-line rate; then the
+//!    same for one line alone (a hub of one partition), the whole process's work its own.
 //!
 //! The run fails if any key's first deliveries come out of sequence order, or an event is
 //! missing at the end.
@@ -78,8 +79,11 @@ pub struct BatchedDrain {
     pub lines: usize,
     /// Events parked behind each.
     pub line_length: usize,
-    /// Parked events/s per line from its first parked delivery to its last (the median line).
+    /// Parked events/s per line from its first parked delivery to its last (the median
+    /// line), the lines draining at once.
     pub line_per_s: f64,
+    /// The same for one line alone (a hub of one partition).
+    pub one_line_per_s: f64,
     /// The largest batch the handler was handed.
     pub largest_batch: usize,
 }
@@ -118,8 +122,8 @@ impl LinesFigures {
         );
         if let (Some(b), Some(r)) = (&self.batched, self.batched_ratio()) {
             s.push_str(&format!(
-                ",\"lines_batch_max\":{},\"lines_batch_lines\":{},\"lines_batch_length\":{},\"lines_batch_drain_line_per_s\":{:.1},\"lines_batch_largest\":{},\"lines_batch_ratio\":{:.2}",
-                b.batch_max, b.lines, b.line_length, b.line_per_s, b.largest_batch, r
+                ",\"lines_batch_max\":{},\"lines_batch_lines\":{},\"lines_batch_length\":{},\"lines_batch_drain_line_per_s\":{:.1},\"lines_batch_one_line_per_s\":{:.1},\"lines_batch_largest\":{},\"lines_batch_ratio\":{:.2}",
+                b.batch_max, b.lines, b.line_length, b.line_per_s, b.one_line_per_s, b.largest_batch, r
             ));
         }
         s
@@ -546,12 +550,21 @@ pub async fn lines(a: LinesArgs) -> anyhow::Result<LinesFigures> {
             ..shape
         };
         let run = run_once(batched, true).await?;
+        let alone = run_once(
+            Shape {
+                partitions: 1,
+                ..batched
+            },
+            true,
+        )
+        .await?;
         Some(BatchedDrain {
             batch_max: a.batch_max,
             lines: a.partitions,
             line_length,
             line_per_s: run.line_per_s,
-            largest_batch: run.largest_batch,
+            one_line_per_s: alone.line_per_s,
+            largest_batch: run.largest_batch.max(alone.largest_batch),
         })
     } else {
         None

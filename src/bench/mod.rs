@@ -574,6 +574,7 @@ mod tests {
                     lines: 4,
                     line_length: 500,
                     line_per_s: 1234.5,
+                    one_line_per_s: 1500.0,
                     largest_batch: 100,
                 }),
             }),

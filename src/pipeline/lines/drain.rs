@@ -14,8 +14,8 @@
 //!    then the sweep moves the line on as for any head settled while nobody advanced it.
 //! 2. **The call.** Each event gets its own attempt (its span, linked to the attempt it
 //!    waited behind; its number after the attempts it made before it was parked). The batch
-//!    never carries an event on its last attempt but as the batch's first (a poison event
-//!    goes alone), nor an event an operator paused (it goes one by one, and its retry is
+//!    never carries an event on its last attempt with another (a poison event goes
+//!    alone), nor an event an operator paused (it goes one by one, and its retry is
 //!    deferred as any paused retry); the breaker, the storm guard and the rate limit are
 //!    asked as for a retry (the rate limit once per event).
 //! 3. **The outcomes.** The events before the first one that did not succeed are delivered:
@@ -151,7 +151,7 @@ impl<'a> Drain<'a> {
     }
 
     /// The next batch behind the head at `head_seq`: read from the parked records, cut
-    /// before an event on its last attempt (unless it is the first) and before an event an
+    /// before an event on its last attempt (which goes alone) and before an event an
     /// operator paused. `None`: nothing to drain in batches.
     async fn batch(&self, p: &str, head_seq: i64) -> Result<Option<Batch>, SettleError> {
         let ledger = &self.shared.settler.ledger;
@@ -205,6 +205,10 @@ impl<'a> Drain<'a> {
             };
             let earlier: Vec<String> = pk.behind_traceparent.iter().cloned().collect();
             started.push(attempt::start(e, number, &earlier, cx));
+            if last {
+                // On its last attempt: alone.
+                break;
+            }
         }
         if started.is_empty() {
             return Ok(None);
