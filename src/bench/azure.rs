@@ -172,7 +172,11 @@ async fn start(partitions: usize, handler: Duration, mix: FailureMix) -> anyhow:
     .await?)
 }
 
-async fn produce_keyed(cs: &ConnectionString, partitions: usize, events: usize) -> anyhow::Result<()> {
+async fn produce_keyed(
+    cs: &ConnectionString,
+    partitions: usize,
+    events: usize,
+) -> anyhow::Result<()> {
     let plan = Plan::partition_by_partition("bench", events, partitions);
     producer::produce(cs, &plan, |n| {
         Outgoing::keyed(format!("az-{n}"), vec![b'x'; 1024])
@@ -193,11 +197,8 @@ async fn first_pass(
     sending: Sending,
 ) -> anyhow::Result<Pass> {
     let latency = format!("azure,webhook={0}ms:{0}ms", handler.as_millis());
-    let child = super::cpu::start_child_with(
-        partitions,
-        &latency,
-        failing.then_some("transient=0.1:1"),
-    )?;
+    let child =
+        super::cpu::start_child_with(partitions, &latency, failing.then_some("transient=0.1:1"))?;
     let eh: ConnectionString = child.line("eventhubs")?.parse()?;
     produce_keyed(&eh, partitions, events).await?;
     let webhook =
@@ -264,9 +265,8 @@ async fn first_pass(
     drop(child);
     let (t0, n0) = first.context("nothing settled")?;
     let secs = last.0.saturating_duration_since(t0).as_secs_f64().max(1e-3);
-    let per_event = |a: Duration, b: Duration| {
-        b.saturating_sub(a).as_secs_f64() * 1e6 / (last.1.max(1)) as f64
-    };
+    let per_event =
+        |a: Duration, b: Duration| b.saturating_sub(a).as_secs_f64() * 1e6 / (last.1.max(1)) as f64;
     Ok(Pass {
         per_s: (last.1 - n0) as f64 / secs / partitions as f64,
         cpu: PassCpu {

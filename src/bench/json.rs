@@ -210,7 +210,10 @@ fn azure_cpu_fields(a: &azure::AzureFigures) -> String {
             )
         })
         .collect();
-    v.push(format!("\"azure_batch_cpu_ratio\":{:.3}", a.batch_cpu_ratio()));
+    v.push(format!(
+        "\"azure_batch_cpu_ratio\":{:.3}",
+        a.batch_cpu_ratio()
+    ));
     v.join(",")
 }
 

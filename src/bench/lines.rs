@@ -231,7 +231,10 @@ impl BatchHandler for LinesHandler {
     async fn handle_batch(&self, items: &[Item<'_>]) -> Vec<Outcome> {
         self.largest_batch.fetch_max(items.len(), Ordering::Relaxed);
         tokio::time::sleep(self.latency).await;
-        items.iter().map(|i| self.answer(i.event, i.attempt)).collect()
+        items
+            .iter()
+            .map(|i| self.answer(i.event, i.attempt))
+            .collect()
     }
 }
 

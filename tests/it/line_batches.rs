@@ -117,11 +117,7 @@ impl BatchHandler for Receiver {
             let e = i.event;
             let key = e.identity.idempotency_key.clone();
             let order = e.properties.get("order").cloned().unwrap_or_default();
-            let before = calls
-                .iter()
-                .flatten()
-                .filter(|s| s.key == key)
-                .count() as u32;
+            let before = calls.iter().flatten().filter(|s| s.key == key).count() as u32;
             let body = String::from_utf8_lossy(&e.body).to_string();
             let outcome = if failed_orders.contains(&order) {
                 Outcome::Failed(Failure::transient(
@@ -222,12 +218,7 @@ async fn a_failure_mid_batch_heads_the_line_and_nothing_after_it_counts_before_i
     let bed = Bed::start(1).await;
     let clock = bed.clock();
     let receiver = Arc::new(Receiver::default());
-    send(
-        &bed,
-        0,
-        &line(20, |i| if i == 7 { "fail:1" } else { "ok" }),
-    )
-    .await;
+    send(&bed, 0, &line(20, |i| if i == 7 { "fail:1" } else { "ok" })).await;
     let r = start(
         &bed,
         "replica-a",
@@ -242,13 +233,18 @@ async fn a_failure_mid_batch_heads_the_line_and_nothing_after_it_counts_before_i
     })
     .await;
     clock.advance(Duration::from_secs(61));
-    wait_for("k-7 failed and heads the line", &r.health, LIMIT, || async {
-        let lines = ledger.lines(None).await.unwrap();
-        let rec = ledger.record("k-7").await.unwrap();
-        lines.len() == 1
-            && lines[0].head_key == "k-7"
-            && rec.is_some_and(|r| r.state() == State::RetryScheduled && r.attempts == 1)
-    })
+    wait_for(
+        "k-7 failed and heads the line",
+        &r.health,
+        LIMIT,
+        || async {
+            let lines = ledger.lines(None).await.unwrap();
+            let rec = ledger.record("k-7").await.unwrap();
+            lines.len() == 1
+                && lines[0].head_key == "k-7"
+                && rec.is_some_and(|r| r.state() == State::RetryScheduled && r.attempts == 1)
+        },
+    )
     .await;
     // k-7 went in a batch with later events of its key: none of them counts as delivered,
     // none has a record (not attempted), all still wait parked behind k-7.
@@ -265,7 +261,10 @@ async fn a_failure_mid_batch_heads_the_line_and_nothing_after_it_counts_before_i
     for i in 8..=20 {
         let k = format!("k-{i}");
         assert_eq!(receiver.deliveries_of(&k), 0, "{k} waits behind k-7");
-        assert!(ledger.record(&k).await.unwrap().is_none(), "{k} not attempted");
+        assert!(
+            ledger.record(&k).await.unwrap().is_none(),
+            "{k} not attempted"
+        );
     }
     assert_eq!(ledger.all_parked().await.unwrap().len(), 13);
     for i in 1..=6 {
@@ -293,7 +292,11 @@ async fn a_failure_mid_batch_heads_the_line_and_nothing_after_it_counts_before_i
         .filter(|s| s.key == "k-8")
         .map(|s| s.attempt)
         .collect();
-    assert_eq!(k8_calls, vec![1, 1], "not attempted the first time: the same attempt again");
+    assert_eq!(
+        k8_calls,
+        vec![1, 1],
+        "not attempted the first time: the same attempt again"
+    );
     r.stop().await;
 }
 
@@ -318,7 +321,11 @@ async fn a_replica_killed_mid_drain_loses_nothing_and_the_next_keeps_the_order()
     })
     .await;
     clock.advance(Duration::from_secs(61));
-    crate::common::within("the second batch of the drain hangs", receiver.hung.notified()).await;
+    crate::common::within(
+        "the second batch of the drain hangs",
+        receiver.hung.notified(),
+    )
+    .await;
     assert!(receiver.hanging.load(Ordering::SeqCst));
     for i in 1..=10 {
         assert_eq!(receiver.deliveries_of(&format!("k-{i}")), 1);

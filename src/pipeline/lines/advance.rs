@@ -89,7 +89,10 @@ pub(super) fn line_dead_letter(
 /// Writes `rec` (a released or line-dead-lettered record) unless the ledger holds a record of
 /// this very event already (a replay settled it, or an earlier round of this release wrote
 /// it): the record as it stands is returned.
-pub(super) async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
+pub(super) async fn write_new(
+    settler: &Settler,
+    rec: LedgerRecord,
+) -> Result<LedgerRecord, SettleError> {
     let kind = Releasing {
         settler,
         key: &rec.key,
@@ -395,7 +398,11 @@ impl Advance<'_> {
             return Ok(Seen::Ended);
         }
         // A drain in batches moves it on (see `super::drain`) while its lease holds.
-        if line.drain.as_ref().is_some_and(|l| l.live(self.settler.clock().now())) {
+        if line
+            .drain
+            .as_ref()
+            .is_some_and(|l| l.live(self.settler.clock().now()))
+        {
             return Ok(Seen::Waiting);
         }
         if line.head_key != head.0 || line.head_seq != head.1 {

@@ -192,7 +192,11 @@ impl<'a> Drain<'a> {
             let policy = policies.for_type(t);
             let number = pk.attempts + 1;
             let last = number >= policy.max_attempts;
-            if (last && i > 0) || pauses.retry_pause(&e.identity.idempotency_key, t, None).is_some() {
+            if (last && i > 0)
+                || pauses
+                    .retry_pause(&e.identity.idempotency_key, t, None)
+                    .is_some()
+            {
                 break;
             }
             let cx = attempt::Context {
@@ -280,8 +284,11 @@ impl<'a> Drain<'a> {
             .shared
             .settler
             .ledger
-            .change_line(p, self.key, Start::From(Some(read)), |current| {
-                match current {
+            .change_line(
+                p,
+                self.key,
+                Start::From(Some(read)),
+                |current| match current {
                     Some(mut line) if self.still_heads(&line, head) => {
                         line.drain = Some(DrainLease {
                             by: self.id.clone(),
@@ -290,8 +297,8 @@ impl<'a> Drain<'a> {
                         Change::Write(Box::new(line), true)
                     }
                     _ => Change::Keep(false),
-                }
-            })
+                },
+            )
             .await?;
         Ok(if swapped.value { swapped.written } else { None })
     }
@@ -344,29 +351,36 @@ impl<'a> Drain<'a> {
             parked,
             started,
         } = batch;
-        let items: Vec<Item<'_>> = parked
-            .iter()
-            .zip(&started)
-            .map(|(pk, s)| Item {
-                event: &pk.event,
-                attempt: &s.attempt,
-            })
-            .collect();
-        let t0 = std::time::Instant::now();
-        let call = std::panic::AssertUnwindSafe(shared.downstream.handler.handle_in_order(&items));
-        let call = async {
-            let answered = futures::FutureExt::catch_unwind(call).await.unwrap_or_else(|_| {
-                vec![Outcome::Failed(Failure::transient("the handler panicked"))]
-            });
-            (answered, t0.elapsed())
-        };
         let last_seq = entries.last().map_or(head.sequence_number, |e| e.seq);
-        let ((answered, duration), ()) = futures::join!(call, self.prefetch(last_seq));
-        drop(items);
+        let (answered, duration) = {
+            let items: Vec<Item<'_>> = parked
+                .iter()
+                .zip(&started)
+                .map(|(pk, s)| Item {
+                    event: &pk.event,
+                    attempt: &s.attempt,
+                })
+                .collect();
+            let t0 = std::time::Instant::now();
+            let call =
+                std::panic::AssertUnwindSafe(shared.downstream.handler.handle_in_order(&items));
+            let call = async {
+                let answered = futures::FutureExt::catch_unwind(call)
+                    .await
+                    .unwrap_or_else(|_| {
+                        vec![Outcome::Failed(Failure::transient("the handler panicked"))]
+                    });
+                (answered, t0.elapsed())
+            };
+            futures::join!(call, self.prefetch(last_seq)).0
+        };
         let mut answered = answered.into_iter();
         let mut attempted: Vec<Attempted> = Vec::with_capacity(started.len());
         for s in started {
-            if attempted.last().is_some_and(|a| a.outcome != Outcome::Delivered) {
+            if attempted
+                .last()
+                .is_some_and(|a| a.outcome != Outcome::Delivered)
+            {
                 // After the first failure: not attempted (its span says so, and it ends).
                 not_attempted(s.span());
                 continue;
@@ -380,7 +394,14 @@ impl<'a> Drain<'a> {
         }
         for (i, a) in attempted.iter().enumerate() {
             shared.observe.count_attempt();
-            let g = if i == 0 { gate } else { Gate::Run { probe: None, new: false } };
+            let g = if i == 0 {
+                gate
+            } else {
+                Gate::Run {
+                    probe: None,
+                    new: false,
+                }
+            };
             shared
                 .attempted(a, g, parked[i].event.identity.event_type.as_deref())
                 .await;
@@ -430,8 +451,13 @@ impl<'a> Drain<'a> {
         // failed event's record and then the pointer naming the new head (whoever reads the
         // pointer finds the record it names; a delivered event's removal needs no order: the
         // pointer's head is settled and what follows it is what is still parked).
-        let records = join_all((0..delivered).map(|i| self.record(&line, &parked[i], &attempted[i])));
-        let removals = join_all(entries[..delivered].iter().map(|e| settler.ledger.remove_parked(&e.name)));
+        let records =
+            join_all((0..delivered).map(|i| self.record(&line, &parked[i], &attempted[i])));
+        let removals = join_all(
+            entries[..delivered]
+                .iter()
+                .map(|e| settler.ledger.remove_parked(&e.name)),
+        );
         let moved = async {
             let failed_rec = match failed {
                 Some((a, pk)) => Some(self.record(&line, pk, a).await?),
@@ -463,7 +489,10 @@ impl<'a> Drain<'a> {
         match (failed, failed_rec) {
             (Some((a, _)), Some(rec)) => {
                 let then = self.after_failure(rec, a).await?;
-                settler.ledger.remove_parked(&entries[delivered].name).await?;
+                settler
+                    .ledger
+                    .remove_parked(&entries[delivered].name)
+                    .await?;
                 Ok(then)
             }
             _ if held => Ok(Drained::OneByOne(Box::new(new_head.event.clone()))),
@@ -486,7 +515,9 @@ impl<'a> Drain<'a> {
         let moved = delivered + usize::from(failed.is_some());
         let new_seq = new_head.event.sequence_number;
         let now = settler.clock().now();
-        let next_parked_ms = self.listed.locked()
+        let next_parked_ms = self
+            .listed
+            .locked()
             .iter()
             .find(|e| e.seq > new_seq)
             .map(|e| e.parked_ms.unwrap_or(ms(now)));
@@ -496,19 +527,24 @@ impl<'a> Drain<'a> {
         });
         let swapped = settler
             .ledger
-            .change_line(&head.partition_id, self.key, Start::From(Some(read)), |current| {
-                let Some(mut line) = current.filter(|l| self.still_heads(l, head)) else {
-                    return Change::Keep(false);
-                };
-                line.head_key = new_head.event.identity.idempotency_key.clone();
-                line.head_seq = new_seq;
-                line.head_traceparent = failed.map(|a| a.traceparent.clone());
-                line.released_behind = None;
-                line.parked = line.parked.saturating_sub(moved as u64);
-                line.oldest_parked_ms = next_parked_ms;
-                line.drain = lease.clone();
-                Change::Write(Box::new(line), true)
-            })
+            .change_line(
+                &head.partition_id,
+                self.key,
+                Start::From(Some(read)),
+                |current| {
+                    let Some(mut line) = current.filter(|l| self.still_heads(l, head)) else {
+                        return Change::Keep(false);
+                    };
+                    line.head_key = new_head.event.identity.idempotency_key.clone();
+                    line.head_seq = new_seq;
+                    line.head_traceparent = failed.map(|a| a.traceparent.clone());
+                    line.released_behind = None;
+                    line.parked = line.parked.saturating_sub(moved as u64);
+                    line.oldest_parked_ms = next_parked_ms;
+                    line.drain = lease.clone();
+                    Change::Write(Box::new(line), true)
+                },
+            )
             .await?;
         if swapped.value && lease.is_some() {
             *self.pointer.locked() = swapped.written;
@@ -520,7 +556,9 @@ impl<'a> Drain<'a> {
     /// in hand), for the next step; a failed read only means the next step reads it.
     async fn prefetch(&self, last_seq: i64) {
         let ledger = &self.shared.settler.ledger;
-        let next: Vec<ParkedEntry> = self.listed.locked()
+        let next: Vec<ParkedEntry> = self
+            .listed
+            .locked()
             .iter()
             .filter(|e| e.seq > last_seq)
             .take(self.max)
@@ -537,7 +575,11 @@ impl<'a> Drain<'a> {
 
     /// The failed event heads the line now: its retry goes to Service Bus (the line waits
     /// on it), or, dead-lettered, the one-by-one advance moves the line on from it.
-    async fn after_failure(&self, rec: LedgerRecord, a: &Attempted) -> Result<Drained, SettleError> {
+    async fn after_failure(
+        &self,
+        rec: LedgerRecord,
+        a: &Attempted,
+    ) -> Result<Drained, SettleError> {
         let settler = &*self.shared.settler;
         let settled = match rec.state() {
             State::RetryScheduled => {

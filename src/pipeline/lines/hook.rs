@@ -433,8 +433,11 @@ impl KeyLines<'_> {
             loop {
                 let step = {
                     let mut op = || step_future(drain.step(&head));
-                    hold.until_done("draining the line of the event's ordering key in batches", &mut op)
-                        .await?
+                    hold.until_done(
+                        "draining the line of the event's ordering key in batches",
+                        &mut op,
+                    )
+                    .await?
                 };
                 match step {
                     super::drain::Drained::Moved(next) => head = *next,
