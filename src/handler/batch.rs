@@ -554,6 +554,50 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn in_order_calls_go_one_after_another_and_stop_after_the_one_with_a_failure() {
+        let rec = Recorder {
+            fail: vec!["e4".into()],
+            ..Default::default()
+        };
+        let b = Batched::new(rec, limits(3, 1000, 0));
+        assert_eq!(b.in_order_max(), 3);
+        let events: Vec<Event> = (0..9).map(|i| event(&format!("e{i}"), 1)).collect();
+        let a = attempt(false);
+        let items: Vec<Item<'_>> = events
+            .iter()
+            .map(|e| Item {
+                event: e,
+                attempt: &a,
+            })
+            .collect();
+        let out = b.handle_in_order(&items).await;
+        let calls = b.inner().calls.locked().clone();
+        assert_eq!(
+            calls,
+            vec![vec!["e0", "e1", "e2"], vec!["e3", "e4", "e5"]],
+            "in order, and nothing after the call that carried the failure"
+        );
+        assert_eq!(out.len(), 6);
+        assert!(out[..4].iter().all(|o| *o == Outcome::Delivered));
+        assert!(matches!(&out[4], Outcome::Failed(_)));
+        // A plain handler's default: one at a time, stopping at the first failure.
+        struct Plain;
+        #[async_trait]
+        impl Handler for Plain {
+            async fn handle(&self, event: &Event, _: &Attempt) -> Outcome {
+                if event.identity.idempotency_key == "e1" {
+                    Outcome::Failed(Failure::transient("no"))
+                } else {
+                    Outcome::Delivered
+                }
+            }
+        }
+        assert_eq!(Plain.in_order_max(), 1);
+        let out = Plain.handle_in_order(&items[..3]).await;
+        assert_eq!(out.len(), 2, "stopped after e1");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_caller_that_leaves_takes_its_event_out_of_the_queue() {
         let b = Arc::new(Batched::new(Recorder::default(), limits(10, 1000, 1000)));
         let e = event("gone", 1);
