@@ -151,6 +151,9 @@ impl Class {
     }
 }
 
+/// (partition, ordering key) → first and last parked first delivery, and how many.
+type LineSpans = HashMap<(String, String), (Instant, Instant, u64)>;
+
 /// Answers after `latency`; fails a head's first attempt when `fail_heads`.
 struct LinesHandler {
     latency: Duration,
@@ -163,7 +166,7 @@ struct LinesHandler {
     firsts: Mutex<HashMap<(String, String), Vec<i64>>>,
     delivered: Mutex<std::collections::HashSet<(String, i64)>>,
     /// (partition, ordering key) → first and last parked first delivery, and how many.
-    line_spans: Mutex<HashMap<(String, String), (Instant, Instant, u64)>>,
+    line_spans: Mutex<LineSpans>,
     /// The largest batch handed over.
     largest_batch: std::sync::atomic::AtomicUsize,
 }

@@ -189,7 +189,7 @@ pub(crate) async fn advance(
         };
         let stepped = compare_and_swap(&stepping, Start::Read, |seen| match seen {
             None | Some(Seen::Ended) => Change::Keep(Then::Done(true)),
-            Some(Seen::Other(line)) => Change::Keep(Then::Other(line)),
+            Some(Seen::Other(line)) => Change::Keep(Then::Other(Box::new(line))),
             Some(Seen::Waiting) => Change::Keep(Then::Done(false)),
             Some(Seen::End(mut line)) => {
                 line.tail_seq = Some(line.last_seq());
@@ -270,7 +270,7 @@ enum Then {
     /// Nothing to write: `true` when the line ended.
     Done(bool),
     /// The pointer names another head (this one).
-    Other(Line),
+    Other(Box<Line>),
     /// The tombstone was written (or the pointer was gone).
     Ended,
     /// The next event was released (see [`Stepping::released`]).
