@@ -22,6 +22,13 @@
 //!   [`BATCH_IN_FLIGHT`]), the receiver answering each batch after the same latency;
 //!   `azure_batch_failure_ratio`: the same with 10 % of events failing once ÷ the rate
 //!   with none.
+//! - `azure_cpu_us_per_event` (and `_failing_`, `_batch_`, `_batch_failing_`): CPU time
+//!   of hubguard's process per event settled in each of the four first passes;
+//!   `azure_batch_cpu_ratio`: batches ÷ alone. The first passes run with the emulators
+//!   (and the webhook receiver) in a **child process** (`hubguard emulator`, as
+//!   [`super::cpu`] does), so hubguard's CPU is told apart from theirs, as on Azure where
+//!   the services run elsewhere; their CPU per event is reported beside it
+//!   (`azure_emulators_cpu_us_per_event…`).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -77,6 +84,24 @@ pub struct AzureFigures {
     pub batch_events_per_s_per_partition: f64,
     /// The same with 10 % of events failing once.
     pub batch_failing_events_per_s_per_partition: f64,
+    /// CPU per event of the four first passes: alone, alone with 10 % failing, batches,
+    /// batches with 10 % failing.
+    pub cpu: [PassCpu; 4],
+}
+
+/// CPU time per event settled in one first pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PassCpu {
+    /// hubguard's process, µs per event.
+    pub hubguard_us: f64,
+    /// The emulators' process (the services and the receiver), µs per event.
+    pub emulators_us: f64,
+}
+
+/// One first pass: its rate and its CPU.
+struct Pass {
+    per_s: f64,
+    cpu: PassCpu,
 }
 
 impl AzureFigures {
@@ -108,6 +133,11 @@ impl AzureFigures {
     /// `azure_batch_failure_ratio`.
     pub fn batch_failure_ratio(&self) -> f64 {
         self.batch_failing_events_per_s_per_partition / self.batch_events_per_s_per_partition
+    }
+
+    /// `azure_batch_cpu_ratio`: hubguard's CPU per event with batches ÷ alone.
+    pub fn batch_cpu_ratio(&self) -> f64 {
+        self.cpu[2].hubguard_us / self.cpu[0].hubguard_us.max(1e-9)
     }
 }
 
@@ -143,18 +173,12 @@ async fn start(partitions: usize, handler: Duration, mix: FailureMix) -> anyhow:
 }
 
 async fn produce_keyed(
-    emulators: &Emulators,
+    cs: &ConnectionString,
     partitions: usize,
     events: usize,
 ) -> anyhow::Result<()> {
-    let cs: ConnectionString = emulators
-        .eventhubs
-        .as_ref()
-        .context("event hubs")?
-        .connection_string()
-        .parse()?;
     let plan = Plan::partition_by_partition("bench", events, partitions);
-    producer::produce(&cs, &plan, |n| {
+    producer::produce(cs, &plan, |n| {
         Outgoing::keyed(format!("az-{n}"), vec![b'x'; 1024])
             .property("order_id", (n % 997).to_string())
     })
@@ -162,20 +186,24 @@ async fn produce_keyed(
     Ok(())
 }
 
-/// First deliveries per second per partition through the webhook handler, with `mix`.
+/// First deliveries per second per partition through the webhook handler, with 10 % of
+/// events failing once when `failing`, and the CPU per event of both processes; the
+/// emulators and the receiver in a child process.
 async fn first_pass(
     partitions: usize,
     events: usize,
     handler: Duration,
-    mix: FailureMix,
+    failing: bool,
     sending: Sending,
-) -> anyhow::Result<f64> {
-    let emulators = start(partitions, handler, mix).await?;
-    produce_keyed(&emulators, partitions, events).await?;
-    let hook = emulators.webhook.as_ref().context("webhook")?;
+) -> anyhow::Result<Pass> {
+    let latency = format!("azure,webhook={0}ms:{0}ms", handler.as_millis());
+    let child =
+        super::cpu::start_child_with(partitions, &latency, failing.then_some("transient=0.1:1"))?;
+    let eh: ConnectionString = child.line("eventhubs")?.parse()?;
+    produce_keyed(&eh, partitions, events).await?;
     let webhook =
         crate::handler::webhook::WebhookHandler::new(crate::handler::webhook::WebhookConfig {
-            url: hook.url(),
+            url: child.line("webhook")?.to_string(),
             timeout_ms: 5000,
             conflict_is_permanent: true,
             batch_max: match sending {
@@ -200,7 +228,16 @@ async fn first_pass(
         max_attempts: 5,
         max_age_s: None,
     };
-    let parts = pipelines::parts(&emulators, webhook.into_handler(), policy, options)?;
+    let container = format!("{}/hubguard", child.line("blob")?.trim_end_matches('/'));
+    let parts = crate::wiring::Wiring::new(
+        crate::pipeline::EventHubsTarget::with_connection_string(&eh, "bench", "$Default"),
+        crate::wiring::StorageAccess::url(&container),
+        crate::wiring::ServiceBusAccess::ConnectionString(child.line("servicebus")?.parse()?),
+    )
+    .policy(policy)
+    .options(options)
+    .parts(webhook.into_handler())?;
+    let cpu_before = (super::cpu::cpu_time()?, child.cpu_time()?);
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
     let cancel = tokio_util::sync::CancellationToken::new();
@@ -224,10 +261,19 @@ async fn first_pass(
     }
     cancel.cancel();
     run.await??;
-    emulators.shutdown().await;
+    let cpu_after = (super::cpu::cpu_time()?, child.cpu_time()?);
+    drop(child);
     let (t0, n0) = first.context("nothing settled")?;
     let secs = last.0.saturating_duration_since(t0).as_secs_f64().max(1e-3);
-    Ok((last.1 - n0) as f64 / secs / partitions as f64)
+    let per_event =
+        |a: Duration, b: Duration| b.saturating_sub(a).as_secs_f64() * 1e6 / (last.1.max(1)) as f64;
+    Ok(Pass {
+        per_s: (last.1 - n0) as f64 / secs / partitions as f64,
+        cpu: PassCpu {
+            hubguard_us: per_event(cpu_before.0, cpu_after.0),
+            emulators_us: per_event(cpu_before.1, cpu_after.1),
+        },
+    })
 }
 
 /// Every event fails once, due 10 s later: how fast the retries drain, and how late.
@@ -238,7 +284,13 @@ async fn retry_drain(
 ) -> anyhow::Result<(f64, f64, (f64, f64))> {
     let concurrency = crate::config::DEFAULT_RETRY_CONCURRENCY;
     let emulators = start(partitions, handler, FailureMix::default()).await?;
-    produce_keyed(&emulators, partitions, events).await?;
+    let cs: ConnectionString = emulators
+        .eventhubs
+        .as_ref()
+        .context("event hubs")?
+        .connection_string()
+        .parse()?;
+    produce_keyed(&cs, partitions, events).await?;
     let bench = Arc::new(BenchHandler::new(handler, 1, true));
     let policy = RetryPolicy {
         name: "bench".into(),
@@ -385,31 +437,11 @@ pub async fn azure(
     handler: Duration,
     retries: usize,
 ) -> anyhow::Result<AzureFigures> {
-    let tenth = FailureMix {
-        transient: 0.1,
-        times: 1,
-        ..Default::default()
-    };
-    let none = first_pass(
-        partitions,
-        events,
-        handler,
-        FailureMix::default(),
-        Sending::Alone,
-    )
-    .await?;
-    let failing = first_pass(partitions, events, handler, tenth, Sending::Alone).await?;
+    let none = first_pass(partitions, events, handler, false, Sending::Alone).await?;
+    let failing = first_pass(partitions, events, handler, true, Sending::Alone).await?;
     // Batches: five times the events, so the run lasts about as long.
-    let batch = first_pass(
-        partitions,
-        events * 5,
-        handler,
-        FailureMix::default(),
-        Sending::Batches,
-    )
-    .await?;
-    let batch_failing =
-        first_pass(partitions, events * 5, handler, tenth, Sending::Batches).await?;
+    let batch = first_pass(partitions, events * 5, handler, false, Sending::Batches).await?;
+    let batch_failing = first_pass(partitions, events * 5, handler, true, Sending::Batches).await?;
     let (drain, span, lateness) = retry_drain(partitions, retries, handler).await?;
     Ok(AzureFigures {
         partitions,
@@ -417,14 +449,15 @@ pub async fn azure(
         handler,
         max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
         retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
-        events_per_s_per_partition: none,
-        failing_events_per_s_per_partition: failing,
+        events_per_s_per_partition: none.per_s,
+        failing_events_per_s_per_partition: failing.per_s,
         retries,
         retry_drain_per_s: drain,
         retry_span_per_s: span,
         retry_lateness_ms: lateness,
-        batch_events_per_s_per_partition: batch,
-        batch_failing_events_per_s_per_partition: batch_failing,
+        batch_events_per_s_per_partition: batch.per_s,
+        batch_failing_events_per_s_per_partition: batch_failing.per_s,
+        cpu: [none.cpu, failing.cpu, batch.cpu, batch_failing.cpu],
     })
 }
 

@@ -45,8 +45,14 @@ impl CpuFigures {
 }
 
 /// This process's CPU time (user + system) so far.
-fn cpu_time() -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+pub(super) fn cpu_time() -> anyhow::Result<Duration> {
+    cpu_time_of("self")
+}
+
+/// The CPU time (user + system) so far of process `pid` (`self`: this one).
+fn cpu_time_of(pid: &str) -> anyhow::Result<Duration> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
     // Fields after the command name (which may hold spaces) in parentheses: state is the
     // 3rd field, utime the 14th and stime the 15th (proc(5)).
     let rest = stat
@@ -66,9 +72,25 @@ fn cpu_time() -> anyhow::Result<Duration> {
 }
 
 /// The emulators in a child process, killed when dropped.
-struct ChildEmulators {
+pub(super) struct ChildEmulators {
     child: Child,
     lines: BTreeMap<String, String>,
+}
+
+impl ChildEmulators {
+    /// The endpoint the child listed as `name` (`eventhubs`, `servicebus`, `blob`,
+    /// `webhook`).
+    pub(super) fn line(&self, name: &str) -> anyhow::Result<&str> {
+        self.lines
+            .get(name)
+            .map(String::as_str)
+            .with_context(|| format!("the child listed no {name} endpoint"))
+    }
+
+    /// The child's CPU time (user + system) so far.
+    pub(super) fn cpu_time(&self) -> anyhow::Result<Duration> {
+        cpu_time_of(&self.child.id().to_string())
+    }
 }
 
 impl Drop for ChildEmulators {
@@ -79,6 +101,16 @@ impl Drop for ChildEmulators {
 }
 
 fn start_child(partitions: usize, latency: &str) -> anyhow::Result<ChildEmulators> {
+    start_child_with(partitions, latency, None)
+}
+
+/// `hubguard emulator` in a child process: hub `bench` with `partitions`, the `latency`
+/// profile, the webhook receiver failing as `webhook_failures` says.
+pub(super) fn start_child_with(
+    partitions: usize,
+    latency: &str,
+    webhook_failures: Option<&str>,
+) -> anyhow::Result<ChildEmulators> {
     let exe = std::env::current_exe().context("finding the hubguard binary")?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -98,6 +130,9 @@ fn start_child(partitions: usize, latency: &str) -> anyhow::Result<ChildEmulator
     ]);
     if latency != "none" {
         cmd.args(["--latency", latency]);
+    }
+    if let Some(mix) = webhook_failures {
+        cmd.args(["--webhook-failures", mix]);
     }
     let mut child = cmd
         .stdout(Stdio::piped())

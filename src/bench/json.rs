@@ -185,6 +185,7 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
             "\"azure_batch_failure_ratio\":{:.3}",
             a.batch_failure_ratio()
         ),
+        azure_cpu_fields(a),
         format!(
             "\"azure_retry_lateness_p50_ms\":{:.0}",
             a.retry_lateness_ms.0
@@ -194,6 +195,26 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
             a.retry_lateness_ms.1
         ),
     ]
+}
+
+/// CPU per event of the four first passes, hubguard's and the emulators' processes.
+fn azure_cpu_fields(a: &azure::AzureFigures) -> String {
+    let names = ["", "failing_", "batch_", "batch_failing_"];
+    let mut v: Vec<String> = names
+        .iter()
+        .zip(&a.cpu)
+        .map(|(n, c)| {
+            format!(
+                "\"azure_{n}cpu_us_per_event\":{:.1},\"azure_emulators_{n}cpu_us_per_event\":{:.1}",
+                c.hubguard_us, c.emulators_us
+            )
+        })
+        .collect();
+    v.push(format!(
+        "\"azure_batch_cpu_ratio\":{:.3}",
+        a.batch_cpu_ratio()
+    ));
+    v.join(",")
 }
 
 /// Each scale run's duplicates, moves and longest unread time, by scenario and balancing.
@@ -370,6 +391,15 @@ mod tests {
             r#""azure_batch_events_per_s_per_partition":6789"#,
             r#""azure_batch_failing_events_per_s_per_partition":6543"#,
             r#""azure_batch_failure_ratio":0.964"#,
+            r#""azure_cpu_us_per_event":400.0"#,
+            r#""azure_emulators_cpu_us_per_event":900.0"#,
+            r#""azure_failing_cpu_us_per_event":450.0"#,
+            r#""azure_emulators_failing_cpu_us_per_event":1000.0"#,
+            r#""azure_batch_cpu_us_per_event":200.0"#,
+            r#""azure_emulators_batch_cpu_us_per_event":300.0"#,
+            r#""azure_batch_failing_cpu_us_per_event":260.0"#,
+            r#""azure_emulators_batch_failing_cpu_us_per_event":420.0"#,
+            r#""azure_batch_cpu_ratio":0.500"#,
             r#""azure_retry_lateness_p50_ms":123"#,
             r#""azure_retry_lateness_p99_ms":568"#,
             r#""scale_scale_out_sdk_duplicates":37"#,
@@ -420,6 +450,14 @@ mod tests {
             r#""lines_drain_s":5.14"#,
             r#""lines":16"#,
             r#""lines_length":25"#,
+            r#""lines_drain_line_per_s":4.90"#,
+            r#""lines_batch_max":100"#,
+            r#""lines_batch_lines":4"#,
+            r#""lines_batch_length":500"#,
+            r#""lines_batch_drain_line_per_s":1234.5"#,
+            r#""lines_batch_one_line_per_s":1500.0"#,
+            r#""lines_batch_largest":100"#,
+            r#""lines_batch_ratio":251.94"#,
             r#""ops_per_happy_path":{"total":3.857,"events":7,"blob_write":0,"blob_read":0.143,"blob_list":0.286,"blob_other":0,"servicebus_send":0.571,"servicebus_receive":0.714,"servicebus_complete":0,"servicebus_abandon":1,"servicebus_renew":1.143}"#,
             r#""ops_per_first_failure":{"total":12.857,"events":7,"blob_write":1,"blob_read":1.143,"blob_list":1.286,"blob_other":1,"servicebus_send":1.571,"servicebus_receive":1.714,"servicebus_complete":1,"servicebus_abandon":2,"servicebus_renew":2.143}"#,
             r#""ops_per_retry":{"total":17.357,"events":7,"blob_write":1.500,"blob_read":1.643,"blob_list":1.786,"blob_other":1.500,"servicebus_send":2.071,"servicebus_receive":2.214,"servicebus_complete":1.500,"servicebus_abandon":2.500,"servicebus_renew":2.643}"#,

@@ -10,7 +10,14 @@
 //! 2. **A released line drains**: every head is pulled forward (`retries run-now`, as an
 //!    operator would); the parked events are released one after another through Service Bus.
 //!    Figure: parked events delivered per second, all lines and per line, from the pull to
-//!    the last delivery.
+//!    the last delivery; and per line from its first parked delivery to its last.
+//! 3. **A released line drains in ordered batches**: the measured run again with the
+//!    handler taking batches (`batch_max`, 100 by default) and one longer line per
+//!    partition (`batch_line_length`): once its head is delivered, the retry loop hands the
+//!    parked events to the handler in order, many per call (`pipeline::lines` drain).
+//!    Figure: events/s per line from its first parked delivery to its last, the largest
+//!    batch the handler saw, and the ratio to the one-by-one drain's per-line rate; then the
+//!    same for one line alone (a hub of one partition), the whole process's work its own.
 //!
 //! The run fails if any key's first deliveries come out of sequence order, or an event is
 //! missing at the end.
@@ -29,6 +36,7 @@ use crate::emulator::latency::LatencyProfile;
 use crate::emulator::producer::{self, Outgoing, Plan};
 use crate::emulator::{Emulators, EmulatorsConfig};
 use crate::event::Event;
+use crate::handler::batch::{BatchHandler, BatchLimits, Batched, Item};
 use crate::handler::{Attempt, Failure, Handler, Outcome};
 use crate::pipeline::settle::Settler;
 use crate::pipeline::{LineOnDeadLetter, OrderingKey, Pipeline, PipelineOptions, RetryOrdering};
@@ -55,6 +63,29 @@ pub struct LinesFigures {
     pub drain_per_s: f64,
     /// Seconds from the pull to the last parked delivery.
     pub drain_s: f64,
+    /// One by one: parked events/s per line from its first parked delivery to its last
+    /// (the median line).
+    pub drain_line_per_s: f64,
+    /// The run with ordered batches, when measured.
+    pub batched: Option<BatchedDrain>,
+}
+
+/// A released line drained in ordered batches.
+#[derive(Debug, Clone)]
+pub struct BatchedDrain {
+    /// Events per call.
+    pub batch_max: usize,
+    /// Lines (one per partition).
+    pub lines: usize,
+    /// Events parked behind each.
+    pub line_length: usize,
+    /// Parked events/s per line from its first parked delivery to its last (the median
+    /// line), the lines draining at once.
+    pub line_per_s: f64,
+    /// The same for one line alone (a hub of one partition).
+    pub one_line_per_s: f64,
+    /// The largest batch the handler was handed.
+    pub largest_batch: usize,
 }
 
 impl LinesFigures {
@@ -68,10 +99,17 @@ impl LinesFigures {
         self.drain_per_s / self.lines as f64
     }
 
+    /// The batched drain's per-line rate over the one-by-one drain's.
+    pub fn batched_ratio(&self) -> Option<f64> {
+        self.batched
+            .as_ref()
+            .map(|b| b.line_per_s / self.drain_line_per_s.max(1e-9))
+    }
+
     /// The figures as JSON fields.
     pub fn json(&self) -> String {
-        format!(
-            "\"lines_free_per_s_without_lines\":{:.1},\"lines_free_per_s_with_lines\":{:.1},\"lines_free_ratio\":{:.3},\"lines_drain_per_s\":{:.1},\"lines_drain_per_s_per_line\":{:.2},\"lines_drain_s\":{:.2},\"lines\":{},\"lines_length\":{}",
+        let mut s = format!(
+            "\"lines_free_per_s_without_lines\":{:.1},\"lines_free_per_s_with_lines\":{:.1},\"lines_free_ratio\":{:.3},\"lines_drain_per_s\":{:.1},\"lines_drain_per_s_per_line\":{:.2},\"lines_drain_s\":{:.2},\"lines\":{},\"lines_length\":{},\"lines_drain_line_per_s\":{:.2}",
             self.free_per_s_without_lines,
             self.free_per_s_with_lines,
             self.free_ratio(),
@@ -79,8 +117,16 @@ impl LinesFigures {
             self.drain_per_s_per_line(),
             self.drain_s,
             self.lines,
-            self.line_length
-        )
+            self.line_length,
+            self.drain_line_per_s
+        );
+        if let (Some(b), Some(r)) = (&self.batched, self.batched_ratio()) {
+            s.push_str(&format!(
+                ",\"lines_batch_max\":{},\"lines_batch_lines\":{},\"lines_batch_length\":{},\"lines_batch_drain_line_per_s\":{:.1},\"lines_batch_one_line_per_s\":{:.1},\"lines_batch_largest\":{},\"lines_batch_ratio\":{:.2}",
+                b.batch_max, b.lines, b.line_length, b.line_per_s, b.one_line_per_s, b.largest_batch, r
+            ));
+        }
+        s
     }
 }
 
@@ -105,6 +151,9 @@ impl Class {
     }
 }
 
+/// (partition, ordering key) → first and last parked first delivery, and how many.
+type LineSpans = HashMap<(String, String), (Instant, Instant, u64)>;
+
 /// Answers after `latency`; fails a head's first attempt when `fail_heads`.
 struct LinesHandler {
     latency: Duration,
@@ -116,6 +165,10 @@ struct LinesHandler {
     /// (partition, ordering key) → sequence numbers of first deliveries, in delivery order.
     firsts: Mutex<HashMap<(String, String), Vec<i64>>>,
     delivered: Mutex<std::collections::HashSet<(String, i64)>>,
+    /// (partition, ordering key) → first and last parked first delivery, and how many.
+    line_spans: Mutex<LineSpans>,
+    /// The largest batch handed over.
+    largest_batch: std::sync::atomic::AtomicUsize,
 }
 
 impl LinesHandler {
@@ -129,7 +182,22 @@ impl LinesHandler {
             last_parked: Mutex::default(),
             firsts: Mutex::default(),
             delivered: Mutex::default(),
+            line_spans: Mutex::default(),
+            largest_batch: Default::default(),
         }
+    }
+
+    /// Parked events/s per line from its first parked delivery to its last: the median line.
+    fn line_per_s(&self) -> f64 {
+        let mut rates: Vec<f64> = self
+            .line_spans
+            .locked()
+            .values()
+            .filter(|(_, _, n)| *n > 1)
+            .map(|(a, b, n)| (n - 1) as f64 / b.duration_since(*a).as_secs_f64().max(1e-3))
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        rates.get(rates.len() / 2).copied().unwrap_or(0.0)
     }
 
     fn free_per_s(&self) -> f64 {
@@ -156,6 +224,25 @@ impl LinesHandler {
 impl Handler for LinesHandler {
     async fn handle(&self, event: &Event, attempt: &Attempt) -> Outcome {
         tokio::time::sleep(self.latency).await;
+        self.answer(event, attempt)
+    }
+}
+
+/// The same receiver taking batches: one wait per call.
+#[async_trait::async_trait]
+impl BatchHandler for LinesHandler {
+    async fn handle_batch(&self, items: &[Item<'_>]) -> Vec<Outcome> {
+        self.largest_batch.fetch_max(items.len(), Ordering::Relaxed);
+        tokio::time::sleep(self.latency).await;
+        items
+            .iter()
+            .map(|i| self.answer(i.event, i.attempt))
+            .collect()
+    }
+}
+
+impl LinesHandler {
+    fn answer(&self, event: &Event, attempt: &Attempt) -> Outcome {
         let class = Class::of(&event.body);
         if class == Class::Head && self.fail_heads && attempt.number == 1 {
             return Outcome::Failed(Failure::transient("bench: the line's head fails once"));
@@ -182,6 +269,14 @@ impl Handler for LinesHandler {
                 Class::Parked => {
                     self.parked.fetch_add(1, Ordering::Relaxed);
                     *self.last_parked.locked() = Some(now);
+                    if let Some(k) = event.properties.get("order") {
+                        let mut spans = self.line_spans.locked();
+                        let e = spans
+                            .entry((event.partition_id.clone(), k.clone()))
+                            .or_insert((now, now, 0));
+                        e.1 = now;
+                        e.2 += 1;
+                    }
                 }
                 Class::Head => {}
             }
@@ -214,21 +309,46 @@ fn partition_events(lines: usize, line_length: usize, free: usize) -> Vec<(Class
 struct Run {
     free_per_s: f64,
     drain: Option<(f64, f64)>,
+    line_per_s: f64,
+    largest_batch: usize,
 }
 
-/// One run: the free keys' events/s and, `with_lines`, the released lines' drain.
-async fn run_once(
+/// One run's shape.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
     partitions: usize,
     handler_latency: Duration,
     lines_per_partition: usize,
     line_length: usize,
     free_per_partition: usize,
-    with_lines: bool,
-) -> anyhow::Result<Run> {
+    /// Events per call (1: the handler takes them one by one).
+    batch_max: usize,
+}
+
+/// One run: the free keys' events/s and, `with_lines`, the released lines' drain.
+async fn run_once(shape: Shape, with_lines: bool) -> anyhow::Result<Run> {
+    let Shape {
+        partitions,
+        handler_latency,
+        lines_per_partition,
+        line_length,
+        free_per_partition,
+        batch_max,
+    } = shape;
     let stream = partition_events(lines_per_partition, line_length, free_per_partition);
     let emulators = start_with_stream(partitions, &stream).await?;
     let handler = Arc::new(LinesHandler::new(handler_latency, with_lines));
-    let pipeline = ordered_pipeline(&emulators, handler.clone())?;
+    let as_handler: Arc<dyn Handler> = if batch_max > 1 {
+        let limits = BatchLimits {
+            max_events: batch_max,
+            max_bytes: 1 << 20,
+            wait: Duration::ZERO,
+        };
+        Arc::new(Batched::shared(handler.clone(), limits))
+    } else {
+        handler.clone()
+    };
+    let pipeline = ordered_pipeline(&emulators, as_handler)?;
     let settler = pipeline.settler();
     let cancel = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(pipeline.run(cancel.clone()));
@@ -253,7 +373,12 @@ async fn run_once(
     cancel.cancel();
     run.await??;
     emulators.shutdown().await;
-    Ok(Run { free_per_s, drain })
+    Ok(Run {
+        free_per_s,
+        drain,
+        line_per_s: handler.line_per_s(),
+        largest_batch: handler.largest_batch.load(Ordering::Relaxed),
+    })
 }
 
 /// The emulators at the azure latency profile, `stream` produced to each partition.
@@ -291,7 +416,7 @@ async fn start_with_stream(
 }
 
 /// The pipeline with retries ordered by the `order` property, each due in an hour.
-fn ordered_pipeline(emulators: &Emulators, handler: Arc<LinesHandler>) -> anyhow::Result<Pipeline> {
+fn ordered_pipeline(emulators: &Emulators, handler: Arc<dyn Handler>) -> anyhow::Result<Pipeline> {
     // The heads' retries are due in an hour: the lines stay open until they are pulled.
     let policy = RetryPolicy {
         name: "bench".into(),
@@ -383,49 +508,85 @@ async fn pull_heads(
     Ok(())
 }
 
+/// The scenario's sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct LinesArgs {
+    /// Partitions of the hub.
+    pub partitions: usize,
+    /// Lines, spread over the partitions.
+    pub lines: usize,
+    /// Events parked behind each.
+    pub line_length: usize,
+    /// Events of free keys.
+    pub free_events: usize,
+    /// The handler's latency.
+    pub handler: Duration,
+    /// Events per call in the batched drain (1: not run).
+    pub batch_max: usize,
+    /// Events parked behind each line (one per partition) in the batched drain.
+    pub batch_line_length: usize,
+}
+
 /// The scenario: `lines` lines of `line_length` parked events, spread over `partitions`,
-/// beside `free_events` events of keys of their own; a handler answering after `handler`.
-pub async fn lines(
-    partitions: usize,
-    lines: usize,
-    line_length: usize,
-    free_events: usize,
-    handler: Duration,
-) -> anyhow::Result<LinesFigures> {
-    if lines == 0 || line_length == 0 || free_events == 0 || partitions == 0 {
+/// beside `free_events` events of keys of their own; a handler answering after `handler`;
+/// then, with `batch_max` above 1, one line of `batch_line_length` per partition drained in
+/// ordered batches.
+pub async fn lines(a: LinesArgs) -> anyhow::Result<LinesFigures> {
+    if a.lines == 0 || a.line_length == 0 || a.free_events == 0 || a.partitions == 0 {
         bail!("--lines, --line-length and --events must be positive");
     }
-    let per_partition = lines.div_ceil(partitions);
-    let free_per_partition = free_events.div_ceil(partitions);
-    let without = run_once(
-        partitions,
-        handler,
-        per_partition,
-        line_length,
-        free_per_partition,
-        false,
-    )
-    .await?;
-    let with = run_once(
-        partitions,
-        handler,
-        per_partition,
-        line_length,
-        free_per_partition,
-        true,
-    )
-    .await?;
+    let shape = Shape {
+        partitions: a.partitions,
+        handler_latency: a.handler,
+        lines_per_partition: a.lines.div_ceil(a.partitions),
+        line_length: a.line_length,
+        free_per_partition: a.free_events.div_ceil(a.partitions),
+        batch_max: 1,
+    };
+    let without = run_once(shape, false).await?;
+    let with = run_once(shape, true).await?;
     let (drain_per_s, drain_s) = with.drain.context("the drain was not measured")?;
+    let batched = if a.batch_max > 1 {
+        let line_length = a.batch_line_length.max(2);
+        let batched = Shape {
+            lines_per_partition: 1,
+            line_length,
+            free_per_partition: 50,
+            batch_max: a.batch_max,
+            ..shape
+        };
+        let run = run_once(batched, true).await?;
+        let alone = run_once(
+            Shape {
+                partitions: 1,
+                ..batched
+            },
+            true,
+        )
+        .await?;
+        Some(BatchedDrain {
+            batch_max: a.batch_max,
+            lines: a.partitions,
+            line_length,
+            line_per_s: run.line_per_s,
+            one_line_per_s: alone.line_per_s,
+            largest_batch: run.largest_batch.max(alone.largest_batch),
+        })
+    } else {
+        None
+    };
     Ok(LinesFigures {
-        partitions,
-        handler,
-        lines: per_partition * partitions,
-        line_length,
-        free_events: free_per_partition * partitions,
+        partitions: a.partitions,
+        handler: a.handler,
+        lines: shape.lines_per_partition * a.partitions,
+        line_length: a.line_length,
+        free_events: shape.free_per_partition * a.partitions,
         free_per_s_without_lines: without.free_per_s,
         free_per_s_with_lines: with.free_per_s,
         drain_per_s,
         drain_s,
+        drain_line_per_s: with.line_per_s,
+        batched,
     })
 }
 

@@ -144,6 +144,13 @@ pub struct BenchArgs {
     /// `lines`: events parked behind each.
     #[arg(long, default_value_t = 25)]
     line_length: usize,
+    /// `lines`: events per call when a released line drains in ordered batches (1: that run
+    /// is left out).
+    #[arg(long, default_value_t = 100)]
+    lines_batch_max: usize,
+    /// `lines`: events parked behind each line (one per partition) in the batched drain.
+    #[arg(long, default_value_t = 500)]
+    lines_batch_length: usize,
 }
 
 /// Everything one `hubguard bench` run measured.
@@ -325,13 +332,15 @@ async fn run_cost(args: &BenchArgs) -> anyhow::Result<cost::CostFigures> {
 
 /// The `lines` scenario: ordered retries at the azure latency profile, over 4 partitions.
 async fn run_lines(args: &BenchArgs) -> anyhow::Result<lines::LinesFigures> {
-    lines::lines(
-        4,
-        args.lines,
-        args.line_length,
-        args.events,
-        Duration::from_millis(args.handler_ms),
-    )
+    lines::lines(lines::LinesArgs {
+        partitions: 4,
+        lines: args.lines,
+        line_length: args.line_length,
+        free_events: args.events,
+        handler: Duration::from_millis(args.handler_ms),
+        batch_max: args.lines_batch_max,
+        batch_line_length: args.lines_batch_length,
+    })
     .await
 }
 
@@ -466,6 +475,24 @@ mod tests {
                 retry_lateness_ms: (123.4, 567.8),
                 batch_events_per_s_per_partition: 6789.1,
                 batch_failing_events_per_s_per_partition: 6543.2,
+                cpu: [
+                    azure::PassCpu {
+                        hubguard_us: 400.0,
+                        emulators_us: 900.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 450.0,
+                        emulators_us: 1000.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 200.0,
+                        emulators_us: 300.0,
+                    },
+                    azure::PassCpu {
+                        hubguard_us: 260.0,
+                        emulators_us: 420.0,
+                    },
+                ],
             }),
             scale: vec![
                 scale::ScaleRun {
@@ -541,6 +568,15 @@ mod tests {
                 free_per_s_with_lines: 1200.04,
                 drain_per_s: 77.77,
                 drain_s: 5.144,
+                drain_line_per_s: 4.9,
+                batched: Some(lines::BatchedDrain {
+                    batch_max: 100,
+                    lines: 4,
+                    line_length: 500,
+                    line_per_s: 1234.5,
+                    one_line_per_s: 1500.0,
+                    largest_batch: 100,
+                }),
             }),
         };
         (args, f)

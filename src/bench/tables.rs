@@ -230,6 +230,22 @@ fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
         "azure_batch_failure_ratio (10 % failing once)",
         format!("{:.3}", a.batch_failure_ratio()),
     )?;
+    let names = [
+        "alone",
+        "alone, 10 % failing",
+        "batches",
+        "batches, 10 % failing",
+    ];
+    for (n, c) in names.iter().zip(&a.cpu) {
+        row(
+            &format!("CPU µs per event, {n}: hubguard / emulators"),
+            format!("{:.0} / {:.0}", c.hubguard_us, c.emulators_us),
+        )?;
+    }
+    row(
+        "azure_batch_cpu_ratio (hubguard, batches / alone)",
+        format!("{:.3}", a.batch_cpu_ratio()),
+    )?;
     writeln!(out)
 }
 
@@ -428,6 +444,28 @@ fn write_lines(out: &mut String, l: &lines::LinesFigures) -> fmt::Result {
         l.drain_per_s_per_line(),
         l.drain_s
     )?;
+    writeln!(
+        out,
+        "{:>44} {:>10.1}",
+        "one by one, events/s per line", l.drain_line_per_s
+    )?;
+    if let (Some(b), Some(r)) = (&l.batched, l.batched_ratio()) {
+        writeln!(
+            out,
+            "{:>44} {:>10.1} ({} lines of {} at once; largest batch {}; {:.1}× one by one)",
+            format!("ordered batches of {}, events/s per line", b.batch_max),
+            b.line_per_s,
+            b.lines,
+            b.line_length,
+            b.largest_batch,
+            r
+        )?;
+        writeln!(
+            out,
+            "{:>44} {:>10.1}",
+            "ordered batches, one line alone, events/s", b.one_line_per_s
+        )?;
+    }
     writeln!(out)
 }
 
@@ -511,6 +549,11 @@ retries drained per s while due and waiting (10000 due in ~10 s)          300
                 azure_retry_lateness_p50_ms / p99_ms    123 / 568
 batches of 100 (500 in flight): azure_batch_events_per_s_per_partition         6789
        azure_batch_failure_ratio (10 % failing once)        0.964
+       CPU µs per event, alone: hubguard / emulators    400 / 900
+CPU µs per event, alone, 10 % failing: hubguard / emulators   450 / 1000
+     CPU µs per event, batches: hubguard / emulators    200 / 300
+CPU µs per event, batches, 10 % failing: hubguard / emulators    260 / 420
+   azure_batch_cpu_ratio (hubguard, batches / alone)        0.500
 
 Rate limit 100/s for three replicas (6 partitions, max_in_flight 8 each), a receiver that takes everything
                            receiver capacity unlimited
@@ -581,6 +624,9 @@ Ordered retries at the azure latency profile: 4 partitions, handler 50 ms, 16 li
  free keys, events/s, lines open and filling     1200.0
                                        ratio      0.972
        released lines drain, parked events/s       77.8 (4.86 per line; 5.1 s for all)
+               one by one, events/s per line        4.9
+   ordered batches of 100, events/s per line     1234.5 (4 lines of 500 at once; largest batch 100; 251.9× one by one)
+   ordered batches, one line alone, events/s     1500.0
 
 Resident memory of `hubguard run` (a child process; emulators in this one)
                            0 retries pending       21.2 MB

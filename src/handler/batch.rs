@@ -9,11 +9,19 @@
 //! checkpoint passes each event as it settles, so a batch with one failure holds nothing
 //! back but that event, whose retry goes to Service Bus like any other.
 //!
+//! **A released line** of ordered retries (`retry_ordering = "key"`) is the one place a
+//! batch carries several events of a key: once the line's head is delivered, the retry loop
+//! hands the events parked behind it to [`Handler::handle_in_order`], which `Batched` sends
+//! as calls of up to `max_events`, in sequence order, one after another, stopping after the
+//! call that carried a failure. The pipeline counts everything after the first failure as
+//! not attempted (see `pipeline::lines::drain`).
+//!
 //! What a batch never does:
-//! - **carry two events of one ordering key**: the partition runs a key's events one after
-//!   another (the next starts when the one before settled), so a batch holds at most one
-//!   event per key, and with `retry_ordering = "key"` no event of a key is delivered after an
-//!   earlier one failed — exactly as without batches;
+//! - **carry two events of one ordering key out of a released line**: the partition runs a
+//!   key's events one after another (the next starts when the one before settled), so a
+//!   first delivery's batch holds at most one event per key, and with
+//!   `retry_ordering = "key"` no event of a key is delivered after an earlier one failed —
+//!   exactly as without batches;
 //! - **carry an event on its last attempt** ([`Attempt::last`]): that one goes alone, so a
 //!   poison event that takes a whole batch down (a receiver that fails the request for one
 //!   bad item) cannot take its neighbours' last attempts with it;
@@ -152,7 +160,16 @@ impl<B: BatchHandler> Batched<B> {
                 attempt: &w.attempt,
             })
             .collect();
-        // The batch call's own span, linked to each event's attempt.
+        let mut outcomes = self.call(&items).await.into_iter();
+        for w in batch {
+            let outcome = outcomes.next().unwrap_or_else(no_outcome);
+            let _ = w.outcome.send(outcome);
+        }
+    }
+
+    /// One call of the batch handler with `items`, in a span of its own linked to each
+    /// event's attempt.
+    async fn call(&self, items: &[Item<'_>]) -> Vec<Outcome> {
         let span = tracing::info_span!(
             target: "hubguard::attempt",
             parent: None,
@@ -162,22 +179,28 @@ impl<B: BatchHandler> Batched<B> {
         );
         if !span.is_disabled() {
             use tracing_opentelemetry::OpenTelemetrySpanExt;
-            for i in &items {
+            for i in items {
                 if let Some(sc) = crate::telemetry::parse_traceparent(&i.attempt.traceparent) {
                     span.add_link(sc);
                 }
             }
         }
-        let outcomes = tracing::Instrument::instrument(self.inner.handle_batch(&items), span).await;
-        let mut outcomes = outcomes.into_iter();
-        for w in batch {
-            let outcome = outcomes.next().unwrap_or_else(|| {
-                Outcome::Failed(Failure::transient(
-                    "the batch handler gave no outcome for this event",
-                ))
-            });
-            let _ = w.outcome.send(outcome);
+        tracing::Instrument::instrument(self.inner.handle_batch(items), span).await
+    }
+
+    /// How many of `items` (at least one) fit in one call.
+    fn fitting(&self, items: &[Item<'_>]) -> usize {
+        let mut bytes = 0usize;
+        let mut n = 0;
+        for i in items {
+            let size = self.inner.size_of(i.event);
+            if n >= self.limits.max_events || (n > 0 && bytes + size > self.limits.max_bytes) {
+                break;
+            }
+            bytes += size;
+            n += 1;
         }
+        n.max(1)
     }
 
     /// The oldest waiting calls that fit in one batch (empty when none waits).
@@ -259,6 +282,13 @@ impl<B: BatchHandler> Batched<B> {
     }
 }
 
+/// The outcome of an event the batch handler gave none for: a transient failure.
+fn no_outcome() -> Outcome {
+    Outcome::Failed(Failure::transient(
+        "the batch handler gave no outcome for this event",
+    ))
+}
+
 /// A queued call: taken out of the queue if its caller goes before the call is sent.
 struct Ticket<'a, B> {
     batched: &'a Batched<B>,
@@ -286,11 +316,7 @@ impl<B: BatchHandler> Handler for Batched<B> {
                 .await
                 .into_iter()
                 .next()
-                .unwrap_or_else(|| {
-                    Outcome::Failed(Failure::transient(
-                        "the batch handler gave no outcome for this event",
-                    ))
-                });
+                .unwrap_or_else(no_outcome);
         }
         let (_ticket, mut outcome) = self.enqueue(event, attempt);
         self.fill().await;
@@ -310,6 +336,34 @@ impl<B: BatchHandler> Handler for Batched<B> {
             }
             self.run(batch).await;
         }
+    }
+
+    fn in_order_max(&self) -> usize {
+        self.limits.max_events
+    }
+
+    /// Calls within the limits, one after another in the items' order, until a call
+    /// carried a failure (or an item without an outcome: a transient failure); the items
+    /// after it get no outcome (not attempted).
+    async fn handle_in_order(&self, items: &[Item<'_>]) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut rest = items;
+        while !rest.is_empty() {
+            let n = self.fitting(rest);
+            let (now, later) = rest.split_at(n);
+            let mut answered = self.call(now).await.into_iter();
+            let mut failed = false;
+            for _ in now {
+                let o = answered.next().unwrap_or_else(no_outcome);
+                failed |= o != Outcome::Delivered;
+                outcomes.push(o);
+            }
+            if failed {
+                break;
+            }
+            rest = later;
+        }
+        outcomes
     }
 
     fn downstream(&self) -> String {
@@ -497,6 +551,50 @@ mod tests {
         );
         let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![2, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn in_order_calls_go_one_after_another_and_stop_after_the_one_with_a_failure() {
+        let rec = Recorder {
+            fail: vec!["e4".into()],
+            ..Default::default()
+        };
+        let b = Batched::new(rec, limits(3, 1000, 0));
+        assert_eq!(b.in_order_max(), 3);
+        let events: Vec<Event> = (0..9).map(|i| event(&format!("e{i}"), 1)).collect();
+        let a = attempt(false);
+        let items: Vec<Item<'_>> = events
+            .iter()
+            .map(|e| Item {
+                event: e,
+                attempt: &a,
+            })
+            .collect();
+        let out = b.handle_in_order(&items).await;
+        let calls = b.inner().calls.locked().clone();
+        assert_eq!(
+            calls,
+            vec![vec!["e0", "e1", "e2"], vec!["e3", "e4", "e5"]],
+            "in order, and nothing after the call that carried the failure"
+        );
+        assert_eq!(out.len(), 6);
+        assert!(out[..4].iter().all(|o| *o == Outcome::Delivered));
+        assert!(matches!(&out[4], Outcome::Failed(_)));
+        // A plain handler's default: one at a time, stopping at the first failure.
+        struct Plain;
+        #[async_trait]
+        impl Handler for Plain {
+            async fn handle(&self, event: &Event, _: &Attempt) -> Outcome {
+                if event.identity.idempotency_key == "e1" {
+                    Outcome::Failed(Failure::transient("no"))
+                } else {
+                    Outcome::Delivered
+                }
+            }
+        }
+        assert_eq!(Plain.in_order_max(), 1);
+        let out = Plain.handle_in_order(&items[..3]).await;
+        assert_eq!(out.len(), 2, "stopped after e1");
     }
 
     #[tokio::test(start_paused = true)]

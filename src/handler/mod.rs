@@ -150,4 +150,31 @@ pub trait Handler: Send + Sync + 'static {
     fn allowed_rate(&self) -> Option<tokio::sync::watch::Receiver<Option<f64>>> {
         None
     }
+
+    /// How many events of one ordering key a released line of ordered retries may hand to
+    /// one call of [`Handler::handle_in_order`]. 1 (the default): a released line's events go
+    /// one by one, each through its own retry message, as a handler without batches wants.
+    fn in_order_max(&self) -> usize {
+        1
+    }
+
+    /// Handles `items` — events of one ordering key released from their line, in sequence
+    /// order — in one call, answering one outcome per item in their order. Everything after
+    /// the first item that did not succeed counts as not attempted, whatever its outcome
+    /// says: it is delivered again after that item, so a receiver keeping order stops at its
+    /// first failure. An item without an outcome (fewer outcomes than items) is a transient
+    /// failure. The default hands the items to [`Handler::handle`] one at a time and stops
+    /// at the first failure.
+    async fn handle_in_order(&self, items: &[batch::Item<'_>]) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(items.len());
+        for item in items {
+            let outcome = self.handle(item.event, item.attempt).await;
+            let failed = outcome != Outcome::Delivered;
+            outcomes.push(outcome);
+            if failed {
+                break;
+            }
+        }
+        outcomes
+    }
 }

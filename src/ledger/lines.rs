@@ -72,6 +72,28 @@ pub struct Line {
     /// sure of the message: duplicate detection keeps the first one sent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub released_behind: Option<String>,
+    /// A drain in batches under way (a released line's events handed to the handler in
+    /// order, many per call, by whoever settled its head): while its lease is live, nobody
+    /// else moves the line on (see `pipeline::lines::drain`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainLease>,
+}
+
+/// Who drains a line in batches, and until when (ms since the epoch, on the services'
+/// clock); renewed by each batch's write of the pointer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainLease {
+    /// The drain's id (one per drain).
+    pub by: String,
+    /// Until when it holds.
+    pub until_ms: i64,
+}
+
+impl DrainLease {
+    /// Whether it still holds at `now`.
+    pub fn live(&self, now: std::time::SystemTime) -> bool {
+        crate::clock::ms(now) < self.until_ms
+    }
 }
 
 impl Line {
@@ -499,6 +521,7 @@ impl Ledger {
                         ended: l.tags.contains_key(TAG_ENDED),
                         head_traceparent: None,
                         released_behind: None,
+                        drain: None,
                     }),
                 _ => {
                     if let Some(r) = self.store.read(&l.key).await? {

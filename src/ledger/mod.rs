@@ -41,7 +41,7 @@ pub use crate::azure::versioned::Versioned;
 pub use crate::clock::{at, ms};
 
 pub mod lines;
-pub use lines::{Line, Opened, Parked, ParkedEntry};
+pub use lines::{DrainLease, Line, Opened, Parked, ParkedEntry};
 
 /// RFC 3339 (UTC, milliseconds) for serde.
 pub(crate) mod rfc3339 {

@@ -97,6 +97,45 @@ pub(super) async fn run(
     earlier: &[String],
     cx: Context<'_>,
 ) -> Attempted {
+    let started = start(event, number, earlier, cx);
+    let (outcome, duration) = call(handler, event, &started.attempt, &started.span).await;
+    started.done(outcome, duration)
+}
+
+/// An attempt with its span, not yet made: one item of an ordered batch
+/// ([`Handler::handle_in_order`]) until the batch's call answers.
+pub(super) struct Started {
+    /// What the handler is told about it.
+    pub attempt: Attempt,
+    span: tracing::Span,
+    trace_id: String,
+    started: SystemTime,
+    source: Source,
+}
+
+impl Started {
+    /// The attempt's span.
+    pub(super) fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// The attempt, answered `outcome` after `duration`.
+    pub(super) fn done(self, outcome: Outcome, duration: Duration) -> Attempted {
+        Attempted {
+            outcome,
+            started: self.started,
+            traceparent: self.attempt.traceparent,
+            trace_id: self.trace_id,
+            span: self.span,
+            duration,
+            source: self.source,
+        }
+    }
+}
+
+/// Starts attempt `number` of `event` (its span, its `traceparent`), without calling the
+/// handler.
+pub(super) fn start(event: &Event, number: u32, earlier: &[String], cx: Context<'_>) -> Started {
     // The fields named here are exported once, by the OpenTelemetry layer, under the
     // conventions' names (and shown in text logs); the rest are set by `describe`. The span
     // follows the messaging conventions for a `process` operation.
@@ -116,20 +155,15 @@ pub(super) async fn run(
     } else {
         describe(&span, event, earlier, cx)
     };
-    let started = cx.clock.now();
-    let attempt = Attempt {
-        number,
-        traceparent: traceparent.clone(),
-        last: number >= cx.max_attempts,
-    };
-    let (outcome, duration) = call(handler, event, &attempt, &span).await;
-    Attempted {
-        outcome,
-        started,
-        traceparent,
-        trace_id,
+    Started {
+        attempt: Attempt {
+            number,
+            traceparent,
+            last: number >= cx.max_attempts,
+        },
         span,
-        duration,
+        trace_id,
+        started: cx.clock.now(),
         source: cx.source,
     }
 }

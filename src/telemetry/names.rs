@@ -112,6 +112,9 @@ pub mod outcome {
     /// Parked behind an earlier event of its ordering key waiting for a retry (ordered
     /// retries): delivered once that one settles.
     pub const PARKED: &str = "parked";
+    /// In an ordered batch of a released line, after the batch's first failure: not
+    /// attempted, whatever the receiver answered; it goes again after the failed event.
+    pub const NOT_ATTEMPTED: &str = "not_attempted";
 }
 
 /// Metric names (OpenTelemetry instruments; Prometheus turns dots into underscores).

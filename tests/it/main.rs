@@ -33,6 +33,7 @@ mod interop;
 mod ledger_scale;
 mod lifecycle;
 mod limits;
+mod line_batches;
 mod operable;
 mod operators;
 mod opsevents;

@@ -103,7 +103,7 @@ impl Handler for Receiver {
 }
 
 /// Sends `(key, order, body)` events to `partition`, in order.
-async fn send(bed: &Bed, partition: usize, events: &[(String, String, String)]) {
+pub(crate) async fn send(bed: &Bed, partition: usize, events: &[(String, String, String)]) {
     let prod = producer(&bed.cs, "hub").await;
     for chunk in events.chunks(100) {
         let batch = within(
@@ -128,12 +128,12 @@ async fn send(bed: &Bed, partition: usize, events: &[(String, String, String)]) 
     within("close producer", prod.close()).await.unwrap();
 }
 
-fn ev(key: &str, order: &str, body: &str) -> (String, String, String) {
+pub(crate) fn ev(key: &str, order: &str, body: &str) -> (String, String, String) {
     (key.to_string(), order.to_string(), body.to_string())
 }
 
 /// Fixed waits of `wait_s` seconds, at most `max_attempts` attempts.
-fn policy(wait_s: u64, max_attempts: u32) -> RetryPolicy {
+pub(crate) fn policy(wait_s: u64, max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         name: "test".into(),
         curve: Curve::Fixed,
@@ -147,8 +147,8 @@ fn policy(wait_s: u64, max_attempts: u32) -> RetryPolicy {
 
 /// A replica with ordered retries on, keyed by the `order` property; killed (no final
 /// checkpoint, no ownership given back) by `crash`.
-struct Replica {
-    health: Arc<hubguard::pipeline::health::Health>,
+pub(crate) struct Replica {
+    pub(crate) health: Arc<hubguard::pipeline::health::Health>,
     cancel: CancellationToken,
     crash: CancellationToken,
     task: tokio::task::JoinHandle<()>,
@@ -156,17 +156,17 @@ struct Replica {
 }
 
 impl Replica {
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.cancel.cancel();
         within("replica stops", self.task).await.unwrap();
     }
-    async fn kill(self) {
+    pub(crate) async fn kill(self) {
         self.crash.cancel();
         within("replica dies", self.task).await.unwrap();
     }
 }
 
-fn start(
+pub(crate) fn start(
     bed: &Bed,
     owner: &str,
     handler: Arc<dyn Handler>,

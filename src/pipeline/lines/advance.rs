@@ -89,7 +89,10 @@ pub(super) fn line_dead_letter(
 /// Writes `rec` (a released or line-dead-lettered record) unless the ledger holds a record of
 /// this very event already (a replay settled it, or an earlier round of this release wrote
 /// it): the record as it stands is returned.
-async fn write_new(settler: &Settler, rec: LedgerRecord) -> Result<LedgerRecord, SettleError> {
+pub(super) async fn write_new(
+    settler: &Settler,
+    rec: LedgerRecord,
+) -> Result<LedgerRecord, SettleError> {
     let kind = Releasing {
         settler,
         key: &rec.key,
@@ -186,13 +189,14 @@ pub(crate) async fn advance(
         };
         let stepped = compare_and_swap(&stepping, Start::Read, |seen| match seen {
             None | Some(Seen::Ended) => Change::Keep(Then::Done(true)),
-            Some(Seen::Other(line)) => Change::Keep(Then::Other(line)),
+            Some(Seen::Other(line)) => Change::Keep(Then::Other(Box::new(line))),
             Some(Seen::Waiting) => Change::Keep(Then::Done(false)),
             Some(Seen::End(mut line)) => {
                 line.tail_seq = Some(line.last_seq());
                 line.ended = true;
                 line.parked = 0;
                 line.oldest_parked_ms = None;
+                line.drain = None;
                 Change::Write(Box::new(Seen::End(line)), Then::Ended)
             }
             Some(seen) => Change::Write(Box::new(seen), Then::Released),
@@ -266,7 +270,7 @@ enum Then {
     /// Nothing to write: `true` when the line ended.
     Done(bool),
     /// The pointer names another head (this one).
-    Other(Line),
+    Other(Box<Line>),
     /// The tombstone was written (or the pointer was gone).
     Ended,
     /// The next event was released (see [`Stepping::released`]).
@@ -393,6 +397,14 @@ impl Advance<'_> {
         if line.ended {
             return Ok(Seen::Ended);
         }
+        // A drain in batches moves it on (see `super::drain`) while its lease holds.
+        if line
+            .drain
+            .as_ref()
+            .is_some_and(|l| l.live(self.settler.clock().now()))
+        {
+            return Ok(Seen::Waiting);
+        }
         if line.head_key != head.0 || line.head_seq != head.1 {
             return Ok(Seen::Other(line));
         }
@@ -469,6 +481,7 @@ impl Advance<'_> {
         // Not known until the released head runs (and fails, if it does).
         line.head_traceparent = None;
         line.released_behind = parked_event.behind_traceparent.clone();
+        line.drain = None;
         line.parked = line.parked.saturating_sub(1);
         line.oldest_parked_ms = after.map(|parked_ms| parked_ms.unwrap_or(ms(now)));
         let etag = match ledger.write_line(&line, etag).await {

@@ -198,7 +198,11 @@ impl<'a> LineHook<'a> {
             // Not an answer of a settlement: a parked event heads no line.
             Settled::Parked { .. } => {}
             Settled::Delivered | Settled::DeadLettered(_) | Settled::AlreadyFinal(_) => {
-                match lines.advance(event, k, hold).await {
+                let delivered = matches!(
+                    settled,
+                    Settled::Delivered | Settled::AlreadyFinal(crate::ledger::State::Delivered)
+                );
+                match lines.advance(event, k, delivered, hold).await {
                     None => return Advanced::Stopped,
                     Some(true) => lines.known_ended(k, Some(seq)),
                     Some(false) => lines.known_line(k, seq),
@@ -363,7 +367,7 @@ impl KeyLines<'_> {
             Some(Some(rec)) => rec,
         };
         if let Place::Head(k) = place {
-            match self.advance(event, k, hold).await {
+            match self.advance(event, k, false, hold).await {
                 None => return LineStep::Stopped,
                 Some(true) => self.known_ended(k, Some(seq)),
                 Some(false) => {}
@@ -409,9 +413,43 @@ impl KeyLines<'_> {
         }
     }
 
-    /// Moves the line of `key` on after its head `event` settled for good: `Some(true)` when
-    /// the line ended, `None` if stopped first.
-    async fn advance(&self, event: &Event, key: &str, hold: &mut impl UntilDone) -> Option<bool> {
+    /// Moves the line of `key` on after its head `event` settled for good (`delivered`, or
+    /// dead-lettered): `Some(true)` when the line ended, `None` if stopped first. On the
+    /// retry path, after a delivered head, a handler that takes ordered batches drains the
+    /// line in them first ([`super::drain`]); the rest goes one by one.
+    async fn advance(
+        &self,
+        event: &Event,
+        key: &str,
+        delivered: bool,
+        hold: &mut impl UntilDone,
+    ) -> Option<bool> {
+        let drain = (delivered && self.known.is_none())
+            .then(|| super::drain::Drain::new(self.shared, key))
+            .flatten();
+        let mut from = None;
+        if let Some(drain) = drain {
+            let mut head = event.clone();
+            loop {
+                let step = {
+                    let mut op = || step_future(drain.step(&head));
+                    hold.until_done(
+                        "draining the line of the event's ordering key in batches",
+                        &mut op,
+                    )
+                    .await?
+                };
+                match step {
+                    super::drain::Drained::Moved(next) => head = *next,
+                    super::drain::Drained::Waits => return Some(false),
+                    super::drain::Drained::OneByOne(next) => {
+                        from = Some(*next);
+                        break;
+                    }
+                }
+            }
+        }
+        let event = from.as_ref().unwrap_or(event);
         let (settler, observe) = (&*self.shared.settler, &self.shared.observe);
         let on_dead_letter = self.on_dead_letter;
         let mut op = || {

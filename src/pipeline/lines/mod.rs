@@ -60,6 +60,7 @@ use super::settle::{SettleError, Settler};
 use super::LineOnDeadLetter;
 
 mod advance;
+mod drain;
 mod hook;
 #[cfg(any(test, feature = "cli"))]
 mod replay;
@@ -331,6 +332,7 @@ pub(crate) async fn open(
         ended: false,
         head_traceparent: Some(traceparent.to_string()),
         released_behind: None,
+        drain: None,
     };
     Ok(match settler.ledger.open_line(&line).await? {
         Opened::Head => Open::Head,
@@ -484,6 +486,7 @@ mod tests {
             ended: false,
             head_traceparent: None,
             released_behind: None,
+            drain: None,
         };
         k.set_listing(vec![listed]);
         assert_eq!(k.state("a"), KeyState::Line(3));
@@ -531,6 +534,7 @@ mod tests {
             ended: false,
             head_traceparent: None,
             released_behind: None,
+            drain: None,
         };
         let now = at(20);
         let released = released_record(&s, &parked, &line, now);

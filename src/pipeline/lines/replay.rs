@@ -75,6 +75,7 @@ pub(crate) async fn replay_line(
         ended: false,
         head_traceparent: None,
         released_behind: None,
+        drain: None,
     };
     let stopped = match open_replayed(&settler.ledger, &line).await {
         Ok(true) => None,
