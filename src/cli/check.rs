@@ -267,7 +267,10 @@ fn queue_fix(refusal: &QueueRefusal, queue: &str) -> String {
 /// The Event Hubs lines: the hub's properties read (its partition count), a receiver
 /// opened on its first partition in the consumer group (the group exists, and the identity
 /// may listen; nothing is read).
-async fn eventhubs_lines(t: &crate::pipeline::EventHubsTarget, deadline: Duration) -> Vec<CheckLine> {
+async fn eventhubs_lines(
+    t: &crate::pipeline::EventHubsTarget,
+    deadline: Duration,
+) -> Vec<CheckLine> {
     use azure_messaging_eventhubs::{
         ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
     };

@@ -447,7 +447,10 @@ async fn check_says_when_event_hubs_clock_cannot_be_measured() {
     );
     let (code, out) = check(path).await;
     assert_eq!(code, 1, "{out}");
-    let line = line_of(&out, "FAIL  clock offset to Event Hubs: could not measure: GET ");
+    let line = line_of(
+        &out,
+        "FAIL  clock offset to Event Hubs: could not measure: GET ",
+    );
     assert!(line.contains(&closed), "{line}");
     assert!(
         out.contains("fix: make the namespace's HTTPS endpoint reachable from this host (port 443"),
@@ -455,7 +458,10 @@ async fn check_says_when_event_hubs_clock_cannot_be_measured() {
     );
     // Everything else still holds, and the other clocks were measured.
     assert!(out.contains("pass  clock offset to Service Bus: "), "{out}");
-    assert!(out.contains("pass  eventhubs: hub ($Default): consumer group"), "{out}");
+    assert!(
+        out.contains("pass  eventhubs: hub ($Default): consumer group"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,12 +44,17 @@ async fn it_answers_as_azure_does_and_dates_every_answer_on_its_clock() {
     assert_eq!(status, 401, "{body}");
     assert!(date.is_some(), "a Date on the 401");
     assert!(
-        body.starts_with("<Error><Code>401</Code><Detail>MissingToken: The authorization header was not found."),
+        body.starts_with(
+            "<Error><Code>401</Code><Detail>MissingToken: The authorization header was not found."
+        ),
         "{body}"
     );
 
     // A token signed with another key: 401 too.
-    let wrong = SasCredential::new(SasKey::new("RootManageSharedAccessKey", "wrong"), "sb://x/hub");
+    let wrong = SasCredential::new(
+        SasKey::new("RootManageSharedAccessKey", "wrong"),
+        "sb://x/hub",
+    );
     let (status, _, body) = get(&hub, Some(&wrong.token_at(SystemTime::now()).0)).await;
     assert_eq!(status, 401, "{body}");
 
@@ -69,7 +74,10 @@ async fn it_answers_as_azure_does_and_dates_every_answer_on_its_clock() {
         "{body}"
     );
     let all = SasCredential::new(
-        SasKey::new(hubguard::emulator::DEFAULT_KEY_NAME, hubguard::emulator::DEFAULT_KEY),
+        SasKey::new(
+            hubguard::emulator::DEFAULT_KEY_NAME,
+            hubguard::emulator::DEFAULT_KEY,
+        ),
         base.clone(),
     );
     let (status, _, body) = get(
@@ -78,7 +86,10 @@ async fn it_answers_as_azure_does_and_dates_every_answer_on_its_clock() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert!(body.starts_with("<feed") && !body.contains("<entry"), "{body}");
+    assert!(
+        body.starts_with("<feed") && !body.contains("<entry"),
+        "{body}"
+    );
 
     // The namespace root answers anyone.
     let (status, _, body) = get(&base, None).await;

@@ -95,7 +95,11 @@ pub(super) async fn eventhubs_clock_line(
     let url = match url {
         Ok(u) => u,
         Err(e) => {
-            return CheckLine::fail(what, format!("could not measure: no REST endpoint ({e})"), reach)
+            return CheckLine::fail(
+                what,
+                format!("could not measure: no REST endpoint ({e})"),
+                reach,
+            )
         }
     };
     let client = match reqwest::Client::builder().timeout(deadline).build() {
