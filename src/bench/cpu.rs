@@ -85,6 +85,8 @@ fn start_child(partitions: usize, latency: &str) -> anyhow::Result<ChildEmulator
         "emulator",
         "--eventhubs-port",
         "0",
+        "--eventhubs-rest-port",
+        "0",
         "--servicebus-port",
         "0",
         "--blob-port",
