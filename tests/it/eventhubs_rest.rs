@@ -58,6 +58,12 @@ async fn it_answers_as_azure_does_and_dates_every_answer_on_its_clock() {
     let (status, _, body) = get(&hub, Some(&wrong.token_at(SystemTime::now()).0)).await;
     assert_eq!(status, 401, "{body}");
 
+    // An Entra ID token, which the emulator cannot verify (taken only with
+    // --accept-any-token): 401.
+    let (status, _, body) = get(&hub, Some("Bearer eyJ0eXAiOiJKV1QifQ.e30.sig")).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("--accept-any-token"), "{body}");
+
     // A valid token: the hub's description; an unknown hub: the empty feed.
     let key = SasKey::new(
         hubguard::emulator::DEFAULT_KEY_NAME,

@@ -119,12 +119,13 @@ pub(super) async fn eventhubs_clock_line(
                 }
             }
             Err(e) => {
-                problem = Some(error_chain(&e));
+                problem = Some(crate::redact::redact_owned(error_chain(&e)));
                 break;
             }
         }
     }
     let o = crate::pipeline::health::clock_offset(clock, crate::clock::Service::EventHubs, bound);
+    let url = crate::redact::redact(url.as_str());
     let (Some(offset), Some(within)) = (o.offset_ms, o.within_ms) else {
         return CheckLine::fail(
             what,
