@@ -107,7 +107,7 @@ pub struct Clock {
     /// The monotonic clock's zero.
     origin: std::time::Instant,
     /// Per [`Service`], what its responses said.
-    services: Mutex<[Estimator; 2]>,
+    services: Mutex<[Estimator; 3]>,
 }
 
 impl Default for Clock {

@@ -117,6 +117,8 @@ pub(super) fn start_child_with(
         "emulator",
         "--eventhubs-port",
         "0",
+        "--eventhubs-rest-port",
+        "0",
         "--servicebus-port",
         "0",
         "--blob-port",

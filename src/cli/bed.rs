@@ -28,6 +28,10 @@ pub struct EmulatorArgs {
     /// Event Hubs (AMQP) port; 0 picks a free one.
     #[arg(long, default_value_t = 5672)]
     eventhubs_port: u16,
+    /// Event Hubs's REST port (`GET /{hub}`, answers dated on its clock: what
+    /// `hubguard check` reads Event Hubs's clock from); 0 picks a free one.
+    #[arg(long, default_value_t = 5673)]
+    eventhubs_rest_port: u16,
     /// Service Bus (HTTP) port; 0 picks a free one.
     #[arg(long, default_value_t = 5380)]
     servicebus_port: u16,
@@ -85,6 +89,7 @@ pub(super) async fn run_emulator(args: EmulatorArgs) -> anyhow::Result<()> {
     let config = EmulatorsConfig {
         host: args.host,
         eventhubs_port: wants("eventhubs").then_some(args.eventhubs_port),
+        eventhubs_rest_port: args.eventhubs_rest_port,
         servicebus_port: wants("servicebus").then_some(args.servicebus_port),
         blob_port: wants("blob").then_some(args.blob_port),
         webhook_port: wants("webhook").then_some(args.webhook_port),

@@ -7,7 +7,8 @@
 //! receiver opened in the consumer group; the webhook's handshake made (or its host reached);
 //! the Send and Listen rights on the retry queue proven with a probe message (`rights`); the
 //! clock offsets to Service Bus and blob storage measured from the `Date` of those calls'
-//! responses by the pipeline's own estimator (`clocks`). `run` makes the storage lines
+//! responses by the pipeline's own estimator (`clocks`), and to Event Hubs from the `Date`
+//! of its namespace's REST answers to an unauthenticated `GET /{hub}`. `run` makes the storage lines
 //! at start as well, and does not start when one fails.
 
 mod clocks;
@@ -265,11 +266,10 @@ fn queue_fix(refusal: &QueueRefusal, queue: &str) -> String {
 
 /// The Event Hubs lines: the hub's properties read (its partition count), a receiver
 /// opened on its first partition in the consumer group (the group exists, and the identity
-/// may listen; nothing is read), and Event Hubs's clock from its partitions' properties.
+/// may listen; nothing is read).
 async fn eventhubs_lines(
     t: &crate::pipeline::EventHubsTarget,
     deadline: Duration,
-    bound: Duration,
 ) -> Vec<CheckLine> {
     use azure_messaging_eventhubs::{
         ConsumerClient, OpenReceiverOptions, StartLocation, StartPosition,
@@ -351,7 +351,6 @@ async fn eventhubs_lines(
         Ok(detail) => CheckLine::pass(&cg_what, detail),
         Err(e) => CheckLine::fail(&cg_what, e, format!("{cg_fix}; or {listen_fix}")),
     });
-    lines.push(clocks::eventhubs_clock_line(&consumer, &partitions, deadline, bound).await);
     let _ = tokio::time::timeout(deadline, consumer.close()).await;
     lines
 }
@@ -450,9 +449,17 @@ pub(super) async fn check_lines(config: &Config) -> anyhow::Result<Vec<CheckLine
             "see [servicebus] in the configuration",
         )),
     }
-    lines.extend(eventhubs_lines(wiring.eventhubs(), deadline, bound).await);
+    let eventhubs = wiring.eventhubs();
+    lines.extend(eventhubs_lines(eventhubs, deadline).await);
     lines.push(webhook_line(config).await);
     lines.extend(clocks::clock_lines(&clock, bound));
+    let url = clocks::eventhubs_rest_url(
+        config.eventhubs.rest_endpoint.as_deref(),
+        &eventhubs.namespace,
+        &eventhubs.hub,
+    );
+    let emulator = eventhubs.custom_endpoint.is_some() && config.eventhubs.rest_endpoint.is_none();
+    lines.push(clocks::eventhubs_clock_line(url, emulator, &clock, deadline, bound).await);
     Ok(lines)
 }
 

@@ -32,17 +32,21 @@ pub enum Service {
     ServiceBus,
     /// Azure Blob Storage: its clock stamps ownership and owner records (`Last-Modified`).
     BlobStorage,
+    /// Azure Event Hubs: measured by `hubguard check` from the `Date` of its namespace's
+    /// REST answers (its AMQP answers carry no clock); the pipeline does not measure it.
+    EventHubs,
 }
 
 impl Service {
-    /// Both, in the order they are reported.
+    /// The two the pipeline measures, in the order they are reported (status, metrics).
     pub const ALL: [Service; 2] = [Service::ServiceBus, Service::BlobStorage];
 
-    /// The name in status, metrics and readiness (`servicebus`, `blob`).
+    /// The name in status, metrics and readiness (`servicebus`, `blob`; `eventhubs`).
     pub fn name(self) -> &'static str {
         match self {
             Service::ServiceBus => "servicebus",
             Service::BlobStorage => "blob",
+            Service::EventHubs => "eventhubs",
         }
     }
 
@@ -50,6 +54,7 @@ impl Service {
         match self {
             Service::ServiceBus => 0,
             Service::BlobStorage => 1,
+            Service::EventHubs => 2,
         }
     }
 }

@@ -52,6 +52,16 @@ impl Config {
         if self.eventhubs.hub.trim().is_empty() {
             return Err(invalid("eventhubs.hub", "eventhubs.hub must not be empty"));
         }
+        if let Some(e) = &self.eventhubs.rest_endpoint {
+            let ok = url::Url::parse(e)
+                .is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
+            if !ok {
+                return Err(invalid(
+                    "eventhubs.rest_endpoint",
+                    format!("eventhubs.rest_endpoint ({e:?}) must be an http(s) URL with a host (leave it out against Azure: https://{{namespace}}/ is used)"),
+                ));
+            }
+        }
         self.servicebus.access()?;
         self.validate_storage()?;
         self.validate_handler()?;

@@ -78,6 +78,7 @@ impl std::fmt::Debug for EventHubsSection {
             .field("hub", &self.hub)
             .field("consumer_group", &self.consumer_group)
             .field("retention_hours", &self.retention_hours)
+            .field("rest_endpoint", &self.rest_endpoint)
             .finish()
     }
 }
@@ -177,6 +178,11 @@ pub struct EventHubsSection {
     /// The hub's retention, as configured on the service (hours), for start-up checks.
     #[serde(default = "default_retention")]
     pub retention_hours: u64,
+    /// The namespace's REST endpoint, whose answers' `Date` is Event Hubs's clock for
+    /// `hubguard check`. Unset: `https://{namespace host}/` (what Azure serves, port 443);
+    /// set it only for an emulator (`hubguard emulator` prints its `eventhubs-rest:` URL).
+    #[serde(default)]
+    pub rest_endpoint: Option<String>,
 }
 
 fn default_cg() -> String {

@@ -53,6 +53,9 @@ pub struct EmulatorsConfig {
     pub host: IpAddr,
     /// Event Hubs (AMQP) port, or `None` not to run it.
     pub eventhubs_port: Option<u16>,
+    /// Event Hubs's REST port (its `Date` is Event Hubs's clock for `hubguard check`);
+    /// served with Event Hubs.
+    pub eventhubs_rest_port: u16,
     /// Service Bus (HTTP) port, or `None`.
     pub servicebus_port: Option<u16>,
     /// Blob (HTTP) port, or `None`.
@@ -83,6 +86,7 @@ impl Default for EmulatorsConfig {
         Self {
             host: IpAddr::from([127, 0, 0, 1]),
             eventhubs_port: Some(0),
+            eventhubs_rest_port: 0,
             servicebus_port: Some(0),
             blob_port: Some(0),
             webhook_port: None,
@@ -126,6 +130,7 @@ impl Emulators {
                     data_dir: config.data_dir.clone(),
                     key: config.key.clone(),
                     accept_any_token: config.accept_any_token,
+                    rest_listen: Some(at(config.eventhubs_rest_port)),
                 })
                 .await
                 .map_err(named("event hubs emulator"))?,
@@ -191,12 +196,16 @@ impl Emulators {
         }
     }
 
-    /// One line per running service: `eventhubs: <connection string>`,
+    /// One line per running service: `eventhubs: <connection string>` (and
+    /// `eventhubs-rest: <url>`, its REST endpoint for `eventhubs.rest_endpoint`),
     /// `servicebus: <connection string>`, `blob: <account URL>`.
     pub fn lines(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(e) = &self.eventhubs {
             v.push(format!("eventhubs: {}", e.connection_string()));
+            if let Some(rest) = e.rest_endpoint() {
+                v.push(format!("eventhubs-rest: {rest}"));
+            }
         }
         if let Some(s) = &self.servicebus {
             v.push(format!("servicebus: {}", s.connection_string()));

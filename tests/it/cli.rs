@@ -19,6 +19,8 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
             "emulator",
             "--eventhubs-port",
             "0",
+            "--eventhubs-rest-port",
+            "0",
             "--servicebus-port",
             "0",
             "--blob-port",
@@ -44,7 +46,7 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
         .expect("hubguard runs");
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let mut lines = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..6 {
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         lines.push(line.trim().to_string());
@@ -67,6 +69,16 @@ async fn emulator_command_prints_a_working_connection_string_and_stops_on_sigter
         "{cs_text}"
     );
     let cs: ConnectionString = cs_text.parse().unwrap();
+    // Event Hubs's REST endpoint: each answer dated (check reads Event Hubs's clock there).
+    let rest = value("eventhubs-rest: ");
+    let answer = within(
+        "GET the hub",
+        reqwest::get(format!("{rest}orders?api-version=2014-01")),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status().as_u16(), 401, "no token");
+    assert!(answer.headers().contains_key("date"), "{answer:?}");
 
     let prod = producer(&cs, "orders").await;
     within(

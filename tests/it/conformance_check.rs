@@ -1,8 +1,8 @@
 //! `hubguard check` on the emulators, with each precondition it proves broken in turn: all
 //! pass on a well-made bed; a missing container, storage refusing requests, a missing
 //! consumer group, a queue without duplicate detection, a SAS rule without Send or without
-//! Listen and a Service Bus clock beyond `status.max_clock_skew_ms` each fail with the fix
-//! named; a replica running beside check completes check's probe message and never takes it
+//! Listen and a Service Bus or Event Hubs clock beyond `status.max_clock_skew_ms` each fail
+//! with the fix named, an Event Hubs clock that cannot be read says so; a replica running beside check completes check's probe message and never takes it
 //! for work (issue 43).
 
 use std::time::Duration;
@@ -64,6 +64,19 @@ fn config_signed(
     hook_url: &str,
     more: &str,
 ) -> std::path::PathBuf {
+    config_rest(dir, bed, sb, container, hook_url, more, None)
+}
+
+/// The configuration with Event Hubs's REST endpoint `rest` (the bed's when `None`).
+fn config_rest(
+    dir: &std::path::Path,
+    bed: &Bed,
+    sb: &str,
+    container: &str,
+    hook_url: &str,
+    more: &str,
+    rest: Option<&str>,
+) -> std::path::PathBuf {
     let path = dir.join("hubguard.toml");
     std::fs::write(
         &path,
@@ -72,6 +85,7 @@ fn config_signed(
 [eventhubs]
 connection_string = "{eh}"
 hub = "hub"
+rest_endpoint = "{eh_rest}"
 [servicebus]
 connection_string = "{sb}"
 [storage]
@@ -82,6 +96,7 @@ url = "{hook_url}"
 {more}
 "#,
             eh = bed.eh.connection_string(),
+            eh_rest = rest.unwrap_or(&bed.eh.rest_endpoint().unwrap()),
             blob = bed.blob.container_url(container),
         ),
     )
@@ -116,7 +131,7 @@ async fn check_passes_on_a_well_made_bed_and_names_each_broken_precondition() {
         "pass  storage: write, delete",
         "pass  clock offset to blob storage",
         "pass  clock offset to Service Bus",
-        "pass  clock offset to Event Hubs: nothing to measure",
+        "pass  clock offset to Event Hubs: ",
         "pass  servicebus: queue retries",
         "pass  servicebus: send to retries",
         "pass  servicebus: receive from retries: the probe received back (peek-lock) and completed",
@@ -343,44 +358,57 @@ async fn check_proves_send_and_listen_and_names_the_role_a_missing_one_needs() {
     assert!(out.contains("FAIL  servicebus: queue retries"), "{out}");
 }
 
+/// The line of `out` that starts with `prefix`.
+fn line_of<'a>(out: &'a str, prefix: &str) -> &'a str {
+    out.lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?} in:\n{out}"))
+}
+
+/// How far the offset a clock line reports (`…: +120345 ms (± 412 ms, …`) is from `truth`
+/// ms, less the ± it gives (the estimator's promise: the truth lies within it).
+fn beyond_its_bounds(line: &str, truth: i64) -> i64 {
+    let number = |after: &str| -> i64 {
+        line.split(after)
+            .nth(1)
+            .and_then(|t| t.split(' ').next())
+            .and_then(|n| n.trim_start_matches('+').parse().ok())
+            .unwrap_or_else(|| panic!("no number after {after:?} in {line}"))
+    };
+    (number(": ") - truth).abs() - number("(± ")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_holds_each_services_clock_to_the_bound() {
     let bed = Bed::start(1).await;
     let dir = tempfile::tempdir().unwrap();
-    // Service Bus's clock two minutes ahead of this host's (the bound is 30 s by default),
-    // and an event Event Hubs stamped 100 s in this host's future.
+    // Service Bus's and Event Hubs's clocks two minutes ahead of this host's (the bound is
+    // 30 s by default); blob storage's agrees with it.
     bed.sb.clock().advance(Duration::from_secs(120));
-    bed.eh.store().hub("hub").unwrap().partitions[0].set_clock_ahead_ms(100_000);
-    bed.send_one(0, "ahead", "ok").await;
+    bed.eh.clock().advance(Duration::from_secs(120));
     let (code, out) = check(config(dir.path(), &bed, "hubguard")).await;
     assert_eq!(code, 1, "{out}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("FAIL  clock offset to Event Hubs: this host is at least "))
-        .unwrap_or_else(|| panic!("no failed Event Hubs clock line in:\n{out}"));
-    let behind: i64 = line
-        .split("at least ")
-        .nth(1)
-        .and_then(|t| t.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("{line}"));
-    // Measured after the event was stamped: at most the 100 s it was stamped ahead.
-    assert!(behind > 30_000 && behind <= 100_000, "{line}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("FAIL  clock offset to Service Bus: +1"))
-        .unwrap_or_else(|| panic!("no failed Service Bus clock line in:\n{out}"));
+    let line = line_of(&out, "FAIL  clock offset to Event Hubs: +");
+    // Measured on the pipeline's estimator: the true 120 s lies within the ± it reports
+    // (50 ms for the rounding to ms and the monotonic and wall clocks' drift).
+    assert!(beyond_its_bounds(line, 120_000) <= 50, "{line}");
+    assert!(
+        line.contains("bound 30000 ms, status.max_clock_skew_ms") && line.contains("status 401"),
+        "{line}"
+    );
+    let line = line_of(&out, "FAIL  clock offset to Service Bus: +");
     assert!(
         line.contains("bound 30000 ms, status.max_clock_skew_ms"),
         "{line}"
     );
-    assert!(
-        out.contains("synchronise this host's clock (chrony"),
-        "{out}"
-    );
+    let fixes = out
+        .lines()
+        .filter(|l| l.contains("fix: synchronise this host's clock (chrony"))
+        .count();
+    assert_eq!(fixes, 2, "a fix under each failed clock line:\n{out}");
     assert!(out.contains("pass  clock offset to blob storage"), "{out}");
 
-    // A looser bound lets the same offset pass.
+    // A looser bound lets the same offsets pass.
     let path = config_full(
         dir.path(),
         &bed,
@@ -394,8 +422,44 @@ async fn check_holds_each_services_clock_to_the_bound() {
         out.contains("pass  clock offset to Service Bus: +1"),
         "{out}"
     );
+    let line = line_of(&out, "pass  clock offset to Event Hubs: +");
+    assert!(beyond_its_bounds(line, 120_000) <= 50, "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_says_when_event_hubs_clock_cannot_be_measured() {
+    let bed = Bed::start(1).await;
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens on Event Hubs's REST endpoint.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/", l.local_addr().unwrap())
+    };
+    let hook = format!("http://{}/events", hook_addr());
+    let path = config_rest(
+        dir.path(),
+        &bed,
+        &bed.sb.connection_string(),
+        "hubguard",
+        &hook,
+        "",
+        Some(&closed),
+    );
+    let (code, out) = check(path).await;
+    assert_eq!(code, 1, "{out}");
+    let line = line_of(
+        &out,
+        "FAIL  clock offset to Event Hubs: could not measure: GET ",
+    );
+    assert!(line.contains(&closed), "{line}");
     assert!(
-        out.contains("pass  clock offset to Event Hubs: no event enqueued in this host's future"),
+        out.contains("fix: make the namespace's HTTPS endpoint reachable from this host (port 443"),
+        "{out}"
+    );
+    // Everything else still holds, and the other clocks were measured.
+    assert!(out.contains("pass  clock offset to Service Bus: "), "{out}");
+    assert!(
+        out.contains("pass  eventhubs: hub ($Default): consumer group"),
         "{out}"
     );
 }

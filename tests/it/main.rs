@@ -26,6 +26,7 @@ mod docs;
 mod entity_names;
 mod eventhubs_amqp;
 mod eventhubs_processor;
+mod eventhubs_rest;
 mod eventhubs_sdk;
 mod freeze;
 mod handover;

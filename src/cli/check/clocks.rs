@@ -2,9 +2,9 @@
 //! storage, measured as the pipeline measures them (the one estimator of
 //! [`crate::clock`], fed by the `Date` of every response check's calls got), each held to
 //! `status.max_clock_skew_ms` as `/readyz` holds Service Bus's (docs/clocks.md); and Event
-//! Hubs's, bounded from one side by the enqueued times it stamped.
+//! Hubs's, from the `Date` of its namespace's REST answers, on the same estimator and rule.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use super::CheckLine;
 use crate::clock::Clock;
@@ -43,70 +43,131 @@ pub(super) fn clock_lines(clock: &Clock, bound: Duration) -> Vec<CheckLine> {
         .collect()
 }
 
-/// The least this host is behind Event Hubs, in ms, from `(enqueued, read)` pairs: an
-/// event's enqueued time was stamped by Event Hubs before this host read it at `read`, so
-/// Event Hubs's time minus this host's is at least `enqueued − read`. `None` without events.
-pub(super) fn least_behind_ms(readings: &[(SystemTime, SystemTime)]) -> Option<i64> {
-    readings
-        .iter()
-        .map(|(enqueued, read)| crate::clock::ms(*enqueued) - crate::clock::ms(*read))
-        .max()
+/// How many answers Event Hubs's line reads (each narrows the interval the others allow).
+const EVENTHUBS_SAMPLES: usize = 4;
+
+/// Where check reads Event Hubs's clock: `GET {endpoint}{hub}?api-version=2014-01` ("Get
+/// Event Hub"), with `endpoint` `eventhubs.rest_endpoint` or, unset, the namespace's HTTPS
+/// endpoint (`https://{namespace host}/`, port 443, as Azure serves it).
+pub(super) fn eventhubs_rest_url(
+    rest_endpoint: Option<&str>,
+    namespace: &str,
+    hub: &str,
+) -> Result<url::Url, String> {
+    let base = match rest_endpoint {
+        Some(e) => e.to_string(),
+        None => {
+            let host = namespace
+                .split_once("://")
+                .map_or(namespace, |(_, rest)| rest)
+                .split(['/', ':'])
+                .next()
+                .unwrap_or_default();
+            format!("https://{host}/")
+        }
+    };
+    let base = url::Url::parse(&base).map_err(|e| format!("{base:?}: {e}"))?;
+    let mut url = base.join(hub).map_err(|e| e.to_string())?;
+    url.set_query(Some("api-version=2014-01"));
+    Ok(url)
 }
 
-/// Event Hubs's clock, bounded from the one side its AMQP answers allow: they carry no
-/// reading of its clock (no `Date`), only the enqueued time of the last event in each
-/// partition, which Event Hubs stamped in the past. An event enqueued in this host's future
-/// proves the host behind by at least that much; a host ahead of Event Hubs cannot show here
-/// (Service Bus's line measures both ways). Reads each partition's properties (no event
-/// is received).
+/// Event Hubs's clock, measured both ways as Service Bus's and blob storage's are: its
+/// namespace answers REST on the same host as AMQP, and every answer carries a `Date`, even
+/// the 401 a request without a token gets (so no permission is needed, and none is sent).
+/// Each answer is timed on `clock` (the pipeline's estimator, under
+/// [`Service::EventHubs`](crate::clock::Service::EventHubs)) and the offset held to `bound`
+/// with the same rule and fix as the other lines. `emulator`: the connection string names
+/// an emulator (whose REST endpoint cannot be derived: the fix names the key).
 pub(super) async fn eventhubs_clock_line(
-    consumer: &azure_messaging_eventhubs::ConsumerClient,
-    partitions: &[String],
+    url: Result<url::Url, String>,
+    emulator: bool,
+    clock: &Clock,
     deadline: Duration,
     bound: Duration,
 ) -> CheckLine {
     let what = "clock offset to Event Hubs";
-    let mut readings = Vec::new();
-    for p in partitions {
-        let props = tokio::time::timeout(deadline, consumer.get_partition_properties(p)).await;
-        let read = SystemTime::now();
-        if let Ok(Ok(props)) = props {
-            if let Some(enqueued) = props.last_enqueued_time_utc.filter(|_| !props.is_empty) {
-                readings.push((enqueued, read));
+    let reach = if emulator {
+        "set eventhubs.rest_endpoint to the emulator's REST URL (`hubguard emulator` prints it as eventhubs-rest:)".to_string()
+    } else {
+        "make the namespace's HTTPS endpoint reachable from this host (port 443: DNS, firewall, private endpoint), or set eventhubs.rest_endpoint".to_string()
+    };
+    let url = match url {
+        Ok(u) => u,
+        Err(e) => {
+            return CheckLine::fail(
+                what,
+                format!("could not measure: no REST endpoint ({e})"),
+                reach,
+            )
+        }
+    };
+    let client = match reqwest::Client::builder().timeout(deadline).build() {
+        Ok(c) => c,
+        Err(e) => return CheckLine::fail(what, format!("could not measure: {e}"), reach),
+    };
+    let mut statuses = Vec::new();
+    let mut problem = None;
+    for _ in 0..EVENTHUBS_SAMPLES {
+        let sent = clock.sent();
+        match client.get(url.clone()).send().await {
+            Ok(r) => {
+                statuses.push(r.status().as_u16());
+                match r.headers().get("date").and_then(|d| d.to_str().ok()) {
+                    Some(date) => clock.observe(crate::clock::Service::EventHubs, sent, date),
+                    None => problem = Some(format!("{} answered without a Date", r.status())),
+                }
+            }
+            Err(e) => {
+                problem = Some(crate::redact::redact_owned(error_chain(&e)));
+                break;
             }
         }
     }
-    let Some(behind) = least_behind_ms(&readings) else {
-        return CheckLine::pass(
-            what,
-            "nothing to measure: no partition holds an event (Event Hubs's AMQP answers carry no clock reading)",
-        );
-    };
-    if u128::from(behind.max(0).unsigned_abs()) > bound.as_millis() {
+    let o = crate::pipeline::health::clock_offset(clock, crate::clock::Service::EventHubs, bound);
+    let url = crate::redact::redact(url.as_str());
+    let (Some(offset), Some(within)) = (o.offset_ms, o.within_ms) else {
         return CheckLine::fail(
             what,
             format!(
-                "this host is at least {behind} ms behind Event Hubs: an event was enqueued that far in its future (bound {} ms, status.max_clock_skew_ms)",
-                bound.as_millis()
+                "could not measure: GET {url}: {}",
+                problem.unwrap_or_else(|| "no answer carried a Date".into())
             ),
-            FIX,
+            reach,
         );
+    };
+    statuses.dedup();
+    let statuses: Vec<String> = statuses.iter().map(u16::to_string).collect();
+    let detail = format!(
+        "{offset:+} ms (± {within} ms, from {} answers of GET {url}, status {}; bound {} ms, status.max_clock_skew_ms)",
+        o.samples,
+        statuses.join("/"),
+        bound.as_millis()
+    );
+    if o.beyond_bound {
+        CheckLine::fail(what, detail, FIX)
+    } else {
+        CheckLine::pass(what, detail)
     }
-    CheckLine::pass(
-        what,
-        format!(
-            "no event enqueued in this host's future beyond the bound (the latest of {} partitions {:+} ms from its read; bound {} ms); one-sided: Event Hubs's AMQP answers carry no clock reading, so a host ahead of it shows only in Service Bus's line",
-            readings.len(),
-            behind,
-            bound.as_millis()
-        ),
-    )
+}
+
+/// An error with its causes (reqwest's own message hides the connection's).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::clock::{http_date, Service};
+    use std::time::SystemTime;
 
     #[test]
     fn each_service_is_held_to_the_bound() {
@@ -137,12 +198,20 @@ mod tests {
     }
 
     #[test]
-    fn an_event_enqueued_in_the_future_bounds_how_far_behind_this_host_is() {
-        let t = crate::clock::at;
-        assert_eq!(least_behind_ms(&[]), None);
-        // Enqueued 5 s before the read, and another 70 s after it: at least 70 s behind.
-        let readings = [(t(95_000), t(100_000)), (t(170_000), t(100_000))];
-        assert_eq!(least_behind_ms(&readings), Some(70_000));
-        assert_eq!(least_behind_ms(&readings[..1]), Some(-5_000));
+    fn event_hubs_is_read_at_the_namespace_host_or_the_configured_endpoint() {
+        let url = |e, ns| eventhubs_rest_url(e, ns, "hub").unwrap().to_string();
+        assert_eq!(
+            url(None, "myns.servicebus.windows.net"),
+            "https://myns.servicebus.windows.net/hub?api-version=2014-01"
+        );
+        assert_eq!(
+            url(None, "sb://myns.servicebus.windows.net:5671/"),
+            "https://myns.servicebus.windows.net/hub?api-version=2014-01"
+        );
+        assert_eq!(
+            url(Some("http://127.0.0.1:5673/"), "127.0.0.1:5672"),
+            "http://127.0.0.1:5673/hub?api-version=2014-01"
+        );
+        assert!(eventhubs_rest_url(Some("not a url"), "ns", "hub").is_err());
     }
 }

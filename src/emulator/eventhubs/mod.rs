@@ -60,6 +60,7 @@ use tokio_util::sync::CancellationToken;
 use crate::azure::SasKey;
 use crate::emulator::Faults;
 
+mod rest;
 pub mod selector;
 mod server;
 pub mod store;
@@ -83,6 +84,10 @@ pub struct EventHubsConfig {
     /// verify. SAS tokens are verified either way, and only under the type
     /// `servicebus.windows.net:sastoken`, as Azure does (`--accept-any-token`).
     pub accept_any_token: bool,
+    /// Where to answer the namespace's REST requests (`GET /{hub}`, each answer dated on
+    /// the emulator's clock: how `hubguard check` reads Event Hubs's clock); port 0 picks a
+    /// free port, `None` serves no REST.
+    pub rest_listen: Option<SocketAddr>,
 }
 
 impl Default for EventHubsConfig {
@@ -93,6 +98,7 @@ impl Default for EventHubsConfig {
             data_dir: None,
             key: SasKey::new(super::DEFAULT_KEY_NAME, super::DEFAULT_KEY),
             accept_any_token: false,
+            rest_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         }
     }
 }
@@ -104,15 +110,21 @@ struct Shared {
     key: SasKey,
     accept_any_token: bool,
     faults: Arc<Faults>,
+    /// The clock its REST answers are dated on.
+    clock: Arc<crate::emulator::clock::Clock>,
+    /// When it started (the hubs' `CreatedAt`).
+    created: std::time::SystemTime,
 }
 
 /// A running Event Hubs emulator. Dropping it stops it.
 #[derive(Debug)]
 pub struct EventHubsEmulator {
     addr: SocketAddr,
+    rest_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
+    rest_task: Option<JoinHandle<()>>,
 }
 
 /// The socket options every official client needs: `TCP_MAXSEG` 16384 on the listener (the
@@ -135,6 +147,14 @@ fn listener(addr: SocketAddr) -> io::Result<TcpListener> {
 impl EventHubsEmulator {
     /// Opens the store and starts listening.
     pub async fn start(config: EventHubsConfig) -> io::Result<Self> {
+        Self::start_with_clock(config, Arc::new(crate::emulator::clock::Clock::default())).await
+    }
+
+    /// Like [`start`](Self::start), dating its REST answers on `clock`.
+    pub async fn start_with_clock(
+        config: EventHubsConfig,
+        clock: Arc<crate::emulator::clock::Clock>,
+    ) -> io::Result<Self> {
         let store = EventStore::open(&config.hubs, config.data_dir.as_deref())?;
         let listener = listener(config.listen)?;
         let addr = listener.local_addr()?;
@@ -144,14 +164,42 @@ impl EventHubsEmulator {
             key: config.key,
             accept_any_token: config.accept_any_token,
             faults: Arc::new(Faults::new(shutdown.clone())),
+            created: clock.now(),
+            clock,
         });
+        let (rest_addr, rest_task) = match config.rest_listen {
+            Some(listen) => {
+                let (a, t) = rest::serve(listen, shared.clone(), shutdown.clone()).await?;
+                (Some(a), Some(t))
+            }
+            None => (None, None),
+        };
         let task = tokio::spawn(accept_loop(listener, shared.clone(), shutdown.clone()));
         Ok(Self {
             addr,
+            rest_addr,
             shared,
             shutdown,
             task: Some(task),
+            rest_task,
         })
+    }
+
+    /// The address of its REST face, if it serves one ([`EventHubsConfig::rest_listen`]).
+    pub fn rest_addr(&self) -> Option<SocketAddr> {
+        self.rest_addr
+    }
+
+    /// `http://HOST:PORT/`, the REST endpoint to give `hubguard check`
+    /// (`eventhubs.rest_endpoint`), if it serves one.
+    pub fn rest_endpoint(&self) -> Option<String> {
+        self.rest_addr.map(|a| format!("http://{a}/"))
+    }
+
+    /// The clock its REST answers are dated on (tests advance it to put Event Hubs's clock
+    /// ahead of the host's).
+    pub fn clock(&self) -> &Arc<crate::emulator::clock::Clock> {
+        &self.shared.clock
     }
 
     /// The address it listens on.
@@ -179,6 +227,9 @@ impl EventHubsEmulator {
     pub async fn shutdown(mut self) {
         self.shutdown.cancel();
         if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        if let Some(task) = self.rest_task.take() {
             let _ = task.await;
         }
     }

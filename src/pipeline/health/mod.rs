@@ -21,6 +21,8 @@ mod skew;
 
 /// Each service's offset as `/v1/status` reports it (`hubguard check` prints the same).
 #[cfg(feature = "cli")]
+pub(crate) use skew::offset as clock_offset;
+#[cfg(feature = "cli")]
 pub(crate) use skew::offsets as clock_offsets;
 pub use skew::ClockOffset;
 
