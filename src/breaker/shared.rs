@@ -30,6 +30,8 @@ pub struct Shared {
     /// success of something else (a due retry) then releases only as many new events as
     /// cannot make a run of failures, not every one that waits.
     pacing: std::sync::atomic::AtomicBool,
+    /// New events waiting at the brink now (for tests and diagnostics).
+    at_brink: std::sync::atomic::AtomicUsize,
     /// Woken by every success and every change this replica makes to the record.
     succeeded: tokio::sync::Notify,
     recent: Mutex<std::collections::VecDeque<bool>>,
@@ -114,6 +116,7 @@ impl Shared {
             consecutive: Mutex::new(0),
             new_in_flight: Mutex::new(0),
             pacing: std::sync::atomic::AtomicBool::new(false),
+            at_brink: std::sync::atomic::AtomicUsize::new(0),
             succeeded: tokio::sync::Notify::new(),
             recent: Mutex::default(),
             cached: Mutex::new(None),
@@ -254,6 +257,7 @@ impl Shared {
                 break;
             }
             self.pacing.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _waiting = AtBrink::enter(&self.at_brink);
             tokio::select! {
                 _ = notified => {}
                 _ = &mut held => {
@@ -267,6 +271,12 @@ impl Shared {
             self.new_call_done();
         }
         admission
+    }
+
+    /// How many new events wait at the brink now (each for at most `brink_hold_ms` on the
+    /// pipeline's clock, or until a call succeeds).
+    pub fn waiting_at_brink(&self) -> usize {
+        self.at_brink.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn new_call_done(&self) {
@@ -377,5 +387,22 @@ impl crate::telemetry::gauges::BreakerReadings for Shared {
 
     fn open_duration(&self) -> Duration {
         Duration::from_millis(self.config.open_ms)
+    }
+}
+
+/// Counts a new event waiting at the brink while it lives (dropped on every way out,
+/// cancellation included).
+struct AtBrink<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> AtBrink<'a> {
+    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(n)
+    }
+}
+
+impl Drop for AtBrink<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }

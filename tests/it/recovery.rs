@@ -83,6 +83,27 @@ impl FailsOnce {
     }
 }
 
+/// A running pipeline and its breaker (to see the new events waiting at the brink).
+struct Run {
+    running: Running,
+    breaker: Arc<hubguard::breaker::Shared>,
+}
+
+impl Run {
+    fn start(parts: hubguard::pipeline::PipelineParts) -> Self {
+        let pipeline = hubguard::pipeline::Pipeline::new(parts);
+        let breaker = pipeline.breaker().expect("a breaker is configured");
+        Self {
+            running: Bed::run_pipeline(pipeline),
+            breaker,
+        }
+    }
+
+    async fn stop(self) {
+        self.running.stop().await;
+    }
+}
+
 async fn breaker(bed: &Bed) -> BreakerRecord {
     match bed
         .records()
@@ -112,22 +133,29 @@ fn config(half_open_calls: u32, ratio: f64, brink_hold_ms: u64) -> BreakerConfig
 
 /// Waits until the step's work is done: nothing due on Service Bus, and every partition
 /// either paused by the breaker or through its keys.
-async fn settle_step(bed: &Bed, run: &Running, handler: &FailsOnce, keys: &[String], what: &str) {
+async fn settle_step(bed: &Bed, run: &Run, handler: &FailsOnce, keys: &[String], what: &str) {
+    let (breaker, run) = (&run.breaker, &run.running);
     crate::outage::idle(bed, what).await;
     Wait::new(&format!("{what}: the partitions settled"), LIMIT)
         .every(Duration::from_millis(2))
         .until(|| async {
             let called = handler.called();
             let held = run.health.held();
-            let quiet = (0..PARTITIONS).all(|p| {
-                let prefix = format!("burst-{p}-");
-                keys.iter()
-                    .filter(|k| k.starts_with(&prefix))
-                    .all(|k| called.contains(k))
-                    || held
-                        .get(&p.to_string())
-                        .is_some_and(|h| h.cause == HoldCause::BreakerOpen)
-            });
+            // A partition is through its keys, paused by the open breaker, or its next new
+            // event waits at the brink for the clock (`brink_hold_ms`) or a success.
+            let busy = (0..PARTITIONS)
+                .filter(|p| {
+                    let prefix = format!("burst-{p}-");
+                    !(keys
+                        .iter()
+                        .filter(|k| k.starts_with(&prefix))
+                        .all(|k| called.contains(k))
+                        || held
+                            .get(&p.to_string())
+                            .is_some_and(|h| h.cause == HoldCause::BreakerOpen))
+                })
+                .count();
+            let quiet = busy <= breaker.waiting_at_brink();
             if quiet {
                 Ok(())
             } else {
@@ -147,7 +175,7 @@ async fn burst(config: BreakerConfig, max_steps: u32) -> (u64, u32, usize, Break
     let handler = FailsOnce::new(clock.clone());
     let mut parts = bed.parts(handler.clone(), fast_policy(30), "replica-a");
     parts.breaker = Some(config);
-    let run = Bed::run(parts);
+    let run = Run::start(parts);
     let keys = crate::outage::send_spread(&bed, "burst", KEYS).await;
     let all: BTreeSet<String> = keys.iter().cloned().collect();
     let mut step = 0;
@@ -159,7 +187,7 @@ async fn burst(config: BreakerConfig, max_steps: u32) -> (u64, u32, usize, Break
     }
     let delivered = handler.delivered().len();
     if delivered == KEYS {
-        wait_for("retries drained", &run.health, LIMIT, || async {
+        wait_for("retries drained", &run.running.health, LIMIT, || async {
             let c = bed.sb.counters("retries").unwrap();
             c.active + c.scheduled + c.locked == 0
         })
@@ -214,7 +242,7 @@ async fn after_an_outage_over_a_burst_the_trial_closes_the_breaker_although_firs
     handler.down.store(true, Ordering::SeqCst);
     let mut parts = bed.parts(handler.clone(), fast_policy(30), "replica-a");
     parts.breaker = Some(config(10, 0.5, 10_000));
-    let run = Bed::run(parts);
+    let run = Run::start(parts);
     let keys = crate::outage::send_spread(&bed, "burst", KEYS).await;
     let all: BTreeSet<String> = keys.iter().cloned().collect();
     // Down: the breaker opens and the partitions pause.
