@@ -183,6 +183,7 @@ impl Guard {
     }
 
     /// The settings (the downstream's, with the event types').
+    #[cfg(any(test, feature = "testbed"))]
     pub fn config(&self) -> &StormGuardConfig {
         &self.config
     }
@@ -268,6 +269,7 @@ impl Guard {
     }
 
     /// The downstream's lane's record as last seen.
+    #[cfg(any(test, feature = "testbed"))]
     pub fn cached(&self) -> Option<StormRecord> {
         self.lanes[0].cached()
     }
