@@ -588,6 +588,7 @@ pub fn report_of(
                 "opens": rec.opens,
                 "reopens": rec.reopens,
                 "trial": rec.trial,
+                "new_events_at_brink": b.waiting_at_brink(),
             }),
         );
     }

@@ -274,8 +274,7 @@ impl Shared {
     }
 
     /// How many new events wait at the brink now (each for at most `brink_hold_ms` on the
-    /// pipeline's clock, or until a call succeeds).
-    #[cfg(any(test, feature = "testbed"))]
+    /// pipeline's clock, or until a call succeeds); `/v1/status` shows it.
     pub fn waiting_at_brink(&self) -> usize {
         self.at_brink.load(std::sync::atomic::Ordering::SeqCst)
     }

@@ -182,12 +182,6 @@ impl Guard {
         self
     }
 
-    /// The settings (the downstream's, with the event types').
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn config(&self) -> &StormGuardConfig {
-        &self.config
-    }
-
     /// The lane that counts and holds events of `event_type`.
     fn lane(&self, event_type: Option<&str>) -> &Lane {
         let lane = self.config.lane_of(event_type);
@@ -266,12 +260,6 @@ impl Guard {
     /// The downstream's name.
     pub fn downstream(&self) -> &str {
         &self.downstream
-    }
-
-    /// The downstream's lane's record as last seen.
-    #[cfg(any(test, feature = "testbed"))]
-    pub fn cached(&self) -> Option<StormRecord> {
-        self.lanes[0].cached()
     }
 
     /// Every lane as last seen — the downstream's first, then each event type's own — for
