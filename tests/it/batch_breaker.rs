@@ -68,15 +68,8 @@ async fn the_breaker_counts_a_failed_batchs_events_not_its_request() {
         &keys.iter().map(|k| (k.as_str(), "ok")).collect::<Vec<_>>(),
     )
     .await;
-    let read_record = || async {
-        bed.records()
-            .read(&hubguard::breaker::record_name("handler"))
-            .await
-            .unwrap()
-            .map(|r| serde_json::from_slice::<hubguard::breaker::BreakerRecord>(&r.body).unwrap())
-    };
     let record = eventually("the breaker opens", LIMIT, || async {
-        seen(read_record().await, |r| {
+        seen(bed.breaker_record("handler").await, |r| {
             r.as_ref().is_some_and(|r| r.opens == 1)
         })
     })
@@ -124,6 +117,9 @@ async fn the_breaker_counts_a_failed_batchs_events_not_its_request() {
         calls.len(),
         "no batch while the breaker is open"
     );
-    assert_eq!(read_record().await.map(|r| r.opens), Some(1));
+    assert_eq!(
+        bed.breaker_record("handler").await.map(|r| r.opens),
+        Some(1)
+    );
     run.stop().await;
 }

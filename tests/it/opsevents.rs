@@ -386,13 +386,7 @@ async fn the_breaker_opening_and_closing_reach_a_service_bus_queue_once() {
     for (_, run) in replicas {
         run.stop().await;
     }
-    let record = bed
-        .records()
-        .read(&hubguard::breaker::record_name("handler"))
-        .await
-        .unwrap()
-        .expect("breaker record");
-    let record: hubguard::breaker::BreakerRecord = serde_json::from_slice(&record.body).unwrap();
+    let record = bed.breaker_record("handler").await.expect("breaker record");
     let q = on_queue(&bed);
     let opened: Vec<_> = q
         .iter()

@@ -72,15 +72,7 @@ impl Downstream {
 }
 
 async fn breaker(bed: &Bed) -> BreakerRecord {
-    match bed
-        .records()
-        .read(&hubguard::breaker::record_name("orders-api"))
-        .await
-        .unwrap()
-    {
-        Some(r) => serde_json::from_slice(&r.body).unwrap(),
-        None => BreakerRecord::default(),
-    }
+    bed.breaker_record("orders-api").await.unwrap_or_default()
 }
 
 /// Waits until nothing is due on Service Bus: every retry the last step made due has been

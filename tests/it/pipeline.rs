@@ -524,13 +524,7 @@ async fn an_open_breaker_pauses_the_partition_defers_without_counting_and_opens_
     })
     .await;
     run.stop().await;
-    let record = bed
-        .records()
-        .read(&hubguard::breaker::record_name("handler"))
-        .await
-        .unwrap()
-        .expect("breaker record");
-    let record: hubguard::breaker::BreakerRecord = serde_json::from_slice(&record.body).unwrap();
+    let record = bed.breaker_record("handler").await.expect("breaker record");
     assert_eq!(
         record.opens, 1,
         "opened once, never re-opened or extended: {record:?}"

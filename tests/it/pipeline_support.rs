@@ -206,6 +206,18 @@ impl Bed {
         self.sb.clock().clone()
     }
 
+    /// The breaker record of `downstream` as stored (`None`: never opened).
+    pub(crate) async fn breaker_record(
+        &self,
+        downstream: &str,
+    ) -> Option<hubguard::breaker::BreakerRecord> {
+        self.records()
+            .read(&hubguard::breaker::record_name(downstream))
+            .await
+            .unwrap()
+            .map(|r| serde_json::from_slice(&r.body).unwrap())
+    }
+
     pub(crate) fn ledger(&self) -> Ledger {
         Ledger::new(self.records(), "hub", "$Default")
     }

@@ -105,15 +105,7 @@ impl Run {
 }
 
 async fn breaker(bed: &Bed) -> BreakerRecord {
-    match bed
-        .records()
-        .read(&hubguard::breaker::record_name("orders-api"))
-        .await
-        .unwrap()
-    {
-        Some(r) => serde_json::from_slice(&r.body).unwrap(),
-        None => BreakerRecord::default(),
-    }
+    bed.breaker_record("orders-api").await.unwrap_or_default()
 }
 
 fn config(half_open_calls: u32, ratio: f64, brink_hold_ms: u64) -> BreakerConfig {
