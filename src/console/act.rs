@@ -169,10 +169,44 @@ struct ActBody {
     sequence: Option<i64>,
     /// `pause-retries` / `resume-retries`: which retries (`{}`: every retry).
     #[serde(default)]
-    retries: Option<crate::pipeline::control::RetryFilter>,
+    retries: Option<RetryFilterBody>,
     /// `resume-retries`: every pause of retries.
     #[serde(default)]
     all: bool,
+}
+
+/// A pause's filter as the page sends it: strict, so that a misspelt criterion is refused
+/// instead of read as "every retry", and a blank one is refused instead of matching nothing.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RetryFilterBody {
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    event_type: Option<String>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+impl RetryFilterBody {
+    fn filter(&self) -> Result<crate::pipeline::control::RetryFilter, String> {
+        for (name, v) in [
+            ("key", &self.key),
+            ("event_type", &self.event_type),
+            ("error", &self.error),
+        ] {
+            if v.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                return Err(format!(
+                    "retries.{name} is blank: leave it out to match any"
+                ));
+            }
+        }
+        Ok(crate::pipeline::control::RetryFilter {
+            key: self.key.clone(),
+            event_type: self.event_type.clone(),
+            error: self.error.clone(),
+        })
+    }
 }
 
 /// A replay's filter as the page sends it (times RFC 3339).
@@ -394,7 +428,11 @@ async fn pause(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
 async fn pause_retries(c: &Console, pause: bool, who: &str, b: &ActBody) -> Acted {
     use crate::pipeline::control::{pause_or_resume_retries, Pause, Resume};
     let refused = |text: &str| Err((format!("refused: {text}"), Box::new(bad(text))));
-    let (pausing, resume) = match (pause, &b.retries, b.all) {
+    let filter = match b.retries.as_ref().map(RetryFilterBody::filter).transpose() {
+        Ok(f) => f,
+        Err(text) => return refused(&text),
+    };
+    let (pausing, resume) = match (pause, &filter, b.all) {
         (true, Some(f), false) => {
             let entry = Pause {
                 by: who.to_string(),

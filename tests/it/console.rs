@@ -407,6 +407,23 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
     )
     .await;
     assert_eq!(code, 400, "neither a filter nor all");
+    // A misspelt criterion is refused, not read as "every retry"; a blank one too.
+    for body in [
+        json!({ "retries": { "eventtype": "test.event" } }),
+        json!({ "retries": { "key": " " } }),
+    ] {
+        let (code, v) = call(
+            &addr,
+            "POST",
+            "/console/api/act/pause-retries",
+            &good,
+            Some(body.clone()),
+        )
+        .await;
+        assert_eq!(code, 400, "{body} → {v}");
+    }
+    let (_, v) = call(&addr, "GET", "/console/api/retries", &[], None).await;
+    assert_eq!(v["pauses"], json!([]), "nothing paused: {v}");
 
     // The audit trail: who, what, the outcome — refusals included.
     let (_, v) = call(&addr, "GET", "/console/api/audit", &[], None).await;
@@ -416,8 +433,8 @@ async fn the_console_api_tells_a_keys_story_and_guards_every_action() {
         .filter(|e| e["outcome"].as_str().unwrap().starts_with("refused"))
         .count();
     assert_eq!(
-        refused, 4,
-        "three refused for access, one resume naming nothing: {v:#}"
+        refused, 5,
+        "three refused for access, one resume naming nothing, one blank key (a body that does not parse is answered 400 before the audit): {v:#}"
     );
     assert!(entries
         .iter()
