@@ -216,7 +216,8 @@ async fn first_pass(
     let mut options = options();
     if let Sending::Batches = sending {
         options.max_in_flight = BATCH_IN_FLIGHT;
-        options.window = options.window.max(BATCH_IN_FLIGHT * 2);
+        // The configuration's default for these slots (`processor.window` unset).
+        options.window = crate::config::window_for(BATCH_IN_FLIGHT);
     }
     // Retries are due well after the run: the rate is the first pass's.
     let policy = RetryPolicy {

@@ -728,6 +728,9 @@ mod tests {
         assert_eq!(f.happy.blob() + f.happy.servicebus(), 0.0, "{f:?}");
         assert_eq!(f.first_failure.of(Kind::SbSend), 1.0, "{f:?}");
         assert!(f.first_failure.of(Kind::BlobWrite) >= 1.0, "{f:?}");
+        // The partition's listing says these events have no pending record: the first
+        // failure creates it without reading it first.
+        assert_eq!(f.first_failure.of(Kind::BlobRead), 0.0, "{f:?}");
         for retry in [&f.retry_delivered, &f.retry_rescheduled, &f.retry_long] {
             assert_eq!(retry.of(Kind::SbReceive), 1.0, "{f:?}");
             assert_eq!(retry.of(Kind::SbComplete), 1.0, "{f:?}");

@@ -202,10 +202,17 @@ impl Config {
                 "processor.max_in_flight must be between 1 and 10000",
             ));
         }
-        if self.processor.window > 100_000 {
+        if self
+            .processor
+            .window
+            .is_some_and(|w| w > super::sections::MAX_WINDOW)
+        {
             return Err(invalid(
                 "processor.window",
-                "processor.window must be at most 100000 (each event in it is held in memory)",
+                format!(
+                    "processor.window must be at most {} (each event in it is held in memory)",
+                    super::sections::MAX_WINDOW
+                ),
             ));
         }
         self.retry_ordering().map(drop)

@@ -35,7 +35,10 @@ impl Config {
             checkpoint_every: Duration::from_millis(self.checkpoint.every_ms),
             checkpoint_min_interval: Duration::from_millis(self.checkpoint.min_interval_ms),
             max_in_flight: self.processor.max_in_flight,
-            window: self.processor.window,
+            window: self
+                .processor
+                .window
+                .unwrap_or_else(|| super::sections::window_for(self.processor.max_in_flight)),
             ordering: self.processor.ordering_key.clone(),
             retry_ordering: self.retry_ordering()?,
             prefetch: self.processor.prefetch,

@@ -357,7 +357,8 @@ pub struct ProcessorSection {
     pub line_on_dead_letter: crate::pipeline::LineOnDeadLetter,
     /// Most events read past the partition's oldest unsettled one (at least
     /// `max_in_flight`): settled events behind a slow one wait here, not in a slot.
-    pub window: usize,
+    /// Unset: [`window_for`] `max_in_flight`.
+    pub window: Option<usize>,
 }
 
 /// `processor.max_in_flight` when the file does not say: sized for a downstream at web
@@ -370,7 +371,21 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 /// `processor.window` when the file does not say: four times the slots, so a few events
 /// slow to settle (each failure writes the ledger and sends to Service Bus) do not leave
 /// the slots idle behind them.
-pub const DEFAULT_WINDOW: usize = 4 * DEFAULT_MAX_IN_FLIGHT;
+pub const DEFAULT_WINDOW: usize = window_for(DEFAULT_MAX_IN_FLIGHT);
+
+/// `processor.window` when the file does not say, for `max_in_flight` slots: four times
+/// them (at most [`MAX_WINDOW`]). Raising `max_in_flight` (for batches, say) raises it too.
+pub(crate) const fn window_for(max_in_flight: usize) -> usize {
+    let w = max_in_flight.saturating_mul(4);
+    if w > MAX_WINDOW {
+        MAX_WINDOW
+    } else {
+        w
+    }
+}
+
+/// The largest `processor.window`: each event in it is held in memory.
+pub(crate) const MAX_WINDOW: usize = 100_000;
 
 /// `retry.concurrency` when the file does not say: retries at once, 64 ÷ 50 ms = 1,280
 /// retries/s.
@@ -393,7 +408,7 @@ impl Default for ProcessorSection {
             ordering_key: o.ordering,
             retry_ordering: RetryOrderingKind::Off,
             line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default(),
-            window: DEFAULT_WINDOW,
+            window: None,
         }
     }
 }

@@ -109,6 +109,29 @@ fn the_example_configuration_allows_a_thousand_events_per_s_per_partition_at_50_
         .pipeline_options()
         .unwrap();
     assert_eq!(o.window, 512);
+    // Unset, the window follows the slots: raising max_in_flight for batches raises it.
+    let o = Config::parse(&format!("{BASE}[processor]\nmax_in_flight = 500\n"), none())
+        .unwrap()
+        .pipeline_options()
+        .unwrap();
+    assert_eq!(o.window, 2000);
+    let o = Config::parse(
+        &format!("{BASE}[processor]\nmax_in_flight = 10000\n"),
+        none(),
+    )
+    .unwrap()
+    .pipeline_options()
+    .unwrap();
+    assert_eq!(o.window, 40_000);
+    // A window set stays as set, even below the slots' default.
+    let o = Config::parse(
+        &format!("{BASE}[processor]\nmax_in_flight = 500\nwindow = 600\n"),
+        none(),
+    )
+    .unwrap()
+    .pipeline_options()
+    .unwrap();
+    assert_eq!(o.window, 600);
     let e = Config::parse(&format!("{BASE}[processor]\nwindow = 1000000\n"), none())
         .unwrap_err()
         .to_string();

@@ -191,6 +191,18 @@ impl EventTask<'_> {
             attempt::finish(attempted, Ok(&s));
             return self.settled(event, &s);
         }
+        let mut hold = PartitionHold {
+            task: self,
+            seq: event.sequence_number,
+            held: false,
+        };
+        let max = self.shared.options.settle_backoff_max;
+        // A transient failure of an event the ledger provably holds no pending record of
+        // creates its record without reading first (a permanent one reads: a dead letter is
+        // published before its record is written, and must not be for an event recorded
+        // delivered before).
+        let unrecorded =
+            transient_failure(&attempted.outcome) && !self.recorded.may_have_record(event);
         let report = Report {
             event,
             attempt: 1,
@@ -200,17 +212,16 @@ impl EventTask<'_> {
             trace_id: &attempted.trace_id,
             traceparents: std::slice::from_ref(&attempted.traceparent),
         };
-        let mut hold = PartitionHold {
-            task: self,
-            seq: event.sequence_number,
-            held: false,
-        };
-        let max = self.shared.options.settle_backoff_max;
+        let settler = &self.shared.settler;
         let settled = until_settled(&mut hold, max, || {
-            self.shared
-                .settler
-                .settle(&report)
-                .instrument(attempted.span.clone())
+            async {
+                if unrecorded {
+                    settler.settle_unrecorded(&report).await
+                } else {
+                    settler.settle(&report).await
+                }
+            }
+            .instrument(attempted.span.clone())
         })
         .await;
         let s = match settled {

@@ -1,7 +1,7 @@
 //! The Settler's settlement: planning an attempt's outcome and executing the plan's effects
 //! in order, re-planning on a conflict.
 
-use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Versioned};
+use crate::azure::versioned::{compare_and_swap, Change, Contended, RecordKind, Start, Versioned};
 use crate::azure::StoreError;
 use crate::handler::Outcome;
 use crate::ledger::{LedgerError, LedgerRecord, State};
@@ -24,10 +24,30 @@ impl Settler {
         read: Option<Versioned<LedgerRecord>>,
         report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
+        self.settle_starting(read.into(), report).await
+    }
+
+    /// [`settle`](Self::settle) of an event whose partition knows the ledger holds no
+    /// pending record of it (see `pipeline::recorded`): the first write creates the record
+    /// (`If-None-Match: *`) without reading it first. A record there after all (delivered or
+    /// dead-lettered before, or written meanwhile) fails that write, and the settlement reads
+    /// it and decides again, as after any conflict.
+    pub(crate) async fn settle_unrecorded(
+        &self,
+        report: &Report<'_>,
+    ) -> Result<Settled, SettleError> {
+        self.settle_starting(Start::From(None), report).await
+    }
+
+    async fn settle_starting(
+        &self,
+        start: Start<LedgerRecord>,
+        report: &Report<'_>,
+    ) -> Result<Settled, SettleError> {
         // Also a first attempt from Event Hubs that was delivered: whether its event may have
         // a record is the partition's knowledge (see `pipeline::recorded`), which skips this
         // call when it provably has none. Here the ledger is asked.
-        match self.execute_plans(read, report).await {
+        match self.execute_plans(start, report).await {
             // A record that cannot be parsed would hold the event (and its partition) forever:
             // set it aside and dead-letter the event, which is in hand.
             Err(SettleError::Ledger(LedgerError::Corrupt { reason, .. })) => {
@@ -52,11 +72,11 @@ impl Settler {
     /// (412) plans again on what it now says.
     async fn execute_plans(
         &self,
-        read: Option<Versioned<LedgerRecord>>,
+        start: Start<LedgerRecord>,
         report: &Report<'_>,
     ) -> Result<Settled, SettleError> {
         let key = &report.event.identity.idempotency_key;
-        let planned = compare_and_swap(&Settling::new(self, key), read.into(), |record| {
+        let planned = compare_and_swap(&Settling::new(self, key), start, |record| {
             let plan = plan(
                 record.as_ref(),
                 report,

@@ -98,6 +98,74 @@ async fn a_failure_records_the_attempt_then_schedules_a_claim_check() {
     assert_eq!(Some(at(body.due_ms)), rec.next_attempt_at());
 }
 
+/// A transient failure of `key`'s first attempt, settled as known to have no record.
+async fn first_unrecorded(b: &Bed, key: &str) -> Settled {
+    b.settler
+        .settle_unrecorded(&Report {
+            event: &event(key),
+            attempt: 1,
+            source: Source::EventHubs,
+            started: b.clock.now(),
+            outcome: &Outcome::Failed(Failure::transient("boom")),
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
+        })
+        .await
+        .unwrap()
+}
+
+/// A first failure of an event its partition knows has no pending record: created with no
+/// read; and when a record is there after all (a retry scheduled by another reader, an
+/// earlier delivery), the create fails, the record is read and the decision made on it.
+#[tokio::test]
+async fn a_first_failure_known_unrecorded_creates_its_record_without_reading() {
+    let b = bed();
+    let before = b.records.reads();
+    let s = first_unrecorded(&b, "k").await;
+    assert!(
+        matches!(s, Settled::RetryScheduled { attempt: 2, .. }),
+        "{s:?}"
+    );
+    assert_eq!(b.records.reads(), before, "no read before the create");
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
+    assert_eq!(b.queue.accepted(), vec!["k-attempt-2"]);
+
+    // Recorded already (attempt 1 scheduled by another reader of the partition): the
+    // create fails, the record is read, and the recorded retry is sent again (the same
+    // MessageId, dropped by duplicate detection), not a second attempt counted.
+    let again = first_unrecorded(&b, "k").await;
+    assert!(
+        matches!(again, Settled::RetryScheduled { attempt: 2, .. }),
+        "{again:?}"
+    );
+    let rec = b.settler.ledger.record("k").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::RetryScheduled, 1));
+    assert!(b.queue.accepted().iter().all(|id| id == "k-attempt-2"));
+
+    // Delivered on its retry before, read again from Event Hubs (a rewind) and failing
+    // now: the delivered record stands, no retry is scheduled.
+    fail(&b, "d", 1, Source::EventHubs).await.unwrap();
+    b.settler
+        .settle(&Report {
+            event: &event("d"),
+            attempt: 2,
+            source: Source::Retry,
+            started: b.clock.now(),
+            outcome: &Outcome::Delivered,
+            trace_id: "0af7651916cd43dd8448eb211c80319c",
+            traceparents: &[],
+        })
+        .await
+        .unwrap();
+    let messages = b.queue.len();
+    let s = first_unrecorded(&b, "d").await;
+    assert!(!matches!(s, Settled::RetryScheduled { .. }), "{s:?}");
+    let rec = b.settler.ledger.record("d").await.unwrap().unwrap();
+    assert_eq!((rec.state(), rec.attempts), (State::Delivered, 2));
+    assert_eq!(b.queue.len(), messages, "no retry message");
+}
+
 #[tokio::test]
 async fn settling_from_the_record_in_hand_reads_nothing_unless_someone_wrote_since() {
     let b = bed();
