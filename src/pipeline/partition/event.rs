@@ -197,12 +197,7 @@ impl EventTask<'_> {
             held: false,
         };
         let max = self.shared.options.settle_backoff_max;
-        // A transient failure of an event the ledger provably holds no pending record of
-        // creates its record without reading first (a permanent one reads: a dead letter is
-        // published before its record is written, and must not be for an event recorded
-        // delivered before).
-        let unrecorded =
-            transient_failure(&attempted.outcome) && !self.recorded.may_have_record(event);
+        let may_have_record = self.recorded.may_have_record(event);
         let report = Report {
             event,
             attempt: 1,
@@ -212,16 +207,11 @@ impl EventTask<'_> {
             trace_id: &attempted.trace_id,
             traceparents: std::slice::from_ref(&attempted.traceparent),
         };
-        let settler = &self.shared.settler;
         let settled = until_settled(&mut hold, max, || {
-            async {
-                if unrecorded {
-                    settler.settle_unrecorded(&report).await
-                } else {
-                    settler.settle(&report).await
-                }
-            }
-            .instrument(attempted.span.clone())
+            self.shared
+                .settler
+                .settle_first(&report, may_have_record)
+                .instrument(attempted.span.clone())
         })
         .await;
         let s = match settled {

@@ -27,6 +27,25 @@ impl Settler {
         self.settle_starting(read.into(), report).await
     }
 
+    /// [`settle`](Self::settle) of a first attempt from Event Hubs; `may_have_record`: what
+    /// its partition knows (see `pipeline::recorded`). A transient failure of an event the
+    /// ledger provably holds no pending record of is [`settle_unrecorded`](Self::settle_unrecorded);
+    /// anything else reads first — a permanent failure too, because a dead letter is
+    /// published before its record is written, and must not be for an event recorded
+    /// delivered before.
+    pub(crate) async fn settle_first(
+        &self,
+        report: &Report<'_>,
+        may_have_record: bool,
+    ) -> Result<Settled, SettleError> {
+        let transient = matches!(report.outcome, Outcome::Failed(f) if f.class == crate::policy::classify::ErrorClass::Transient);
+        if transient && !may_have_record {
+            self.settle_unrecorded(report).await
+        } else {
+            self.settle(report).await
+        }
+    }
+
     /// [`settle`](Self::settle) of an event whose partition knows the ledger holds no
     /// pending record of it (see `pipeline::recorded`): the first write creates the record
     /// (`If-None-Match: *`) without reading it first. A record there after all (delivered or
