@@ -10,12 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use hubguard::emulator::faults::{Faults, Held};
 use hubguard::handler::{Failure, Handler, Outcome};
 use hubguard::ledger::State;
 use hubguard::pipeline::LineOnDeadLetter;
 use hubguard::{BatchHandler, BatchLimits, Batched, Item};
 
-use crate::ordered_retries::{ev, policy, send, start};
+use crate::ordered_retries::{ev, policy, send, start, Replica};
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -33,13 +34,17 @@ struct Seen {
 /// A receiver of batches that keeps each ordering key in order: bodies script the outcome
 /// (`ok`; `fail:N`, the first N calls of the event fail transiently); within a call, once an
 /// event of a key failed, the later events of that key are not processed (answered as
-/// transient failures). While `hang_on` names a key, a call carrying it never answers.
+/// transient failures). While `hang_on` names a key, a call carrying it never answers. A
+/// call carrying the key `hold_at` names holds, before it answers, every later write of a
+/// line pointer on the blob emulator whose faults it names (`held`).
 #[derive(Default)]
 struct Receiver {
     calls: Mutex<Vec<Vec<Seen>>>,
     hang_on: Mutex<Option<String>>,
     hung: tokio::sync::Notify,
     hanging: AtomicBool,
+    hold_at: Mutex<Option<(String, Arc<Faults>)>>,
+    held: Mutex<Option<Arc<Held>>>,
 }
 
 impl Receiver {
@@ -75,6 +80,33 @@ impl Receiver {
             .collect()
     }
 
+    /// The hold armed by the call carrying `hold_at`.
+    fn held(&self) -> Option<Arc<Held>> {
+        self.held.lock().unwrap().clone()
+    }
+
+    /// Asserts that the deliveries of ordering key `order` (keys `{order}-N`, N its place in
+    /// the line) went one after the other, each the next event of the line after the one
+    /// before, or a step back: a duplicate only as a re-run, in sequence order, of a suffix.
+    fn assert_reruns_in_order(&self, order: &str) {
+        let delivered: Vec<usize> = self
+            .calls()
+            .into_iter()
+            .flatten()
+            .filter(|s| s.delivered && s.order == order)
+            .map(|s| s.key.rsplit('-').next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(delivered.first(), Some(&0), "{delivered:?}");
+        for w in delivered.windows(2) {
+            assert!(
+                w[1] == w[0] + 1 || w[1] <= w[0],
+                "{} delivered right after {}: {delivered:?}",
+                w[1],
+                w[0]
+            );
+        }
+    }
+
     /// Asserts that each key's first successful deliveries came in sequence order.
     fn assert_in_order(&self) {
         let mut last: BTreeMap<String, i64> = BTreeMap::new();
@@ -101,6 +133,13 @@ impl Receiver {
 #[async_trait]
 impl BatchHandler for Receiver {
     async fn handle_batch(&self, items: &[Item<'_>]) -> Vec<Outcome> {
+        let hold = self.hold_at.lock().unwrap().clone();
+        if let Some((at, faults)) = hold {
+            if items.iter().any(|i| i.event.identity.idempotency_key == at) {
+                *self.held.lock().unwrap() = Some(faults.hold_requests("PUT", "/lines/"));
+                *self.hold_at.lock().unwrap() = None;
+            }
+        }
         let hang = self.hang_on.lock().unwrap().clone();
         if let Some(h) = hang {
             if items.iter().any(|i| i.event.identity.idempotency_key == h) {
@@ -353,4 +392,103 @@ async fn a_replica_killed_mid_drain_loses_nothing_and_the_next_keeps_the_order()
     }
     assert!(ledger.all_parked().await.unwrap().is_empty());
     b.stop().await;
+}
+
+/// Starts a replica draining a line of 30 events behind `k-0` in batches of 10, every write
+/// of the line's pointer held from the second batch's call on (the first batch settles
+/// before the second is called); returns once the third batch was in the handler while the
+/// second one's pointer write is held.
+async fn drain_with_the_pointer_held(bed: &Bed, receiver: &Arc<Receiver>) -> (Replica, Arc<Held>) {
+    *receiver.hold_at.lock().unwrap() = Some(("k-11".into(), bed.blob.faults().clone()));
+    send(bed, 0, &line(30, |_| "ok")).await;
+    let r = start(
+        bed,
+        "replica-a",
+        handler(receiver, 10),
+        policy(60, 5),
+        LineOnDeadLetter::Release,
+        // A held write must outlast the test's look at it, not time out.
+        |o| o.deadline = LIMIT,
+    );
+    let ledger = bed.ledger();
+    wait_for("30 events parked behind k-0", &r.health, LIMIT, || async {
+        ledger.all_parked().await.unwrap().len() == 30
+    })
+    .await;
+    bed.clock().advance(Duration::from_secs(61));
+    wait_for(
+        "k-21..k-30 in the handler while k-20's pointer write is held",
+        &r.health,
+        LIMIT,
+        || async {
+            receiver.deliveries_of("k-21") > 0 && receiver.held().is_some_and(|h| h.arrived() > 0)
+        },
+    )
+    .await;
+    let held = receiver.held().unwrap();
+    (r, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_calls_the_next_batch_while_the_batch_before_is_written() {
+    let bed = Bed::start(1).await;
+    let receiver = Arc::new(Receiver::default());
+    let (r, held) = drain_with_the_pointer_held(&bed, &receiver).await;
+    // The batch k-11..k-20 is not settled (the pointer still names k-10) and the next one
+    // went to the handler already.
+    let ledger = bed.ledger();
+    let lines = ledger.lines(None).await.unwrap();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0].head_key, "k-10", "k-20's pointer write is held");
+    assert!(receiver.deliveries_of("k-30") > 0, "{:?}", receiver.calls());
+    held.release();
+    let all = keys(30);
+    wait_for("the line drained", &r.health, LIMIT, || async {
+        receiver.delivered_all(&all) && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    receiver.assert_in_order();
+    for k in &all {
+        assert_eq!(receiver.deliveries_of(k), 1, "{k} delivered once");
+        let rec = ledger.record(k).await.unwrap().expect("its ledger record");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 1), "{k}");
+    }
+    assert_eq!(
+        receiver.batches_of("k").len(),
+        3,
+        "three batches of ten: {:?}",
+        receiver.calls()
+    );
+    assert!(ledger.all_parked().await.unwrap().is_empty());
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pointer_write_under_a_pipelined_batch_loses_nothing_and_keeps_the_order() {
+    let bed = Bed::start(1).await;
+    let receiver = Arc::new(Receiver::default());
+    let (r, held) = drain_with_the_pointer_held(&bed, &receiver).await;
+    // Blob storage fails k-20's pointer write while k-21..k-30 were delivered on top of it.
+    held.fail(500);
+    let ledger = bed.ledger();
+    let all = keys(30);
+    wait_for("the line drained", &r.health, LIMIT, || async {
+        receiver.delivered_all(&all) && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    receiver.assert_in_order();
+    receiver.assert_reruns_in_order("k");
+    // Delivered but not recorded when the write before them failed: they went again.
+    for i in 21..=30 {
+        assert_eq!(receiver.deliveries_of(&format!("k-{i}")), 2, "k-{i}");
+    }
+    for i in 1..=20 {
+        assert_eq!(receiver.deliveries_of(&format!("k-{i}")), 1, "k-{i}");
+    }
+    for k in &all {
+        let rec = ledger.record(k).await.unwrap().expect("its ledger record");
+        assert_eq!(rec.state(), State::Delivered, "{k}");
+    }
+    assert!(ledger.all_parked().await.unwrap().is_empty());
+    r.stop().await;
 }
