@@ -679,7 +679,9 @@ impl<'a> Drain<'a> {
     /// Writes the ledger record of the parked event `pk` after its attempt `a`: released
     /// from `line`, then the attempt settled on it (delivered; or failed, its next attempt
     /// due or its dead letter). A record of this very event already there (a drain again
-    /// after a crash) stays as it is and is returned.
+    /// after a crash) stays as it is and is returned, unless it is a release of the event not
+    /// attempted since (a one-by-one release, the sweep's, whose pointer write lost to this
+    /// drain's lease): this attempt replaces it.
     async fn record(
         &self,
         line: &Line,
@@ -703,7 +705,7 @@ impl<'a> Drain<'a> {
             // Not for a released record's current attempt: keep it released (due now).
             Plan::Done(_) | Plan::ResendRecorded(_) => released,
         };
-        write_new(settler, rec).await
+        write_new(settler, rec, Some(pk.attempts)).await
     }
 }
 
