@@ -175,7 +175,18 @@ impl<'a> Drain<'a> {
         if self.others_lease(line) {
             return Ok(Drained::Waits);
         }
-        let batch = match self.batch(p, line.head_seq).await? {
+        let head_seq = line.head_seq;
+        // Something parked: the lease first, so that the retry loop's sweep (which leaves a
+        // leased line alone) does not release the next event one by one meanwhile.
+        let read = if line.parked > 0 {
+            match self.take_lease(p, head, read).await? {
+                Some(read) => read,
+                None => return Ok(Drained::Waits),
+            }
+        } else {
+            read
+        };
+        let batch = match self.batch(p, head_seq).await? {
             Some(b) => b,
             None => return self.give_up(head, read).await,
         };
