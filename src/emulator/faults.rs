@@ -1,14 +1,17 @@
 //! Fault injection shared by the emulators: refuse connections for a period, delay every
 //! round trip (each HTTP request; each AMQP frame batch a client sends, not each transfer
 //! streamed back), drop every live connection, answer with an error status for a period, answer as
-//! a throttled namespace (`com.microsoft:server-busy`, Event Hubs) for a period.
+//! a throttled namespace (`com.microsoft:server-busy`, Event Hubs) for a period; on the HTTP
+//! emulators, hold the requests of one method whose path contains a given text until the
+//! test lets them through or fails them ([`Faults::hold_requests`]), so a test can order what
+//! a client does around one request without a sleep.
 //!
 //! Tests drive it through the Rust API on a running emulator; the `hubguard emulator` process
 //! will expose the same through its admin endpoint. Time is `tokio::time`, so tests that pause
 //! the clock control faults too.
 
 use crate::sync::LockExt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -37,6 +40,54 @@ struct FaultState {
     connections: CancellationToken,
     dropped: u64,
     accepted: u64,
+    /// Requests held until released ([`Faults::hold_requests`]).
+    holds: Vec<Arc<Held>>,
+}
+
+/// The requests of one method whose path contains a text, held on arrival until the test
+/// lets them through ([`release`](Self::release)) or answers them with an error status
+/// ([`fail`](Self::fail)); either ends the hold for later requests too.
+#[derive(Debug)]
+pub struct Held {
+    method: String,
+    path: String,
+    /// `None` while holding; then `Some(None)` (let through) or `Some(Some(status))`.
+    verdict: tokio::sync::watch::Sender<Option<Option<u16>>>,
+    /// Requests that arrived while it held.
+    arrived: std::sync::atomic::AtomicU64,
+}
+
+impl Held {
+    /// Whether a request of `method` to `path` is one this holds.
+    fn matches(&self, method: &str, path: &str) -> bool {
+        self.verdict.borrow().is_none() && self.method == method && path.contains(&self.path)
+    }
+
+    /// How many requests arrived while it held (the ones waiting and those already answered).
+    pub fn arrived(&self) -> u64 {
+        self.arrived.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Lets the held requests through, and holds no more.
+    pub fn release(&self) {
+        self.verdict.send_replace(Some(None));
+    }
+
+    /// Answers the held requests with `status` (as [`Faults::error_status_for`] answers), and
+    /// holds no more.
+    pub fn fail(&self, status: u16) {
+        self.verdict.send_replace(Some(Some(status)));
+    }
+
+    /// Waits for the verdict on a request that arrived: `Some(status)` to answer with.
+    pub async fn wait(&self) -> Option<u16> {
+        let mut rx = self.verdict.subscribe();
+        let verdict = match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.flatten(),
+            Err(_) => None,
+        };
+        verdict
+    }
 }
 
 impl Faults {
@@ -53,6 +104,7 @@ impl Faults {
                 connections: shutdown.child_token(),
                 dropped: 0,
                 accepted: 0,
+                holds: Vec::new(),
             }),
             shutdown,
         }
@@ -169,13 +221,40 @@ impl Faults {
         self.state().accepted
     }
 
-    /// Remove every fault.
+    /// Holds every request of `method` (`PUT`, `GET` …) whose path contains `path` from now
+    /// on, until the returned [`Held`] lets them through or fails them (HTTP emulators).
+    pub fn hold_requests(&self, method: &str, path: &str) -> Arc<Held> {
+        let held = Arc::new(Held {
+            method: method.to_string(),
+            path: path.to_string(),
+            verdict: tokio::sync::watch::Sender::new(None),
+            arrived: Default::default(),
+        });
+        let mut st = self.state();
+        st.holds.retain(|h| h.verdict.borrow().is_none());
+        st.holds.push(held.clone());
+        held
+    }
+
+    /// The hold a request of `method` to `path` waits on, if any (counted as arrived).
+    pub fn held(&self, method: &str, path: &str) -> Option<Arc<Held>> {
+        let st = self.state();
+        let held = st.holds.iter().find(|h| h.matches(method, path))?.clone();
+        held.arrived
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Some(held)
+    }
+
+    /// Remove every fault (held requests go through).
     pub fn clear(&self) {
         let mut st = self.state();
         st.refuse_until = None;
         st.error_until = None;
         st.server_busy_until = None;
         st.delay = Duration::ZERO;
+        for h in st.holds.drain(..) {
+            h.release();
+        }
     }
 }
 
@@ -236,5 +315,25 @@ mod tests {
         shutdown.cancel();
         assert!(after.is_cancelled());
         assert_eq!(f.drops(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_hold_takes_only_its_requests_until_its_verdict() {
+        let f = Faults::new(CancellationToken::new());
+        let held = f.hold_requests("PUT", "/lines/");
+        assert!(f.held("GET", "/c/lines/a").is_none(), "another method");
+        assert!(f.held("PUT", "/c/ledger/a").is_none(), "another path");
+        let first = f.held("PUT", "/c/lines/a").expect("held");
+        let waiting = tokio::spawn(async move { first.wait().await });
+        assert_eq!(held.arrived(), 1);
+        assert!(!waiting.is_finished());
+        held.fail(500);
+        assert_eq!(waiting.await.unwrap(), Some(500));
+        assert!(f.held("PUT", "/c/lines/a").is_none(), "no longer holding");
+        let again = f.hold_requests("PUT", "/lines/");
+        let second = f.held("PUT", "/c/lines/b").expect("held again");
+        f.clear();
+        assert_eq!(second.wait().await, None, "clear lets it through");
+        assert_eq!(again.arrived(), 1);
     }
 }

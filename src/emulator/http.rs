@@ -1,5 +1,5 @@
 //! What the REST emulators share: a listener that honours connection faults (refuse, drop),
-//! a middleware for response faults (delay, error status), and the serve loop.
+//! a middleware for response faults (delay, error status, held requests), and the serve loop.
 
 use std::io;
 use std::net::SocketAddr;
@@ -146,16 +146,27 @@ pub async fn fault_layer(
             .into_response();
     }
     if let Some(status) = faults.error_status() {
-        let status = axum::http::StatusCode::from_u16(status)
-            .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
-        return (
-            status,
-            [("x-ms-error-code", "InjectedFault")],
-            "injected fault",
-        )
-            .into_response();
+        return injected(status);
+    }
+    let held = faults.held(request.method().as_str(), request.uri().path());
+    if let Some(held) = held {
+        if let Some(status) = held.wait().await {
+            return injected(status);
+        }
     }
     next.run(request).await
+}
+
+/// The answer of an injected error status.
+fn injected(status: u16) -> Response {
+    let status = axum::http::StatusCode::from_u16(status)
+        .unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    (
+        status,
+        [("x-ms-error-code", "InjectedFault")],
+        "injected fault",
+    )
+        .into_response()
 }
 
 /// Most request headers a connection accepts. hyper's server refuses a request with more

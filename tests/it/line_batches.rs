@@ -10,12 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use hubguard::emulator::faults::{Faults, Held};
 use hubguard::handler::{Failure, Handler, Outcome};
 use hubguard::ledger::State;
 use hubguard::pipeline::LineOnDeadLetter;
 use hubguard::{BatchHandler, BatchLimits, Batched, Item};
 
-use crate::ordered_retries::{ev, policy, send, start};
+use crate::ordered_retries::{ev, policy, send, start, Replica};
 use crate::pipeline_support::*;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -33,13 +34,17 @@ struct Seen {
 /// A receiver of batches that keeps each ordering key in order: bodies script the outcome
 /// (`ok`; `fail:N`, the first N calls of the event fail transiently); within a call, once an
 /// event of a key failed, the later events of that key are not processed (answered as
-/// transient failures). While `hang_on` names a key, a call carrying it never answers.
+/// transient failures). While `hang_on` names a key, a call carrying it never answers. The
+/// second call carrying more than one event holds, before it answers, every later write of a
+/// line pointer on the blob emulator whose faults `hold_at` names (`held`).
 #[derive(Default)]
 struct Receiver {
     calls: Mutex<Vec<Vec<Seen>>>,
     hang_on: Mutex<Option<String>>,
     hung: tokio::sync::Notify,
     hanging: AtomicBool,
+    hold_at: Mutex<Option<Arc<Faults>>>,
+    held: Mutex<Option<Arc<Held>>>,
 }
 
 impl Receiver {
@@ -73,6 +78,42 @@ impl Receiver {
             })
             .filter(|c| c.len() > 1)
             .collect()
+    }
+
+    /// The hold armed by the second call of more than one event.
+    fn held(&self) -> Option<Arc<Held>> {
+        self.held.lock().unwrap().clone()
+    }
+
+    /// The keys of each call that carried more than one event, in order.
+    fn multi_calls(&self) -> Vec<Vec<String>> {
+        self.calls()
+            .into_iter()
+            .filter(|c| c.len() > 1)
+            .map(|c| c.into_iter().map(|s| s.key).collect())
+            .collect()
+    }
+
+    /// Asserts that the deliveries of ordering key `order` (keys `{order}-N`, N its place in
+    /// the line) went one after the other, each the next event of the line after the one
+    /// before, or a step back: a duplicate only as a re-run, in sequence order, of a suffix.
+    fn assert_reruns_in_order(&self, order: &str) {
+        let delivered: Vec<usize> = self
+            .calls()
+            .into_iter()
+            .flatten()
+            .filter(|s| s.delivered && s.order == order)
+            .map(|s| s.key.rsplit('-').next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(delivered.first(), Some(&0), "{delivered:?}");
+        for w in delivered.windows(2) {
+            assert!(
+                w[1] == w[0] + 1 || w[1] <= w[0],
+                "{} delivered right after {}: {delivered:?}",
+                w[1],
+                w[0]
+            );
+        }
     }
 
     /// Asserts that each key's first successful deliveries came in sequence order.
@@ -144,6 +185,11 @@ impl BatchHandler for Receiver {
             out.push(outcome);
         }
         calls.push(call);
+        if calls.iter().filter(|c| c.len() > 1).count() == 2 {
+            if let Some(faults) = self.hold_at.lock().unwrap().take() {
+                *self.held.lock().unwrap() = Some(faults.hold_requests("PUT", "/lines/"));
+            }
+        }
         out
     }
 }
@@ -353,4 +399,105 @@ async fn a_replica_killed_mid_drain_loses_nothing_and_the_next_keeps_the_order()
     }
     assert!(ledger.all_parked().await.unwrap().is_empty());
     b.stop().await;
+}
+
+/// Starts a replica draining a line of 30 events behind `k-0` in batches of 10, every write
+/// of the line's pointer held from the second batch's call on (the first batch settles
+/// before the second is called); returns once a third batch was in the handler while the
+/// second one's pointer write is held, with the keys of the three batches.
+async fn drain_with_the_pointer_held(
+    bed: &Bed,
+    receiver: &Arc<Receiver>,
+) -> (Replica, Arc<Held>, Vec<Vec<String>>) {
+    *receiver.hold_at.lock().unwrap() = Some(bed.blob.faults().clone());
+    send(bed, 0, &line(30, |_| "ok")).await;
+    let r = start(
+        bed,
+        "replica-a",
+        handler(receiver, 10),
+        policy(60, 5),
+        LineOnDeadLetter::Release,
+        // A held write must outlast the test's look at it, not time out.
+        |o| o.deadline = LIMIT,
+    );
+    let ledger = bed.ledger();
+    wait_for("30 events parked behind k-0", &r.health, LIMIT, || async {
+        ledger.all_parked().await.unwrap().len() == 30
+    })
+    .await;
+    bed.clock().advance(Duration::from_secs(61));
+    wait_for(
+        "a third batch in the handler while the second one's pointer write is held",
+        &r.health,
+        LIMIT,
+        || async {
+            receiver.multi_calls().len() >= 3 && receiver.held().is_some_and(|h| h.arrived() > 0)
+        },
+    )
+    .await;
+    let held = receiver.held().unwrap();
+    let batches = receiver.multi_calls();
+    (r, held, batches)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_calls_the_next_batch_while_the_batch_before_is_written() {
+    let bed = Bed::start(1).await;
+    let receiver = Arc::new(Receiver::default());
+    let (r, held, batches) = drain_with_the_pointer_held(&bed, &receiver).await;
+    // The second batch is not settled (the pointer still names the first one's last event)
+    // and the third went to the handler already.
+    let ledger = bed.ledger();
+    let lines = ledger.lines(None).await.unwrap();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(
+        Some(&lines[0].head_key),
+        batches[0].last(),
+        "the second batch's pointer write is held: {batches:?}"
+    );
+    held.release();
+    let all = keys(30);
+    wait_for("the line drained", &r.health, LIMIT, || async {
+        receiver.delivered_all(&all) && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    receiver.assert_in_order();
+    for k in &all {
+        assert_eq!(receiver.deliveries_of(k), 1, "{k} delivered once");
+        let rec = ledger.record(k).await.unwrap().expect("its ledger record");
+        assert_eq!((rec.state(), rec.attempts), (State::Delivered, 1), "{k}");
+    }
+    let batches = receiver.batches_of("k");
+    assert!(batches.iter().all(|b| b.len() <= 10), "{batches:?}");
+    assert!(ledger.all_parked().await.unwrap().is_empty());
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pointer_write_under_a_pipelined_batch_loses_nothing_and_keeps_the_order() {
+    let bed = Bed::start(1).await;
+    let receiver = Arc::new(Receiver::default());
+    let (r, held, batches) = drain_with_the_pointer_held(&bed, &receiver).await;
+    // Blob storage fails the second batch's pointer write while the third was delivered on
+    // top of it.
+    held.fail(500);
+    let ledger = bed.ledger();
+    let all = keys(30);
+    wait_for("the line drained", &r.health, LIMIT, || async {
+        receiver.delivered_all(&all) && ledger.lines(None).await.unwrap().is_empty()
+    })
+    .await;
+    receiver.assert_in_order();
+    receiver.assert_reruns_in_order("k");
+    // Delivered but not recorded when the write before them failed: they went again.
+    for k in &all {
+        let times = if batches[2].contains(k) { 2 } else { 1 };
+        assert_eq!(receiver.deliveries_of(k), times, "{k}: {batches:?}");
+    }
+    for k in &all {
+        let rec = ledger.record(k).await.unwrap().expect("its ledger record");
+        assert_eq!(rec.state(), State::Delivered, "{k}");
+    }
+    assert!(ledger.all_parked().await.unwrap().is_empty());
+    r.stop().await;
 }

@@ -88,10 +88,14 @@ pub(super) fn line_dead_letter(
 
 /// Writes `rec` (a released or line-dead-lettered record) unless the ledger holds a record of
 /// this very event already (a replay settled it, or an earlier round of this release wrote
-/// it): the record as it stands is returned.
+/// it): the record as it stands is returned. With `over_release` (a drain's attempt on a
+/// parked event that had made that many attempts), a record of this event released and not
+/// attempted since is replaced: a release whose pointer write lost to the drain's lease left
+/// it (it was never sent), and the drain's attempt is the event's next.
 pub(super) async fn write_new(
     settler: &Settler,
     rec: LedgerRecord,
+    over_release: Option<u32>,
 ) -> Result<LedgerRecord, SettleError> {
     let kind = Releasing {
         settler,
@@ -103,6 +107,14 @@ pub(super) async fn write_new(
         };
         let same = existing.event.partition_id == rec.event.partition_id
             && existing.event.sequence_number == rec.event.sequence_number;
+        let unattempted_release = same
+            && existing.state() == State::RetryScheduled
+            && over_release == Some(existing.attempts);
+        if unattempted_release {
+            let mut rec = rec.clone();
+            rec.indexed = existing.indexed;
+            return Change::Write(Box::new(rec.clone()), rec);
+        }
         if same || existing.state() == State::RetryScheduled {
             // This event's own record, or another event's retry under the same idempotency
             // key (left as it is: that one is owed its delivery too).
@@ -475,7 +487,7 @@ impl Advance<'_> {
         } else {
             released_record(settler, parked_event, &line, now)
         };
-        let rec = write_new(settler, new).await?;
+        let rec = write_new(settler, new, None).await?;
         line.head_key = e.identity.idempotency_key.clone();
         line.head_seq = e.sequence_number;
         // Not known until the released head runs (and fails, if it does).
@@ -560,4 +572,112 @@ async fn ensure_sent(settler: &Settler, line: &Line) -> Result<(), SettleError> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::azure::memory::{MemoryRecordStore, MemoryRetryQueue};
+    use crate::clock::Clock;
+    use crate::event::Identity;
+    use crate::ledger::Ledger;
+    use crate::pipeline::settle::Policies;
+    use crate::policy::{Curve, RetryPolicy};
+
+    fn settler() -> Settler {
+        let clock = Arc::new(Clock::default());
+        let policy = RetryPolicy {
+            name: "test".into(),
+            curve: Curve::Fixed,
+            base_s: 10,
+            floor_s: 10,
+            cap_s: 60,
+            max_attempts: 5,
+            max_age_s: None,
+        };
+        Settler::new(
+            Ledger::new(Arc::new(MemoryRecordStore::new()), "hub", "$Default"),
+            Arc::new(MemoryRetryQueue::new(clock.clone())),
+            Policies {
+                default: policy,
+                by_type: HashMap::new(),
+            },
+        )
+        .with_clock(clock)
+    }
+
+    fn parked(key: &str, seq: i64, attempts: u32) -> Parked {
+        Parked {
+            event: Event {
+                body: b"payload".to_vec(),
+                content_type: None,
+                properties: Default::default(),
+                hub: "hub".into(),
+                partition_id: "0".into(),
+                sequence_number: seq,
+                offset: None,
+                enqueued_ms: None,
+                partition_key: Some("K".into()),
+                identity: Identity {
+                    idempotency_key: key.into(),
+                    correlation_id: key.into(),
+                    event_type: None,
+                },
+            },
+            parked_ms: 10,
+            behind_key: "h".into(),
+            behind_seq: 1,
+            behind_traceparent: None,
+            attempts,
+            history: Vec::new(),
+        }
+    }
+
+    fn line() -> Line {
+        Line {
+            ordering_key: "K".into(),
+            partition: "0".into(),
+            head_key: "h".into(),
+            head_seq: 1,
+            tail_seq: Some(2),
+            parked: 1,
+            opened_ms: 0,
+            oldest_parked_ms: Some(10),
+            ended: false,
+            head_traceparent: None,
+            released_behind: None,
+            drain: None,
+        }
+    }
+
+    /// A release whose pointer write lost to a drain's lease leaves the event's released
+    /// record behind: the drain's attempt replaces it; a record the event made an attempt
+    /// on (a drain again after a crash) stays, and so does any record for the one-by-one path.
+    #[tokio::test]
+    async fn a_drains_record_replaces_only_an_unattempted_release_of_its_event() {
+        let s = settler();
+        let now = s.clock().now();
+        let pk = parked("e", 2, 1);
+        let released = released_record(&s, &pk, &line(), now);
+        write_new(&s, released.clone(), None).await.unwrap();
+        let mut delivered = released.clone();
+        delivered.attempts += 1;
+        delivered.deliver();
+        // One by one: the release stands.
+        let kept = write_new(&s, delivered.clone(), None).await.unwrap();
+        assert_eq!((kept.state(), kept.attempts), (State::RetryScheduled, 1));
+        // A drain's attempt on the event that had made one attempt: replaced.
+        let written = write_new(&s, delivered.clone(), Some(1)).await.unwrap();
+        assert_eq!((written.state(), written.attempts), (State::Delivered, 2));
+        let stored = s.ledger.record("e").await.unwrap().unwrap();
+        assert_eq!((stored.state(), stored.attempts), (State::Delivered, 2));
+        // Written already (a drain again after a crash): it stays as it is.
+        let mut again = released;
+        again.attempts = 2;
+        let kept = write_new(&s, again, Some(1)).await.unwrap();
+        assert_eq!((kept.state(), kept.attempts), (State::Delivered, 2));
+    }
 }

@@ -26,12 +26,24 @@
 //!    whatever the receiver answered: it stays parked and goes again after the failed one.
 //! 4. **The pointer** then names the last delivered event (or the failed one) as its head,
 //!    and the delivered events' parked records go.
+//! 5. **Pipelined** ([`pipelined`]): once the drain has moved the line on once, a batch the
+//!    handler answered with every event delivered is settled (its records, its parked
+//!    records' removal, the pointer's move) while the next batch is in the handler, under a
+//!    lease with half of it left and the next batch admitted as any. The next call starts
+//!    only after the one before answered all delivered, so the receiver still gets a key's
+//!    events in sequence order, one request after the other; the next batch is settled after
+//!    the one before, on the pointer that one wrote. Writes that fail, or find the line moved
+//!    on, leave the next batch's events delivered but unrecorded: still parked, their
+//!    attempts ended as `settle_failed`, sent again after.
 //!
 //! A crash anywhere leaves the pointer naming a settled head and the events after it still
 //! parked: the next drain (after the lease lapses) delivers them again — duplicates in
-//! sequence order, never an event before an earlier one of its key.
+//! sequence order, never an event before an earlier one of its key. Pipelined, that covers
+//! the batch in the handler while the one before was being written: a receiver may have
+//! applied it, and it comes again after the one before (a re-run of a suffix of the line).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -51,6 +63,8 @@ use crate::pipeline::Shared;
 use crate::sync::LockExt;
 
 use super::advance::{released_record, write_new};
+
+mod pipelined;
 
 /// How long a drain's lease holds past its last write of the pointer.
 pub(crate) const DRAIN_LEASE: Duration = crate::pipeline::settle::CLAIM_LEASE;
@@ -82,6 +96,31 @@ pub(crate) struct Drain<'a> {
     /// The pointer as this drain last wrote it (its lease on it), so the next step need not
     /// read it: a write on a stale one fails and reads it again.
     pointer: Mutex<Option<Versioned<Line>>>,
+    /// A batch the handler answered all delivered while the one before it was being settled,
+    /// itself not settled yet: the next step settles it (`pipelined`).
+    pending: Mutex<Option<Called>>,
+    /// Whether this drain has moved the line on once: only then does it call a batch while
+    /// the one before is still being settled (`pipelined`).
+    moved: AtomicBool,
+}
+
+/// A called batch: the handler's answer for each event of it.
+struct Called {
+    entries: Vec<ParkedEntry>,
+    parked: Vec<Parked>,
+    /// The attempts made: up to the first that did not succeed (the rest were not attempted).
+    attempted: Vec<Attempted>,
+    /// How many of `attempted` were delivered (all of them before the first failure).
+    delivered: usize,
+    /// The storm guard's trial the call ran under.
+    trial: Option<i64>,
+}
+
+impl Called {
+    /// Whether every event of the batch was delivered.
+    fn all_delivered(&self) -> bool {
+        self.delivered == self.entries.len()
+    }
 }
 
 /// The items of one batch: the parked events and their attempts.
@@ -103,11 +142,18 @@ impl<'a> Drain<'a> {
             listed: Mutex::default(),
             prefetched: Mutex::default(),
             pointer: Mutex::default(),
+            pending: Mutex::default(),
+            moved: AtomicBool::new(false),
         })
     }
 
-    /// One step from the delivered head `head`.
+    /// One step from the delivered head `head` (the pointer's head, or the head it names once
+    /// the batch the last step left pending is settled).
     pub(crate) async fn step(&self, head: &Event) -> Result<Drained, SettleError> {
+        let pending = self.pending.locked().take();
+        if let Some(called) = pending {
+            return self.settle_pending(head, called).await;
+        }
         let ledger = &self.shared.settler.ledger;
         let p = head.partition_id.as_str();
         let one_by_one = || Drained::OneByOne(Box::new(head.clone()));
@@ -129,7 +175,18 @@ impl<'a> Drain<'a> {
         if self.others_lease(line) {
             return Ok(Drained::Waits);
         }
-        let batch = match self.batch(p, line.head_seq).await? {
+        let head_seq = line.head_seq;
+        // Something parked: the lease first, so that the retry loop's sweep (which leaves a
+        // leased line alone) does not release the next event one by one meanwhile.
+        let read = if line.parked > 0 {
+            match self.take_lease(p, head, read).await? {
+                Some(read) => read,
+                None => return Ok(Drained::Waits),
+            }
+        } else {
+            read
+        };
+        let batch = match self.batch(p, head_seq).await? {
             Some(b) => b,
             None => return self.give_up(head, read).await,
         };
@@ -139,7 +196,11 @@ impl<'a> Drain<'a> {
         let Some(read) = self.take_lease(p, head, read).await? else {
             return Ok(Drained::Waits);
         };
-        self.deliver(head, read, batch, admitted).await
+        let called = self.call(batch, admitted).await;
+        if called.all_delivered() && self.moved.load(Ordering::Acquire) {
+            return self.overlapped(head, read, called).await;
+        }
+        self.settle(head, read, &called).await
     }
 
     /// Whether another drain's lease on `line` is live.
@@ -269,15 +330,8 @@ impl<'a> Drain<'a> {
         head: &Event,
         read: Versioned<Line>,
     ) -> Result<Option<Versioned<Line>>, SettleError> {
-        let now = self.shared.clock().now();
-        let until_ms = ms(now + DRAIN_LEASE);
-        let mine = read.value.drain.as_ref().is_some_and(|l| l.by == self.id);
-        let fresh = read
-            .value
-            .drain
-            .as_ref()
-            .is_some_and(|l| l.until_ms - ms(now) > (DRAIN_LEASE / 2).as_millis() as i64);
-        if mine && fresh {
+        let until_ms = ms(self.shared.clock().now() + DRAIN_LEASE);
+        if self.fresh(&read.value) {
             return Ok(Some(read));
         }
         let swapped = self
@@ -301,6 +355,14 @@ impl<'a> Drain<'a> {
             )
             .await?;
         Ok(if swapped.value { swapped.written } else { None })
+    }
+
+    /// Whether this drain holds the lease on `line` with at least half of it left.
+    fn fresh(&self, line: &Line) -> bool {
+        let now = ms(self.shared.clock().now());
+        line.drain.as_ref().is_some_and(|l| {
+            l.by == self.id && l.until_ms - now > (DRAIN_LEASE / 2).as_millis() as i64
+        })
     }
 
     /// Whether `line` still names `head` and nobody else drains it.
@@ -336,22 +398,17 @@ impl<'a> Drain<'a> {
         Ok(Drained::OneByOne(Box::new(head.clone())))
     }
 
-    /// Calls the handler with `batch` under the lease (`read`: the pointer as the lease left
-    /// it) and settles what it answered: the delivered prefix, the first failure.
-    async fn deliver(
-        &self,
-        head: &Event,
-        read: Versioned<Line>,
-        batch: Batch,
-        (gate, trial): (Gate, Option<i64>),
-    ) -> Result<Drained, SettleError> {
+    /// Calls the handler with `batch` (under the lease) and takes its answer: the attempts
+    /// up to the first that did not succeed, each told to the breaker; the parked records of
+    /// the batch after it are read meanwhile.
+    async fn call(&self, batch: Batch, (gate, trial): (Gate, Option<i64>)) -> Called {
         let shared = self.shared;
         let Batch {
             entries,
             parked,
             started,
         } = batch;
-        let last_seq = entries.last().map_or(head.sequence_number, |e| e.seq);
+        let last_seq = entries.last().map_or(i64::MAX, |e| e.seq);
         let (answered, duration) = {
             let items: Vec<Item<'_>> = parked
                 .iter()
@@ -410,25 +467,33 @@ impl<'a> Drain<'a> {
             .iter()
             .take_while(|a| a.outcome == Outcome::Delivered)
             .count();
-        self.settle(head, read, &entries, &parked, &attempted, delivered, trial)
-            .await
+        Called {
+            entries,
+            parked,
+            attempted,
+            delivered,
+            trial,
+        }
     }
 
-    /// Settles a called batch: the first `delivered` of `attempted` were delivered; the one
-    /// after them, if any, failed.
-    #[allow(clippy::too_many_arguments)]
+    /// Settles a called batch (`read`: the pointer naming `head`, the event before it): its
+    /// delivered events; the first failure, if any.
     async fn settle(
         &self,
         head: &Event,
         read: Versioned<Line>,
-        entries: &[ParkedEntry],
-        parked: &[Parked],
-        attempted: &[Attempted],
-        delivered: usize,
-        trial: Option<i64>,
+        called: &Called,
     ) -> Result<Drained, SettleError> {
         let shared = self.shared;
         let settler = &*shared.settler;
+        let Called {
+            entries,
+            parked,
+            attempted,
+            delivered,
+            trial,
+        } = called;
+        let (delivered, trial) = (*delivered, *trial);
         let line = read.value.clone();
         let failed = attempted.get(delivered).map(|a| (a, &parked[delivered]));
         let held = match failed {
@@ -548,6 +613,7 @@ impl<'a> Drain<'a> {
             .await?;
         if swapped.value && lease.is_some() {
             *self.pointer.locked() = swapped.written;
+            self.moved.store(true, Ordering::Release);
         }
         Ok(swapped.value)
     }
@@ -624,7 +690,9 @@ impl<'a> Drain<'a> {
     /// Writes the ledger record of the parked event `pk` after its attempt `a`: released
     /// from `line`, then the attempt settled on it (delivered; or failed, its next attempt
     /// due or its dead letter). A record of this very event already there (a drain again
-    /// after a crash) stays as it is and is returned.
+    /// after a crash) stays as it is and is returned, unless it is a release of the event not
+    /// attempted since (a one-by-one release, the sweep's, whose pointer write lost to this
+    /// drain's lease): this attempt replaces it.
     async fn record(
         &self,
         line: &Line,
@@ -648,7 +716,7 @@ impl<'a> Drain<'a> {
             // Not for a released record's current attempt: keep it released (due now).
             Plan::Done(_) | Plan::ResendRecorded(_) => released,
         };
-        write_new(settler, rec).await
+        write_new(settler, rec, Some(pk.attempts)).await
     }
 }
 
