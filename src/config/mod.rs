@@ -22,6 +22,7 @@ mod sections;
 
 pub use error::ConfigError;
 use error::{entity_key, invalid};
+#[cfg(any(test, feature = "testbed"))]
 pub(crate) use sections::window_for;
 pub use sections::{
     Access, CheckpointSection, ConsoleSection, CredentialKind, DeadLettersSection,

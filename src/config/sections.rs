@@ -371,6 +371,7 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 /// `processor.window` when the file does not say: four times the slots, so a few events
 /// slow to settle (each failure writes the ledger and sends to Service Bus) do not leave
 /// the slots idle behind them.
+#[cfg(any(test, feature = "testbed"))]
 pub const DEFAULT_WINDOW: usize = window_for(DEFAULT_MAX_IN_FLIGHT);
 
 /// `processor.window` when the file does not say, for `max_in_flight` slots: four times
