@@ -151,7 +151,7 @@ enum Sending {
 fn options() -> PipelineOptions {
     PipelineOptions {
         max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
-        window: crate::config::DEFAULT_WINDOW,
+        window: crate::config::window_for(crate::config::DEFAULT_MAX_IN_FLIGHT),
         retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
         ordering: OrderingKey::Property("order_id".into()),
         ..pipelines::bench_options()

@@ -429,7 +429,7 @@ fn ordered_pipeline(emulators: &Emulators, handler: Arc<dyn Handler>) -> anyhow:
     };
     let options = PipelineOptions {
         max_in_flight: crate::config::DEFAULT_MAX_IN_FLIGHT,
-        window: crate::config::DEFAULT_WINDOW,
+        window: crate::config::window_for(crate::config::DEFAULT_MAX_IN_FLIGHT),
         retry_concurrency: crate::config::DEFAULT_RETRY_CONCURRENCY,
         ordering: OrderingKey::Property("order".into()),
         retry_ordering: RetryOrdering::Key(LineOnDeadLetter::Release),

@@ -22,7 +22,6 @@ mod sections;
 
 pub use error::ConfigError;
 use error::{entity_key, invalid};
-#[cfg(any(test, feature = "testbed"))]
 pub(crate) use sections::window_for;
 pub use sections::{
     Access, CheckpointSection, ConsoleSection, CredentialKind, DeadLettersSection,
@@ -31,7 +30,7 @@ pub use sections::{
     StatusSection, StorageSection,
 };
 #[cfg(any(test, feature = "testbed"))]
-pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY, DEFAULT_WINDOW};
+pub use sections::{DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETRY_CONCURRENCY};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]

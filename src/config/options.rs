@@ -38,7 +38,7 @@ impl Config {
             window: self
                 .processor
                 .window
-                .unwrap_or_else(|| super::sections::window_for(self.processor.max_in_flight)),
+                .unwrap_or_else(|| super::window_for(self.processor.max_in_flight)),
             ordering: self.processor.ordering_key.clone(),
             retry_ordering: self.retry_ordering()?,
             prefetch: self.processor.prefetch,

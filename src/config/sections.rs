@@ -368,14 +368,10 @@ pub struct ProcessorSection {
 /// Events sharing an ordering key still run one after another.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 
-/// `processor.window` when the file does not say: four times the slots, so a few events
-/// slow to settle (each failure writes the ledger and sends to Service Bus) do not leave
-/// the slots idle behind them.
-#[cfg(any(test, feature = "testbed"))]
-pub const DEFAULT_WINDOW: usize = window_for(DEFAULT_MAX_IN_FLIGHT);
-
 /// `processor.window` when the file does not say, for `max_in_flight` slots: four times
-/// them (at most [`MAX_WINDOW`]). Raising `max_in_flight` (for batches, say) raises it too.
+/// them (at most [`MAX_WINDOW`]; 256 for the default 64), so a few events slow to settle
+/// (each failure writes the ledger and sends to Service Bus) do not leave the slots idle
+/// behind them. Raising `max_in_flight` (for batches, say) raises it too.
 pub(crate) const fn window_for(max_in_flight: usize) -> usize {
     let w = max_in_flight.saturating_mul(4);
     if w > MAX_WINDOW {
