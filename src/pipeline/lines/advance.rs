@@ -582,7 +582,6 @@ mod tests {
     use super::*;
     use crate::azure::memory::{MemoryRecordStore, MemoryRetryQueue};
     use crate::clock::Clock;
-    use crate::event::Identity;
     use crate::ledger::Ledger;
     use crate::pipeline::settle::Policies;
     use crate::policy::{Curve, RetryPolicy};
@@ -611,22 +610,7 @@ mod tests {
 
     fn parked(key: &str, seq: i64, attempts: u32) -> Parked {
         Parked {
-            event: Event {
-                body: b"payload".to_vec(),
-                content_type: None,
-                properties: Default::default(),
-                hub: "hub".into(),
-                partition_id: "0".into(),
-                sequence_number: seq,
-                offset: None,
-                enqueued_ms: None,
-                partition_key: Some("K".into()),
-                identity: Identity {
-                    idempotency_key: key.into(),
-                    correlation_id: key.into(),
-                    event_type: None,
-                },
-            },
+            event: crate::pipeline::lines::tests::event(key, seq),
             parked_ms: 10,
             behind_key: "h".into(),
             behind_seq: 1,

@@ -403,7 +403,7 @@ mod tests {
     use crate::pipeline::settle::{Policies, Settled, Source};
     use crate::policy::{Curve, RetryPolicy};
 
-    fn event(key: &str, seq: i64) -> Event {
+    pub(super) fn event(key: &str, seq: i64) -> Event {
         Event {
             body: b"payload".to_vec(),
             content_type: None,

@@ -38,8 +38,7 @@ impl Settler {
         report: &Report<'_>,
         may_have_record: bool,
     ) -> Result<Settled, SettleError> {
-        let transient = matches!(report.outcome, Outcome::Failed(f) if f.class == crate::policy::classify::ErrorClass::Transient);
-        if transient && !may_have_record {
+        if crate::pipeline::partition::transient_failure(report.outcome) && !may_have_record {
             self.settle_unrecorded(report).await
         } else {
             self.settle(report).await
