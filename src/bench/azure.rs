@@ -16,7 +16,13 @@
 //! - `azure_retry_drain_ratio`: every event fails once and comes due in the same window;
 //!   retries completed per second while retries are due and waiting ÷ (`retry.concurrency` ÷
 //!   handler latency) — see [`drain_while_waiting`] — and
-//!   `azure_retry_lateness_p99_ms`: due time (the ledger's) → the retry's start.
+//!   `azure_retry_lateness_p99_ms`: due time (the ledger's) → the retry's start;
+//!   `azure_retry_due_per_s`: how fast the retries came due (above the limit they queue);
+//!   `azure_retry_lateness_past_slot_p99_ms`: the lateness past the wait for a free slot
+//!   ([`lateness_past_slots`]).
+//! - `azure_…machine_busy` and `azure_…partition_thread_busy` of each first pass: how busy
+//!   the cores (both processes) and hubguard's partition thread were — near 1, the pass
+//!   measured this machine's CPU, not Azure's latencies.
 //! - `azure_batch_events_per_s_per_partition`: the first measurement with the webhook's
 //!   batches on (`handler.batch_max` = [`BATCH_MAX`], `processor.max_in_flight` =
 //!   [`BATCH_IN_FLIGHT`]), the receiver answering each batch after the same latency;
@@ -80,6 +86,14 @@ pub struct AzureFigures {
     pub retry_span_per_s: f64,
     /// Due time → retry started, p50 and p99 (ms).
     pub retry_lateness_ms: (f64, f64),
+    /// Retries coming due per second, first due time to last: above the retry limit
+    /// (`retry.concurrency` ÷ handler latency), retries queue for a slot and the lateness
+    /// above grows with the queue.
+    pub retry_due_per_s: f64,
+    /// The lateness past the wait for a slot, p50 and p99 (ms): due time, or the moment one
+    /// of the `retry.concurrency` slots came free if later → the retry's start
+    /// ([`lateness_past_slots`]). What hubguard adds to the queue's wait.
+    pub retry_lateness_past_slot_ms: (f64, f64),
     /// First deliveries per second per partition with batches on, nothing failing.
     pub batch_events_per_s_per_partition: f64,
     /// The same with 10 % of events failing once.
@@ -96,6 +110,12 @@ pub struct PassCpu {
     pub hubguard_us: f64,
     /// The emulators' process (the services and the receiver), µs per event.
     pub emulators_us: f64,
+    /// How busy the machine's cores were, both processes together (0–1): near 1, the pass
+    /// measured the machine's CPU, not the latencies.
+    pub machine_busy: f64,
+    /// How busy hubguard's partition thread was (0–1 of a core): every partition of a
+    /// replica is read and settled on it.
+    pub partition_thread_busy: f64,
 }
 
 /// One first pass: its rate and its CPU.
@@ -239,6 +259,7 @@ async fn first_pass(
     .options(options)
     .parts(webhook.into_handler())?;
     let cpu_before = (super::cpu::cpu_time()?, child.cpu_time()?);
+    let began = Instant::now();
     let pipeline = Pipeline::new(parts);
     let health = pipeline.health();
     let cancel = tokio_util::sync::CancellationToken::new();
@@ -260,10 +281,20 @@ async fn first_pass(
             bail!("azure profile stalled at {n} of {events}");
         }
     }
+    // The partition thread ends with the pipeline: read it while it runs.
+    let thread = (
+        super::cpu::threads_cpu_time(crate::pipeline::PARTITION_THREAD)?,
+        began.elapsed(),
+    );
     cancel.cancel();
     run.await??;
     let cpu_after = (super::cpu::cpu_time()?, child.cpu_time()?);
+    let wall = began.elapsed().as_secs_f64().max(1e-3);
     drop(child);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let used = (cpu_after.0.saturating_sub(cpu_before.0)
+        + cpu_after.1.saturating_sub(cpu_before.1))
+    .as_secs_f64();
     let (t0, n0) = first.context("nothing settled")?;
     let secs = last.0.saturating_duration_since(t0).as_secs_f64().max(1e-3);
     let per_event =
@@ -273,6 +304,8 @@ async fn first_pass(
         cpu: PassCpu {
             hubguard_us: per_event(cpu_before.0, cpu_after.0),
             emulators_us: per_event(cpu_before.1, cpu_after.1),
+            machine_busy: used / (wall * cores),
+            partition_thread_busy: thread.0.as_secs_f64() / thread.1.as_secs_f64().max(1e-3),
         },
     })
 }
@@ -282,7 +315,7 @@ async fn retry_drain(
     partitions: usize,
     events: usize,
     handler: Duration,
-) -> anyhow::Result<(f64, f64, (f64, f64))> {
+) -> anyhow::Result<Drained> {
     let concurrency = crate::config::DEFAULT_RETRY_CONCURRENCY;
     let emulators = start(partitions, handler, FailureMix::default()).await?;
     let cs: ConnectionString = emulators
@@ -351,32 +384,90 @@ async fn retry_drain(
     if timed.is_empty() {
         bail!("no retry ran");
     }
-    let mut lateness: Vec<f64> = timed
-        .iter()
-        .map(|r| pipelines::ms_between(r.due, r.start))
+    Drained::of(&timed, concurrency)
+}
+
+/// What the retry drain measured (see [`AzureFigures`]).
+struct Drained {
+    drain: f64,
+    span: f64,
+    lateness: (f64, f64),
+    due_per_s: f64,
+    past_slot: (f64, f64),
+}
+
+impl Drained {
+    /// The figures of the retries `timed` (not empty) drained by `concurrency` slots.
+    fn of(timed: &[Retried], concurrency: usize) -> anyhow::Result<Drained> {
+        let mut lateness: Vec<f64> = timed
+            .iter()
+            .map(|r| pipelines::ms_between(r.due, r.start))
+            .collect();
+        let drain = drain_while_waiting(timed, concurrency);
+        let mut past_slot = lateness_past_slots(timed, concurrency);
+        let dues = (
+            timed.iter().map(|r| r.due).min().context("no retry ran")?,
+            timed.iter().map(|r| r.due).max().context("no retry ran")?,
+        );
+        // Due times are whole seconds: a burst due in one second counts as due over one.
+        let due_per_s = timed.len() as f64
+            / (dues
+                .1
+                .duration_since(dues.0)
+                .unwrap_or_default()
+                .as_secs_f64()
+                + 1.0);
+        // The whole run, first start to last return (idle seconds included).
+        let first = timed
+            .iter()
+            .map(|r| r.start)
+            .min()
+            .context("no retry ran")?;
+        let last = timed.iter().map(|r| r.end).max().context("no retry ran")?;
+        let span = timed.len() as f64
+            / last
+                .duration_since(first)
+                .unwrap_or_default()
+                .as_secs_f64()
+                .max(1e-3);
+        Ok(Drained {
+            drain,
+            span,
+            lateness: (
+                pipelines::percentile(&mut lateness, 0.5),
+                pipelines::percentile(&mut lateness, 0.99),
+            ),
+            due_per_s,
+            past_slot: (
+                pipelines::percentile(&mut past_slot, 0.5),
+                pipelines::percentile(&mut past_slot, 0.99),
+            ),
+        })
+    }
+}
+
+/// Each retry's lateness past the wait for a slot (ms): the retries in the order they
+/// started took `concurrency` slots, each slot free again when its call returned; a retry
+/// could start no earlier than its due time and the earliest free slot, and the time from
+/// the later of those to its start is what the retry loop added (0 at the least).
+fn lateness_past_slots(retried: &[Retried], concurrency: usize) -> Vec<f64> {
+    let mut by_start: Vec<&Retried> = retried.iter().collect();
+    by_start.sort_by_key(|r| r.start);
+    // Free times of the slots, earliest first (a min-heap); all free at the start.
+    let mut free: std::collections::BinaryHeap<std::cmp::Reverse<SystemTime>> =
+        std::iter::repeat_n(
+            std::cmp::Reverse(SystemTime::UNIX_EPOCH),
+            concurrency.max(1),
+        )
         .collect();
-    let drain = drain_while_waiting(&timed, concurrency);
-    // The whole run, first start to last return (idle seconds included).
-    let first = timed
-        .iter()
-        .map(|r| r.start)
-        .min()
-        .context("no retry ran")?;
-    let last = timed.iter().map(|r| r.end).max().context("no retry ran")?;
-    let span = timed.len() as f64
-        / last
-            .duration_since(first)
-            .unwrap_or_default()
-            .as_secs_f64()
-            .max(1e-3);
-    Ok((
-        drain,
-        span,
-        (
-            pipelines::percentile(&mut lateness, 0.5),
-            pipelines::percentile(&mut lateness, 0.99),
-        ),
-    ))
+    by_start
+        .into_iter()
+        .map(|r| {
+            let std::cmp::Reverse(slot) = free.pop().unwrap_or(std::cmp::Reverse(r.start));
+            free.push(std::cmp::Reverse(r.end));
+            pipelines::ms_between(r.due.max(slot), r.start).max(0.0)
+        })
+        .collect()
 }
 
 /// One retry of the drain: due (the ledger's time), its call started and returned.
@@ -443,7 +534,7 @@ pub async fn azure(
     // Batches: five times the events, so the run lasts about as long.
     let batch = first_pass(partitions, events * 5, handler, false, Sending::Batches).await?;
     let batch_failing = first_pass(partitions, events * 5, handler, true, Sending::Batches).await?;
-    let (drain, span, lateness) = retry_drain(partitions, retries, handler).await?;
+    let drained = retry_drain(partitions, retries, handler).await?;
     Ok(AzureFigures {
         partitions,
         events,
@@ -453,9 +544,11 @@ pub async fn azure(
         events_per_s_per_partition: none.per_s,
         failing_events_per_s_per_partition: failing.per_s,
         retries,
-        retry_drain_per_s: drain,
-        retry_span_per_s: span,
-        retry_lateness_ms: lateness,
+        retry_drain_per_s: drained.drain,
+        retry_span_per_s: drained.span,
+        retry_lateness_ms: drained.lateness,
+        retry_due_per_s: drained.due_per_s,
+        retry_lateness_past_slot_ms: drained.past_slot,
         batch_events_per_s_per_partition: batch.per_s,
         batch_failing_events_per_s_per_partition: batch_failing.per_s,
         cpu: [none.cpu, failing.cpu, batch.cpu, batch_failing.cpu],
@@ -476,6 +569,18 @@ mod tests {
             start: at(start),
             end: at(end),
         }
+    }
+
+    #[test]
+    fn lateness_past_slots_leaves_out_the_wait_for_a_free_slot() {
+        // One slot, three retries due at once, 100 ms calls back to back: late by 0, 100 and
+        // 200 ms, none of it past the slot; a fourth starting 50 ms after the slot came
+        // free is 50 ms late past it.
+        let rs = [r(0, 0, 100), r(0, 100, 200), r(0, 200, 300), r(0, 350, 450)];
+        assert_eq!(lateness_past_slots(&rs, 1), vec![0.0, 0.0, 0.0, 50.0]);
+        // Two slots: the second starts 30 ms after its due time with a slot free all along.
+        let rs = [r(0, 0, 100), r(10, 40, 140)];
+        assert_eq!(lateness_past_slots(&rs, 2), vec![0.0, 30.0]);
     }
 
     #[test]

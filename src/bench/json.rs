@@ -194,6 +194,15 @@ fn azure_fields(a: &azure::AzureFigures) -> Vec<String> {
             "\"azure_retry_lateness_p99_ms\":{:.0}",
             a.retry_lateness_ms.1
         ),
+        format!("\"azure_retry_due_per_s\":{:.0}", a.retry_due_per_s),
+        format!(
+            "\"azure_retry_lateness_past_slot_p50_ms\":{:.0}",
+            a.retry_lateness_past_slot_ms.0
+        ),
+        format!(
+            "\"azure_retry_lateness_past_slot_p99_ms\":{:.0}",
+            a.retry_lateness_past_slot_ms.1
+        ),
     ]
 }
 
@@ -205,8 +214,8 @@ fn azure_cpu_fields(a: &azure::AzureFigures) -> String {
         .zip(&a.cpu)
         .map(|(n, c)| {
             format!(
-                "\"azure_{n}cpu_us_per_event\":{:.1},\"azure_emulators_{n}cpu_us_per_event\":{:.1}",
-                c.hubguard_us, c.emulators_us
+                "\"azure_{n}cpu_us_per_event\":{:.1},\"azure_emulators_{n}cpu_us_per_event\":{:.1},\"azure_{n}machine_busy\":{:.2},\"azure_{n}partition_thread_busy\":{:.2}",
+                c.hubguard_us, c.emulators_us, c.machine_busy, c.partition_thread_busy
             )
         })
         .collect();
@@ -393,15 +402,26 @@ mod tests {
             r#""azure_batch_failure_ratio":0.964"#,
             r#""azure_cpu_us_per_event":400.0"#,
             r#""azure_emulators_cpu_us_per_event":900.0"#,
+            r#""azure_machine_busy":0.50"#,
+            r#""azure_partition_thread_busy":0.25"#,
             r#""azure_failing_cpu_us_per_event":450.0"#,
             r#""azure_emulators_failing_cpu_us_per_event":1000.0"#,
+            r#""azure_failing_machine_busy":0.50"#,
+            r#""azure_failing_partition_thread_busy":0.25"#,
             r#""azure_batch_cpu_us_per_event":200.0"#,
             r#""azure_emulators_batch_cpu_us_per_event":300.0"#,
+            r#""azure_batch_machine_busy":0.50"#,
+            r#""azure_batch_partition_thread_busy":0.25"#,
             r#""azure_batch_failing_cpu_us_per_event":260.0"#,
             r#""azure_emulators_batch_failing_cpu_us_per_event":420.0"#,
+            r#""azure_batch_failing_machine_busy":0.50"#,
+            r#""azure_batch_failing_partition_thread_busy":0.25"#,
             r#""azure_batch_cpu_ratio":0.500"#,
             r#""azure_retry_lateness_p50_ms":123"#,
             r#""azure_retry_lateness_p99_ms":568"#,
+            r#""azure_retry_due_per_s":2346"#,
+            r#""azure_retry_lateness_past_slot_p50_ms":12"#,
+            r#""azure_retry_lateness_past_slot_p99_ms":46"#,
             r#""scale_scale_out_sdk_duplicates":37"#,
             r#""scale_scale_out_sdk_duplicate_pct":1.54"#,
             r#""scale_scale_out_sdk_moves":3"#,

@@ -219,6 +219,17 @@ fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
         ),
     )?;
     row(
+        "azure_retry_due_per_s (retries coming due per s)",
+        format!("{:.0}", a.retry_due_per_s),
+    )?;
+    row(
+        "azure_retry_lateness_past_slot_p50_ms / p99_ms",
+        format!(
+            "{:.0} / {:.0}",
+            a.retry_lateness_past_slot_ms.0, a.retry_lateness_past_slot_ms.1
+        ),
+    )?;
+    row(
         &format!(
             "batches of {} ({} in flight): azure_batch_events_per_s_per_partition",
             azure::BATCH_MAX,
@@ -240,6 +251,10 @@ fn write_azure(out: &mut String, a: &azure::AzureFigures) -> fmt::Result {
         row(
             &format!("CPU µs per event, {n}: hubguard / emulators"),
             format!("{:.0} / {:.0}", c.hubguard_us, c.emulators_us),
+        )?;
+        row(
+            &format!("busy, {n}: cores / partition thread"),
+            format!("{:.2} / {:.2}", c.machine_busy, c.partition_thread_busy),
         )?;
     }
     row(
@@ -547,12 +562,18 @@ retries drained per s while due and waiting (10000 due in ~10 s)          300
          limit (retry.concurrency / handler latency)          320
                              azure_retry_drain_ratio        0.938
                 azure_retry_lateness_p50_ms / p99_ms    123 / 568
+    azure_retry_due_per_s (retries coming due per s)         2346
+      azure_retry_lateness_past_slot_p50_ms / p99_ms      12 / 46
 batches of 100 (500 in flight): azure_batch_events_per_s_per_partition         6789
        azure_batch_failure_ratio (10 % failing once)        0.964
        CPU µs per event, alone: hubguard / emulators    400 / 900
+               busy, alone: cores / partition thread  0.50 / 0.25
 CPU µs per event, alone, 10 % failing: hubguard / emulators   450 / 1000
+ busy, alone, 10 % failing: cores / partition thread  0.50 / 0.25
      CPU µs per event, batches: hubguard / emulators    200 / 300
+             busy, batches: cores / partition thread  0.50 / 0.25
 CPU µs per event, batches, 10 % failing: hubguard / emulators    260 / 420
+busy, batches, 10 % failing: cores / partition thread  0.50 / 0.25
    azure_batch_cpu_ratio (hubguard, batches / alone)        0.500
 
 Rate limit 100/s for three replicas (6 partitions, max_in_flight 8 each), a receiver that takes everything

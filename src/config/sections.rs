@@ -343,7 +343,8 @@ pub struct ProcessorSection {
     pub prefetch: u32,
     /// Where partitions without a checkpoint start: `earliest` or `latest`.
     pub start: StartPosition,
-    /// Events of one partition handled at once (1: strictly one by one).
+    /// Events of one partition in their handler call at once (1: strictly one by one);
+    /// as many more may be settling (see `docs/guarantee.md`).
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1: `partition_key`,
     /// `property:<name>` or `none`.

@@ -4,11 +4,11 @@
 //! move to the last event of the *contiguous settled prefix* — never past an unsettled event.
 //!
 //! [`Dispatcher`] adds concurrency within a partition on top of the window: up to
-//! `max_in_flight` events are out at once, events that share an ordering key start strictly
+//! `max_in_flight` events are in their handler call at once (and as many settling), events that share an ordering key start strictly
 //! one after another in sequence order, and the checkpoint still only covers the contiguous
 //! settled prefix.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Tracks dispatched and settled events of one partition.
 #[derive(Debug, Default, Clone)]
@@ -82,14 +82,22 @@ impl CheckpointWindow {
     pub fn unsettled(&self) -> usize {
         self.unsettled
     }
+
+    /// Whether `seq` was dispatched and has not settled.
+    pub fn is_unsettled(&self, seq: i64) -> bool {
+        self.pending.get(&seq) == Some(&false)
+    }
 }
 
 /// Decides which events of one partition may start, given `max_in_flight` and ordering keys.
 ///
-/// An event is *in flight* from [`accept`](Self::accept) until it leaves the checkpoint
-/// window: settled events behind an unsettled one still count, so a partition whose oldest
-/// event cannot settle stops reading after `max_in_flight` events (memory stays bounded and
-/// the backlog waits in Event Hubs). An event whose key has an earlier event in flight waits
+/// An event holds one of `max_in_flight` slots from [`accept`](Self::accept) until its
+/// handler call ends ([`answered`](Self::answered)), then one of `max_in_flight` settling
+/// places until it settles; it stays in the window until it leaves the checkpoint window
+/// (settled events behind an unsettled one still count). So a partition whose oldest event
+/// cannot settle stops reading after at most `window` events, and one whose settlements all
+/// hold after `2 × max_in_flight` (memory stays bounded and the backlog waits in Event
+/// Hubs). An event whose key has an earlier event in flight waits
 /// for it: same-key events start in sequence order, one at a time. Events without a key are
 /// not ordered against anything.
 #[derive(Debug, Clone)]
@@ -98,6 +106,9 @@ pub struct Dispatcher {
     /// Most events in the window (settled ones behind an unsettled one included).
     window_limit: usize,
     window: CheckpointWindow,
+    /// Events whose handler call ended and that are still settling (see
+    /// [`answered`](Self::answered)).
+    settling: BTreeSet<i64>,
     /// Keys with an event running → the events waiting behind it, in sequence order.
     busy: HashMap<String, VecDeque<i64>>,
     /// The key of every accepted, unsettled event.
@@ -122,14 +133,30 @@ impl Dispatcher {
             max_in_flight,
             window_limit: window.max(max_in_flight),
             window: CheckpointWindow::new(),
+            settling: BTreeSet::new(),
             busy: HashMap::new(),
             keys: HashMap::new(),
         }
     }
 
-    /// Whether another event may be read now.
+    /// Whether another event may be read now: fewer than `max_in_flight` events before or in
+    /// their handler call, fewer than `max_in_flight` settling, and room in the window.
     pub fn has_room(&self) -> bool {
-        self.window.unsettled() < self.max_in_flight && self.window.in_flight() < self.window_limit
+        let settling = self.settling.len();
+        self.window.unsettled() - settling < self.max_in_flight
+            && settling < self.max_in_flight
+            && self.window.in_flight() < self.window_limit
+    }
+
+    /// Records that `seq`'s handler call ended: while it settles (a retry scheduled, say, a
+    /// ledger write and a Service Bus send) its slot goes to the next event, so a failure's
+    /// settlement does not idle a slot the downstream could use. At most `max_in_flight`
+    /// events settle at once, so a settlement that holds (Service Bus down) still stops the
+    /// reading, after twice as many events. A `seq` already settled is ignored.
+    pub fn answered(&mut self, seq: i64) {
+        if self.window.is_unsettled(seq) {
+            self.settling.insert(seq);
+        }
     }
 
     /// Events accepted and not settled (running, or waiting behind their key).
@@ -162,6 +189,7 @@ impl Dispatcher {
     /// Records that `seq` settled. Returns the event that may start now (the next one with
     /// the same key, if any) and the new checkpoint position if it moved.
     pub fn settled(&mut self, seq: i64) -> (Option<i64>, Option<i64>) {
+        self.settling.remove(&seq);
         let mut next = None;
         if let Some(key) = self.keys.remove(&seq) {
             if let Some(waiting) = self.busy.get_mut(&key) {
@@ -183,6 +211,12 @@ impl Dispatcher {
     /// The oldest unsettled event.
     pub fn oldest_unsettled(&self) -> Option<i64> {
         self.window.oldest_unsettled()
+    }
+
+    /// Events answered and not settled.
+    #[cfg(test)]
+    pub fn settling(&self) -> usize {
+        self.settling.len()
     }
 
     /// Events accepted and not yet out of the window.
@@ -263,11 +297,12 @@ mod tests {
         let mut running: Vec<usize> = Vec::new();
         let mut settled = vec![false; n];
         let mut started: Vec<usize> = Vec::new();
+        let mut answered = std::collections::HashSet::new();
         let mut picks = picks.iter().cycle();
         let mut steps = 0;
         while settled.iter().any(|s| !s) {
             steps += 1;
-            prop_assert!(steps < 10 * n + 10, "no progress");
+            prop_assert!(steps < 20 * n + 20, "no progress");
             let pick = picks.next().map(|p| p.index(1000)).unwrap_or(0);
             // Read when there is room and (by the pick) or when nothing runs.
             if next_to_read < n && d.has_room() && (pick.is_multiple_of(2) || running.is_empty()) {
@@ -277,11 +312,23 @@ mod tests {
                     running.push(i);
                     started.push(i);
                 }
-                prop_assert!(d.unsettled() <= max);
+                // Read only with a slot free and a settling place free.
+                prop_assert!(d.unsettled() - d.settling() <= max);
+                prop_assert!(d.settling() <= max);
+                prop_assert!(d.unsettled() <= 2 * max);
                 prop_assert!(d.in_flight() <= window.max(max));
                 continue;
             }
             prop_assert!(!running.is_empty(), "stalled with nothing running");
+            // Some handler calls end before their event settles: the slot goes, the settling
+            // place is taken (an answer after the settlement is ignored).
+            let unanswered = running.iter().find(|r| !answered.contains(*r)).copied();
+            if let Some(i) = unanswered.filter(|_| pick % 3 == 1) {
+                answered.insert(i);
+                d.answered(i as i64);
+                prop_assert!(d.unsettled() <= 2 * max);
+                continue;
+            }
             let i = running.remove(pick % running.len());
             settled[i] = true;
             let (next, _) = d.settled(i as i64);
@@ -362,6 +409,52 @@ mod tests {
         ) {
             drive_windowed(max, max + extra, &keys, &picks)?;
         }
+    }
+
+    #[test]
+    fn an_answered_event_leaves_its_slot_while_it_settles() {
+        // Four slots, all in their handler call: no room.
+        let mut d = Dispatcher::with_window(4, 16);
+        for s in 0..4 {
+            assert!(d.accept(s, None));
+        }
+        assert!(!d.has_room());
+        // Two calls end (their retries being scheduled): their slots go to the next two.
+        d.answered(1);
+        d.answered(2);
+        d.answered(2);
+        assert_eq!(d.settling(), 2);
+        assert!(d.has_room());
+        assert!(d.accept(4, None));
+        assert!(d.accept(5, None));
+        assert!(!d.has_room());
+        // Settling places are bounded too: settlements that all hold (Service Bus down)
+        // stop the reading after twice the slots.
+        for s in [0, 3, 4, 5] {
+            d.answered(s);
+        }
+        assert_eq!(d.settling(), 6);
+        assert!(
+            !d.has_room(),
+            "four slots free, but four settling already at most"
+        );
+        assert_eq!(d.checkpoint(), None, "never past an unsettled event");
+        d.settled(1);
+        d.settled(2);
+        assert!(!d.has_room(), "no call in flight, but four settling");
+        d.settled(4);
+        assert!(d.has_room());
+        // An answer for an event settled already (its settlement raced the message) is
+        // ignored.
+        d.answered(1);
+        assert_eq!(d.settling(), 3);
+        for s in [0, 3, 5] {
+            d.settled(s);
+        }
+        assert_eq!(
+            (d.settling(), d.unsettled(), d.checkpoint()),
+            (0, 0, Some(5))
+        );
     }
 
     #[test]

@@ -391,7 +391,7 @@ impl Pipeline {
         let checkpoints = self.checkpoints.clone();
         let processor_cancel = cancel.clone();
         std::thread::Builder::new()
-            .name("hubguard-partitions".into())
+            .name(PARTITION_THREAD.into())
             .spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -419,6 +419,10 @@ impl Pipeline {
     }
     }
 }
+
+/// The name of the thread every partition of a pipeline is read and settled on (the SDK's
+/// partition streams are not `Send`).
+pub(crate) const PARTITION_THREAD: &str = "hubguard-partitions";
 
 /// Why a pipeline stopped before it ran.
 #[derive(Debug, thiserror::Error)]

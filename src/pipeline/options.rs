@@ -180,7 +180,8 @@ pub struct PipelineOptions {
     /// …but never more often than this per partition, so checkpoint writes are bounded by
     /// time, not by the event rate.
     pub checkpoint_min_interval: Duration,
-    /// Events of one partition handled at once (1: one by one, in order).
+    /// Events of one partition in their handler call at once (1: one by one, in order);
+    /// as many more may be settling, their calls ended.
     pub max_in_flight: usize,
     /// What keeps events in order when `max_in_flight` > 1.
     pub ordering: OrderingKey,

@@ -461,3 +461,87 @@ async fn dropped_event_hubs_connections_mid_stream_never_let_the_checkpoint_pass
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failures_settlement_leaves_its_slot_to_the_next_event_and_the_checkpoint_waits() {
+    let bed = Bed::start(1).await;
+    // Two slots. Event 0 fails once and its retry cannot be scheduled (Service Bus down): its
+    // settlement holds. Its call has ended, so both slots go on calling events 1..=6, two at
+    // once; the checkpoint stays before event 0 until it settles. (Had the settlement kept
+    // its slot, one call at a time would run beside it.)
+    let events: Vec<(String, String, String)> = (0..7)
+        .map(|i| {
+            let body = if i == 0 { "fail:1" } else { "ok" };
+            (format!("slot-{i}"), String::new(), body.to_string())
+        })
+        .collect();
+    bed.sb
+        .faults()
+        .error_status_for(503, Duration::from_secs(3600));
+    send(&bed, &events).await;
+    let handler = Arc::new(Slow::new(Duration::from_millis(40)));
+    let mut parts = bed.parts(handler.clone(), fast_policy(5), "replica-a");
+    parts.options.max_in_flight = 2;
+    parts.options.window = 16;
+    parts.options.ordering = OrderingKey::None;
+    let run = Bed::run(parts);
+    wait_for(
+        "events 1..=6 called while event 0 settles",
+        &run.health,
+        LIMIT,
+        || async {
+            let calls = handler.calls.lock().unwrap().clone();
+            (1..7).all(|i| calls.iter().any(|c| c.seq == i))
+        },
+    )
+    .await;
+    let calls = handler.calls.lock().unwrap().clone();
+    let first = |seq: i64| calls.iter().find(|c| c.seq == seq).unwrap().clone();
+    let zero_ended = first(0).ended;
+    let after: Vec<Call> = (1..7)
+        .map(first)
+        .filter(|c| c.started >= zero_ended)
+        .collect();
+    let overlapping = after.iter().any(|a| {
+        after
+            .iter()
+            .any(|b| a.seq < b.seq && b.started < a.ended && a.started < b.ended)
+    });
+    assert!(
+        overlapping,
+        "two calls at once after event 0's call ended, its settlement holding no slot: {calls:?}"
+    );
+    assert!(
+        handler
+            .max_at_once
+            .load(std::sync::atomic::Ordering::SeqCst)
+            <= 2,
+        "never more calls at once than the slots"
+    );
+    assert!(
+        run.health
+            .held()
+            .get("0")
+            .is_some_and(|h| h.oldest_unsettled == 0),
+        "event 0 is still held: {}",
+        run.health.report()
+    );
+    let cp = bed.checkpoint_of("0").await;
+    assert!(cp.is_none(), "no checkpoint past the held event 0: {cp:?}");
+
+    bed.sb.faults().clear();
+    wait_for("everything settles", &run.health, LIMIT, || async {
+        bed.checkpoint_of("0").await == Some(6)
+    })
+    .await;
+    let ledger = bed.ledger();
+    wait_for("event 0's retry delivered", &run.health, LIMIT, || async {
+        ledger
+            .record("slot-0")
+            .await
+            .unwrap()
+            .is_some_and(|r| r.state() == State::Delivered && r.attempts == 2)
+    })
+    .await;
+    run.stop().await;
+}

@@ -51,6 +51,8 @@ pub(super) struct EventTask<'a> {
     pub(super) recorded: &'a Recorded,
     pub(super) known: &'a Known,
     pub(super) fence: &'a crate::pipeline::checkpoint::FencedCheckpointStore,
+    /// Told the event's sequence number when its handler call ended.
+    pub(super) answered: &'a tokio::sync::mpsc::UnboundedSender<i64>,
 }
 
 /// Attempts and settles one event; `false` if stopped before it settled.
@@ -66,6 +68,7 @@ pub(super) async fn process(event: Event, task: EventTask<'_>) -> bool {
     let Some(attempted) = task.attempt_guarded(&event).await else {
         return false;
     };
+    let _ = task.answered.send(event.sequence_number);
     let place = match lines.after_attempt(&event, place, &attempted, hold).await {
         LineStep::Go(place) => place,
         LineStep::Settled(s) => {

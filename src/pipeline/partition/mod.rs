@@ -156,12 +156,16 @@ impl Task {
         stop_reading: &CancellationToken,
         fence: &super::checkpoint::FencedCheckpointStore,
     ) {
+        // Each event says when its handler call ended, and leaves its slot (see
+        // `Dispatcher::answered`).
+        let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel::<i64>();
         let start = {
             let (shared, cancel, pid) = (self.shared.clone(), cancel.clone(), self.pid.clone());
             let (recorded, known) = (self.recorded.clone(), self.known.clone());
             move |event: Event, cp: &Checkpointer| {
                 let (shared, cancel, pid) = (shared.clone(), cancel.clone(), pid.clone());
                 let (recorded, known) = (recorded.clone(), known.clone());
+                let answered = answered_tx.clone();
                 let lag = event::Lag::of(cp);
                 async move {
                     let seq = event.sequence_number;
@@ -173,6 +177,7 @@ impl Task {
                         recorded: &recorded,
                         known: &known,
                         fence,
+                        answered: &answered,
                     };
                     (seq, process(event, task).await)
                 }
@@ -184,21 +189,7 @@ impl Task {
         futures::pin_mut!(stream);
         let mut tick = tokio::time::interval(self.shared.options.checkpoint_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // An operator's pause: no read while it holds (what was accepted still settles and
-        // checkpoints), listed as held under its own key so other holds stay apart.
-        let mut pauses = self.shared.pauses.subscribe();
-        self.paused = pauses.borrow_and_update().of(&self.pid).cloned();
-        mark_paused(&self.shared, &self.pid, self.paused.as_ref());
-        // An operator's rewind waiting for this partition: read nothing more, let what was
-        // read settle, then write the rewind's checkpoint instead of a final one and give the
-        // partition back, so the processor hands it out again from there.
-        if let Some(r) = pauses
-            .borrow()
-            .waiting_rewind(&self.pid)
-            .filter(|r| !fence.rewind_done(&r.id))
-        {
-            self.drain = Some(Drain::Rewind(r.clone()));
-        }
+        let mut pauses = self.controls(fence);
         let mut relisting: Option<Relisting> = None;
         loop {
             let reading = self.drain.is_none();
@@ -220,6 +211,7 @@ impl Task {
                     }
                     self.settled(moved);
                 }
+                Some(seq) = answered.recv() => self.dispatcher.answered(seq),
                 Ok(()) = pauses.changed() => self.control_changed(&mut pauses, fence),
                 _ = tick.tick() => self.tick(&mut relisting).await,
                 _ = async { relisting.as_mut().expect("guarded").await }, if relisting.is_some() => {
@@ -261,6 +253,29 @@ impl Task {
         if self.writing.is_none() && self.cp.count_due(&self.shared) {
             self.writing = self.cp.begin(&self.pc, &self.shared);
         }
+    }
+
+    /// The operator's controls as they stand when reading starts, and their changes after.
+    /// A pause: no read while it holds (what was accepted still settles and checkpoints),
+    /// listed as held under its own key so other holds stay apart. A rewind waiting for this
+    /// partition: read nothing more, let what was read settle, then write the rewind's
+    /// checkpoint instead of a final one and give the partition back, so the processor hands
+    /// it out again from there.
+    fn controls(
+        &mut self,
+        fence: &super::checkpoint::FencedCheckpointStore,
+    ) -> tokio::sync::watch::Receiver<super::control::Pauses> {
+        let mut pauses = self.shared.pauses.subscribe();
+        self.paused = pauses.borrow_and_update().of(&self.pid).cloned();
+        mark_paused(&self.shared, &self.pid, self.paused.as_ref());
+        if let Some(r) = pauses
+            .borrow()
+            .waiting_rewind(&self.pid)
+            .filter(|r| !fence.rewind_done(&r.id))
+        {
+            self.drain = Some(Drain::Rewind(r.clone()));
+        }
+        pauses
     }
 
     /// The control record changed: an operator's rewind stops the reading, a pause holds it.
