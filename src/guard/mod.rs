@@ -4,9 +4,9 @@
 //! move to the last event of the *contiguous settled prefix* — never past an unsettled event.
 //!
 //! [`Dispatcher`] adds concurrency within a partition on top of the window: up to
-//! `max_in_flight` events are in their handler call at once (and as many settling), events that share an ordering key start strictly
-//! one after another in sequence order, and the checkpoint still only covers the contiguous
-//! settled prefix.
+//! `max_in_flight` events are in their handler call at once (and as many settling), events
+//! that share an ordering key start strictly one after another in sequence order, and the
+//! checkpoint still only covers the contiguous settled prefix.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -97,9 +97,9 @@ impl CheckpointWindow {
 /// (settled events behind an unsettled one still count). So a partition whose oldest event
 /// cannot settle stops reading after at most `window` events, and one whose settlements all
 /// hold after `2 × max_in_flight` (memory stays bounded and the backlog waits in Event
-/// Hubs). An event whose key has an earlier event in flight waits
-/// for it: same-key events start in sequence order, one at a time. Events without a key are
-/// not ordered against anything.
+/// Hubs). An event whose key has an earlier event in flight waits for it: same-key events
+/// start in sequence order, one at a time. Events without a key are not ordered against
+/// anything.
 #[derive(Debug, Clone)]
 pub struct Dispatcher {
     max_in_flight: usize,

@@ -621,20 +621,7 @@ mod tests {
     }
 
     fn line() -> Line {
-        Line {
-            ordering_key: "K".into(),
-            partition: "0".into(),
-            head_key: "h".into(),
-            head_seq: 1,
-            tail_seq: Some(2),
-            parked: 1,
-            opened_ms: 0,
-            oldest_parked_ms: Some(10),
-            ended: false,
-            head_traceparent: None,
-            released_behind: None,
-            drain: None,
-        }
+        super::super::tests::line_of("h")
     }
 
     /// A release whose pointer write lost to a drain's lease leaves the event's released

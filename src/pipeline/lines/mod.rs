@@ -394,6 +394,24 @@ mod tests {
     use crate::ledger::{at, AttemptEntry};
     use crate::policy::DeadLetterReason;
 
+    /// Key K's line on partition 0: head `head_key` at sequence 1, one event parked behind it.
+    pub(crate) fn line_of(head_key: &str) -> Line {
+        Line {
+            ordering_key: "K".into(),
+            partition: "0".into(),
+            head_key: head_key.into(),
+            head_seq: 1,
+            tail_seq: Some(2),
+            parked: 1,
+            opened_ms: 0,
+            oldest_parked_ms: Some(10),
+            ended: false,
+            head_traceparent: None,
+            released_behind: None,
+            drain: None,
+        }
+    }
+
     /// The traceparent of a head's failing attempt.
     const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     use crate::clock::Clock;
@@ -522,20 +540,7 @@ mod tests {
             attempts: 3,
             history: vec![before.clone()],
         };
-        let line = Line {
-            ordering_key: "K".into(),
-            partition: "0".into(),
-            head_key: "e1".into(),
-            head_seq: 1,
-            tail_seq: Some(2),
-            parked: 1,
-            opened_ms: 0,
-            oldest_parked_ms: Some(10),
-            ended: false,
-            head_traceparent: None,
-            released_behind: None,
-            drain: None,
-        };
+        let line = line_of("e1");
         let now = at(20);
         let released = released_record(&s, &parked, &line, now);
         // Attempt 4 comes next, under a fresh budget: released, not yet attempted.
