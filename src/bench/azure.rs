@@ -21,7 +21,7 @@
 //!   `azure_retry_lateness_past_slot_p99_ms`: the lateness past the wait for a free slot
 //!   ([`lateness_past_slots`]).
 //! - `azure_…machine_busy` and `azure_…partition_thread_busy` of each first pass: how busy
-//!   the cores (both processes) and hubguard's partition thread were — near 1, the pass
+//!   the cores (both processes) and hubguard's busiest partition thread were — near 1, the pass
 //!   measured this machine's CPU, not Azure's latencies.
 //! - `azure_batch_events_per_s_per_partition`: the first measurement with the webhook's
 //!   batches on (`handler.batch_max` = [`BATCH_MAX`], `processor.max_in_flight` =
@@ -113,8 +113,8 @@ pub struct PassCpu {
     /// How busy the machine's cores were, both processes together (0–1): near 1, the pass
     /// measured the machine's CPU, not the latencies.
     pub machine_busy: f64,
-    /// How busy hubguard's partition thread was (0–1 of a core): every partition of a
-    /// replica is read and settled on it.
+    /// How busy hubguard's busiest partition thread was (0–1 of a core): a replica's
+    /// partitions are read and settled on a pool of threads, one per core.
     pub partition_thread_busy: f64,
 }
 
@@ -281,9 +281,9 @@ async fn first_pass(
             bail!("azure profile stalled at {n} of {events}");
         }
     }
-    // The partition thread ends with the pipeline: read it while it runs.
+    // The partition threads end with the pipeline: read them while it runs.
     let thread = (
-        super::cpu::threads_cpu_time(crate::pipeline::PARTITION_THREAD)?,
+        super::cpu::busiest_thread_cpu_time(crate::pipeline::PARTITION_THREAD)?,
         began.elapsed(),
     );
     cancel.cancel();

@@ -49,20 +49,21 @@ pub(super) fn cpu_time() -> anyhow::Result<Duration> {
     cpu_time_of("self")
 }
 
-/// The CPU time so far of this process's threads named `name` (as `/proc` shortens names:
-/// 15 bytes), together.
-pub(super) fn threads_cpu_time(name: &str) -> anyhow::Result<Duration> {
+/// The CPU time so far of the busiest of this process's threads named `name` (as `/proc`
+/// shortens names: 15 bytes).
+pub(super) fn busiest_thread_cpu_time(name: &str) -> anyhow::Result<Duration> {
     let short = &name[..name.len().min(15)];
-    let mut total = Duration::ZERO;
+    let mut busiest = Duration::ZERO;
     for task in std::fs::read_dir("/proc/self/task").context("reading /proc/self/task")? {
         let tid = task?.file_name().to_string_lossy().into_owned();
         let comm = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm"));
         if comm.is_ok_and(|c| c.trim_end() == short) {
             // A thread that ended since the listing is not counted.
-            total += cpu_time_of(&format!("self/task/{tid}")).unwrap_or_default();
+            let used = cpu_time_of(&format!("self/task/{tid}")).unwrap_or_default();
+            busiest = busiest.max(used);
         }
     }
-    Ok(total)
+    Ok(busiest)
 }
 
 /// The CPU time (user + system) so far of process `pid` (`self`: this one).

@@ -42,6 +42,7 @@ impl Config {
             ordering: self.processor.ordering_key.clone(),
             retry_ordering: self.retry_ordering()?,
             prefetch: self.processor.prefetch,
+            partition_threads: self.processor.threads,
             start_at_latest: self.processor.start == StartPosition::Latest,
             deadline: Duration::from_millis(self.retry.call_deadline_ms),
             retry_concurrency: self.retry.concurrency,

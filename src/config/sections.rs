@@ -360,6 +360,8 @@ pub struct ProcessorSection {
     /// `max_in_flight`): settled events behind a slow one wait here, not in a slot.
     /// Unset: [`window_for`] `max_in_flight`.
     pub window: Option<usize>,
+    /// Threads the consumer runs on, partitions spread over them; 0: one per core.
+    pub threads: usize,
 }
 
 /// `processor.max_in_flight` when the file does not say: sized for a downstream at web
@@ -403,6 +405,7 @@ impl Default for ProcessorSection {
                 StartPosition::Earliest
             },
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            threads: o.partition_threads,
             ordering_key: o.ordering,
             retry_ordering: RetryOrderingKind::Off,
             line_on_dead_letter: crate::pipeline::LineOnDeadLetter::default(),

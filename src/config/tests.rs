@@ -109,6 +109,13 @@ fn the_example_configuration_allows_a_thousand_events_per_s_per_partition_at_50_
         .pipeline_options()
         .unwrap();
     assert_eq!(o.window, 512);
+    // The consumer's threads: one per core unless set.
+    assert_eq!(o.partition_threads, 0);
+    let o = Config::parse(&format!("{BASE}[processor]\nthreads = 3\n"), none())
+        .unwrap()
+        .pipeline_options()
+        .unwrap();
+    assert_eq!(o.partition_threads, 3);
     // Unset, the window follows the slots: raising max_in_flight for batches raises it.
     let o = Config::parse(&format!("{BASE}[processor]\nmax_in_flight = 500\n"), none())
         .unwrap()

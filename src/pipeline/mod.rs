@@ -10,12 +10,14 @@
 //! ```
 //!
 //! [`Pipeline::run`] runs both halves until cancelled. The SDK's partition streams are
-//! `!Send`, so the processor and its partition tasks run on a thread of their own
-//! (current-thread runtime + `LocalSet`); the retry loop runs on the caller's runtime.
+//! `!Send`, so the processor and its partition tasks run on a pool of threads of their own,
+//! one per core by default, each a current-thread runtime + `LocalSet` (`threads`): a
+//! partition stays on one from its claim to its release. The retry loop runs on the
+//! caller's runtime.
 //!
 //! # The tasks, and what each owns
 //!
-//! - **The consumer** (`run_processor`, on the processor's thread): the SDK's
+//! - **The consumer** (`run_processor`, on the pool's first thread): the SDK's
 //!   `EventProcessor`, which claims partitions through the fenced checkpoint store, and one
 //!   **partition task** per partition it hands out (`partition::run`). A partition task owns
 //!   its events from read to checkpoint: the checkpoint window (`guard`), the event path
@@ -77,6 +79,7 @@ mod retry;
 #[cfg(any(test, feature = "cli"))]
 pub mod rewind;
 pub mod settle;
+mod threads;
 mod watch;
 
 use std::sync::Arc;
@@ -385,43 +388,35 @@ impl Pipeline {
                 crash.clone(),
             ));
         }
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        let shared = self.shared.clone();
-        let target = self.eventhubs.clone();
-        let checkpoints = self.checkpoints.clone();
-        let processor_cancel = cancel.clone();
-        std::thread::Builder::new()
-            .name(PARTITION_THREAD.into())
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build();
-                match rt {
-                    Ok(rt) => {
-                        let local = tokio::task::LocalSet::new();
-                        local.block_on(&rt, async move {
-                            tokio::select! {
-                                _ = supervise(shared, target, checkpoints, processor_cancel) => {}
-                                _ = crash.cancelled() => {}
-                            }
-                        });
-                        // Dropping the runtime drops every task: nothing is closed or written.
-                        rt.shutdown_background();
-                    }
-                    Err(e) => tracing::error!(error = %e, "cannot start the partition runtime"),
-                }
-                let _ = done_tx.send(());
+        // The consumer runs on a pool of threads (see `threads`): the processor and the Event
+        // Hubs connection on the first, each partition on the thread with the fewest tasks.
+        let pool = Arc::new(
+            threads::PartitionThreads::start(
+                self.shared.options.partition_threads(),
+                PARTITION_THREAD,
+                crash,
+            )
+            .map_err(RunError::Thread)?,
+        );
+        let processor = {
+            let (shared, target) = (self.shared.clone(), self.eventhubs.clone());
+            let (checkpoints, on) = (self.checkpoints.clone(), pool.clone());
+            pool.spawn_first(move || async move {
+                supervise(shared, target, checkpoints, &on, cancel).await;
             })
-            .map_err(RunError::Thread)?;
-        let _ = done_rx.await;
+        };
+        // Answered when the processor has stopped; dropped unanswered by a crash, which
+        // drops every task on the pool at once: nothing is closed or written.
+        let _ = processor.await;
+        pool.close().await;
         let _ = retry.await;
         Ok(())
     }
     }
 }
 
-/// The name of the thread every partition of a pipeline is read and settled on (the SDK's
-/// partition streams are not `Send`).
+/// The name of the threads a pipeline's consumer runs on: its partitions are read and
+/// settled there (the SDK's partition streams are not `Send`: see `threads`).
 pub(crate) const PARTITION_THREAD: &str = "hubguard-partitions";
 
 /// Why a pipeline stopped before it ran.
@@ -441,7 +436,7 @@ pub enum RunError {
         /// The deployment that claimed the ledger.
         other: crate::event::Deployment,
     },
-    /// The partitions' thread could not be started.
+    /// The consumer's threads could not be started.
     #[error(transparent)]
     Thread(std::io::Error),
 }
@@ -522,11 +517,12 @@ async fn supervise(
     shared: Arc<Shared>,
     target: EventHubsTarget,
     checkpoints: Arc<FencedCheckpointStore>,
+    partitions: &threads::PartitionThreads,
     cancel: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(500);
     while !cancel.is_cancelled() {
-        match run_processor(&shared, &target, &checkpoints, &cancel).await {
+        match run_processor(&shared, &target, &checkpoints, partitions, &cancel).await {
             Ok(()) => break,
             Err(e) => {
                 tracing::warn!(error = %e, "event processor stopped; rebuilding");
@@ -545,6 +541,7 @@ async fn run_processor(
     shared: &Arc<Shared>,
     target: &EventHubsTarget,
     checkpoints: &Arc<FencedCheckpointStore>,
+    threads: &threads::PartitionThreads,
     cancel: &CancellationToken,
 ) -> Result<(), ConsumerError> {
     let o = &shared.options;
@@ -597,7 +594,7 @@ async fn run_processor(
                     }
                     let (shared, cancel, tx) = (shared.clone(), partitions.clone(), ended_tx.clone());
                     let checkpoints = checkpoints.clone();
-                    tasks.push(tokio::task::spawn_local(async move {
+                    tasks.push(threads.spawn(move || async move {
                         let ended = partition::run(pc, shared, cancel, stop_reading, &checkpoints).await;
                         checkpoints.partition_ended(&pid, ended.closed).await;
                         let _ = tx.send(ended);

@@ -195,6 +195,11 @@ pub struct PipelineOptions {
     pub window: usize,
     /// Events prefetched per partition.
     pub prefetch: u32,
+    /// Threads the replica's consumer runs on: its partitions spread over them, the event
+    /// processor on the first (0: one per core this process may use, its container's CPU
+    /// limit included). The SDK's partition streams are not `Send`, so one partition never
+    /// uses more than one; 1 runs everything on one thread.
+    pub partition_threads: usize,
     /// Start partitions without a checkpoint at the latest event instead of the earliest.
     pub start_at_latest: bool,
     /// Deadline of every SDK and storage call.
@@ -281,6 +286,7 @@ impl Default for PipelineOptions {
             retry_ordering: RetryOrdering::Off,
             window: 0,
             prefetch: 300,
+            partition_threads: 0,
             start_at_latest: false,
             deadline: Duration::from_secs(10),
             settle_backoff_max: Duration::from_secs(10),
@@ -318,6 +324,15 @@ pub(crate) const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(30);
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3_600);
 
 impl PipelineOptions {
+    /// [`partition_threads`](Self::partition_threads), 0 resolved: one per core this
+    /// process may use.
+    pub(crate) fn partition_threads(&self) -> usize {
+        match self.partition_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
     /// The longest time from Service Bus accepting a retry message to a replay of its event
     /// re-sending the same MessageId, which the retry queue's duplicate-detection window must
     /// cover: see [`replay_gap`].

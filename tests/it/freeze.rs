@@ -17,8 +17,9 @@ use crate::pipeline_support::*;
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// A handler whose first call of the key `freeze` freezes the whole consumer of its replica:
-/// it blocks the thread its runtime runs on (the partition tasks and the processor's
-/// load balancing share it), as SIGSTOP would, until the test wakes it. Records every key
+/// it blocks the thread its runtime runs on (with `partition_threads = 1` the partition
+/// tasks and the processor's load balancing share it), as SIGSTOP would, until the test
+/// wakes it. Records every key
 /// delivered, and which were delivered after the wake.
 struct Freezer {
     frozen: Mutex<Option<mpsc::Sender<()>>>,
@@ -64,7 +65,10 @@ async fn a_replica_frozen_past_its_ownership_delivers_nothing_of_the_partition_i
         delivered: Mutex::default(),
         after_wake: Mutex::default(),
     });
-    let a = Bed::run(bed.parts(freezer.clone(), fast_policy(5), "replica-a"));
+    let mut parts = bed.parts(freezer.clone(), fast_policy(5), "replica-a");
+    // One thread for the whole consumer, so blocking it freezes the load balancing too.
+    parts.options.partition_threads = 1;
+    let a = Bed::run(parts);
     wait_for("replica-a owns the partition", &a.health, LIMIT, || async {
         a.health.owned().contains_key("0")
     })

@@ -68,5 +68,6 @@ mod storm_ordered;
 mod storm_types;
 mod telemetry;
 mod test_log;
+mod threads;
 mod webhook;
 mod webhook_conventions;
