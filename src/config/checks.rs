@@ -215,6 +215,16 @@ impl Config {
                 ),
             ));
         }
+        // A partition uses one thread, and an event hub has at most 1,024 partitions
+        // (Dedicated; "Event Hubs quotas and limits",
+        // https://learn.microsoft.com/azure/event-hubs/event-hubs-quotas): the threads start
+        // with the replica, so more would only idle.
+        if self.processor.threads > 1_024 {
+            return Err(invalid(
+                "processor.threads",
+                format!("processor.threads must be at most 1024 (got {}): a partition uses one thread, and an event hub has at most 1,024 partitions; 0 is one per core", self.processor.threads),
+            ));
+        }
         self.retry_ordering().map(drop)
     }
 

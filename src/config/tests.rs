@@ -143,6 +143,10 @@ fn the_example_configuration_allows_a_thousand_events_per_s_per_partition_at_50_
         .unwrap_err()
         .to_string();
     assert!(e.contains("processor.window"), "{e}");
+    let e = Config::parse(&format!("{BASE}[processor]\nthreads = 5000\n"), none())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("processor.threads") && e.contains("1024"), "{e}");
 }
 
 #[test]
