@@ -42,7 +42,8 @@ struct Worker {
 }
 
 impl PartitionThreads {
-    /// Starts `n` threads (at least one), named `name`; `crash` ends them at once.
+    /// Starts `n` threads (at least one), named `name`, each with its runtime; `crash` ends
+    /// them at once.
     pub(crate) fn start(n: usize, name: &str, crash: CancellationToken) -> std::io::Result<Self> {
         let mut workers = Vec::new();
         let mut ended = Vec::new();
@@ -50,11 +51,16 @@ impl PartitionThreads {
         for _ in 0..n.max(1) {
             let (jobs, rx) = mpsc::unbounded_channel::<Job>();
             let (done_tx, done_rx) = oneshot::channel();
+            // Built here, so a runtime that cannot be built fails the start, naming why,
+            // instead of leaving a thread that drops every partition handed to it.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             let (crash, closing) = (crash.clone(), closing.clone());
             std::thread::Builder::new()
                 .name(name.into())
                 .spawn(move || {
-                    serve(rx, closing, crash);
+                    serve(rt, rx, closing, crash);
                     let _ = done_tx.send(());
                 })?;
             workers.push(Worker {
@@ -143,25 +149,16 @@ impl Drop for Unload {
     }
 }
 
-/// One thread: runs every job it is handed until the pool is closed or `crash` fires.
+/// One thread: runs every job it is handed on `rt` until the pool is closed or `crash`
+/// fires.
 fn serve(
+    rt: tokio::runtime::Runtime,
     mut jobs: mpsc::UnboundedReceiver<Job>,
     closing: CancellationToken,
     crash: CancellationToken,
 ) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start a partition thread's runtime");
-            return;
-        }
-    };
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async {
-        let mut tasks = tokio::task::JoinSet::new();
         loop {
             tokio::select! {
                 biased;
@@ -170,12 +167,12 @@ fn serve(
                 // left is dropped, as a crash drops everything.
                 _ = closing.cancelled() => return,
                 job = jobs.recv() => match job {
+                    // Detached: its end is answered through the job's own channel.
                     Some(job) => {
-                        tasks.spawn_local(job());
+                        tokio::task::spawn_local(job());
                     }
                     None => return,
                 },
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
         }
     });
