@@ -116,6 +116,19 @@ struct Waiting {
     attempt: Attempt,
     bytes: usize,
     outcome: oneshot::Sender<Outcome>,
+    /// Woken when this call comes to the front of the queue: its caller forms and sends the
+    /// next batch.
+    turn: Arc<Notify>,
+}
+
+impl Queue {
+    /// Wakes the caller at the front: it forms the next batch (a permit is stored if it is
+    /// not waiting yet, so the turn is never missed).
+    fn wake_front(&self) {
+        if let Some(front) = self.waiting.front() {
+            front.turn.notify_one();
+        }
+    }
 }
 
 impl<B> std::fmt::Debug for Batched<B> {
@@ -217,18 +230,20 @@ impl<B: BatchHandler> Batched<B> {
             bytes += next.bytes;
             batch.extend(q.waiting.pop_front());
         }
+        // The next batch forms while this one is in flight.
+        if !batch.is_empty() {
+            q.wake_front();
+        }
         batch
     }
 
     /// Queues a call; its ticket takes it out again if the caller goes before it is sent.
-    fn enqueue(
-        &self,
-        event: &Event,
-        attempt: &Attempt,
-    ) -> (Ticket<'_, B>, oneshot::Receiver<Outcome>) {
+    /// The first call of an empty queue has its turn at once.
+    fn enqueue(&self, event: &Event, attempt: &Attempt) -> Queued<'_, B> {
         let (tx, rx) = oneshot::channel();
         let bytes = self.inner.size_of(event);
-        let full = {
+        let turn = Arc::new(Notify::new());
+        let (id, full) = {
             let mut q = self.queue.locked();
             q.next_id += 1;
             let id = q.next_id;
@@ -238,19 +253,25 @@ impl<B: BatchHandler> Batched<B> {
                 attempt: attempt.clone(),
                 bytes,
                 outcome: tx,
+                turn: turn.clone(),
             });
-            (
-                Ticket { batched: self, id },
-                q.waiting.len() >= self.limits.max_events,
-            )
+            if q.waiting.len() == 1 {
+                q.wake_front();
+            }
+            (id, q.waiting.len() >= self.limits.max_events)
         };
-        if full.1 {
+        if full {
             self.full.notify_waiters();
         }
-        (full.0, rx)
+        Queued {
+            _ticket: Ticket { batched: self, id },
+            outcome: rx,
+            turn,
+        }
     }
 
-    /// Waits for a batch to fill: `wait`, or less once a full batch is waiting; with no
+    /// The caller at the front of the queue (the only one that forms a batch) waits for
+    /// its batch to fill: `wait`, or less once a full batch is waiting; with no
     /// wait, lets the calls already in hand join first — yielding while the queue grows (a
     /// partition starts its events one per turn of its loop, from what Event Hubs already
     /// sent), never past a turn in which nothing joined.
@@ -297,12 +318,21 @@ struct Ticket<'a, B> {
 
 impl<B> Drop for Ticket<'_, B> {
     fn drop(&mut self) {
-        self.batched
-            .queue
-            .locked()
-            .waiting
-            .retain(|w| w.id != self.id);
+        let mut q = self.batched.queue.locked();
+        let was_front = q.waiting.front().is_some_and(|w| w.id == self.id);
+        q.waiting.retain(|w| w.id != self.id);
+        // A caller that leaves at the front hands its turn on.
+        if was_front {
+            q.wake_front();
+        }
     }
+}
+
+/// A call in the queue: its ticket, its outcome, and its turn at the front.
+struct Queued<'a, B> {
+    _ticket: Ticket<'a, B>,
+    outcome: oneshot::Receiver<Outcome>,
+    turn: Arc<Notify>,
 }
 
 #[async_trait]
@@ -318,21 +348,33 @@ impl<B: BatchHandler> Handler for Batched<B> {
                 .next()
                 .unwrap_or_else(no_outcome);
         }
-        let (_ticket, mut outcome) = self.enqueue(event, attempt);
+        let Queued {
+            _ticket,
+            mut outcome,
+            turn,
+        } = self.enqueue(event, attempt);
+        let abandoned = || {
+            Outcome::Failed(Failure::transient(
+                "the batch call carrying this event was abandoned before it answered",
+            ))
+        };
+        // Only the caller at the front of the queue forms a batch: the others wait for their
+        // outcome, or for their turn at the front (handed on when the batch before theirs
+        // is taken, or when the caller at the front leaves), so no call waits on a caller
+        // that left, and a batch forming costs one caller's turns, not every waiting one's.
+        tokio::select! {
+            biased;
+            o = &mut outcome => return o.unwrap_or_else(|_| abandoned()),
+            _ = turn.notified() => {}
+        }
         self.fill().await;
-        // Every caller sends batches from the front of the queue until its own call has
-        // been sent (by itself or by another caller): no call waits on a caller that left.
         loop {
             if let Ok(o) = outcome.try_recv() {
                 return o;
             }
             let batch = self.take();
             if batch.is_empty() {
-                return outcome.await.unwrap_or_else(|_| {
-                    Outcome::Failed(Failure::transient(
-                        "the batch call carrying this event was abandoned before it answered",
-                    ))
-                });
+                return outcome.await.unwrap_or_else(|_| abandoned());
             }
             self.run(batch).await;
         }
@@ -493,6 +535,29 @@ mod tests {
         all(&b, &[("big", 400, false), ("small", 10, false)]).await;
         let sizes: Vec<usize> = b.inner().calls.locked().iter().map(Vec::len).collect();
         assert_eq!(sizes, vec![1, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_leaving_at_the_front_hands_its_turn_on() {
+        // A long wait to fill: the first caller is at the front, waiting for its batch,
+        // when it leaves; the two behind it must not wait for it.
+        let b = Arc::new(Batched::new(Recorder::default(), limits(10, 1000, 60_000)));
+        let call = |key: &'static str| {
+            let b = b.clone();
+            tokio::spawn(async move { b.handle(&event(key, 1), &attempt(false)).await })
+        };
+        let front = call("front");
+        tokio::task::yield_now().await;
+        let behind = [call("b1"), call("b2")];
+        tokio::task::yield_now().await;
+        front.abort();
+        let out =
+            tokio::time::timeout(Duration::from_secs(3600), futures::future::join_all(behind))
+                .await
+                .expect("the calls behind a caller that left were never sent");
+        assert!(out.into_iter().all(|o| o.unwrap() == Outcome::Delivered));
+        // Sent together once the new front's wait ended, and the one that left never.
+        assert_eq!(b.inner().calls.locked().clone(), vec![vec!["b1", "b2"]]);
     }
 
     #[tokio::test(start_paused = true)]
