@@ -303,10 +303,22 @@ async fn receive(
     answer(&d, key, attempt).into_response()
 }
 
+/// What the receiver reads of a batch's element: its id, and hubguard's key and attempt (the
+/// rest, the data above all, is skipped, not copied).
+#[derive(serde::Deserialize)]
+struct BatchElement {
+    #[serde(default)]
+    id: serde_json::Value,
+    #[serde(default)]
+    hubguardkey: Option<serde_json::Value>,
+    #[serde(default)]
+    hubguardattempt: Option<serde_json::Value>,
+}
+
 /// A CloudEvents JSON batch (hubguard's `handler.batch_max`): each event answered as a
 /// single delivery would be, the failures listed by id in hubguard's batch answer.
 fn receive_batch(d: &Deliveries, body: &[u8]) -> (StatusCode, String) {
-    let Ok(elements) = serde_json::from_slice::<Vec<serde_json::Value>>(body) else {
+    let Ok(elements) = serde_json::from_slice::<Vec<BatchElement>>(body) else {
         return (
             StatusCode::BAD_REQUEST,
             "not a CloudEvents JSON batch".into(),
@@ -314,19 +326,25 @@ fn receive_batch(d: &Deliveries, body: &[u8]) -> (StatusCode, String) {
     };
     let mut failures = Vec::new();
     for e in &elements {
-        let key = e["hubguardkey"]
-            .as_str()
-            .or_else(|| e["id"].as_str())
+        let key = e
+            .hubguardkey
+            .as_ref()
+            .and_then(|k| k.as_str())
+            .or_else(|| e.id.as_str())
             .unwrap_or("(no key)")
             .to_string();
-        let attempt = e["hubguardattempt"].as_u64().map(|n| n as u32);
+        let attempt = e
+            .hubguardattempt
+            .as_ref()
+            .and_then(|a| a.as_u64())
+            .map(|n| n as u32);
         let status = answer(d, key, attempt);
         if !status.is_success() {
             let transient = status.is_server_error()
                 || status == StatusCode::TOO_MANY_REQUESTS
                 || status == StatusCode::REQUEST_TIMEOUT;
             failures.push(serde_json::json!({
-                "id": e["id"],
+                "id": e.id,
                 "kind": if transient { "transient" } else { "permanent" },
                 "error": format!("HTTP {} for this event", status.as_u16()),
             }));

@@ -94,7 +94,7 @@ pub struct Encoded {
     pub body: Vec<u8>,
 }
 
-fn is_json(content_type: Option<&str>) -> bool {
+pub(crate) fn is_json(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|ct| {
         let media = ct
             .split(';')

@@ -45,75 +45,153 @@ pub const DEFAULT_TYPE: &str = "eventhubs.event";
 /// The largest answer body read (bytes): a longer one is not a batch answer.
 const ANSWER_LIMIT: usize = 1 << 20;
 
-/// One event of a batch as a structured CloudEvent with hubguard's extension attributes.
-pub fn element(item: &Item<'_>) -> serde_json::Value {
-    let event = item.event;
-    let encoded = cloudevents::encode(event, cloudevents::ContentMode::Structured);
-    let mut obj = match serde_json::from_slice::<serde_json::Value>(&encoded.body) {
-        Ok(serde_json::Value::Object(o)) if encoded.content_type.contains("cloudevents") => o,
-        _ => {
-            // Not a CloudEvent: the attributes one needs, and the data as it is.
-            let mut o = serde_json::Map::new();
-            o.insert("specversion".into(), "1.0".into());
-            o.insert("id".into(), event.identity.idempotency_key.clone().into());
-            o.insert(
-                "source".into(),
-                format!("/{}/partitions/{}", event.hub, event.partition_id).into(),
-            );
-            o.insert(
-                "type".into(),
-                event
-                    .identity
-                    .event_type
-                    .clone()
-                    .unwrap_or_else(|| DEFAULT_TYPE.into())
-                    .into(),
-            );
-            let ct = event.content_type.clone();
-            let json = ct
-                .as_deref()
-                .is_some_and(|c| c.contains("json"))
-                .then(|| serde_json::from_slice::<serde_json::Value>(&event.body).ok())
-                .flatten();
-            if let Some(ct) = ct {
-                o.insert("datacontenttype".into(), ct.into());
-            }
-            match json {
-                Some(v) => o.insert("data".into(), v),
-                None => o.insert(
-                    "data_base64".into(),
-                    base64::engine::general_purpose::STANDARD
-                        .encode(&event.body)
-                        .into(),
-                ),
-            };
-            o
-        }
-    };
-    obj.insert("hubguardattempt".into(), item.attempt.number.into());
-    obj.insert(
-        "hubguardkey".into(),
-        event.identity.idempotency_key.clone().into(),
-    );
-    obj.insert(
-        "hubguardcorrelation".into(),
-        event.identity.correlation_id.clone().into(),
-    );
-    obj.insert(
-        "hubguardpartition".into(),
-        event.partition_id.clone().into(),
-    );
-    obj.insert("hubguardsequence".into(), event.sequence_number.into());
-    obj.insert(
-        "traceparent".into(),
-        item.attempt.traceparent.clone().into(),
-    );
-    serde_json::Value::Object(obj)
+/// A value of a batch element, as it is written.
+enum Piece<'a> {
+    Text(&'a str),
+    Number(i64),
+    Json(&'a serde_json::Value),
+    Base64(&'a [u8]),
 }
 
-/// The CloudEvents `id` an element of the batch goes by.
-fn id_of(element: &serde_json::Value) -> String {
-    element["id"].as_str().unwrap_or_default().to_string()
+/// One event of a batch as a structured CloudEvent with hubguard's extension attributes,
+/// written into `out` (straight into the request body: no JSON tree of the element is built
+/// and read back); returns its CloudEvents `id`.
+fn write_element(out: &mut Vec<u8>, item: &Item<'_>) -> String {
+    let event = item.event;
+    let attrs = cloudevents::attributes(event);
+    let is_cloudevent = cloudevents::is_cloudevent(&attrs);
+    let content_type =
+        cloudevents::data_content_type(&attrs, event).unwrap_or("application/octet-stream");
+    let parse = || serde_json::from_slice::<serde_json::Value>(&event.body).ok();
+    // The body as JSON: a CloudEvent's data when its content type is JSON; the whole element
+    // when an event that is not a CloudEvent carries a structured CloudEvent as its body; the
+    // data of any other event whose content type says JSON.
+    let json = if is_cloudevent {
+        cloudevents::is_json(Some(content_type))
+            .then(parse)
+            .flatten()
+    } else if content_type.contains("cloudevents")
+        || event
+            .content_type
+            .as_deref()
+            .is_some_and(|c| c.contains("json"))
+    {
+        parse()
+    } else {
+        None
+    };
+    let passthrough = match &json {
+        Some(serde_json::Value::Object(o))
+            if !is_cloudevent && content_type.contains("cloudevents") =>
+        {
+            Some(o)
+        }
+        _ => None,
+    };
+    let source = format!("/{}/partitions/{}", event.hub, event.partition_id);
+    let mut obj: BTreeMap<&str, Piece<'_>> = BTreeMap::new();
+    if let Some(o) = passthrough {
+        obj.extend(o.iter().map(|(k, v)| (k.as_str(), Piece::Json(v))));
+    } else if is_cloudevent {
+        obj.extend(attrs.iter().map(|(n, v)| (n.as_str(), Piece::Text(v))));
+        obj.entry("specversion").or_insert(Piece::Text("1.0"));
+        obj.insert("datacontenttype", Piece::Text(content_type));
+        let text = std::str::from_utf8(&event.body)
+            .ok()
+            .filter(|_| content_type.starts_with("text/") || content_type.contains("xml"));
+        match (&json, text) {
+            (Some(v), _) => obj.insert("data", Piece::Json(v)),
+            (None, Some(t)) => obj.insert("data", Piece::Text(t)),
+            (None, None) => obj.insert("data_base64", Piece::Base64(&event.body)),
+        };
+    } else {
+        // Not a CloudEvent: the attributes one needs, and the data as it is.
+        obj.insert("specversion", Piece::Text("1.0"));
+        obj.insert("id", Piece::Text(&event.identity.idempotency_key));
+        obj.insert("source", Piece::Text(&source));
+        obj.insert(
+            "type",
+            Piece::Text(event.identity.event_type.as_deref().unwrap_or(DEFAULT_TYPE)),
+        );
+        if let Some(ct) = &event.content_type {
+            obj.insert("datacontenttype", Piece::Text(ct));
+        }
+        let json_data = event
+            .content_type
+            .as_deref()
+            .is_some_and(|c| c.contains("json"));
+        match json.as_ref().filter(|_| json_data) {
+            Some(v) => obj.insert("data", Piece::Json(v)),
+            None => obj.insert("data_base64", Piece::Base64(&event.body)),
+        };
+    }
+    obj.insert("hubguardattempt", Piece::Number(item.attempt.number.into()));
+    obj.insert("hubguardkey", Piece::Text(&event.identity.idempotency_key));
+    obj.insert(
+        "hubguardcorrelation",
+        Piece::Text(&event.identity.correlation_id),
+    );
+    obj.insert("hubguardpartition", Piece::Text(&event.partition_id));
+    obj.insert("hubguardsequence", Piece::Number(event.sequence_number));
+    obj.insert("traceparent", Piece::Text(&item.attempt.traceparent));
+    let id = match obj.get("id") {
+        Some(Piece::Text(s)) => s.to_string(),
+        Some(Piece::Json(serde_json::Value::String(s))) => s.clone(),
+        _ => String::new(),
+    };
+    write_object(out, &obj);
+    id
+}
+
+/// Writes `obj` as a JSON object (keys in order, strings escaped as `serde_json` escapes
+/// them; base64 needs no escaping).
+fn write_object(out: &mut Vec<u8>, obj: &BTreeMap<&str, Piece<'_>>) {
+    fn json(out: &mut Vec<u8>, v: &(impl serde::Serialize + ?Sized)) {
+        // Writing into memory cannot fail, and these values (strings, numbers, parsed JSON)
+        // always serialize.
+        let _ = serde_json::to_writer(&mut *out, v);
+    }
+    out.push(b'{');
+    for (i, (name, value)) in obj.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        json(out, name);
+        out.push(b':');
+        match value {
+            Piece::Text(s) => json(out, s),
+            Piece::Number(n) => json(out, n),
+            Piece::Json(v) => json(out, v),
+            Piece::Base64(bytes) => {
+                out.push(b'"');
+                let start = out.len();
+                let len = base64::encoded_len(bytes.len(), true).unwrap_or(0);
+                out.resize(start + len, 0);
+                let written = base64::engine::general_purpose::STANDARD
+                    .encode_slice(bytes, &mut out[start..])
+                    .unwrap_or(0);
+                out.truncate(start + written);
+                out.push(b'"');
+            }
+        }
+    }
+    out.push(b'}');
+}
+
+/// The batch's JSON array (the CloudEvents JSON batch format) and the `id` of each element.
+fn batch_body(items: &[Item<'_>]) -> (Vec<u8>, Vec<String>) {
+    let size = items.iter().map(|i| i.event.body.len() * 4 / 3 + 512).sum();
+    let mut body = Vec::with_capacity(size);
+    body.push(b'[');
+    let mut ids = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        ids.push(write_element(&mut body, item));
+    }
+    body.push(b']');
+    (body, ids)
 }
 
 /// The batch's Standard Webhooks id: the same events on the same attempts, the same id.
@@ -174,8 +252,7 @@ impl WebhookHandler {
         items: &'a [Item<'a>],
     ) -> futures::future::BoxFuture<'a, Vec<Outcome>> {
         Box::pin(async move {
-            let elements: Vec<serde_json::Value> = items.iter().map(element).collect();
-            let body = serde_json::to_vec(&elements).unwrap_or_default();
+            let (body, ids) = batch_body(items);
             let authorization = self.authorization.as_ref().map(|a| a.get());
             if let Err(f) = self.ensure_handshake(authorization.as_deref()).await {
                 return vec![Outcome::Failed(f); items.len()];
@@ -196,7 +273,7 @@ impl WebhookHandler {
             match sent {
                 Ok(mut resp) if resp.status().is_success() => {
                     let (bytes, more) = body_excerpt(&mut resp, ANSWER_LIMIT).await;
-                    answered(&elements, &bytes, more, self.config.retry_after_max_s)
+                    answered(&ids, &bytes, more, self.config.retry_after_max_s)
                 }
                 Ok(resp) if resp.status().as_u16() == 413 && items.len() > 1 => {
                     tracing::info!(
@@ -217,10 +294,10 @@ impl WebhookHandler {
     }
 }
 
-/// The outcomes a 2xx answer `bytes` gives the batch's `elements` (`more`: the body went on
-/// past what was read).
+/// The outcomes a 2xx answer `bytes` gives the batch's events, whose CloudEvents ids are
+/// `ids` (`more`: the body went on past what was read).
 fn answered(
-    elements: &[serde_json::Value],
+    ids: &[String],
     bytes: &[u8],
     more: bool,
     retry_after_max_s: Option<u64>,
@@ -241,10 +318,9 @@ fn answered(
                 "the webhook answered the batch 2xx with a body that is not a batch answer ({e}; body: {}); nothing in it is taken as delivered",
                 sanitise(bytes, 200)
             );
-            return vec![Outcome::Failed(Failure::transient(why)); elements.len()];
+            return vec![Outcome::Failed(Failure::transient(why)); ids.len()];
         }
     };
-    let ids: Vec<String> = elements.iter().map(id_of).collect();
     let mut failed: HashMap<String, Failure> = HashMap::new();
     let mut unknown = BTreeMap::new();
     for f in answer.failures {
@@ -318,10 +394,169 @@ impl BatchHandler for WebhookHandler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::handler::Attempt;
     use crate::policy::classify::ErrorClass;
 
-    fn elements(ids: &[&str]) -> Vec<serde_json::Value> {
-        ids.iter().map(|i| serde_json::json!({ "id": i })).collect()
+    fn elements(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|i| i.to_string()).collect()
+    }
+
+    /// An element as it was built before it was written directly: the structured encoding
+    /// parsed back into a JSON tree, the attributes a CloudEvent needs added when it is not
+    /// one, then hubguard's extension attributes.
+    fn reference(item: &Item<'_>) -> serde_json::Value {
+        let event = item.event;
+        let encoded = cloudevents::encode(event, cloudevents::ContentMode::Structured);
+        let mut obj = match serde_json::from_slice::<serde_json::Value>(&encoded.body) {
+            Ok(serde_json::Value::Object(o)) if encoded.content_type.contains("cloudevents") => o,
+            _ => {
+                let mut o = serde_json::Map::new();
+                o.insert("specversion".into(), "1.0".into());
+                o.insert("id".into(), event.identity.idempotency_key.clone().into());
+                let source = format!("/{}/partitions/{}", event.hub, event.partition_id);
+                o.insert("source".into(), source.into());
+                let t = event.identity.event_type.clone();
+                o.insert(
+                    "type".into(),
+                    t.unwrap_or_else(|| DEFAULT_TYPE.into()).into(),
+                );
+                let ct = event.content_type.clone();
+                let json = ct
+                    .as_deref()
+                    .is_some_and(|c| c.contains("json"))
+                    .then(|| serde_json::from_slice::<serde_json::Value>(&event.body).ok())
+                    .flatten();
+                if let Some(ct) = ct {
+                    o.insert("datacontenttype".into(), ct.into());
+                }
+                match json {
+                    Some(v) => o.insert("data".into(), v),
+                    None => {
+                        let b = base64::engine::general_purpose::STANDARD.encode(&event.body);
+                        o.insert("data_base64".into(), b.into())
+                    }
+                };
+                o
+            }
+        };
+        let id = &event.identity;
+        obj.insert("hubguardattempt".into(), item.attempt.number.into());
+        obj.insert("hubguardkey".into(), id.idempotency_key.clone().into());
+        obj.insert(
+            "hubguardcorrelation".into(),
+            id.correlation_id.clone().into(),
+        );
+        obj.insert(
+            "hubguardpartition".into(),
+            event.partition_id.clone().into(),
+        );
+        obj.insert("hubguardsequence".into(), event.sequence_number.into());
+        obj.insert(
+            "traceparent".into(),
+            item.attempt.traceparent.clone().into(),
+        );
+        serde_json::Value::Object(obj)
+    }
+
+    fn event_of(props: &[(&str, &str)], body: &[u8], ct: Option<&str>) -> crate::event::Event {
+        crate::event::Event {
+            body: body.to_vec(),
+            content_type: ct.map(String::from),
+            properties: props
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            hub: "hub \"q\"".into(),
+            partition_id: "3".into(),
+            sequence_number: -7,
+            offset: None,
+            enqueued_ms: None,
+            partition_key: None,
+            identity: crate::event::Identity {
+                idempotency_key: "k\u{1}\"é".into(),
+                correlation_id: "c/1".into(),
+                event_type: Some("order.created".into()),
+            },
+        }
+    }
+
+    #[test]
+    fn an_element_is_written_byte_for_byte_as_its_json_tree_would_be() {
+        let ce: &[(&str, &str)] = &[("ce_id", "e-1"), ("ce_source", "/s"), ("ce_type", "t")];
+        let ce_json: &[(&str, &str)] = &[
+            ("cloudEvents:id", "e-2"),
+            ("cloudEvents:source", "/s"),
+            ("cloudEvents:type", "t"),
+            ("cloudEvents:datacontenttype", "application/json"),
+            ("cloudEvents:hubguardkey", "overridden"),
+        ];
+        let structured =
+            br#"{"specversion":"1.0","id":7,"source":"/x","type":"y","data":{"a":[1,2.5,null]}}"#;
+        let cases: Vec<crate::event::Event> = vec![
+            event_of(&[], &[b'x'; 1024], None),
+            event_of(
+                &[],
+                b"\x00\xff\xfe binary",
+                Some("application/octet-stream"),
+            ),
+            event_of(
+                &[],
+                br#"{"order": 1, "note": "\u00e9\n"}"#,
+                Some("application/json"),
+            ),
+            event_of(&[], b"{not json", Some("application/json")),
+            event_of(&[], b"[1,2]", None),
+            event_of(&[], structured, Some("application/cloudevents+json")),
+            event_of(&[], b"[1]", Some("application/cloudevents+json")),
+            event_of(
+                &[("ce_datacontenttype", "application/cloudevents+json")],
+                b"[1]",
+                None,
+            ),
+            event_of(ce, b"plain text \"quoted\"", Some("text/plain")),
+            event_of(ce, b"<a>xml</a>", Some("application/xml")),
+            event_of(ce, b"\xff not utf-8", Some("text/plain")),
+            event_of(ce, b"bytes", None),
+            event_of(ce_json, br#"{"nested":{"deep":true}}"#, None),
+            event_of(ce_json, b"not json at all", None),
+            event_of(&[], b"", None),
+        ];
+        for (n, event) in cases.iter().enumerate() {
+            let attempt = Attempt {
+                number: 3,
+                traceparent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+                last: false,
+            };
+            let item = Item {
+                event,
+                attempt: &attempt,
+            };
+            let mut written = Vec::new();
+            let id = write_element(&mut written, &item);
+            let expected = reference(&item);
+            assert_eq!(
+                String::from_utf8(written).unwrap(),
+                serde_json::to_string(&expected).unwrap(),
+                "case {n}"
+            );
+            assert_eq!(id, expected["id"].as_str().unwrap_or_default(), "case {n}");
+        }
+        let items: Vec<Attempt> = (1..=3)
+            .map(|number| Attempt {
+                number,
+                traceparent: String::new(),
+                last: false,
+            })
+            .collect();
+        let batch: Vec<Item<'_>> = cases
+            .iter()
+            .zip(items.iter().cycle())
+            .map(|(event, attempt)| Item { event, attempt })
+            .collect();
+        let (body, ids) = batch_body(&batch);
+        let parsed: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
+        assert_eq!(parsed, batch.iter().map(reference).collect::<Vec<_>>());
+        assert_eq!(ids.len(), cases.len());
     }
 
     #[test]

@@ -533,27 +533,23 @@ async fn queues_configured_outside_azures_ranges_are_refused_at_start() {
 
 // ---- Send Message Batch: concurrent sends coalesced into one request. ----
 
-/// `n` sends at once through one client; each one's answer by MessageId.
+/// `n` sends at once through one client; each one's answer by MessageId. The sends are
+/// polled together in one task (not spawned), so every one of them has reached the client
+/// before any request can be answered: the sends that find every request slot taken wait,
+/// and go as batches, however loaded the machine is.
 async fn send_at_once(
     q: std::sync::Arc<ServiceBusRetryQueue>,
     ids: Vec<String>,
     due: SystemTime,
 ) -> Vec<(String, Result<(), RetryQueueError>)> {
-    let tasks: Vec<_> = ids
-        .into_iter()
-        .map(|id| {
-            let q = q.clone();
-            tokio::spawn(async move {
-                let r = q.schedule(message(&id, due)).await;
-                (id, r)
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(within("a send", t).await.unwrap());
-    }
-    out
+    let sends = ids.into_iter().map(|id| {
+        let q = q.clone();
+        async move {
+            let r = q.schedule(message(&id, due)).await;
+            (id, r)
+        }
+    });
+    within("the sends", futures::future::join_all(sends)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
