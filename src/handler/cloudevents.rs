@@ -94,7 +94,7 @@ pub struct Encoded {
     pub body: Vec<u8>,
 }
 
-pub(crate) fn is_json(content_type: Option<&str>) -> bool {
+fn is_json(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|ct| {
         let media = ct
             .split(';')
@@ -104,6 +104,31 @@ pub(crate) fn is_json(content_type: Option<&str>) -> bool {
             .to_ascii_lowercase();
         media == "application/json" || media.ends_with("+json") || media == "text/json"
     })
+}
+
+/// A structured CloudEvent's data (JSON event format, §3.1).
+pub(crate) enum Data<'a> {
+    /// `data` as JSON: the content type says JSON and the body parses.
+    Json(serde_json::Value),
+    /// `data` as a string: text or XML that is UTF-8.
+    Text(&'a str),
+    /// `data_base64`: any other bytes.
+    Base64(&'a [u8]),
+}
+
+/// How a structured CloudEvent with `content_type` carries `body`.
+pub(crate) fn structured_data<'a>(content_type: &str, body: &'a [u8]) -> Data<'a> {
+    if is_json(Some(content_type)) {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+            return Data::Json(v);
+        }
+    }
+    match std::str::from_utf8(body) {
+        Ok(text) if content_type.starts_with("text/") || content_type.contains("xml") => {
+            Data::Text(text)
+        }
+        _ => Data::Base64(body),
+    }
 }
 
 /// Encodes `event` for `mode`. An event that is not a CloudEvent is sent as it is, with
@@ -152,27 +177,14 @@ pub fn encode(event: &Event, mode: ContentMode) -> Encoded {
                 "datacontenttype".into(),
                 serde_json::Value::String(content_type.clone()),
             );
-            let json_data = is_json(Some(&content_type))
-                .then(|| serde_json::from_slice::<serde_json::Value>(&event.body).ok())
-                .flatten();
-            match (json_data, std::str::from_utf8(&event.body)) {
-                (Some(v), _) => {
-                    obj.insert("data".into(), v);
-                }
-                (None, Ok(text))
-                    if content_type.starts_with("text/") || content_type.contains("xml") =>
-                {
-                    obj.insert("data".into(), serde_json::Value::String(text.to_string()));
-                }
-                _ => {
-                    obj.insert(
-                        "data_base64".into(),
-                        serde_json::Value::String(
-                            base64::engine::general_purpose::STANDARD.encode(&event.body),
-                        ),
-                    );
-                }
-            }
+            match structured_data(&content_type, &event.body) {
+                Data::Json(v) => obj.insert("data".into(), v),
+                Data::Text(t) => obj.insert("data".into(), t.into()),
+                Data::Base64(b) => obj.insert(
+                    "data_base64".into(),
+                    base64::engine::general_purpose::STANDARD.encode(b).into(),
+                ),
+            };
             Encoded {
                 content_type: "application/cloudevents+json; charset=utf-8".into(),
                 headers: Vec::new(),

@@ -59,71 +59,52 @@ enum Piece<'a> {
 fn write_element(out: &mut Vec<u8>, item: &Item<'_>) -> String {
     let event = item.event;
     let attrs = cloudevents::attributes(event);
-    let is_cloudevent = cloudevents::is_cloudevent(&attrs);
     let content_type =
         cloudevents::data_content_type(&attrs, event).unwrap_or("application/octet-stream");
-    let parse = || serde_json::from_slice::<serde_json::Value>(&event.body).ok();
-    // The body as JSON: a CloudEvent's data when its content type is JSON; the whole element
-    // when an event that is not a CloudEvent carries a structured CloudEvent as its body; the
-    // data of any other event whose content type says JSON.
-    let json = if is_cloudevent {
-        cloudevents::is_json(Some(content_type))
-            .then(parse)
-            .flatten()
-    } else if content_type.contains("cloudevents")
-        || event
-            .content_type
-            .as_deref()
-            .is_some_and(|c| c.contains("json"))
-    {
-        parse()
-    } else {
-        None
-    };
-    let passthrough = match &json {
-        Some(serde_json::Value::Object(o))
-            if !is_cloudevent && content_type.contains("cloudevents") =>
-        {
-            Some(o)
-        }
-        _ => None,
-    };
-    let source = format!("/{}/partitions/{}", event.hub, event.partition_id);
+    // What the element's values borrow from, set by the branch that needs it.
+    let (data, carried, source);
     let mut obj: BTreeMap<&str, Piece<'_>> = BTreeMap::new();
-    if let Some(o) = passthrough {
-        obj.extend(o.iter().map(|(k, v)| (k.as_str(), Piece::Json(v))));
-    } else if is_cloudevent {
+    if cloudevents::is_cloudevent(&attrs) {
         obj.extend(attrs.iter().map(|(n, v)| (n.as_str(), Piece::Text(v))));
         obj.entry("specversion").or_insert(Piece::Text("1.0"));
         obj.insert("datacontenttype", Piece::Text(content_type));
-        let text = std::str::from_utf8(&event.body)
-            .ok()
-            .filter(|_| content_type.starts_with("text/") || content_type.contains("xml"));
-        match (&json, text) {
-            (Some(v), _) => obj.insert("data", Piece::Json(v)),
-            (None, Some(t)) => obj.insert("data", Piece::Text(t)),
-            (None, None) => obj.insert("data_base64", Piece::Base64(&event.body)),
+        data = cloudevents::structured_data(content_type, &event.body);
+        match &data {
+            cloudevents::Data::Json(v) => obj.insert("data", Piece::Json(v)),
+            cloudevents::Data::Text(t) => obj.insert("data", Piece::Text(t)),
+            cloudevents::Data::Base64(b) => obj.insert("data_base64", Piece::Base64(b)),
         };
     } else {
-        // Not a CloudEvent: the attributes one needs, and the data as it is.
-        obj.insert("specversion", Piece::Text("1.0"));
-        obj.insert("id", Piece::Text(&event.identity.idempotency_key));
-        obj.insert("source", Piece::Text(&source));
-        obj.insert(
-            "type",
-            Piece::Text(event.identity.event_type.as_deref().unwrap_or(DEFAULT_TYPE)),
-        );
-        if let Some(ct) = &event.content_type {
-            obj.insert("datacontenttype", Piece::Text(ct));
-        }
+        let structured = content_type.contains("cloudevents");
         let json_data = event
             .content_type
             .as_deref()
             .is_some_and(|c| c.contains("json"));
-        match json.as_ref().filter(|_| json_data) {
-            Some(v) => obj.insert("data", Piece::Json(v)),
-            None => obj.insert("data_base64", Piece::Base64(&event.body)),
-        };
+        carried = (structured || json_data)
+            .then(|| serde_json::from_slice::<serde_json::Value>(&event.body).ok())
+            .flatten();
+        match &carried {
+            // A structured CloudEvent as the body: the element is that object.
+            Some(serde_json::Value::Object(o)) if structured => {
+                obj.extend(o.iter().map(|(k, v)| (k.as_str(), Piece::Json(v))));
+            }
+            // Not a CloudEvent: the attributes one needs, and the data as it is.
+            _ => {
+                source = format!("/{}/partitions/{}", event.hub, event.partition_id);
+                obj.insert("specversion", Piece::Text("1.0"));
+                obj.insert("id", Piece::Text(&event.identity.idempotency_key));
+                obj.insert("source", Piece::Text(&source));
+                let t = event.identity.event_type.as_deref();
+                obj.insert("type", Piece::Text(t.unwrap_or(DEFAULT_TYPE)));
+                if let Some(ct) = &event.content_type {
+                    obj.insert("datacontenttype", Piece::Text(ct));
+                }
+                match carried.as_ref().filter(|_| json_data) {
+                    Some(v) => obj.insert("data", Piece::Json(v)),
+                    None => obj.insert("data_base64", Piece::Base64(&event.body)),
+                };
+            }
+        }
     }
     obj.insert("hubguardattempt", Piece::Number(item.attempt.number.into()));
     obj.insert("hubguardkey", Piece::Text(&event.identity.idempotency_key));
@@ -178,9 +159,15 @@ fn write_object(out: &mut Vec<u8>, obj: &BTreeMap<&str, Piece<'_>>) {
     out.push(b'}');
 }
 
+/// About the bytes of `event`'s element: its body (base64 at worst) and the attributes
+/// around it.
+fn element_size(event: &crate::event::Event) -> usize {
+    event.body.len() * 4 / 3 + 512
+}
+
 /// The batch's JSON array (the CloudEvents JSON batch format) and the `id` of each element.
 fn batch_body(items: &[Item<'_>]) -> (Vec<u8>, Vec<String>) {
-    let size = items.iter().map(|i| i.event.body.len() * 4 / 3 + 512).sum();
+    let size = items.iter().map(|i| element_size(i.event)).sum();
     let mut body = Vec::with_capacity(size);
     body.push(b'[');
     let mut ids = Vec::with_capacity(items.len());
@@ -386,8 +373,7 @@ impl BatchHandler for WebhookHandler {
     }
 
     fn size_of(&self, event: &crate::event::Event) -> usize {
-        // The element's JSON: the body (base64 at worst) and the attributes around it.
-        event.body.len() * 4 / 3 + 512
+        element_size(event)
     }
 }
 
