@@ -145,7 +145,9 @@ impl<'a> LineHook<'a> {
         };
         match lines.key_of(event) {
             None => LineStep::Go(Place::Unordered),
-            Some(k) => lines.before_attempt(event, k, hold).await,
+            // Boxed: only a keyed event under ordered retries takes this path, and the
+            // hook's future is part of every event's (see `partition::event::process`).
+            Some(k) => Box::pin(lines.before_attempt(event, k, hold)).await,
         }
     }
 
@@ -162,9 +164,7 @@ impl<'a> LineHook<'a> {
     ) -> LineStep<'e> {
         match (self, place, &attempted.outcome) {
             (Self::Key(lines), Place::Keyed(k), crate::handler::Outcome::Failed(_)) => {
-                lines
-                    .open_line(event, k, &attempted.traceparent, hold)
-                    .await
+                Box::pin(lines.open_line(event, k, &attempted.traceparent, hold)).await
             }
             _ => LineStep::Go(place),
         }
@@ -202,7 +202,7 @@ impl<'a> LineHook<'a> {
                     settled,
                     Settled::Delivered | Settled::AlreadyFinal(crate::ledger::State::Delivered)
                 );
-                match lines.advance(event, k, delivered, hold).await {
+                match Box::pin(lines.advance(event, k, delivered, hold)).await {
                     None => return Advanced::Stopped,
                     Some(true) => lines.known_ended(k, Some(seq)),
                     Some(false) => lines.known_line(k, seq),

@@ -184,8 +184,8 @@ impl EventTask<'_> {
         attempted: &attempt::Attempted,
         lines: &LineHook<'_>,
     ) -> bool {
-        // The happy path: a delivery of an event the ledger provably has no record of is
-        // settled as it is (see `pipeline::recorded` for why that is safe).
+        // The happy path: a delivery the ledger provably has no record of is settled as it
+        // is (`pipeline::recorded` says why). The rest is rare: boxed, not in every future.
         if attempted.outcome == crate::handler::Outcome::Delivered
             && !place.heads()
             && !self.recorded.may_have_record(event)
@@ -210,12 +210,12 @@ impl EventTask<'_> {
             trace_id: &attempted.trace_id,
             traceparents: std::slice::from_ref(&attempted.traceparent),
         };
-        let settled = until_settled(&mut hold, max, || {
+        let settled = Box::pin(until_settled(&mut hold, max, || {
             self.shared
                 .settler
                 .settle_first(&report, may_have_record)
                 .instrument(attempted.span.clone())
-        })
+        }))
         .await;
         let s = match settled {
             Ok(s) => s,

@@ -6,7 +6,7 @@
 //! until it succeeds or the task is stopped; a stop while holding leaves the event after the
 //! checkpoint, so the next owner replays it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use azure_messaging_eventhubs::models::ReceivedEventData;
@@ -85,9 +85,10 @@ struct Task {
     pc: Arc<PartitionClient>,
     shared: Arc<Shared>,
     dispatcher: Dispatcher,
-    // Accepted, unsettled events: the SDK's copy (to checkpoint) and ours (to start later if
-    // it waits behind its key).
-    received_by_seq: BTreeMap<i64, ReceivedEventData>,
+    // Accepted, unsettled events: the SDK's copy (to checkpoint), in sequence order (each
+    // one read is the one after the last: see `received`), and ours (to start later if it
+    // waits behind its key).
+    received_by_seq: VecDeque<(i64, ReceivedEventData)>,
     waiting: BTreeMap<i64, Event>,
     cp: Checkpointer,
     /// The checkpoint write in flight (one at a time, in the background).
@@ -130,7 +131,7 @@ impl Task {
             pc,
             shared,
             dispatcher,
-            received_by_seq: BTreeMap::new(),
+            received_by_seq: VecDeque::new(),
             waiting: BTreeMap::new(),
             cp,
             writing: None,
@@ -245,9 +246,20 @@ impl Task {
     /// An event settled: the checkpoint moves to `moved` (the new end of the contiguous
     /// settled prefix), written (in the background) when enough events settled.
     fn settled(&mut self, moved: Option<i64>) {
+        // The events the checkpoint passes leave from the front; what follows them stays
+        // where it is.
         let moved_to = moved.and_then(|c| {
-            let rest = self.received_by_seq.split_off(&(c + 1));
-            std::mem::replace(&mut self.received_by_seq, rest).remove(&c)
+            let mut at = None;
+            while self
+                .received_by_seq
+                .front()
+                .is_some_and(|(seq, _)| *seq <= c)
+            {
+                if let Some((seq, received)) = self.received_by_seq.pop_front() {
+                    at = (seq == c).then_some(received);
+                }
+            }
+            at
         });
         self.cp.settled(moved_to);
         if self.writing.is_none() && self.cp.count_due(&self.shared) {
@@ -375,7 +387,7 @@ impl Task {
         let now = self
             .dispatcher
             .accept(seq, shared.options.ordering.of(&event));
-        self.received_by_seq.insert(seq, received);
+        self.received_by_seq.push_back((seq, received));
         if now {
             Some(event)
         } else {
