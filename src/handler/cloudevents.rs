@@ -195,11 +195,16 @@ pub fn encode(event: &Event, mode: ContentMode) -> Encoded {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::event::Identity;
 
-    fn event(props: &[(&str, &str)], body: &[u8], ct: Option<&str>) -> Event {
+    /// An event with these properties, body and content type (the rest plain).
+    pub(in crate::handler) fn event(
+        props: &[(&str, &str)],
+        body: &[u8],
+        ct: Option<&str>,
+    ) -> Event {
         Event {
             body: body.to_vec(),
             content_type: ct.map(String::from),

@@ -444,25 +444,19 @@ mod tests {
         serde_json::Value::Object(obj)
     }
 
+    /// An event with odd values to escape: quotes and a control character in the key and
+    /// the hub, a negative sequence number.
     fn event_of(props: &[(&str, &str)], body: &[u8], ct: Option<&str>) -> crate::event::Event {
         crate::event::Event {
-            body: body.to_vec(),
-            content_type: ct.map(String::from),
-            properties: props
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
             hub: "hub \"q\"".into(),
             partition_id: "3".into(),
             sequence_number: -7,
-            offset: None,
-            enqueued_ms: None,
-            partition_key: None,
             identity: crate::event::Identity {
                 idempotency_key: "k\u{1}\"é".into(),
                 correlation_id: "c/1".into(),
                 event_type: Some("order.created".into()),
             },
+            ..crate::handler::cloudevents::tests::event(props, body, ct)
         }
     }
 
